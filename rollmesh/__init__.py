@@ -1,0 +1,1 @@
+"""rollmesh: asynchronous RL for long-running tool-using LLM agents."""

@@ -1,0 +1,209 @@
+"""The typed config tree, decoded once from TOML at the entry point.
+
+Knows msgspec and the standard library only. Config Structs forbid unknown fields (a typo is an
+error, not a silent default). Environment overrides (``ROLLMESH_<SECTION>__<FIELD>``) are applied
+here, in ``load_config``, and nowhere else. Each actor receives only its slice; nothing mutates
+config (the Structs are frozen).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+
+
+class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class NatsConfig(_Config):
+    # None: start an embedded nats-server (loopback, JetStream in the run directory).
+    url: str | None = None
+    connect_timeout_s: PositiveFloat = 5.0
+    # How long JetStream waits for an ack before redelivering a rollout request.
+    rollout_ack_wait_s: PositiveFloat = 60.0
+    max_deliver: PositiveInt = 5
+
+
+class RayConfig(_Config):
+    # None: start a local Ray in this process.
+    address: str | None = None
+    num_cpus: PositiveInt | None = None
+    namespace_prefix: str = "rollmesh"
+
+
+class TelemetryConfig(_Config):
+    # "jsonl": spans to <run_dir>/traces.jsonl; "otlp": OTLP over HTTP to otlp_endpoint.
+    exporter: Literal["jsonl", "otlp", "none"] = "jsonl"
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class ModelConfig(_Config):
+    """A tiny decoder-only transformer over a byte tokenizer (256 bytes + specials)."""
+
+    vocab_size: PositiveInt = 260
+    d_model: PositiveInt = 128
+    n_layers: PositiveInt = 2
+    n_heads: PositiveInt = 4
+    max_seq_len: PositiveInt = 128
+    seed: int = 0
+
+
+class InferenceConfig(_Config):
+    num_prefill_workers: PositiveInt = 1
+    num_decode_workers: PositiveInt = 1
+    # Slots a decode worker batches at once (continuous batching).
+    max_batch: PositiveInt = 256
+    torch_threads: PositiveInt = 1
+
+
+class RolloutConfig(_Config):
+    num_workers: PositiveInt = 1
+    # Rollouts one worker runs concurrently (each mostly waits on inference or a tool).
+    max_concurrent: PositiveInt = 256
+    # Registered task plugins, by import path "module:Class".
+    tasks: list[str] = msgspec.field(
+        default_factory=lambda: ["rollmesh.rollout.molar_mass:MolarMassTask"]
+    )
+    tool_timeout_s: PositiveFloat = 10.0
+    progress_events: bool = True
+
+
+class SandboxConfig(_Config):
+    # "auto": bubblewrap when available, else the process backend (which isolates nothing).
+    backend: Literal["auto", "bwrap", "process"] = "auto"
+    default_timeout_s: PositiveFloat = 10.0
+    lease_ttl_s: PositiveFloat = 600.0
+    max_leases: PositiveInt = 1024
+    max_output_bytes: PositiveInt = 64 * 1024
+    memory_limit_mb: PositiveInt = 512
+
+
+class TrainerConfig(_Config):
+    lr: PositiveFloat = 3e-4
+    weight_decay: float = 0.0
+    group_size: PositiveInt = 8
+    groups_per_step: PositiveInt = 16
+    ppo_epochs: PositiveInt = 4
+    clip_eps: PositiveFloat = 0.2
+    grad_clip: PositiveFloat = 1.0
+    # Admission: the largest version lag of generated tokens a trajectory may have.
+    max_staleness: NonNegInt = 2
+    checkpoint_every: NonNegInt = 0
+    torch_threads: PositiveInt = 1
+    seed: int = 0
+
+
+class ResharderConfig(_Config):
+    max_shard_bytes: PositiveInt = 1 << 20
+
+
+class SchedulerConfig(_Config):
+    # Declared accelerators, so grants work with zero real GPUs.
+    total_gpus: NonNegInt = 0
+    # Ray resource the grants are expressed in ("GPU" on a GPU cluster).
+    resource: str = "rollmesh_gpu"
+    # Role -> accelerators granted at start.
+    grants: dict[str, float] = {}
+
+
+class ServeConfig(_Config):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8000
+
+
+class DemoConfig(_Config):
+    sft_steps: NonNegInt = 150
+    sft_batch: PositiveInt = 64
+    sft_lr: PositiveFloat = 3e-3
+    rl_steps: PositiveInt = 200
+    eval_every: PositiveInt = 25
+    eval_size: PositiveInt = 64
+    # Training requests kept in flight ahead of the trainer, in steps' worth of groups.
+    prefetch_steps: PositiveInt = 2
+    seed: int = 0
+
+
+class RollmeshConfig(_Config):
+    namespace: str = "default"
+    run_root: str = ".rollmesh/runs"
+    nats: NatsConfig = NatsConfig()
+    ray: RayConfig = RayConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    model: ModelConfig = ModelConfig()
+    inference: InferenceConfig = InferenceConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    resharder: ResharderConfig = ResharderConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    serve: ServeConfig = ServeConfig()
+    demo: DemoConfig = DemoConfig()
+
+
+class ConfigError(ValueError):
+    """The config file or an override is invalid; ``path`` names the offending field."""
+
+    def __init__(self, message: str, *, source: str, path: str = "") -> None:
+        super().__init__(f"{source}: {message}")
+        self.source = source
+        self.path = path
+
+
+ENV_PREFIX = "ROLLMESH_"
+DEFAULT_CONFIG_PATH = Path(__file__).parent / "deploy_defaults" / "local.toml"
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    environ: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> RollmeshConfig:
+    """Read TOML (the embedded defaults when ``path`` is None), apply env overrides, validate."""
+    source = Path(path) if path else DEFAULT_CONFIG_PATH
+    try:
+        raw = tomllib.loads(source.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(str(exc), source=str(source)) from exc
+    for dotted, value in _env_overrides(os.environ if environ is None else environ).items():
+        _set_dotted(raw, dotted, value)
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(raw, dotted, value)
+    try:
+        return msgspec.convert(raw, RollmeshConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(str(exc), source=str(source)) from exc
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    """``ROLLMESH_TRAINER__LR=1e-3`` -> ``{"trainer.lr": 1e-3}``; values parse as TOML scalars."""
+    found: dict[str, Any] = {}
+    for key, text in environ.items():
+        if not key.startswith(ENV_PREFIX) or "__" not in key:
+            continue
+        dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+        try:
+            found[dotted] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            found[dotted] = text
+    return found
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for name in parents:
+        node = node.setdefault(name, {})
+    node[leaf] = value

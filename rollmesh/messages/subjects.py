@@ -1,0 +1,144 @@
+"""Every subject of the mesh, each bound to exactly one message type and one encoding.
+
+Knows msgspec and the message modules only. Publisher and subscriber both go through a ``Subject``
+so they cannot disagree on the type or the bytes. Client-facing subjects (rollout requests,
+progress, completions, failures) are JSON so any plain NATS client can use them; internal ones are
+msgpack. Subjects are ``rl.<ns>.<domain>.<event>``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Generic, Literal, TypeVar
+
+import msgspec
+
+from rollmesh.messages.base import WireMessage
+from rollmesh.messages.checkpoint import CheckpointConverted, CheckpointSaved
+from rollmesh.messages.dead_letter import DeadLettered
+from rollmesh.messages.rollout import (
+    RolloutCompleted,
+    RolloutFailed,
+    RolloutProgressed,
+    RolloutRequested,
+)
+from rollmesh.messages.sandbox import (
+    SandboxExecReply,
+    SandboxExecRequest,
+    SandboxLeaseReply,
+    SandboxLeaseRequest,
+    SandboxReleaseReply,
+    SandboxReleaseRequest,
+)
+from rollmesh.messages.scheduling import (
+    GpuGranted,
+    GpuReleased,
+    PreemptionAcknowledged,
+    PreemptionRequested,
+)
+from rollmesh.messages.trainer import TrainerStepped
+from rollmesh.messages.weights import WeightsActivated, WeightsPublished
+
+M = TypeVar("M", bound=WireMessage)
+Encoding = Literal["json", "msgpack"]
+
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+_json_encoder = msgspec.json.Encoder()
+_msgpack_encoder = msgspec.msgpack.Encoder()
+
+
+def check_namespace(namespace: str) -> str:
+    """Return ``namespace`` if it is a valid single NATS token, else raise ValueError."""
+    if not _NAMESPACE.match(namespace):
+        raise ValueError(f"invalid namespace {namespace!r}: use 1-64 of [A-Za-z0-9_-]")
+    return namespace
+
+
+@dataclass(frozen=True)
+class Subject(Generic[M]):
+    """A subject template bound to its message type (and reply type, for request/reply)."""
+
+    template: str
+    type: type[M]
+    encoding: Encoding = "msgpack"
+    reply_type: type[WireMessage] | None = None
+    _decoder: object = field(init=False, repr=False, compare=False)
+    _reply_decoder: object = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        module = msgspec.json if self.encoding == "json" else msgspec.msgpack
+        object.__setattr__(self, "_decoder", module.Decoder(self.type))
+        reply = module.Decoder(self.reply_type) if self.reply_type else None
+        object.__setattr__(self, "_reply_decoder", reply)
+
+    def format(self, namespace: str) -> str:
+        return self.template.format(ns=check_namespace(namespace))
+
+    def encode(self, message: M) -> bytes:
+        if not isinstance(message, self.type):
+            raise TypeError(f"{self.template} carries {self.type.__name__}, not {type(message).__name__}")
+        return self._encode(message)
+
+    def decode(self, data: bytes) -> M:
+        """Decode and validate; raises msgspec.DecodeError / msgspec.ValidationError."""
+        return self._decoder.decode(data)  # type: ignore[attr-defined]
+
+    def encode_reply(self, message: WireMessage) -> bytes:
+        if self.reply_type is None or not isinstance(message, self.reply_type):
+            raise TypeError(f"{self.template} has no reply type {type(message).__name__}")
+        return self._encode(message)
+
+    def decode_reply(self, data: bytes) -> WireMessage:
+        if self._reply_decoder is None:
+            raise TypeError(f"{self.template} is not a request/reply subject")
+        return self._reply_decoder.decode(data)  # type: ignore[attr-defined]
+
+    def _encode(self, message: WireMessage) -> bytes:
+        encoder = _json_encoder if self.encoding == "json" else _msgpack_encoder
+        return encoder.encode(message)
+
+
+# Client-facing (JSON).
+ROLLOUT_REQUESTED = Subject("rl.{ns}.rollout.requested", RolloutRequested, "json")
+ROLLOUT_PROGRESSED = Subject("rl.{ns}.rollout.progressed", RolloutProgressed, "json")
+ROLLOUT_COMPLETED = Subject("rl.{ns}.rollout.completed", RolloutCompleted, "json")
+ROLLOUT_FAILED = Subject("rl.{ns}.rollout.failed", RolloutFailed, "json")
+
+# Internal (msgpack).
+WEIGHTS_PUBLISHED = Subject("rl.{ns}.weights.published", WeightsPublished)
+WEIGHTS_ACTIVATED = Subject("rl.{ns}.weights.activated", WeightsActivated)
+TRAINER_STEPPED = Subject("rl.{ns}.trainer.stepped", TrainerStepped, "json")
+CHECKPOINT_SAVED = Subject("rl.{ns}.ckpt.saved", CheckpointSaved)
+CHECKPOINT_CONVERTED = Subject("rl.{ns}.ckpt.converted", CheckpointConverted)
+SANDBOX_LEASE = Subject("rl.{ns}.sandbox.lease", SandboxLeaseRequest, reply_type=SandboxLeaseReply)
+SANDBOX_EXEC = Subject("rl.{ns}.sandbox.exec", SandboxExecRequest, reply_type=SandboxExecReply)
+SANDBOX_RELEASE = Subject(
+    "rl.{ns}.sandbox.release", SandboxReleaseRequest, reply_type=SandboxReleaseReply
+)
+GPU_GRANTED = Subject("rl.{ns}.sched.gpu_granted", GpuGranted)
+GPU_RELEASED = Subject("rl.{ns}.sched.gpu_released", GpuReleased)
+PREEMPTION_REQUESTED = Subject("rl.{ns}.sched.preemption_requested", PreemptionRequested)
+PREEMPTION_ACKNOWLEDGED = Subject("rl.{ns}.sched.preemption_acknowledged", PreemptionAcknowledged)
+DEAD_LETTERED = Subject("rl.{ns}.dlq", DeadLettered, "json")
+
+ALL_SUBJECTS: tuple[Subject, ...] = (
+    ROLLOUT_REQUESTED,
+    ROLLOUT_PROGRESSED,
+    ROLLOUT_COMPLETED,
+    ROLLOUT_FAILED,
+    WEIGHTS_PUBLISHED,
+    WEIGHTS_ACTIVATED,
+    TRAINER_STEPPED,
+    CHECKPOINT_SAVED,
+    CHECKPOINT_CONVERTED,
+    SANDBOX_LEASE,
+    SANDBOX_EXEC,
+    SANDBOX_RELEASE,
+    GPU_GRANTED,
+    GPU_RELEASED,
+    PREEMPTION_REQUESTED,
+    PREEMPTION_ACKNOWLEDGED,
+    DEAD_LETTERED,
+)

@@ -1,0 +1,1 @@
+"""rollmesh.serve_apps"""
