@@ -1,1 +1,43 @@
-"""rollmesh.checkpoint"""
+"""Checkpoints: the torch format, readers by format, the Hugging Face writer and the resharder.
+
+Knows torch, safetensors and the filesystem; never Ray or NATS (the resharder's actor shell owns
+those). Megatron readers, architecture maps and parallel resharding plug in behind
+``read_checkpoint`` and ``CheckpointResharder`` later.
+"""
+
+from rollmesh.checkpoint.errors import (
+    CheckpointError,
+    CheckpointReadError,
+    CheckpointWriteError,
+    UnsupportedCheckpointFormatError,
+)
+from rollmesh.checkpoint.hf_writer import (
+    list_hf_files,
+    plan_shards,
+    read_hf_checkpoint,
+    shard_file_name,
+    write_hf_checkpoint,
+)
+from rollmesh.checkpoint.meta import CheckpointMeta
+from rollmesh.checkpoint.readers import CheckpointReader, read_checkpoint, supported_formats
+from rollmesh.checkpoint.resharder import CheckpointResharder
+from rollmesh.checkpoint.torch_format import load_torch_checkpoint, save_torch_checkpoint
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointMeta",
+    "CheckpointReadError",
+    "CheckpointReader",
+    "CheckpointResharder",
+    "CheckpointWriteError",
+    "UnsupportedCheckpointFormatError",
+    "list_hf_files",
+    "load_torch_checkpoint",
+    "plan_shards",
+    "read_checkpoint",
+    "read_hf_checkpoint",
+    "save_torch_checkpoint",
+    "shard_file_name",
+    "supported_formats",
+    "write_hf_checkpoint",
+]

@@ -1,0 +1,35 @@
+"""Errors of the checkpoint package. Knows nothing but the standard library.
+
+    CheckpointError
+    ├── CheckpointReadError                a source is missing, corrupt or unreadable
+    │   └── UnsupportedCheckpointFormatError   no reader for this format (yet)
+    └── CheckpointWriteError               a checkpoint or export was not written or published
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Root of the tree; ``path`` is the checkpoint directory or file concerned."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(f"{message} ({path})")
+        self.path = path
+
+
+class CheckpointReadError(CheckpointError):
+    def __init__(self, reason: str, *, path: str) -> None:
+        super().__init__(f"cannot read checkpoint: {reason}", path=path)
+        self.reason = reason
+
+
+class UnsupportedCheckpointFormatError(CheckpointReadError):
+    def __init__(self, *, format: str, path: str) -> None:  # noqa: A002 - the wire field's name
+        super().__init__(f"no reader for format {format!r}", path=path)
+        self.format = format
+
+
+class CheckpointWriteError(CheckpointError):
+    def __init__(self, reason: str, *, path: str) -> None:
+        super().__init__(f"cannot write checkpoint: {reason}", path=path)
+        self.reason = reason

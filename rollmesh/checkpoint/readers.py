@@ -1,0 +1,39 @@
+"""Checkpoint readers by format: the one place that maps a ``CheckpointFormat`` to code.
+
+Knows the reader functions, not what they read or who asks. ``"torch"`` is implemented; the
+Megatron formats (``torch_dist`` DCP and legacy ``mp_rank_XX``) are known names without a reader
+yet, so they fail with a typed error instead of a KeyError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from torch import Tensor
+
+from rollmesh.checkpoint.errors import UnsupportedCheckpointFormatError
+from rollmesh.checkpoint.meta import CheckpointMeta
+from rollmesh.checkpoint.torch_format import load_torch_checkpoint
+
+CheckpointReader = Callable[[Path], tuple[dict[str, Tensor], CheckpointMeta]]
+
+_READERS: dict[str, CheckpointReader] = {
+    "torch": load_torch_checkpoint,
+    # "megatron_torch_dist" and "megatron_legacy" get readers here when they are written.
+}
+
+
+def supported_formats() -> list[str]:
+    return sorted(_READERS)
+
+
+def read_checkpoint(
+    path: Path,
+    format: str,  # noqa: A002 - the wire field's name
+) -> tuple[dict[str, Tensor], CheckpointMeta]:
+    """Read the checkpoint at ``path`` with the reader registered for ``format``."""
+    reader = _READERS.get(format)
+    if reader is None:
+        raise UnsupportedCheckpointFormatError(format=format, path=str(path))
+    return reader(Path(path))

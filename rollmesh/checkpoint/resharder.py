@@ -1,0 +1,87 @@
+"""Checkpoint resharder logic: CheckpointSaved in, HF export on disk, CheckpointConverted out.
+
+Knows the readers registry, the HF writer and the checkpoint messages; not Ray, not NATS (its
+actor shell subscribes and publishes). Idempotent by step: a redelivered event finds the export
+already there and answers the same message without converting again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+
+from rollmesh.checkpoint.atomic_dir import write_file_atomically
+from rollmesh.checkpoint.errors import CheckpointReadError
+from rollmesh.checkpoint.hf_writer import list_hf_files, write_hf_checkpoint
+from rollmesh.checkpoint.readers import read_checkpoint
+from rollmesh.config import ResharderConfig
+from rollmesh.messages.checkpoint import CheckpointConverted, CheckpointSaved
+
+# Written after the export is published; without it (or with other values) an export is redone.
+PROVENANCE_FILE = "rollmesh_export.json"
+
+
+class ExportProvenance(msgspec.Struct, frozen=True, kw_only=True):
+    """Which source an export was made from, so a stale export of the same step is not reused."""
+
+    step: int
+    weight_version: int
+    source_path: str
+    format: str
+
+
+class CheckpointResharder:
+    def __init__(self, config: ResharderConfig, *, export_root: Path) -> None:
+        self._config = config
+        self._export_root = Path(export_root)
+
+    def export_dir(self, step: int) -> Path:
+        return self._export_root / f"step_{step:08d}"
+
+    async def handle_checkpoint_saved(self, msg: CheckpointSaved) -> CheckpointConverted:
+        # Reading and writing a real checkpoint takes seconds to minutes; in a thread the shell's
+        # event loop keeps answering (heartbeats, acks, other subjects) meanwhile.
+        return await asyncio.to_thread(self.convert, msg)
+
+    def convert(self, msg: CheckpointSaved) -> CheckpointConverted:
+        """Blocking conversion; ``handle_checkpoint_saved`` runs it off the event loop."""
+        out_dir = self.export_dir(msg.step)
+        provenance = ExportProvenance(
+            step=msg.step,
+            weight_version=msg.weight_version,
+            source_path=msg.path,
+            format=msg.format,
+        )
+        files = self._reusable_files(out_dir, provenance)
+        if files is None:
+            state_dict, meta = read_checkpoint(Path(msg.path), msg.format)
+            # The checkpoint's own config is the truth; the event's copy fills what it lacks.
+            config = {**msg.model_config, **meta.model_config}
+            files = write_hf_checkpoint(
+                state_dict, out_dir, max_shard_bytes=self._config.max_shard_bytes, config=config
+            )
+            write_file_atomically(out_dir / PROVENANCE_FILE, msgspec.json.encode(provenance))
+        return CheckpointConverted(
+            step=msg.step,
+            weight_version=msg.weight_version,
+            source_path=msg.path,
+            hf_path=str(out_dir),
+            files=files,
+            num_bytes=sum((out_dir / name).stat().st_size for name in files),
+        )
+
+    @staticmethod
+    def _reusable_files(out_dir: Path, provenance: ExportProvenance) -> list[str] | None:
+        """The files of an export made from this same source, or None if it must be (re)made."""
+        try:
+            found = msgspec.json.decode(
+                (out_dir / PROVENANCE_FILE).read_bytes(), type=ExportProvenance
+            )
+            files = list_hf_files(out_dir)
+        except (OSError, msgspec.DecodeError, CheckpointReadError):
+            return None  # absent or damaged: convert again, which replaces the directory
+        if found != provenance or not all((out_dir / name).is_file() for name in files):
+            return None
+        return files

@@ -1,0 +1,245 @@
+"""Checkpoint formats, the HF writer and the resharder, on the tiny model's real state dict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from rollmesh.checkpoint import (
+    CheckpointReadError,
+    CheckpointResharder,
+    CheckpointWriteError,
+    UnsupportedCheckpointFormatError,
+    load_torch_checkpoint,
+    plan_shards,
+    read_checkpoint,
+    read_hf_checkpoint,
+    save_torch_checkpoint,
+    write_hf_checkpoint,
+)
+from rollmesh.config import ModelConfig, ResharderConfig
+from rollmesh.engine.model import build_model
+from rollmesh.messages import CheckpointConverted, CheckpointSaved
+
+pytestmark = pytest.mark.unit
+
+# Small enough to force several shards of the ~1.8 MB model, and below the largest tensors
+# (fc/out weights are 256 KiB) so the one-tensor-per-oversized-shard rule is exercised too.
+SMALL_SHARD_BYTES = 200_000
+
+
+@pytest.fixture(scope="module")
+def state_dict() -> dict[str, torch.Tensor]:
+    return build_model(ModelConfig()).state_dict()
+
+
+def model_config_dict() -> dict:
+    config = ModelConfig()
+    return {name: getattr(config, name) for name in config.__struct_fields__}
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name], tensor), name
+
+
+def test_torch_checkpoint_round_trips_tensors_and_meta(tmp_path: Path, state_dict) -> None:
+    path = save_torch_checkpoint(
+        tmp_path / "ckpt", state_dict, model_config=model_config_dict(), step=7, weight_version=3
+    )
+    loaded, meta = load_torch_checkpoint(path)
+    assert_same_tensors(loaded, state_dict)
+    assert (meta.step, meta.weight_version) == (7, 3)
+    assert meta.model_config == model_config_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging left behind
+
+
+def test_torch_checkpoint_save_replaces_an_existing_one(tmp_path: Path, state_dict) -> None:
+    path = tmp_path / "ckpt"
+    save_torch_checkpoint(path, {"x": torch.zeros(2)}, model_config={}, step=1, weight_version=1)
+    save_torch_checkpoint(path, state_dict, model_config={}, step=2, weight_version=2)
+    loaded, meta = load_torch_checkpoint(path)
+    assert_same_tensors(loaded, state_dict)
+    assert meta.step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_torch_checkpoint_failed_save_leaves_the_old_one_and_no_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ckpt"
+    save_torch_checkpoint(path, {"x": torch.zeros(2)}, model_config={}, step=1, weight_version=1)
+
+    def crash_half_way(obj, file) -> None:
+        Path(file).write_bytes(b"half a pickle")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash_half_way)
+    with pytest.raises(CheckpointWriteError):
+        save_torch_checkpoint(path, {"x": torch.ones(2)}, model_config={}, step=2, weight_version=2)
+    monkeypatch.undo()
+    loaded, meta = load_torch_checkpoint(path)
+    assert torch.equal(loaded["x"], torch.zeros(2)) and meta.step == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_torch_checkpoint_rejects_config_that_is_not_json(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointWriteError):
+        save_torch_checkpoint(
+            tmp_path / "ckpt", {"x": torch.zeros(1)}, model_config={"bad": object()},
+            step=0, weight_version=0,
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_torch_checkpoint_missing_directory_is_a_read_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointReadError) as caught:
+        load_torch_checkpoint(tmp_path / "absent")
+    assert caught.value.path == str(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("format", ["megatron_torch_dist", "megatron_legacy", "nonsense"])
+def test_reader_registry_rejects_formats_without_a_reader(tmp_path: Path, format: str) -> None:
+    with pytest.raises(UnsupportedCheckpointFormatError) as caught:
+        read_checkpoint(tmp_path, format)
+    assert caught.value.format == format
+    assert caught.value.path == str(tmp_path)
+
+
+def test_plan_shards_packs_greedily_and_isolates_oversized_tensors() -> None:
+    sizes = {"a": 40, "b": 50, "c": 20, "huge": 500, "d": 10, "e": 90, "f": 5}
+    assert plan_shards(sizes, 100) == [["a", "b"], ["c"], ["huge"], ["d", "e"], ["f"]]
+
+
+def test_hf_writer_shards_by_size_with_hf_names_and_exact_index(tmp_path: Path, state_dict) -> None:
+    out = tmp_path / "hf"
+    files = write_hf_checkpoint(
+        state_dict, out, max_shard_bytes=SMALL_SHARD_BYTES, config={"tie_word_embeddings": True}
+    )
+    shards = [name for name in files if name.endswith(".safetensors")]
+    total = len(shards)
+    assert total >= 3
+    assert shards == [f"model-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1)]
+    assert files[total:] == ["model.safetensors.index.json", "config.json"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index) == {"metadata", "weight_map"}
+    nbytes = {name: t.numel() * t.element_size() for name, t in state_dict.items()}
+    assert index["metadata"] == {"total_size": sum(nbytes.values())}
+    assert set(index["weight_map"]) == set(state_dict)
+
+    rebuilt: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors = load_file(out / shard)
+        assert all(index["weight_map"][name] == shard for name in tensors)
+        shard_bytes = sum(nbytes[name] for name in tensors)
+        assert shard_bytes <= SMALL_SHARD_BYTES or len(tensors) == 1
+        with safe_open(out / shard, framework="pt") as handle:
+            assert handle.metadata() == {"format": "pt"}  # transformers requires it
+        rebuilt.update(tensors)
+    assert rebuilt.keys() == state_dict.keys()
+    assert_same_tensors({name: rebuilt[name] for name in state_dict}, state_dict)
+    assert json.loads((out / "config.json").read_text()) == {"tie_word_embeddings": True}
+    assert_same_tensors(read_hf_checkpoint(out), state_dict)
+
+
+def test_hf_writer_puts_everything_in_one_shard_when_it_fits(tmp_path: Path, state_dict) -> None:
+    files = write_hf_checkpoint(state_dict, tmp_path / "hf", max_shard_bytes=1 << 30, config={})
+    assert files[0] == "model-00001-of-00001.safetensors"
+    assert len(files) == 3
+
+
+def test_hf_writer_accepts_shared_and_non_contiguous_tensors(tmp_path: Path) -> None:
+    # safetensors refuses shared storage and non-contiguous views; the writer must copy them.
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    tensors = {"a": base, "a_alias": base, "row": base[1], "t": base.T}
+    write_hf_checkpoint(tensors, tmp_path / "hf", max_shard_bytes=1 << 20, config={})
+    assert_same_tensors(read_hf_checkpoint(tmp_path / "hf"), tensors)
+
+
+def test_hf_reader_names_the_missing_index(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointReadError):
+        read_hf_checkpoint(tmp_path)
+
+
+def saved_event(source: Path, *, step: int = 5, format: str = "torch") -> CheckpointSaved:
+    return CheckpointSaved(step=step, weight_version=2, path=str(source), format=format)
+
+
+async def test_resharder_converts_a_torch_checkpoint_to_hf(tmp_path: Path, state_dict) -> None:
+    source = save_torch_checkpoint(
+        tmp_path / "ckpt", state_dict, model_config=model_config_dict(), step=5, weight_version=2
+    )
+    resharder = CheckpointResharder(
+        ResharderConfig(max_shard_bytes=SMALL_SHARD_BYTES), export_root=tmp_path / "hf"
+    )
+    converted = await resharder.handle_checkpoint_saved(saved_event(source))
+    assert isinstance(converted, CheckpointConverted)
+    assert converted.hf_path == str(tmp_path / "hf" / "step_00000005")
+    assert (converted.step, converted.weight_version) == (5, 2)
+    assert converted.source_path == str(source)
+    hf_dir = Path(converted.hf_path)
+    assert converted.num_bytes == sum((hf_dir / name).stat().st_size for name in converted.files)
+    assert_same_tensors(read_hf_checkpoint(hf_dir), state_dict)
+    assert json.loads((hf_dir / "config.json").read_text()) == model_config_dict()
+
+
+async def test_resharder_converting_the_same_step_twice_gives_the_same_result(
+    tmp_path: Path, state_dict
+) -> None:
+    source = save_torch_checkpoint(
+        tmp_path / "ckpt", state_dict, model_config={}, step=5, weight_version=2
+    )
+    resharder = CheckpointResharder(
+        ResharderConfig(max_shard_bytes=SMALL_SHARD_BYTES), export_root=tmp_path / "hf"
+    )
+    first = await resharder.handle_checkpoint_saved(saved_event(source))
+    mtimes = {name: (Path(first.hf_path) / name).stat().st_mtime_ns for name in first.files}
+    second = await resharder.handle_checkpoint_saved(saved_event(source))
+    assert second == first
+    # The redelivered event reused the export instead of writing it again.
+    assert mtimes == {name: (Path(first.hf_path) / name).stat().st_mtime_ns for name in first.files}
+    # A fresh resharder (a restarted actor) also answers the same message.
+    again = CheckpointResharder(
+        ResharderConfig(max_shard_bytes=SMALL_SHARD_BYTES), export_root=tmp_path / "hf"
+    )
+    assert await again.handle_checkpoint_saved(saved_event(source)) == first
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["step_00000005"]
+
+
+async def test_resharder_redoes_an_export_of_the_same_step_from_another_source(
+    tmp_path: Path, state_dict
+) -> None:
+    old = save_torch_checkpoint(
+        tmp_path / "old", {"x": torch.ones(3)}, model_config={}, step=5, weight_version=2
+    )
+    new = save_torch_checkpoint(
+        tmp_path / "new", state_dict, model_config={}, step=5, weight_version=2
+    )
+    resharder = CheckpointResharder(ResharderConfig(), export_root=tmp_path / "hf")
+    await resharder.handle_checkpoint_saved(saved_event(old))
+    converted = await resharder.handle_checkpoint_saved(saved_event(new))
+    assert_same_tensors(read_hf_checkpoint(Path(converted.hf_path)), state_dict)
+
+
+@pytest.mark.parametrize("format", ["megatron_torch_dist", "megatron_legacy"])
+async def test_resharder_rejects_megatron_formats_for_now(tmp_path: Path, format: str) -> None:
+    resharder = CheckpointResharder(ResharderConfig(), export_root=tmp_path / "hf")
+    with pytest.raises(UnsupportedCheckpointFormatError) as caught:
+        await resharder.handle_checkpoint_saved(saved_event(tmp_path / "ckpt", format=format))
+    assert caught.value.format == format
+    assert not (tmp_path / "hf" / "step_00000005").exists()
+
+
+def test_checkpoint_package_exports_what_it_states() -> None:
+    import rollmesh.checkpoint as package
+
+    assert all(hasattr(package, name) for name in package.__all__)
