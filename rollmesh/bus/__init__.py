@@ -1,1 +1,54 @@
-"""rollmesh.bus"""
+"""rollmesh.bus: the embedded nats-server, connections, JetStream layout, publish and consume.
+
+``rollmesh.bus.ports`` (Subscription, MessageContext, Publisher, ActorLogic) imports no nats and is
+what logic classes use. Everything else here knows nats-py; the names below are loaded lazily so
+importing ``rollmesh.bus.ports`` never drags nats-py in.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ActorLogic": "rollmesh.bus.ports",
+    "MessageContext": "rollmesh.bus.ports",
+    "Publisher": "rollmesh.bus.ports",
+    "Subscription": "rollmesh.bus.ports",
+    "BusPublisher": "rollmesh.bus.publisher",
+    "EmbeddedNatsServer": "rollmesh.bus.embedded_server",
+    "connect_bus": "rollmesh.bus.connection",
+    "ensure_streams": "rollmesh.bus.streams",
+    "stream_for": "rollmesh.bus.streams",
+    "rollout_requests_stream": "rollmesh.bus.streams",
+    "rollout_results_stream": "rollmesh.bus.streams",
+    "weights_stream": "rollmesh.bus.streams",
+    "dead_letter_stream": "rollmesh.bus.streams",
+    "rollout_state_bucket": "rollmesh.bus.streams",
+    "inject_trace_headers": "rollmesh.bus.trace_headers",
+    "extract_trace_context": "rollmesh.bus.trace_headers",
+    "BusError": "rollmesh.bus.errors",
+    "BusConnectError": "rollmesh.bus.errors",
+    "BusRequestError": "rollmesh.bus.errors",
+    "NatsServerError": "rollmesh.bus.errors",
+    "NatsServerNotFoundError": "rollmesh.bus.errors",
+    "NatsServerStartError": "rollmesh.bus.errors",
+    "NoRespondersError": "rollmesh.bus.errors",
+    "PublishError": "rollmesh.bus.errors",
+    "ReplyDecodeError": "rollmesh.bus.errors",
+    "RequestTimeoutError": "rollmesh.bus.errors",
+    "StreamSetupError": "rollmesh.bus.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rollmesh.bus' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

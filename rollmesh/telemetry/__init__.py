@@ -1,1 +1,34 @@
-"""rollmesh.telemetry"""
+"""rollmesh.telemetry: OpenTelemetry tracing, structlog logging and secret redaction setup.
+
+Knows opentelemetry and structlog; nothing of NATS or Ray. Names load lazily so that importing
+``rollmesh.telemetry.redaction`` does not pull in the OpenTelemetry SDK.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "setup_tracing": "rollmesh.telemetry.tracing",
+    "flush_tracing": "rollmesh.telemetry.tracing",
+    "TRACES_FILE": "rollmesh.telemetry.tracing",
+    "traces_path": "rollmesh.telemetry.tracing",
+    "JsonlSpanExporter": "rollmesh.telemetry.jsonl_exporter",
+    "setup_logging": "rollmesh.telemetry.logging",
+    "redact_url": "rollmesh.telemetry.redaction",
+    "redact_value": "rollmesh.telemetry.redaction",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rollmesh.telemetry' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

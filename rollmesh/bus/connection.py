@@ -1,0 +1,75 @@
+"""Connecting to NATS: one client per actor, reconnecting forever.
+
+Knows nats-py and structlog; knows nothing of streams, subjects or Ray. A NATS restart must not
+kill an actor, so reconnection never gives up; every connection event is logged with the URL's
+credentials redacted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import structlog
+from nats.aio.client import Client
+
+from rollmesh.bus.errors import BusConnectError
+from rollmesh.telemetry.redaction import redact_url
+
+_log = structlog.get_logger("rollmesh.bus.connection")
+
+RECONNECT_WAIT_S = 0.5
+
+
+async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0) -> Client:
+    """Connect to ``url`` (comma-separated for a cluster), reconnecting forever afterwards.
+
+    The first connection is retried until ``connect_timeout_s`` has passed, then
+    ``BusConnectError`` is raised: a wrong URL at startup must fail, not hang.
+    """
+    safe_url = redact_url(url)
+    connected = False
+
+    def log(level: str, event: str, **fields: object) -> None:
+        # Looked up per call (not bound once): these callbacks outlive any logging setup order.
+        getattr(_log, level)(event, actor=name, url=safe_url, **fields)
+
+    async def on_error(exc: Exception) -> None:
+        # Before the first connection every refused attempt would log; the final error says it.
+        log("warning" if connected else "debug", "nats_error",
+            error=redact_url(str(exc)), error_type=type(exc).__name__)
+
+    async def on_disconnected() -> None:
+        # Our own close() also reports a disconnect; only an unexpected one is a warning.
+        log("warning" if connected and not nc.is_closed else "debug", "nats_disconnected")
+
+    async def on_reconnected() -> None:
+        server = nc.connected_url.geturl() if nc.connected_url else ""
+        log("info", "nats_reconnected", server=redact_url(str(server)))
+
+    async def on_closed() -> None:
+        log("info", "nats_closed")
+
+    nc = Client()
+    try:
+        # max_reconnect_attempts=-1 also makes nats-py retry the *first* connect forever, so the
+        # startup deadline is enforced here.
+        await asyncio.wait_for(nc.connect(
+            servers=[part.strip() for part in url.split(",") if part.strip()],
+            name=name,
+            connect_timeout=connect_timeout_s,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=RECONNECT_WAIT_S,
+            error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+            closed_cb=on_closed,
+        ), timeout=connect_timeout_s)
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        await nc.close()
+        reason = redact_url(str(exc)) or f"not connected within {connect_timeout_s}s"
+        raise BusConnectError(f"cannot connect: {reason}", url=safe_url) from exc
+    connected = True
+    log("debug", "nats_connected")
+    return nc

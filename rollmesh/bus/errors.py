@@ -1,0 +1,81 @@
+"""Errors raised by the bus: the embedded server, connections, streams, publish and request.
+
+Knows nothing but the standard library. Foreign exceptions (nats-py, subprocess) are wrapped at
+the boundary with ``raise X(...) from exc`` so callers catch one tree::
+
+    BusError
+    +-- NatsServerError            the embedded nats-server (binary, log_tail, returncode)
+    |   +-- NatsServerNotFoundError    no nats-server binary next to python or on PATH
+    |   +-- NatsServerStartError       exited or not ready in time
+    +-- BusConnectError            could not connect (url is redacted)
+    +-- StreamSetupError           a JetStream stream or KV bucket could not be created/updated
+    +-- PublishError               a publish failed (subject)
+    +-- BusRequestError            a request got no usable reply (subject)
+        +-- RequestTimeoutError        no reply within timeout_s
+        +-- NoRespondersError          nobody subscribes to the subject
+        +-- ReplyDecodeError           the reply did not decode as the subject's reply type
+"""
+
+from __future__ import annotations
+
+
+class BusError(Exception):
+    """Root of every bus error."""
+
+
+class NatsServerError(BusError):
+    def __init__(self, message: str, *, binary: str = "", log_tail: str = "",
+                 returncode: int | None = None) -> None:
+        details = f"\n--- nats-server log tail ---\n{log_tail}" if log_tail else ""
+        super().__init__(f"{message}{details}")
+        self.binary = binary
+        self.log_tail = log_tail
+        self.returncode = returncode
+
+
+class NatsServerNotFoundError(NatsServerError):
+    pass
+
+
+class NatsServerStartError(NatsServerError):
+    pass
+
+
+class BusConnectError(BusError):
+    def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(f"{message} (url={url})")
+        self.url = url
+
+
+class StreamSetupError(BusError):
+    def __init__(self, message: str, *, stream: str) -> None:
+        super().__init__(f"{stream}: {message}")
+        self.stream = stream
+
+
+class PublishError(BusError):
+    def __init__(self, message: str, *, subject: str) -> None:
+        super().__init__(f"{subject}: {message}")
+        self.subject = subject
+
+
+class BusRequestError(BusError):
+    def __init__(self, message: str, *, subject: str) -> None:
+        super().__init__(f"{subject}: {message}")
+        self.subject = subject
+
+
+class RequestTimeoutError(BusRequestError):
+    def __init__(self, *, subject: str, timeout_s: float) -> None:
+        super().__init__(f"no reply within {timeout_s}s", subject=subject)
+        self.timeout_s = timeout_s
+
+
+class NoRespondersError(BusRequestError):
+    def __init__(self, *, subject: str) -> None:
+        super().__init__("no responders", subject=subject)
+
+
+class ReplyDecodeError(BusRequestError):
+    def __init__(self, message: str, *, subject: str) -> None:
+        super().__init__(f"undecodable reply: {message}", subject=subject)

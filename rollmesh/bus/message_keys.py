@@ -1,0 +1,50 @@
+"""The ids a message carries that logs, spans and dedup care about.
+
+Knows our wire contract only (duck-typed on field names, so new message types need no change here).
+"""
+
+from __future__ import annotations
+
+from rollmesh.messages import WireMessage
+
+
+def message_tag(message: WireMessage) -> str:
+    return str(type(message).__struct_config__.tag)
+
+
+def rollout_id_of(message: WireMessage) -> str | None:
+    value = getattr(message, "rollout_id", None)
+    return value if isinstance(value, str) and value else None
+
+
+def weight_version_of(message: WireMessage) -> int | None:
+    """``weight_version`` when the message has one; ``version`` for weight events."""
+    value = getattr(message, "weight_version", None)
+    if value is None and message_tag(message).startswith("weights."):
+        value = getattr(message, "version", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def dedup_id(message: WireMessage) -> str | None:
+    """A ``Nats-Msg-Id`` for JetStream dedup, or None when the message has no natural id.
+
+    The tag is part of the id because one stream holds several types (a completion and a failure
+    of the same rollout must not dedup each other).
+    """
+    key = rollout_id_of(message)
+    if key is None and message_tag(message).startswith("weights."):
+        version = weight_version_of(message)
+        key = None if version is None else str(version)
+    return f"{message_tag(message)}:{key}" if key is not None else None
+
+
+def log_fields(message: WireMessage) -> dict[str, object]:
+    """``rollout_id`` / ``weight_version`` when present, for structlog and span attributes."""
+    fields: dict[str, object] = {}
+    rollout_id = rollout_id_of(message)
+    if rollout_id is not None:
+        fields["rollout_id"] = rollout_id
+    weight_version = weight_version_of(message)
+    if weight_version is not None:
+        fields["weight_version"] = weight_version
+    return fields

@@ -1,0 +1,119 @@
+"""What plain logic classes see of the bus: Subscription, MessageContext, Publisher, ActorLogic.
+
+Imports neither nats nor opentelemetry nor ray (only our wire contract), so domain packages can
+depend on it and unit tests can build a ``MessageContext`` by hand. The shell
+(``rollmesh.actors.shell``) turns these declarations into real NATS subscriptions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from rollmesh.messages import Subject, WireMessage
+
+SubscriptionMode = Literal["core", "jetstream", "request"]
+_CONSUMER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
+
+
+@dataclass
+class MessageContext:
+    """Where a message came from and how to keep its JetStream delivery alive.
+
+    ``delivery_attempt`` is JetStream's num_delivered (1 on first delivery; always 1 for core and
+    request mode). ``trace_context`` is the OpenTelemetry context of the message's span, typed
+    loosely so this module need not import opentelemetry.
+    """
+
+    subject: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+    delivery_attempt: int = 1
+    trace_id: str = ""
+    trace_context: object | None = None
+    _progress: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
+
+    async def in_progress(self) -> None:
+        """Tell JetStream the handler is still working (resets the ack deadline); no-op otherwise."""
+        if self._progress is not None:
+            await self._progress()
+
+
+Handler = Callable[[WireMessage, MessageContext], Awaitable[WireMessage | None]]
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """One subject a logic class consumes, and how.
+
+    - ``core``: plain subscribe (queue group if ``queue``); at-most-once, for ephemeral events.
+    - ``request``: like core, and the handler's return value is the reply
+      (``subject.encode_reply``). Replicas always share a queue group (default: derived from the
+      subject), so each request is answered once.
+    - ``jetstream``: durable pull consumer on the stream capturing the subject; a message is acked
+      only after the handler returned, nak'ed with ``retry_delay_s`` when it raised, and
+      dead-lettered after ``max_deliver`` attempts (None: the shell's NatsConfig.max_deliver).
+      Replicas of a role share ``durable`` (default: derived from the subject) and so share work.
+
+    Return values of ``core``/``jetstream`` handlers are ignored: publish through the Publisher.
+    """
+
+    subject: Subject
+    handler: Handler
+    mode: SubscriptionMode
+    queue: str | None = None
+    durable: str | None = None
+    max_concurrent: int = 1
+    ack_wait_s: float | None = None
+    retry_delay_s: float = 1.0
+    max_deliver: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 1:
+            raise ValueError(f"{self.subject.template}: max_concurrent must be >= 1")
+        if self.mode == "request" and self.subject.reply_type is None:
+            raise ValueError(f"{self.subject.template} has no reply type; cannot serve requests")
+        if self.durable is not None and not _CONSUMER_NAME.match(self.durable):
+            raise ValueError(f"invalid durable name {self.durable!r}: use [A-Za-z0-9_-]")
+        if self.mode != "jetstream" and (self.durable or self.ack_wait_s or self.max_deliver):
+            raise ValueError(f"{self.subject.template}: durable/ack_wait_s/max_deliver "
+                             "only apply to jetstream mode")
+
+    def durable_name(self) -> str:
+        """``rl.{ns}.rollout.requested`` -> ``rollout_requested`` unless ``durable`` is set."""
+        return self.durable or self._subject_token()
+
+    def queue_group(self) -> str | None:
+        """The queue group to subscribe with (None: every subscriber gets every message)."""
+        if self.queue is None and self.mode == "request":
+            return self._subject_token()
+        return self.queue
+
+    def _subject_token(self) -> str:
+        tail = self.subject.template.removeprefix("rl.{ns}.")
+        return re.sub(r"[^A-Za-z0-9_-]", "_", tail)
+
+
+@runtime_checkable
+class Publisher(Protocol):
+    """Emits messages on the bus. Implemented by ``rollmesh.bus.publisher.BusPublisher``."""
+
+    async def publish(self, subject: Subject, message: WireMessage) -> None:
+        """Encode and publish; returns once the message is durable when a stream captures it."""
+
+    async def request(self, subject: Subject, message: WireMessage,
+                      timeout_s: float) -> WireMessage:
+        """Send a request and return the decoded reply (``subject.reply_type``)."""
+
+
+@runtime_checkable
+class ActorLogic(Protocol):
+    """A plain logic class the shell can serve.
+
+    Optionally it also has ``async start()``, ``async stop()`` and ``stats() -> dict``; the shell
+    calls them when present.
+    """
+
+    def subscriptions(self) -> list[Subscription]: ...
+

