@@ -1,0 +1,41 @@
+"""Errors raised inside the sandbox package: backends, backend selection and tool lookup.
+
+Knows nothing but the standard library. The broker never lets these reach its callers: it answers
+with a reply whose ``error_kind`` is set. Foreign exceptions (OSError from spawning) are wrapped at
+the boundary with ``raise X(...) from exc``::
+
+    SandboxError                   backend
+    +-- BackendUnavailableError    this backend cannot run on this host (reason)
+    +-- BackendFailedError         the backend could not run one command (reason, argv0):
+    |                              the sandbox failed, not the tool, so it is an infra failure
+    +-- ToolNotFoundError          no tool script of that name ships with rollmesh (tool)
+"""
+
+from __future__ import annotations
+
+
+class SandboxError(Exception):
+    """Root of every sandbox error."""
+
+    def __init__(self, message: str, *, backend: str = "") -> None:
+        super().__init__(message)
+        self.backend = backend
+
+
+class BackendUnavailableError(SandboxError):
+    def __init__(self, message: str, *, backend: str, reason: str = "") -> None:
+        super().__init__(f"{message}: {reason}" if reason else message, backend=backend)
+        self.reason = reason
+
+
+class BackendFailedError(SandboxError):
+    def __init__(self, message: str, *, backend: str, reason: str = "", argv0: str = "") -> None:
+        super().__init__(f"{message}: {reason}" if reason else message, backend=backend)
+        self.reason = reason
+        self.argv0 = argv0
+
+
+class ToolNotFoundError(SandboxError):
+    def __init__(self, message: str, *, tool: str) -> None:
+        super().__init__(message)
+        self.tool = tool
