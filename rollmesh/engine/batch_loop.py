@@ -1,0 +1,237 @@
+"""The asyncio loop that drives a DecodeEngine: one step whenever there is work.
+
+Knows asyncio and the decode engine; not Ray, not NATS (the decode actor and LocalEngine both wrap
+it). Steps run on the event loop thread and the loop yields (``sleep(0)``) between them, so
+requests submitted meanwhile join the batch at the next step. When every slot is taken, new
+requests wait in FIFO order for one to free. The loop task belongs to this object: ``stop()``
+cancels it and fails whatever is still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from rollmesh.engine.decode import DecodeEngine, DecodeStats, FinishedSequence
+from rollmesh.engine.errors import (
+    DecodeStepError,
+    DuplicateRequestError,
+    EngineError,
+    EngineStoppedError,
+)
+from rollmesh.engine.prefill import PrefillResult
+from rollmesh.messages.base import SamplingParams
+
+
+@dataclass(slots=True)
+class _Waiting:
+    request_id: str
+    prefill: PrefillResult
+    sampling: SamplingParams
+
+
+class DecodeLoop:
+    """Continuous batching over ``engine``: ``submit`` returns when the sequence finishes."""
+
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+        self._futures: dict[str, asyncio.Future[FinishedSequence]] = {}
+        self._waiting: deque[_Waiting] = deque()
+        self._weight_waiters: list[tuple[int, asyncio.Future[int]]] = []
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        """Start the loop task on the running event loop (idempotent)."""
+        if self.running:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()  # an Event binds to the first loop that waits on it
+        self._task = self._loop.create_task(self._run(), name="rollmesh-decode-loop")
+
+    async def stop(self) -> None:
+        """Cancel the loop task; fail in-flight requests and weight waiters with
+        EngineStoppedError. Re-raises what crashed the loop, if something did."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            finally:
+                self._fail_everything()
+
+    async def submit(
+        self, request_id: str, prefill: PrefillResult, sampling: SamplingParams
+    ) -> FinishedSequence:
+        """Add a prefilled request to the batch (or the queue) and wait for it to finish.
+
+        Bad input raises at once (InvalidRequestError and subclasses); cancelling the caller
+        aborts the request.
+        """
+        if not self.running:
+            raise EngineStoppedError(request_id)
+        if request_id in self._futures:
+            raise DuplicateRequestError(request_id)
+        self.engine.validate_request(request_id, prefill, sampling)
+        future: asyncio.Future[FinishedSequence] = asyncio.get_running_loop().create_future()
+        if self.engine.num_free() > 0 and not self._waiting:
+            self.engine.add_request(request_id, prefill, sampling)
+        else:
+            self._waiting.append(_Waiting(request_id, prefill, sampling))
+        self._futures[request_id] = future
+        self._wake.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._forget(request_id)
+            raise
+
+    def abort(self, request_id: str) -> FinishedSequence | None:
+        """Abort a request: its ``submit`` returns the partial output, finish_reason "abort"."""
+        future = self._futures.pop(request_id, None)
+        finished = self._drop(request_id)
+        if finished is not None and future is not None and not future.done():
+            future.set_result(finished)
+        return finished
+
+    def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
+        """Stage weights for the next step boundary; callable from any thread."""
+        staged = self.engine.stage_weights(state_dict, version)
+        if staged:
+            self._wake_threadsafe()
+        return staged
+
+    async def wait_weights_activated(self, version: int) -> int:
+        """Wait until ``version`` (or a newer one) is active; returns the active version."""
+        current = self.engine.current_version
+        if current >= version:
+            return current
+        if not self.running:
+            raise EngineStoppedError()
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._weight_waiters.append((version, future))
+        return await future
+
+    def stats(self) -> DecodeStats:
+        return self.engine.stats()
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._admit_waiting()
+                if self.engine.has_work():
+                    try:
+                        finished = self.engine.step()
+                    except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
+                        self._fail_batch(exc)
+                    else:
+                        for sequence in finished:
+                            self._resolve(sequence)
+                # Also when idle: a prefill engine sharing the WeightStager may have activated.
+                self._report_activation()
+                self._admit_waiting()  # into the slots this step freed
+                if self.engine.has_work():
+                    await asyncio.sleep(0)  # let new requests join before the next step
+                else:
+                    self._wake.clear()
+                    await self._wake.wait()
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            self._fail_everything()
+            raise
+
+    def _admit_waiting(self) -> None:
+        while self._waiting and self.engine.num_free() > 0:
+            waiting = self._waiting.popleft()
+            try:
+                self.engine.add_request(waiting.request_id, waiting.prefill, waiting.sampling)
+            except EngineError as exc:
+                future = self._futures.pop(waiting.request_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(exc)
+
+    def _resolve(self, sequence: FinishedSequence) -> None:
+        future = self._futures.pop(sequence.request_id, None)
+        if future is not None and not future.done():
+            future.set_result(sequence)
+
+    def _fail_batch(self, exc: Exception) -> None:
+        """A step raised: its batch is lost (the cache may be half-written), the queue is not."""
+        dropped = self.engine.abort_all()
+        aborted = [s.request_id for s in dropped if s.finish_reason == "abort"]
+        error = DecodeStepError(self.engine.current_version, aborted)
+        error.__cause__ = exc
+        for sequence in dropped:
+            if sequence.finish_reason != "abort":  # finished at admission, before the failure
+                self._resolve(sequence)
+                continue
+            future = self._futures.pop(sequence.request_id, None)
+            if future is not None and not future.done():
+                future.set_exception(error)
+
+    def _report_activation(self) -> None:
+        if self.engine.pop_activation() is None or not self._weight_waiters:
+            return
+        current = self.engine.current_version
+        still_waiting = []
+        for version, future in self._weight_waiters:
+            if future.done():
+                continue
+            if version <= current:
+                future.set_result(current)
+            else:
+                still_waiting.append((version, future))
+        self._weight_waiters = still_waiting
+
+    def _forget(self, request_id: str) -> None:
+        self._futures.pop(request_id, None)
+        self._drop(request_id)
+
+    def _drop(self, request_id: str) -> FinishedSequence | None:
+        for index, waiting in enumerate(self._waiting):
+            if waiting.request_id == request_id:
+                del self._waiting[index]
+                return FinishedSequence(request_id, [], [], [], "abort", waiting.prefill.num_tokens)
+        return self.engine.abort(request_id)
+
+    def _fail_everything(self) -> None:
+        self.engine.abort_all()
+        self._waiting.clear()
+        futures, self._futures = self._futures, {}
+        for request_id, future in futures.items():
+            if not future.done():
+                future.set_exception(EngineStoppedError(request_id))
+        waiters, self._weight_waiters = self._weight_waiters, []
+        for _, future in waiters:
+            if not future.done():
+                future.set_exception(EngineStoppedError())
+
+    def _wake_threadsafe(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._wake.set()
+        else:
+            loop.call_soon_threadsafe(self._wake.set)

@@ -1,0 +1,109 @@
+"""Errors raised by the inference engine. Knows nothing but Python.
+
+    EngineError
+    ├── InvalidRequestError(reason, field, request_id)  bad input; nothing changed
+    │   ├── PromptTooLongError(num_tokens, max_tokens)
+    │   └── DuplicateRequestError(request_id)
+    ├── CapacityError(max_batch, request_id)            every decode slot is taken
+    ├── EngineStoppedError(request_id)                  the loop stopped with it in flight
+    ├── DecodeStepError(weight_version, request_ids)    a batched step failed; its batch fails
+    └── WeightsError(version, path)
+        ├── WeightsMismatchError(reason)                a state dict that does not fit the model
+        ├── StaleWeightsError(current_version)          older than the active version
+        ├── WeightsChecksumError(expected, actual)
+        └── WeightsFileError(reason)                    unwritable, unreadable or malformed file
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Root of the engine's errors."""
+
+
+class InvalidRequestError(EngineError):
+    def __init__(self, reason: str, *, field: str, request_id: str | None = None) -> None:
+        where = f" (request {request_id})" if request_id else ""
+        super().__init__(f"invalid {field}: {reason}{where}")
+        self.reason = reason
+        self.field = field
+        self.request_id = request_id
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt leaves no room for one generated token within the model's context."""
+
+    def __init__(self, num_tokens: int, max_tokens: int, *, request_id: str | None = None) -> None:
+        super().__init__(
+            f"{num_tokens} tokens, at most {max_tokens} fit (one position is kept for generation)",
+            field="input_ids",
+            request_id=request_id,
+        )
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens
+
+
+class DuplicateRequestError(InvalidRequestError):
+    def __init__(self, request_id: str) -> None:
+        super().__init__("already in flight", field="request_id", request_id=request_id)
+
+
+class CapacityError(EngineError):
+    def __init__(self, max_batch: int, *, request_id: str | None = None) -> None:
+        super().__init__(f"all {max_batch} decode slots are taken (request {request_id})")
+        self.max_batch = max_batch
+        self.request_id = request_id
+
+
+class EngineStoppedError(EngineError):
+    def __init__(self, request_id: str | None = None) -> None:
+        super().__init__(f"the decode loop stopped (request {request_id})")
+        self.request_id = request_id
+
+
+class DecodeStepError(EngineError):
+    """A batched decode step raised; every request in that batch is failed with this error."""
+
+    def __init__(self, weight_version: int, request_ids: list[str]) -> None:
+        super().__init__(f"decode step failed at weight version {weight_version}")
+        self.weight_version = weight_version
+        self.request_ids = request_ids
+
+
+class WeightsError(EngineError):
+    def __init__(
+        self, message: str, *, version: int | None = None, path: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.version = version
+        self.path = path
+
+
+class WeightsMismatchError(WeightsError):
+    def __init__(self, reason: str, *, version: int | None = None) -> None:
+        super().__init__(
+            f"weights version {version} do not fit the model: {reason}", version=version
+        )
+        self.reason = reason
+
+
+class StaleWeightsError(WeightsError):
+    def __init__(self, version: int, current_version: int) -> None:
+        super().__init__(
+            f"weights version {version} is older than active version {current_version}",
+            version=version,
+        )
+        self.current_version = current_version
+
+
+class WeightsChecksumError(WeightsError):
+    def __init__(self, path: str, expected: str, actual: str) -> None:
+        super().__init__(f"{path}: sha256 {actual}, expected {expected}", path=path)
+        self.expected = expected
+        self.actual = actual
+
+
+class WeightsFileError(WeightsError):
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}", path=path)
+        self.reason = reason

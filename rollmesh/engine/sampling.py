@@ -1,0 +1,74 @@
+"""Token sampling with per-row temperature and top-p, returning behaviour logprobs.
+
+Knows torch (and numpy for one sort). The logprob returned is that of the chosen token under the
+distribution it was actually drawn from (temperature-scaled, top-p truncated and renormalized):
+the trainer's importance ratio divides by exactly this. Greedy rows (temperature 0) are a point
+mass, whose logprob (0) says nothing; for them we report the model's own log_softmax, since
+greedy decoding is for evaluation, not for training.
+
+Hand-rolled rather than torch.multinomial / a sort-and-scatter top-p because this runs once per
+decode step on CPU: for [128, 260] torch's sort takes ~1 ms and multinomial ~0.5 ms, against
+~3.5 ms for the whole model step. We draw by inverse CDF (one uniform per row) and find the
+nucleus from sorted *values* only (numpy's SIMD sort, ~35 us), never sorting indices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` [B, V]; returns (token ids [B] long, logprobs [B] float32).
+
+    ``temperature`` and ``top_p`` are [B] float tensors (0 temperature = greedy).
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
+    if bool(greedy.all()):
+        chosen = logprobs.argmax(dim=-1)
+        return chosen, logprobs.gather(1, chosen[:, None])[:, 0]
+
+    probs = logprobs.exp()
+    truncating = (top_p < 1.0) & ~greedy
+    if bool(truncating.any()):
+        probs, kept_mass = _truncate_top_p(probs, top_p, truncating)
+        logprobs = logprobs - torch.where(truncating, kept_mass.log(), 0.0)[:, None]
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    draw = torch.rand(total.shape, generator=generator, device=total.device) * total
+    # Strictly below the total, so rounding can never step past the last token with mass.
+    draw = torch.minimum(draw, torch.nextafter(total, torch.zeros_like(total)))
+    chosen = torch.searchsorted(cdf, draw, right=True)[:, 0]
+    if bool(greedy.any()):
+        chosen = torch.where(greedy, logprobs.argmax(dim=-1), chosen)
+    return chosen, logprobs.gather(1, chosen[:, None])[:, 0]
+
+
+def _truncate_top_p(
+    probs: torch.Tensor, top_p: torch.Tensor, truncating: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero every token outside each truncating row's nucleus (the smallest head whose mass
+    reaches top_p); returns (probs, kept mass per row). Tokens tied with the smallest kept
+    probability are kept too, so the nucleus never depends on the order of equal values."""
+    descending = _sort_descending(probs)
+    mass_before = descending.cumsum(dim=-1) - descending
+    num_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
+    threshold = descending.gather(1, num_kept - 1)
+    threshold = torch.where(truncating[:, None], threshold, 0.0)
+    probs = probs * (probs >= threshold)  # cheaper than masked_fill on CPU
+    return probs, probs.sum(dim=-1)
+
+
+def _sort_descending(values: torch.Tensor) -> torch.Tensor:
+    if values.device.type != "cpu":
+        return values.sort(dim=-1, descending=True).values
+    ascending = np.sort(values.numpy(), axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(ascending[:, ::-1]))

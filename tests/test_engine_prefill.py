@@ -1,0 +1,101 @@
+"""Prefill results and the typed errors bad requests get (prefill and decode admission)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from rollmesh.config import ModelConfig
+from rollmesh.engine.decode import DecodeEngine
+from rollmesh.engine.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from rollmesh.engine.model import TinyDecoder, build_model
+from rollmesh.engine.prefill import PrefillEngine, PrefillResult
+from rollmesh.messages.base import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny tensors on a shared 2-core machine: a second torch thread only spins."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def small_model(seed: int = 0) -> TinyDecoder:
+    return build_model(ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64, seed=seed))
+
+
+def test_prefill_returns_contiguous_kv_and_logits_that_pickle_small() -> None:
+    model = small_model()
+    result = PrefillEngine(model, version=3).prefill([1, 2, 3, 4])
+    assert result.kv.shape == (2, 2, 4, 4, 16) and result.kv.is_contiguous()
+    assert result.kv.dtype == torch.float32
+    assert result.num_tokens == 4 and result.weight_version == 3
+    full = model(torch.tensor([[1, 2, 3, 4]]))[0, -1]
+    torch.testing.assert_close(result.last_logits, full, atol=1e-5, rtol=0)
+    # last_logits must not drag every position's logits into the object store.
+    assert len(pickle.dumps(result)) < result.kv.numel() * 4 + 2 * 260 * 4 + 4096
+
+
+def test_prefill_applies_staged_weights_at_the_next_call() -> None:
+    engine = PrefillEngine(small_model(seed=0))
+    before = engine.prefill([5, 6, 7])
+    assert engine.stage_weights(small_model(seed=1).state_dict(), 1)
+    assert engine.current_version == 0
+    after = engine.prefill([5, 6, 7])
+    assert after.weight_version == 1 and engine.pop_activation() == 1
+    assert not torch.allclose(before.last_logits, after.last_logits)
+
+
+@pytest.mark.parametrize(
+    ("input_ids", "error", "field"),
+    [
+        ([], InvalidRequestError, "input_ids"),
+        (list(range(64)), PromptTooLongError, "input_ids"),  # fills the context: nothing fits
+        ([1, 260], InvalidRequestError, "input_ids"),
+        ([1, -1], InvalidRequestError, "input_ids"),
+        ([1.0, 2.0], InvalidRequestError, "input_ids"),
+        ([[1, 2]], InvalidRequestError, "input_ids"),
+        ([1, "a"], InvalidRequestError, "input_ids"),
+        ([True, False], InvalidRequestError, "input_ids"),
+    ],
+)
+def test_prefill_rejects_bad_prompts_with_typed_errors(input_ids, error, field) -> None:
+    with pytest.raises(error) as caught:
+        PrefillEngine(small_model()).prefill(input_ids, request_id="r1")
+    assert caught.value.field == field and caught.value.request_id == "r1"
+
+
+def test_prefill_accepts_the_longest_prompt_that_leaves_one_position() -> None:
+    assert PrefillEngine(small_model()).prefill(list(range(63))).num_tokens == 63
+
+
+def test_decode_admission_rejects_duplicates_full_batches_and_foreign_kv() -> None:
+    model = small_model()
+    prefill = PrefillEngine(model).prefill([1, 2, 3])
+    engine = DecodeEngine(model, max_batch=1)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
+    engine.add_request("a", prefill, sampling)
+    with pytest.raises(DuplicateRequestError):
+        engine.add_request("a", prefill, sampling)
+    with pytest.raises(CapacityError) as caught:
+        engine.add_request("b", prefill, sampling)
+    assert caught.value.max_batch == 1
+    wrong = PrefillResult(prefill.kv[:, :, :2], prefill.last_logits, 3, 0)
+    with pytest.raises(InvalidRequestError) as bad_kv:
+        DecodeEngine(model, max_batch=1).add_request("c", wrong, sampling)
+    assert bad_kv.value.field == "prefill.kv"
+    with pytest.raises(InvalidRequestError) as bad_stop:
+        DecodeEngine(model, max_batch=1).add_request("d", prefill, SamplingParams(stop=[""]))
+    assert bad_stop.value.field == "sampling.stop"
+    assert engine.num_active() == 1  # failed admissions changed nothing

@@ -1,0 +1,62 @@
+"""Weight files: atomic safetensors writes, sha256-checked reads, staging what was read."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+import pytest
+import torch
+
+from rollmesh.config import ModelConfig
+from rollmesh.engine.decode import DecodeEngine
+from rollmesh.engine.errors import WeightsChecksumError, WeightsFileError
+from rollmesh.engine.model import build_model
+from rollmesh.engine.weights import load_weights, save_weights
+
+pytestmark = pytest.mark.unit
+
+CONFIG = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
+
+
+def test_saved_weights_load_back_equal_with_the_returned_checksum(tmp_path) -> None:
+    state = build_model(CONFIG).state_dict()
+    path = tmp_path / "v1" / "model.safetensors"
+    sha256, num_bytes = save_weights(state, path)
+    data = path.read_bytes()
+    assert (sha256, num_bytes) == (hashlib.sha256(data).hexdigest(), len(data))
+    assert [p.name for p in path.parent.iterdir()] == ["model.safetensors"]  # no tmp left
+    loaded = load_weights(path, expected_sha256=sha256)
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[name], state[name]) for name in state)
+
+
+def test_loading_weights_with_a_wrong_checksum_raises(tmp_path) -> None:
+    path = tmp_path / "model.safetensors"
+    sha256, _ = save_weights({"w": torch.ones(3)}, path)
+    with pytest.raises(WeightsChecksumError) as caught:
+        load_weights(path, expected_sha256="0" * 64)
+    assert caught.value.actual == sha256 and caught.value.path == str(path)
+
+
+def test_missing_or_malformed_weight_files_raise_file_errors(tmp_path) -> None:
+    with pytest.raises(WeightsFileError):
+        load_weights(tmp_path / "absent.safetensors")
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not safetensors at all")
+    with pytest.raises(WeightsFileError):
+        load_weights(garbage)
+    shared = torch.ones(4)
+    with pytest.raises(WeightsFileError):
+        save_weights({"a": shared, "b": shared}, tmp_path / "shared.safetensors")
+
+
+def test_loaded_weights_stage_into_a_decode_engine(tmp_path) -> None:
+    path = tmp_path / "model.safetensors"
+    new = build_model(msgspec.structs.replace(CONFIG, seed=5))
+    sha256, _ = save_weights(new.state_dict(), path)
+    engine = DecodeEngine(build_model(CONFIG), max_batch=1)
+    assert engine.stage_weights(load_weights(path, sha256), version=1)
+    engine.step()
+    assert engine.current_version == 1
+    assert torch.equal(engine.model.tok.weight, new.tok.weight)
