@@ -127,6 +127,8 @@ class DemoConfig(_Config):
     sft_steps: NonNegInt = 150
     sft_batch: PositiveInt = 64
     sft_lr: PositiveFloat = 3e-3
+    # Share of warm-start demonstrations that call the tool (the rest guess an answer).
+    warm_start_tool_fraction: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.5
     rl_steps: PositiveInt = 200
     eval_every: PositiveInt = 25
     eval_size: PositiveInt = 64

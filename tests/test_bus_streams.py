@@ -8,6 +8,7 @@ import pytest
 from nats.js.api import RetentionPolicy, StorageType
 
 from rollmesh.bus.streams import (
+    checkpoints_stream,
     StreamLimits,
     dead_letter_stream,
     ensure_streams,
@@ -50,7 +51,8 @@ async def test_ensure_streams_twice_and_concurrently_converges(nats_client, name
     await asyncio.wait_for(asyncio.gather(*(ensure_streams(js, namespace) for _ in range(3))), 20)
     names = await asyncio.wait_for(ensure_streams(js, namespace), 10)
     assert set(names) == {rollout_requests_stream(namespace), rollout_results_stream(namespace),
-                          weights_stream(namespace), dead_letter_stream(namespace)}
+                          weights_stream(namespace), checkpoints_stream(namespace),
+                          dead_letter_stream(namespace)}
 
     requests = await js.stream_info(rollout_requests_stream(namespace))
     assert requests.config.retention == RetentionPolicy.WORK_QUEUE

@@ -61,9 +61,9 @@ async def test_lease_refuses_a_writable_root(tmp_path: Path) -> None:
 
 async def test_lease_refuses_with_capacity_over_max_leases(tmp_path: Path) -> None:
     broker, _, _ = make_broker(tmp_path, max_leases=2)
-    for _ in range(2):
-        assert (await broker.lease(SandboxLeaseRequest(holder="r"))).error_kind == ""
-    reply = await broker.lease(SandboxLeaseRequest(holder="r"))
+    for index in range(2):
+        assert (await broker.lease(SandboxLeaseRequest(holder=f"r{index}"))).error_kind == ""
+    reply = await broker.lease(SandboxLeaseRequest(holder="r2"))
     assert reply.error_kind == "capacity"
     assert broker.stats().leases_refused == 1
 
@@ -169,8 +169,8 @@ async def test_release_removes_the_workdir_and_a_second_release_is_unknown(tmp_p
 
 async def test_reap_expired_drops_only_expired_leases(tmp_path: Path) -> None:
     broker, _, clock = make_broker(tmp_path)
-    short = await broker.lease(SandboxLeaseRequest(holder="r", ttl_s=5.0))
-    long = await broker.lease(SandboxLeaseRequest(holder="r", ttl_s=50.0))
+    short = await broker.lease(SandboxLeaseRequest(holder="r-short", ttl_s=5.0))
+    long = await broker.lease(SandboxLeaseRequest(holder="r-long", ttl_s=50.0))
     assert await broker.reap_expired() == 0
     clock.advance(5.0)
     assert await broker.reap_expired() == 1
@@ -182,9 +182,9 @@ async def test_reap_expired_drops_only_expired_leases(tmp_path: Path) -> None:
 async def test_stats_count_what_happened(tmp_path: Path) -> None:
     backend = FakeSandboxBackend([ExecResult(0, "", "", 0.0), ExecResult(137, "", "", 1.0, timed_out=True)])
     broker, _, clock = make_broker(tmp_path, backend, max_leases=7)
-    a = await broker.lease(SandboxLeaseRequest(holder="r"))
-    await broker.lease(SandboxLeaseRequest(holder="r", ttl_s=1.0))
-    await broker.lease(SandboxLeaseRequest(holder="r", network=True))
+    a = await broker.lease(SandboxLeaseRequest(holder="r-a"))
+    await broker.lease(SandboxLeaseRequest(holder="r-b", ttl_s=1.0))
+    await broker.lease(SandboxLeaseRequest(holder="r-c", network=True))
     await broker.exec(SandboxExecRequest(lease_id=a.lease_id, argv=["true"]))
     await broker.exec(SandboxExecRequest(lease_id=a.lease_id, argv=["sleep"]))
     await broker.release(SandboxReleaseRequest(lease_id=a.lease_id))
@@ -194,3 +194,18 @@ async def test_stats_count_what_happened(tmp_path: Path) -> None:
     assert (stats.backend, stats.isolated, stats.max_leases, stats.active_leases) == ("fake", True, 7, 0)
     assert (stats.leases_granted, stats.leases_refused, stats.leases_released, stats.leases_expired) == (2, 1, 1, 1)
     assert (stats.execs, stats.exec_timeouts, stats.exec_backend_errors) == (2, 1, 0)
+
+
+@pytest.mark.unit
+async def test_broker_lease_is_idempotent_by_holder(tmp_path):
+    from rollmesh.messages import SandboxLeaseRequest, SandboxReleaseRequest
+
+    broker = SandboxBroker(SandboxConfig(max_leases=4), FakeSandboxBackend(), root_dir=tmp_path)
+    first = await broker.lease(SandboxLeaseRequest(holder="rollout-1"))
+    again = await broker.lease(SandboxLeaseRequest(holder="rollout-1"))
+    other = await broker.lease(SandboxLeaseRequest(holder="rollout-2"))
+    assert first.lease_id == again.lease_id != other.lease_id
+    assert broker.stats().active_leases == 2
+    await broker.release(SandboxReleaseRequest(lease_id=first.lease_id))
+    fresh = await broker.lease(SandboxLeaseRequest(holder="rollout-1"))
+    assert fresh.lease_id not in (first.lease_id, other.lease_id)

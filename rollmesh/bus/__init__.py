@@ -24,6 +24,7 @@ _EXPORTS = {
     "rollout_results_stream": "rollmesh.bus.streams",
     "weights_stream": "rollmesh.bus.streams",
     "dead_letter_stream": "rollmesh.bus.streams",
+    "checkpoints_stream": "rollmesh.bus.streams",
     "rollout_state_bucket": "rollmesh.bus.streams",
     "inject_trace_headers": "rollmesh.bus.trace_headers",
     "extract_trace_context": "rollmesh.bus.trace_headers",

@@ -25,6 +25,8 @@ from nats.js.api import (
 from rollmesh.bus.errors import StreamSetupError
 from rollmesh.messages import Subject, check_namespace
 from rollmesh.messages.subjects import (
+    CHECKPOINT_CONVERTED,
+    CHECKPOINT_SAVED,
     DEAD_LETTERED,
     ROLLOUT_COMPLETED,
     ROLLOUT_FAILED,
@@ -48,6 +50,10 @@ def weights_stream(namespace: str) -> str:
     return f"RL_{check_namespace(namespace)}_WEIGHTS"
 
 
+def checkpoints_stream(namespace: str) -> str:
+    return f"RL_{check_namespace(namespace)}_CHECKPOINTS"
+
+
 def dead_letter_stream(namespace: str) -> str:
     return f"RL_{check_namespace(namespace)}_DLQ"
 
@@ -64,6 +70,8 @@ _CAPTURED = {
     ROLLOUT_COMPLETED.template: rollout_results_stream,
     ROLLOUT_FAILED.template: rollout_results_stream,
     WEIGHTS_PUBLISHED.template: weights_stream,
+    CHECKPOINT_SAVED.template: checkpoints_stream,
+    CHECKPOINT_CONVERTED.template: checkpoints_stream,
     DEAD_LETTERED.template: dead_letter_stream,
 }
 
@@ -105,6 +113,12 @@ def stream_configs(namespace: str, limits: StreamLimits = StreamLimits()) -> lis
             name=weights_stream(namespace), subjects=subjects(WEIGHTS_PUBLISHED),
             retention=RetentionPolicy.LIMITS, max_msgs=limits.weights_keep_last,
             discard=DiscardPolicy.OLD, description="weight-version log", **common,
+        ),
+        StreamConfig(
+            # Saved checkpoints wait here for the resharder, even if it is down when they land.
+            name=checkpoints_stream(namespace), subjects=subjects(CHECKPOINT_SAVED, CHECKPOINT_CONVERTED),
+            retention=RetentionPolicy.LIMITS, description="checkpoint saved/converted events",
+            **common,
         ),
         StreamConfig(
             name=dead_letter_stream(namespace), subjects=subjects(DEAD_LETTERED),

@@ -17,8 +17,21 @@
 from __future__ import annotations
 
 
+def _rebuild(cls: type, message: str, state: dict) -> "EngineError":
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
+
 class EngineError(Exception):
     """Root of the engine's errors."""
+
+    def __reduce__(self):
+        # Ray pickles errors raised in actors; the default reduce would call __init__ with the
+        # message alone, which the keyword-only fields below refuse, and the caller would get an
+        # UnserializableException instead of the typed error.
+        return (_rebuild, (type(self), str(self), self.__dict__))
 
 
 class InvalidRequestError(EngineError):

@@ -82,6 +82,7 @@ class SandboxBroker:
         self._clock = clock
         self._new_id = new_id
         self._leases: dict[str, _Lease] = {}
+        self._lease_of_holder: dict[str, str] = {}
         self._counts = dict.fromkeys(
             (
                 "leases_granted",
@@ -97,6 +98,11 @@ class SandboxBroker:
         )
 
     async def lease(self, req: SandboxLeaseRequest) -> SandboxLeaseReply:
+        held = self._live_lease_of(req.holder)
+        if held is not None:
+            # Idempotent by holder: a retried request (the first reply was lost or late, or the
+            # rollout was redelivered) gets the same sandbox instead of leaking a second one.
+            return self._granted(held)
         if len(self._leases) >= self._config.max_leases:
             await self.reap_expired()  # expired leases that nobody reaped yet must not block new ones
         refusal = self._refusal(req)
@@ -116,10 +122,18 @@ class SandboxBroker:
         # The request's TTL is honoured as is: rollouts may run for hours and there is no renew.
         lease = _Lease(lease_id, req.holder, workdir, self._clock() + req.ttl_s, req.network, req.writable_root)
         self._leases[lease_id] = lease
+        self._lease_of_holder[req.holder] = lease_id
         self._counts["leases_granted"] += 1
-        log.info("sandbox leased", lease_id=lease_id, holder=req.holder, backend=self._backend.name)
+        log.debug("sandbox leased", lease_id=lease_id, holder=req.holder, backend=self._backend.name)
+        return self._granted(lease)
+
+    def _live_lease_of(self, holder: str) -> _Lease | None:
+        lease = self._leases.get(self._lease_of_holder.get(holder, ""))
+        return lease if lease is not None and lease.expires_at > self._clock() else None
+
+    def _granted(self, lease: _Lease) -> SandboxLeaseReply:
         return SandboxLeaseReply(
-            lease_id=lease_id,
+            lease_id=lease.lease_id,
             backend=self._backend.name,
             isolated=self._backend.isolated,
             expires_at=lease.expires_at,
@@ -218,4 +232,6 @@ class SandboxBroker:
     async def _drop(self, lease: _Lease) -> None:
         # Forget the lease first, so a concurrent request cannot use a directory being removed.
         self._leases.pop(lease.lease_id, None)
+        if self._lease_of_holder.get(lease.holder) == lease.lease_id:
+            del self._lease_of_holder[lease.holder]
         await asyncio.to_thread(shutil.rmtree, lease.workdir, ignore_errors=True)

@@ -1,0 +1,41 @@
+"""The checkpoint resharder actor: CheckpointSaved in, Hugging Face safetensors out.
+
+Knows the checkpoint package and the shell; no ray import. Checkpoint events come from a
+JetStream stream, so a checkpoint saved while the resharder is down is converted when it is back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.bus.ports import ActorLogic, MessageContext, Publisher, Subscription
+from rollmesh.checkpoint.resharder import CheckpointResharder
+from rollmesh.config import ResharderConfig
+from rollmesh.messages import CheckpointSaved
+from rollmesh.messages.subjects import CHECKPOINT_CONVERTED, CHECKPOINT_SAVED
+
+
+class ResharderService:
+    def __init__(self, resharder: CheckpointResharder, publisher: Publisher) -> None:
+        self.resharder = resharder
+        self.publisher = publisher
+
+    def subscriptions(self) -> list[Subscription]:
+        return [Subscription(CHECKPOINT_SAVED, self.handle_saved, "jetstream", durable="resharder")]
+
+    async def handle_saved(self, message: CheckpointSaved, ctx: MessageContext) -> None:
+        converted = await self.resharder.handle_checkpoint_saved(message)
+        await self.publisher.publish(CHECKPOINT_CONVERTED, converted)
+
+
+class ResharderActor(RoleActor):
+    role = "resharder"
+
+    def __init__(self, name: str, mesh: MeshContext, config: ResharderConfig) -> None:
+        super().__init__(name, mesh)
+        self.config = config
+
+    async def build_logic(self, publisher: Publisher) -> ActorLogic:
+        export_root = Path(self.mesh.run_dir) / "hf"
+        return ResharderService(CheckpointResharder(self.config, export_root=export_root), publisher)

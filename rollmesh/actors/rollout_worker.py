@@ -1,0 +1,33 @@
+"""The rollout worker actor: runs agent loops for rollout requests taken from the JetStream queue.
+
+Knows the rollout package, the inference router and the shell; no ray import (it receives the
+prefill/decode actor handles from the launcher).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollmesh.actors.inference_router import InferenceRouter
+from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.bus.ports import ActorLogic, Publisher
+from rollmesh.config import ModelConfig, RolloutConfig
+from rollmesh.rollout.agent_loop import RolloutRunner
+from rollmesh.rollout.tasks import TaskRegistry
+
+
+class RolloutWorkerActor(RoleActor):
+    role = "rollout_worker"
+
+    def __init__(self, name: str, mesh: MeshContext, config: RolloutConfig, model_config: ModelConfig,
+                 prefill_workers: list[Any], decode_workers: list[Any]) -> None:
+        super().__init__(name, mesh)
+        self.config = config
+        self.model_config = model_config
+        self.router = InferenceRouter(prefill_workers, decode_workers)
+
+    async def build_logic(self, publisher: Publisher) -> ActorLogic:
+        return RolloutRunner(
+            self.config, self.model_config, tasks=TaskRegistry.from_import_paths(self.config.tasks),
+            engine=self.router, publisher=publisher, worker=self.name,
+        )

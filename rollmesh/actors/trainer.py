@@ -1,0 +1,47 @@
+"""The trainer actor: GRPO on admitted trajectories, weight versions out, checkpoints on demand.
+
+Knows the training package and the shell; no ray import.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.bus.ports import ActorLogic, Publisher
+from rollmesh.config import ModelConfig, TrainerConfig
+from rollmesh.rollout.tasks import DemonstrableTask, load_task
+from rollmesh.training.torch_backend import TorchTrainerBackend
+from rollmesh.training.trainer_logic import TrainerLogic
+
+
+class TrainerActor(RoleActor):
+    role = "trainer"
+
+    def __init__(self, name: str, mesh: MeshContext, config: TrainerConfig, model_config: ModelConfig) -> None:
+        super().__init__(name, mesh, torch_threads=config.torch_threads)
+        self.config = config
+        self.model_config = model_config
+        self.trainer: TrainerLogic | None = None
+
+    async def build_logic(self, publisher: Publisher) -> ActorLogic:
+        backend = TorchTrainerBackend(self.model_config, self.config)
+        self.trainer = TrainerLogic(self.config, self.model_config, backend, publisher,
+                                    run_dir=Path(self.mesh.run_dir))
+        return self.trainer
+
+    async def warm_start(self, task_path: str, *, steps: int, batch_size: int, lr: float,
+                         tool_fraction: float, seed: int) -> dict[str, float]:
+        task = load_task(task_path)
+        if not isinstance(task, DemonstrableTask):
+            raise TypeError(f"{task_path} cannot demonstrate episodes; no warm start possible")
+        assert self.trainer is not None, "start() first"
+        return await self.trainer.warm_start(task, steps=steps, batch_size=batch_size, lr=lr,
+                                             tool_fraction=tool_fraction, seed=seed)
+
+    async def save_checkpoint(self) -> str:
+        assert self.trainer is not None, "start() first"
+        return (await self.trainer.save_checkpoint()).path
+
+    async def version(self) -> int:
+        return self.trainer.version if self.trainer else 0

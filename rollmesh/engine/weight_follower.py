@@ -1,0 +1,82 @@
+"""Follows the trainer's weight versions for one inference worker: load, stage, acknowledge.
+
+Knows the engine's weight files, the bus ports and the wire contract; not Ray, not nats-py. On
+``WeightsPublished`` it loads the safetensors file off the event loop, stages it (the engine swaps
+at its next step boundary, so no request is aborted) and publishes ``WeightsActivated`` once the
+swap happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
+
+import structlog
+import torch
+
+from rollmesh.bus.ports import MessageContext, Publisher, Subscription
+from rollmesh.engine.weights import load_weights
+from rollmesh.messages import WeightsActivated, WeightsPublished
+from rollmesh.messages.subjects import WEIGHTS_ACTIVATED, WEIGHTS_PUBLISHED
+
+_log = structlog.get_logger("rollmesh.engine.weight_follower")
+
+
+class StagesWeights(Protocol):
+    """An engine that takes staged weights and says when they are live."""
+
+    @property
+    def current_version(self) -> int: ...
+
+    def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool: ...
+
+    async def wait_weights_activated(self, version: int) -> int: ...
+
+    def num_active(self) -> int: ...
+
+
+class WeightFollower:
+    def __init__(
+        self,
+        engine: StagesWeights,
+        publisher: Publisher,
+        *,
+        worker: str,
+        role: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.publisher = publisher
+        self.worker = worker
+        self.role = role
+        self.clock = clock
+        self._lock = asyncio.Lock()
+
+    def subscriptions(self) -> list[Subscription]:
+        return [Subscription(WEIGHTS_PUBLISHED, self.handle_weights_published, "core")]
+
+    async def handle_weights_published(self, message: WeightsPublished, ctx: MessageContext | None = None) -> None:
+        # One load at a time: a burst of versions must not read several files concurrently.
+        async with self._lock:
+            if message.version <= self.engine.current_version:
+                return
+            state_dict = await asyncio.to_thread(load_weights, message.path, message.sha256)
+            if not self.engine.stage_weights(state_dict, message.version):
+                return
+            version = await self.engine.wait_weights_activated(message.version)
+        _log.info("weights_activated", weight_version=version, role=self.role)
+        await self.publisher.publish(
+            WEIGHTS_ACTIVATED,
+            WeightsActivated(
+                version=version,
+                worker=self.worker,
+                role=self.role,
+                in_flight=self.engine.num_active(),
+                activated_at=self.clock(),
+            ),
+        )
+
+
+LatestWeights = Callable[[], Awaitable[WeightsPublished | None]]

@@ -1,0 +1,289 @@
+"""Turns HTTP request bodies into engine inputs and GenerationResults into HTTP response bodies.
+
+Knows the HTTP shapes, the byte tokenizer and the wire's SamplingParams; not Ray, not FastAPI, so
+every check here is a plain function call in a unit test. Everything the engine would reject is
+rejected here first with the HTTP parameter's own name, because an engine error raised inside a
+Ray actor reaches us wrapped and without the request's field names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgspec
+
+from rollmesh.engine.protocols import GenerationResult
+from rollmesh.engine.tokenizer import EOS_ID, SPECIAL_TOKENS, ByteTokenizer
+from rollmesh.messages.base import SamplingParams
+from rollmesh.serve_apps.errors import InvalidApiRequestError, ModelNotFoundError
+from rollmesh.serve_apps.http_shapes import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionUsage,
+    GenerateFinishReason,
+    GenerateMetaInfo,
+    GenerateRequest,
+    GenerateResponse,
+)
+
+# SGLang's default when sampling_params.max_new_tokens is absent (still clipped to the context).
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+# OpenAI's legacy completions accept at most 5 for ``logprobs``.
+MAX_COMPLETION_LOGPROBS = 5
+
+_SPECIAL_NAMES = {token_id: name for name, token_id in SPECIAL_TOKENS.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the API knows of the model behind it: its name and the limits it validates against."""
+
+    name: str
+    max_seq_len: int
+    vocab_size: int
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        # As the prefill engine: one position stays free for the first generated token.
+        return self.max_seq_len - 1
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+def check_model(requested: str | None, served: ServedModel) -> None:
+    if requested is not None and requested != served.name:
+        raise ModelNotFoundError(requested, served.name)
+
+
+def completion_inputs(
+    request: CompletionRequest, served: ServedModel
+) -> tuple[list[int], SamplingParams]:
+    """The prompt's token ids (BOS first) and sampling params; raises InvalidApiRequestError."""
+    check_model(request.model, served)
+    if request.stream:
+        raise InvalidApiRequestError(
+            "streaming is not supported yet", code="unsupported_value", param="stream"
+        )
+    if request.n != 1:
+        raise InvalidApiRequestError(
+            f"n must be 1 (got {request.n}): one choice per request is supported",
+            code="unsupported_value", param="n",
+        )
+    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise InvalidApiRequestError(
+            f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS} (got {request.logprobs})",
+            code="invalid_value", param="logprobs",
+        )
+    max_tokens = 16 if request.max_tokens is None else request.max_tokens
+    _check_max_tokens(max_tokens, served, param="max_tokens")
+    input_ids = ByteTokenizer(served.vocab_size).encode(request.prompt, bos=True)
+    _check_prompt_length(len(input_ids), served, param="prompt")
+    sampling = _sampling_params(
+        temperature=request.temperature, top_p=request.top_p, max_new_tokens=max_tokens,
+        stop=request.stop, names={"max_new_tokens": "max_tokens"},
+    )
+    return input_ids, sampling
+
+
+def generate_inputs(
+    request: GenerateRequest, served: ServedModel
+) -> tuple[list[int], SamplingParams]:
+    """The request's token ids, checked against the vocabulary, and its sampling params."""
+    if request.stream:
+        raise InvalidApiRequestError(
+            "streaming is not supported yet", code="unsupported_value", param="stream"
+        )
+    input_ids = list(request.input_ids)
+    if not input_ids:
+        raise InvalidApiRequestError(
+            "input_ids is empty", code="invalid_value", param="input_ids"
+        )
+    _check_prompt_length(len(input_ids), served, param="input_ids")
+    for position, token_id in enumerate(input_ids):
+        if not 0 <= token_id < served.vocab_size:
+            raise InvalidApiRequestError(
+                f"input_ids[{position}] = {token_id} is outside the vocabulary "
+                f"[0, {served.vocab_size})",
+                code="invalid_token_id", param="input_ids",
+            )
+    params = request.sampling_params
+    max_new_tokens = params.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = min(SGLANG_DEFAULT_MAX_NEW_TOKENS, served.max_seq_len)
+    _check_max_tokens(max_new_tokens, served, param="sampling_params.max_new_tokens")
+    sampling = _sampling_params(
+        temperature=params.temperature, top_p=params.top_p, max_new_tokens=max_new_tokens,
+        stop=params.stop, names={}, prefix="sampling_params.",
+    )
+    return input_ids, sampling
+
+
+def _check_max_tokens(value: int, served: ServedModel, *, param: str) -> None:
+    if not 1 <= value <= served.max_seq_len:
+        raise InvalidApiRequestError(
+            f"{param} must be between 1 and the context length {served.max_seq_len} "
+            f"(got {value})",
+            code="invalid_value", param=param,
+        )
+
+
+def _check_prompt_length(num_tokens: int, served: ServedModel, *, param: str) -> None:
+    if num_tokens > served.max_prompt_tokens:
+        raise InvalidApiRequestError(
+            f"the prompt is {num_tokens} tokens; at most {served.max_prompt_tokens} fit in the "
+            f"context of {served.max_seq_len} (one position is kept for generation)",
+            code="prompt_too_long", param=param,
+        )
+
+
+def _sampling_params(
+    *,
+    temperature: float | None,
+    top_p: float | None,
+    max_new_tokens: int,
+    stop: str | list[str] | None,
+    names: dict[str, str],
+    prefix: str = "",
+) -> SamplingParams:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise InvalidApiRequestError(
+            "stop strings must not be empty", code="invalid_value", param=f"{prefix}stop"
+        )
+    raw = {"max_new_tokens": max_new_tokens, "stop": stops}
+    if temperature is not None:
+        raw["temperature"] = temperature
+    if top_p is not None:
+        raw["top_p"] = top_p
+    try:
+        # The wire Struct's own constraints are the one source of the allowed ranges.
+        return msgspec.convert(raw, SamplingParams)
+    except msgspec.ValidationError as exc:
+        reason, field = _split_validation_message(str(exc))
+        param = f"{prefix}{names.get(field, field)}" if field else None
+        message = f"invalid {param}: {reason}" if param else reason
+        raise InvalidApiRequestError(message, code="invalid_value", param=param) from exc
+
+
+def _split_validation_message(message: str) -> tuple[str, str | None]:
+    """msgspec's "Expected `float` <= 10.0 - at `$.temperature`" -> (reason, top-level field)."""
+    reason, at, path = message.rpartition(" - at `$.")
+    if not at:
+        return message, None
+    return reason, path.split("`")[0].split("[")[0].split(".")[0]
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+def completion_response(
+    result: GenerationResult,
+    *,
+    request_id: str,
+    created: int,
+    served: ServedModel,
+    sampling: SamplingParams,
+    with_logprobs: bool,
+) -> CompletionResponse:
+    tokenizer = ByteTokenizer(served.vocab_size)
+    text = tokenizer.decode(result.token_ids)
+    if result.finish_reason == "stop":
+        # OpenAI leaves the stop sequence out of the text (the tokens still hold it).
+        text = text[: _first_stop(text, sampling.stop)[0]]
+    logprobs = None
+    if with_logprobs:
+        logprobs = CompletionLogprobs(
+            tokens=[token_text(t) for t in result.token_ids],
+            token_logprobs=[_finite(x) for x in result.logprobs],
+        )
+    completion_tokens = len(result.token_ids)
+    return CompletionResponse(
+        id=request_id,
+        created=created,
+        model=served.name,
+        choices=[
+            CompletionChoice(
+                index=0, text=text, finish_reason=_openai_finish_reason(result),
+                logprobs=logprobs, weight_versions=list(result.versions),
+            )
+        ],
+        usage=CompletionUsage(
+            prompt_tokens=result.prompt_len, completion_tokens=completion_tokens,
+            total_tokens=result.prompt_len + completion_tokens,
+        ),
+    )
+
+
+def generate_response(
+    result: GenerationResult,
+    *,
+    request_id: str,
+    served: ServedModel,
+    sampling: SamplingParams,
+    return_logprob: bool,
+) -> GenerateResponse:
+    # Unlike SGLang, the text is not trimmed at a stop string: it is exactly output_ids decoded,
+    # so a token-level caller can splice the two without re-tokenizing.
+    text = ByteTokenizer(served.vocab_size).decode(result.token_ids)
+    output_token_logprobs = None
+    if return_logprob:
+        output_token_logprobs = [
+            (_finite(logprob), token_id, None)
+            for logprob, token_id in zip(result.logprobs, result.token_ids, strict=True)
+        ]
+    return GenerateResponse(
+        output_ids=list(result.token_ids),
+        text=text,
+        meta_info=GenerateMetaInfo(
+            id=request_id,
+            prompt_tokens=result.prompt_len,
+            completion_tokens=len(result.token_ids),
+            finish_reason=_generate_finish_reason(result, text, sampling),
+            output_token_logprobs=output_token_logprobs,
+            weight_version=result.versions[-1] if result.versions else None,
+            weight_versions=list(result.versions),
+        ),
+    )
+
+
+def token_text(token_id: int) -> str:
+    """One token as OpenAI's logprobs show it; a byte that is not ASCII is ``bytes:\\xNN``."""
+    if token_id in _SPECIAL_NAMES:
+        return _SPECIAL_NAMES[token_id]
+    if 0 <= token_id < 128:
+        return chr(token_id)
+    if 128 <= token_id < 256:
+        return f"bytes:\\x{token_id:02x}"
+    return f"<id:{token_id}>"
+
+
+def _openai_finish_reason(result: GenerationResult) -> str:
+    return {"eos": "stop", "stop": "stop", "length": "length"}.get(result.finish_reason, "abort")
+
+
+def _generate_finish_reason(
+    result: GenerationResult, text: str, sampling: SamplingParams
+) -> GenerateFinishReason:
+    reason = result.finish_reason
+    if reason == "eos":
+        return GenerateFinishReason(type="stop", matched=EOS_ID)
+    if reason == "stop":
+        return GenerateFinishReason(type="stop", matched=_first_stop(text, sampling.stop)[1])
+    if reason == "length":
+        return GenerateFinishReason(type="length", length=len(result.token_ids))
+    return GenerateFinishReason(type="abort")
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str | None]:
+    """Where the earliest stop string starts in ``text`` and which one it is."""
+    found = [(text.find(s), s) for s in stops if s in text]
+    return min(found) if found else (len(text), None)
+
+
+def _finite(value: float) -> float | None:
+    # JSON has no -inf/nan; a logprob that is not finite says "impossible under the sampler".
+    return value if math.isfinite(value) else None

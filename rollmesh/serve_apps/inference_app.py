@@ -1,0 +1,204 @@
+"""The inference Serve application: OpenAI ``/v1/completions``, SGLang-style ``/generate``,
+``/v1/models`` and ``/health`` in front of the prefill and decode actors.
+
+Knows Ray Serve, FastAPI and the InferenceRouter; finds the workers by actor name (the launcher
+spawned them), never spawns or stops them. Bad input is answered with a 4xx JSON error and never
+reaches the engine, so a client cannot take the replica down; Ray's wrapping of actor errors is
+undone here and nowhere else.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the route methods' annotations at
+# runtime, and through Serve's ingress wrapper string annotations are not resolved (the body would
+# be taken for a query parameter).
+import time
+import uuid
+from typing import Any
+
+import ray
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve import Application
+from ray.serve.exceptions import RayServeException
+
+from rollmesh.actors.inference_router import InferenceRouter
+from rollmesh.engine.errors import EngineError
+from rollmesh.engine.protocols import GenerationResult
+from rollmesh.messages.base import SamplingParams
+from rollmesh.serve_apps.errors import (
+    ApiError,
+    EngineUnavailableError,
+    InvalidApiRequestError,
+    api_error_from_engine,
+)
+from rollmesh.serve_apps.generation_requests import (
+    ServedModel,
+    completion_inputs,
+    completion_response,
+    generate_inputs,
+    generate_response,
+)
+from rollmesh.serve_apps.http_shapes import (
+    CompletionRequest,
+    CompletionResponse,
+    GenerateRequest,
+    GenerateResponse,
+    ModelCard,
+    ModelList,
+)
+from rollmesh.telemetry.logging import setup_logging
+
+APP_NAME = "rollmesh-inference"
+# Requests a replica holds at once; each mostly waits on decode, which batches up to max_batch.
+MAX_ONGOING_REQUESTS = 512
+
+_log = structlog.get_logger("rollmesh.serve")
+_http = FastAPI(title="rollmesh inference", docs_url=None, redoc_url=None)
+
+
+@_http.exception_handler(ApiError)
+async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(status_code=exc.status, content=exc.to_response().model_dump())
+
+
+@_http.exception_handler(RequestValidationError)
+async def _invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    # FastAPI answers 422 by default; OpenAI-style clients expect 400 for any bad body.
+    return await _api_error(_request, invalid_body_error(exc.errors()))
+
+
+def invalid_body_error(errors: Any) -> InvalidApiRequestError:
+    """One 400 error from pydantic's error list (malformed JSON is one of them)."""
+    errors = list(errors)
+    if any(error.get("type") == "json_invalid" for error in errors):
+        detail = errors[0].get("ctx", {}).get("error", errors[0].get("msg", ""))
+        return InvalidApiRequestError(f"malformed JSON body: {detail}", code="invalid_json")
+    params = [".".join(str(part) for part in error.get("loc", ())[1:]) for error in errors]
+    message = "; ".join(
+        f"{param or 'body'}: {error.get('msg', 'invalid')}" for param, error in zip(params, errors)
+    )
+    return InvalidApiRequestError(message, code="invalid_value", param=params[0] or None)
+
+
+@serve.deployment(
+    num_replicas=1,
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=MAX_ONGOING_REQUESTS,
+)
+@serve.ingress(_http)
+class InferenceServer:
+    """One replica: validates, routes a generate call through prefill then decode, answers."""
+
+    def __init__(
+        self,
+        *,
+        prefill_actor_names: list[str],
+        decode_actor_names: list[str],
+        ray_namespace: str,
+        served: ServedModel,
+    ) -> None:
+        setup_logging("serve:inference")
+        self.served = served
+        self.created = int(time.time())
+        self.router = InferenceRouter(
+            [ray.get_actor(name, namespace=ray_namespace) for name in prefill_actor_names],
+            [ray.get_actor(name, namespace=ray_namespace) for name in decode_actor_names],
+        )
+
+    @_http.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(self, body: CompletionRequest) -> CompletionResponse:
+        input_ids, sampling = completion_inputs(body, self.served)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        result = await self._generate(input_ids, sampling, request_id)
+        return completion_response(
+            result, request_id=request_id, created=int(time.time()), served=self.served,
+            sampling=sampling, with_logprobs=body.logprobs is not None,
+        )
+
+    @_http.post(
+        "/generate", response_model=GenerateResponse, response_model_exclude_none=True
+    )
+    async def generate(self, body: GenerateRequest) -> GenerateResponse:
+        input_ids, sampling = generate_inputs(body, self.served)
+        request_id = uuid.uuid4().hex
+        result = await self._generate(input_ids, sampling, request_id)
+        return generate_response(
+            result, request_id=request_id, served=self.served, sampling=sampling,
+            return_logprob=body.return_logprob,
+        )
+
+    @_http.get("/v1/models", response_model=ModelList)
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.served.name, created=self.created)])
+
+    @_http.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    async def _generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> GenerationResult:
+        try:
+            return await self.router.generate(input_ids, sampling, request_id=request_id)
+        except (RayTaskError, RayActorError, EngineError) as exc:
+            error = api_error_from_ray(exc)
+            if error.status >= 500:
+                _log.warning("generate_failed", request_id=request_id, error=str(exc))
+            raise error from exc
+
+
+def api_error_from_ray(exc: BaseException) -> ApiError:
+    """The HTTP error for what ``await actor.method.remote()`` raised."""
+    if isinstance(exc, RayActorError):
+        return EngineUnavailableError(
+            f"an inference worker is unavailable: {exc}", code="worker_unavailable"
+        )
+    # A task error raised in an actor arrives as RayTaskError(cause); when the cause could not be
+    # unpickled here, ``cause`` is Ray's UnserializableException and we can only say 500.
+    cause = exc.cause if isinstance(exc, RayTaskError) else exc
+    if isinstance(cause, EngineError):
+        return api_error_from_engine(cause)
+    return ApiError(f"inference failed: {type(cause).__name__}", code="engine_error")
+
+
+def build_inference_app(
+    *,
+    prefill_actor_names: list[str],
+    decode_actor_names: list[str],
+    ray_namespace: str,
+    model_name: str,
+    max_seq_len: int,
+    vocab_size: int,
+) -> Application:
+    """The bound application; deploy it with ``deploy_inference_app``."""
+    return InferenceServer.bind(
+        prefill_actor_names=list(prefill_actor_names),
+        decode_actor_names=list(decode_actor_names),
+        ray_namespace=ray_namespace,
+        served=ServedModel(name=model_name, max_seq_len=max_seq_len, vocab_size=vocab_size),
+    )
+
+
+def deploy_inference_app(
+    app: Application, *, host: str, port: int, route_prefix: str = "/"
+) -> str:
+    """Start Serve's HTTP proxy on host:port, deploy ``app``, return its base URL."""
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(app, name=APP_NAME, route_prefix=route_prefix, blocking=False)
+    # A wildcard bind address is not one a client can connect to.
+    reachable = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{reachable}:{port}{route_prefix.rstrip('/')}"
+
+
+def shutdown_inference_app() -> None:
+    """Delete the application; stop Serve too when no other application is left on it. Does
+    nothing when Serve is not running (a deploy that failed half-way can still be cleaned up)."""
+    try:
+        serve.delete(APP_NAME)
+    except RayServeException:
+        return
+    if not serve.status().applications:
+        serve.shutdown()

@@ -1,0 +1,330 @@
+"""The inference Serve app over real prefill and decode actors: OpenAI completions, /generate,
+/v1/models, /health, and 4xx answers to bad input that leave the replica serving.
+
+One local Ray (reused if the session already started one), one prefill and one decode actor, and
+one deployment for the whole module, because Serve takes seconds to start on two shared cores.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import ray
+
+from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
+from rollmesh.actors.role_base import MeshContext
+from rollmesh.bus.embedded_server import EmbeddedNatsServer
+from rollmesh.config import InferenceConfig, ModelConfig
+from rollmesh.engine.tokenizer import BOS_ID, ByteTokenizer
+from rollmesh.messages.base import SamplingParams
+from rollmesh.serve_apps import (
+    build_inference_app,
+    deploy_inference_app,
+    shutdown_inference_app,
+)
+from rollmesh.serve_apps.inference_app import api_error_from_ray
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
+MODEL_NAME = "rollmesh-tiny"
+TOKENIZER = ByteTokenizer(MODEL.vocab_size)
+
+
+@dataclass(frozen=True)
+class Deployed:
+    url: str
+    prefill: object
+    decode: object
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """This module's Ray, unless the session already runs one (then it is left running)."""
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, namespace="t" + uuid.uuid4().hex[:10])
+    yield
+    if started_here:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def deployed(
+    local_ray: None, nats_server: EmbeddedNatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployed]:
+    namespace = "t" + uuid.uuid4().hex[:10]
+    mesh = MeshContext(
+        namespace=namespace, nats_url=nats_server.url,
+        run_dir=str(tmp_path_factory.mktemp("serve-run")),
+    )
+    inference = InferenceConfig(max_batch=8)
+    prefill = ray.remote(PrefillWorkerActor).options(
+        name=f"prefill-{namespace}", namespace=namespace, num_cpus=0
+    ).remote(f"prefill-{namespace}", mesh, MODEL, inference)
+    decode = ray.remote(DecodeWorkerActor).options(
+        name=f"decode-{namespace}", namespace=namespace, num_cpus=0
+    ).remote(f"decode-{namespace}", mesh, MODEL, inference)
+    try:
+        ray.get([prefill.start.remote(), decode.start.remote()], timeout=60)
+        app = build_inference_app(
+            prefill_actor_names=[f"prefill-{namespace}"],
+            decode_actor_names=[f"decode-{namespace}"],
+            ray_namespace=namespace, model_name=MODEL_NAME,
+            max_seq_len=MODEL.max_seq_len, vocab_size=MODEL.vocab_size,
+        )
+        url = deploy_inference_app(app, host="127.0.0.1", port=free_port())
+        yield Deployed(url=url, prefill=prefill, decode=decode)
+    finally:
+        shutdown_inference_app()
+        for actor in (decode, prefill):
+            try:
+                ray.get(actor.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort: the actor is killed next anyway
+                pass
+            ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def client(deployed: Deployed) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=deployed.url, timeout=60) as http:
+        yield http
+
+
+def greedy_generate(client: httpx.Client, input_ids: list[int], **sampling) -> dict:
+    body = {"input_ids": input_ids, "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, **sampling}}
+    response = client.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+# -- good requests ----------------------------------------------------------------------------
+
+
+def test_completions_return_text_usage_and_weight_versions(client: httpx.Client) -> None:
+    response = client.post(
+        "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "hello", "max_tokens": 5, "temperature": 0},
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["id"].startswith("cmpl-")
+    assert body["object"] == "text_completion"
+    assert body["model"] == MODEL_NAME
+    assert isinstance(body["created"], int)
+    (choice,) = body["choices"]
+    assert choice["index"] == 0
+    assert isinstance(choice["text"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    assert choice["logprobs"] is None
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == 1 + len("hello")  # BOS first
+    assert 1 <= usage["completion_tokens"] <= 5
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert choice["weight_versions"] == [0] * usage["completion_tokens"]
+    if choice["finish_reason"] == "length":
+        assert usage["completion_tokens"] == 5
+
+
+def test_completions_return_sampled_token_logprobs_when_asked(client: httpx.Client) -> None:
+    response = client.post(
+        "/v1/completions", json={"prompt": "ab", "max_tokens": 4, "logprobs": 0, "stop": None},
+    )
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(
+        choice["weight_versions"]
+    )
+    assert all(isinstance(t, str) for t in logprobs["tokens"])
+    assert all(lp is None or lp <= 0.0 for lp in logprobs["token_logprobs"])
+
+
+def test_generate_returns_output_ids_logprobs_and_versions(client: httpx.Client) -> None:
+    prompt = [BOS_ID, *b"hi there"]
+    body = greedy_generate(client, prompt, max_new_tokens=6)
+    output_ids = body["output_ids"]
+    meta = body["meta_info"]
+    assert 1 <= len(output_ids) <= 6
+    assert body["text"] == TOKENIZER.decode(output_ids)
+    assert meta["prompt_tokens"] == len(prompt)
+    assert meta["completion_tokens"] == len(output_ids)
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert [entry[1] for entry in meta["output_token_logprobs"]] == output_ids
+    assert all(entry[2] is None for entry in meta["output_token_logprobs"])
+    assert meta["weight_versions"] == [0] * len(output_ids)
+    assert meta["weight_version"] == meta["weight_versions"][-1]
+    if meta["finish_reason"]["type"] == "length":
+        assert meta["finish_reason"]["length"] == len(output_ids) == 6
+
+
+def test_generate_leaves_out_logprobs_unless_asked(client: httpx.Client) -> None:
+    response = client.post("/generate", json={"input_ids": [BOS_ID, 65],
+                                              "sampling_params": {"max_new_tokens": 2}})
+    assert response.status_code == 200, response.text
+    assert "output_token_logprobs" not in response.json()["meta_info"]
+
+
+def test_stop_string_ends_generation_and_is_cut_from_completion_text(
+    client: httpx.Client,
+) -> None:
+    prompt = "stop here"
+    free_run = greedy_generate(client, TOKENIZER.encode(prompt, bos=True), max_new_tokens=12)
+    # Greedy decoding is deterministic, so a byte the model is known to produce can be a stop.
+    ascii_after_first = [t for t in free_run["output_ids"][1:] if 32 <= t < 127]
+    if not ascii_after_first:
+        pytest.skip("the untrained model produced no printable ASCII byte to stop on")
+    stop = chr(ascii_after_first[0])
+
+    stopped = greedy_generate(
+        client, TOKENIZER.encode(prompt, bos=True), max_new_tokens=12, stop=stop
+    )
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stopped["text"].endswith(stop)  # /generate keeps text == decode(output_ids)
+
+    response = client.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "stop": [stop]})
+    (choice,) = response.json()["choices"]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == stopped["text"][: stopped["text"].index(stop)]
+
+
+def test_concurrent_completions_all_succeed(client: httpx.Client) -> None:
+    def complete(index: int) -> int:
+        return client.post("/v1/completions", json={
+            "prompt": f"request {index}", "max_tokens": 4}).status_code
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert list(pool.map(complete, range(4))) == [200] * 4
+
+
+def test_models_lists_the_served_model(client: httpx.Client) -> None:
+    response = client.get("/v1/models")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "list"
+    assert [card["id"] for card in body["data"]] == [MODEL_NAME]
+    assert body["data"][0]["object"] == "model"
+
+
+def test_health_is_ok(client: httpx.Client) -> None:
+    response = client.get("/health")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+# -- bad requests -----------------------------------------------------------------------------
+
+TOO_LONG = MODEL.max_seq_len  # one more than fits (a position is kept for generation)
+
+BAD_REQUESTS = [
+    # (id, path, JSON body or raw bytes, status, code, param)
+    ("completion-malformed-json", "/v1/completions", b'{"prompt": "hi",', 400, "invalid_json",
+     None),
+    ("generate-malformed-json", "/generate", b"{input_ids: [1]}", 400, "invalid_json", None),
+    ("body-not-an-object", "/v1/completions", [1, 2], 400, "invalid_value", None),
+    ("prompt-missing", "/v1/completions", {"max_tokens": 2}, 400, "invalid_value", "prompt"),
+    ("prompt-not-a-string", "/v1/completions", {"prompt": 12}, 400, "invalid_value", "prompt"),
+    ("temperature-a-string", "/v1/completions", {"prompt": "a", "temperature": "hot"}, 400,
+     "invalid_value", "temperature"),
+    ("temperature-too-high", "/v1/completions", {"prompt": "a", "temperature": 11.0}, 400,
+     "invalid_value", "temperature"),
+    ("top-p-zero", "/v1/completions", {"prompt": "a", "top_p": 0.0}, 400, "invalid_value",
+     "top_p"),
+    ("max-tokens-a-string", "/v1/completions", {"prompt": "a", "max_tokens": "4"}, 400,
+     "invalid_value", "max_tokens"),
+    ("max-tokens-zero", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400,
+     "invalid_value", "max_tokens"),
+    ("max-tokens-over-context", "/v1/completions",
+     {"prompt": "a", "max_tokens": MODEL.max_seq_len + 1}, 400, "invalid_value", "max_tokens"),
+    ("n-two", "/v1/completions", {"prompt": "a", "n": 2}, 400, "unsupported_value", "n"),
+    ("stream", "/v1/completions", {"prompt": "a", "stream": True}, 400, "unsupported_value",
+     "stream"),
+    ("logprobs-too-many", "/v1/completions", {"prompt": "a", "logprobs": 10}, 400,
+     "invalid_value", "logprobs"),
+    ("empty-stop-string", "/v1/completions", {"prompt": "a", "stop": [""]}, 400,
+     "invalid_value", "stop"),
+    ("too-many-stop-strings", "/v1/completions", {"prompt": "a", "stop": ["x"] * 17}, 400,
+     "invalid_value", "stop"),
+    ("prompt-too-long", "/v1/completions", {"prompt": "x" * TOO_LONG}, 400, "prompt_too_long",
+     "prompt"),
+    ("unknown-model", "/v1/completions", {"model": "gpt-5", "prompt": "a"}, 404,
+     "model_not_found", "model"),
+    ("input-ids-missing", "/generate", {"text": "hello"}, 400, "invalid_value", "input_ids"),
+    ("input-ids-empty", "/generate", {"input_ids": []}, 400, "invalid_value", "input_ids"),
+    ("input-id-outside-vocab", "/generate", {"input_ids": [BOS_ID, MODEL.vocab_size]}, 400,
+     "invalid_token_id", "input_ids"),
+    ("input-id-negative", "/generate", {"input_ids": [-1]}, 400, "invalid_token_id",
+     "input_ids"),
+    ("input-id-a-float", "/generate", {"input_ids": [1.5]}, 400, "invalid_value",
+     "input_ids.0"),
+    ("input-id-a-bool", "/generate", {"input_ids": [True]}, 400, "invalid_value",
+     "input_ids.0"),
+    ("input-ids-too-long", "/generate", {"input_ids": [65] * TOO_LONG}, 400, "prompt_too_long",
+     "input_ids"),
+    ("max-new-tokens-over-context", "/generate",
+     {"input_ids": [65], "sampling_params": {"max_new_tokens": MODEL.max_seq_len + 1}}, 400,
+     "invalid_value", "sampling_params.max_new_tokens"),
+    ("negative-temperature", "/generate",
+     {"input_ids": [65], "sampling_params": {"temperature": -1.0}}, 400, "invalid_value",
+     "sampling_params.temperature"),
+    ("generate-stream", "/generate", {"input_ids": [65], "stream": True}, 400,
+     "unsupported_value", "stream"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "code", "param"),
+    [pytest.param(*case[1:], id=case[0]) for case in BAD_REQUESTS],
+)
+def test_bad_input_gets_a_4xx_error_and_the_next_request_succeeds(
+    client: httpx.Client, path: str, body: object, status: int, code: str, param: str | None
+) -> None:
+    if isinstance(body, bytes):
+        response = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = client.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"]
+    assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+
+    assert greedy_generate(client, [BOS_ID, 65], max_new_tokens=1)["output_ids"]
+
+
+def test_streaming_is_refused_with_a_clear_message(client: httpx.Client) -> None:
+    response = client.post("/v1/completions", json={"prompt": "a", "stream": True})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "streaming is not supported yet"
+
+
+@pytest.mark.xfail(
+    reason="engine errors do not survive pickling (keyword-only __init__ args), so Ray hands the "
+    "caller an UnserializableException; needs EngineError.__reduce__ in rollmesh/engine/errors.py",
+    strict=False,
+)
+def test_engine_error_raised_in_an_actor_maps_to_400(deployed: Deployed) -> None:
+    too_long = [65] * TOO_LONG
+    kv_ref = deployed.prefill.prefill.remote(too_long, "too-long")
+    with pytest.raises(Exception) as raised:
+        ray.get(deployed.decode.generate.remote(kv_ref, SamplingParams(), "too-long"), timeout=30)
+    error = api_error_from_ray(raised.value)
+    assert error.status == 400
+    assert error.code == "prompt_too_long"
+
