@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import uuid  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from collections.abc import AsyncIterator, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -58,3 +59,69 @@ def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if path is None:
         pytest.skip("tracing was set up without the jsonl exporter earlier in this process")
     return path
+
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray for the whole session (no dashboard); test modules import from tests/."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False,
+            namespace="rollmesh-tests",
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT)])}},
+        )
+    yield
+    if started:
+        ray.shutdown()
+
+
+@dataclass
+class TestMesh:
+    mesh: object
+    info: object
+    config: object
+    gate_dir: Path
+
+    @property
+    def namespace(self) -> str:
+        return self.info.namespace
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.info.run_dir)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def mesh(nats_server: EmbeddedNatsServer, ray_session: None) -> AsyncIterator[TestMesh]:
+    """The whole mesh (every role as a Ray actor) on the session's NATS and Ray, smoke-sized.
+
+    Its run directory is under the repository, not /tmp: sandboxes get a private /tmp, and the
+    gated test task needs a gate file they can see.
+    """
+    from rollmesh.config import load_config
+    from rollmesh.launcher import Mesh
+    from rollmesh.mesh_info import new_run_dir
+
+    run_dir = new_run_dir(REPO_ROOT / ".rollmesh" / "test-runs")
+    gate_dir = run_dir / "gate"
+    gate_dir.mkdir()
+    config = load_config(overrides={
+        "namespace": "mesh" + uuid.uuid4().hex[:8],
+        "nats.url": nats_server.url,
+        "serve.enabled": False,
+        "trainer.group_size": 2,
+        "trainer.groups_per_step": 1,
+        "rollout.tasks": ["rollmesh.rollout.molar_mass:MolarMassTask",
+                          "mesh_test_tasks:GatedMolarMassTask"],
+    })
+    test_mesh = Mesh(config, run_dir=run_dir)
+    info = await test_mesh.start()
+    yield TestMesh(test_mesh, info, config, gate_dir)
+    await test_mesh.stop()

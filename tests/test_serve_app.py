@@ -51,14 +51,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    """This module's Ray, unless the session already runs one (then it is left running)."""
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=2, include_dashboard=False, namespace="t" + uuid.uuid4().hex[:10])
+def local_ray(ray_session: None) -> Iterator[None]:
+    """The session's Ray (tests/conftest.py)."""
     yield
-    if started_here:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -314,11 +309,6 @@ def test_streaming_is_refused_with_a_clear_message(client: httpx.Client) -> None
     assert response.json()["error"]["message"] == "streaming is not supported yet"
 
 
-@pytest.mark.xfail(
-    reason="engine errors do not survive pickling (keyword-only __init__ args), so Ray hands the "
-    "caller an UnserializableException; needs EngineError.__reduce__ in rollmesh/engine/errors.py",
-    strict=False,
-)
 def test_engine_error_raised_in_an_actor_maps_to_400(deployed: Deployed) -> None:
     too_long = [65] * TOO_LONG
     kv_ref = deployed.prefill.prefill.remote(too_long, "too-long")

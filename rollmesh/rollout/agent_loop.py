@@ -204,7 +204,7 @@ class RolloutRunner:
             try:
                 reply = await self.publisher.request(
                     SANDBOX_EXEC,
-                    SandboxExecRequest(lease_id=lease_id, argv=task.tool_argv(call), timeout_s=timeout_s),
+                    SandboxExecRequest(lease_id=lease_id, argv=task.tool_argv(call, request.task_input), timeout_s=timeout_s),
                     timeout_s=timeout_s + BROKER_GRACE_S,
                 )
             except BusError as exc:

@@ -75,7 +75,7 @@ class MolarMassTask:
     def build_prompt(self, task_input: dict[str, Any]) -> str:
         return f"Q: molar mass of {self._formula(task_input)}?\n"
 
-    def tool_argv(self, call: ToolCall) -> list[str]:
+    def tool_argv(self, call: ToolCall, task_input: dict[str, Any]) -> list[str]:
         return [python_for_sandbox(), "-I", "-S", str(tool_script_path("molar_mass")), call.argument]
 
     def reward(self, task_input: dict[str, Any], transcript: Transcript) -> float:

@@ -1,0 +1,291 @@
+"""``rollmesh up`` and ``rollmesh down``: a mesh as a background process, and stopping it.
+
+Knows processes, signals and ``mesh.json``; the launcher (and so Ray) is imported only by the
+foreground process that runs the mesh. ``up`` picks the run directory, spawns ``rollmesh up
+--foreground --run-dir DIR`` in a new session with its output in ``DIR/mesh.log``, and returns when
+``mesh.json`` appears (the launcher writes it last, atomically). ``down`` sends SIGTERM to the pid
+in ``mesh.json``, waits, and kills the process group if it will not go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rollmesh.cli_errors import EXIT_OK, CliError
+from rollmesh.cli_target import add_target_options, load_cli_config, namespace_arg, positive_float
+from rollmesh.mesh_info import MESH_FILE, MeshInfo, MeshNotFoundError, new_run_dir, read_mesh_info
+
+LOG_FILE = "mesh.log"
+LOG_TAIL_LINES = 30
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    up = subparsers.add_parser(
+        "up", parents=[common], help="start a mesh in the background",
+        description="Start NATS (embedded unless --nats-url), Ray (local unless --ray-address), "
+                    "every actor and the Serve app, in a background process; return when ready.")
+    up.add_argument("--nats-url", metavar="URL", help="use this NATS server (config nats.url)")
+    up.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (config ray.address)")
+    up.add_argument("--namespace", type=namespace_arg, metavar="NS", help="subject namespace (config namespace)")
+    up.add_argument("--no-serve", action="store_true", help="do not deploy the Serve inference app")
+    up.add_argument("--run-dir", type=Path, metavar="DIR",
+                    help="run directory (default: a new one under --run-root)")
+    up.add_argument("--timeout", type=positive_float, default=600.0, metavar="S",
+                    help="seconds to wait for the mesh to be ready (default: %(default)s)")
+    up.add_argument("--foreground", action="store_true",
+                    help="run the mesh in this process until SIGINT/SIGTERM")
+    up.set_defaults(handler=run_up)
+
+    down = subparsers.add_parser(
+        "down", parents=[common], help="stop a mesh started by `rollmesh up`",
+        description="SIGTERM the mesh process named in mesh.json, wait for it to stop, "
+                    "SIGKILL its process group after --timeout.")
+    add_target_options(down, nats=False)
+    down.add_argument("--timeout", type=positive_float, default=90.0, metavar="S",
+                      help="seconds to wait before SIGKILL (default: %(default)s)")
+    down.set_defaults(handler=run_down)
+
+
+# -- up ----------------------------------------------------------------------------------------
+
+def _up_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {"nats.url": args.nats_url, "ray.address": args.ray_address, "namespace": args.namespace,
+            "serve.enabled": False if args.no_serve else None}
+
+
+def run_up(args: argparse.Namespace) -> int:
+    config = load_cli_config(args, _up_overrides(args))  # a bad config fails here, not in the child
+    if args.foreground:
+        run_dir = args.run_dir or new_run_dir(config.run_root)
+        return asyncio.run(_run_foreground(config, Path(run_dir)))
+    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config.run_root)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _refuse_live_mesh(run_dir)
+    log_path = run_dir / LOG_FILE
+    env = {**os.environ}
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    with log_path.open("ab") as log:
+        # A new session: the mesh outlives this command and the terminal's Ctrl-C.
+        child = subprocess.Popen(child_command(args, run_dir), stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    try:
+        info = _wait_with_status(child, run_dir, args.timeout)
+    except BaseException:
+        _stop_process_group(child.pid, timeout_s=30.0)
+        child.wait()
+        raise
+    print(f"mesh up (pid {info.pid})")
+    print(f"  run dir    {info.run_dir}")
+    print(f"  NATS       {info.nats_url}")
+    print(f"  namespace  {info.namespace}")
+    print(f"  Serve      {info.serve_url or 'disabled'}")
+    print(f"  log        {log_path}")
+    print("stop it with: rollmesh down" + ("" if args.run_dir is None else f" --run-dir {run_dir}"))
+    return EXIT_OK
+
+
+def child_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """The ``rollmesh up --foreground`` command line that runs the mesh for ``run_dir``."""
+    command = [sys.executable, "-m", "rollmesh.cli"]
+    if args.config:
+        command += ["--config", str(Path(args.config).resolve())]
+    if args.debug:
+        command.append("--debug")
+    command += ["up", "--foreground", "--run-dir", str(run_dir.resolve())]
+    for flag, value in (("--nats-url", args.nats_url), ("--ray-address", args.ray_address),
+                        ("--namespace", args.namespace)):
+        if value:
+            command += [flag, value]
+    if args.no_serve:
+        command.append("--no-serve")
+    return command
+
+
+def wait_mesh_ready(child: subprocess.Popen[bytes], run_dir: Path, timeout_s: float,
+                    on_poll: Callable[[float], None] = lambda elapsed: None) -> MeshInfo:
+    """Poll for ``run_dir/mesh.json`` written by ``child``; fail early if the child dies."""
+    started = time.monotonic()
+    delay = 0.05
+    while True:
+        info = _read_ready_info(run_dir, child.pid)
+        if info is not None:
+            return info
+        returncode = child.poll()
+        if returncode is not None:
+            raise CliError(f"the mesh process exited with code {returncode} before it was ready; "
+                           f"its log is {run_dir / LOG_FILE}", detail=log_tail(run_dir / LOG_FILE))
+        elapsed = time.monotonic() - started
+        if elapsed > timeout_s:
+            raise CliError(f"the mesh was not ready within {timeout_s:g}s; its log is {run_dir / LOG_FILE}",
+                           detail=log_tail(run_dir / LOG_FILE))
+        on_poll(elapsed)
+        time.sleep(delay)  # polling a file for readiness; the file is the signal
+        delay = min(delay * 1.5, 0.5)
+
+
+def _read_ready_info(run_dir: Path, pid: int) -> MeshInfo | None:
+    try:
+        info = read_mesh_info(run_dir, run_root=run_dir.parent)
+    except (MeshNotFoundError, OSError, msgspec.DecodeError):
+        return None
+    return info if info.pid == pid else None
+
+
+def _wait_with_status(child: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> MeshInfo:
+    if not sys.stdout.isatty():
+        print(f"starting the mesh in {run_dir} (log: {run_dir / LOG_FILE}) ...", flush=True)
+        return wait_mesh_ready(child, run_dir, timeout_s)
+    from rich.console import Console
+
+    console = Console()
+    with console.status(f"starting the mesh in {run_dir}") as status:
+        return wait_mesh_ready(child, run_dir, timeout_s, on_poll=lambda elapsed: status.update(
+            f"starting the mesh in {run_dir} ({elapsed:.0f}s; log: {run_dir / LOG_FILE})"))
+
+
+def _refuse_live_mesh(run_dir: Path) -> None:
+    try:
+        info = read_mesh_info(run_dir, run_root=run_dir.parent)
+    except (MeshNotFoundError, msgspec.DecodeError):
+        return
+    if _is_alive(info.pid):
+        raise CliError(f"a mesh (pid {info.pid}) already runs in {run_dir}; stop it with "
+                       f"`rollmesh down --run-dir {run_dir}`")
+
+
+async def _run_foreground(config: Any, run_dir: Path) -> int:
+    """Run the mesh in this process: start it, wait for SIGINT/SIGTERM, stop it."""
+    from rollmesh.launcher import Mesh
+    from rollmesh.telemetry.logging import setup_logging
+
+    setup_logging("rollmesh-up", config.telemetry.log_level)
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+
+    def handle_stop_signals() -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop_requested.set)
+
+    handle_stop_signals()
+    mesh = Mesh(config, run_dir=run_dir)
+    try:
+        starting = asyncio.ensure_future(mesh.start())
+        stopping = asyncio.ensure_future(stop_requested.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # asked to stop while starting: give up on the start
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            print("stop requested while starting; stopping", flush=True)
+            return EXIT_OK
+        info = starting.result()
+        # ray.init installs its own SIGTERM handler (it exits at once): take the signals back.
+        handle_stop_signals()
+        print(f"mesh ready: run dir {info.run_dir}, NATS {info.nats_url}, namespace {info.namespace}, "
+              f"Serve {info.serve_url or 'disabled'}, pid {info.pid}", flush=True)
+        await stopping
+        print("stop requested; stopping the mesh", flush=True)
+        return EXIT_OK
+    finally:
+        await mesh.stop()
+        print("mesh stopped", flush=True)
+
+
+# -- down --------------------------------------------------------------------------------------
+
+def run_down(args: argparse.Namespace) -> int:
+    config = load_cli_config(args)
+    try:
+        info = read_mesh_info(args.run_dir, run_root=config.run_root)
+    except MeshNotFoundError as exc:
+        raise CliError(str(exc)) from exc
+    mesh_file = Path(info.run_dir) / MESH_FILE
+    if not _is_alive(info.pid) or not _looks_like_rollmesh(info.pid):
+        mesh_file.unlink(missing_ok=True)
+        print(f"no mesh process {info.pid} is running; removed the stale {mesh_file}")
+        return EXIT_OK
+    print(f"stopping the mesh (pid {info.pid}, run dir {info.run_dir}) ...", flush=True)
+    os.kill(info.pid, signal.SIGTERM)
+    if _wait_exit(info.pid, args.timeout):
+        print("mesh stopped")
+        return EXIT_OK
+    _stop_process_group(info.pid, timeout_s=0)
+    _wait_exit(info.pid, 10.0)
+    mesh_file.unlink(missing_ok=True)
+    raise CliError(f"the mesh did not stop within {args.timeout:g}s after SIGTERM; killed its "
+                   f"process group; see {Path(info.run_dir) / LOG_FILE}")
+
+
+def _stop_process_group(pid: int, *, timeout_s: float) -> None:
+    """SIGTERM the process (group) of ``pid``; SIGKILL it if it is still there after ``timeout_s``."""
+    if timeout_s > 0:
+        _signal_group(pid, signal.SIGTERM)
+        if _wait_exit(pid, timeout_s):
+            return
+    _signal_group(pid, signal.SIGKILL)
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    """The whole group when ``pid`` leads one (``up`` starts it so: the embedded nats-server and
+    Ray's helpers go too), else just ``pid``."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signum)
+        else:
+            os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_exit(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while _is_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+    return True
+
+
+def _is_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an exited process nobody has reaped yet is a zombie: as good as gone
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
+def _looks_like_rollmesh(pid: int) -> bool:
+    """Guards against a reused pid: the process named in mesh.json must be a rollmesh one."""
+    try:
+        command_line = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc to ask: trust mesh.json
+    return b"rollmesh" in command_line
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])

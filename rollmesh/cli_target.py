@@ -1,0 +1,87 @@
+"""What every CLI command shares: the config it runs with and the mesh it talks to.
+
+Knows the config loader, ``mesh.json`` and argparse; never imports Ray or nats-py, so finding a
+mesh stays cheap. A command finds its mesh, in this order: ``--nats-url`` (+ ``--namespace``),
+``--run-dir``, the config's ``nats.url`` (a cluster deployment), the latest run under the run root.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollmesh.cli_errors import EXIT_USAGE, CliError
+from rollmesh.config import ConfigError, RollmeshConfig, load_config
+from rollmesh.mesh_info import MeshInfo, MeshNotFoundError, read_mesh_info
+from rollmesh.messages import check_namespace
+
+
+@dataclass(frozen=True)
+class MeshTarget:
+    nats_url: str
+    namespace: str
+    # The run directory when the mesh was found through mesh.json, else None.
+    run_dir: Path | None = None
+    info: MeshInfo | None = None
+
+
+def namespace_arg(text: str) -> str:
+    """argparse ``type=``: a bad namespace is a usage error (exit 2), not a crash later."""
+    try:
+        return check_namespace(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def add_target_options(parser: argparse.ArgumentParser, *, nats: bool = True) -> None:
+    """``--run-dir`` or ``--nats-url`` (mutually exclusive), and ``--namespace``."""
+    group = parser.add_argument_group("which mesh")
+    where = group.add_mutually_exclusive_group()
+    where.add_argument("--run-dir", type=Path, metavar="DIR",
+                       help="the mesh's run directory (default: the latest run under --run-root)")
+    if nats:
+        where.add_argument("--nats-url", metavar="URL",
+                           help="talk to this NATS server directly instead of reading mesh.json")
+        group.add_argument("--namespace", type=namespace_arg, metavar="NS",
+                           help="subject namespace (default: the mesh's, else the config's)")
+
+
+def load_cli_config(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> RollmeshConfig:
+    """The config of ``--config`` (embedded defaults when absent) with env and CLI overrides."""
+    merged = dict(overrides or {})
+    if args.run_root is not None:
+        merged["run_root"] = str(args.run_root)
+    try:
+        return load_config(args.config, overrides={k: v for k, v in merged.items() if v is not None})
+    except ConfigError as exc:
+        raise CliError(f"bad config: {exc}", exit_code=EXIT_USAGE) from exc
+
+
+def find_mesh(args: argparse.Namespace, config: RollmeshConfig) -> MeshTarget:
+    namespace = getattr(args, "namespace", None)
+    nats_url = getattr(args, "nats_url", None)
+    if nats_url:
+        return MeshTarget(nats_url, namespace or config.namespace)
+    if args.run_dir is None and config.nats.url:
+        return MeshTarget(config.nats.url, namespace or config.namespace)
+    try:
+        info = read_mesh_info(args.run_dir, run_root=config.run_root)
+    except MeshNotFoundError as exc:
+        raise CliError(str(exc)) from exc
+    return MeshTarget(info.nats_url, namespace or info.namespace, Path(info.run_dir), info)

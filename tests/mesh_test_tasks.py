@@ -1,0 +1,22 @@
+"""Task plugins used only by the integration tests (loaded by the rollout worker by import path).
+
+``GatedMolarMassTask`` is the demo task whose calculator first waits for a gate file to exist,
+so a test can act (publish new weights) while a rollout is parked between two turns. The gate
+(``task_input["gate"]``, a path under the test run directory) is visible read-only inside
+sandboxes.
+"""
+
+from __future__ import annotations
+
+from rollmesh.rollout.molar_mass import MolarMassTask
+from rollmesh.rollout.tasks import ToolCall
+from rollmesh.sandbox.tool_paths import python_for_sandbox, tool_script_path
+
+class GatedMolarMassTask(MolarMassTask):
+    name = "gated_molar_mass"
+
+    def tool_argv(self, call: ToolCall, task_input: dict) -> list[str]:
+        gate = task_input["gate"]
+        script = (f'while [ ! -e "{gate}" ]; do sleep 0.02; done; '
+                  f'exec {python_for_sandbox()} -I -S {tool_script_path("molar_mass")} "$1"')
+        return ["/bin/sh", "-c", script, "sh", call.argument]

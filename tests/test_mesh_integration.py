@@ -1,0 +1,237 @@
+"""The whole mesh on a real nats-server and a real local Ray: the issue's end-to-end promises.
+
+One session-scoped mesh (tests/conftest.py ``mesh``) serves every test here; each test uses its
+own rollout ids. Model behaviour that needs tool calls comes from a short supervised warm start
+done once (``tool_calling_mesh``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+
+import nats
+import pytest
+import pytest_asyncio
+import ray
+
+from rollmesh.engine.weights import load_weights, save_weights
+from rollmesh.messages import WeightsPublished
+from rollmesh.messages.subjects import (
+    DEAD_LETTERED,
+    ROLLOUT_COMPLETED,
+    ROLLOUT_FAILED,
+    ROLLOUT_REQUESTED,
+    WEIGHTS_ACTIVATED,
+    WEIGHTS_PUBLISHED,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+class ResultWatcher:
+    """Collects completions and failures by rollout id, from a plain core subscription."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, dict] = {}
+        self._arrived = asyncio.Event()
+
+    async def subscribe(self, nc, namespace: str) -> None:
+        for subject in (ROLLOUT_COMPLETED, ROLLOUT_FAILED):
+            await nc.subscribe(subject.format(namespace), cb=self._on_message)
+
+    async def _on_message(self, msg) -> None:
+        body = json.loads(msg.data)
+        self.results[body["rollout_id"]] = body
+        self._arrived.set()
+
+    async def wait(self, rollout_id: str, timeout: float = 60.0) -> dict:
+        async def arrived() -> dict:
+            while rollout_id not in self.results:
+                self._arrived.clear()
+                await self._arrived.wait()
+            return self.results[rollout_id]
+
+        return await asyncio.wait_for(arrived(), timeout)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def tool_calling_mesh(mesh):
+    """The mesh after a short supervised warm start: greedy decoding now calls the calculator."""
+    trainer = ray.get_actor("trainer", namespace=mesh.mesh.ray_namespace)
+    await trainer.warm_start.remote("rollmesh.rollout.molar_mass:MolarMassTask", steps=60,
+                                    batch_size=32, lr=3e-3, tool_fraction=1.0, seed=0)
+    return mesh
+
+
+async def test_bare_nats_client_request_comes_back_completed(mesh) -> None:
+    """A client with nothing but nats-py and JSON gets a completed rollout back."""
+    nc = await nats.connect(mesh.info.nats_url)
+    try:
+        watcher = ResultWatcher()
+        await watcher.subscribe(nc, mesh.namespace)
+        rollout_id = "bare-" + uuid.uuid4().hex[:8]
+        request = {"rollout_id": rollout_id, "task": "molar_mass", "task_input": {"formula": "H2O"},
+                   "sampling": {"temperature": 1.0, "max_new_tokens": 24}}
+        await nc.jetstream().publish(f"rl.{mesh.namespace}.rollout.requested", json.dumps(request).encode())
+        result = await watcher.wait(rollout_id)
+    finally:
+        await nc.close()
+    assert result["type"] == "rollout.completed", result
+    assert len(result["tokens"]) == len(result["loss_mask"]) == len(result["versions"]) == len(result["logprobs"])
+    assert result["tokens"][: result["prompt_len"]][1:] == list(b"Q: molar mass of H2O?\n")
+    assert all(v == -1 for v in result["versions"][: result["prompt_len"]])
+    assert any(result["loss_mask"]) and result["reward"] in (0.0, 1.0)
+
+
+async def test_unknown_task_gets_a_typed_failure(mesh) -> None:
+    nc = await nats.connect(mesh.info.nats_url)
+    try:
+        watcher = ResultWatcher()
+        await watcher.subscribe(nc, mesh.namespace)
+        rollout_id = "unknown-" + uuid.uuid4().hex[:8]
+        body = {"rollout_id": rollout_id, "task": "no_such_task"}
+        await nc.jetstream().publish(f"rl.{mesh.namespace}.rollout.requested", json.dumps(body).encode())
+        result = await watcher.wait(rollout_id)
+    finally:
+        await nc.close()
+    assert result["type"] == "rollout.failed"
+    assert result["kind"] == "unknown_task" and "no_such_task" in result["reason"]
+
+
+async def subscribed_subjects(mesh) -> set[str]:
+    templates: set[str] = set()
+    for actor in mesh.mesh.actors.values():
+        templates |= set((await actor.stats.remote())["subjects"])
+    return templates
+
+
+async def test_malformed_bytes_on_every_subscribed_subject_are_dead_lettered(mesh) -> None:
+    templates = await subscribed_subjects(mesh)
+    assert {ROLLOUT_REQUESTED.template, WEIGHTS_PUBLISHED.template} <= templates
+    nc = await nats.connect(mesh.info.nats_url)
+    js = nc.jetstream()
+    dead: dict[str, dict] = {}
+    all_in = asyncio.Event()
+
+    async def on_dead_letter(msg) -> None:
+        body = json.loads(msg.data)
+        dead[body["subject"]] = body
+        if len(dead) >= len(templates):
+            all_in.set()
+
+    try:
+        await nc.subscribe(DEAD_LETTERED.format(mesh.namespace), cb=on_dead_letter)
+        for template in sorted(templates):
+            subject = template.format(ns=mesh.namespace)
+            garbage = b"\xff\x00not a message" + template.encode()
+            if subject.endswith(("requested", "completed", "failed", "saved")):
+                await js.publish(subject, garbage)  # captured by a stream: arrives via JetStream
+            else:
+                await nc.publish(subject, garbage)
+        await asyncio.wait_for(all_in.wait(), 30)
+        assert set(dead) == {t.format(ns=mesh.namespace) for t in templates}
+        assert all(body["reason"] for body in dead.values())
+    finally:
+        await nc.close()
+    # Every actor kept serving: a normal rollout still completes end to end.
+    await test_bare_nats_client_request_comes_back_completed(mesh)
+
+
+async def test_weight_update_mid_rollout_keeps_the_rollout_and_both_versions(tool_calling_mesh) -> None:
+    mesh = tool_calling_mesh
+    trainer = ray.get_actor("trainer", namespace=mesh.mesh.ray_namespace)
+    old_version = await trainer.version.remote()
+    gate = mesh.gate_dir / uuid.uuid4().hex
+    nc = await nats.connect(mesh.info.nats_url)
+    try:
+        watcher = ResultWatcher()
+        await watcher.subscribe(nc, mesh.namespace)
+        tool_started = asyncio.Event()
+
+        async def on_exec(msg) -> None:
+            tool_started.set()
+
+        await nc.subscribe(f"rl.{mesh.namespace}.sandbox.exec", cb=on_exec)
+        activated: set[str] = set()
+        new_version = old_version + 100
+        all_activated = asyncio.Event()
+
+        async def on_activated(msg) -> None:
+            event = WEIGHTS_ACTIVATED.decode(msg.data)
+            if event.version == new_version:
+                activated.add(event.worker)
+                if len(activated) == 2:  # one prefill and one decode worker
+                    all_activated.set()
+
+        await nc.subscribe(WEIGHTS_ACTIVATED.format(mesh.namespace), cb=on_activated)
+        rollout_id = "swap-" + uuid.uuid4().hex[:8]
+        request = {"rollout_id": rollout_id, "task": "gated_molar_mass",
+                   "task_input": {"formula": "NaCl", "gate": str(gate)},
+                   "sampling": {"temperature": 0.0, "max_new_tokens": 30}, "max_turns": 2}
+        await nc.jetstream().publish(ROLLOUT_REQUESTED.format(mesh.namespace), json.dumps(request).encode())
+        # The first turn has been generated and its tool is parked on the gate: swap weights now.
+        await asyncio.wait_for(tool_started.wait(), 60)
+        # The same (warm-started) weights under a new version: the tokens' versions must show
+        # the swap, and the model keeps behaving for the tests that follow.
+        latest = sorted((mesh.run_dir / "weights").glob("v*.safetensors"))[-1]
+        path = mesh.run_dir / "weights" / f"test-v{new_version}.safetensors"
+        sha256, size = save_weights(load_weights(latest), path)
+        await nc.publish(WEIGHTS_PUBLISHED.format(mesh.namespace), WEIGHTS_PUBLISHED.encode(
+            WeightsPublished(version=new_version, path=str(path), sha256=sha256, num_bytes=size)))
+        await asyncio.wait_for(all_activated.wait(), 30)
+        gate.touch()
+        result = await watcher.wait(rollout_id)
+    finally:
+        await nc.close()
+    assert result["type"] == "rollout.completed", result
+    generated = [v for v in result["versions"] if v != -1]
+    assert result["turns"] == 2 and result["tool_calls"] >= 1
+    assert generated == sorted(generated)
+    assert {old_version, new_version} <= set(generated)
+
+
+def read_spans(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+async def test_turn_spans_share_a_trace_across_actors_and_link_to_the_rollout(tool_calling_mesh) -> None:
+    mesh = tool_calling_mesh
+    nc = await nats.connect(mesh.info.nats_url)
+    try:
+        watcher = ResultWatcher()
+        await watcher.subscribe(nc, mesh.namespace)
+        rollout_id = "trace-" + uuid.uuid4().hex[:8]
+        request = {"rollout_id": rollout_id, "task": "molar_mass", "task_input": {"formula": "KCl"},
+                   "sampling": {"temperature": 0.0, "max_new_tokens": 30}, "max_turns": 2}
+        await nc.jetstream().publish(ROLLOUT_REQUESTED.format(mesh.namespace), json.dumps(request).encode())
+        result = await watcher.wait(rollout_id)
+    finally:
+        await nc.close()
+    assert result["type"] == "rollout.completed" and result["tool_calls"] >= 1, result
+    traces = mesh.run_dir / "traces.jsonl"
+    deadline = time.monotonic() + 20
+    while True:  # spans are exported in batches by several processes
+        spans = read_spans(traces)
+        rollout = [s for s in spans if s["name"] == "rollout" and s["attributes"].get("rollout_id") == rollout_id]
+        turns = [s for s in spans if s["name"] == "turn" and s["attributes"].get("rollout_id") == rollout_id]
+        turn_traces = {t["trace_id"] for t in turns}
+        services = {t: {s["service"] for s in spans if s["trace_id"] == t} for t in turn_traces}
+        if rollout and len(turns) == result["turns"] and all(
+                {"prefill-0", "decode-0", "rollout-worker-0"} <= svc for svc in services.values()) and any(
+                "sandbox-broker" in svc for svc in services.values()):
+            break
+        assert time.monotonic() < deadline, f"spans missing: {len(rollout)} rollout, {len(turns)} turns, {services}"
+        await asyncio.sleep(0.2)
+    rollout_span = rollout[0]
+    assert len(turn_traces) == len(turns)  # one trace per turn
+    assert rollout_span["trace_id"] not in turn_traces
+    for turn in turns:
+        assert turn["parent_span_id"] in (None, "")  # the root of its own trace
+        assert {"trace_id": rollout_span["trace_id"], "span_id": rollout_span["span_id"]}.items() <= \
+            {k: v for link in turn["links"] for k, v in link.items() if k in ("trace_id", "span_id")}.items()
+        names = {s["name"] for s in spans if s["trace_id"] == turn["trace_id"]}
+        assert {"generate", "prefill", "decode"} <= names
