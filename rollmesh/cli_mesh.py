@@ -66,15 +66,13 @@ def _up_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_up(args: argparse.Namespace) -> int:
     config = load_cli_config(args, _up_overrides(args))  # a bad config fails here, not in the child
-    if args.foreground:
-        run_dir = args.run_dir or new_run_dir(config.run_root)
-        return asyncio.run(_run_foreground(config, Path(run_dir)))
     run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config.run_root)
+    if args.foreground:
+        return asyncio.run(_run_foreground(config, run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     _refuse_live_mesh(run_dir)
     log_path = run_dir / LOG_FILE
-    env = {**os.environ}
-    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env = {"RAY_AUTH_MODE": "disabled", **os.environ}
     with log_path.open("ab") as log:
         # A new session: the mesh outlives this command and the terminal's Ctrl-C.
         child = subprocess.Popen(child_command(args, run_dir), stdin=subprocess.DEVNULL, stdout=log,
@@ -82,7 +80,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         info = _wait_with_status(child, run_dir, args.timeout)
     except BaseException:
-        _stop_process_group(child.pid, timeout_s=30.0)
+        stop_mesh_process(child.pid, grace_s=30.0)
         child.wait()
         raise
     print(f"mesh up (pid {info.pid})")
@@ -91,7 +89,8 @@ def run_up(args: argparse.Namespace) -> int:
     print(f"  namespace  {info.namespace}")
     print(f"  Serve      {info.serve_url or 'disabled'}")
     print(f"  log        {log_path}")
-    print("stop it with: rollmesh down" + ("" if args.run_dir is None else f" --run-dir {run_dir}"))
+    latest = args.run_dir is None and args.run_root is None  # `down` finds it unaided
+    print("stop it with: rollmesh down" + ("" if latest else f" --run-dir {run_dir}"))
     return EXIT_OK
 
 
@@ -167,9 +166,7 @@ def _refuse_live_mesh(run_dir: Path) -> None:
 async def _run_foreground(config: Any, run_dir: Path) -> int:
     """Run the mesh in this process: start it, wait for SIGINT/SIGTERM, stop it."""
     from rollmesh.launcher import Mesh
-    from rollmesh.telemetry.logging import setup_logging
 
-    setup_logging("rollmesh-up", config.telemetry.log_level)
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
 
@@ -215,36 +212,55 @@ def run_down(args: argparse.Namespace) -> int:
         print(f"no mesh process {info.pid} is running; removed the stale {mesh_file}")
         return EXIT_OK
     print(f"stopping the mesh (pid {info.pid}, run dir {info.run_dir}) ...", flush=True)
-    os.kill(info.pid, signal.SIGTERM)
-    if _wait_exit(info.pid, args.timeout):
+    if stop_mesh_process(info.pid, grace_s=args.timeout):
         print("mesh stopped")
         return EXIT_OK
-    _stop_process_group(info.pid, timeout_s=0)
-    _wait_exit(info.pid, 10.0)
     mesh_file.unlink(missing_ok=True)
-    raise CliError(f"the mesh did not stop within {args.timeout:g}s after SIGTERM; killed its "
-                   f"process group; see {Path(info.run_dir) / LOG_FILE}")
+    raise CliError(f"the mesh did not stop within {args.timeout:g}s after SIGTERM; killed it; "
+                   f"see {Path(info.run_dir) / LOG_FILE}")
 
 
-def _stop_process_group(pid: int, *, timeout_s: float) -> None:
-    """SIGTERM the process (group) of ``pid``; SIGKILL it if it is still there after ``timeout_s``."""
-    if timeout_s > 0:
-        _signal_group(pid, signal.SIGTERM)
-        if _wait_exit(pid, timeout_s):
-            return
-    _signal_group(pid, signal.SIGKILL)
+def stop_mesh_process(pid: int, *, grace_s: float) -> bool:
+    """SIGTERM ``pid`` (the mesh stops itself); SIGKILL it if it is still there after ``grace_s``.
 
-
-def _signal_group(pid: int, signum: int) -> None:
-    """The whole group when ``pid`` leads one (``up`` starts it so: the embedded nats-server and
-    Ray's helpers go too), else just ``pid``."""
+    When it leads its own session, as ``up`` starts it, whatever is left in that session afterwards
+    (the embedded nats-server, Ray's workers, after a crash or a kill) is SIGKILLed too.
+    Returns True when it stopped on SIGTERM.
+    """
     try:
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, signum)
-        else:
-            os.kill(pid, signum)
+        leads_session = os.getsid(pid) == pid
+    except ProcessLookupError:
+        return True
+    _send_signal(pid, signal.SIGTERM)
+    graceful = _wait_exit(pid, grace_s)
+    if not graceful:
+        _send_signal(pid, signal.SIGKILL)
+        _wait_exit(pid, 10.0)
+    if leads_session:
+        for member in _session_members(pid):
+            _send_signal(member, signal.SIGKILL)
+    return graceful
+
+
+def _send_signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _session_members(session_id: int) -> list[int]:
+    """Live processes of a session, from /proc (empty where there is no /proc)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after "pid (comm)": state ppid pgrp session ...
+        if len(fields) > 3 and fields[0] != "Z" and int(fields[3]) == session_id:
+            members.append(int(stat.parent.name))
+    return members
 
 
 def _wait_exit(pid: int, timeout_s: float) -> bool:

@@ -46,10 +46,10 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                          help="train: the trainer learns from them; eval: it does not (default: %(default)s)")
     sampled.add_argument("--group-size", type=positive_int, default=None, metavar="G",
                          help="rollouts per GRPO group sharing one input (default: config trainer.group_size)")
-    sampled.add_argument("--max-new-tokens", type=positive_int, default=40, metavar="T",
+    sampled.add_argument("--max-new-tokens", type=positive_int, default=40, metavar="N",
                          help="tokens per generation (default: %(default)s)")
-    sampled.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
-    sampled.add_argument("--max-turns", type=positive_int, default=4, help="turns per rollout (default: %(default)s)")
+    sampled.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature (default: %(default)s)")
+    sampled.add_argument("--max-turns", type=positive_int, default=4, metavar="N", help="turns per rollout (default: %(default)s)")
     add_target_options(submit)
     submit.add_argument("--wait", action="store_true",
                         help="wait for every request's completion or failure and print a table")
@@ -99,12 +99,17 @@ def sample_requests(args: argparse.Namespace, config: RollmeshConfig) -> list[Ro
     batch = f"cli-{uuid.uuid4().hex[:8]}"
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     now = time.time()
-    return [
+    requests = [
         RolloutRequested(rollout_id=f"{batch}-{index:04d}", task=task.name,
                          task_input=inputs[index // group_size], group_id=f"{batch}-g{index // group_size:03d}",
                          purpose=args.purpose, sampling=sampling, max_turns=args.max_turns, requested_at=now)
         for index in range(args.count)
     ]
+    try:  # Struct constructors do not check constraints; the mesh's decoder would refuse them
+        ROLLOUT_REQUESTED.decode(ROLLOUT_REQUESTED.encode(requests[0]))
+    except msgspec.ValidationError as exc:
+        raise CliError(f"invalid request options: {exc}", exit_code=EXIT_USAGE) from exc
+    return requests
 
 
 def _find_task(name: str, registered: list[str]) -> Any:
@@ -140,14 +145,23 @@ def run_submit(args: argparse.Namespace) -> int:
         print("nothing to publish", file=sys.stderr)
         return EXIT_FAILURE if parsed.bad_lines else EXIT_OK
     target = find_mesh(args, config)
-    results = asyncio.run(_submit(target, requests, wait=args.wait, timeout_s=args.timeout))
-    subject = ROLLOUT_REQUESTED.format(target.namespace)
-    print(f"published {len(requests)} rollout request(s) to {subject}"
-          + (f"; {len(parsed.bad_lines)} bad line(s) skipped" if parsed.bad_lines else ""))
+    outcome = asyncio.run(_submit(target, requests, wait=args.wait, timeout_s=args.timeout,
+                                  bad_lines=len(parsed.bad_lines)))
     failed = bool(parsed.bad_lines)
-    if args.wait:
-        failed = _print_results(requests, results) or failed
+    waited = [r for r in requests if r.rollout_id not in outcome.duplicates]
+    if args.wait and waited:
+        failed = _print_results(waited, outcome.results) or failed
     return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _report_published(subject: str, requests: list[RolloutRequested], duplicates: list[str],
+                      bad_lines: int) -> None:
+    print(f"published {len(requests) - len(duplicates)} rollout request(s) to {subject}"
+          + (f"; {bad_lines} bad line(s) skipped" if bad_lines else ""), flush=True)
+    if duplicates:
+        print(f"warning: {len(duplicates)} request(s) dropped by JetStream as repeats of rollout ids "
+              f"published within its duplicate window: {', '.join(duplicates[:5])}"
+              + (" ..." if len(duplicates) > 5 else ""), file=sys.stderr)
 
 
 def _read_file(path: Path) -> ParsedRequests:
@@ -159,12 +173,12 @@ def _read_file(path: Path) -> ParsedRequests:
 
 
 async def _submit(target: MeshTarget, requests: list[RolloutRequested], *, wait: bool,
-                  timeout_s: float) -> dict[str, RolloutCompleted | RolloutFailed]:
+                  timeout_s: float, bad_lines: int) -> ResultCollector:
     from rollmesh.bus.connection import connect_bus
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.bus.streams import ensure_streams
 
-    nc = await connect_bus(target.nats_url, name="rollmesh-submit", connect_timeout_s=10.0)
+    nc = await connect_bus(target.nats_url, name="rollmesh-submit", connect_timeout_s=target.connect_timeout_s)
     try:
         js = nc.jetstream()
         # Idempotent: requests are stored even when no mesh has created the streams yet.
@@ -173,14 +187,35 @@ async def _submit(target: MeshTarget, requests: list[RolloutRequested], *, wait:
         if wait:  # subscribe before publishing, so no result can slip past
             for subject in (ROLLOUT_COMPLETED, ROLLOUT_FAILED):
                 await nc.subscribe(subject.format(target.namespace), cb=collector.on_message)
-        publisher = BusPublisher(nc, js, target.namespace)
+        acks = _AckRecorder(js)
+        publisher = BusPublisher(nc, acks, target.namespace)  # type: ignore[arg-type]
         for request in requests:
             await publisher.publish(ROLLOUT_REQUESTED, request)
-        if wait and requests:
+            if acks.last is not None and acks.last.duplicate:
+                collector.skip_duplicate(request.rollout_id)
+        _report_published(ROLLOUT_REQUESTED.format(target.namespace), requests, collector.duplicates,
+                          bad_lines)
+        if wait and collector.pending:
             await collector.wait(timeout_s, show_progress=sys.stdout.isatty())
-        return collector.results
+        return collector
     finally:
         await nc.close()
+
+
+class _AckRecorder:
+    """Passes JetStream calls through and keeps the last publish ack, whose ``duplicate`` flag
+    says the server dropped a request as a repeat (``BusPublisher.publish`` returns nothing)."""
+
+    def __init__(self, js: Any) -> None:
+        self._js = js
+        self.last: Any = None
+
+    async def publish(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = await self._js.publish(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
 
 
 class ResultCollector:
@@ -189,7 +224,13 @@ class ResultCollector:
     def __init__(self, rollout_ids: set[str]) -> None:
         self.pending = set(rollout_ids)
         self.results: dict[str, RolloutCompleted | RolloutFailed] = {}
+        # Dropped by JetStream as repeats of a request published within its duplicate window.
+        self.duplicates: list[str] = []
         self._changed = asyncio.Event()
+
+    def skip_duplicate(self, rollout_id: str) -> None:
+        self.pending.discard(rollout_id)
+        self.duplicates.append(rollout_id)
 
     async def on_message(self, msg: Any) -> None:
         subject = ROLLOUT_FAILED if msg.subject.endswith(".failed") else ROLLOUT_COMPLETED
@@ -247,7 +288,8 @@ def _print_results(requests: list[RolloutRequested], results: dict[str, Any]) ->
                           "-")
         else:
             table.add_row(request.rollout_id, "no result (timed out)", "-", "-", "-", "-")
-    console = Console()
+    # Off a terminal rich assumes 80 columns and would wrap cells; logs read better unwrapped.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     console.print(table)
     rewards = [r.reward for r in results.values() if isinstance(r, RolloutCompleted)]
     if rewards:

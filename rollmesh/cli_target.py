@@ -25,6 +25,7 @@ class MeshTarget:
     # The run directory when the mesh was found through mesh.json, else None.
     run_dir: Path | None = None
     info: MeshInfo | None = None
+    connect_timeout_s: float = 5.0
 
 
 def namespace_arg(text: str) -> str:
@@ -76,12 +77,14 @@ def load_cli_config(args: argparse.Namespace, overrides: dict[str, Any] | None =
 def find_mesh(args: argparse.Namespace, config: RollmeshConfig) -> MeshTarget:
     namespace = getattr(args, "namespace", None)
     nats_url = getattr(args, "nats_url", None)
+    timeout_s = config.nats.connect_timeout_s
     if nats_url:
-        return MeshTarget(nats_url, namespace or config.namespace)
+        return MeshTarget(nats_url, namespace or config.namespace, connect_timeout_s=timeout_s)
     if args.run_dir is None and config.nats.url:
-        return MeshTarget(config.nats.url, namespace or config.namespace)
+        return MeshTarget(config.nats.url, namespace or config.namespace, connect_timeout_s=timeout_s)
     try:
         info = read_mesh_info(args.run_dir, run_root=config.run_root)
     except MeshNotFoundError as exc:
         raise CliError(str(exc)) from exc
-    return MeshTarget(info.nats_url, namespace or info.namespace, Path(info.run_dir), info)
+    return MeshTarget(info.nats_url, namespace or info.namespace, Path(info.run_dir), info,
+                      connect_timeout_s=timeout_s)

@@ -103,7 +103,7 @@ async def _watch(target: MeshTarget, tally: WatchTally, *, count: int | None, ti
     """Follow events until ``count`` finished (True) or ``timeout_s`` passed (False when counting)."""
     from rollmesh.bus.connection import connect_bus
 
-    nc = await connect_bus(target.nats_url, name="rollmesh-watch", connect_timeout_s=10.0)
+    nc = await connect_bus(target.nats_url, name="rollmesh-watch", connect_timeout_s=target.connect_timeout_s)
     finished = asyncio.Event()
     view = _TerminalView(count) if terminal else None
 
@@ -149,11 +149,18 @@ class _TerminalView:
 
     def __init__(self, count: int | None) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        from rich.table import Column
 
-        columns = [SpinnerColumn(), TextColumn("{task.description}")]
+        def fixed(width: int) -> Column:
+            return Column(min_width=width, no_wrap=True)
+
+        columns: list[Any] = [SpinnerColumn()]
         if count:
-            columns += [BarColumn(), MofNCompleteColumn()]
-        self.progress = Progress(*columns, TimeElapsedColumn())
+            columns += [BarColumn(bar_width=30, table_column=fixed(30)), MofNCompleteColumn(table_column=fixed(5))]
+        # The counts take what is left of the line and are cut there, never the bar.
+        columns += [TimeElapsedColumn(table_column=fixed(7)),
+                    TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1))]
+        self.progress = Progress(*columns, expand=True)
         self.bar = self.progress.add_task("waiting for events", total=count)
         self.progress.start()
 

@@ -5,7 +5,10 @@ Knows torch only. Three entry points share one set of weights:
 - ``prefill``: one prompt, returning its KV as a plain tensor (so it can travel through the Ray
   object store to a decode worker);
 - ``decode_step``: one new token for each of B sequences whose KV sits in a slot cache.
-Pre-LayerNorm GPT blocks, learned positions, tied embeddings. Issue 3 replaces this with
+Pre-LayerNorm GPT blocks with two position signals: rotary embeddings (relative offsets, so
+copying a tool result into the answer is easy to learn) and learned absolute positions (so is
+copying a span found at a fixed place in the prompt; with rotary alone the tiny model copied the
+prompt's formula into its tool call wrong most of the time). Tied embeddings. Issue 3 replaces this with
 HF-compatible Llama/MoE families behind the same calls.
 """
 
@@ -45,6 +48,24 @@ class ModelShape:
         return shape
 
 
+ROPE_BASE = 10_000.0
+
+
+def rotary_tables(shape: ModelShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of every position's rotation angles: [max_seq_len, head_dim / 2] each."""
+    half = shape.head_dim // 2
+    inverse_frequencies = ROPE_BASE ** (-torch.arange(half, dtype=torch.float32) / half)
+    angles = torch.arange(shape.max_seq_len, dtype=torch.float32)[:, None] * inverse_frequencies
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply rotary embeddings to x [B, H, T, head_dim]; cos/sin broadcast as [.., T, head_dim/2]."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
 class Block(nn.Module):
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
@@ -56,11 +77,15 @@ class Block(nn.Module):
         self.fc = nn.Linear(shape.d_model, 4 * shape.d_model)
         self.out = nn.Linear(4 * shape.d_model, shape.d_model)
 
-    def split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def split_heads(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [B, H, T, head_dim], with q and k rotated to their positions."""
         batch, length, _ = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(self.shape.d_model, dim=2)
         heads = (batch, length, self.shape.n_heads, self.shape.head_dim)
-        return (t.view(heads).transpose(1, 2) for t in (q, k, v))  # type: ignore[return-value]
+        q, k, v = (t.view(heads).transpose(1, 2) for t in (q, k, v))
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         batch, _, length, _ = attended.shape
@@ -83,6 +108,10 @@ class TinyDecoder(nn.Module):
             nn.init.normal_(block.proj.weight, std=0.02 / math.sqrt(2 * shape.n_layers))
             nn.init.normal_(block.out.weight, std=0.02 / math.sqrt(2 * shape.n_layers))
         torch.random.set_rng_state(generator_state)
+        cos, sin = rotary_tables(shape)
+        # Not persistent: derived from the shape, so weight files carry only learned tensors.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @staticmethod
     def _init(module: nn.Module) -> None:
@@ -98,10 +127,10 @@ class TinyDecoder(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Causal logits [B, T, V] for right-padded sequences (padding never affects real tokens)."""
         _, length = input_ids.shape
-        positions = torch.arange(length, device=input_ids.device)
-        x = self.tok(input_ids) + self.pos(positions)
+        cos, sin = self.rope_cos[:length], self.rope_sin[:length]
+        x = self.tok(input_ids) + self.pos.weight[:length]
         for block in self.blocks:
-            q, k, v = block.split_heads(x)
+            q, k, v = block.split_heads(x, cos, sin)
             x = block.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
         return self.logits(x)
 
@@ -109,10 +138,11 @@ class TinyDecoder(nn.Module):
     def prefill(self, input_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one prompt; return (last-position logits [V], KV [L, 2, H, T, head_dim])."""
         ids = torch.tensor([input_ids], dtype=torch.long)
-        x = self.tok(ids) + self.pos(torch.arange(len(input_ids)))
+        cos, sin = self.rope_cos[: len(input_ids)], self.rope_sin[: len(input_ids)]
+        x = self.tok(ids) + self.pos.weight[: len(input_ids)]
         layers = []
         for block in self.blocks:
-            q, k, v = block.split_heads(x)
+            q, k, v = block.split_heads(x, cos, sin)
             layers.append(torch.stack((k[0], v[0])))
             x = block.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
         return self.logits(x)[0, -1], torch.stack(layers)
@@ -132,12 +162,13 @@ class TinyDecoder(nn.Module):
         """
         batch = token_ids.shape[0]
         x = self.tok(token_ids)[:, None, :] + self.pos(positions)[:, None, :]
+        cos, sin = self.rope_cos[positions][:, None, None, :], self.rope_sin[positions][:, None, None, :]
         span = int(positions.max()) + 1
         rows = torch.arange(batch)
         visible = torch.arange(span)[None, :] <= positions[:, None]  # [B, span]
         mask = visible[:, None, None, :]
         for layer, block in enumerate(self.blocks):
-            q, k, v = block.split_heads(x)
+            q, k, v = block.split_heads(x, cos, sin)
             cache[layer, 0, rows, :, positions] = k[:, :, 0]
             cache[layer, 1, rows, :, positions] = v[:, :, 0]
             keys = cache[layer, 0, :, :, :span]

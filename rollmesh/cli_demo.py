@@ -1,0 +1,102 @@
+"""``rollmesh demo``: start a mesh, warm-start the tiny model, run asynchronous GRPO, summarise.
+
+Knows the demo driver (``run_demo``) and the config overrides that shrink it; the mesh itself is
+started and stopped by ``run_demo``. Prints the reward per step as it goes, then the summary and
+where ``summary.json`` and ``reward_curve.png`` are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from rollmesh.cli_errors import EXIT_OK
+from rollmesh.cli_target import load_cli_config, namespace_arg, positive_int
+from rollmesh.mesh_info import new_run_dir
+
+# CLI option -> config field it overrides.
+DEMO_OVERRIDES = {
+    "rl_steps": "demo.rl_steps",
+    "sft_steps": "demo.sft_steps",
+    "eval_every": "demo.eval_every",
+    "eval_size": "demo.eval_size",
+    "seed": "demo.seed",
+    "groups_per_step": "trainer.groups_per_step",
+    "group_size": "trainer.group_size",
+    "namespace": "namespace",
+    "nats_url": "nats.url",
+    "ray_address": "ray.address",
+}
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    demo = subparsers.add_parser(
+        "demo", parents=[common], help="run the whole demo (warm start, async GRPO, evaluations)",
+        description="Start a mesh, warm-start the tiny model on the molar-mass tool task, train it "
+                    "with asynchronous GRPO, evaluate on held-out formulas, write summary.json and "
+                    "reward_curve.png in the run directory, stop the mesh. Defaults come from the "
+                    "config's [demo] and [trainer] sections.")
+    size = demo.add_argument_group("size (to shrink it for smoke runs)")
+    size.add_argument("--rl-steps", type=positive_int, metavar="N", help="RL (trainer) steps")
+    size.add_argument("--sft-steps", type=int, metavar="N", help="supervised warm-start steps (0: none)")
+    size.add_argument("--eval-every", type=positive_int, metavar="N", help="evaluate every N RL steps")
+    size.add_argument("--eval-size", type=positive_int, metavar="N", help="held-out prompts per evaluation")
+    size.add_argument("--groups-per-step", type=positive_int, metavar="N", help="GRPO groups per trainer step")
+    size.add_argument("--group-size", type=positive_int, metavar="N", help="rollouts per GRPO group")
+    size.add_argument("--seed", type=int, metavar="S", help="demo seed")
+    demo.add_argument("--no-serve", action="store_true", help="do not deploy the Serve inference app")
+    demo.add_argument("--namespace", type=namespace_arg, metavar="NS", help="subject namespace")
+    demo.add_argument("--nats-url", metavar="URL", help="use this NATS server instead of an embedded one")
+    demo.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster instead of a local one")
+    demo.add_argument("--run-dir", type=Path, metavar="DIR", help="run directory (default: a new one)")
+    demo.set_defaults(handler=run_demo_command)
+
+
+def demo_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    overrides = {field: getattr(args, option) for option, field in DEMO_OVERRIDES.items()}
+    if args.no_serve:
+        overrides["serve.enabled"] = False
+    return overrides
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    from rollmesh.demo import run_demo
+
+    config = load_cli_config(args, demo_overrides(args))
+    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config.run_root)
+    print(f"demo: {config.demo.sft_steps} warm-start steps, {config.demo.rl_steps} RL steps of "
+          f"{config.trainer.groups_per_step} groups x {config.trainer.group_size} rollouts; "
+          f"run dir {run_dir}", flush=True)
+    summary = asyncio.run(run_demo(config, run_dir=run_dir, report=lambda line: print(line, flush=True)))
+    print_summary(summary, run_dir)
+    return EXIT_OK
+
+
+def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="demo summary", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rows = [
+        ("training reward, first 10% of steps", f"{summary['first_window_reward']:.3f}"),
+        ("training reward, last 10% of steps", f"{summary['last_window_reward']:.3f}"),
+        ("held-out eval reward, first", f"{summary['eval_reward_first']:.3f}"),
+        ("held-out eval reward, last", f"{summary['eval_reward_last']:.3f}"),
+        ("RL steps", str(summary["steps"])),
+        ("training rollouts", str(summary["rollouts"])),
+        ("weight versions", str(summary["weight_versions"])),
+    ]
+    if "wall_s" in summary:
+        rows.append(("wall time (s)", f"{summary['wall_s']:.1f}"))
+    if summary.get("failures"):
+        rows.append(("failed rollouts", ", ".join(f"{k} {v}" for k, v in summary["failures"].items())))
+    for row in rows:
+        table.add_row(*row)
+    console = Console()
+    console.print(table)
+    console.print(f"summary: {run_dir / 'summary.json'}", highlight=False)
+    console.print(f"reward curve: {run_dir / 'reward_curve.png'}", highlight=False)

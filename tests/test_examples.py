@@ -1,0 +1,106 @@
+"""The examples and deploy files the README points at work as it says.
+
+examples/bare_nats_client.py runs as a subprocess against the session's nats-server; the test plays
+the mesh's rollout worker (reads the stored request, publishes its completion).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from rollmesh.bus.embedded_server import find_nats_server_binary
+from rollmesh.bus.publisher import BusPublisher
+from rollmesh.bus.streams import ensure_streams
+from rollmesh.config import load_config
+from rollmesh.messages import RolloutCompleted
+from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_REQUESTED
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BARE_CLIENT = REPO_ROOT / "examples" / "bare_nats_client.py"
+
+
+@pytest.mark.unit
+def test_example_requests_are_valid_for_the_schema_and_the_subject():
+    schema = json.loads((REPO_ROOT / "docs" / "schemas" / "rollout.requested.json").read_text())
+    lines = (REPO_ROOT / "examples" / "requests.jsonl").read_text().splitlines()
+    assert len(lines) >= 3
+    ids = []
+    for line in lines:
+        jsonschema.validate(json.loads(line), schema)
+        request = ROLLOUT_REQUESTED.decode(line.encode())
+        assert request.task == "molar_mass" and request.task_input["formula"]
+        ids.append(request.rollout_id)
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.unit
+def test_deploy_local_toml_is_the_embedded_defaults():
+    assert load_config(REPO_ROOT / "deploy" / "local.toml", environ={}) == load_config(None, environ={})
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_nats_cluster_example_is_a_valid_nats_server_config():
+    checked = subprocess.run([str(find_nats_server_binary()), "-t", "-c", str(REPO_ROOT / "deploy" / "nats-cluster.conf")],
+                             capture_output=True, text=True, timeout=20)
+    assert checked.returncode == 0, checked.stderr + checked.stdout
+    assert "is valid" in checked.stderr + checked.stdout
+
+
+@pytest.mark.unit
+def test_bare_client_imports_nothing_of_rollmesh():
+    source = BARE_CLIENT.read_text()
+    assert "rollmesh" not in "".join(line for line in source.splitlines() if line.startswith(("import", "from")))
+
+
+async def run_bare_client(nats_url: str, namespace: str, *extra: str) -> subprocess.CompletedProcess:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(BARE_CLIENT), "--nats-url", nats_url, "--namespace", namespace, *extra,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    return subprocess.CompletedProcess([], process.returncode, stdout.decode(), stderr.decode())
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+async def test_bare_client_gets_its_reward_from_a_mesh(nats_server, nats_client, namespace):
+    js = nats_client.jetstream()
+    await ensure_streams(js, namespace)  # as the mesh does when it starts
+    publisher = BusPublisher(nats_client, js, namespace)
+    requests = await nats_client.subscribe(ROLLOUT_REQUESTED.format(namespace))
+    seen = []
+
+    async def rollout_worker() -> None:
+        async for msg in requests.messages:
+            request = ROLLOUT_REQUESTED.decode(msg.data)  # the hand-written JSON passes the real decoder
+            seen.append((request, msg.headers))
+            await publisher.publish(ROLLOUT_COMPLETED, RolloutCompleted(
+                rollout_id=request.rollout_id, task=request.task, group_id=request.group_id,
+                purpose=request.purpose, reward=1.0, turns=2, tool_calls=1, prompt_len=1, tokens=[1],
+                loss_mask=[0], logprobs=[0.0], versions=[-1], text="A: 18.015"))
+
+    worker = asyncio.create_task(rollout_worker())
+    try:
+        done = await run_bare_client(nats_server.url, namespace, "--formula", "H2O", "--timeout", "30")
+    finally:
+        worker.cancel()
+    assert done.returncode == 0, done.stderr
+    assert "reward 1.0 after 2 turn(s), 1 tool call(s)" in done.stdout
+    (request, headers), = seen
+    assert request.task_input == {"formula": "H2O"} and request.purpose == "eval"
+    assert headers["Nats-Msg-Id"] == f"rollout.requested:{request.rollout_id}"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+async def test_bare_client_says_so_when_no_mesh_made_the_streams(nats_server, namespace):
+    done = await run_bare_client(nats_server.url, namespace, "--timeout", "5")
+    assert done.returncode == 1
+    assert "is the mesh up" in done.stderr
