@@ -94,7 +94,8 @@ class TrainerConfig(_Config):
     weight_decay: float = 0.0
     group_size: PositiveInt = 8
     groups_per_step: PositiveInt = 16
-    ppo_epochs: PositiveInt = 4
+    # Two passes per batch: with four the trainer took most of a 2-core machine and learned no faster.
+    ppo_epochs: PositiveInt = 2
     clip_eps: PositiveFloat = 0.2
     grad_clip: PositiveFloat = 1.0
     # Admission: the largest version lag of generated tokens a trajectory may have.
@@ -124,13 +125,13 @@ class ServeConfig(_Config):
 
 
 class DemoConfig(_Config):
-    sft_steps: NonNegInt = 150
+    sft_steps: NonNegInt = 300
     sft_batch: PositiveInt = 64
     sft_lr: PositiveFloat = 3e-3
     # Share of warm-start demonstrations that call the tool (the rest guess an answer).
-    warm_start_tool_fraction: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.5
-    rl_steps: PositiveInt = 200
-    eval_every: PositiveInt = 25
+    warm_start_tool_fraction: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.4
+    rl_steps: PositiveInt = 60
+    eval_every: PositiveInt = 10
     eval_size: PositiveInt = 64
     # Training requests kept in flight ahead of the trainer, in steps' worth of groups.
     prefetch_steps: PositiveInt = 2
