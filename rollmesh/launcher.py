@@ -27,12 +27,15 @@ from rollmesh.actors.trainer import TrainerActor
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.config import RollmeshConfig
 from rollmesh.mesh_info import MeshInfo, new_run_dir, write_mesh_info
+from rollmesh.scheduling.grants import GpuScheduler
 
 _log = structlog.get_logger("rollmesh.launcher")
 
 # Actors mostly wait on NATS, Ray calls and each other: they reserve no CPU, so the whole mesh
 # fits on a 2-core machine, and torch in each is limited to one thread.
 ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000}
+# The actor that holds each role's accelerator grant (the first worker of a role, for now).
+GRANT_HOLDERS = {"prefill": "prefill-0", "decode": "decode-0", "trainer": "trainer"}
 
 
 class Mesh:
@@ -57,6 +60,8 @@ class Mesh:
                            run_dir=str(self.run_dir.resolve()),
                            telemetry=self.config.telemetry, nats=self.config.nats)
         scheduler = await self._spawn("gpu-scheduler", GpuSchedulerActor, mesh, self.config.scheduler)
+        # Grants first: each role's actor is then placed with the Ray resources it was granted.
+        await scheduler.grant.remote(GRANT_HOLDERS)
         await self._spawn("sandbox-broker", SandboxBrokerActor, mesh, self.config.sandbox)
         inference = self.config.inference
         for index in range(inference.num_prefill_workers):
@@ -74,7 +79,6 @@ class Mesh:
         for index in range(self.config.rollout.num_workers):
             await self._spawn(f"rollout-worker-{index}", RolloutWorkerActor, mesh, self.config.rollout,
                               self.config.model, self.prefill_workers, self.decode_workers)
-        await scheduler.grant.remote({"prefill": "prefill-0", "decode": "decode-0", "trainer": "trainer"})
         if self.config.serve.enabled:
             self._serve_url = self._deploy_serve()
         self.info = MeshInfo(
@@ -117,9 +121,13 @@ class Mesh:
         if ray.is_initialized():
             return
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        declared = GpuScheduler(self.config.scheduler, clock=time.time, new_id=lambda: "").ray_resources()
         ray.init(
             address=self.config.ray.address,
             num_cpus=self.config.ray.num_cpus,
+            # Declared accelerators as a custom resource, so grants schedule with zero real GPUs
+            # (joining a cluster, its nodes must declare them instead).
+            resources=None if self.config.ray.address else declared,
             namespace=self.ray_namespace,
             include_dashboard=False,
             logging_level="warning",

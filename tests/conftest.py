@@ -75,6 +75,7 @@ def ray_session() -> Iterator[None]:
         ray.init(
             num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False,
             namespace="rollmesh-tests",
+            resources={"rollmesh_gpu": 2},  # the declared accelerators of the default config
             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT)])}},
         )
     yield

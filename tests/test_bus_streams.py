@@ -9,6 +9,7 @@ from nats.js.api import RetentionPolicy, StorageType
 
 from rollmesh.bus.streams import (
     checkpoints_stream,
+    scheduling_stream,
     StreamLimits,
     dead_letter_stream,
     ensure_streams,
@@ -52,6 +53,7 @@ async def test_ensure_streams_twice_and_concurrently_converges(nats_client, name
     names = await asyncio.wait_for(ensure_streams(js, namespace), 10)
     assert set(names) == {rollout_requests_stream(namespace), rollout_results_stream(namespace),
                           weights_stream(namespace), checkpoints_stream(namespace),
+                          scheduling_stream(namespace),
                           dead_letter_stream(namespace)}
 
     requests = await js.stream_info(rollout_requests_stream(namespace))

@@ -22,6 +22,7 @@ from rollmesh.engine.weights import load_weights, save_weights
 from rollmesh.messages import WeightsPublished
 from rollmesh.messages.subjects import (
     DEAD_LETTERED,
+    GPU_GRANTED,
     ROLLOUT_COMPLETED,
     ROLLOUT_FAILED,
     ROLLOUT_REQUESTED,
@@ -235,3 +236,18 @@ async def test_turn_spans_share_a_trace_across_actors_and_link_to_the_rollout(to
             {k: v for link in turn["links"] for k, v in link.items() if k in ("trace_id", "span_id")}.items()
         names = {s["name"] for s in spans if s["trace_id"] == turn["trace_id"]}
         assert {"generate", "prefill", "decode"} <= names
+
+
+async def test_gpu_scheduler_publishes_grants_and_places_roles_on_them(mesh) -> None:
+    nc = await nats.connect(mesh.info.nats_url)
+    try:
+        js = nc.jetstream()
+        subscription = await js.subscribe(GPU_GRANTED.format(mesh.namespace), ordered_consumer=True)
+        grants = [GPU_GRANTED.decode((await subscription.next_msg(timeout=10)).data) for _ in range(2)]
+    finally:
+        await nc.close()
+    assert {(g.role, g.holder, g.count, g.resource) for g in grants} == {
+        ("decode", "decode-0", 1.0, "rollmesh_gpu"), ("trainer", "trainer", 1.0, "rollmesh_gpu")}
+    # The granted actors really hold the declared resource in Ray.
+    used = ray.available_resources().get("rollmesh_gpu", 0.0)
+    assert used == 0.0

@@ -25,6 +25,7 @@ _EXPORTS = {
     "weights_stream": "rollmesh.bus.streams",
     "dead_letter_stream": "rollmesh.bus.streams",
     "checkpoints_stream": "rollmesh.bus.streams",
+    "scheduling_stream": "rollmesh.bus.streams",
     "rollout_state_bucket": "rollmesh.bus.streams",
     "inject_trace_headers": "rollmesh.bus.trace_headers",
     "extract_trace_context": "rollmesh.bus.trace_headers",

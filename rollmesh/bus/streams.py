@@ -28,6 +28,10 @@ from rollmesh.messages.subjects import (
     CHECKPOINT_CONVERTED,
     CHECKPOINT_SAVED,
     DEAD_LETTERED,
+    GPU_GRANTED,
+    GPU_RELEASED,
+    PREEMPTION_ACKNOWLEDGED,
+    PREEMPTION_REQUESTED,
     ROLLOUT_COMPLETED,
     ROLLOUT_FAILED,
     ROLLOUT_REQUESTED,
@@ -54,6 +58,10 @@ def checkpoints_stream(namespace: str) -> str:
     return f"RL_{check_namespace(namespace)}_CHECKPOINTS"
 
 
+def scheduling_stream(namespace: str) -> str:
+    return f"RL_{check_namespace(namespace)}_SCHED"
+
+
 def dead_letter_stream(namespace: str) -> str:
     return f"RL_{check_namespace(namespace)}_DLQ"
 
@@ -72,6 +80,10 @@ _CAPTURED = {
     WEIGHTS_PUBLISHED.template: weights_stream,
     CHECKPOINT_SAVED.template: checkpoints_stream,
     CHECKPOINT_CONVERTED.template: checkpoints_stream,
+    GPU_GRANTED.template: scheduling_stream,
+    GPU_RELEASED.template: scheduling_stream,
+    PREEMPTION_REQUESTED.template: scheduling_stream,
+    PREEMPTION_ACKNOWLEDGED.template: scheduling_stream,
     DEAD_LETTERED.template: dead_letter_stream,
 }
 
@@ -118,6 +130,13 @@ def stream_configs(namespace: str, limits: StreamLimits = StreamLimits()) -> lis
             # Saved checkpoints wait here for the resharder, even if it is down when they land.
             name=checkpoints_stream(namespace), subjects=subjects(CHECKPOINT_SAVED, CHECKPOINT_CONVERTED),
             retention=RetentionPolicy.LIMITS, description="checkpoint saved/converted events",
+            **common,
+        ),
+        StreamConfig(
+            # Who holds which accelerator is state: a restarted scheduler or dashboard replays it.
+            name=scheduling_stream(namespace),
+            subjects=subjects(GPU_GRANTED, GPU_RELEASED, PREEMPTION_REQUESTED, PREEMPTION_ACKNOWLEDGED),
+            retention=RetentionPolicy.LIMITS, description="accelerator grants and preemptions",
             **common,
         ),
         StreamConfig(

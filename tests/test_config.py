@@ -1,0 +1,155 @@
+"""The typed config (``load_config``: TOML, env overrides, validation) and ``mesh.json``, the file
+that says where a running mesh is."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rollmesh.config import ConfigError, RollmeshConfig, TrainerConfig, load_config
+from rollmesh.mesh_info import (
+    MESH_FILE,
+    MeshInfo,
+    MeshNotFoundError,
+    latest_run_dir,
+    new_run_dir,
+    read_mesh_info,
+    write_mesh_info,
+)
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+
+def write_toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "rollmesh.toml"
+    path.write_text(text)
+    return path
+
+
+def test_default_config_runs_everything_on_one_machine():
+    config = load_config(environ={})
+    assert config.nats.url is None and config.ray.address is None  # embedded server, local Ray
+    assert config.rollout.tasks == ["rollmesh.rollout.molar_mass:MolarMassTask"]
+
+
+def test_a_file_sets_what_it_names_and_defaults_fill_the_rest(tmp_path):
+    config = load_config(write_toml(tmp_path, 'namespace = "exp1"\n[trainer]\ngroup_size = 4\n'), environ={})
+    assert config.namespace == "exp1"
+    assert config.trainer == TrainerConfig(group_size=4)
+
+
+def test_env_override_sets_a_field_parsed_as_a_toml_scalar(tmp_path):
+    config = load_config(environ={"ROLLMESH_TRAINER__LR": "1e-3", "ROLLMESH_TRAINER__GROUP_SIZE": "4",
+                                  "ROLLMESH_ROLLOUT__PROGRESS_EVENTS": "false",
+                                  "ROLLMESH_ROLLOUT__TASKS": '["pkg.mod:Task"]'})
+    assert config.trainer.lr == 1e-3
+    assert config.trainer.group_size == 4
+    assert config.rollout.progress_events is False
+    assert config.rollout.tasks == ["pkg.mod:Task"]
+
+
+def test_env_override_that_is_not_toml_is_taken_as_a_string():
+    config = load_config(environ={"ROLLMESH_NATS__URL": "nats://10.0.0.5:4222"})
+    assert config.nats.url == "nats://10.0.0.5:4222"
+
+
+def test_env_override_reaches_a_nested_table():
+    config = load_config(environ={"ROLLMESH_SCHEDULER__GRANTS__RESHARDER": "0.5"})
+    assert config.scheduler.grants["resharder"] == 0.5
+
+
+def test_env_variables_without_the_prefix_or_a_section_are_ignored():
+    assert load_config(environ={"TRAINER__LR": "oops", "ROLLMESH_HOME": "/x"}) == load_config(environ={})
+
+
+def test_load_config_reads_os_environ_when_no_environ_is_given(monkeypatch):
+    monkeypatch.setitem(os.environ, "ROLLMESH_TRAINER__MAX_STALENESS", "5")
+    assert load_config().trainer.max_staleness == 5
+
+
+def test_explicit_overrides_win_over_env():
+    config = load_config(environ={"ROLLMESH_TRAINER__LR": "1e-3"}, overrides={"trainer.lr": 5e-4})
+    assert config.trainer.lr == 5e-4
+
+
+@pytest.mark.parametrize("environ", [
+    pytest.param({"ROLLMESH_TRAINER__LEARNING_RATE": "1e-3"}, id="unknown field"),
+    pytest.param({"ROLLMESH_TRAINERS__LR": "1e-3"}, id="unknown section"),
+    pytest.param({"ROLLMESH_TRAINER__LR": "-1"}, id="out of range"),
+    pytest.param({"ROLLMESH_TRAINER__GROUP_SIZE": "eight"}, id="wrong type"),
+])
+def test_a_bad_env_override_is_a_config_error(environ):
+    with pytest.raises(ConfigError):
+        load_config(environ=environ)
+
+
+def test_an_unknown_field_in_the_file_is_a_config_error_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match="learning_rate") as raised:
+        load_config(write_toml(tmp_path, "[trainer]\nlearning_rate = 1e-3\n"), environ={})
+    assert raised.value.source == str(tmp_path / "rollmesh.toml")
+
+
+def test_config_error_path_names_the_offending_field(tmp_path):
+    with pytest.raises(ConfigError) as raised:
+        load_config(write_toml(tmp_path, "[trainer]\nlr = -1.0\n"), environ={})
+    # ConfigError's docstring promises "path names the offending field"; load_config never sets it.
+    assert "trainer" in raised.value.path, f"ConfigError.path is {raised.value.path!r}"
+
+
+def test_an_override_below_a_scalar_field_is_a_config_error_not_a_crash():
+    # A typo like ROLLMESH_TRAINER__LR__MAX must be reported like any other bad override.
+    with pytest.raises(ConfigError):
+        load_config(environ={"ROLLMESH_TRAINER__LR__MAX": "1"})
+
+
+@pytest.mark.parametrize("text", ["[trainer\n", 'namespace = "a"\nnamespace = "b"\n'])
+def test_a_file_that_is_not_valid_toml_is_a_config_error(tmp_path, text):
+    with pytest.raises(ConfigError):
+        load_config(write_toml(tmp_path, text), environ={})
+
+
+def test_a_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="missing.toml"):
+        load_config(tmp_path / "missing.toml", environ={})
+
+
+def test_config_is_frozen():
+    config = RollmeshConfig()
+    with pytest.raises(AttributeError):
+        config.trainer.lr = 1.0  # type: ignore[misc]
+
+
+# --- mesh.json ---------------------------------------------------------------------------------
+
+def test_mesh_info_written_to_a_run_dir_reads_back_equal(tmp_path):
+    run_dir = new_run_dir(tmp_path)
+    info = MeshInfo(nats_url="nats://127.0.0.1:4222", namespace="ns", run_dir=str(run_dir), pid=42)
+    assert write_mesh_info(info) == run_dir / MESH_FILE
+    assert read_mesh_info(run_dir, run_root=tmp_path) == info
+    assert [p.name for p in run_dir.iterdir()] == [MESH_FILE]  # no temporary file left behind
+
+
+def test_read_mesh_info_without_a_run_dir_finds_the_latest_run(tmp_path):
+    for name in ("20250101-000000-aaaaaa", "20250102-000000-bbbbbb"):
+        (tmp_path / name).mkdir()
+        write_mesh_info(MeshInfo(nats_url="nats://x:1", namespace=name, run_dir=str(tmp_path / name)))
+    (tmp_path / "zz-not-a-dir").write_text("")
+    assert latest_run_dir(tmp_path) == tmp_path / "20250102-000000-bbbbbb"
+    assert read_mesh_info(None, run_root=tmp_path).namespace == "20250102-000000-bbbbbb"
+
+
+def test_new_run_dirs_are_fresh_and_sort_by_start_time(tmp_path):
+    first, second = new_run_dir(tmp_path), new_run_dir(tmp_path)
+    assert first != second and first.is_dir() and second.is_dir()
+    assert first.name[:15] <= second.name[:15]
+
+
+def test_no_runs_or_no_mesh_file_is_mesh_not_found(tmp_path):
+    with pytest.raises(MeshNotFoundError, match="rollmesh up"):
+        read_mesh_info(None, run_root=tmp_path / "nothing")
+    run_dir = new_run_dir(tmp_path)
+    with pytest.raises(MeshNotFoundError) as raised:
+        read_mesh_info(run_dir, run_root=tmp_path)
+    assert raised.value.run_dir == str(run_dir)

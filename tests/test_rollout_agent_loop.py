@@ -1,0 +1,305 @@
+"""The rollout agent loop (``RolloutRunner``) driven directly: a scripted engine, a recording bus
+with scripted sandbox replies, and a hand-built ``MessageContext``. The task, the tool syntax, the
+tokenizer and the trajectory bookkeeping are the real ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from fakes import ProgressRecorder, RecordingPublisher, ScriptedEngine
+from rollmesh.bus.errors import RequestTimeoutError
+from rollmesh.bus.ports import MessageContext
+from rollmesh.config import ModelConfig, RolloutConfig
+from rollmesh.engine.protocols import GenerationResult
+from rollmesh.engine.tokenizer import EOS_ID, ByteTokenizer
+from rollmesh.messages import (
+    RolloutCompleted,
+    RolloutFailed,
+    RolloutRequested,
+    SamplingParams,
+    SandboxExecReply,
+    SandboxLeaseReply,
+    SandboxReleaseReply,
+)
+from rollmesh.messages.subjects import (
+    ROLLOUT_COMPLETED,
+    ROLLOUT_FAILED,
+    ROLLOUT_PROGRESSED,
+    ROLLOUT_REQUESTED,
+    SANDBOX_EXEC,
+    SANDBOX_LEASE,
+    SANDBOX_RELEASE,
+)
+from rollmesh.rollout.agent_loop import RolloutRunner
+from rollmesh.rollout.molar_mass import MolarMassTask, true_molar_mass
+from rollmesh.rollout.tasks import TaskRegistry, ToolCall
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+TOKENIZER = ByteTokenizer()
+FORMULA = "H2O"
+MASS = true_molar_mass(FORMULA)  # "18.015"
+PROMPT = MolarMassTask().build_prompt({"formula": FORMULA})
+LEASE = "lease-1"
+
+
+def generated(text: str, *, version: int = 3, logprob: float = -0.25, eos: bool = False) -> GenerationResult:
+    """What the engine returns for ``text``: byte ids, one logprob and version per id."""
+    ids = TOKENIZER.encode(text) + ([EOS_ID] if eos else [])
+    return GenerationResult(ids, [logprob] * len(ids), [version] * len(ids),
+                            "eos" if eos else "stop", prompt_len=0)
+
+
+def tool_call(formula: str = FORMULA, **kwargs) -> GenerationResult:
+    return generated(f"<calc>{formula}</calc>", **kwargs)
+
+
+def answer(text: str = f"A: {MASS}", **kwargs) -> GenerationResult:
+    return generated(text, eos=True, **kwargs)
+
+
+def sandbox_bus(*exec_replies: SandboxExecReply | BaseException,
+                lease: SandboxLeaseReply | BaseException | None = None) -> RecordingPublisher:
+    return RecordingPublisher(
+        replies={SANDBOX_EXEC: list(exec_replies),
+                 **({SANDBOX_LEASE: [lease]} if lease is not None else {})},
+        default_replies={SANDBOX_LEASE: SandboxLeaseReply(lease_id=LEASE, backend="fake"),
+                         SANDBOX_EXEC: SandboxExecReply(exit_code=0, stdout=f"{MASS}\n"),
+                         SANDBOX_RELEASE: SandboxReleaseReply(released=True)},
+    )
+
+
+def runner(engine: ScriptedEngine, bus: RecordingPublisher, *, max_seq_len: int = 128,
+           progress_events: bool = True) -> RolloutRunner:
+    return RolloutRunner(
+        RolloutConfig(tool_timeout_s=5.0, progress_events=progress_events),
+        ModelConfig(max_seq_len=max_seq_len),
+        tasks=TaskRegistry([MolarMassTask()]), engine=engine, publisher=bus, clock=lambda: 100.0,
+    )
+
+
+def request(**overrides) -> RolloutRequested:
+    fields = {"rollout_id": "r-1", "task": "molar_mass", "task_input": {"formula": FORMULA},
+              "group_id": "g-1", "sampling": SamplingParams(max_new_tokens=40), "max_turns": 4}
+    return RolloutRequested(**{**fields, **overrides})
+
+
+def context(progress: ProgressRecorder | None = None) -> MessageContext:
+    return MessageContext(subject=ROLLOUT_REQUESTED.format("test"), _progress=progress)
+
+
+async def run(engine: ScriptedEngine, bus: RecordingPublisher, message: RolloutRequested | None = None,
+              **runner_kwargs) -> RolloutCompleted | RolloutFailed:
+    """Run one rollout; return the single result it published."""
+    await runner(engine, bus, **runner_kwargs).handle_requested(message or request(), context())
+    results = bus.messages(ROLLOUT_COMPLETED) + bus.messages(ROLLOUT_FAILED)
+    assert len(results) == 1, results
+    return results[0]
+
+
+async def test_tool_call_runs_the_task_argv_in_the_leased_sandbox_and_appends_the_result_as_forced_tokens():
+    engine, bus = ScriptedEngine([tool_call(), answer()]), sandbox_bus()
+    result = await run(engine, bus)
+
+    assert isinstance(result, RolloutCompleted)
+    (exec_request,) = bus.requested(SANDBOX_EXEC)
+    assert exec_request.lease_id == LEASE
+    assert exec_request.argv == MolarMassTask().tool_argv(ToolCall("calc", FORMULA), {"formula": FORMULA})
+    start = len(TOKENIZER.encode(PROMPT, bos=True)) + len(tool_call().token_ids)
+    forced = TOKENIZER.encode(f"<result>{MASS}</result>\n")
+    end = start + len(forced)
+    assert result.tokens[start:end] == forced
+    assert result.loss_mask[start:end] == [0] * len(forced)
+    assert result.versions[start:end] == [-1] * len(forced)
+    assert result.logprobs[start:end] == [0.0] * len(forced)
+    # The second turn's prompt is everything so far, tool result included.
+    assert engine.calls[1]["input_ids"] == result.tokens[:end]
+
+
+async def test_completed_trajectory_has_equal_lengths_and_generated_tokens_keep_engine_versions():
+    engine = ScriptedEngine([tool_call(version=3, logprob=-0.5), answer(version=4, logprob=-0.125)])
+    result = await run(engine, sandbox_bus())
+
+    assert len(result.tokens) == len(result.loss_mask) == len(result.logprobs) == len(result.versions)
+    generated_positions = [i for i, mask in enumerate(result.loss_mask) if mask == 1]
+    call_ids, answer_ids = tool_call().token_ids, answer().token_ids
+    assert [result.tokens[i] for i in generated_positions] == call_ids + answer_ids
+    assert [result.versions[i] for i in generated_positions] == [3] * len(call_ids) + [4] * len(answer_ids)
+    assert [result.logprobs[i] for i in generated_positions] == [-0.5] * len(call_ids) + [-0.125] * len(answer_ids)
+    assert result.tokens[:result.prompt_len] == TOKENIZER.encode(PROMPT, bos=True)
+    assert result.loss_mask[:result.prompt_len] == [0] * result.prompt_len
+    assert (result.turns, result.tool_calls, result.group_id) == (2, 1, "g-1")
+    assert result.text == TOKENIZER.decode(result.tokens)
+
+
+@pytest.mark.parametrize(("final", "argument", "reward"), [
+    (f"A: {MASS}", FORMULA, 1.0),
+    ("A: 18.000", FORMULA, 0.0),  # wrong answer
+    (f"A: {MASS}", "H2O2", 0.0),  # right number, but the tool was called on another formula
+])
+async def test_reward_comes_from_the_task(final, argument, reward):
+    result = await run(ScriptedEngine([tool_call(argument), answer(final)]), sandbox_bus())
+    assert isinstance(result, RolloutCompleted)
+    assert result.reward == reward
+
+
+async def test_sandbox_lease_is_released_when_the_rollout_fails():
+    engine = ScriptedEngine([tool_call(), RuntimeError("decode worker died")])
+    bus = sandbox_bus()
+    result = await run(engine, bus)
+
+    assert isinstance(result, RolloutFailed)
+    assert [release.lease_id for release in bus.requested(SANDBOX_RELEASE)] == [LEASE]
+
+
+async def test_unknown_task_fails_with_unknown_task_and_takes_no_sandbox():
+    bus = sandbox_bus()
+    result = await run(ScriptedEngine([]), bus, request(task="no_such_task"))
+
+    assert isinstance(result, RolloutFailed)
+    assert (result.kind, result.rollout_id, result.group_id) == ("unknown_task", "r-1", "g-1")
+    assert bus.requests == []
+
+
+async def test_engine_exception_fails_with_inference_error_on_its_turn():
+    result = await run(ScriptedEngine([tool_call(), RuntimeError("boom")]), sandbox_bus())
+
+    assert isinstance(result, RolloutFailed)
+    assert (result.kind, result.turns) == ("inference_error", 2)
+    assert "boom" in result.reason
+
+
+async def test_unreachable_sandbox_broker_fails_with_sandbox_error_never_a_zero_reward_completion():
+    unreachable = RequestTimeoutError(subject="rl.test.sandbox.exec", timeout_s=35.0)
+    bus = sandbox_bus(unreachable)
+    result = await run(ScriptedEngine([tool_call(), answer()]), bus)
+
+    assert isinstance(result, RolloutFailed)
+    assert result.kind == "sandbox_error"
+    assert bus.messages(ROLLOUT_COMPLETED) == []
+    assert [release.lease_id for release in bus.requested(SANDBOX_RELEASE)] == [LEASE]
+
+
+async def test_unreachable_broker_at_lease_time_fails_with_sandbox_error_before_generating():
+    engine = ScriptedEngine([answer()])
+    result = await run(engine, sandbox_bus(lease=RequestTimeoutError(subject="rl.test.sandbox.lease", timeout_s=30.0)))
+
+    assert isinstance(result, RolloutFailed)
+    assert result.kind == "sandbox_error"
+    assert engine.calls == []
+
+
+async def test_refused_lease_fails_with_sandbox_error():
+    result = await run(ScriptedEngine([answer()]),
+                       sandbox_bus(lease=SandboxLeaseReply(error_kind="capacity", error="full")))
+    assert isinstance(result, RolloutFailed)
+    assert result.kind == "sandbox_error"
+
+
+async def test_expired_lease_during_exec_fails_with_sandbox_timeout():
+    bus = sandbox_bus(SandboxExecReply(error_kind="lease_expired", error="lease gone"))
+    result = await run(ScriptedEngine([tool_call(), answer()]), bus)
+    assert isinstance(result, RolloutFailed)
+    assert result.kind == "sandbox_timeout"
+
+
+async def test_tool_that_exits_non_zero_is_shown_to_the_model_not_a_failure():
+    bus = sandbox_bus(SandboxExecReply(exit_code=2, stderr="unknown element 'Xx'\n"))
+    engine = ScriptedEngine([tool_call("Xx"), answer("A: 1.000")])
+    result = await run(engine, bus)
+
+    assert isinstance(result, RolloutCompleted)
+    shown = TOKENIZER.encode("<result>unknown element 'Xx'</result>\n")
+    second_prompt = engine.calls[1]["input_ids"]
+    assert second_prompt[-len(shown):] == shown
+    assert result.reward == 0.0
+
+
+async def test_tool_timeout_is_shown_to_the_model_not_a_failure():
+    bus = sandbox_bus(SandboxExecReply(exit_code=-1, timed_out=True, error_kind="timeout", error="timed out"))
+    engine = ScriptedEngine([tool_call(), answer()])
+    result = await run(engine, bus)
+
+    assert isinstance(result, RolloutCompleted)
+    shown = TOKENIZER.encode("<result>timed out</result>\n")
+    assert engine.calls[1]["input_ids"][-len(shown):] == shown
+
+
+async def test_max_turns_bounds_the_loop():
+    engine = ScriptedEngine([tool_call() for _ in range(10)])
+    result = await run(engine, sandbox_bus(), request(max_turns=3))
+
+    assert len(engine.calls) == 3
+    assert isinstance(result, RolloutCompleted)
+    assert (result.turns, result.tool_calls, result.reward) == (3, 3, 0.0)
+
+
+async def test_trajectory_is_cut_at_the_model_context_and_generation_is_told_the_room_left():
+    max_seq_len = 48
+    engine = ScriptedEngine([tool_call(), answer()])
+    result = await run(engine, sandbox_bus(), max_seq_len=max_seq_len)
+
+    prompt_len = len(TOKENIZER.encode(PROMPT, bos=True))
+    assert engine.calls[0]["sampling"].max_new_tokens == min(40, max_seq_len - prompt_len)
+    assert len(engine.calls) == 1  # the tool output filled the context; no room for a second turn
+    assert isinstance(result, RolloutCompleted)
+    assert len(result.tokens) == max_seq_len
+    assert result.reward == 0.0
+
+
+async def test_generation_stops_at_the_tool_closing_tag_and_keeps_the_client_stops():
+    engine = ScriptedEngine([answer()])
+    await run(engine, sandbox_bus(), request(sampling=SamplingParams(max_new_tokens=40, stop=["\n\n"])))
+
+    assert set(engine.calls[0]["sampling"].stop) == {"</calc>", "\n\n"}
+    assert engine.calls[0]["request_id"] == "r-1/1"
+
+
+async def test_progress_event_is_published_and_delivery_kept_alive_per_turn():
+    progress = ProgressRecorder()
+    bus = sandbox_bus()
+    engine = ScriptedEngine([tool_call(version=5), answer(version=6)])
+    await runner(engine, bus).handle_requested(request(), context(progress))
+
+    events = bus.messages(ROLLOUT_PROGRESSED)
+    assert [(event.turn, event.weight_version) for event in events] == [(1, 5), (2, 6)]
+    assert all(event.rollout_id == "r-1" for event in events)
+    (completed,) = bus.messages(ROLLOUT_COMPLETED)
+    assert events[-1].num_tokens == len(completed.tokens)
+    assert progress.calls == 2
+
+
+async def test_progress_events_can_be_switched_off():
+    bus = sandbox_bus()
+    await run(ScriptedEngine([answer()]), bus, progress_events=False)
+    assert bus.messages(ROLLOUT_PROGRESSED) == []
+
+
+async def test_invalid_task_input_fails_with_invalid_request():
+    result = await run(ScriptedEngine([]), sandbox_bus(), request(task_input={"formula": 7}))
+    assert isinstance(result, RolloutFailed)
+    assert result.kind == "invalid_request"
+
+
+async def test_prompt_longer_than_the_context_fails_with_invalid_request_and_takes_no_sandbox():
+    bus = sandbox_bus()
+    result = await run(ScriptedEngine([]), bus, max_seq_len=16)
+    assert isinstance(result, RolloutFailed)
+    assert result.kind == "invalid_request"
+    assert bus.requests == []
+
+
+async def test_a_lost_sandbox_release_does_not_fail_the_rollout():
+    bus = sandbox_bus()
+    bus.replies[SANDBOX_RELEASE] = [RequestTimeoutError(subject="rl.test.sandbox.release", timeout_s=30.0)]
+    result = await run(ScriptedEngine([tool_call(), answer()]), bus)
+    assert isinstance(result, RolloutCompleted)
+    assert result.reward == 1.0
+
+
+async def test_runner_counts_completed_and_failed_rollouts():
+    bus = sandbox_bus()
+    logic = runner(ScriptedEngine([answer(), RuntimeError("down")]), bus)
+    await logic.handle_requested(request(rollout_id="a"), context())
+    await logic.handle_requested(request(rollout_id="b"), context())
+    assert logic.stats() == {"completed": 1, "failed": 1}

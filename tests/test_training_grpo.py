@@ -1,0 +1,233 @@
+"""GRPO math and what feeds it: group advantages, batches, the clipped loss, admission by version
+lag, warm-start data, and the plain-torch backend on a tiny model."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from rollmesh.config import ModelConfig, TrainerConfig
+from rollmesh.engine.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
+from rollmesh.rollout.molar_mass import MolarMassTask, is_held_out
+from rollmesh.training.admission import Group, GroupBuffer, GroupMember, version_lag
+from rollmesh.training.grpo import (
+    PolicyBatch,
+    PolicySample,
+    clipped_policy_loss,
+    group_advantages,
+    token_logprobs,
+)
+from rollmesh.training.torch_backend import TorchTrainerBackend
+from rollmesh.training.warm_start import demonstration_batch
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+TINY_MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
+
+
+# --- group advantages --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rewards", [[1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.2, 0.9, 0.4, 0.4, 1.7]])
+def test_group_advantages_are_zero_mean_unit_std(rewards):
+    advantages = group_advantages(rewards)
+    values = torch.tensor(advantages, dtype=torch.float64)
+    assert float(values.mean()) == pytest.approx(0.0, abs=1e-9)
+    assert float(values.std(unbiased=False)) == pytest.approx(1.0, abs=1e-5)
+    # Order is kept: a better reward gets a larger advantage.
+    assert sorted(range(len(rewards)), key=rewards.__getitem__) == sorted(range(len(rewards)), key=advantages.__getitem__)
+
+
+def test_group_advantages_of_two_rewards_are_plus_and_minus_one():
+    assert group_advantages([1.0, 0.0]) == pytest.approx([1.0, -1.0], abs=1e-5)
+
+
+@pytest.mark.parametrize("rewards", [[1.0, 1.0, 1.0], [0.0, 0.0], [0.5], []])
+def test_group_advantages_are_none_when_nothing_can_be_learned(rewards):
+    assert group_advantages(rewards) is None
+
+
+# --- batches and the clipped loss --------------------------------------------------------------
+
+def test_collate_right_pads_and_shifts_targets_mask_and_behaviour_logprobs_by_one():
+    short = PolicySample([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.2], 1.0)
+    long = PolicySample([4, 5, 6, 7, 8], [0, 0, 1, 1, 1], [0.0, 0.0, -0.3, -0.4, -0.5], -1.0)
+    batch = PolicyBatch.collate([short, long], pad_id=PAD_ID)
+
+    assert batch.inputs.tolist() == [[1, 2, 3, PAD_ID], [4, 5, 6, 7]]
+    assert batch.targets.tolist() == [[2, 3, PAD_ID, PAD_ID], [5, 6, 7, 8]]
+    assert batch.mask.tolist() == [[1, 1, 0, 0], [0, 1, 1, 1]]
+    torch.testing.assert_close(batch.behaviour_logprobs,
+                               torch.tensor([[-0.1, -0.2, 0.0, 0.0], [0.0, -0.3, -0.4, -0.5]]))
+    assert batch.advantages.tolist() == [1.0, -1.0]
+
+
+def hand_batch() -> tuple[torch.Tensor, PolicyBatch]:
+    new = torch.tensor([[0.0, -1.0], [-1.0, -2.0]])
+    batch = PolicyBatch(
+        inputs=torch.zeros(2, 2, dtype=torch.long), targets=torch.zeros(2, 2, dtype=torch.long),
+        mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]),
+        behaviour_logprobs=torch.tensor([[-0.5, -0.9], [-0.5, -2.0]]),
+        advantages=torch.tensor([1.0, -1.0]),
+    )
+    return new, batch
+
+
+def test_clipped_loss_equals_a_hand_computation():
+    new, batch = hand_batch()
+    loss, stats = clipped_policy_loss(new, batch, clip_eps=0.2)
+
+    # Row 0 (advantage +1): ratio e^0.5 is clipped to 1.2; ratio e^-0.1 is inside the clip range.
+    # Row 1 (advantage -1): ratio e^-0.5 -> min(-e^-0.5, -0.8) = -0.8; its 2nd token is masked.
+    per_token = [-1.2, -math.exp(-0.1), 0.8]
+    assert float(loss) == pytest.approx(sum(per_token) / 3, rel=1e-6)
+    assert stats["clip_fraction"] == pytest.approx(2 / 3)
+    assert stats["mean_ratio"] == pytest.approx((math.exp(0.5) + math.exp(-0.1) + math.exp(-0.5)) / 3, rel=1e-6)
+
+
+def test_positions_with_mask_zero_contribute_nothing_to_loss_or_gradient():
+    new, batch = hand_batch()
+    wild = new.clone()
+    wild[1, 1] = 5.0  # the masked position
+    wild.requires_grad_(True)
+    loss, _ = clipped_policy_loss(wild, batch, clip_eps=0.2)
+    loss.backward()
+
+    assert float(loss.detach()) == pytest.approx(float(clipped_policy_loss(new, batch, clip_eps=0.2)[0]))
+    assert float(wild.grad[1, 1]) == 0.0
+    assert float(wild.grad[0, 1]) != 0.0  # an unclipped trained token does get a gradient
+
+
+def test_clipped_loss_of_a_batch_with_no_trained_tokens_is_zero():
+    new, batch = hand_batch()
+    empty = PolicyBatch(batch.inputs, batch.targets, torch.zeros_like(batch.mask),
+                        batch.behaviour_logprobs, batch.advantages)
+    loss, stats = clipped_policy_loss(new, empty, clip_eps=0.2)
+    assert float(loss) == 0.0 and stats["clip_fraction"] == 0.0
+
+
+def test_token_logprobs_pick_the_target_log_softmax():
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])
+    assert float(token_logprobs(logits, torch.tensor([[1]]))[0, 0]) == pytest.approx(math.log(0.75))
+
+
+# --- admission ---------------------------------------------------------------------------------
+
+def test_version_lag_counts_from_the_oldest_generated_token_and_ignores_forced_ones():
+    assert version_lag([-1, -1, 3, 4, 5], current_version=6) == 3
+    assert version_lag([-1, -1], current_version=6) == 0
+
+
+def sample(reward_tag: int) -> PolicySample:
+    return PolicySample([reward_tag, 1, 2], [0, 1, 1], [0.0, -0.1, -0.2], 0.0)
+
+
+def test_failed_member_is_masked_out_of_the_group_statistics():
+    group = Group("g", [GroupMember("a", 1.0, sample(1)), GroupMember("b", 0.0, sample(2)),
+                        GroupMember("failed", 0.0, None)])
+    trained = group.trainable_samples()
+    assert [s.tokens[0] for s in trained] == [1, 2]
+    assert [s.advantage for s in trained] == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert group.rewards() == [1.0, 0.0]
+
+
+def test_group_with_all_equal_rewards_contributes_no_samples():
+    group = Group("g", [GroupMember(str(i), 1.0, sample(i)) for i in range(4)])
+    assert group.trainable_samples() == []
+    assert group.rewards() == [1.0] * 4
+
+
+def test_group_buffer_releases_a_group_once_group_size_members_arrived_failed_ones_included():
+    buffer = GroupBuffer(group_size=2)
+    assert buffer.add("g1", GroupMember("a", 1.0, sample(1))) is None
+    assert buffer.add("g2", GroupMember("c", 1.0, sample(3))) is None
+    ready = buffer.add("g1", GroupMember("b", 0.0, None))
+    assert ready is not None and [m.rollout_id for m in ready.members] == ["a", "b"]
+    assert buffer.open_groups() == 1
+    assert buffer.take(5) == [ready] and buffer.take(5) == []
+
+
+# --- warm-start data ---------------------------------------------------------------------------
+
+def test_demonstration_batch_is_training_split_episodes_each_ending_in_a_trained_eos():
+    tokenizer = ByteTokenizer()
+    batch = demonstration_batch(MolarMassTask(), tokenizer, random.Random(0), size=12, tool_fraction=0.5)
+
+    assert len(batch) == 12
+    with_tool = 0
+    for tokens, mask in batch:
+        assert len(tokens) == len(mask)
+        assert (tokens[0], mask[0]) == (tokenizer.bos_id, 0)
+        assert (tokens[-1], mask[-1]) == (EOS_ID, 1)
+        text = tokenizer.decode(tokens)
+        formula = text.removeprefix("Q: molar mass of ").split("?", 1)[0]
+        assert not is_held_out(formula)
+        trained = tokenizer.decode(t for t, m in zip(tokens, mask) if m)
+        assert "Q:" not in trained and "<result>" not in trained  # prompt and tool output are forced
+        with_tool += "<calc>" in text
+    assert 0 < with_tool < 12
+
+
+@pytest.mark.parametrize(("tool_fraction", "expected"), [(0.0, 0), (1.0, 8)])
+def test_demonstration_batch_tool_fraction_sets_the_share_using_the_tool(tool_fraction, expected):
+    tokenizer = ByteTokenizer()
+    batch = demonstration_batch(MolarMassTask(), tokenizer, random.Random(0), size=8, tool_fraction=tool_fraction)
+    assert sum("<calc>" in tokenizer.decode(tokens) for tokens, _ in batch) == expected
+
+
+# --- the plain-torch backend -------------------------------------------------------------------
+
+@pytest.fixture
+def backend() -> TorchTrainerBackend:
+    torch.set_num_threads(1)
+    return TorchTrainerBackend(TINY_MODEL, TrainerConfig(lr=1e-2, ppo_epochs=1, seed=0))
+
+
+def trained_logprob(backend: TorchTrainerBackend, tokens: list[int], mask: list[int]) -> float:
+    batch = PolicyBatch.collate([PolicySample(tokens, mask, [0.0] * len(tokens), 0.0)], pad_id=PAD_ID)
+    with torch.no_grad():
+        logprobs = token_logprobs(backend.model(batch.inputs), batch.targets)
+    return float((logprobs * batch.mask).sum())
+
+
+def on_policy(backend: TorchTrainerBackend, tokens: list[int], mask: list[int], advantage: float) -> PolicySample:
+    """A sample whose behaviour logprobs are the backend's own, as if it had generated the tokens."""
+    batch = PolicyBatch.collate([PolicySample(tokens, mask, [0.0] * len(tokens), 0.0)], pad_id=PAD_ID)
+    with torch.no_grad():
+        logprobs = token_logprobs(backend.model(batch.inputs), batch.targets)[0].tolist()
+    return PolicySample(tokens, mask, [0.0, *logprobs], advantage)
+
+
+def test_policy_step_raises_the_likelihood_of_positive_advantage_tokens_and_lowers_negative_ones(backend):
+    good, bad = [1, 10, 20, 30, 40], [1, 11, 21, 31, 41]
+    mask = [0, 1, 1, 1, 1]
+    before = trained_logprob(backend, good, mask), trained_logprob(backend, bad, mask)
+    for _ in range(3):
+        stats = backend.policy_step([on_policy(backend, good, mask, 1.0), on_policy(backend, bad, mask, -1.0)])
+    after = trained_logprob(backend, good, mask), trained_logprob(backend, bad, mask)
+
+    assert after[0] > before[0] and after[1] < before[1]
+    assert set(stats) >= {"loss", "grad_norm", "clip_fraction", "mean_ratio"}
+
+
+def test_on_policy_samples_have_importance_ratio_one(backend):
+    stats = backend.policy_step([on_policy(backend, [1, 2, 3, 4], [0, 1, 1, 1], 1.0),
+                                 on_policy(backend, [1, 5, 6], [0, 1, 1], -1.0)])
+    assert stats["mean_ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert stats["clip_fraction"] == 0.0
+
+
+def test_sft_steps_lower_the_loss_on_the_trained_positions(backend):
+    sequences = [([1, 5, 6, 7, 8, EOS_ID], [0, 0, 1, 1, 1, 1]), ([1, 9, 8, 7, EOS_ID], [0, 1, 1, 1, 1])]
+    losses = [backend.sft_step(sequences, lr=1e-2) for _ in range(5)]
+    assert losses[-1] < losses[0]
+
+
+def test_backend_state_dict_is_a_copy_of_the_model_weights(backend):
+    state = backend.state_dict()
+    name, tensor = next(iter(state.items()))
+    tensor.add_(1.0)
+    assert not torch.equal(backend.model.state_dict()[name], tensor)
+    assert set(state) == set(backend.model.state_dict())

@@ -1,0 +1,257 @@
+"""The trainer's plain logic (``TrainerLogic``) with the real torch backend on a tiny model and a
+recording bus: handlers run concurrently, as the shell runs them, until a step is reached."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fakes import RecordingPublisher
+from rollmesh.bus.ports import MessageContext
+from rollmesh.checkpoint.torch_format import load_torch_checkpoint
+from rollmesh.config import ModelConfig, TrainerConfig
+from rollmesh.engine.tokenizer import BOS_ID, EOS_ID
+from rollmesh.engine.weights import load_weights
+from rollmesh.messages import RolloutCompleted, RolloutFailed
+from rollmesh.messages.subjects import (
+    CHECKPOINT_SAVED,
+    ROLLOUT_COMPLETED,
+    TRAINER_STEPPED,
+    WEIGHTS_PUBLISHED,
+)
+from rollmesh.rollout.molar_mass import MolarMassTask
+from rollmesh.training.torch_backend import TorchTrainerBackend
+from rollmesh.training.trainer_logic import TrainerLogic
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+TINY_MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
+STEP_TIMEOUT_S = 30.0  # a guard against a hang, never a timing assertion
+
+
+def trainer(tmp_path: Path, bus: RecordingPublisher, *, model: ModelConfig = TINY_MODEL,
+            **config) -> TrainerLogic:
+    torch.set_num_threads(1)
+    trainer_config = TrainerConfig(**{"lr": 1e-3, "group_size": 2, "groups_per_step": 1,
+                                      "ppo_epochs": 1, **config})
+    return TrainerLogic(trainer_config, model, TorchTrainerBackend(model, trainer_config), bus,
+                        run_dir=tmp_path, clock=lambda: 500.0)
+
+
+def completed(rollout_id: str, group_id: str, reward: float, *, version: int = 0,
+              purpose: str = "train") -> RolloutCompleted:
+    tokens = [BOS_ID, 81, 58, 32, 65, 58, EOS_ID]
+    return RolloutCompleted(
+        rollout_id=rollout_id, task="molar_mass", group_id=group_id, purpose=purpose, reward=reward,
+        turns=1, tool_calls=0, prompt_len=3, tokens=tokens, loss_mask=[0, 0, 0, 1, 1, 1, 1],
+        logprobs=[0.0, 0.0, 0.0, -5.5, -5.6, -5.4, -5.5], versions=[-1, -1, -1] + [version] * 4,
+    )
+
+
+def failed(rollout_id: str, group_id: str) -> RolloutFailed:
+    return RolloutFailed(rollout_id=rollout_id, kind="sandbox_error", reason="broker down", group_id=group_id)
+
+
+def context() -> MessageContext:
+    return MessageContext(subject=ROLLOUT_COMPLETED.format("test"))
+
+
+async def deliver(logic: TrainerLogic, *messages: RolloutCompleted | RolloutFailed) -> list:
+    """Deliver messages concurrently (as the shell does) and wait until every handler returned."""
+    handlers = [logic.handle_completed(m, context()) if isinstance(m, RolloutCompleted)
+                else logic.handle_failed(m, context()) for m in messages]
+    return await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), STEP_TIMEOUT_S)
+
+
+async def test_trajectories_are_acked_only_after_the_step_that_consumed_them_published_its_weights(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus)
+    bus.hold(WEIGHTS_PUBLISHED)
+    handlers = [asyncio.create_task(logic.handle_completed(m, context()))
+                for m in (completed("a", "g", 1.0), completed("b", "g", 0.0))]
+
+    (weights,) = await asyncio.wait_for(bus.wait_published(WEIGHTS_PUBLISHED), STEP_TIMEOUT_S)
+    assert not any(handler.done() for handler in handlers)
+    assert Path(weights.path).is_file()  # durable before anyone hears of it
+
+    bus.release(WEIGHTS_PUBLISHED)
+    assert await asyncio.wait_for(asyncio.gather(*handlers), STEP_TIMEOUT_S) == [None, None]
+
+
+async def test_a_redelivered_rollout_is_not_trained_twice(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus)
+    await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0))
+
+    # The redelivery returns (is acked) at once and joins no group (re-admitted, it would open a
+    # new group "g" and wait there for a partner).
+    assert await deliver(logic, completed("a", "g", 1.0)) == [None]
+    assert logic.buffer.open_groups() == 0 and logic.buffer.ready == []
+    assert len(bus.messages(TRAINER_STEPPED)) == 1
+
+
+async def test_eval_completions_are_ignored(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus)
+    assert await deliver(logic, completed("e1", "g", 1.0, purpose="eval"),
+                         completed("e2", "g", 0.0, purpose="eval")) == [None, None]
+    assert bus.published == []
+    assert logic.stats()["open_groups"] == 0 and logic.step == 0
+
+
+async def test_eval_failures_are_ignored(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus, group_size=1)
+    eval_failure = RolloutFailed(rollout_id="e", kind="inference_error", reason="x", purpose="eval")
+    assert await deliver(logic, eval_failure) == [None]
+    assert bus.published == []
+
+
+async def test_trajectories_beyond_max_staleness_are_counted_as_dropped_and_not_trained(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus, group_size=3, max_staleness=0)
+    await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0), completed("c", "g1", 0.0))
+    assert logic.version == 1
+
+    # "s" was generated by version 0 (lag 1 > max_staleness 0); its reward must not count.
+    await deliver(logic, completed("s", "g2", 1.0, version=0), completed("f1", "g2", 1.0, version=1),
+                  completed("f2", "g2", 0.0, version=1))
+    step = bus.messages(TRAINER_STEPPED)[-1]
+    assert (step.dropped_stale, step.num_samples, step.max_version_lag) == (1, 2, 0)
+    assert step.reward_mean == pytest.approx(0.5)
+    assert logic.stats()["dropped_stale"] == 1
+
+
+async def test_version_lag_within_max_staleness_is_trained_and_reported(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus, max_staleness=1)
+    await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
+    await deliver(logic, completed("c", "g2", 1.0, version=0), completed("d", "g2", 0.0, version=1))
+    step = bus.messages(TRAINER_STEPPED)[-1]
+    assert (step.num_samples, step.max_version_lag, step.dropped_stale) == (2, 1, 0)
+
+
+async def test_a_failed_member_is_masked_out_of_the_group_statistics(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus, group_size=3)
+    assert await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0), failed("x", "g")) == [None] * 3
+
+    (step,) = bus.messages(TRAINER_STEPPED)
+    assert step.num_samples == 2
+    assert step.reward_mean == pytest.approx(0.5)  # not 1/3: a failure is not a zero reward
+
+
+async def test_a_group_whose_rewards_are_all_equal_contributes_no_samples_and_publishes_no_weights(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus)
+    assert await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 1.0)) == [None, None]
+
+    (step,) = bus.messages(TRAINER_STEPPED)
+    assert (step.step, step.num_samples, step.weight_version, step.reward_mean) == (1, 0, 0, 1.0)
+    assert bus.messages(WEIGHTS_PUBLISHED) == []
+
+
+async def test_weights_published_versions_increase_by_one_per_step_and_the_file_matches_its_sha256(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus)
+    await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
+    await deliver(logic, completed("c", "g2", 0.0), completed("d", "g2", 1.0))
+
+    published = bus.messages(WEIGHTS_PUBLISHED)
+    assert [message.version for message in published] == [1, 2]
+    assert [step.weight_version for step in bus.messages(TRAINER_STEPPED)] == [1, 2]
+    for message in published:
+        data = Path(message.path).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == message.sha256
+        assert len(data) == message.num_bytes
+    newest = load_weights(published[-1].path, published[-1].sha256)
+    for name, tensor in logic.backend.state_dict().items():
+        assert torch.equal(newest[name], tensor)
+
+
+async def test_weights_published_by_a_step_name_that_step(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus)
+    await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
+
+    (weights,), (step,) = bus.messages(WEIGHTS_PUBLISHED), bus.messages(TRAINER_STEPPED)
+    assert weights.version == step.weight_version
+    assert weights.trainer_step == step.step, (
+        f"weights v{weights.version} were produced by trainer step {step.step} but claim "
+        f"trainer_step={weights.trainer_step}")
+
+
+async def test_trainer_stepped_reward_mean_averages_all_admitted_members_of_the_step(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus, groups_per_step=2)
+    await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0),
+                  completed("c", "g2", 1.0), completed("d", "g2", 1.0))
+
+    (step,) = bus.messages(TRAINER_STEPPED)
+    assert (step.num_groups, step.num_samples) == (2, 2)  # g2's equal rewards teach nothing...
+    assert step.reward_mean == pytest.approx(0.75)  # ...but its rewards are part of the mean
+    assert math.isfinite(step.loss)
+
+
+async def test_a_step_whose_weights_cannot_be_written_fails_its_trajectories_and_their_redelivery_is_trained(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus)
+    (tmp_path / "weights").write_text("not a directory")  # save_weights cannot create the folder
+
+    outcomes = await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0))
+    assert all(isinstance(outcome, Exception) for outcome in outcomes)  # nak'ed, so redelivered
+    assert bus.messages(WEIGHTS_PUBLISHED) == [] and bus.messages(TRAINER_STEPPED) == []
+
+    (tmp_path / "weights").unlink()
+    assert await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0)) == [None, None]
+    (step,) = bus.messages(TRAINER_STEPPED)
+    assert [m.version for m in bus.messages(WEIGHTS_PUBLISHED)] == [step.weight_version]
+    assert (step.weight_version, step.max_version_lag) == (1, 0), (
+        f"the failed step advanced the version counter to {logic.version - 1} without publishing it, "
+        f"so the redelivered trajectories (made by v0) count a version lag of {step.max_version_lag}")
+
+
+async def test_save_checkpoint_publishes_a_torch_format_checkpoint(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus)
+    await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0))
+    saved = await logic.save_checkpoint()
+
+    assert bus.messages(CHECKPOINT_SAVED) == [saved]
+    assert (saved.format, saved.step, saved.weight_version) == ("torch", 1, 1)
+    assert saved.model_config["d_model"] == TINY_MODEL.d_model
+    tensors, meta = load_torch_checkpoint(Path(saved.path))
+    assert set(tensors) == set(logic.backend.state_dict())
+    assert (meta.step, meta.weight_version) == (1, 1)
+
+
+async def test_checkpoint_every_saves_after_that_many_steps(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus, checkpoint_every=2)
+    await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
+    assert bus.messages(CHECKPOINT_SAVED) == []
+    await deliver(logic, completed("c", "g2", 1.0), completed("d", "g2", 0.0))
+    assert [saved.step for saved in bus.messages(CHECKPOINT_SAVED)] == [2]
+
+
+async def test_warm_start_trains_on_demonstrations_and_publishes_a_version(tmp_path):
+    bus = RecordingPublisher()
+    # Demonstrations are up to ~90 tokens long.
+    logic = trainer(tmp_path, bus, model=ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=128))
+    result = await logic.warm_start(MolarMassTask(), steps=2, batch_size=4, lr=1e-3, tool_fraction=0.5, seed=0)
+
+    (weights,) = bus.messages(WEIGHTS_PUBLISHED)
+    assert result["weight_version"] == weights.version == 1 == logic.version
+    assert math.isfinite(result["loss"])
+
+
+async def test_warm_start_of_zero_steps_publishes_nothing(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus)
+    result = await logic.warm_start(MolarMassTask(), steps=0, batch_size=4, lr=1e-3, tool_fraction=0.5, seed=0)
+    assert bus.published == [] and result["weight_version"] == 0
