@@ -163,9 +163,10 @@ class ProgressRecorder:
 class StagingEngine:
     """Fakes an inference engine seen as ``rollmesh.engine.weight_follower.StagesWeights``.
 
-    ``stage_weights`` records ``(version, state_dict)`` in ``staged`` and answers ``accept``; the
-    swap happens at once: ``wait_weights_activated`` makes the staged version current and returns
-    it. ``in_flight`` is what ``num_active`` reports.
+    ``stage_weights`` records ``(version, state_dict)`` in ``staged`` and answers ``accept``.
+    ``wait_weights_activated`` sets the ``waiting`` event, then makes the staged version current
+    and returns it: at once, or, after ``hold_activation()``, only when the test calls
+    ``activate()`` (a decode step still running). ``in_flight`` is what ``num_active`` reports.
     """
 
     def __init__(self, current_version: int = 0, *, accept: bool = True, in_flight: int = 0) -> None:
@@ -173,6 +174,9 @@ class StagingEngine:
         self.accept = accept
         self.in_flight = in_flight
         self.staged: list[tuple[int, Mapping[str, torch.Tensor]]] = []
+        self.waiting = asyncio.Event()
+        self._step_boundary = asyncio.Event()
+        self._step_boundary.set()
 
     @property
     def current_version(self) -> int:
@@ -182,7 +186,16 @@ class StagingEngine:
         self.staged.append((version, dict(state_dict)))
         return self.accept
 
+    def hold_activation(self) -> None:
+        self._step_boundary.clear()
+
+    def activate(self) -> None:
+        self._step_boundary.set()
+
     async def wait_weights_activated(self, version: int) -> int:
+        self.waiting.set()
+        await self._step_boundary.wait()
+        self.waiting.clear()
         self._current = version
         return version
 

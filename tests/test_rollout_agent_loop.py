@@ -182,7 +182,8 @@ async def test_unreachable_sandbox_broker_fails_with_sandbox_error_never_a_zero_
 
 async def test_unreachable_broker_at_lease_time_fails_with_sandbox_error_before_generating():
     engine = ScriptedEngine([answer()])
-    result = await run(engine, sandbox_bus(lease=RequestTimeoutError(subject="rl.test.sandbox.lease", timeout_s=30.0)))
+    unreachable = RequestTimeoutError(subject="rl.test.sandbox.lease", timeout_s=30.0)
+    result = await run(engine, sandbox_bus(lease=unreachable))
 
     assert isinstance(result, RolloutFailed)
     assert result.kind == "sandbox_error"

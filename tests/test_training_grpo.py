@@ -37,7 +37,8 @@ def test_group_advantages_are_zero_mean_unit_std(rewards):
     assert float(values.mean()) == pytest.approx(0.0, abs=1e-9)
     assert float(values.std(unbiased=False)) == pytest.approx(1.0, abs=1e-5)
     # Order is kept: a better reward gets a larger advantage.
-    assert sorted(range(len(rewards)), key=rewards.__getitem__) == sorted(range(len(rewards)), key=advantages.__getitem__)
+    order = range(len(rewards))
+    assert sorted(order, key=rewards.__getitem__) == sorted(order, key=advantages.__getitem__)
 
 
 def test_group_advantages_of_two_rewards_are_plus_and_minus_one():

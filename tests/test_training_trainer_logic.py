@@ -198,7 +198,7 @@ async def test_trainer_stepped_reward_mean_averages_all_admitted_members_of_the_
     assert math.isfinite(step.loss)
 
 
-async def test_a_step_whose_weights_cannot_be_written_fails_its_trajectories_and_their_redelivery_is_trained(tmp_path):
+async def test_a_step_whose_weights_cannot_be_written_naks_its_trajectories_and_trains_their_redelivery(tmp_path):
     bus = RecordingPublisher()
     logic = trainer(tmp_path, bus)
     (tmp_path / "weights").write_text("not a directory")  # save_weights cannot create the folder

@@ -1,0 +1,232 @@
+"""The wire contract: every subject carries one message type in one encoding, client-facing
+subjects are plain JSON, and old and new actors read each other's messages."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from rollmesh.messages import (
+    ALL_SUBJECTS,
+    CheckpointConverted,
+    CheckpointSaved,
+    DeadLettered,
+    GpuGranted,
+    GpuReleased,
+    PreemptionAcknowledged,
+    PreemptionRequested,
+    RolloutCompleted,
+    RolloutFailed,
+    RolloutProgressed,
+    RolloutRequested,
+    SamplingParams,
+    SandboxExecReply,
+    SandboxExecRequest,
+    SandboxLeaseReply,
+    SandboxLeaseRequest,
+    SandboxReleaseReply,
+    SandboxReleaseRequest,
+    Subject,
+    TrainerStepped,
+    WeightsActivated,
+    WeightsPublished,
+    WireMessage,
+    check_namespace,
+)
+from rollmesh.messages.subjects import (
+    ROLLOUT_COMPLETED,
+    ROLLOUT_FAILED,
+    ROLLOUT_PROGRESSED,
+    ROLLOUT_REQUESTED,
+    SANDBOX_EXEC,
+    WEIGHTS_ACTIVATED,
+    WEIGHTS_PUBLISHED,
+)
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+COMPLETED = RolloutCompleted(
+    rollout_id="r-1", task="molar_mass", group_id="g", purpose="train", reward=1.0, turns=2,
+    tool_calls=1, prompt_len=2, tokens=[256, 65, 66], loss_mask=[0, 0, 1], logprobs=[0.0, 0.0, -0.5],
+    versions=[-1, -1, 3], text="AB",
+)
+
+# One valid message per wire type; a new type without an example here fails the tests below.
+EXAMPLES: dict[type, WireMessage] = {type(m): m for m in [
+    RolloutRequested(rollout_id="r-1", task="molar_mass", task_input={"formula": "H2O"},
+                     sampling=SamplingParams(temperature=0.5, stop=["</calc>"])),
+    RolloutProgressed(rollout_id="r-1", turn=1, num_tokens=30, weight_version=2),
+    COMPLETED,
+    RolloutFailed(rollout_id="r-1", kind="sandbox_error", reason="broker down"),
+    WeightsPublished(version=3, path="/run/weights/v000003.safetensors", sha256="ab" * 32, num_bytes=10),
+    WeightsActivated(version=3, worker="decode-0", role="decode", in_flight=2),
+    TrainerStepped(step=1, weight_version=1, loss=0.1, reward_mean=0.5, num_samples=4, num_groups=1),
+    CheckpointSaved(step=1, weight_version=1, path="/run/checkpoints/step_1", format="torch",
+                    model_config={"d_model": 32}),
+    CheckpointConverted(step=1, weight_version=1, source_path="/a", hf_path="/b", files=["m.safetensors"],
+                        num_bytes=10),
+    SandboxLeaseRequest(holder="r-1"),
+    SandboxLeaseReply(lease_id="lease-1", backend="process"),
+    SandboxExecRequest(lease_id="lease-1", argv=["python3", "-c", "print(1)"]),
+    SandboxExecReply(exit_code=0, stdout="1\n"),
+    SandboxReleaseRequest(lease_id="lease-1"),
+    SandboxReleaseReply(released=True),
+    GpuGranted(grant_id="g-1", holder="trainer", role="trainer", count=1.0, resource="GPU"),
+    GpuReleased(grant_id="g-1", holder="trainer", count=1.0),
+    PreemptionRequested(grant_id="g-1", holder="trainer", grace_s=5.0),
+    PreemptionAcknowledged(grant_id="g-1", holder="trainer"),
+    DeadLettered(subject="rl.ns.rollout.requested", consumer="rollout_requested", reason="bad json"),
+]}
+CLIENT_FACING = (ROLLOUT_REQUESTED, ROLLOUT_PROGRESSED, ROLLOUT_COMPLETED, ROLLOUT_FAILED)
+
+
+def subject_id(subject: Subject) -> str:
+    return subject.template.removeprefix("rl.{ns}.")
+
+
+def other_example(excluded: type) -> WireMessage:
+    return next(message for kind, message in EXAMPLES.items() if kind is not excluded)
+
+
+def test_each_subject_binds_its_own_message_type():
+    types = [subject.type for subject in ALL_SUBJECTS]
+    assert len(set(types)) == len(types)
+    assert len({subject.template for subject in ALL_SUBJECTS}) == len(ALL_SUBJECTS)
+
+
+@pytest.mark.parametrize("subject", ALL_SUBJECTS, ids=subject_id)
+def test_a_message_round_trips_through_its_subject(subject):
+    message = EXAMPLES[subject.type]
+    assert subject.decode(subject.encode(message)) == message
+    if subject.reply_type is not None:
+        reply = EXAMPLES[subject.reply_type]
+        assert subject.decode_reply(subject.encode_reply(reply)) == reply
+
+
+@pytest.mark.parametrize("subject", ALL_SUBJECTS, ids=subject_id)
+def test_encode_refuses_a_message_of_another_type(subject):
+    with pytest.raises(TypeError, match=subject.type.__name__):
+        subject.encode(other_example(subject.type))
+
+
+@pytest.mark.parametrize("subject", ALL_SUBJECTS, ids=subject_id)
+def test_decode_refuses_bytes_of_another_message_type(subject):
+    wrong = other_example(subject.type)
+    encoder = msgspec.json if subject.encoding == "json" else msgspec.msgpack
+    with pytest.raises(msgspec.ValidationError):
+        subject.decode(encoder.encode(wrong))
+
+
+def test_reply_encoding_refuses_the_wrong_type_and_non_request_subjects():
+    with pytest.raises(TypeError):
+        SANDBOX_EXEC.encode_reply(SandboxLeaseReply(lease_id="x"))
+    with pytest.raises(TypeError):
+        WEIGHTS_PUBLISHED.encode_reply(EXAMPLES[WeightsPublished])
+    with pytest.raises(TypeError):
+        WEIGHTS_PUBLISHED.decode_reply(b"")
+
+
+@pytest.mark.parametrize("subject", CLIENT_FACING, ids=subject_id)
+def test_client_facing_subjects_are_json_objects_tagged_with_their_type(subject):
+    assert subject.encoding == "json"
+    document = json.loads(subject.encode(EXAMPLES[subject.type]))
+    assert document["type"] == subject.type.__struct_config__.tag
+
+
+def test_internal_subjects_are_msgpack():
+    assert WEIGHTS_PUBLISHED.encoding == WEIGHTS_ACTIVATED.encoding == SANDBOX_EXEC.encoding == "msgpack"
+    document = msgspec.msgpack.decode(WEIGHTS_PUBLISHED.encode(EXAMPLES[WeightsPublished]))
+    assert document["type"] == "weights.published" and document["version"] == 3
+
+
+def test_a_plain_json_request_without_the_type_tag_decodes():
+    request = ROLLOUT_REQUESTED.decode(json.dumps({"rollout_id": "c-1", "task": "molar_mass",
+                                                   "task_input": {"formula": "NaCl"}}).encode())
+    assert request == RolloutRequested(rollout_id="c-1", task="molar_mass", task_input={"formula": "NaCl"})
+
+
+def test_a_json_request_with_another_type_tag_is_refused():
+    with pytest.raises(msgspec.ValidationError):
+        ROLLOUT_REQUESTED.decode(b'{"type": "rollout.failed", "rollout_id": "c-1", "task": "t"}')
+
+
+@pytest.mark.parametrize("fields", [
+    {"rollout_id": "", "task": "t"},
+    {"rollout_id": "r", "task": "t", "max_turns": 0},
+    {"rollout_id": "r", "task": "t", "purpose": "fun"},
+    {"rollout_id": "r", "task": "t", "sampling": {"top_p": 0.0}},
+    {"task": "t"},
+])
+def test_a_request_breaking_the_constraints_in_its_type_is_refused(fields):
+    with pytest.raises(msgspec.ValidationError):
+        ROLLOUT_REQUESTED.decode(json.dumps(fields).encode())
+
+
+def test_wire_messages_are_frozen():
+    with pytest.raises(AttributeError):
+        COMPLETED.reward = 0.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("namespace", ["", "a.b", "a b", "*", ">", "x" * 65])
+def test_a_namespace_that_is_not_one_nats_token_is_refused(namespace):
+    with pytest.raises(ValueError):
+        ROLLOUT_REQUESTED.format(namespace)
+
+
+def test_subjects_are_formatted_in_their_namespace():
+    assert ROLLOUT_REQUESTED.format("exp-1") == "rl.exp-1.rollout.requested"
+    assert check_namespace("exp_1") == "exp_1"
+
+
+# --- schema evolution --------------------------------------------------------------------------
+# A "newer" version of a message is what a later release would ship: the same tag and fields, and
+# a new field with a default at the end (docs: new fields get defaults and go last).
+
+class NewerRolloutRequested(RolloutRequested, frozen=True, tag="rollout.requested"):
+    priority: int = 0
+
+
+class NewerRolloutCompleted(RolloutCompleted, frozen=True, tag="rollout.completed"):
+    reward_breakdown: dict[str, float] = {}
+
+
+class NewerWeightsPublished(WeightsPublished, frozen=True, tag="weights.published"):
+    dtype: str = "float32"
+
+
+NEWER = [
+    pytest.param(ROLLOUT_REQUESTED, NewerRolloutRequested(rollout_id="r-9", task="molar_mass", priority=5),
+                 id="json-rollout.requested"),
+    pytest.param(ROLLOUT_COMPLETED, NewerRolloutCompleted(**msgspec.structs.asdict(COMPLETED),
+                                                          reward_breakdown={"format": 1.0}),
+                 id="json-rollout.completed"),
+    pytest.param(WEIGHTS_PUBLISHED, NewerWeightsPublished(**msgspec.structs.asdict(EXAMPLES[WeightsPublished]),
+                                                          dtype="bfloat16"),
+                 id="msgpack-weights.published"),
+]
+
+
+def encode_as(subject: Subject, message: WireMessage) -> bytes:
+    """What a newer actor's Subject would put on the wire."""
+    return (msgspec.json if subject.encoding == "json" else msgspec.msgpack).encode(message)
+
+
+@pytest.mark.parametrize(("subject", "newer"), NEWER)
+def test_an_older_reader_decodes_a_newer_message_ignoring_the_new_field(subject, newer):
+    decoded = subject.decode(encode_as(subject, newer))
+    assert type(decoded) is subject.type
+    older_fields = {name: getattr(newer, name) for name in subject.type.__struct_fields__}
+    assert msgspec.structs.asdict(decoded) == older_fields
+
+
+@pytest.mark.parametrize(("subject", "newer"), NEWER)
+def test_a_newer_reader_decodes_an_older_message_with_the_new_field_defaulted(subject, newer):
+    newer_subject = Subject(subject.template, type(newer), subject.encoding)
+    older = subject.type(**{name: getattr(newer, name) for name in subject.type.__struct_fields__})
+    decoded = newer_subject.decode(subject.encode(older))
+    default = type(newer)(**msgspec.structs.asdict(older))
+    assert decoded == default
+    (new_field,) = set(type(newer).__struct_fields__) - set(subject.type.__struct_fields__)
+    assert getattr(decoded, new_field) == getattr(default, new_field)
