@@ -180,33 +180,54 @@ def load_config(
         raw = tomllib.loads(source.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(str(exc), source=str(source)) from exc
-    for dotted, value in _env_overrides(os.environ if environ is None else environ).items():
-        _set_dotted(raw, dotted, value)
+    env = _env_overrides(os.environ if environ is None else environ)
+    for dotted, (variable, value) in env.items():
+        _set_dotted(raw, dotted, value, source=variable)
     for dotted, value in (overrides or {}).items():
-        _set_dotted(raw, dotted, value)
+        _set_dotted(raw, dotted, value, source="overrides")
     try:
         return msgspec.convert(raw, RollmeshConfig, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(str(exc), source=str(source)) from exc
+        path = _error_path(str(exc))
+        variable = next((name for dotted, (name, _) in env.items() if dotted == path), None)
+        raise ConfigError(str(exc), source=variable or str(source), path=path) from exc
 
 
-def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
-    """``ROLLMESH_TRAINER__LR=1e-3`` -> ``{"trainer.lr": 1e-3}``; values parse as TOML scalars."""
-    found: dict[str, Any] = {}
+_TOP_LEVEL_VALUES = frozenset({"namespace", "run_root"})
+
+
+def _error_path(message: str) -> str:
+    """msgspec says "... - at `$.trainer.lr`"; return "trainer.lr" ("" when it names none)."""
+    _, found, path = message.rpartition("at `$.")
+    return path.rstrip("`").split("[")[0] if found else ""
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, tuple[str, Any]]:
+    """``ROLLMESH_TRAINER__LR=1e-3`` -> ``{"trainer.lr": ("ROLLMESH_TRAINER__LR", 1e-3)}``;
+    values parse as TOML scalars."""
+    found: dict[str, tuple[str, Any]] = {}
     for key, text in environ.items():
-        if not key.startswith(ENV_PREFIX) or "__" not in key:
+        if not key.startswith(ENV_PREFIX):
             continue
         dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+        # A key without a section must name a top-level value (ROLLMESH_NAMESPACE), so other
+        # ROLLMESH_* variables (secrets among them) are never mistaken for config.
+        if "." not in dotted and dotted not in _TOP_LEVEL_VALUES:
+            continue
         try:
-            found[dotted] = tomllib.loads(f"v = {text}")["v"]
+            found[dotted] = (key, tomllib.loads(f"v = {text}")["v"])
         except tomllib.TOMLDecodeError:
-            found[dotted] = text
+            found[dotted] = (key, text)
     return found
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, *, source: str) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
-    for name in parents:
+    for depth, name in enumerate(parents):
         node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            where = ".".join(parents[: depth + 1])
+            raise ConfigError(f"{where} is a value, not a section; cannot set {dotted}",
+                              source=source, path=dotted)
     node[leaf] = value

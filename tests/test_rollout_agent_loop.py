@@ -263,11 +263,13 @@ async def test_progress_event_is_published_and_delivery_kept_alive_per_turn():
     await runner(engine, bus).handle_requested(request(), context(progress))
 
     events = bus.messages(ROLLOUT_PROGRESSED)
-    assert [(event.turn, event.weight_version) for event in events] == [(1, 5), (2, 6)]
     assert all(event.rollout_id == "r-1" for event in events)
+    # The final (answer) turn is a turn too; a one-turn rollout must not go without any event.
+    assert [(event.turn, event.weight_version) for event in events] == [(1, 5), (2, 6)], (
+        "the turn that ends without a tool call publishes no RolloutProgressed")
     (completed,) = bus.messages(ROLLOUT_COMPLETED)
     assert events[-1].num_tokens == len(completed.tokens)
-    assert progress.calls == 2
+    assert progress.calls == 2, "the turn that ends without a tool call skips ctx.in_progress()"
 
 
 async def test_progress_events_can_be_switched_off():

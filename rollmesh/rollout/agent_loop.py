@@ -169,17 +169,21 @@ class RolloutRunner:
                 if call is None:
                     final_text = text
                     finished_with_eos = generation.finish_reason == "eos"
-                    break
-                calls.append(call)
-                output = await self._run_tool(request, task, call, lease_id)
-                outputs.append(output)
-                trajectory.append_forced(self.tokenizer.encode(format_tool_output(output.text))[:max(0, self.max_seq_len - len(trajectory))])
+                else:
+                    calls.append(call)
+                    output = await self._run_tool(request, task, call, lease_id)
+                    outputs.append(output)
+                    room = max(0, self.max_seq_len - len(trajectory))
+                    trajectory.append_forced(self.tokenizer.encode(format_tool_output(output.text))[:room])
             await ctx.in_progress()
             if self.config.progress_events:
                 await self.publisher.publish(ROLLOUT_PROGRESSED, RolloutProgressed(
                     rollout_id=request.rollout_id, turn=turn, num_tokens=len(trajectory),
                     weight_version=max(generation.versions, default=-1),
+                    status="running" if call is not None else "answered",
                 ))
+            if call is None:
+                break
         return Transcript(calls, outputs, final_text, finished_with_eos), turn
 
     def _task(self, request: RolloutRequested) -> Task:

@@ -77,6 +77,7 @@ class TrainerLogic:
         self._consumed: dict[str, asyncio.Future[None]] = {}
         self._train_lock = asyncio.Lock()
         self.dropped_stale = 0
+        self.ungrouped = 0
 
     def subscriptions(self) -> list[Subscription]:
         # Every trajectory of a step waits un-acked until the step is durable, so the consumer
@@ -91,10 +92,15 @@ class TrainerLogic:
 
     def stats(self) -> dict[str, Any]:
         return {"step": self.step, "version": self.version, "dropped_stale": self.dropped_stale,
+                "ungrouped": self.ungrouped,
                 "open_groups": self.buffer.open_groups(), "ready_groups": len(self.buffer.ready)}
 
     async def handle_completed(self, message: RolloutCompleted, ctx: MessageContext) -> None:
         if message.purpose != "train" or not self._first_time(message.rollout_id):
+            return
+        if not message.group_id and self.config.group_size > 1:
+            # GRPO needs a group; an ungrouped trajectory would wait forever for its peers.
+            self.ungrouped += 1
             return
         lag = version_lag(message.versions, self.version)
         sample = None
@@ -107,6 +113,8 @@ class TrainerLogic:
 
     async def handle_failed(self, message: RolloutFailed, ctx: MessageContext) -> None:
         if message.purpose != "train" or not self._first_time(message.rollout_id):
+            return
+        if not message.group_id and self.config.group_size > 1:
             return
         await self._admit(message.group_id or message.rollout_id,
                           GroupMember(message.rollout_id, 0.0, None), ctx)
@@ -165,7 +173,7 @@ class TrainerLogic:
             stats: dict[str, float] = {"loss": 0.0}
             if samples:
                 stats = await asyncio.to_thread(self.backend.policy_step, samples)
-                await self._publish_weights()
+                await self._publish_weights(trainer_step=self.step + 1)
             self.step += 1
         message = TrainerStepped(
             step=self.step, weight_version=self.version, loss=float(stats.get("loss", 0.0)),
@@ -179,16 +187,19 @@ class TrainerLogic:
         if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
             await self.save_checkpoint()
 
-    async def _publish_weights(self) -> WeightsPublished:
-        self.version += 1
-        with _tracer.start_as_current_span("weights_publish", attributes={"weight_version": self.version}):
-            path = self.weights_dir / f"v{self.version:06d}.safetensors"
+    async def _publish_weights(self, *, trainer_step: int) -> WeightsPublished:
+        # The version only advances once its file is written and announced: a failed save must
+        # not make the redelivered trajectories look one version staler than they are.
+        version = self.version + 1
+        with _tracer.start_as_current_span("weights_publish", attributes={"weight_version": version}):
+            path = self.weights_dir / f"v{version:06d}.safetensors"
             sha256, num_bytes = await asyncio.to_thread(save_weights, self.backend.state_dict(), path)
-            message = WeightsPublished(version=self.version, path=str(path), sha256=sha256,
-                                       num_bytes=num_bytes, trainer_step=self.step,
+            message = WeightsPublished(version=version, path=str(path), sha256=sha256,
+                                       num_bytes=num_bytes, trainer_step=trainer_step,
                                        published_at=self.clock())
             await self.publisher.publish(WEIGHTS_PUBLISHED, message)
-        stale = self.weights_dir / f"v{self.version - KEEP_WEIGHT_FILES:06d}.safetensors"
+        self.version = version
+        stale = self.weights_dir / f"v{version - KEEP_WEIGHT_FILES:06d}.safetensors"
         stale.unlink(missing_ok=True)
         return message
 
@@ -204,7 +215,7 @@ class TrainerLogic:
                                             tool_fraction=tool_fraction)
                 loss = await asyncio.to_thread(self.backend.sft_step, batch, lr=lr)
             if steps:
-                await self._publish_weights()
+                await self._publish_weights(trainer_step=self.step)
         return {"loss": loss, "weight_version": self.version}
 
     async def save_checkpoint(self) -> CheckpointSaved:
