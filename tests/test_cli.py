@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from rollmesh.cli import build_parser, main
-from rollmesh.cli_demo import demo_overrides
-from rollmesh.cli_events import weight_versions
-from rollmesh.cli_mesh import child_command
-from rollmesh.cli_submit import parse_request_lines, sample_requests
+from rollmesh.cli.demo import demo_overrides
+from rollmesh.cli.events import weight_versions
+from rollmesh.cli.mesh import child_command
+from rollmesh.cli.submit import parse_request_lines, sample_requests
 from rollmesh.config import load_config
 from rollmesh.rollout.molar_mass import is_held_out
 

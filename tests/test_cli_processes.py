@@ -15,8 +15,8 @@ import pytest
 from test_cli import restore_logging_config  # noqa: F401  (autouse: main() sets up logging)
 
 from rollmesh.cli import main
-from rollmesh.cli_errors import CliError
-from rollmesh.cli_mesh import LOG_FILE, wait_mesh_ready
+from rollmesh.cli.errors import CliError
+from rollmesh.cli.mesh import LOG_FILE, wait_mesh_ready
 from rollmesh.mesh_info import MESH_FILE, MeshInfo, write_mesh_info
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -60,11 +60,4 @@ class InferenceRouter:
                 )
             finally:
                 self._decode_in_flight[index] -= 1
-            return GenerationResult(
-                token_ids=finished.token_ids,
-                logprobs=finished.logprobs,
-                versions=finished.versions,
-                finish_reason=finished.finish_reason,
-                prompt_len=finished.prompt_len,
-                request_id=request_id,
-            )
+            return finished.as_generation_result()

@@ -22,7 +22,7 @@ from rollmesh.engine.errors import (
 )
 from rollmesh.engine.model import TinyDecoder
 from rollmesh.engine.prefill import PrefillResult
-from rollmesh.engine.protocols import Detokenizer, FinishReason
+from rollmesh.engine.protocols import Detokenizer, FinishReason, GenerationResult
 from rollmesh.engine.sampling import sample_tokens
 from rollmesh.engine.stopping import StopChecker
 from rollmesh.engine.tokenizer import ByteTokenizer
@@ -38,6 +38,12 @@ class FinishedSequence:
     versions: list[int]  # weight version that produced each token
     finish_reason: FinishReason
     prompt_len: int
+
+    def as_generation_result(self) -> GenerationResult:
+        return GenerationResult(
+            token_ids=self.token_ids, logprobs=self.logprobs, versions=self.versions,
+            finish_reason=self.finish_reason, prompt_len=self.prompt_len, request_id=self.request_id,
+        )
 
 
 @dataclass(frozen=True, slots=True)

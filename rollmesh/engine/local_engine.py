@@ -67,14 +67,7 @@ class LocalEngine:
         # Runs on the event loop thread between decode steps, so it is a boundary for both.
         prefill = self.prefill_engine.prefill(input_ids, request_id=request_id)
         finished = await self.decode_loop.submit(request_id, prefill, sampling)
-        return GenerationResult(
-            token_ids=finished.token_ids,
-            logprobs=finished.logprobs,
-            versions=finished.versions,
-            finish_reason=finished.finish_reason,
-            prompt_len=finished.prompt_len,
-            request_id=request_id,
-        )
+        return finished.as_generation_result()
 
     def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
         """Stage weights for the next boundary; callable from any thread."""

@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
-from rollmesh.cli_errors import EXIT_FAILURE, EXIT_OK
-from rollmesh.cli_events import completed_line, failed_line, progressed_line, stepped_line
-from rollmesh.cli_target import MeshTarget, add_target_options, find_mesh, load_cli_config, positive_float, positive_int
+from rollmesh.cli.errors import EXIT_FAILURE, EXIT_OK
+from rollmesh.cli.events import completed_line, failed_line, progressed_line, stepped_line
+from rollmesh.cli.target import MeshTarget, add_target_options, find_mesh, load_cli_config, positive_float, positive_int
 from rollmesh.messages import RolloutCompleted, RolloutFailed, RolloutProgressed, Subject, TrainerStepped
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_PROGRESSED, TRAINER_STEPPED
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollmesh.cli_errors import EXIT_USAGE, CliError
+from rollmesh.cli.errors import EXIT_USAGE, CliError
 from rollmesh.config import ConfigError, RollmeshConfig, load_config
 from rollmesh.mesh_info import MeshInfo, MeshNotFoundError, read_mesh_info
 from rollmesh.messages import check_namespace

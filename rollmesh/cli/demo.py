@@ -12,8 +12,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from rollmesh.cli_errors import EXIT_OK
-from rollmesh.cli_target import load_cli_config, namespace_arg, positive_int
+from rollmesh.cli.errors import EXIT_OK
+from rollmesh.cli.target import load_cli_config, namespace_arg, positive_int
 from rollmesh.mesh_info import new_run_dir
 
 # CLI option -> config field it overrides.

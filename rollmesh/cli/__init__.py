@@ -1,6 +1,6 @@
 """The ``rollmesh`` command: ``up``, ``down``, ``submit``, ``watch``, ``demo``.
 
-Knows argparse and the ``cli_*`` modules, one per subcommand family, each of which registers its
+Knows argparse and the modules of this package, one per subcommand family, each of which registers its
 own options and handler. Nothing heavy is imported until a handler needs it, so ``--help`` is
 instant and ``submit``/``watch`` never import Ray. Exit codes: 0 ok, 1 failure, 2 usage error;
 an error is one line on stderr (a traceback only with ``--debug``).
@@ -13,8 +13,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from rollmesh import cli_demo, cli_mesh, cli_submit, cli_watch
-from rollmesh.cli_errors import EXIT_FAILURE, EXIT_USAGE, CliError
+from rollmesh.cli import demo as cli_demo, mesh as cli_mesh, submit as cli_submit, watch as cli_watch
+from rollmesh.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError
 
 EXIT_INTERRUPTED = 130
 
@@ -89,6 +89,3 @@ def _one_line(exc: BaseException) -> str:
         text = _one_line(exc.__cause__)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,9 +19,9 @@ from typing import Any
 
 import msgspec
 
-from rollmesh.cli_errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError
-from rollmesh.cli_events import weight_versions
-from rollmesh.cli_target import MeshTarget, add_target_options, find_mesh, load_cli_config, positive_float, positive_int
+from rollmesh.cli.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError
+from rollmesh.cli.events import weight_versions
+from rollmesh.cli.target import MeshTarget, add_target_options, find_mesh, load_cli_config, positive_float, positive_int
 from rollmesh.config import RollmeshConfig
 from rollmesh.messages import RolloutCompleted, RolloutFailed, RolloutRequested, SamplingParams
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_REQUESTED

@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from rollmesh.cli_errors import EXIT_OK, CliError
-from rollmesh.cli_target import add_target_options, load_cli_config, namespace_arg, positive_float
+from rollmesh.cli.errors import EXIT_OK, CliError
+from rollmesh.cli.target import add_target_options, load_cli_config, namespace_arg, positive_float
 from rollmesh.mesh_info import MESH_FILE, MeshInfo, MeshNotFoundError, new_run_dir, read_mesh_info
 
 LOG_FILE = "mesh.log"
