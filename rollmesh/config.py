@@ -87,6 +87,9 @@ class SandboxConfig(_Config):
     max_leases: PositiveInt = 1024
     max_output_bytes: PositiveInt = 64 * 1024
     memory_limit_mb: PositiveInt = 512
+    # Host paths shown read-only inside sandboxes even where the sandbox's own mounts (its
+    # private /tmp) would hide them: datasets, a task's files. rollmesh's tools are always shown.
+    readonly_paths: list[str] = []
 
 
 class TrainerConfig(_Config):

@@ -119,6 +119,7 @@ async def mesh(nats_server: EmbeddedNatsServer, ray_session: None) -> AsyncItera
         "serve.enabled": False,
         "trainer.group_size": 2,
         "trainer.groups_per_step": 1,
+        "sandbox.readonly_paths": [str(gate_dir)],
         "rollout.tasks": ["rollmesh.rollout.molar_mass:MolarMassTask",
                           "mesh_test_tasks:GatedMolarMassTask"],
     })

@@ -2,8 +2,8 @@
 
 ``GatedMolarMassTask`` is the demo task whose calculator first waits for a gate file to exist,
 so a test can act (publish new weights) while a rollout is parked between two turns. The gate
-(``task_input["gate"]``, a path under the test run directory) is visible read-only inside
-sandboxes.
+(``task_input["gate"]``, a path under the test run directory) is shown read-only inside
+sandboxes through ``sandbox.readonly_paths``, wherever the repository lives.
 """
 
 from __future__ import annotations

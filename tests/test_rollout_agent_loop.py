@@ -246,6 +246,7 @@ async def test_trajectory_is_cut_at_the_model_context_and_generation_is_told_the
     assert isinstance(result, RolloutCompleted)
     assert len(result.tokens) == max_seq_len
     assert result.reward == 0.0
+    assert result.turns == 1  # a turn that had no room to run is not counted
 
 
 async def test_generation_stops_at_the_tool_closing_tag_and_keeps_the_client_stops():

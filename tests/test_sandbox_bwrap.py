@@ -75,6 +75,20 @@ async def test_molar_mass_tool_runs_in_the_sandbox(bwrap: BwrapBackend, workdir:
     assert (result.exit_code, result.stdout, result.stderr) == (0, "129.200\n", "")
 
 
+async def test_configured_readonly_paths_under_tmp_are_visible_and_read_only(workdir: Path, tmp_path: Path) -> None:
+    """The sandbox's private /tmp would hide host paths under /tmp (a CI clone, a dataset)."""
+    data = tmp_path / "dataset"
+    data.mkdir()
+    (data / "table.txt").write_text("42\n")
+    backend = BwrapBackend(readonly_paths=[str(data)])
+    script = f"cat {data}/table.txt; touch {data}/new 2>/dev/null && echo writable || echo read-only"
+    result = await backend.run(["sh", "-c", script], stdin="", timeout_s=20.0, workdir=workdir, **LIMITS)
+    assert result.stdout == "42\nread-only\n"
+    hidden = await BwrapBackend().run(["cat", f"{data}/table.txt"], stdin="", timeout_s=20.0,
+                                      workdir=workdir, **LIMITS)
+    assert hidden.exit_code != 0  # without the setting, the private /tmp hides it
+
+
 async def test_sandbox_has_no_network(bwrap: BwrapBackend, workdir: Path, listening_port: int) -> None:
     result = await bwrap.run([*PY, connect_script(listening_port)], stdin="", timeout_s=20.0, workdir=workdir, **LIMITS)
     assert result.stdout.startswith("blocked"), result

@@ -76,7 +76,7 @@ class SandboxBrokerActor(RoleActor):
         self.config = config
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
-        backend = select_backend(self.config.backend)
+        backend = select_backend(self.config.backend, readonly_paths=self.config.readonly_paths)
         root = Path(self.mesh.run_dir) / "sandboxes"
         root.mkdir(parents=True, exist_ok=True)
         _log.info("sandbox_backend", backend=backend.name, isolated=backend.isolated)

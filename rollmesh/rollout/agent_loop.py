@@ -145,13 +145,14 @@ class RolloutRunner:
                      lease_id: str, ctx: MessageContext, rollout_span: trace.Span
                      ) -> tuple[Transcript, int]:
         calls, outputs = [], []
-        final_text, finished_with_eos, turn = "", False, 0
+        final_text, finished_with_eos, turns_run = "", False, 0
         stops = sorted({*request.sampling.stop, *stop_strings(task.tools)})
         link = trace.Link(rollout_span.get_span_context())
         for turn in range(1, request.max_turns + 1):
             room = self.max_seq_len - len(trajectory)
             if room <= 0:
                 break
+            turns_run = turn
             # Each turn is its own trace (hour-long rollouts would make one trace unreadable),
             # linked to the rollout's span so the whole story can be followed.
             with _tracer.start_as_current_span(
@@ -184,7 +185,7 @@ class RolloutRunner:
                 ))
             if call is None:
                 break
-        return Transcript(calls, outputs, final_text, finished_with_eos), turn
+        return Transcript(calls, outputs, final_text, finished_with_eos), turns_run
 
     def _task(self, request: RolloutRequested) -> Task:
         try:

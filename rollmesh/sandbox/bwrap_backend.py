@@ -17,12 +17,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from rollmesh.sandbox.backend_protocol import ExecResult, clean_environment
 from rollmesh.sandbox.errors import BackendFailedError, BackendUnavailableError
 from rollmesh.sandbox.limited_process import run_limited
+from rollmesh.sandbox.tool_paths import TOOLS_DIR
 
 SELF_TEST_TIMEOUT_S = 10.0
 
@@ -39,7 +41,8 @@ class BwrapBackend:
     name = "bwrap"
     isolated = True
 
-    def __init__(self, *, bwrap: str | None = None, workdir_mount: str | None = None) -> None:
+    def __init__(self, *, bwrap: str | None = None, workdir_mount: str | None = None,
+                 readonly_paths: Sequence[str] = ()) -> None:
         found = bwrap or shutil.which("bwrap")
         if not found:
             raise BackendUnavailableError("bubblewrap is not installed", backend=self.name, reason="no bwrap on PATH")
@@ -51,6 +54,9 @@ class BwrapBackend:
             )
         self.bwrap = found
         self.workdir_mount = workdir_mount
+        # Our own tool scripts must stay visible wherever the project is installed, /tmp included
+        # (a CI clone under /tmp would otherwise vanish under the sandbox's private /tmp).
+        self.readonly_paths = [str(TOOLS_DIR), *(str(Path(p).resolve()) for p in readonly_paths)]
 
     def build_argv(
         self, argv: list[str], *, workdir: Path, network: bool, writable_root: bool, status_fd: int
@@ -70,6 +76,8 @@ class BwrapBackend:
         # refuses it until a backend can give a private writable root.
         wrapped += ["--bind" if writable_root else "--ro-bind", "/", "/"]
         wrapped += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        for path in self.readonly_paths:
+            wrapped += ["--ro-bind-try", path, path]
         if workdir.parent != Path("/"):
             wrapped += ["--tmpfs", str(workdir.parent)]  # other leases live beside this one
         wrapped += ["--bind", str(workdir), inside, "--chdir", inside, "--clearenv"]
