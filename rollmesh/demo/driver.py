@@ -93,7 +93,10 @@ class DemoDriver:
         warm_start_s = time.monotonic() - started
         self.report(f"warm start: {demo.sft_steps} supervised steps in {warm_start_s:.1f}s "
                     f"(loss {warm['loss']:.3f}), weights v{warm['weight_version']}")
-        evaluations = [asyncio.create_task(self._evaluate(publisher, 0))]
+        # The baseline evaluation finishes before any training request exists, so it measures the
+        # warm-started weights alone; later ones run alongside training.
+        self.curve.evaluations.append(await self._evaluate(publisher, 0))
+        evaluations: list[asyncio.Task[tuple[int, float]]] = []
         window = trainer_config.groups_per_step * (1 + demo.prefetch_steps)
         total_groups = demo.rl_steps * trainer_config.groups_per_step
         rl_started = time.monotonic()
