@@ -54,6 +54,14 @@ class Mesh:
         self._serve_url = ""
 
     async def start(self) -> MeshInfo:
+        try:
+            return await self._start()
+        except BaseException:
+            # Half a mesh must not outlive a failed start: stop what did come up, in reverse.
+            await self.stop()
+            raise
+
+    async def _start(self) -> MeshInfo:
         nats_url = self._start_bus()
         self._start_ray()
         mesh = MeshContext(namespace=self.config.namespace, nats_url=nats_url,

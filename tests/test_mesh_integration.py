@@ -251,3 +251,19 @@ async def test_gpu_scheduler_publishes_grants_and_places_roles_on_them(mesh) -> 
     # The granted actors really hold the declared resource in Ray.
     used = ray.available_resources().get("rollmesh_gpu", 0.0)
     assert used == 0.0
+
+
+async def test_a_mesh_that_cannot_start_leaves_no_actor_behind(ray_session, tmp_path) -> None:
+    from rollmesh.config import load_config
+    from rollmesh.launcher import Mesh
+
+    config = load_config(overrides={
+        "namespace": "broken" + uuid.uuid4().hex[:6], "nats.url": "nats://127.0.0.1:1",
+        "nats.connect_timeout_s": 1.0, "serve.enabled": False,
+    })
+    mesh = Mesh(config, run_dir=tmp_path / "run")
+    with pytest.raises(Exception):
+        await mesh.start()
+    with pytest.raises(ValueError):
+        ray.get_actor("gpu-scheduler", namespace=mesh.ray_namespace)
+    assert not (tmp_path / "run" / "mesh.json").exists()
