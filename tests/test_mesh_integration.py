@@ -248,9 +248,9 @@ async def test_gpu_scheduler_publishes_grants_and_places_roles_on_them(mesh) -> 
         await nc.close()
     assert {(g.role, g.holder, g.count, g.resource) for g in grants} == {
         ("decode", "decode-0", 1.0, "rollmesh_gpu"), ("trainer", "trainer", 1.0, "rollmesh_gpu")}
-    # The granted actors really hold the declared resource in Ray.
-    used = ray.available_resources().get("rollmesh_gpu", 0.0)
-    assert used == 0.0
+    # The granted actors really hold the declared resource: Ray has none of the 2 left.
+    assert ray.cluster_resources().get("rollmesh_gpu") == 2.0
+    assert ray.available_resources().get("rollmesh_gpu", 0.0) == 0.0
 
 
 async def test_a_mesh_that_cannot_start_leaves_no_actor_behind(ray_session, tmp_path) -> None:
