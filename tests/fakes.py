@@ -85,7 +85,7 @@ class ScriptedEngine:
 
 
 class RecordingPublisher:
-    """Fakes a ``rollmesh.bus.ports.Publisher`` (the NATS bus): nothing leaves the process.
+    """Fakes a ``rollmesh.ports.Publisher`` (the NATS bus): nothing leaves the process.
 
     ``publish`` checks the message against the subject's wire contract (encode + decode through the
     ``Subject``, so a wrong type or an invalid value fails as it would on the bus), records

@@ -8,7 +8,7 @@ import pytest
 
 from fakes import ProgressRecorder, RecordingPublisher, ScriptedEngine
 from rollmesh.bus.errors import RequestTimeoutError
-from rollmesh.bus.ports import MessageContext
+from rollmesh.ports import MessageContext
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.engine.protocols import GenerationResult
 from rollmesh.engine.tokenizer import EOS_ID, ByteTokenizer

@@ -12,7 +12,7 @@ import pytest
 from opentelemetry import trace
 
 from rollmesh.actors.shell import ActorShell
-from rollmesh.bus.ports import MessageContext, Publisher, Subscription
+from rollmesh.ports import MessageContext, Publisher, Subscription
 from rollmesh.bus.streams import rollout_requests_stream
 from rollmesh.config import NatsConfig, TelemetryConfig
 from rollmesh.messages import (

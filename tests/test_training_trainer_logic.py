@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fakes import RecordingPublisher
-from rollmesh.bus.ports import MessageContext
+from rollmesh.ports import MessageContext
 from rollmesh.checkpoint.torch_format import load_torch_checkpoint
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.tokenizer import BOS_ID, EOS_ID

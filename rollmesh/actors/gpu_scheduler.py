@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
-from rollmesh.bus.ports import ActorLogic, Publisher, Subscription
+from rollmesh.ports import ActorLogic, Publisher, Subscription
 from rollmesh.config import SchedulerConfig
 from rollmesh.messages import GpuGranted
 from rollmesh.messages.subjects import GPU_GRANTED

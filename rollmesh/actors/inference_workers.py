@@ -13,7 +13,7 @@ from typing import Any
 from opentelemetry import trace
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
-from rollmesh.bus.ports import ActorLogic, Publisher
+from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.bus.trace_headers import extract_trace_context
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop

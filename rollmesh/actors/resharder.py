@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
-from rollmesh.bus.ports import ActorLogic, MessageContext, Publisher, Subscription
+from rollmesh.ports import ActorLogic, MessageContext, Publisher, Subscription
 from rollmesh.checkpoint.resharder import CheckpointResharder
 from rollmesh.config import ResharderConfig
 from rollmesh.messages import CheckpointSaved

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rollmesh.actors.shell import ActorShell
-from rollmesh.bus.ports import ActorLogic, Publisher
+from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import NatsConfig, TelemetryConfig
 
 

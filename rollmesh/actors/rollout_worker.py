@@ -10,7 +10,7 @@ from typing import Any
 
 from rollmesh.actors.inference_router import InferenceRouter
 from rollmesh.actors.role_base import MeshContext, RoleActor
-from rollmesh.bus.ports import ActorLogic, Publisher
+from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.rollout.agent_loop import RolloutRunner
 from rollmesh.rollout.tasks import TaskRegistry

@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
-from rollmesh.bus.ports import ActorLogic, MessageContext, Publisher, Subscription
+from rollmesh.ports import ActorLogic, MessageContext, Publisher, Subscription
 from rollmesh.config import SandboxConfig
 from rollmesh.messages import SandboxExecRequest, SandboxLeaseRequest, SandboxReleaseRequest
 from rollmesh.messages.subjects import SANDBOX_EXEC, SANDBOX_LEASE, SANDBOX_RELEASE

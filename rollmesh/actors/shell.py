@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.consumers import Consumer, open_consumer
 from rollmesh.bus.dispatcher import MessageDispatcher
-from rollmesh.bus.ports import ActorLogic
+from rollmesh.ports import ActorLogic
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.streams import ensure_streams
 from rollmesh.bus.task_set import TaskSet

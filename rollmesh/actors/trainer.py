@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
-from rollmesh.bus.ports import ActorLogic, Publisher
+from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
 from rollmesh.training.torch_backend import TorchTrainerBackend

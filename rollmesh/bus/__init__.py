@@ -1,8 +1,8 @@
 """rollmesh.bus: the embedded nats-server, connections, JetStream layout, publish and consume.
 
-``rollmesh.bus.ports`` (Subscription, MessageContext, Publisher, ActorLogic) imports no nats and is
-what logic classes use. Everything else here knows nats-py; the names below are loaded lazily so
-importing ``rollmesh.bus.ports`` never drags nats-py in.
+Everything here knows nats-py. What logic classes use instead lives in ``rollmesh.ports``
+(re-exported below for the shell's convenience); the names are loaded lazily, so importing this
+package's lighter modules never drags nats-py in.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "ActorLogic": "rollmesh.bus.ports",
-    "MessageContext": "rollmesh.bus.ports",
-    "Publisher": "rollmesh.bus.ports",
-    "Subscription": "rollmesh.bus.ports",
+    "ActorLogic": "rollmesh.ports",
+    "MessageContext": "rollmesh.ports",
+    "Publisher": "rollmesh.ports",
+    "Subscription": "rollmesh.ports",
     "BusPublisher": "rollmesh.bus.publisher",
     "EmbeddedNatsServer": "rollmesh.bus.embedded_server",
     "connect_bus": "rollmesh.bus.connection",

@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from rollmesh.bus.message_keys import log_fields
-from rollmesh.bus.ports import MessageContext, Subscription
+from rollmesh.ports import MessageContext, Subscription
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.trace_headers import extract_trace_context
 from rollmesh.messages import WireMessage

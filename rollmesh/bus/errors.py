@@ -1,7 +1,8 @@
 """Errors raised by the bus: the embedded server, connections, streams, publish and request.
 
-Knows nothing but the standard library. Foreign exceptions (nats-py, subprocess) are wrapped at
-the boundary with ``raise X(...) from exc`` so callers catch one tree::
+Knows the standard library and ``rollmesh.ports`` (request failures are also its
+RequestFailedError, which logic catches without importing the bus). Foreign exceptions (nats-py,
+subprocess) are wrapped at the boundary with ``raise X(...) from exc`` so callers catch one tree::
 
     BusError
     +-- NatsServerError            the embedded nats-server (binary, log_tail, returncode)
@@ -17,6 +18,8 @@ the boundary with ``raise X(...) from exc`` so callers catch one tree::
 """
 
 from __future__ import annotations
+
+from rollmesh.ports import RequestFailedError
 
 
 class BusError(Exception):
@@ -59,7 +62,7 @@ class PublishError(BusError):
         self.subject = subject
 
 
-class BusRequestError(BusError):
+class BusRequestError(BusError, RequestFailedError):
     def __init__(self, message: str, *, subject: str) -> None:
         super().__init__(f"{subject}: {message}")
         self.subject = subject

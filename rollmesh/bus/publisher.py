@@ -39,7 +39,7 @@ DEAD_LETTER_PAYLOAD_BYTES = 1024
 
 
 class BusPublisher:
-    """Implements ``rollmesh.bus.ports.Publisher`` over one NATS connection."""
+    """Implements ``rollmesh.ports.Publisher`` over one NATS connection."""
 
     def __init__(self, nc: Client, js: JetStreamContext, namespace: str, *,
                  publish_timeout_s: float = 5.0) -> None:

@@ -1,6 +1,6 @@
 """Follows the trainer's weight versions for one inference worker: load, stage, acknowledge.
 
-Knows the engine's weight files, the bus ports and the wire contract; not Ray, not nats-py. On
+Knows the engine's weight files, the mesh ports (rollmesh.ports) and the wire contract; not Ray, not nats-py. On
 ``WeightsPublished`` it loads the safetensors file off the event loop, stages it (the engine swaps
 at its next step boundary, so no request is aborted) and publishes ``WeightsActivated`` once the
 swap happened.
@@ -16,7 +16,7 @@ from typing import Protocol
 import structlog
 import torch
 
-from rollmesh.bus.ports import MessageContext, Publisher, Subscription
+from rollmesh.ports import MessageContext, Publisher, Subscription
 from rollmesh.engine.weights import load_weights
 from rollmesh.messages import WeightsActivated, WeightsPublished
 from rollmesh.messages.subjects import WEIGHTS_ACTIVATED, WEIGHTS_PUBLISHED

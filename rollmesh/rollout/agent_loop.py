@@ -15,8 +15,7 @@ import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from rollmesh.bus.errors import BusError
-from rollmesh.bus.ports import MessageContext, Publisher, Subscription
+from rollmesh.ports import MessageContext, Publisher, RequestFailedError, Subscription
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.engine.protocols import InferenceEngine
 from rollmesh.engine.tokenizer import ByteTokenizer
@@ -212,7 +211,7 @@ class RolloutRunner:
                     SandboxExecRequest(lease_id=lease_id, argv=task.tool_argv(call, request.task_input), timeout_s=timeout_s),
                     timeout_s=timeout_s + BROKER_GRACE_S,
                 )
-            except BusError as exc:
+            except RequestFailedError as exc:
                 raise RolloutError("sandbox_error", f"sandbox broker unreachable: {exc}") from exc
         if reply.error_kind in ("", "timeout", "output_too_large"):
             # The tool's own failures are the model's business: it sees them and may try again.
@@ -227,7 +226,7 @@ class RolloutRunner:
             reply = await self.publisher.request(
                 SANDBOX_LEASE, SandboxLeaseRequest(holder=request.rollout_id), timeout_s=BROKER_GRACE_S,
             )
-        except BusError as exc:
+        except RequestFailedError as exc:
             raise RolloutError("sandbox_error", f"sandbox broker unreachable: {exc}") from exc
         if reply.error_kind:
             raise RolloutError("sandbox_error", f"no sandbox lease ({reply.error_kind}): {reply.error}")
@@ -237,5 +236,5 @@ class RolloutRunner:
         try:
             await self.publisher.request(SANDBOX_RELEASE, SandboxReleaseRequest(lease_id=lease_id),
                                          timeout_s=BROKER_GRACE_S)
-        except BusError as exc:  # the broker reaps expired leases; losing a release loses nothing
+        except RequestFailedError as exc:  # the broker reaps expired leases; losing a release loses nothing
             _log.warning("sandbox_release_failed", rollout_id=rollout_id, lease_id=lease_id, error=str(exc))

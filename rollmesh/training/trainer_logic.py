@@ -1,6 +1,6 @@
 """The trainer's plain logic: admit trajectories, train GRPO steps, publish weight versions.
 
-Knows the training backend, the bus ports and the wire contract; not Ray, not nats-py. A
+Knows the training backend, the mesh ports (rollmesh.ports) and the wire contract; not Ray, not nats-py. A
 trajectory's JetStream message is acknowledged only when the step that consumed it has written
 its new weights (or the trajectory was rejected), so a trainer killed mid-step loses nothing; a
 redelivered trajectory is recognised by its rollout_id and never trained twice.
@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 from opentelemetry import trace
 
-from rollmesh.bus.ports import MessageContext, Publisher, Subscription
+from rollmesh.ports import MessageContext, Publisher, Subscription
 from rollmesh.checkpoint.torch_format import save_torch_checkpoint
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.tokenizer import ByteTokenizer

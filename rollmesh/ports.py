@@ -1,8 +1,10 @@
-"""What plain logic classes see of the bus: Subscription, MessageContext, Publisher, ActorLogic.
+"""What plain logic classes see of the mesh: Subscription, MessageContext, Publisher, ActorLogic.
 
-Imports neither nats nor opentelemetry nor ray (only our wire contract), so domain packages can
-depend on it and unit tests can build a ``MessageContext`` by hand. The shell
-(``rollmesh.actors.shell``) turns these declarations into real NATS subscriptions.
+Imports neither nats nor opentelemetry nor ray (only our wire contract), so domain packages
+(engine, rollout, training...) can depend on it without depending on the bus, and unit tests can
+build a ``MessageContext`` by hand. The shell (``rollmesh.actors.shell``) turns these declarations
+into real NATS subscriptions; ``rollmesh.bus.publisher.BusPublisher`` implements ``Publisher``.
+Top-level rather than in ``bus/`` because domain packages must never import the bus.
 """
 
 from __future__ import annotations
@@ -95,6 +97,13 @@ class Subscription:
         return re.sub(r"[^A-Za-z0-9_-]", "_", tail)
 
 
+class RequestFailedError(Exception):
+    """A ``Publisher.request`` got no usable reply (no responder, timeout, undecodable reply).
+
+    The bus raises its own subclasses; logic catches this one and so never imports the bus.
+    """
+
+
 @runtime_checkable
 class Publisher(Protocol):
     """Emits messages on the bus. Implemented by ``rollmesh.bus.publisher.BusPublisher``."""
@@ -104,7 +113,8 @@ class Publisher(Protocol):
 
     async def request(self, subject: Subject, message: WireMessage,
                       timeout_s: float) -> WireMessage:
-        """Send a request and return the decoded reply (``subject.reply_type``)."""
+        """Send a request and return the decoded reply (``subject.reply_type``); raises
+        ``RequestFailedError`` when no usable reply comes."""
 
 
 @runtime_checkable

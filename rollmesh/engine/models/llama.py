@@ -1,0 +1,184 @@
+"""Llama/Qwen2-style dense decoder as plain torch modules, named as in HF safetensors.
+
+RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, tied or untied embeddings, optional q/k/v
+(and o) biases and Qwen3's per-head q/k norms. Parameter names equal the checkpoint's
+(``model.layers.N.self_attn.q_proj.weight`` ...) so an HF state dict loads with no renaming.
+Knows ``HFModelConfig``; does not know files, transformers, or which feed-forward is sparse:
+``CausalLM`` takes a factory for each layer's feed-forward (see ``families.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollmesh.engine.models.hf_config import HFModelConfig
+
+# A layer's feed-forward returns its output, plus the routed expert ids [tokens, top_k] if sparse.
+FeedForwardOutput = tuple[torch.Tensor, torch.Tensor | None]
+FeedForwardFactory = Callable[[int], nn.Module]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale after casting back, in HF's order, so bf16 rounds alike.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, head_dim] for the half-split ("rotate_half") RoPE layout HF uses."""
+    # Computed per call rather than kept as a buffer: it is cheap, and a model built on the meta
+    # device then loaded with assign=True would otherwise keep a meta buffer.
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float) / head_dim)
+    )
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: HFModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.sliding_window = config.sliding_window
+        hidden, q_out, kv_out = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_out, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_out, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_out, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_out, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
+        if self.sliding_window is not None and seq > self.sliding_window:
+            i = torch.arange(seq, device=x.device)
+            dist = i[:, None] - i[None, :]
+            mask = (dist >= 0) & (dist < self.sliding_window)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, *, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: HFModelConfig, feed_forward: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Registered under the checkpoint's name ("mlp", or Mixtral's "block_sparse_moe").
+        self.feed_forward_name = config.feed_forward_name
+        self.add_module(config.feed_forward_name, feed_forward)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> FeedForwardOutput:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        out = getattr(self, self.feed_forward_name)(self.post_attention_layernorm(x))
+        out, routed = out if isinstance(out, tuple) else (out, None)
+        return x + out, routed
+
+
+class DecoderModel(nn.Module):
+    """The ``model.`` prefix of the checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, config: HFModelConfig, feed_forward: FeedForwardFactory) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, feed_forward(i)) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def dense_feed_forward(config: HFModelConfig) -> FeedForwardFactory:
+    return lambda _layer: GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+
+
+class CausalLM(nn.Module):
+    """Decoder plus LM head. ``forward(input_ids [B, T]) -> logits [B, T, V]``, full causal."""
+
+    def __init__(self, config: HFModelConfig, feed_forward: FeedForwardFactory | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, feed_forward or dense_feed_forward(config))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head if the config ties them; call after loading."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.forward_with_routes(input_ids)[0]
+
+    def forward_with_routes(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, T, V] and, for MoE models, routed expert ids [B, T, sparse layers, top_k].
+
+        Expert ids are uint8 when there are at most 256 experts, else uint16; rows follow
+        ``config.moe.sparse_layers``. Dense models return None for the routes.
+        """
+        batch, seq = input_ids.shape
+        x = self.model.embed_tokens(input_ids)
+        positions = torch.arange(seq, device=input_ids.device)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        routes = []
+        for layer in self.model.layers:
+            x, routed = layer(x, cos, sin)
+            if routed is not None:
+                routes.append(routed.view(batch, seq, -1))
+        logits = self.lm_head(self.model.norm(x))
+        if not routes:
+            return logits, None
+        moe = self.config.moe
+        id_dtype = torch.uint8 if moe is not None and moe.num_experts <= 256 else torch.uint16
+        return logits, torch.stack(routes, dim=2).to(id_dtype)
