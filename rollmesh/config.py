@@ -125,6 +125,8 @@ class ServeConfig(_Config):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
+    # A file holding the API key (``ROLLMESH_API_KEY`` wins when set); empty: no key required.
+    api_key_file: str = ""
 
 
 class DemoConfig(_Config):

@@ -38,6 +38,16 @@ ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000}
 GRANT_HOLDERS = {"prefill": "prefill-0", "decode": "decode-0", "trainer": "trainer"}
 
 
+def create_actor(name: str, cls: type, *args: Any, ray_namespace: str,
+                 options: dict[str, Any] | None = None) -> Any:
+    """``cls`` as a named Ray actor with ``ACTOR_OPTIONS``, constructed as ``cls(name, *args)``;
+    the caller awaits ``actor.start.remote()`` (after recording the handle, so a failed start can
+    still be killed)."""
+    return ray.remote(cls).options(
+        name=name, namespace=ray_namespace, **ACTOR_OPTIONS, **(options or {})
+    ).remote(name, *args)
+
+
 class Mesh:
     def __init__(self, config: RollmeshConfig, *, run_dir: Path | None = None) -> None:
         self.config = config
@@ -144,9 +154,7 @@ class Mesh:
         self._started_ray = True
 
     async def _spawn(self, name: str, cls: type, *args: Any, options: dict[str, Any] | None = None) -> Any:
-        actor = ray.remote(cls).options(
-            name=name, namespace=self.ray_namespace, **ACTOR_OPTIONS, **(options or {})
-        ).remote(name, *args)
+        actor = create_actor(name, cls, *args, ray_namespace=self.ray_namespace, options=options)
         self.actors[name] = actor
         await actor.start.remote()
         return actor

@@ -1,5 +1,6 @@
-"""The inference Serve app over real prefill and decode actors: OpenAI completions, /generate,
-/v1/models, /health, and 4xx answers to bad input that leave the replica serving.
+"""The inference Serve app over real prefill and decode actors: OpenAI completions and chat
+(through the official ``openai`` client too, streaming included), /generate, /v1/models, /health,
+and 4xx answers to bad input that leave the replica serving.
 
 One local Ray (reused if the session already started one), one prefill and one decode actor, and
 one deployment for the whole module, because Serve takes seconds to start on two shared cores.
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
+import openai
 import pytest
 import ray
 
@@ -246,8 +248,16 @@ BAD_REQUESTS = [
     ("max-tokens-over-context", "/v1/completions",
      {"prompt": "a", "max_tokens": MODEL.max_seq_len + 1}, 400, "invalid_value", "max_tokens"),
     ("n-two", "/v1/completions", {"prompt": "a", "n": 2}, 400, "unsupported_value", "n"),
-    ("stream", "/v1/completions", {"prompt": "a", "stream": True}, 400, "unsupported_value",
-     "stream"),
+    ("chat-messages-empty", "/v1/chat/completions", {"messages": []}, 400, "invalid_value",
+     "messages"),
+    ("chat-unknown-role", "/v1/chat/completions",
+     {"messages": [{"role": "robot", "content": "hi"}]}, 400, "invalid_value", "messages.0.role"),
+    ("chat-max-tokens-zero", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "invalid_value",
+     "max_tokens"),
+    ("chat-unknown-model", "/v1/chat/completions",
+     {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}, 404,
+     "model_not_found", "model"),
     ("logprobs-too-many", "/v1/completions", {"prompt": "a", "logprobs": 10}, 400,
      "invalid_value", "logprobs"),
     ("empty-stop-string", "/v1/completions", {"prompt": "a", "stop": [""]}, 400,
@@ -303,10 +313,80 @@ def test_bad_input_gets_a_4xx_error_and_the_next_request_succeeds(
     assert greedy_generate(client, [BOS_ID, 65], max_new_tokens=1)["output_ids"]
 
 
-def test_streaming_is_refused_with_a_clear_message(client: httpx.Client) -> None:
-    response = client.post("/v1/completions", json={"prompt": "a", "stream": True})
+def test_generate_streaming_is_refused_with_a_clear_message(client: httpx.Client) -> None:
+    response = client.post("/generate", json={"input_ids": [65], "stream": True})
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "streaming is not supported yet"
+
+
+# -- the official openai client ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def openai_client(deployed: Deployed) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{deployed.url}/v1", api_key="unused", timeout=60,
+                       max_retries=0) as client:
+        yield client
+
+
+def test_openai_client_gets_a_chat_completion(openai_client: openai.OpenAI) -> None:
+    completion = openai_client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": "hi"}],
+        max_tokens=5, temperature=0,
+    )
+    assert completion.id.startswith("chatcmpl-")
+    assert completion.object == "chat.completion"
+    (choice,) = completion.choices
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    prompt = "system: be brief\nuser: hi\nassistant: "
+    assert completion.usage.prompt_tokens == 1 + len(prompt)  # BOS, then the template's bytes
+    assert 1 <= completion.usage.completion_tokens <= 5
+
+
+def test_openai_client_streams_a_chat_completion_with_the_same_text(
+    openai_client: openai.OpenAI,
+) -> None:
+    request = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "count"}],
+               "max_tokens": 12, "temperature": 0}
+    whole = openai_client.chat.completions.create(**request).choices[0]
+    chunks = list(openai_client.chat.completions.create(**request, stream=True))
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert streamed == whole.message.content
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+    assert len({chunk.id for chunk in chunks}) == 1
+
+
+def test_openai_client_streams_a_completion_with_the_same_text(
+    openai_client: openai.OpenAI,
+) -> None:
+    request = {"model": MODEL_NAME, "prompt": "abc", "max_tokens": 10, "temperature": 0}
+    whole = openai_client.completions.create(**request).choices[0]
+    chunks = list(openai_client.completions.create(**request, stream=True))
+    assert len(chunks) >= 2  # the text, then the finish reason
+    assert "".join(chunk.choices[0].text for chunk in chunks) == whole.text
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+
+
+def test_streamed_completion_is_server_sent_events_ending_in_done(client: httpx.Client) -> None:
+    with client.stream("POST", "/v1/completions", json={
+            "prompt": "a", "max_tokens": 3, "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in events)
+    assert events[-1] == "data: [DONE]"
+
+
+def test_openai_client_errors_are_openai_errors(openai_client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as raised:
+        openai_client.chat.completions.create(
+            model="gpt-5", messages=[{"role": "user", "content": "hi"}])
+    assert raised.value.code == "model_not_found"
 
 
 def test_engine_error_raised_in_an_actor_maps_to_400(deployed: Deployed) -> None:

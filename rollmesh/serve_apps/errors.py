@@ -3,8 +3,11 @@ error tree (to map it), not Ray or FastAPI.
 
     ApiError(status, message, code, param)
     ├── InvalidApiRequestError      400  bad body or sampling params, prompt too long, bad ids
+    ├── AuthenticationError         401  no or a wrong ``Authorization: Bearer`` key
     ├── ModelNotFoundError(model)   404
     └── EngineUnavailableError      503  no decode slot, loop stopped, a worker died
+
+    InvalidApiKeyFileError(ValueError)   at startup: the configured key file is unreadable or empty
 """
 
 from __future__ import annotations
@@ -42,6 +45,18 @@ class ApiError(Exception):
 class InvalidApiRequestError(ApiError):
     status = 400
     error_type = "invalid_request_error"
+
+
+class AuthenticationError(ApiError):
+    status = 401
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="invalid_api_key")
+
+
+class InvalidApiKeyFileError(ValueError):
+    """The configured API key file cannot be read or is empty (raised at startup, not per request)."""
 
 
 class ModelNotFoundError(ApiError):

@@ -64,10 +64,6 @@ def completion_inputs(
 ) -> tuple[list[int], SamplingParams]:
     """The prompt's token ids (BOS first) and sampling params; raises InvalidApiRequestError."""
     check_model(request.model, served)
-    if request.stream:
-        raise InvalidApiRequestError(
-            "streaming is not supported yet", code="unsupported_value", param="stream"
-        )
     if request.n != 1:
         raise InvalidApiRequestError(
             f"n must be 1 (got {request.n}): one choice per request is supported",
@@ -79,10 +75,10 @@ def completion_inputs(
             code="invalid_value", param="logprobs",
         )
     max_tokens = 16 if request.max_tokens is None else request.max_tokens
-    _check_max_tokens(max_tokens, served, param="max_tokens")
+    check_max_tokens(max_tokens, served, param="max_tokens")
     input_ids = ByteTokenizer(served.vocab_size).encode(request.prompt, bos=True)
-    _check_prompt_length(len(input_ids), served, param="prompt")
-    sampling = _sampling_params(
+    check_prompt_length(len(input_ids), served, param="prompt")
+    sampling = openai_sampling_params(
         temperature=request.temperature, top_p=request.top_p, max_new_tokens=max_tokens,
         stop=request.stop, names={"max_new_tokens": "max_tokens"},
     )
@@ -102,7 +98,7 @@ def generate_inputs(
         raise InvalidApiRequestError(
             "input_ids is empty", code="invalid_value", param="input_ids"
         )
-    _check_prompt_length(len(input_ids), served, param="input_ids")
+    check_prompt_length(len(input_ids), served, param="input_ids")
     for position, token_id in enumerate(input_ids):
         if not 0 <= token_id < served.vocab_size:
             raise InvalidApiRequestError(
@@ -114,15 +110,15 @@ def generate_inputs(
     max_new_tokens = params.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = min(SGLANG_DEFAULT_MAX_NEW_TOKENS, served.max_seq_len)
-    _check_max_tokens(max_new_tokens, served, param="sampling_params.max_new_tokens")
-    sampling = _sampling_params(
+    check_max_tokens(max_new_tokens, served, param="sampling_params.max_new_tokens")
+    sampling = openai_sampling_params(
         temperature=params.temperature, top_p=params.top_p, max_new_tokens=max_new_tokens,
         stop=params.stop, names={}, prefix="sampling_params.",
     )
     return input_ids, sampling
 
 
-def _check_max_tokens(value: int, served: ServedModel, *, param: str) -> None:
+def check_max_tokens(value: int, served: ServedModel, *, param: str) -> None:
     if not 1 <= value <= served.max_seq_len:
         raise InvalidApiRequestError(
             f"{param} must be between 1 and the context length {served.max_seq_len} "
@@ -131,7 +127,7 @@ def _check_max_tokens(value: int, served: ServedModel, *, param: str) -> None:
         )
 
 
-def _check_prompt_length(num_tokens: int, served: ServedModel, *, param: str) -> None:
+def check_prompt_length(num_tokens: int, served: ServedModel, *, param: str) -> None:
     if num_tokens > served.max_prompt_tokens:
         raise InvalidApiRequestError(
             f"the prompt is {num_tokens} tokens; at most {served.max_prompt_tokens} fit in the "
@@ -140,7 +136,7 @@ def _check_prompt_length(num_tokens: int, served: ServedModel, *, param: str) ->
         )
 
 
-def _sampling_params(
+def openai_sampling_params(
     *,
     temperature: float | None,
     top_p: float | None,
@@ -189,11 +185,7 @@ def completion_response(
     sampling: SamplingParams,
     with_logprobs: bool,
 ) -> CompletionResponse:
-    tokenizer = ByteTokenizer(served.vocab_size)
-    text = tokenizer.decode(result.token_ids)
-    if result.finish_reason == "stop":
-        # OpenAI leaves the stop sequence out of the text (the tokens still hold it).
-        text = text[: _first_stop(text, sampling.stop)[0]]
+    text = openai_text(result, served, sampling)
     logprobs = None
     if with_logprobs:
         logprobs = CompletionLogprobs(
@@ -207,7 +199,7 @@ def completion_response(
         model=served.name,
         choices=[
             CompletionChoice(
-                index=0, text=text, finish_reason=_openai_finish_reason(result),
+                index=0, text=text, finish_reason=openai_finish_reason(result),
                 logprobs=logprobs, weight_versions=list(result.versions),
             )
         ],
@@ -216,6 +208,15 @@ def completion_response(
             total_tokens=result.prompt_len + completion_tokens,
         ),
     )
+
+
+def openai_text(result: GenerationResult, served: ServedModel, sampling: SamplingParams) -> str:
+    """The generated text as OpenAI returns it: decoded, cut before the stop string that ended it
+    (OpenAI leaves the stop sequence out of the text; the tokens still hold it)."""
+    text = ByteTokenizer(served.vocab_size).decode(result.token_ids)
+    if result.finish_reason == "stop":
+        text = text[: _first_stop(text, sampling.stop)[0]]
+    return text
 
 
 def generate_response(
@@ -261,7 +262,7 @@ def token_text(token_id: int) -> str:
     return f"<id:{token_id}>"
 
 
-def _openai_finish_reason(result: GenerationResult) -> str:
+def openai_finish_reason(result: GenerationResult) -> str:
     return {"eos": "stop", "stop": "stop", "length": "length"}.get(result.finish_reason, "abort")
 
 

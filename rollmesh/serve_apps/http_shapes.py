@@ -67,6 +67,49 @@ class CompletionResponse(_Response):
     usage: CompletionUsage
 
 
+# -- OpenAI /v1/chat/completions --------------------------------------------------------------
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str
+
+
+class ChatCompletionRequest(_Request):
+    model: str | None = None  # None: the one served model
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length", "abort"]
+    logprobs: None = None
+    # Not OpenAI: the weight version that produced each generated token.
+    weight_versions: list[int]
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
 class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"

@@ -1,5 +1,7 @@
-"""The inference Serve application: OpenAI ``/v1/completions``, SGLang-style ``/generate``,
-``/v1/models`` and ``/health`` in front of the prefill and decode actors.
+"""The inference Serve application: OpenAI ``/v1/completions`` and ``/v1/chat/completions``
+(streaming included), SGLang-style ``/generate``, ``/v1/models`` and ``/health`` in front of the
+prefill and decode actors. With an API key (given at construction, never read here from the
+environment) every endpoint but ``/health`` requires ``Authorization: Bearer KEY``.
 
 Knows Ray Serve, FastAPI and the InferenceRouter; finds the workers by actor name (the launcher
 spawned them), never spawns or stops them. Bad input is answered with a 4xx JSON error and never
@@ -16,9 +18,9 @@ from typing import Any
 
 import ray
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve import Application
@@ -28,6 +30,13 @@ from rollmesh.actors.inference_router import InferenceRouter
 from rollmesh.engine.errors import EngineError
 from rollmesh.engine.protocols import GenerationResult
 from rollmesh.messages.base import SamplingParams
+from rollmesh.serve_apps.api_keys import check_authorization
+from rollmesh.serve_apps.chat_requests import (
+    chat_inputs,
+    chat_response,
+    chat_stream_events,
+    completion_stream_events,
+)
 from rollmesh.serve_apps.errors import (
     ApiError,
     EngineUnavailableError,
@@ -42,6 +51,8 @@ from rollmesh.serve_apps.generation_requests import (
     generate_response,
 )
 from rollmesh.serve_apps.http_shapes import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     GenerateRequest,
@@ -83,6 +94,28 @@ def invalid_body_error(errors: Any) -> InvalidApiRequestError:
     return InvalidApiRequestError(message, code="invalid_value", param=params[0] or None)
 
 
+# The module globals the deployment class uses are defined above it on purpose: Serve's ingress
+# wrapper pickles the class's methods when the decorator runs, so a global defined below it is
+# missing in the replica (seen as a NameError there).
+def _event_stream(events: Any) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def api_error_from_ray(exc: BaseException) -> ApiError:
+    """The HTTP error for what ``await actor.method.remote()`` raised."""
+    if isinstance(exc, RayActorError):
+        return EngineUnavailableError(
+            f"an inference worker is unavailable: {exc}", code="worker_unavailable"
+        )
+    # A task error raised in an actor arrives as RayTaskError(cause); when the cause could not be
+    # unpickled here, ``cause`` is Ray's UnserializableException and we can only say 500.
+    cause = exc.cause if isinstance(exc, RayTaskError) else exc
+    if isinstance(cause, EngineError):
+        return api_error_from_engine(cause)
+    return ApiError(f"inference failed: {type(cause).__name__}", code="engine_error")
+
+
 @serve.deployment(
     num_replicas=1,
     ray_actor_options={"num_cpus": 0},
@@ -99,29 +132,60 @@ class InferenceServer:
         decode_actor_names: list[str],
         ray_namespace: str,
         served: ServedModel,
+        api_key: str = "",
     ) -> None:
         setup_logging("serve:inference")
         self.served = served
+        self._api_key = api_key  # never logged
         self.created = int(time.time())
         self.router = InferenceRouter(
             [ray.get_actor(name, namespace=ray_namespace) for name in prefill_actor_names],
             [ray.get_actor(name, namespace=ray_namespace) for name in decode_actor_names],
         )
 
-    @_http.post("/v1/completions", response_model=CompletionResponse)
-    async def completions(self, body: CompletionRequest) -> CompletionResponse:
+    # A body that fails validation is answered 400 before the key is checked (FastAPI validates
+    # before the handler runs); nothing reaches the engine either way.
+    @_http.post("/v1/completions", response_model=None)
+    async def completions(
+        self, body: CompletionRequest, authorization: str | None = Header(default=None)
+    ) -> CompletionResponse | StreamingResponse:
+        check_authorization(authorization, self._api_key)
         input_ids, sampling = completion_inputs(body, self.served)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         result = await self._generate(input_ids, sampling, request_id)
+        if body.stream:
+            return _event_stream(completion_stream_events(
+                result, request_id=request_id, created=int(time.time()), served=self.served,
+                sampling=sampling))
         return completion_response(
             result, request_id=request_id, created=int(time.time()), served=self.served,
             sampling=sampling, with_logprobs=body.logprobs is not None,
         )
 
+    @_http.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        self, body: ChatCompletionRequest, authorization: str | None = Header(default=None)
+    ) -> ChatCompletionResponse | StreamingResponse:
+        check_authorization(authorization, self._api_key)
+        input_ids, sampling = chat_inputs(body, self.served)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        result = await self._generate(input_ids, sampling, request_id)
+        if body.stream:
+            return _event_stream(chat_stream_events(
+                result, request_id=request_id, created=int(time.time()), served=self.served,
+                sampling=sampling))
+        return chat_response(
+            result, request_id=request_id, created=int(time.time()), served=self.served,
+            sampling=sampling,
+        )
+
     @_http.post(
         "/generate", response_model=GenerateResponse, response_model_exclude_none=True
     )
-    async def generate(self, body: GenerateRequest) -> GenerateResponse:
+    async def generate(
+        self, body: GenerateRequest, authorization: str | None = Header(default=None)
+    ) -> GenerateResponse:
+        check_authorization(authorization, self._api_key)
         input_ids, sampling = generate_inputs(body, self.served)
         request_id = uuid.uuid4().hex
         result = await self._generate(input_ids, sampling, request_id)
@@ -131,7 +195,8 @@ class InferenceServer:
         )
 
     @_http.get("/v1/models", response_model=ModelList)
-    async def models(self) -> ModelList:
+    async def models(self, authorization: str | None = Header(default=None)) -> ModelList:
+        check_authorization(authorization, self._api_key)
         return ModelList(data=[ModelCard(id=self.served.name, created=self.created)])
 
     @_http.get("/health")
@@ -150,20 +215,6 @@ class InferenceServer:
             raise error from exc
 
 
-def api_error_from_ray(exc: BaseException) -> ApiError:
-    """The HTTP error for what ``await actor.method.remote()`` raised."""
-    if isinstance(exc, RayActorError):
-        return EngineUnavailableError(
-            f"an inference worker is unavailable: {exc}", code="worker_unavailable"
-        )
-    # A task error raised in an actor arrives as RayTaskError(cause); when the cause could not be
-    # unpickled here, ``cause`` is Ray's UnserializableException and we can only say 500.
-    cause = exc.cause if isinstance(exc, RayTaskError) else exc
-    if isinstance(cause, EngineError):
-        return api_error_from_engine(cause)
-    return ApiError(f"inference failed: {type(cause).__name__}", code="engine_error")
-
-
 def build_inference_app(
     *,
     prefill_actor_names: list[str],
@@ -172,13 +223,16 @@ def build_inference_app(
     model_name: str,
     max_seq_len: int,
     vocab_size: int,
+    api_key: str = "",
 ) -> Application:
-    """The bound application; deploy it with ``deploy_inference_app``."""
+    """The bound application; deploy it with ``deploy_inference_app``. A non-empty ``api_key``
+    is required as ``Authorization: Bearer`` on every endpoint but ``/health``."""
     return InferenceServer.bind(
         prefill_actor_names=list(prefill_actor_names),
         decode_actor_names=list(decode_actor_names),
         ray_namespace=ray_namespace,
         served=ServedModel(name=model_name, max_seq_len=max_seq_len, vocab_size=vocab_size),
+        api_key=api_key,
     )
 
 

@@ -1,0 +1,80 @@
+"""``rollmesh serve``: the inference service alone, in the foreground, until SIGINT or SIGTERM.
+
+Knows argparse and signals; ``rollmesh.inference_service`` (and so Ray) is imported only when the
+command runs. Prints ``rollmesh serve: ready at http://HOST:PORT`` once requests are answered.
+The API key (``ROLLMESH_API_KEY`` or ``serve.api_key_file``) is resolved here, at the entry point,
+and handed to the Serve app; it is never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+from typing import Any
+
+from rollmesh.cli.errors import EXIT_OK, EXIT_USAGE, CliError
+from rollmesh.cli.target import load_cli_config
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    serve = subparsers.add_parser(
+        "serve", parents=[common], help="serve the tiny model over HTTP (OpenAI API, /generate)",
+        description="Start the inference service on its own: an embedded nats-server, a local "
+                    "Ray, one prefill and one decode worker and the Serve app; stop on "
+                    "SIGINT/SIGTERM.")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default: %(default)s)")
+    serve.set_defaults(handler=run_serve)
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"not a port: {text}")
+    return value
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from rollmesh.serve_apps import InvalidApiKeyFileError, resolve_api_key
+
+    config = load_cli_config(args)
+    try:
+        api_key = resolve_api_key(config.serve.api_key_file, os.environ)
+    except InvalidApiKeyFileError as exc:
+        raise CliError(str(exc), exit_code=EXIT_USAGE) from exc
+    return asyncio.run(_serve_until_stopped(config, args.host, args.port, api_key))
+
+
+async def _serve_until_stopped(config: Any, host: str, port: int, api_key: str) -> int:
+    from rollmesh.inference_service import InferenceService
+
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+
+    def handle_stop_signals() -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop_requested.set)
+
+    handle_stop_signals()
+    service = InferenceService(config, host=host, port=port, api_key=api_key)
+    try:
+        starting = asyncio.ensure_future(service.start())
+        stopping = asyncio.ensure_future(stop_requested.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # asked to stop while starting: give up on the start
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            print("rollmesh serve: stop requested while starting; stopping", flush=True)
+            return EXIT_OK
+        url = starting.result()
+        # ray.init installs its own SIGTERM handler (it exits at once): take the signals back.
+        handle_stop_signals()
+        print(f"rollmesh serve: ready at {url}", flush=True)
+        await stopping
+        print("rollmesh serve: stop requested; stopping", flush=True)
+        return EXIT_OK
+    finally:
+        await service.stop()
+        print("rollmesh serve: stopped", flush=True)

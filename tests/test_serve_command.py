@@ -1,0 +1,104 @@
+"""``rollmesh serve`` as a user runs it: a real process with its own nats-server and Ray, one
+request over HTTP, then SIGTERM and a clean exit 0. A second run with ``ROLLMESH_API_KEY`` set
+checks that requests without the key are refused and the key never reaches the output.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+READY_PREFIX = "rollmesh serve: ready at "
+READY_TIMEOUT_S = 180.0
+EXIT_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serve_process(tmp_path: Path, extra_env: dict[str, str] | None = None
+                  ) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
+    """A running ``rollmesh serve``, its base URL once ready, and its output lines so far."""
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(extra_env or {})}
+    env.pop("RAY_ADDRESS", None)  # its own local Ray, never the test session's
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rollmesh.cli", "--run-root", str(tmp_path / "runs"),
+         "serve", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read_output() -> None:  # a thread, so a silent child cannot block the readiness wait
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith(READY_PREFIX):
+                ready.set()
+
+    reader = threading.Thread(target=read_output, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(READY_TIMEOUT_S), "not ready:\n" + "".join(lines[-40:])
+        (ready_line,) = [line for line in lines if line.startswith(READY_PREFIX)]
+        url = ready_line[len(READY_PREFIX):].strip()
+        assert url == f"http://127.0.0.1:{port}"
+        yield process, url, lines
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        reader.join(timeout=10)
+
+
+def stop_and_wait(process: subprocess.Popen[str], lines: list[str]) -> int:
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail("no exit within the timeout after SIGTERM:\n" + "".join(lines[-40:]))
+
+
+def test_serve_answers_a_completion_and_exits_0_on_sigterm(tmp_path: Path) -> None:
+    with serve_process(tmp_path) as (process, url, lines):
+        response = httpx.post(f"{url}/v1/completions", timeout=60,
+                              json={"prompt": "hello", "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        assert stop_and_wait(process, lines) == 0
+
+
+def test_serve_with_an_api_key_refuses_requests_without_it(tmp_path: Path) -> None:
+    key = "sk-test-" + os.urandom(8).hex()
+    with serve_process(tmp_path, {"ROLLMESH_API_KEY": key}) as (process, url, lines):
+        body = {"prompt": "hi", "max_tokens": 2}
+        refused = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+        accepted = httpx.post(f"{url}/v1/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {key}"})
+        assert accepted.status_code == 200, accepted.text
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        assert stop_and_wait(process, lines) == 0
+    assert key not in "".join(lines)
