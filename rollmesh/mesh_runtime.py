@@ -1,0 +1,105 @@
+"""What every way of running rollmesh shares: the bus, Ray, named actors and the Serve app.
+
+Knows Ray, Ray Serve (through ``rollmesh.serve_apps``) and the embedded nats-server; knows no
+role. ``Mesh`` (the whole mesh) and ``InferenceService`` (``rollmesh serve``) each tell their own
+story on top of one ``MeshRuntime``; ``stop`` undoes whatever came up, in reverse, and is safe to
+call after a half-finished start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+import structlog
+
+from rollmesh.bus.embedded_server import EmbeddedNatsServer
+from rollmesh.config import RollmeshConfig
+
+_log = structlog.get_logger("rollmesh.mesh_runtime")
+
+# Actors mostly wait on NATS, Ray calls and each other: they reserve no CPU, so the whole mesh
+# fits on a 2-core machine, and torch in each is limited to one thread.
+ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000}
+ACTOR_STOP_TIMEOUT_S = 15.0
+MODEL_NAME = "rollmesh-tiny"
+
+
+class MeshRuntime:
+    def __init__(self, config: RollmeshConfig, *, run_dir: Path, ray_namespace: str) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.ray_namespace = ray_namespace
+        self.nats_server: EmbeddedNatsServer | None = None
+        self.actors: dict[str, Any] = {}
+        self.serve_url = ""
+        self._started_ray = False
+
+    def start_bus(self) -> str:
+        """The configured NATS URL, or an embedded nats-server with JetStream in the run dir."""
+        if self.config.nats.url:
+            return self.config.nats.url
+        self.nats_server = EmbeddedNatsServer(self.run_dir / "nats")
+        return self.nats_server.start()
+
+    def start_ray(self, *, resources: dict[str, float] | None = None) -> None:
+        """Join ``ray.address`` or start a local Ray (``resources`` only apply to a local one)."""
+        if ray.is_initialized():
+            return
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(
+            address=self.config.ray.address,
+            num_cpus=self.config.ray.num_cpus,
+            resources=None if self.config.ray.address else resources,
+            namespace=self.ray_namespace,
+            include_dashboard=False,
+            logging_level="warning",
+            log_to_driver=False,
+        )
+        self._started_ray = True
+
+    async def spawn(self, name: str, cls: type, *args: Any, options: dict[str, Any] | None = None) -> Any:
+        """``cls(name, *args)`` as a named actor, started; recorded first so a failed start is
+        still stopped."""
+        actor = ray.remote(cls).options(
+            name=name, namespace=self.ray_namespace, **ACTOR_OPTIONS, **(options or {})
+        ).remote(name, *args)
+        self.actors[name] = actor
+        await actor.start.remote()
+        return actor
+
+    def deploy_serve(self, *, prefill_names: list[str], decode_names: list[str], host: str, port: int,
+                     api_key: str = "") -> str:
+        from rollmesh.serve_apps import build_inference_app, deploy_inference_app
+
+        app = build_inference_app(
+            prefill_actor_names=prefill_names, decode_actor_names=decode_names,
+            ray_namespace=self.ray_namespace, model_name=MODEL_NAME,
+            max_seq_len=self.config.model.max_seq_len, vocab_size=self.config.model.vocab_size,
+            api_key=api_key,
+        )
+        self.serve_url = deploy_inference_app(app, host=host, port=port)
+        return self.serve_url
+
+    async def stop(self) -> None:
+        if self.serve_url:
+            from rollmesh.serve_apps import shutdown_inference_app
+
+            shutdown_inference_app()
+            self.serve_url = ""
+        for name, actor in reversed(list(self.actors.items())):
+            try:
+                await asyncio.wait_for(actor.stop.remote(), timeout=ACTOR_STOP_TIMEOUT_S)
+            except Exception as exc:  # a dying actor must not keep the rest running
+                _log.warning("actor_stop_failed", actor=name, error=repr(exc))
+            ray.kill(actor)
+        self.actors.clear()
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+        if self.nats_server is not None:
+            self.nats_server.stop()
+            self.nats_server = None
