@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from rollmesh.cli.errors import EXIT_OK, CliError
+from rollmesh.cli.foreground import run_until_signalled
 from rollmesh.cli.target import add_target_options, load_cli_config, namespace_arg, positive_float
 from rollmesh.mesh_info import MESH_FILE, MeshInfo, MeshNotFoundError, new_run_dir, read_mesh_info
 
@@ -167,35 +168,16 @@ async def _run_foreground(config: Any, run_dir: Path) -> int:
     """Run the mesh in this process: start it, wait for SIGINT/SIGTERM, stop it."""
     from rollmesh.launcher import Mesh
 
-    loop = asyncio.get_running_loop()
-    stop_requested = asyncio.Event()
-
-    def handle_stop_signals() -> None:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop_requested.set)
-
-    handle_stop_signals()
     mesh = Mesh(config, run_dir=run_dir)
-    try:
-        starting = asyncio.ensure_future(mesh.start())
-        stopping = asyncio.ensure_future(stop_requested.wait())
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():  # asked to stop while starting: give up on the start
-            starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
-            print("stop requested while starting; stopping", flush=True)
-            return EXIT_OK
-        info = starting.result()
-        # ray.init installs its own SIGTERM handler (it exits at once): take the signals back.
-        handle_stop_signals()
-        print(f"mesh ready: run dir {info.run_dir}, NATS {info.nats_url}, namespace {info.namespace}, "
-              f"Serve {info.serve_url or 'disabled'}, pid {info.pid}", flush=True)
-        await stopping
-        print("stop requested; stopping the mesh", flush=True)
-        return EXIT_OK
-    finally:
-        await mesh.stop()
-        print("mesh stopped", flush=True)
+    return await run_until_signalled(
+        mesh.start, mesh.stop,
+        ready=lambda info: (f"mesh ready: run dir {info.run_dir}, NATS {info.nats_url}, "
+                            f"namespace {info.namespace}, Serve {info.serve_url or 'disabled'}, "
+                            f"pid {info.pid}"),
+        gave_up="stop requested while starting; stopping",
+        stopping="stop requested; stopping the mesh",
+        stopped="mesh stopped",
+    )
 
 
 # -- down --------------------------------------------------------------------------------------

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 from typing import Any
 
-from rollmesh.cli.errors import EXIT_OK, EXIT_USAGE, CliError
+from rollmesh.cli.errors import EXIT_USAGE, CliError
+from rollmesh.cli.foreground import run_until_signalled
 from rollmesh.cli.target import load_cli_config
 
 
@@ -50,31 +50,11 @@ def run_serve(args: argparse.Namespace) -> int:
 async def _serve_until_stopped(config: Any, host: str, port: int, api_key: str) -> int:
     from rollmesh.inference_service import InferenceService
 
-    loop = asyncio.get_running_loop()
-    stop_requested = asyncio.Event()
-
-    def handle_stop_signals() -> None:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop_requested.set)
-
-    handle_stop_signals()
     service = InferenceService(config, host=host, port=port, api_key=api_key)
-    try:
-        starting = asyncio.ensure_future(service.start())
-        stopping = asyncio.ensure_future(stop_requested.wait())
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():  # asked to stop while starting: give up on the start
-            starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
-            print("rollmesh serve: stop requested while starting; stopping", flush=True)
-            return EXIT_OK
-        url = starting.result()
-        # ray.init installs its own SIGTERM handler (it exits at once): take the signals back.
-        handle_stop_signals()
-        print(f"rollmesh serve: ready at {url}", flush=True)
-        await stopping
-        print("rollmesh serve: stop requested; stopping", flush=True)
-        return EXIT_OK
-    finally:
-        await service.stop()
-        print("rollmesh serve: stopped", flush=True)
+    return await run_until_signalled(
+        service.start, service.stop,
+        ready=lambda url: f"rollmesh serve: ready at {url}",
+        gave_up="rollmesh serve: stop requested while starting; stopping",
+        stopping="rollmesh serve: stop requested; stopping",
+        stopped="rollmesh serve: stopped",
+    )
