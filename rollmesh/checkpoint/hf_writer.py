@@ -20,6 +20,7 @@ from torch import Tensor
 
 from rollmesh.checkpoint.atomic_dir import staged_directory
 from rollmesh.checkpoint.errors import CheckpointReadError, CheckpointWriteError
+from rollmesh.checkpoint.meta import read_json_struct
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -124,12 +125,7 @@ def read_hf_checkpoint(directory: Path) -> dict[str, Tensor]:
 
 
 def _read_index(directory: Path) -> _HfIndex:
-    try:
-        index = msgspec.json.decode((directory / INDEX_FILE).read_bytes(), type=_HfIndex)
-    except OSError as exc:
-        raise CheckpointReadError(f"no readable {INDEX_FILE}: {exc}", path=str(directory)) from exc
-    except msgspec.DecodeError as exc:
-        raise CheckpointReadError(f"bad {INDEX_FILE}: {exc}", path=str(directory)) from exc
+    index = read_json_struct(directory / INDEX_FILE, _HfIndex)
     for file in index.weight_map.values():
         # The index is data from disk: a name with a separator could point outside the directory.
         if Path(file).name != file or file in ("", ".", ".."):

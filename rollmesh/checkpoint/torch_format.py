@@ -16,7 +16,7 @@ from torch import Tensor
 
 from rollmesh.checkpoint.atomic_dir import staged_directory
 from rollmesh.checkpoint.errors import CheckpointReadError, CheckpointWriteError
-from rollmesh.checkpoint.meta import CheckpointMeta
+from rollmesh.checkpoint.meta import CheckpointMeta, read_json_struct
 
 MODEL_FILE = "model.pt"
 META_FILE = "meta.json"
@@ -51,12 +51,7 @@ def save_torch_checkpoint(
 def load_torch_checkpoint(path: Path) -> tuple[dict[str, Tensor], CheckpointMeta]:
     """Read a directory written by ``save_torch_checkpoint``; tensors land on the CPU."""
     path = Path(path)
-    try:
-        meta = msgspec.json.decode((path / META_FILE).read_bytes(), type=CheckpointMeta)
-    except OSError as exc:
-        raise CheckpointReadError(f"no readable {META_FILE}: {exc}", path=str(path)) from exc
-    except msgspec.DecodeError as exc:
-        raise CheckpointReadError(f"bad {META_FILE}: {exc}", path=str(path)) from exc
+    meta = read_json_struct(path / META_FILE, CheckpointMeta)
     try:
         # weights_only: a checkpoint path arrives in a wire message, and a full unpickle would
         # run whatever code the file names.
