@@ -6,6 +6,8 @@
     │   └── DuplicateRequestError(request_id)
     ├── CapacityError(max_batch, request_id)            every decode slot is taken
     ├── EngineStoppedError(request_id)                  the loop stopped with it in flight
+    ├── VersionUnavailableError(min_version, current)   retryable: weights not yet that new
+    ├── KvCapacityError(blocks_needed, blocks_total)    the request can never fit the KV pool
     ├── DecodeStepError(weight_version, request_ids)    a batched step failed; its batch fails
     └── WeightsError(version, path)
         ├── WeightsMismatchError(reason)                a state dict that does not fit the model
@@ -72,6 +74,37 @@ class EngineStoppedError(EngineError):
     def __init__(self, request_id: str | None = None) -> None:
         super().__init__(f"the decode loop stopped (request {request_id})")
         self.request_id = request_id
+
+
+class VersionUnavailableError(EngineError):
+    """The request needs a newer weight version than the engine has active. Retryable: the
+    version arrives with the next weight update."""
+
+    retryable = True
+
+    def __init__(
+        self, min_version: int, current_version: int, *, request_id: str | None = None
+    ) -> None:
+        super().__init__(
+            f"weight version {min_version} required, {current_version} is active "
+            f"(request {request_id}); retry after the update"
+        )
+        self.min_version = min_version
+        self.current_version = current_version
+        self.request_id = request_id
+
+
+class KvCapacityError(InvalidRequestError):
+    """The prompt plus its token budget needs more KV blocks than the whole pool holds."""
+
+    def __init__(self, blocks_needed: int, blocks_total: int, *, request_id: str | None = None) -> None:
+        super().__init__(
+            f"needs {blocks_needed} KV blocks, the pool has {blocks_total}; "
+            "lower max_new_tokens or the prompt length",
+            field="max_new_tokens", request_id=request_id,
+        )
+        self.blocks_needed = blocks_needed
+        self.blocks_total = blocks_total
 
 
 class DecodeStepError(EngineError):

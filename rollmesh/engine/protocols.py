@@ -1,13 +1,16 @@
 """The seams of the engine: what a generate backend offers and what a tokenizer must provide.
 
-Knows the wire's SamplingParams and nothing of torch, Ray or NATS, so that the local torch engine,
-the disaggregated Ray engine and an SGLang backend all sit behind the same ``InferenceEngine``.
+Knows the wire's SamplingParams and numpy (routed expert rows), nothing of torch, Ray or NATS, so
+that the local torch engine, the disaggregated Ray engine and the SGLang backend all sit behind
+the same ``InferenceEngine``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Literal, Protocol, runtime_checkable
+
+import numpy as np
 
 from rollmesh.messages.base import SamplingParams
 
@@ -16,8 +19,35 @@ FinishReason = Literal["eos", "stop", "length", "abort"]
 
 
 @dataclass(frozen=True, slots=True)
+class GenerateOptions:
+    """What a caller may ask of one generate call beyond sampling.
+
+    - ``session_id``: turns of one multi-turn conversation share it; the engine keeps the
+      session's KV between turns (while its tool runs) and the next turn's prompt reuses it.
+    - ``min_version``: the oldest weight version allowed to produce tokens; when the engine has
+      not reached it the call fails with the retryable ``VersionUnavailableError``.
+    - ``return_routed_experts`` / ``routed_experts_start_len``: for MoE models, return the
+      routed expert rows of positions ``[start_len, seqlen - 1)`` (SGLang's absolute slice).
+    """
+
+    session_id: str | None = None
+    min_version: int | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+
+
+DEFAULT_OPTIONS = GenerateOptions()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationResult:
-    """One generation: the generated tokens only, each with its behaviour logprob and version."""
+    """One generation: the generated tokens only, each with its behaviour logprob and version.
+
+    ``routed_experts`` (MoE with ``return_routed_experts`` only) holds one row per forwarded
+    position from ``routed_experts_start`` to ``prompt_len + len(token_ids) - 2``: shape
+    [rows, sparse layers, top_k], uint8 for at most 256 experts, else uint16. ``cached_tokens``
+    counts the prompt tokens whose KV was reused from the session rather than computed.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
@@ -25,6 +55,9 @@ class GenerationResult:
     finish_reason: FinishReason
     prompt_len: int
     request_id: str = ""
+    cached_tokens: int = 0
+    routed_experts: np.ndarray | None = None
+    routed_experts_start: int = 0
 
 
 class Detokenizer(Protocol):
@@ -40,5 +73,10 @@ class InferenceEngine(Protocol):
     """A generate backend: token ids in, token ids with logprobs and weight versions out."""
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str,
+        options: GenerateOptions = DEFAULT_OPTIONS,
     ) -> GenerationResult: ...
