@@ -49,8 +49,15 @@ class TelemetryConfig(_Config):
 
 
 class ModelConfig(_Config):
-    """A tiny decoder-only transformer over a byte tokenizer (256 bytes + specials)."""
+    """The served (and, for "tiny", trained) model. "tiny": the demo's decoder over a byte
+    tokenizer (256 bytes + specials), built from the fields below. "hf": a Hugging Face
+    checkpoint directory (config.json + safetensors) of a Llama, Qwen2, Qwen3-MoE or Mixtral
+    model at ``hf_path``; its text endpoints use the byte tokenizer, so its vocabulary must hold
+    at least 259 ids for them (``/generate`` takes token ids and works with any vocabulary)."""
 
+    family: Literal["tiny", "hf"] = "tiny"
+    hf_path: str = ""
+    dtype: Literal["float32", "bfloat16"] = "float32"
     vocab_size: PositiveInt = 260
     d_model: PositiveInt = 128
     n_layers: PositiveInt = 2
@@ -62,9 +69,21 @@ class ModelConfig(_Config):
 class InferenceConfig(_Config):
     num_prefill_workers: PositiveInt = 1
     num_decode_workers: PositiveInt = 1
-    # Slots a decode worker batches at once (continuous batching).
+    # "disaggregated": prefill workers hand KV pages to decode workers through the object store.
+    # "aggregated": decode workers also prefill (no prefill actors), for small deployments.
+    mode: Literal["disaggregated", "aggregated"] = "disaggregated"
+    # Sequences a decode worker batches at once (continuous batching).
     max_batch: PositiveInt = 256
     torch_threads: PositiveInt = 1
+    # Paged KV: tokens per block, and blocks per decode worker (0: enough for max_batch full
+    # contexts). Parked sessions live in the same pool and are evicted when it runs short.
+    kv_block_size: PositiveInt = 16
+    kv_blocks: NonNegInt = 0
+
+    @property
+    def prefill_worker_count(self) -> int:
+        """Prefill actors to spawn: none in the aggregated mode."""
+        return self.num_prefill_workers if self.mode == "disaggregated" else 0
 
 
 class RolloutConfig(_Config):

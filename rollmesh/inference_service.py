@@ -56,9 +56,11 @@ class InferenceService:
                            run_dir=str(self.run_dir.resolve()),
                            telemetry=self.config.telemetry, nats=self.config.nats)
         model, inference = self.config.model, self.config.inference
-        await runtime.spawn(PREFILL_NAME, PrefillWorkerActor, mesh, model, inference)
+        prefill_names = [PREFILL_NAME] if inference.prefill_worker_count else []
+        for name in prefill_names:
+            await runtime.spawn(name, PrefillWorkerActor, mesh, model, inference)
         await runtime.spawn(DECODE_NAME, DecodeWorkerActor, mesh, model, inference)
-        url = runtime.deploy_serve(prefill_names=[PREFILL_NAME], decode_names=[DECODE_NAME],
+        url = runtime.deploy_serve(prefill_names=prefill_names, decode_names=[DECODE_NAME],
                                    host=self.host, port=self.port, api_key=self._api_key)
         _log.info("inference_service_ready", run_dir=str(self.run_dir), url=url)
         return url

@@ -73,7 +73,7 @@ class Mesh:
         await scheduler.grant.remote(GRANT_HOLDERS)
         await spawn("sandbox-broker", SandboxBrokerActor, mesh, config.sandbox)
         inference = config.inference
-        for index in range(inference.num_prefill_workers):
+        for index in range(inference.prefill_worker_count):
             self.prefill_workers.append(await spawn(
                 f"prefill-{index}", PrefillWorkerActor, mesh, config.model, inference,
                 options=await scheduler.actor_options.remote("prefill")))
@@ -89,7 +89,7 @@ class Mesh:
                         config.model, self.prefill_workers, self.decode_workers)
         if config.serve.enabled:
             runtime.deploy_serve(
-                prefill_names=[f"prefill-{i}" for i in range(inference.num_prefill_workers)],
+                prefill_names=[f"prefill-{i}" for i in range(inference.prefill_worker_count)],
                 decode_names=[f"decode-{i}" for i in range(inference.num_decode_workers)],
                 host=config.serve.host, port=config.serve.port)
         self.info = MeshInfo(

@@ -25,7 +25,6 @@ _log = structlog.get_logger("rollmesh.mesh_runtime")
 # fits on a 2-core machine, and torch in each is limited to one thread.
 ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000}
 ACTOR_STOP_TIMEOUT_S = 15.0
-MODEL_NAME = "rollmesh-tiny"
 
 
 class MeshRuntime:
@@ -73,13 +72,14 @@ class MeshRuntime:
 
     def deploy_serve(self, *, prefill_names: list[str], decode_names: list[str], host: str, port: int,
                      api_key: str = "") -> str:
+        from rollmesh.engine.paged_model import model_limits, served_model_name
         from rollmesh.serve_apps import build_inference_app, deploy_inference_app
 
+        max_seq_len, vocab_size = model_limits(self.config.model)
         app = build_inference_app(
             prefill_actor_names=prefill_names, decode_actor_names=decode_names,
-            ray_namespace=self.ray_namespace, model_name=MODEL_NAME,
-            max_seq_len=self.config.model.max_seq_len, vocab_size=self.config.model.vocab_size,
-            api_key=api_key,
+            ray_namespace=self.ray_namespace, model_name=served_model_name(self.config.model),
+            max_seq_len=max_seq_len, vocab_size=vocab_size, api_key=api_key,
         )
         self.serve_url = deploy_inference_app(app, host=host, port=port)
         return self.serve_url

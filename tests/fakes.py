@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollmesh.engine.protocols import GenerationResult
+from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
 from rollmesh.messages import SamplingParams, Subject, WireMessage
 from rollmesh.sandbox.backend_protocol import ExecResult
 
@@ -70,8 +70,9 @@ class ScriptedEngine:
         self.calls: list[dict[str, Any]] = []
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *,
-                       request_id: str) -> GenerationResult:
-        self.calls.append({"input_ids": list(input_ids), "sampling": sampling, "request_id": request_id})
+                       request_id: str, options: GenerateOptions = DEFAULT_OPTIONS) -> GenerationResult:
+        self.calls.append({"input_ids": list(input_ids), "sampling": sampling,
+                           "request_id": request_id, "options": options})
         if not self.outcomes:
             raise AssertionError(f"ScriptedEngine: no outcome scripted for call {len(self.calls)}")
         outcome = self.outcomes.pop(0)

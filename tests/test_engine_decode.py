@@ -10,7 +10,8 @@ from rollmesh.config import ModelConfig
 from rollmesh.engine.decode import DecodeEngine, FinishedSequence
 from rollmesh.engine.errors import StaleWeightsError, WeightsMismatchError
 from rollmesh.engine.model import TinyDecoder, build_model
-from rollmesh.engine.prefill import PrefillEngine, PrefillResult
+from rollmesh.engine.kv_pages import KvBlockPool, PagedAttention
+from rollmesh.engine.prefill import PrefillEngine, PrefillResult, run_prefill
 from rollmesh.engine.tokenizer import EOS_ID
 from rollmesh.messages.base import SamplingParams
 
@@ -70,7 +71,7 @@ def run_to_completion(engine: DecodeEngine) -> dict[str, FinishedSequence]:
 
 def run_alone(model: TinyDecoder, ids: list[int], sampling: SamplingParams) -> FinishedSequence:
     engine = DecodeEngine(model, max_batch=1)
-    engine.add_request("alone", PrefillEngine(model).prefill(ids), sampling)
+    engine.add_prefilled("alone", PrefillEngine(model).prefill(ids), sampling)
     return run_to_completion(engine)["alone"]
 
 
@@ -109,7 +110,7 @@ def test_requests_joining_at_different_steps_match_their_single_runs() -> None:
             if arrival == step:
                 sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new)
                 ids = prompt(length, ord(request_id))
-                engine.add_request(request_id, prefill.prefill(ids), sampling)
+                engine.add_prefilled(request_id, prefill.prefill(ids), sampling)
         done.update((s.request_id, s) for s in engine.step())
         step += 1
     assert set(done) == set(plan)
@@ -128,8 +129,8 @@ def test_decode_keeps_requests_across_weight_swap_and_versions_both() -> None:
     engine = DecodeEngine(model, max_batch=2)
     prefill = PrefillEngine(small_model(seed=0))
     sampling = SamplingParams(temperature=0.0, max_new_tokens=20)
-    engine.add_request("long", prefill.prefill(prompt(6)), sampling)
-    engine.add_request("other", prefill.prefill(prompt(11, 3)), sampling)
+    engine.add_prefilled("long", prefill.prefill(prompt(6)), sampling)
+    engine.add_prefilled("other", prefill.prefill(prompt(11, 3)), sampling)
     for _ in range(5):
         assert engine.step() == []
     assert engine.stage_weights(new_weights, version=1)
@@ -139,18 +140,20 @@ def test_decode_keeps_requests_across_weight_swap_and_versions_both() -> None:
     for sequence in done.values():
         assert sequence.finish_reason == "length" and len(sequence.token_ids) == 20
         assert sequence.versions == [0] * 6 + [1] * 14  # first token + 5 steps at version 0
-    # Reference: old KV and old tokens, new weights from the sixth decode step on.
+    # Reference, one sequence by hand: old KV and old tokens, new weights from the sixth decode
+    # step on.
     reference = small_model(seed=0)
-    logits, kv = reference.prefill(prompt(6))
-    shape = reference.shape
-    cache = torch.zeros(shape.n_layers, 2, 1, shape.n_heads, shape.max_seq_len, shape.head_dim)
-    cache[:, :, 0, :, :6] = kv
+    pool = KvBlockPool(reference.kv_layout(), num_blocks=4, block_size=16)
+    blocks = pool.allocate(2)
+    logits, _ = run_prefill(reference, pool, blocks, prompt(6), 0)
     tokens = [int(logits.argmax())]
     for i in range(19):
         if i == 5:
             reference.load_state_dict(new_weights)
-        logits = reference.decode_step(torch.tensor([tokens[-1]]), torch.tensor([6 + i]), cache)[0]
-        tokens.append(int(logits.argmax()))
+        paged = PagedAttention(pool, [blocks], [6 + i], 1)
+        with torch.no_grad():
+            logits, _ = reference.forward_paged(torch.tensor([[tokens[-1]]]), paged)
+        tokens.append(int(logits[0, 0].argmax()))
     assert done["long"].token_ids == tokens
     assert tokens != run_alone(small_model(seed=0), prompt(6), sampling).token_ids
 
@@ -191,7 +194,7 @@ def test_stop_string_ends_generation_and_is_kept_in_the_output() -> None:
     end = text.index(stop) + len(stop)
     engine = DecodeEngine(model, max_batch=2, tokenizer=letters)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=30, stop=["zzzzzzzz", stop])
-    engine.add_request("s", PrefillEngine(model).prefill(prompt(4)), sampling)
+    engine.add_prefilled("s", PrefillEngine(model).prefill(prompt(4)), sampling)
     result = run_to_completion(engine)["s"]
     assert result.finish_reason == "stop"
     assert result.token_ids == free.token_ids[:end]
@@ -203,7 +206,7 @@ def test_a_request_whose_first_token_ends_it_is_reported_by_the_next_step() -> N
     good = PrefillEngine(model).prefill(prompt(3))
     logits = torch.zeros(model.shape.vocab_size)
     logits[EOS_ID] = 100.0
-    engine.add_request("eos", PrefillResult(good.kv, logits, 3, 7), GREEDY)
+    engine.add_prefilled("eos", PrefillResult(good.input_ids, good.pages, logits, 7), GREEDY)
     assert engine.num_active() == 0 and engine.has_work()
     [finished] = engine.step()
     assert (finished.token_ids, finished.finish_reason, finished.versions) == ([EOS_ID], "eos", [7])
@@ -216,10 +219,10 @@ def test_abort_frees_the_slot_and_the_others_continue_unchanged() -> None:
     engine = DecodeEngine(model, max_batch=3)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=10)
     for index, request_id in enumerate("xyz"):
-        engine.add_request(request_id, prefill.prefill(prompt(4 + 5 * index, index)), sampling)
+        engine.add_prefilled(request_id, prefill.prefill(prompt(4 + 5 * index, index)), sampling)
     engine.step()
     engine.step()
-    aborted = engine.abort("x")  # slot 0: the last active sequence moves into it
+    aborted = engine.abort("x")
     assert aborted is not None and aborted.finish_reason == "abort" and len(aborted.token_ids) == 3
     assert engine.abort("x") is None
     assert engine.num_active() == 2
@@ -236,7 +239,7 @@ def test_sampled_decode_reports_behaviour_logprobs_and_is_seeded() -> None:
     results = []
     for _ in range(2):
         engine = DecodeEngine(model, max_batch=1, seed=3)
-        engine.add_request("r", PrefillEngine(model).prefill(prompt(5)), sampling)
+        engine.add_prefilled("r", PrefillEngine(model).prefill(prompt(5)), sampling)
         results.append(run_to_completion(engine)["r"])
     assert results[0] == results[1]
     assert all(lp <= 0.0 for lp in results[0].logprobs)

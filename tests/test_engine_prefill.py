@@ -35,16 +35,17 @@ def small_model(seed: int = 0) -> TinyDecoder:
     return build_model(ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64, seed=seed))
 
 
-def test_prefill_returns_contiguous_kv_and_logits_that_pickle_small() -> None:
+def test_prefill_returns_kv_pages_and_logits_that_pickle_small() -> None:
     model = small_model()
-    result = PrefillEngine(model, version=3).prefill([1, 2, 3, 4])
-    assert result.kv.shape == (2, 2, 4, 4, 16) and result.kv.is_contiguous()
-    assert result.kv.dtype == torch.float32
-    assert result.num_tokens == 4 and result.weight_version == 3
-    full = model(torch.tensor([[1, 2, 3, 4]]))[0, -1]
+    result = PrefillEngine(model, version=3, block_size=4).prefill([1, 2, 3, 4, 5, 6])
+    # [layers, K/V, blocks, block_size, kv heads, head_dim]: six tokens fill two 4-token blocks.
+    assert result.pages.shape == (2, 2, 2, 4, 4, 16) and result.pages.is_contiguous()
+    assert result.pages.dtype == torch.float32
+    assert result.num_tokens == 6 and result.weight_version == 3 and result.block_size == 4
+    full = model(torch.tensor([[1, 2, 3, 4, 5, 6]]))[0, -1]
     torch.testing.assert_close(result.last_logits, full, atol=1e-5, rtol=0)
     # last_logits must not drag every position's logits into the object store.
-    assert len(pickle.dumps(result)) < result.kv.numel() * 4 + 2 * 260 * 4 + 4096
+    assert len(pickle.dumps(result)) < result.pages.numel() * 4 + 2 * 260 * 4 + 4096
 
 
 def test_prefill_applies_staged_weights_at_the_next_call() -> None:
@@ -85,17 +86,17 @@ def test_decode_admission_rejects_duplicates_full_batches_and_foreign_kv() -> No
     prefill = PrefillEngine(model).prefill([1, 2, 3])
     engine = DecodeEngine(model, max_batch=1)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
-    engine.add_request("a", prefill, sampling)
+    engine.add_prefilled("a", prefill, sampling)
     with pytest.raises(DuplicateRequestError):
-        engine.add_request("a", prefill, sampling)
+        engine.add_prefilled("a", prefill, sampling)
     with pytest.raises(CapacityError) as caught:
-        engine.add_request("b", prefill, sampling)
+        engine.add_prefilled("b", prefill, sampling)
     assert caught.value.max_batch == 1
-    wrong = PrefillResult(prefill.kv[:, :, :2], prefill.last_logits, 3, 0)
+    wrong = PrefillResult(prefill.input_ids, prefill.pages[:, :, :, :2], prefill.last_logits, 0)
     with pytest.raises(InvalidRequestError) as bad_kv:
-        DecodeEngine(model, max_batch=1).add_request("c", wrong, sampling)
-    assert bad_kv.value.field == "prefill.kv"
+        DecodeEngine(model, max_batch=1).add_prefilled("c", wrong, sampling)
+    assert bad_kv.value.field == "prefill.pages"
     with pytest.raises(InvalidRequestError) as bad_stop:
-        DecodeEngine(model, max_batch=1).add_request("d", prefill, SamplingParams(stop=[""]))
+        DecodeEngine(model, max_batch=1).add_prefilled("d", prefill, SamplingParams(stop=[""]))
     assert bad_stop.value.field == "sampling.stop"
     assert engine.num_active() == 1  # failed admissions changed nothing

@@ -221,9 +221,12 @@ async def test_turn_spans_share_a_trace_across_actors_and_link_to_the_rollout(to
         turns = [s for s in spans if s["name"] == "turn" and s["attributes"].get("rollout_id") == rollout_id]
         turn_traces = {t["trace_id"] for t in turns}
         services = {t: {s["service"] for s in spans if s["trace_id"] == t} for t in turn_traces}
+        # The first turn is prefilled on the prefill worker; later turns extend the session's
+        # KV on its decode worker, so their traces have no prefill span.
         if rollout and len(turns) == result["turns"] and all(
-                {"prefill-0", "decode-0", "rollout-worker-0"} <= svc for svc in services.values()) and any(
-                "sandbox-broker" in svc for svc in services.values()):
+                {"decode-0", "rollout-worker-0"} <= svc for svc in services.values()) and any(
+                "sandbox-broker" in svc for svc in services.values()) and sum(
+                "prefill-0" in svc for svc in services.values()) == 1:
             break
         assert time.monotonic() < deadline, f"spans missing: {len(rollout)} rollout, {len(turns)} turns, {services}"
         await asyncio.sleep(0.2)
@@ -235,7 +238,8 @@ async def test_turn_spans_share_a_trace_across_actors_and_link_to_the_rollout(to
         assert {"trace_id": rollout_span["trace_id"], "span_id": rollout_span["span_id"]}.items() <= \
             {k: v for link in turn["links"] for k, v in link.items() if k in ("trace_id", "span_id")}.items()
         names = {s["name"] for s in spans if s["trace_id"] == turn["trace_id"]}
-        assert {"generate", "prefill", "decode"} <= names
+        # Disaggregated for the first turn, extended on the decode worker for later ones.
+        assert {"generate", "prefill", "decode"} <= names or {"generate", "prefill_and_decode"} <= names
 
 
 async def test_gpu_scheduler_publishes_grants_and_places_roles_on_them(mesh) -> None:

@@ -1,42 +1,68 @@
-"""The inference router: pairs a prefill worker with a decode worker for each generate call.
+"""The inference router: pairs prefill and decode workers for each generate call.
 
-Knows Ray actor handles (duck-typed ``.remote``), not how they were spawned; no nats. Prefill runs
-first and returns an ObjectRef to the PrefillResult; that ref is handed to the decode worker as
-an argument, so Ray moves the KV through its object store straight to decode. A session sticks to
-one decode worker (its later turns will reuse KV there once prefix caching lands); otherwise the
-least-loaded decode worker, counted by this router's own in-flight calls, is chosen.
+Knows Ray actor handles (duck-typed ``.remote``), not how they were spawned; no nats.
+
+- Disaggregated (prefill workers given): a new prompt is prefilled on the least busy prefill
+  worker, which returns an ObjectRef to the PrefillResult; that ref is handed to the decode worker
+  as an argument, so Ray moves the KV pages through its object store straight to decode.
+- A session's later turns go to the decode worker that served its first turn, without a prefill
+  worker: that worker holds the session's KV, so it computes only the new tokens (tool output,
+  next user message). If the KV was evicted meanwhile, it prefills in full; the answer is the same.
+- Aggregated (no prefill workers): decode workers prefill every prompt themselves.
+
+New sessions and session-less calls go to the decode worker with the fewest requests in flight
+from this router; prefill workers take new prompts in turn. Session stickiness is remembered for the most recent ``max_sessions``.
 """
 
 from __future__ import annotations
 
 import itertools
-import zlib
+from collections import OrderedDict
 from typing import Any
 
 from opentelemetry import trace
 
 from rollmesh.bus.trace_headers import inject_trace_headers
-from rollmesh.engine.protocols import GenerationResult
+from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
 from rollmesh.messages.base import SamplingParams
 
 _tracer = trace.get_tracer("rollmesh.inference")
+
+DEFAULT_MAX_SESSIONS = 100_000
 
 
 class InferenceRouter:
     """Implements ``rollmesh.engine.protocols.InferenceEngine`` over Ray actor handles."""
 
-    def __init__(self, prefill_workers: list[Any], decode_workers: list[Any]) -> None:
-        if not prefill_workers or not decode_workers:
-            raise ValueError("the router needs at least one prefill and one decode worker")
+    def __init__(self, prefill_workers: list[Any], decode_workers: list[Any], *,
+                 max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+        if not decode_workers:
+            raise ValueError("the router needs at least one decode worker")
         self.prefill_workers = list(prefill_workers)
         self.decode_workers = list(decode_workers)
-        self._next_prefill = itertools.cycle(range(len(self.prefill_workers)))
+        self._next_prefill = itertools.cycle(range(len(self.prefill_workers) or 1))
         self._decode_in_flight = [0] * len(self.decode_workers)
+        self._session_worker: OrderedDict[str, int] = OrderedDict()
+        self._max_sessions = max_sessions
 
-    def _pick_decode(self, session_id: str | None) -> int:
+    @property
+    def aggregated(self) -> bool:
+        return not self.prefill_workers
+
+    def decode_worker_for(self, session_id: str | None) -> tuple[int, bool]:
+        """(decode worker index, whether the session has been there before)."""
+        if session_id and session_id in self._session_worker:
+            self._session_worker.move_to_end(session_id)
+            return self._session_worker[session_id], True
+        index = _least_loaded(self._decode_in_flight)
         if session_id:
-            return zlib.crc32(session_id.encode()) % len(self.decode_workers)
-        return min(range(len(self.decode_workers)), key=self._decode_in_flight.__getitem__)
+            self._session_worker[session_id] = index
+            while len(self._session_worker) > self._max_sessions:
+                self._session_worker.popitem(last=False)
+        return index, False
+
+    def forget_session(self, session_id: str) -> None:
+        self._session_worker.pop(session_id, None)
 
     async def generate(
         self,
@@ -44,20 +70,35 @@ class InferenceRouter:
         sampling: SamplingParams,
         *,
         request_id: str,
-        session_id: str | None = None,
+        options: GenerateOptions = DEFAULT_OPTIONS,
     ) -> GenerationResult:
+        index, returning = self.decode_worker_for(options.session_id)
+        local_prefill = self.aggregated or returning
         with _tracer.start_as_current_span(
-            "generate", attributes={"request_id": request_id, "prompt_tokens": len(input_ids)}
+            "generate", attributes={"request_id": request_id, "prompt_tokens": len(input_ids),
+                                    "decode_worker": index, "local_prefill": local_prefill},
         ):
             headers = inject_trace_headers({})
-            prefill = self.prefill_workers[next(self._next_prefill)]
-            kv_ref = prefill.prefill.remote(input_ids, request_id, headers)
-            index = self._pick_decode(session_id)
+            decode = self.decode_workers[index]
             self._decode_in_flight[index] += 1
             try:
-                finished = await self.decode_workers[index].generate.remote(
-                    kv_ref, sampling, request_id, headers
-                )
+                if local_prefill:
+                    finished = await decode.generate_prompt.remote(
+                        input_ids, sampling, request_id, headers, options)
+                else:
+                    finished = await self._prefill_then_decode(
+                        decode, input_ids, sampling, request_id, headers, options)
             finally:
                 self._decode_in_flight[index] -= 1
             return finished.as_generation_result()
+
+    async def _prefill_then_decode(self, decode, input_ids, sampling, request_id, headers, options):
+        # Prefill workers take prompts in turn: a prefill is one forward pass of known cost, and
+        # the router never sees when it ends (the pages go straight to decode, not through here).
+        chosen = next(self._next_prefill)
+        kv_ref = self.prefill_workers[chosen].prefill.remote(input_ids, request_id, headers)
+        return await decode.generate.remote(kv_ref, sampling, request_id, headers, options)
+
+
+def _least_loaded(in_flight: list[int]) -> int:
+    return min(range(len(in_flight)), key=in_flight.__getitem__)

@@ -2,8 +2,10 @@
 
 Knows asyncio and the decode engine; not Ray, not NATS (the decode actor and LocalEngine both wrap
 it). Steps run on the event loop thread and the loop yields (``sleep(0)``) between them, so
-requests submitted meanwhile join the batch at the next step. When every slot is taken, new
-requests wait in FIFO order for one to free. The loop task belongs to this object: ``stop()``
+requests submitted meanwhile join the batch at the next step. A request is either a prompt (the
+engine prefills it, reusing its session's KV) or a PrefillResult from a prefill worker. When
+every slot or the KV pool is taken, new requests wait in FIFO order (the head is never
+overtaken, so a long prompt cannot starve). The loop task belongs to this object: ``stop()``
 cancels it and fails whatever is still in flight.
 """
 
@@ -20,18 +22,27 @@ from rollmesh.engine.decode import DecodeEngine, DecodeStats, FinishedSequence
 from rollmesh.engine.errors import (
     DecodeStepError,
     DuplicateRequestError,
-    EngineError,
     EngineStoppedError,
 )
 from rollmesh.engine.prefill import PrefillResult
+from rollmesh.engine.request_checks import validate_prompt
+from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions
 from rollmesh.messages.base import SamplingParams
+
+# What a request brings: its prompt's token ids, or the prefill a prefill worker made of it.
+Work = list[int] | PrefillResult
 
 
 @dataclass(slots=True)
 class _Waiting:
     request_id: str
-    prefill: PrefillResult
+    work: Work
     sampling: SamplingParams
+    options: GenerateOptions
+
+    @property
+    def prompt_len(self) -> int:
+        return self.work.num_tokens if isinstance(self.work, PrefillResult) else len(self.work)
 
 
 class DecodeLoop:
@@ -72,24 +83,32 @@ class DecodeLoop:
                 self._fail_everything()
 
     async def submit(
-        self, request_id: str, prefill: PrefillResult, sampling: SamplingParams
+        self,
+        request_id: str,
+        work: Work,
+        sampling: SamplingParams,
+        options: GenerateOptions = DEFAULT_OPTIONS,
     ) -> FinishedSequence:
-        """Add a prefilled request to the batch (or the queue) and wait for it to finish.
+        """Add a request to the batch (or the queue) and wait for it to finish.
 
-        Bad input raises at once (InvalidRequestError and subclasses); cancelling the caller
-        aborts the request.
+        Bad input raises at once (InvalidRequestError and subclasses); so does a ``min_version``
+        the engine has not reached (VersionUnavailableError). Cancelling the caller aborts the
+        request.
         """
         if not self.running:
             raise EngineStoppedError(request_id)
         if request_id in self._futures:
             raise DuplicateRequestError(request_id)
-        self.engine.validate_request(request_id, prefill, sampling)
-        future: asyncio.Future[FinishedSequence] = asyncio.get_running_loop().create_future()
-        if self.engine.num_free() > 0 and not self._waiting:
-            self.engine.add_request(request_id, prefill, sampling)
+        waiting = _Waiting(request_id, work, sampling, options)
+        if isinstance(work, PrefillResult):
+            self.engine.validate_prefilled(request_id, work, sampling, options)
         else:
-            self._waiting.append(_Waiting(request_id, prefill, sampling))
+            waiting.work = validate_prompt(work, self.engine.model, request_id=request_id)
+            self.engine.validate_request(request_id, len(waiting.work), sampling, options)
+        future: asyncio.Future[FinishedSequence] = asyncio.get_running_loop().create_future()
         self._futures[request_id] = future
+        self._waiting.append(waiting)
+        self._admit_waiting()
         self._wake.set()
         try:
             return await future
@@ -158,11 +177,19 @@ class DecodeLoop:
             raise
 
     def _admit_waiting(self) -> None:
-        while self._waiting and self.engine.num_free() > 0:
+        while self._waiting:
+            head = self._waiting[0]
+            if not self.engine.can_admit(head.prompt_len, head.sampling, head.options.session_id):
+                return
             waiting = self._waiting.popleft()
             try:
-                self.engine.add_request(waiting.request_id, waiting.prefill, waiting.sampling)
-            except EngineError as exc:
+                if isinstance(waiting.work, PrefillResult):
+                    self.engine.add_prefilled(waiting.request_id, waiting.work, waiting.sampling,
+                                              waiting.options)
+                else:
+                    self.engine.add_prompt(waiting.request_id, waiting.work, waiting.sampling,
+                                           waiting.options)
+            except Exception as exc:  # noqa: BLE001 - that request fails, the others go on
                 future = self._futures.pop(waiting.request_id, None)
                 if future is not None and not future.done():
                     future.set_exception(exc)
@@ -208,7 +235,7 @@ class DecodeLoop:
         for index, waiting in enumerate(self._waiting):
             if waiting.request_id == request_id:
                 del self._waiting[index]
-                return FinishedSequence(request_id, [], [], [], "abort", waiting.prefill.num_tokens)
+                return FinishedSequence(request_id, [], [], [], "abort", waiting.prompt_len)
         return self.engine.abort(request_id)
 
     def _fail_everything(self) -> None:

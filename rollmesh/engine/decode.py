@@ -1,10 +1,19 @@
-"""Continuous-batching decode over a slot KV cache, with per-token logprobs and weight versions.
+"""Continuous-batching decode over a paged KV cache, with per-token logprobs, weight versions and
+routed experts, and per-session prefix reuse.
 
-Knows torch, the model and the sampler; not Ray, not asyncio (``batch_loop`` drives it). Active
-sequences stay compact in the first B slots of the cache [L, 2, max_batch, H, T_max, head_dim]:
-when one leaves, the last active one moves into its slot, so each step hands ``decode_step`` the
-view ``cache[:, :, :B]`` and never gathers. Staged weights are swapped in at the start of a step;
-in-flight sequences keep their KV and continue, and every token records the version that made it.
+Knows torch, the model, the KV pool and the sampler; not Ray, not asyncio (``batch_loop`` drives
+it). Requests join at any step, either prefilled elsewhere (``add_prefilled``: KV pages from a
+prefill worker) or prefilled here (``add_prompt``: the aggregated mode, and a session's later
+turns, which reuse the KV its earlier turns left in the pool). Each step decodes one token for
+every active sequence and lets finished ones leave.
+
+Memory: a request reserves the blocks of its whole budget (prompt + max_new_tokens, clipped to
+the context) when it is admitted, so a running sequence never runs out of KV and is never
+preempted; a request that does not fit yet waits. Finished turns of a session stay parked in the
+pool (``SessionCache``) and are evicted, oldest first, only when an admission needs their blocks.
+
+Weights: staged weights are swapped in at the start of a step or an admission; in-flight
+sequences keep their KV and continue, and every token records the version that made it.
 """
 
 from __future__ import annotations
@@ -12,18 +21,31 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from torch import nn
 
 from rollmesh.engine.errors import (
     CapacityError,
     DuplicateRequestError,
     InvalidRequestError,
+    KvCapacityError,
     PromptTooLongError,
+    VersionUnavailableError,
 )
-from rollmesh.engine.model import TinyDecoder
-from rollmesh.engine.prefill import PrefillResult
-from rollmesh.engine.protocols import Detokenizer, FinishReason, GenerationResult
+from rollmesh.engine.kv_pages import KvBlockPool, OutOfBlocksError, PagedAttention
+from rollmesh.engine.paged_model import model_device
+from rollmesh.engine.prefill import PrefillResult, run_prefill
+from rollmesh.engine.protocols import (
+    DEFAULT_OPTIONS,
+    Detokenizer,
+    FinishReason,
+    GenerateOptions,
+    GenerationResult,
+)
+from rollmesh.engine.request_checks import validate_prompt
 from rollmesh.engine.sampling import sample_tokens
+from rollmesh.engine.session_cache import CachedSession, SessionCache, common_prefix_length
 from rollmesh.engine.stopping import StopChecker
 from rollmesh.engine.tokenizer import ByteTokenizer
 from rollmesh.engine.weight_staging import WeightStager
@@ -38,11 +60,16 @@ class FinishedSequence:
     versions: list[int]  # weight version that produced each token
     finish_reason: FinishReason
     prompt_len: int
+    cached_tokens: int = 0
+    routed_experts: np.ndarray | None = None  # rows [routed_experts_start, seqlen - 1)
+    routed_experts_start: int = 0
 
     def as_generation_result(self) -> GenerationResult:
         return GenerationResult(
             token_ids=self.token_ids, logprobs=self.logprobs, versions=self.versions,
             finish_reason=self.finish_reason, prompt_len=self.prompt_len, request_id=self.request_id,
+            cached_tokens=self.cached_tokens, routed_experts=self.routed_experts,
+            routed_experts_start=self.routed_experts_start,
         )
 
 
@@ -55,42 +82,59 @@ class DecodeStats:
     tokens_generated: int
     current_version: int
     staged_version: int | None
+    kv_blocks_total: int
+    kv_blocks_free: int
+    sessions_parked: int
+    session_hits: int
+    session_misses: int
+    prefix_tokens_reused: int
+    session_evictions: int
 
 
 class _Sequence:
-    __slots__ = ("request_id", "prompt_len", "token_ids", "logprobs", "versions", "stopper")
+    __slots__ = ("request_id", "input_ids", "token_ids", "logprobs", "versions", "stopper",
+                 "blocks", "options", "temperature", "top_p", "cached_tokens", "routes")
 
-    def __init__(self, request_id: str, prompt_len: int, stopper: StopChecker) -> None:
+    def __init__(self, request_id: str, input_ids: list[int], blocks: list[int],
+                 sampling: SamplingParams, stopper: StopChecker, options: GenerateOptions,
+                 cached_tokens: int) -> None:
         self.request_id = request_id
-        self.prompt_len = prompt_len
+        self.input_ids = input_ids
+        self.blocks = blocks
+        self.stopper = stopper
+        self.options = options
+        self.temperature = sampling.temperature
+        self.top_p = sampling.top_p
+        self.cached_tokens = cached_tokens
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
-        self.stopper = stopper
+        self.routes: list[torch.Tensor] = []  # chunks of routed expert rows, position order
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
 
     @property
     def cached_len(self) -> int:
-        # The newest token's KV is written by the next decode_step, so it is not cached yet.
+        # The newest token's KV is written by the next step, so it is not in the pool yet.
         return self.prompt_len + len(self.token_ids) - 1
-
-    def finish(self, reason: FinishReason) -> FinishedSequence:
-        return FinishedSequence(
-            self.request_id, self.token_ids, self.logprobs, self.versions, reason, self.prompt_len
-        )
 
 
 class DecodeEngine:
-    """Owns the slot cache and the active sequences of one decode worker."""
+    """Owns the KV pool, the parked sessions and the active sequences of one worker."""
 
     def __init__(
         self,
-        model: TinyDecoder,
+        model: nn.Module,
         *,
         max_batch: int,
         seed: int = 0,
         tokenizer: Detokenizer | None = None,
         weights: WeightStager | None = None,
         version: int = 0,
+        block_size: int = 16,
+        num_blocks: int = 0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -98,21 +142,17 @@ class DecodeEngine:
             raise ValueError("the WeightStager belongs to another model")
         self.model = model.eval()
         self.weights = weights or WeightStager(model, version=version)
-        self.tokenizer = tokenizer or ByteTokenizer(model.shape.vocab_size)
+        self.tokenizer = tokenizer or ByteTokenizer(model.vocab_size)
         self.max_batch = max_batch
-        shape = model.shape
-        device = model.tok.weight.device
-        self._cache = torch.zeros(
-            shape.n_layers, 2, max_batch, shape.n_heads, shape.max_seq_len, shape.head_dim,
-            device=device,
+        blocks_per_context = -(-model.max_seq_len // block_size)
+        self.pool = KvBlockPool(
+            model.kv_layout(), num_blocks=num_blocks or max_batch * blocks_per_context,
+            block_size=block_size, device=model_device(model),
         )
-        # Per-slot inputs of the next step, kept in the same compact order as the cache.
-        self._tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self._positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self._temperature = torch.ones(max_batch, device=device)
-        self._top_p = torch.ones(max_batch, device=device)
-        self._generator = torch.Generator(device=device).manual_seed(seed)
-        self._slots: list[_Sequence] = []
+        self.sessions = SessionCache()
+        self._device = model_device(model)
+        self._generator = torch.Generator(device=self._device).manual_seed(seed)
+        self._active: list[_Sequence] = []
         self._by_id: dict[str, _Sequence] = {}
         self._finished: list[FinishedSequence] = []  # finished at admission, reported next step
         self._steps = 0
@@ -120,45 +160,84 @@ class DecodeEngine:
 
     # -- requests --------------------------------------------------------------------------
 
-    def add_request(
+    @torch.no_grad()
+    def add_prompt(
+        self,
+        request_id: str,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        options: GenerateOptions = DEFAULT_OPTIONS,
+        tokenizer: Detokenizer | None = None,
+    ) -> None:
+        """Prefill here, reusing the KV the session's last turn parked, then join the batch.
+
+        Raises InvalidRequestError (and subclasses) or VersionUnavailableError leaving the engine
+        unchanged, or CapacityError when called without ``can_admit`` saying yes (the session's
+        parked KV is then freed: it would only be recomputed).
+        """
+        input_ids = validate_prompt(input_ids, self.model, request_id=request_id)
+        stopper = self.validate_request(request_id, len(input_ids), sampling, options, tokenizer)
+        self.weights.apply_staged()  # between steps: a boundary
+        self._check_version(options.min_version, self.weights.current_version, request_id)
+        needed = self.blocks_needed(len(input_ids), sampling)
+        if len(self._active) >= self.max_batch:
+            raise CapacityError(self.max_batch, request_id=request_id)
+        session = self.sessions.take(options.session_id)
+        reused, blocks, prefix_routes = self._reuse(session, input_ids)
+        try:
+            blocks += self._allocate(needed - len(blocks), request_id)
+        except CapacityError:
+            self.pool.free(blocks)
+            raise
+        try:
+            last_logits, routes = run_prefill(self.model, self.pool, blocks, input_ids, reused)
+        except Exception:
+            self.pool.free(blocks)
+            raise
+        sequence = _Sequence(request_id, input_ids, blocks, sampling, stopper, options, reused)
+        if prefix_routes is not None and reused:
+            sequence.routes.append(prefix_routes[:reused])
+        if routes is not None:
+            sequence.routes.append(routes)
+        self._admit(sequence, last_logits, self.weights.current_version)
+
+    def add_prefilled(
         self,
         request_id: str,
         prefill: PrefillResult,
         sampling: SamplingParams,
+        options: GenerateOptions = DEFAULT_OPTIONS,
         tokenizer: Detokenizer | None = None,
     ) -> None:
-        """Admit a prefilled prompt and sample its first token from the prefill's logits.
-
-        ``max_new_tokens`` is clipped to what fits in the context, so such a request ends with
-        finish_reason "length" at the context limit. A request whose first token already ends it
-        is reported by the next ``step()``. Raises InvalidRequestError (and subclasses) or
-        CapacityError, leaving the engine unchanged.
-        """
-        stopper = self.validate_request(request_id, prefill, sampling, tokenizer)
-        if len(self._slots) >= self.max_batch:
+        """Store KV pages made by a prefill worker and sample the first token from its logits."""
+        stopper = self.validate_prefilled(request_id, prefill, sampling, options, tokenizer)
+        self.weights.apply_staged()
+        # The first token comes from the prefill worker's weights, the rest from ours.
+        self._check_version(options.min_version,
+                            min(prefill.weight_version, self.weights.current_version), request_id)
+        if len(self._active) >= self.max_batch:
             raise CapacityError(self.max_batch, request_id=request_id)
-        prompt_len = prefill.num_tokens
-        temperature = torch.tensor([sampling.temperature], device=self._tokens.device)
-        top_p = torch.tensor([sampling.top_p], device=self._tokens.device)
-        logits = prefill.last_logits.to(self._tokens.device)[None]
-        token, logprob = sample_tokens(logits, temperature, top_p, self._generator)
-        sequence = _Sequence(request_id, prompt_len, stopper)
-        sequence.token_ids.append(int(token))
-        sequence.logprobs.append(float(logprob))
-        sequence.versions.append(prefill.weight_version)
-        self._by_id[request_id] = sequence
-        self._tokens_generated += 1
-        reason = stopper.check(sequence.token_ids)
-        if reason is not None:
-            self._finished.append(sequence.finish(reason))
-            return
-        slot = len(self._slots)
-        self._slots.append(sequence)
-        self._cache[:, :, slot, :, :prompt_len].copy_(prefill.kv)
-        self._tokens[slot] = sequence.token_ids[-1]
-        self._positions[slot] = prompt_len
-        self._temperature[slot] = sampling.temperature
-        self._top_p[slot] = sampling.top_p
+        blocks = self._allocate(self.blocks_needed(prefill.num_tokens, sampling), request_id)
+        self.pool.write_pages(blocks[: prefill.pages.shape[2]], prefill.pages)
+        sequence = _Sequence(request_id, list(prefill.input_ids), blocks, sampling, stopper,
+                             options, 0)
+        if prefill.routes is not None:
+            sequence.routes.append(prefill.routes)
+        self._admit(sequence, prefill.last_logits.to(self._device), prefill.weight_version)
+
+    def can_admit(
+        self, prompt_len: int, sampling: SamplingParams, session_id: str | None = None
+    ) -> bool:
+        """True when a batch slot is free and the request's blocks are (after evicting other
+        parked sessions if it must; the request's own session counts as room)."""
+        if len(self._active) >= self.max_batch:
+            return False
+        own = self.sessions.blocks_of(session_id)
+        return self._make_room(self.blocks_needed(prompt_len, sampling) - own, keep=session_id)
+
+    def blocks_needed(self, prompt_len: int, sampling: SamplingParams) -> int:
+        total = min(prompt_len + sampling.max_new_tokens, self.model.max_seq_len)
+        return self.pool.blocks_for(total)
 
     def abort(self, request_id: str) -> FinishedSequence | None:
         """Drop a request; returns what it generated so far (finish_reason "abort"), or None if
@@ -169,13 +248,14 @@ class DecodeEngine:
         for index, finished in enumerate(self._finished):
             if finished.request_id == request_id:
                 return self._finished.pop(index)
-        return self._release(self._slots.index(sequence), "abort")
+        self._active.remove(sequence)
+        return self._finish(sequence, "abort")
 
     def abort_all(self) -> list[FinishedSequence]:
         """Drop every request (active or finished but unreported), as ``abort`` does each."""
         dropped, self._finished = self._finished, []
-        while self._slots:
-            dropped.append(self._release(len(self._slots) - 1, "abort"))
+        active, self._active = self._active, []
+        dropped.extend(self._finish(sequence, "abort") for sequence in active)
         self._by_id.clear()
         return dropped
 
@@ -185,51 +265,116 @@ class DecodeEngine:
         """Apply staged weights, decode one token for every active sequence, return those done."""
         self.weights.apply_staged()
         # Decode before taking the finished-at-admission list, so a step that raises loses nothing.
-        decoded = self._decode(len(self._slots)) if self._slots else []
+        decoded = self._decode() if self._active else []
         finished, self._finished = self._finished, []
         finished.extend(decoded)
         for sequence in finished:
             del self._by_id[sequence.request_id]
         return finished
 
-    def _decode(self, batch: int) -> list[FinishedSequence]:
+    @torch.no_grad()
+    def _decode(self) -> list[FinishedSequence]:
+        batch = self._active
         version = self.weights.current_version
-        logits = self.model.decode_step(
-            self._tokens[:batch], self._positions[:batch], self._cache[:, :, :batch]
-        )
-        tokens, logprobs = sample_tokens(
-            logits, self._temperature[:batch], self._top_p[:batch], self._generator
-        )
-        self._tokens[:batch] = tokens
-        self._positions[:batch] += 1
+        tokens = torch.tensor([[s.token_ids[-1]] for s in batch], dtype=torch.long, device=self._device)
+        paged = PagedAttention(self.pool, [s.blocks for s in batch], [s.cached_len for s in batch],
+                               1, sliding_window=self.model.sliding_window)
+        logits, routes = self.model.forward_paged(tokens, paged)
+        temperature = torch.tensor([s.temperature for s in batch], device=self._device)
+        top_p = torch.tensor([s.top_p for s in batch], device=self._device)
+        chosen, logprobs = sample_tokens(logits[:, 0], temperature, top_p, self._generator)
         self._steps += 1
-        self._tokens_generated += batch
-        done: list[tuple[int, FinishReason]] = []
-        for slot, sequence, token, logprob in zip(
-            range(batch), self._slots, tokens.tolist(), logprobs.tolist()
-        ):
+        self._tokens_generated += len(batch)
+        still_active: list[_Sequence] = []
+        done: list[FinishedSequence] = []
+        for row, (sequence, token, logprob) in enumerate(zip(batch, chosen.tolist(), logprobs.tolist())):
             sequence.token_ids.append(token)
             sequence.logprobs.append(logprob)
             sequence.versions.append(version)
+            if routes is not None:
+                sequence.routes.append(routes[row])
             reason = sequence.stopper.check(sequence.token_ids)
-            if reason is not None:
-                done.append((slot, reason))
-        # Highest slot first: the sequence moved into a freed slot is never one still to free.
-        return [self._release(slot, reason) for slot, reason in reversed(done)]
+            if reason is None:
+                still_active.append(sequence)
+            else:
+                done.append(self._finish(sequence, reason))
+        self._active = still_active
+        return done
 
-    def _release(self, slot: int, reason: FinishReason) -> FinishedSequence:
-        """Free ``slot`` and keep the active slots compact by moving the last one into it."""
-        sequence = self._slots[slot]
-        last = len(self._slots) - 1
-        if slot != last:
-            moved = self._slots[last]
-            length = moved.cached_len
-            self._cache[:, :, slot, :, :length].copy_(self._cache[:, :, last, :, :length])
-            for per_slot in (self._tokens, self._positions, self._temperature, self._top_p):
-                per_slot[slot] = per_slot[last]
-            self._slots[slot] = moved
-        self._slots.pop()
-        return sequence.finish(reason)
+    def _admit(self, sequence: _Sequence, last_logits: torch.Tensor, version: int) -> None:
+        temperature = torch.tensor([sequence.temperature], device=self._device)
+        top_p = torch.tensor([sequence.top_p], device=self._device)
+        token, logprob = sample_tokens(last_logits[None], temperature, top_p, self._generator)
+        sequence.token_ids.append(int(token))
+        sequence.logprobs.append(float(logprob))
+        sequence.versions.append(version)
+        self._by_id[sequence.request_id] = sequence
+        self._tokens_generated += 1
+        reason = sequence.stopper.check(sequence.token_ids)
+        if reason is not None:
+            self._finished.append(self._finish(sequence, reason))
+        else:
+            self._active.append(sequence)
+
+    def _finish(self, sequence: _Sequence, reason: FinishReason) -> FinishedSequence:
+        """Report ``sequence``; park its KV under its session, or free it."""
+        cached_len = sequence.cached_len
+        routes = torch.cat(sequence.routes)[:cached_len] if sequence.routes else None
+        keep = self.pool.blocks_for(cached_len)
+        session_id = sequence.options.session_id
+        if session_id:
+            self.pool.free(sequence.blocks[keep:])
+            tokens = (sequence.input_ids + sequence.token_ids)[:cached_len]
+            replaced = self.sessions.park(session_id, CachedSession(
+                tokens, sequence.blocks[:keep], routes, max(sequence.versions, default=0)))
+            self.pool.free(replaced)
+        else:
+            self.pool.free(sequence.blocks)
+        sequence.blocks = []
+        routed, start = None, 0
+        if sequence.options.return_routed_experts and routes is not None:
+            start = sequence.options.routed_experts_start_len
+            routed = routes[start:].numpy().copy()
+        return FinishedSequence(
+            sequence.request_id, sequence.token_ids, sequence.logprobs, sequence.versions, reason,
+            sequence.prompt_len, sequence.cached_tokens, routed, start,
+        )
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def _reuse(self, session: CachedSession | None, input_ids: list[int]):
+        """(reused tokens, the blocks holding them, the session's routes) from a taken session;
+        blocks past the common prefix go back to the pool."""
+        if session is None:
+            return 0, [], None
+        # At least the last prompt token is recomputed: its logits start the generation.
+        reused = min(common_prefix_length(session.token_ids, input_ids), len(input_ids) - 1)
+        keep = self.pool.blocks_for(reused)
+        self.pool.free(session.blocks[keep:])
+        self.sessions.reused_tokens += reused
+        return reused, session.blocks[:keep], session.routes
+
+    def _allocate(self, count: int, request_id: str) -> list[int]:
+        if not self._make_room(count):
+            raise CapacityError(self.max_batch, request_id=request_id)
+        try:
+            return self.pool.allocate(count)
+        except OutOfBlocksError as exc:  # _make_room said yes; kept for a clear error anyway
+            raise CapacityError(self.max_batch, request_id=request_id) from exc
+
+    def _make_room(self, blocks: int, keep: str | None = None) -> bool:
+        while self.pool.num_free() < blocks:
+            evicted = self.sessions.evict_oldest(keep=keep)
+            if not evicted:
+                break
+            self.pool.free(evicted)
+        return self.pool.num_free() >= blocks
+
+    def drop_sessions(self) -> int:
+        """Free every parked session's KV (e.g. an operator's cache flush); blocks freed."""
+        blocks = self.sessions.drop_all()
+        self.pool.free(blocks)
+        return len(blocks)
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -249,61 +394,98 @@ class DecodeEngine:
 
     def has_work(self) -> bool:
         """True while a step would do something: decode, report a finish, or swap weights."""
-        return bool(self._slots or self._finished) or self.weights.staged_version is not None
+        return bool(self._active or self._finished) or self.weights.staged_version is not None
 
     def num_active(self) -> int:
-        return len(self._slots)
+        return len(self._active)
 
     def num_free(self) -> int:
-        return self.max_batch - len(self._slots)
+        return self.max_batch - len(self._active)
 
     def stats(self) -> DecodeStats:
         return DecodeStats(
-            active=len(self._slots),
+            active=len(self._active),
             max_batch=self.max_batch,
             finished_unreported=len(self._finished),
             steps=self._steps,
             tokens_generated=self._tokens_generated,
             current_version=self.weights.current_version,
             staged_version=self.weights.staged_version,
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_free=self.pool.num_free(),
+            sessions_parked=len(self.sessions),
+            session_hits=self.sessions.hits,
+            session_misses=self.sessions.misses,
+            prefix_tokens_reused=self.sessions.reused_tokens,
+            session_evictions=self.sessions.evictions,
         )
+
+    # -- validation ------------------------------------------------------------------------
 
     def validate_request(
         self,
         request_id: str,
-        prefill: PrefillResult,
+        prompt_len: int,
         sampling: SamplingParams,
+        options: GenerateOptions = DEFAULT_OPTIONS,
         tokenizer: Detokenizer | None = None,
     ) -> StopChecker:
-        """Raise what ``add_request`` would raise for bad input (not for capacity); returns the
-        request's stop checker, its token budget clipped to the context."""
+        """Raise what admitting the request would raise for bad input (not for capacity or
+        version); returns its stop checker, its token budget clipped to the context."""
         if request_id in self._by_id:
             raise DuplicateRequestError(request_id)
-        prompt_len = self._validate_prefill(request_id, prefill)
+        max_seq_len = self.model.max_seq_len
+        if prompt_len > max_seq_len - 1:
+            raise PromptTooLongError(prompt_len, max_seq_len - 1, request_id=request_id)
+        start = options.routed_experts_start_len
+        if not 0 <= start <= prompt_len:
+            raise InvalidRequestError(
+                f"{start} is outside [0, {prompt_len}] (the prompt's length)",
+                field="routed_experts_start_len", request_id=request_id,
+            )
+        if options.return_routed_experts and self.model.routing_shape is None:
+            raise InvalidRequestError(
+                "the model is dense: it routes no experts", field="return_routed_experts",
+                request_id=request_id,
+            )
+        needed = self.blocks_needed(prompt_len, sampling)
+        if needed > self.pool.num_blocks:
+            raise KvCapacityError(needed, self.pool.num_blocks, request_id=request_id)
         return StopChecker(
             stop=list(sampling.stop),
-            max_new_tokens=min(sampling.max_new_tokens, self.model.shape.max_seq_len - prompt_len),
+            max_new_tokens=min(sampling.max_new_tokens, max_seq_len - prompt_len),
             detokenizer=tokenizer or self.tokenizer,
             request_id=request_id,
         )
 
-    def _validate_prefill(self, request_id: str, prefill: PrefillResult) -> int:
-        shape = self.model.shape
-        prompt_len = prefill.num_tokens
-        if prompt_len < 1:
+    def validate_prefilled(
+        self,
+        request_id: str,
+        prefill: PrefillResult,
+        sampling: SamplingParams,
+        options: GenerateOptions = DEFAULT_OPTIONS,
+        tokenizer: Detokenizer | None = None,
+    ) -> StopChecker:
+        stopper = self.validate_request(request_id, prefill.num_tokens, sampling, options, tokenizer)
+        if prefill.num_tokens < 1:
             raise InvalidRequestError("empty prompt", field="prefill", request_id=request_id)
-        if prompt_len > shape.max_seq_len - 1:
-            raise PromptTooLongError(prompt_len, shape.max_seq_len - 1, request_id=request_id)
-        expected = (shape.n_layers, 2, shape.n_heads, prompt_len, shape.head_dim)
-        if tuple(prefill.kv.shape) != expected:
+        layout = self.model.kv_layout()
+        expected = (layout.num_layers, 2, self.pool.blocks_for(prefill.num_tokens),
+                    self.pool.block_size, layout.num_kv_heads, layout.head_dim)
+        if tuple(prefill.pages.shape) != expected:
             raise InvalidRequestError(
-                f"kv shape {tuple(prefill.kv.shape)}, expected {expected}",
-                field="prefill.kv", request_id=request_id,
+                f"KV pages of shape {tuple(prefill.pages.shape)}, expected {expected}",
+                field="prefill.pages", request_id=request_id,
             )
-        if tuple(prefill.last_logits.shape) != (shape.vocab_size,):
+        if tuple(prefill.last_logits.shape) != (self.model.vocab_size,):
             raise InvalidRequestError(
                 f"last_logits shape {tuple(prefill.last_logits.shape)}, expected "
-                f"({shape.vocab_size},)",
+                f"({self.model.vocab_size},)",
                 field="prefill.last_logits", request_id=request_id,
             )
-        return prompt_len
+        return stopper
+
+    @staticmethod
+    def _check_version(min_version: int | None, version: int, request_id: str) -> None:
+        if min_version is not None and version < min_version:
+            raise VersionUnavailableError(min_version, version, request_id=request_id)

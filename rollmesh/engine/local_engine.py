@@ -1,9 +1,10 @@
-"""Aggregated inference in one process: prefill, then continuous-batched decode, same model.
+"""Aggregated inference in one process: one engine prefills and decodes, same model.
 
 Knows the engine parts and asyncio; not Ray (the disaggregated version puts PrefillEngine and
-DecodeLoop in separate actors and passes the PrefillResult through the object store). Prefill and
-decode share one model and one WeightStager, so a swap made at either boundary is seen by both.
-Leaves ``torch.set_num_threads`` to the process owner.
+DecodeLoop in separate actors and passes the PrefillResult through the object store, and the
+aggregated actor mode wraps this same DecodeLoop). Prompts are prefilled by the decode engine
+between steps, reusing their session's parked KV. Leaves ``torch.set_num_threads`` to the
+process owner.
 """
 
 from __future__ import annotations
@@ -11,39 +12,56 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from torch import nn
 
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
 from rollmesh.engine.decode import DecodeEngine, DecodeStats
-from rollmesh.engine.model import TinyDecoder, build_model
-from rollmesh.engine.prefill import PrefillEngine
-from rollmesh.engine.protocols import Detokenizer, GenerationResult
-from rollmesh.engine.weight_staging import WeightStager
+from rollmesh.engine.paged_model import build_inference_model
+from rollmesh.engine.protocols import (
+    DEFAULT_OPTIONS,
+    Detokenizer,
+    GenerateOptions,
+    GenerationResult,
+)
 from rollmesh.messages.base import SamplingParams
 
 
+def build_decode_engine(
+    model: nn.Module,
+    inference_config: InferenceConfig,
+    *,
+    seed: int = 0,
+    tokenizer: Detokenizer | None = None,
+    version: int = 0,
+) -> DecodeEngine:
+    return DecodeEngine(
+        model,
+        max_batch=inference_config.max_batch,
+        seed=seed,
+        tokenizer=tokenizer,
+        version=version,
+        block_size=inference_config.kv_block_size,
+        num_blocks=inference_config.kv_blocks,
+    )
+
+
 class LocalEngine:
-    """An ``InferenceEngine`` for tests and the CPU demo; the loop starts on first use."""
+    """An ``InferenceEngine`` for tests, benchmarks and the CPU demo; the loop starts on first use."""
 
     def __init__(
         self,
         model_config: ModelConfig,
         inference_config: InferenceConfig,
         *,
-        model: TinyDecoder | None = None,
+        model: nn.Module | None = None,
         tokenizer: Detokenizer | None = None,
         seed: int = 0,
         version: int = 0,
     ) -> None:
-        self.model = model if model is not None else build_model(model_config)
-        weights = WeightStager(self.model, version=version)
-        self.prefill_engine = PrefillEngine(self.model, weights=weights)
-        self.decode_engine = DecodeEngine(
-            self.model,
-            max_batch=inference_config.max_batch,
-            seed=seed,
-            tokenizer=tokenizer,
-            weights=weights,
+        self.model = model if model is not None else build_inference_model(model_config)
+        self.decode_engine = build_decode_engine(
+            self.model, inference_config, seed=seed, tokenizer=tokenizer, version=version
         )
         self.decode_loop = DecodeLoop(self.decode_engine)
 
@@ -61,12 +79,15 @@ class LocalEngine:
         await self.decode_loop.stop()
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str,
+        options: GenerateOptions = DEFAULT_OPTIONS,
     ) -> GenerationResult:
         self.decode_loop.start()
-        # Runs on the event loop thread between decode steps, so it is a boundary for both.
-        prefill = self.prefill_engine.prefill(input_ids, request_id=request_id)
-        finished = await self.decode_loop.submit(request_id, prefill, sampling)
+        finished = await self.decode_loop.submit(request_id, list(input_ids), sampling, options)
         return finished.as_generation_result()
 
     def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:

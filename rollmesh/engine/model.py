@@ -1,15 +1,16 @@
 """A tiny decoder-only transformer, built from ModelConfig with random initialization.
 
-Knows torch only. Three entry points share one set of weights:
+Knows torch and the paged KV cache. Two entry points share one set of weights:
 - ``forward``: full sequences (training, scoring);
-- ``prefill``: one prompt, returning its KV as a plain tensor (so it can travel through the Ray
-  object store to a decode worker);
-- ``decode_step``: one new token for each of B sequences whose KV sits in a slot cache.
+- ``forward_paged``: the inference engine's call (``paged_model.PagedCausalModel``), for new
+  tokens whose context sits in a paged KV pool: a prompt, the rest of a session's next turn, or
+  one token of each of B decoding sequences.
 Pre-LayerNorm GPT blocks with two position signals: rotary embeddings (relative offsets, so
 copying a tool result into the answer is easy to learn) and learned absolute positions (so is
 copying a span found at a fixed place in the prompt; with rotary alone the tiny model copied the
-prompt's formula into its tool call wrong most of the time). Tied embeddings. Issue 3 replaces this with
-HF-compatible Llama/MoE families behind the same calls.
+prompt's formula into its tool call wrong most of the time). Tied embeddings. It is the demo's
+model (``model.family = "tiny"``); the Hugging Face families in ``engine.models`` serve through
+the same ``forward_paged``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rollmesh.engine.kv_pages import KvLayout, PagedAttention
 
 
 @dataclass(frozen=True)
@@ -134,47 +137,38 @@ class TinyDecoder(nn.Module):
             x = block.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
         return self.logits(x)
 
-    @torch.no_grad()
-    def prefill(self, input_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one prompt; return (last-position logits [V], KV [L, 2, H, T, head_dim])."""
-        ids = torch.tensor([input_ids], dtype=torch.long)
-        cos, sin = self.rope_cos[: len(input_ids)], self.rope_sin[: len(input_ids)]
-        x = self.tok(ids) + self.pos.weight[: len(input_ids)]
-        layers = []
-        for block in self.blocks:
-            q, k, v = block.split_heads(x, cos, sin)
-            layers.append(torch.stack((k[0], v[0])))
-            x = block.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        return self.logits(x)[0, -1], torch.stack(layers)
+    # -- the inference engine's view (``rollmesh.engine.paged_model.PagedCausalModel``) -------
 
-    @torch.no_grad()
-    def decode_step(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """One token for each of B sequences; returns logits [B, V].
+    @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab_size
 
-        ``cache`` is [L, 2, B, H, T_max, head_dim] (a view of the first B slots of the worker's
-        slot cache); the new token's K/V is written at ``positions[b]`` and attention covers
-        positions 0..positions[b] of each row.
-        """
-        batch = token_ids.shape[0]
-        x = self.tok(token_ids)[:, None, :] + self.pos(positions)[:, None, :]
-        cos, sin = self.rope_cos[positions][:, None, None, :], self.rope_sin[positions][:, None, None, :]
-        span = int(positions.max()) + 1
-        rows = torch.arange(batch)
-        visible = torch.arange(span)[None, :] <= positions[:, None]  # [B, span]
-        mask = visible[:, None, None, :]
+    @property
+    def max_seq_len(self) -> int:
+        return self.shape.max_seq_len
+
+    sliding_window = None
+    routing_shape = None  # dense: no routed experts
+
+    def kv_layout(self) -> KvLayout:
+        return KvLayout(
+            num_layers=self.shape.n_layers, num_kv_heads=self.shape.n_heads,
+            head_dim=self.shape.head_dim, dtype=self.tok.weight.dtype,
+        )
+
+    def forward_paged(
+        self, input_ids: torch.Tensor, paged: PagedAttention, *, last_only: bool = False
+    ) -> tuple[torch.Tensor, None]:
+        """Logits [B, T or 1, V] for ``input_ids`` [B, T] at ``paged.positions``."""
+        positions = paged.positions.to(input_ids.device)
+        x = self.tok(input_ids) + self.pos(positions)
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         for layer, block in enumerate(self.blocks):
             q, k, v = block.split_heads(x, cos, sin)
-            cache[layer, 0, rows, :, positions] = k[:, :, 0]
-            cache[layer, 1, rows, :, positions] = v[:, :, 0]
-            keys = cache[layer, 0, :, :, :span]
-            values = cache[layer, 1, :, :, :span]
-            x = block.finish(x, F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
-        return self.logits(x)[:, 0]
+            x = block.finish(x, paged.attend(layer, q, k, v))
+        if last_only:
+            x = x[:, -1:]
+        return self.logits(x), None
 
 
 def build_model(config) -> TinyDecoder:

@@ -1,9 +1,11 @@
-"""Prefill: one prompt's forward pass, producing its KV cache and last logits.
+"""Prefill worker side: one prompt's forward pass, producing its KV pages and last logits.
 
-Knows torch and the model; not Ray, not the decode engine's slots. The result is a plain dataclass
-of contiguous tensors, so it can travel through the Ray object store to a decode worker. The first
-generated token is sampled from ``last_logits``, so that token carries this result's
-``weight_version``; staged weights are applied at the start of a call, never during one.
+Knows torch, the paged KV pool and the model; not Ray, not the decode engine's batch. The pool
+here holds one prompt at a time; its pages are copied out in block layout, so a decode worker
+with the same block size stores them with one indexed copy. The result is a plain dataclass of
+contiguous tensors and travels through the Ray object store. The first generated token is sampled
+from ``last_logits``, so that token carries this result's ``weight_version``; staged weights are
+applied at the start of a call, never during one.
 """
 
 from __future__ import annotations
@@ -12,30 +14,68 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from rollmesh.engine.errors import InvalidRequestError, PromptTooLongError
-from rollmesh.engine.model import TinyDecoder
+from rollmesh.engine.kv_pages import KvBlockPool, PagedAttention
+from rollmesh.engine.paged_model import model_device
+from rollmesh.engine.request_checks import validate_prompt
 from rollmesh.engine.weight_staging import WeightStager
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
-    kv: torch.Tensor  # [L, 2, H, T, head_dim], contiguous float32
-    last_logits: torch.Tensor  # [V]
-    num_tokens: int
+    input_ids: list[int]
+    pages: torch.Tensor  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    last_logits: torch.Tensor  # [V], float32
     weight_version: int
+    routes: torch.Tensor | None = None  # [prompt tokens, sparse layers, top_k] (MoE)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def block_size(self) -> int:
+        return self.pages.shape[3]
+
+    def nbytes(self) -> int:
+        return self.pages.nbytes + self.last_logits.nbytes
+
+
+def run_prefill(
+    model: nn.Module,
+    pool: KvBlockPool,
+    blocks: list[int],
+    input_ids: list[int],
+    start: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward positions [start, len(input_ids)) of a sequence owning ``blocks`` (positions
+    before ``start`` already in the pool); returns (last logits [V] float32, routes or None)."""
+    paged = PagedAttention(pool, [blocks], [start], len(input_ids) - start,
+                           sliding_window=model.sliding_window)
+    ids = torch.as_tensor([input_ids[start:]], dtype=torch.long, device=model_device(model))
+    logits, routes = model.forward_paged(ids, paged, last_only=True)
+    return logits[0, -1].float(), None if routes is None else routes[0]
 
 
 class PrefillEngine:
     """Runs prompts through ``model``; shares ``weights`` with a decode engine on the same model."""
 
     def __init__(
-        self, model: TinyDecoder, *, weights: WeightStager | None = None, version: int = 0
+        self,
+        model: nn.Module,
+        *,
+        block_size: int = 16,
+        weights: WeightStager | None = None,
+        version: int = 0,
     ) -> None:
         if weights is not None and weights.model is not model:
             raise ValueError("the WeightStager belongs to another model")
         self.model = model.eval()
         self.weights = weights or WeightStager(model, version=version)
+        blocks = -(-model.max_seq_len // block_size)
+        self.pool = KvBlockPool(model.kv_layout(), num_blocks=blocks, block_size=block_size,
+                                device=model_device(model))
 
     @property
     def current_version(self) -> int:
@@ -44,52 +84,26 @@ class PrefillEngine:
     @property
     def max_prompt_tokens(self) -> int:
         # One position stays free: a prompt that fills the context could not generate anything.
-        return self.model.shape.max_seq_len - 1
+        return self.model.max_seq_len - 1
 
+    @torch.no_grad()
     def prefill(self, input_ids: list[int], *, request_id: str | None = None) -> PrefillResult:
-        self.validate(input_ids, request_id=request_id)
+        input_ids = validate_prompt(input_ids, self.model, request_id=request_id)
         self.weights.apply_staged()
-        last_logits, kv = self.model.prefill(list(input_ids))
-        # clone: a view would pin (and pickle) the logits of every prompt position.
+        blocks = self.pool.allocate(self.pool.blocks_for(len(input_ids)))
+        try:
+            last_logits, routes = run_prefill(self.model, self.pool, blocks, input_ids, 0)
+            pages = self.pool.read_pages(blocks)
+        finally:
+            self.pool.free(blocks)
         return PrefillResult(
-            kv=kv.float().contiguous(),
-            last_logits=last_logits.float().clone(),
-            num_tokens=len(input_ids),
+            input_ids=input_ids, pages=pages, last_logits=last_logits.clone(),
             weight_version=self.weights.current_version,
+            routes=None if routes is None else routes.clone(),
         )
 
     def validate(self, input_ids: list[int], *, request_id: str | None = None) -> None:
-        """Raise a typed error for an empty, too long or out-of-vocabulary prompt."""
-        if len(input_ids) == 0:
-            raise InvalidRequestError("empty prompt", field="input_ids", request_id=request_id)
-        if len(input_ids) > self.max_prompt_tokens:
-            raise PromptTooLongError(
-                len(input_ids), self.max_prompt_tokens, request_id=request_id
-            )
-        try:
-            ids = torch.as_tensor(input_ids)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise InvalidRequestError(
-                f"not a list of token ids: {exc}", field="input_ids", request_id=request_id
-            ) from exc
-        if ids.dim() != 1:
-            raise InvalidRequestError(
-                f"expected a flat list of token ids, got shape {tuple(ids.shape)}",
-                field="input_ids", request_id=request_id,
-            )
-        if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
-            raise InvalidRequestError(
-                f"token ids must be integers, got {ids.dtype}", field="input_ids",
-                request_id=request_id,
-            )
-        vocab = self.model.shape.vocab_size
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= vocab:
-            bad = low if low < 0 else high
-            raise InvalidRequestError(
-                f"token id {bad} outside the vocabulary [0, {vocab})", field="input_ids",
-                request_id=request_id,
-            )
+        validate_prompt(input_ids, self.model, request_id=request_id)
 
     def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
         """Keep new weights for the next call boundary (any thread); see WeightStager.stage."""

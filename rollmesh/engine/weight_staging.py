@@ -3,7 +3,10 @@
 Knows torch only. ``stage`` may be called from any thread at any time: it checks the state dict
 against the model and copies it (so a trainer in the same process can keep training the tensors it
 handed over). ``apply_staged`` must be called by the thread that runs the model, between forward
-passes; it loads in place, so views of the parameters and the KV caches stay valid.
+passes. It swaps the staged tensors in as the parameters' storage (``param.data = staged``)
+rather than copying into them: the parameter objects stay the same (tied weights stay tied, KV
+caches are untouched) and the generation pause is a few pointer assignments, however large the
+model; the copy was already paid by ``stage``, off the decode loop.
 """
 
 from __future__ import annotations
@@ -59,10 +62,16 @@ class WeightStager:
             return None
         version, state_dict = staged
         with torch.no_grad():
-            self.model.load_state_dict(state_dict, strict=True)
+            for name, tensor in state_dict.items():
+                self._live_tensor(name).data = tensor
         self.current_version = version
         self._activated = version
         return version
+
+    def _live_tensor(self, name: str) -> torch.Tensor:
+        module_name, _, attribute = name.rpartition(".")
+        module = self.model.get_submodule(module_name) if module_name else self.model
+        return getattr(module, attribute)
 
     def pop_activation(self) -> int | None:
         """The newest version activated since the last call, or None."""

@@ -17,7 +17,7 @@ from opentelemetry import trace
 
 from rollmesh.ports import MessageContext, Publisher, RequestFailedError, Subscription
 from rollmesh.config import ModelConfig, RolloutConfig
-from rollmesh.engine.protocols import InferenceEngine
+from rollmesh.engine.protocols import GenerateOptions, InferenceEngine
 from rollmesh.engine.tokenizer import ByteTokenizer
 from rollmesh.messages import (
     RolloutCompleted,
@@ -195,8 +195,10 @@ class RolloutRunner:
     async def _generate(self, request: RolloutRequested, trajectory: Trajectory,
                         sampling: SamplingParams, turn: int):
         try:
+            # One session per rollout: each turn reuses the KV of the turns before it.
             return await self.engine.generate(
                 list(trajectory.tokens), sampling, request_id=f"{request.rollout_id}/{turn}",
+                options=GenerateOptions(session_id=request.rollout_id),
             )
         except Exception as exc:  # the engine's and Ray's errors alike: a typed failure, not a crash
             raise RolloutError("inference_error", f"turn {turn}: {exc}", turns=turn) from exc

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollmesh.engine.kv_pages import KvLayout, PagedAttention
 from rollmesh.engine.models.hf_config import HFModelConfig
 
 # A layer's feed-forward returns its output, plus the routed expert ids [tokens, top_k] if sparse.
@@ -77,7 +78,14 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        paged: PagedAttention | None = None,
+        layer_index: int = 0,
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
@@ -86,6 +94,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if paged is not None:
+            out = paged.attend(layer_index, q, k, v)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
         mask = None
         if self.sliding_window is not None and seq > self.sliding_window:
             i = torch.arange(seq, device=x.device)
@@ -120,8 +131,15 @@ class DecoderLayer(nn.Module):
         self.feed_forward_name = config.feed_forward_name
         self.add_module(config.feed_forward_name, feed_forward)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> FeedForwardOutput:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        paged: PagedAttention | None = None,
+        layer_index: int = 0,
+    ) -> FeedForwardOutput:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, paged, layer_index)
         out = getattr(self, self.feed_forward_name)(self.post_attention_layernorm(x))
         out, routed = out if isinstance(out, tuple) else (out, None)
         return x + out, routed
@@ -177,8 +195,61 @@ class CausalLM(nn.Module):
             if routed is not None:
                 routes.append(routed.view(batch, seq, -1))
         logits = self.lm_head(self.model.norm(x))
+        return logits, self._stack_routes(routes)
+
+    def _stack_routes(self, routes: list[torch.Tensor]) -> torch.Tensor | None:
         if not routes:
-            return logits, None
+            return None
         moe = self.config.moe
         id_dtype = torch.uint8 if moe is not None and moe.num_experts <= 256 else torch.uint16
-        return logits, torch.stack(routes, dim=2).to(id_dtype)
+        return torch.stack(routes, dim=2).to(id_dtype)
+
+    # -- the inference engine's view (``rollmesh.engine.paged_model.PagedCausalModel``) -------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.config.sliding_window
+
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        moe = self.config.moe
+        return None if moe is None else (len(moe.sparse_layers), moe.num_experts_per_tok)
+
+    def kv_layout(self) -> KvLayout:
+        return KvLayout(
+            num_layers=self.config.num_hidden_layers,
+            num_kv_heads=self.config.num_key_value_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.model.embed_tokens.weight.dtype,
+        )
+
+    def forward_paged(
+        self, input_ids: torch.Tensor, paged: PagedAttention, *, last_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits for ``input_ids`` [B, T] at ``paged.positions``, their K/V written to the pool.
+
+        ``last_only`` keeps only the last position's logits ([B, 1, V]): a prefill needs no more.
+        Routes, for MoE models, are [B, T, sparse layers, top_k] as in ``forward_with_routes``.
+        """
+        batch, seq = input_ids.shape
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(paged.positions.reshape(-1).to(input_ids.device),
+                                self.config.head_dim, self.config.rope_theta, x.dtype)
+        # [B*T, D] -> [B, 1, T, D]: broadcast over the heads of q and k.
+        cos, sin = cos.view(batch, 1, seq, -1), sin.view(batch, 1, seq, -1)
+        routes = []
+        for index, layer in enumerate(self.model.layers):
+            x, routed = layer(x, cos, sin, paged, index)
+            if routed is not None:
+                routes.append(routed.view(batch, seq, -1))
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x)), self._stack_routes(routes)

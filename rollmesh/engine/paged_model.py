@@ -1,0 +1,66 @@
+"""What the engine needs of a model, and which model a config builds.
+
+Knows torch, the tiny demo model and the Hugging Face families; not the engine's scheduling.
+Any ``PagedCausalModel`` can be prefilled, decoded, disaggregated and hot-swapped by the same
+engine code: the demo's ``TinyDecoder`` and the HF Llama/Qwen2/Qwen3-MoE/Mixtral ``CausalLM``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from rollmesh.engine.kv_pages import KvLayout, PagedAttention
+
+
+class PagedCausalModel(Protocol):
+    vocab_size: int
+    max_seq_len: int
+    # None for full causal attention; otherwise keys more than this far back are hidden.
+    sliding_window: int | None
+    # (sparse layers, top_k) for MoE models, None for dense ones.
+    routing_shape: tuple[int, int] | None
+
+    def kv_layout(self) -> KvLayout: ...
+
+    def forward_paged(
+        self, input_ids: torch.Tensor, paged: PagedAttention, *, last_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def build_inference_model(config) -> nn.Module:
+    """The model ``ModelConfig`` names: the tiny demo decoder (random init from its seed) or a
+    Hugging Face checkpoint directory (config.json + safetensors) for ``family = "hf"``."""
+    if config.family == "hf":
+        from rollmesh.engine.models import load_hf_model  # imports safetensors only when used
+
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+        return load_hf_model(config.hf_path, dtype=dtype)
+    from rollmesh.engine.model import build_model
+
+    return build_model(config)
+
+
+def served_model_name(config) -> str:
+    """The model's name on the HTTP API: "rollmesh-tiny", or the checkpoint directory's name."""
+    if config.family == "hf":
+        from pathlib import Path
+
+        return Path(config.hf_path).resolve().name
+    return "rollmesh-tiny"
+
+
+def model_limits(config) -> tuple[int, int]:
+    """(context length, vocabulary size) of the configured model, without building it."""
+    if config.family == "hf":
+        from rollmesh.engine.models import read_hf_config
+
+        hf = read_hf_config(config.hf_path)
+        return hf.max_position_embeddings, hf.vocab_size
+    return config.max_seq_len, config.vocab_size
