@@ -1,0 +1,612 @@
+"""The SGLang backend against a fake SGLang HTTP server, its launcher, and (GPU only) a real SGLang.
+
+SGLang pins a CUDA torch and cannot live in this venv, so on CPU the server is faked at its true
+edge, the HTTP API: ``FakeSGLang`` answers the native endpoints with the field names of SGLang's
+``http_server.py`` / ``tokenizer_manager.py`` (see ``rollmesh/engine/sglang_client.py``) and
+records every request. The gpu-marked test launches the real thing
+(``scripts/gpu/check_sglang.sh``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from rollmesh.engine.errors import (
+    InvalidRequestError,
+    StaleWeightsError,
+    VersionUnavailableError,
+    WeightsError,
+)
+from rollmesh.engine.protocols import GenerateOptions, InferenceEngine
+from rollmesh.engine.sglang_backend import SGLangEngine
+from rollmesh.engine.sglang_client import (
+    RoutedExpertsShape,
+    SGLangHTTPError,
+    SGLangResponseError,
+    SGLangUnavailableError,
+    decode_routed_experts,
+    parse_finish_reason,
+    parse_weight_version,
+)
+from rollmesh.engine.sglang_server import (
+    SGLangServer,
+    SGLangServerSpec,
+    SGLangServerStartError,
+    pick_free_port,
+)
+from rollmesh.messages.base import SamplingParams
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+SHAPE = RoutedExpertsShape(num_layers=3, top_k=2, num_experts=8)
+EOS = 2
+
+
+def expert(position: int, layer: int, k: int, num_experts: int = SHAPE.num_experts) -> int:
+    """The fake's routing rule: a pure function of the absolute position, so slices can be checked."""
+    return (position * 7 + layer * 3 + k) % num_experts
+
+
+def encode_rows(rows: np.ndarray) -> str:
+    return base64.b64encode(rows.astype("<i4").tobytes()).decode()
+
+
+class FakeSGLang:
+    """Fakes one SGLang server's native HTTP API (the edge: SGLang cannot run on this machine).
+
+    ``/generate`` answers ``completion_len`` tokens 100, 101, ... (fewer if ``max_new_tokens`` is
+    smaller, then finish "length", else EOS), logprob ``-0.5 - i/10``, and routed experts from
+    ``expert()`` for ``[start, seqlen - 1)``; with ``honour_start_len=False`` it returns the full
+    range like builds that ignore ``routed_experts_start_len``. ``fail_status`` makes the next
+    generate answer that status. ``hold`` keeps generates waiting until a pause or ``release``.
+    ``legacy`` serves model info only at ``/get_model_info`` (builds before ``/model_info``).
+    """
+
+    def __init__(self, *, label: str = "0", honour_start_len: bool = True, legacy: bool = False) -> None:
+        self.label = label
+        self.honour_start_len = honour_start_len
+        self.legacy = legacy
+        self.completion_len = 4
+        self.context_len = 64
+        self.finish_reason: dict[str, Any] | None = None
+        self.fail_status: int | None = None
+        self.requests: list[tuple[str, Any]] = []
+        self.hold = False
+        self._released = asyncio.Event()
+        self._aborted = False
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    def bodies(self, path: str) -> list[Any]:
+        return [body for p, body in self.requests if p == path]
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/generate", self._generate)
+        app.router.add_get("/health_generate", self._health)
+        app.router.add_get("/get_model_info", self._model_info)
+        app.router.add_get("/model_info", self._model_info)
+        app.router.add_post("/pause_generation", self._pause)
+        app.router.add_post("/continue_generation", self._ok("/continue_generation"))
+        app.router.add_post("/flush_cache", self._flush)
+        app.router.add_post("/update_weights_from_disk", self._update)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def release(self) -> None:
+        self._released.set()
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(("/generate", body))
+        if self.fail_status is not None:
+            status, self.fail_status = self.fail_status, None
+            return web.json_response({"error": {"message": f"scripted {status}"}}, status=status)
+        prompt = body["input_ids"]
+        if len(prompt) > self.context_len:
+            return web.json_response({"error": {"message": (
+                f"The input ({len(prompt)} tokens) is longer than the model's context length "
+                f"({self.context_len} tokens).")}}, status=400)
+        if self.hold:
+            await self._released.wait()
+        budget = body["sampling_params"]["max_new_tokens"]
+        n = min(budget, self.completion_len)
+        if self._aborted:
+            n, finish = min(n, 2), {"type": "abort", "message": "Abort before update weights"}
+        elif self.finish_reason is not None:
+            finish = self.finish_reason
+        else:
+            finish = {"type": "length", "length": budget} if n == budget else {"type": "stop", "matched": EOS}
+        output_ids = [100 + i for i in range(n)]
+        meta: dict[str, Any] = {
+            "id": body.get("rid"), "finish_reason": finish, "prompt_tokens": len(prompt),
+            "completion_tokens": n, "cached_tokens": len(prompt) // 2,
+            "weight_version": self.label,
+            "output_token_logprobs": [(-0.5 - i / 10, t, None) for i, t in enumerate(output_ids)],
+        }
+        if body.get("return_routed_experts"):
+            start = body.get("routed_experts_start_len", 0) if self.honour_start_len else 0
+            positions = range(start, len(prompt) + n - 1)
+            rows = np.array([[[expert(p, layer, k) for k in range(SHAPE.top_k)]
+                              for layer in range(SHAPE.num_layers)] for p in positions])
+            meta["routed_experts"] = encode_rows(rows.reshape(-1, SHAPE.num_layers, SHAPE.top_k))
+        return web.json_response({"text": "", "output_ids": output_ids, "meta_info": meta})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        if self.legacy and request.path == "/model_info":
+            return web.json_response({"detail": "Not Found"}, status=404)
+        return web.json_response({"model_path": "/fake", "is_generation": True, "weight_version": self.label})
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(("/pause_generation", body))
+        if body.get("mode") == "abort":
+            self._aborted = True
+            self._released.set()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    def _ok(self, path: str):
+        async def handler(request: web.Request) -> web.Response:
+            self.requests.append((path, await request.json() if request.can_read_body else None))
+            self._aborted = False
+            return web.json_response({"message": "ok", "status": "ok"})
+        return handler
+
+    async def _flush(self, request: web.Request) -> web.Response:
+        self.requests.append(("/flush_cache", None))
+        return web.Response(text="Cache flushed.\n")
+
+    async def _update(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(("/update_weights_from_disk", body))
+        if not Path(body["model_path"]).exists():
+            return web.json_response({"success": False, "message": f"no such path {body['model_path']}",
+                                      "num_paused_requests": 0}, status=400)
+        self.label = body["weight_version"]
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
+
+
+@pytest_asyncio.fixture
+async def fake() -> Any:
+    server = FakeSGLang()
+    await server.start()
+    yield server
+    server.release()
+    await server.stop()
+
+
+@pytest_asyncio.fixture
+async def engine(fake: FakeSGLang) -> Any:
+    async with SGLangEngine([fake.url], routed_experts_shape=SHAPE, generate_timeout_s=30) as eng:
+        yield eng
+
+
+PROMPT = [1, 5, 6, 7, 8, 9]
+
+
+# -- request and response mapping ---------------------------------------------------------
+
+
+async def test_generate_sends_token_ids_sampling_and_asks_for_logprobs(engine, fake):
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=16, stop=["</tool>"])
+    await engine.generate(PROMPT, sampling, request_id="r-1")
+
+    [body] = fake.bodies("/generate")
+    assert body == {
+        "rid": "r-1", "input_ids": PROMPT, "return_logprob": True, "stream": False,
+        "sampling_params": {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 16, "stop": ["</tool>"]},
+    }
+    assert isinstance(engine, InferenceEngine)
+
+
+async def test_generate_maps_tokens_logprobs_finish_and_one_version_per_token(engine, fake):
+    fake.label = "3"
+    result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=16), request_id="r-2")
+
+    assert result.token_ids == [100, 101, 102, 103]
+    assert result.logprobs == pytest.approx([-0.5, -0.6, -0.7, -0.8])
+    # SGLang's label at emission, recorded for every token (not a per-token truth).
+    assert result.versions == [3, 3, 3, 3]
+    assert result.finish_reason == "eos"
+    assert (result.prompt_len, result.request_id, result.cached_tokens) == (len(PROMPT), "r-2", 3)
+    assert result.routed_experts is None
+
+    short = await engine.generate(PROMPT, SamplingParams(max_new_tokens=2), request_id="r-3")
+    assert (short.token_ids, short.finish_reason) == ([100, 101], "length")
+    fake.finish_reason = {"type": "stop", "matched": "</tool>"}
+    stopped = await engine.generate(PROMPT, SamplingParams(max_new_tokens=16), request_id="r-4")
+    assert stopped.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    ({"type": "stop", "matched": 2}, "eos"),
+    ({"type": "stop", "matched": [2, 7]}, "eos"),
+    ({"type": "stop", "matched": "</tool>"}, "stop"),
+    ({"type": "length", "length": 8}, "length"),
+    ({"type": "abort", "message": "Abort in waiting queue"}, "abort"),
+])
+def test_finish_reason_mapping_follows_sglang_types(raw, expected):
+    assert parse_finish_reason(raw) == expected
+
+
+def test_abort_with_a_4xx_code_is_sglang_refusing_the_request():
+    with pytest.raises(InvalidRequestError, match="too long"):
+        parse_finish_reason({"type": "abort", "message": "too long", "status_code": 400}, request_id="r")
+
+
+def test_weight_labels_read_as_int_versions():
+    assert parse_weight_version("12") == 12
+    assert parse_weight_version(4) == 4
+    assert parse_weight_version("default") == 0  # SGLang's label before anyone set one
+    with pytest.raises(ValueError, match="not an integer"):
+        parse_weight_version("step-3")
+
+
+async def test_non_integer_weight_label_is_a_response_error(engine, fake):
+    fake.label = "v1.2"
+    with pytest.raises(SGLangResponseError, match="not an integer") as info:
+        await engine.generate(PROMPT, SamplingParams(max_new_tokens=4), request_id="r-5")
+    assert (info.value.endpoint, info.value.request_id) == ("/generate", "r-5")
+
+
+# -- routed experts -----------------------------------------------------------------------
+
+
+async def test_routed_experts_come_back_compact_for_the_asked_slice(engine, fake):
+    options = GenerateOptions(return_routed_experts=True, routed_experts_start_len=3)
+    result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=16), request_id="r-6",
+                                   options=options)
+
+    [body] = fake.bodies("/generate")
+    assert (body["return_routed_experts"], body["routed_experts_start_len"]) == (True, 3)
+    seq_end = len(PROMPT) + len(result.token_ids) - 1
+    assert result.routed_experts.shape == (seq_end - 3, SHAPE.num_layers, SHAPE.top_k)
+    assert result.routed_experts.dtype == np.uint8
+    assert result.routed_experts_start == 3
+    assert result.routed_experts[0, 1, 1] == expert(3, 1, 1)
+    assert result.routed_experts[-1, 2, 0] == expert(seq_end - 1, 2, 0)
+    assert engine.statistics().start_len_ignored == 0
+
+
+async def test_routed_experts_are_sliced_here_when_the_server_ignores_start_len(engine, fake):
+    fake.honour_start_len = False
+    options = GenerateOptions(return_routed_experts=True, routed_experts_start_len=4)
+    result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=16), request_id="r-7",
+                                   options=options)
+
+    seq_end = len(PROMPT) + len(result.token_ids) - 1
+    assert result.routed_experts.shape[0] == seq_end - 4
+    assert result.routed_experts[0, 0, 0] == expert(4, 0, 0)
+    assert engine.statistics().start_len_ignored == 1
+
+
+def test_routed_experts_use_uint16_beyond_256_experts():
+    shape = RoutedExpertsShape(num_layers=2, top_k=2, num_experts=384)
+    rows = np.array([[[300, 383], [0, 257]]] * 3)
+    decoded, ignored = decode_routed_experts(encode_rows(rows), shape, seqlen=4, start_len=0)
+    assert decoded.dtype == np.uint16 and not ignored
+    assert decoded.tolist() == rows.tolist()
+
+
+@pytest.mark.parametrize(("rows", "match"), [
+    (np.zeros((5, 3, 2)), "5 routed-expert rows, expected 3"),  # neither the slice nor the full range
+    (np.full((3, 3, 2), 8), "outside"),
+])
+def test_routed_experts_that_fit_no_reading_are_refused(rows, match):
+    with pytest.raises(ValueError, match=match):
+        decode_routed_experts(encode_rows(rows), SHAPE, seqlen=8, start_len=4)
+
+
+async def test_routed_experts_without_a_shape_or_beyond_the_prompt_are_invalid(fake):
+    options = GenerateOptions(return_routed_experts=True)
+    async with SGLangEngine([fake.url]) as shapeless:
+        with pytest.raises(InvalidRequestError) as info:
+            await shapeless.generate(PROMPT, SamplingParams(), request_id="r-8", options=options)
+    assert info.value.field == "return_routed_experts"
+    async with SGLangEngine([fake.url], routed_experts_shape=SHAPE) as eng:
+        with pytest.raises(InvalidRequestError) as info:
+            await eng.generate(PROMPT, SamplingParams(), request_id="r-9", options=GenerateOptions(
+                return_routed_experts=True, routed_experts_start_len=len(PROMPT) + 1))
+    assert info.value.field == "routed_experts_start_len"
+    assert fake.bodies("/generate") == []
+
+
+# -- weight versions and admin --------------------------------------------------------------
+
+
+async def test_min_version_ahead_of_the_server_is_retryable_until_the_server_gets_there(engine, fake):
+    fake.label = "3"
+    with pytest.raises(VersionUnavailableError) as info:
+        await engine.generate(PROMPT, SamplingParams(), request_id="r-10",
+                              options=GenerateOptions(min_version=5))
+    assert (info.value.min_version, info.value.current_version, info.value.retryable) == (5, 3, True)
+    assert fake.bodies("/generate") == []
+
+    fake.label = "5"  # another controller updated the server; the engine asks again
+    result = await engine.generate(PROMPT, SamplingParams(), request_id="r-11",
+                                   options=GenerateOptions(min_version=5))
+    assert set(result.versions) == {5}
+
+
+async def test_model_info_falls_back_to_the_legacy_endpoint():
+    legacy = FakeSGLang(label="9", legacy=True)
+    await legacy.start()
+    try:
+        async with SGLangEngine([legacy.url]) as eng:
+            assert await eng.current_version() == 9
+            assert await eng.current_version() == 9
+    finally:
+        await legacy.stop()
+
+
+async def test_pause_update_resume_and_flush_reach_every_server(fake, tmp_path):
+    second = FakeSGLang()
+    await second.start()
+    try:
+        async with SGLangEngine([fake.url, second.url]) as eng:
+            await eng.pause("retract")
+            await eng.update_weights_from_disk(str(tmp_path), 7)
+            await eng.resume()
+            await eng.flush_cache()
+            assert await eng.current_version() == 7
+            assert eng.statistics().versions == {fake.url: 7, second.url: 7}
+    finally:
+        await second.stop()
+    for server in (fake, second):
+        assert [path for path, _ in server.requests] == [
+            "/pause_generation", "/update_weights_from_disk", "/continue_generation", "/flush_cache"]
+        assert server.bodies("/pause_generation") == [{"mode": "retract"}]
+        assert server.bodies("/update_weights_from_disk") == [{
+            "model_path": str(tmp_path), "weight_version": "7",
+            "flush_cache": True, "abort_all_requests": False}]
+
+
+async def test_a_failed_weight_load_is_a_weights_error_and_older_versions_are_refused(engine, tmp_path):
+    missing = str(tmp_path / "missing")
+    with pytest.raises(WeightsError, match="no such path") as info:
+        await engine.update_weights_from_disk(missing, 2)
+    assert (info.value.path, info.value.version) == (missing, 2)
+
+    await engine.update_weights_from_disk(str(tmp_path), 7)
+    with pytest.raises(StaleWeightsError):
+        await engine.update_weights_from_disk(str(tmp_path), 6)
+
+
+async def test_pause_with_abort_returns_the_partial_output_marked_abort(engine, fake):
+    fake.hold = True
+    pending = asyncio.create_task(engine.generate(PROMPT, SamplingParams(max_new_tokens=16),
+                                                  request_id="r-12"))
+    while not fake.bodies("/generate"):
+        await asyncio.sleep(0.01)  # polling the fake's record; the request is the signal
+    await engine.pause("abort")
+    result = await pending
+    assert (result.finish_reason, result.token_ids) == ("abort", [100, 101])
+
+
+@pytest.mark.parametrize(("prompt", "stop", "field"), [([], [], "input_ids"), (PROMPT, [""], "sampling.stop")])
+async def test_requests_the_local_engine_refuses_are_refused_here_too(engine, fake, prompt, stop, field):
+    with pytest.raises(InvalidRequestError) as info:
+        await engine.generate(prompt, SamplingParams(stop=stop), request_id="r-17")
+    assert info.value.field == field and fake.requests == []
+
+
+async def test_an_unknown_pause_mode_is_refused_before_any_server_is_called(engine, fake):
+    with pytest.raises(InvalidRequestError) as info:
+        await engine.pause("drain")  # type: ignore[arg-type]
+    assert info.value.field == "mode" and fake.requests == []
+
+
+# -- routing and errors ---------------------------------------------------------------------
+
+
+async def test_a_session_sticks_to_one_server_and_other_requests_go_round(fake):
+    second = FakeSGLang()
+    await second.start()
+    try:
+        async with SGLangEngine([fake.url, second.url]) as eng:
+            for i in range(4):
+                await eng.generate(PROMPT, SamplingParams(), request_id=f"rr-{i}")
+            assert (len(fake.bodies("/generate")), len(second.bodies("/generate"))) == (2, 2)
+            for i in range(3):
+                await eng.generate(PROMPT, SamplingParams(), request_id=f"s-{i}",
+                                   options=GenerateOptions(session_id="conversation-1"))
+            counts = sorted((len(fake.bodies("/generate")), len(second.bodies("/generate"))))
+            assert counts == [2, 5]
+    finally:
+        await second.stop()
+
+
+async def test_a_refused_connection_is_a_retryable_unavailable_error():
+    url = f"http://127.0.0.1:{pick_free_port()}"
+    async with SGLangEngine([url]) as eng:
+        with pytest.raises(SGLangUnavailableError) as info:
+            await eng.generate(PROMPT, SamplingParams(), request_id="r-13")
+    assert (info.value.url, info.value.request_id, info.value.retryable) == (url, "r-13", True)
+
+
+async def test_a_4xx_from_generate_is_an_invalid_request_with_sglangs_message(engine, fake):
+    with pytest.raises(InvalidRequestError, match="longer than the model's context length") as info:
+        await engine.generate(list(range(100)), SamplingParams(), request_id="r-14")
+    assert info.value.request_id == "r-14"
+
+
+async def test_503_is_unavailable_and_500_is_an_http_error(engine, fake):
+    fake.fail_status = 503
+    with pytest.raises(SGLangUnavailableError, match="503"):
+        await engine.generate(PROMPT, SamplingParams(), request_id="r-15")
+    fake.fail_status = 500
+    with pytest.raises(SGLangHTTPError) as info:
+        await engine.generate(PROMPT, SamplingParams(), request_id="r-16")
+    assert (info.value.status, info.value.message) == (500, "scripted 500")
+
+
+def test_sglang_errors_survive_pickling_with_their_fields():
+    errors = [
+        SGLangUnavailableError("http://h:1", "refused", request_id="r"),
+        SGLangHTTPError("http://h:1", "/flush_cache", 400, "busy"),
+        SGLangResponseError("http://h:1", "/generate", "no meta_info", request_id="r"),
+        SGLangServerStartError("http://h:1", "exited", log_path="/tmp/x.log", log_tail="boom"),
+    ]
+    for error in errors:
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and copy.__dict__ == error.__dict__
+        assert str(copy) == str(error)
+
+
+# -- the launcher ---------------------------------------------------------------------------
+
+
+def test_launch_argv_carries_model_port_tp_version_and_extra_flags():
+    spec = SGLangServerSpec(model_path="/m", port=30001, python="/venv/bin/python", tp=2,
+                            enable_return_routed_experts=True, extra_args=["--mem-fraction-static", "0.5"])
+    assert spec.argv() == [
+        "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/m",
+        "--host", "127.0.0.1", "--port", "30001", "--tp", "2", "--weight-version", "0",
+        "--enable-return-routed-experts", "--mem-fraction-static", "0.5",
+    ]
+
+
+async def test_a_server_that_exits_reports_the_end_of_its_log(tmp_path):
+    # This venv has no sglang, so the launch fails the way a broken install would.
+    spec = SGLangServerSpec(model_path="/m", port=pick_free_port(), python=sys.executable,
+                            ready_timeout_s=30)
+    server = SGLangServer(spec, tmp_path / "sglang.log")
+    with pytest.raises(SGLangServerStartError, match="No module named") as info:
+        await server.start()
+    assert "exited with code" in info.value.reason and not server.running
+
+
+FAKE_LAUNCH_SERVER = textwrap.dedent('''
+    """Stands in for sglang.launch_server: records argv, forks a child, serves /health_generate."""
+    import http.server, os, subprocess, sys, time
+    args = sys.argv[1:]
+    port = int(args[args.index("--port") + 1])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(os.environ["FAKE_SGLANG_RECORD"], "w") as record:
+        record.write(f"{child.pid}\\n" + " ".join(args))
+    time.sleep(0.3)  # not healthy at once, like a real model load
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health_generate" else 404)
+            self.end_headers()
+
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+''')
+
+
+async def test_the_launcher_waits_for_health_and_stop_ends_the_whole_process_group(tmp_path):
+    package = tmp_path / "pkgs" / "sglang"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    record = tmp_path / "record.txt"
+    spec = SGLangServerSpec(model_path="/m", port=pick_free_port(), python=sys.executable,
+                            ready_timeout_s=30,
+                            env={"PYTHONPATH": str(tmp_path / "pkgs"), "FAKE_SGLANG_RECORD": str(record)})
+    async with SGLangServer(spec, tmp_path / "sglang.log") as server:
+        assert server.running
+        child_pid, argv = record.read_text().split("\n")
+        assert argv.split() == spec.argv()[3:]
+    assert not server.running
+    assert not _alive(int(child_pid))  # the forked child went down with the group
+
+
+def _alive(pid: int) -> bool:
+    """Running, as opposed to gone or a zombie nobody reaped (its parent died first)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+# -- a real SGLang server (GPU machine) -----------------------------------------------------
+
+_GPU_SKIP = ("needs a CUDA GPU and an SGLang install (ROLLMESH_SGLANG_PYTHON); "
+             "run scripts/gpu/check_sglang.sh on a GPU machine")
+
+
+def _sglang_python_with_cuda() -> str | None:
+    """The SGLang interpreter when it sees a GPU. Asked of that interpreter, not of this venv,
+    whose torch is the CPU build."""
+    python, model = os.environ.get("ROLLMESH_SGLANG_PYTHON"), os.environ.get("ROLLMESH_SGLANG_MODEL")
+    if not python or not model:
+        return None
+    probe = subprocess.run([python, "-c", "import sglang, torch; assert torch.cuda.is_available()"],
+                           capture_output=True, timeout=120)
+    return python if probe.returncode == 0 else None
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(1200)
+async def test_real_sglang_generates_swaps_weights_and_returns_routed_experts(tmp_path):
+    python = _sglang_python_with_cuda()
+    if python is None:
+        pytest.skip(_GPU_SKIP)
+    model = os.environ["ROLLMESH_SGLANG_MODEL"]
+    moe = os.environ.get("ROLLMESH_SGLANG_MOE")  # "layers,top_k,experts" for an MoE checkpoint
+    shape = RoutedExpertsShape(*map(int, moe.split(","))) if moe else None
+    extra = os.environ.get("ROLLMESH_SGLANG_EXTRA_ARGS",
+                           "--skip-tokenizer-init --disable-cuda-graph --mem-fraction-static 0.3")
+    spec = SGLangServerSpec(model_path=model, port=pick_free_port(), python=python,
+                            enable_return_routed_experts=shape is not None, extra_args=extra.split())
+    log = tmp_path / "sglang.log"
+    async with SGLangServer(spec, log) as server, \
+            SGLangEngine([server.url], routed_experts_shape=shape, generate_timeout_s=300) as engine:
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
+        first = await engine.generate(PROMPT, sampling, request_id="gpu-1")
+        assert 1 <= len(first.token_ids) <= 8 and len(first.logprobs) == len(first.token_ids)
+        assert all(lp <= 0.0 for lp in first.logprobs) and set(first.versions) == {0}
+        assert first.finish_reason in ("eos", "length")
+
+        await engine.pause("retract")
+        await engine.update_weights_from_disk(model, 1)
+        await engine.resume()
+        assert await engine.current_version() == 1
+        again = await engine.generate(PROMPT, sampling, request_id="gpu-2",
+                                      options=GenerateOptions(min_version=1))
+        assert set(again.versions) == {1}
+        assert again.token_ids == first.token_ids  # same weights reloaded, greedy
+        with pytest.raises(VersionUnavailableError):
+            await engine.generate(PROMPT, sampling, request_id="gpu-3",
+                                  options=GenerateOptions(min_version=2))
+
+        if shape is not None:
+            turn = PROMPT + first.token_ids
+            for start in (0, len(turn)):
+                options = GenerateOptions(return_routed_experts=True, routed_experts_start_len=start)
+                result = await engine.generate(turn, sampling, request_id=f"gpu-r3-{start}",
+                                               options=options)
+                rows = result.routed_experts
+                assert rows.shape == (len(turn) + len(result.token_ids) - 1 - start,
+                                      shape.num_layers, shape.top_k)
+                # SGLang's all-zeros regression (#23885) shows up as repeated experts in a row.
+                assert all(len(set(row)) == shape.top_k for row in rows.reshape(-1, shape.top_k))
+            print("start_len ignored by this build:", engine.statistics().start_len_ignored)
