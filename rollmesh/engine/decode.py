@@ -160,7 +160,7 @@ class DecodeEngine:
 
     # -- requests --------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def add_prompt(
         self,
         request_id: str,
@@ -272,7 +272,7 @@ class DecodeEngine:
             del self._by_id[sequence.request_id]
         return finished
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _decode(self) -> list[FinishedSequence]:
         batch = self._active
         version = self.weights.current_version

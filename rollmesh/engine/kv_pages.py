@@ -146,7 +146,10 @@ class PagedAttention:
         visible = distance >= 0
         if sliding_window is not None:
             visible &= distance < sliding_window
-        self.mask = visible[:, None].to(device)
+        # One row adding one token sees its whole context: no mask needed (the common
+        # single-request decode step, where every microsecond counts).
+        self.mask = None if (len(page_tables) == 1 and num_new == 1 and bool(visible.all())) \
+            else visible[:, None].to(device)
 
     @property
     def batch(self) -> int:

@@ -10,6 +10,7 @@ applied at the start of a call, never during one.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -40,6 +41,21 @@ class PrefillResult:
 
     def nbytes(self) -> int:
         return self.pages.nbytes + self.last_logits.nbytes
+
+    def __reduce__(self):
+        # Pages travel as a numpy array: Ray's serializer hands numpy buffers out-of-band and
+        # maps them zero-copy from the object store, where a torch tensor would be pickled into
+        # bytes and copied twice more. The receiver copies them once, into its blocks.
+        return (_rebuild_prefill, (self.input_ids, self.pages.numpy(), self.last_logits,
+                                   self.weight_version, self.routes))
+
+
+def _rebuild_prefill(input_ids, pages, last_logits, weight_version, routes) -> PrefillResult:
+    # The buffer may be read-only shared memory: wrap it without writing (write_pages copies).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable array" - never written
+        pages = torch.from_numpy(pages)
+    return PrefillResult(input_ids, pages, last_logits, weight_version, routes)
 
 
 def run_prefill(
@@ -86,7 +102,7 @@ class PrefillEngine:
         # One position stays free: a prompt that fills the context could not generate anything.
         return self.model.max_seq_len - 1
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill(self, input_ids: list[int], *, request_id: str | None = None) -> PrefillResult:
         input_ids = validate_prompt(input_ids, self.model, request_id=request_id)
         self.weights.apply_staged()

@@ -62,8 +62,12 @@ class WeightFollower:
         async with self._lock:
             if message.version <= self.engine.current_version:
                 return
-            state_dict = await asyncio.to_thread(load_weights, message.path, message.sha256)
-            if not self.engine.stage_weights(state_dict, message.version):
+            # Read, verify and stage (a checked copy) off the event loop: decoding goes on, and
+            # the only pause is the swap itself at the next step boundary.
+            staged = await asyncio.to_thread(
+                lambda: self.engine.stage_weights(load_weights(message.path, message.sha256),
+                                                  message.version))
+            if not staged:
                 return
             version = await self.engine.wait_weights_activated(message.version)
         _log.info("weights_activated", weight_version=version, role=self.role)

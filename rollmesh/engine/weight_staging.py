@@ -12,6 +12,7 @@ model; the copy was already paid by ``stage``, off the decode loop.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 
 import torch
@@ -33,6 +34,8 @@ class WeightStager:
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._activated: int | None = None
         self.current_version = version
+        # How long the last activation held the model (the generation pause of an update).
+        self.last_swap_seconds = 0.0
 
     @property
     def staged_version(self) -> int | None:
@@ -61,9 +64,11 @@ class WeightStager:
         if staged is None:
             return None
         version, state_dict = staged
+        started = time.perf_counter()
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 self._live_tensor(name).data = tensor
+        self.last_swap_seconds = time.perf_counter() - started
         self.current_version = version
         self._activated = version
         return version
