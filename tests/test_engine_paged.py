@@ -20,7 +20,6 @@ from rollmesh.engine.local_engine import LocalEngine
 from rollmesh.engine.models import load_hf_model
 from rollmesh.engine.prefill import PrefillEngine
 from rollmesh.engine.protocols import GenerateOptions
-from rollmesh.engine.tokenizer import EOS_ID
 from rollmesh.messages.base import SamplingParams
 from test_engine_hf_models import CASES, _hf_model, _save
 
@@ -61,15 +60,14 @@ def run_to_completion(engine: DecodeEngine) -> dict[str, FinishedSequence]:
 
 @torch.no_grad()
 def greedy_reference(model, ids: list[int], n: int) -> list[int]:
-    """Greedy tokens by recomputing the whole sequence each step, ending at the engine's EOS
-    (the byte tokenizer's, which these 300-token models also produce)."""
+    """Greedy tokens by recomputing the whole sequence each step, ending at the model's EOS."""
     ids = list(ids)
     out = []
     for _ in range(n):
         token = int(model(torch.tensor([ids]))[0, -1].argmax())
         out.append(token)
         ids.append(token)
-        if token == EOS_ID:
+        if token == model.eos_token_id:
             break
     return out
 
@@ -282,3 +280,18 @@ def test_local_engine_serves_an_hf_checkpoint_from_config(checkpoints) -> None:
     result = asyncio.run(go())
     assert result.token_ids == greedy_reference(load_hf_model(checkpoints["qwen2-tied"]),
                                                 prompt(5), GREEDY.max_new_tokens)
+
+
+def test_an_hf_model_stops_at_its_configs_eos_not_the_byte_tokenizers(checkpoints) -> None:
+    model = load_hf_model(checkpoints["llama-untied"])
+    assert model.eos_token_id == 2  # transformers' LlamaConfig default
+    prefill = PrefillEngine(model).prefill(prompt(4))
+    engine = DecodeEngine(model, max_batch=2)
+    for request_id, token in (("own-eos", 2), ("byte-eos", 257)):
+        logits = torch.full_like(prefill.last_logits, -100.0)
+        logits[token] = 100.0
+        engine.add_prefilled(request_id, type(prefill)(prefill.input_ids, prefill.pages, logits, 0),
+                             SamplingParams(temperature=0.0, max_new_tokens=3))
+    done = run_to_completion(engine)
+    assert done["own-eos"].finish_reason == "eos" and done["own-eos"].token_ids == [2]
+    assert done["byte-eos"].token_ids[0] == 257 and done["byte-eos"].finish_reason != "eos"

@@ -47,7 +47,7 @@ from rollmesh.engine.request_checks import validate_prompt
 from rollmesh.engine.sampling import sample_tokens
 from rollmesh.engine.session_cache import CachedSession, SessionCache, common_prefix_length
 from rollmesh.engine.stopping import StopChecker
-from rollmesh.engine.tokenizer import ByteTokenizer
+from rollmesh.engine.tokenizer import ByteDetokenizer
 from rollmesh.engine.weight_staging import WeightStager
 from rollmesh.messages.base import SamplingParams
 
@@ -142,7 +142,7 @@ class DecodeEngine:
             raise ValueError("the WeightStager belongs to another model")
         self.model = model.eval()
         self.weights = weights or WeightStager(model, version=version)
-        self.tokenizer = tokenizer or ByteTokenizer(model.vocab_size)
+        self.tokenizer = tokenizer or ByteDetokenizer(model.eos_token_id)
         self.max_batch = max_batch
         blocks_per_context = -(-model.max_seq_len // block_size)
         self.pool = KvBlockPool(

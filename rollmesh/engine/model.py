@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollmesh.engine.kv_pages import KvLayout, PagedAttention
+from rollmesh.engine.tokenizer import EOS_ID
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class TinyDecoder(nn.Module):
 
     sliding_window = None
     routing_shape = None  # dense: no routed experts
+    eos_token_id = EOS_ID
 
     def kv_layout(self) -> KvLayout:
         return KvLayout(

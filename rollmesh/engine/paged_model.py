@@ -22,6 +22,8 @@ class PagedCausalModel(Protocol):
     sliding_window: int | None
     # (sparse layers, top_k) for MoE models, None for dense ones.
     routing_shape: tuple[int, int] | None
+    # The token that ends a generation (-1: none).
+    eos_token_id: int
 
     def kv_layout(self) -> KvLayout: ...
 

@@ -36,3 +36,14 @@ class ByteTokenizer:
 
     def is_valid(self, token_id: int) -> bool:
         return 0 <= token_id < self.vocab_size
+
+
+class ByteDetokenizer:
+    """What the decode engine needs to stop a model whose end-of-sequence id is its own (an HF
+    checkpoint's ``eos_token_id``): that id, and the byte decoding stop strings are matched in."""
+
+    def __init__(self, eos_id: int) -> None:
+        self.eos_id = eos_id
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")

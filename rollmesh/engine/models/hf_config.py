@@ -59,6 +59,8 @@ class HFModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # "block_sparse_moe"), so hub checkpoints load without renaming.
     feed_forward_name: str = "mlp"
     moe: MoEConfig | None = None
+    # The id that ends a generation (the first, when the config lists several); None: none.
+    eos_token_id: int | None = None
 
 
 class _FamilyJson(msgspec.Struct, kw_only=True):
@@ -78,6 +80,7 @@ class _FamilyJson(msgspec.Struct, kw_only=True):
     rope_scaling: dict[str, Any] | None = None
     rope_parameters: dict[str, Any] | None = None
     max_position_embeddings: PositiveInt = 2048
+    eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -144,7 +147,9 @@ def parse_hf_config(raw: dict[str, Any], *, path: str | None = None) -> HFModelC
         raise fail("use_sliding_window", "sliding-window attention is not supported for " + model_type)
 
     moe = _moe_config(model_type, js, fail)
+    eos = js.eos_token_id[0] if isinstance(js.eos_token_id, list) and js.eos_token_id else js.eos_token_id
     return HFModelConfig(
+        eos_token_id=eos if isinstance(eos, int) else None,
         model_type=model_type,
         vocab_size=js.vocab_size,
         hidden_size=js.hidden_size,

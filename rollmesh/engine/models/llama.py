@@ -219,6 +219,11 @@ class CausalLM(nn.Module):
         return self.config.sliding_window
 
     @property
+    def eos_token_id(self) -> int:
+        # -1 matches no token: a config without an EOS generates to its budget.
+        return -1 if self.config.eos_token_id is None else self.config.eos_token_id
+
+    @property
     def routing_shape(self) -> tuple[int, int] | None:
         moe = self.config.moe
         return None if moe is None else (len(moe.sparse_layers), moe.num_experts_per_tok)
