@@ -1,6 +1,7 @@
 """The inference Serve app over real prefill and decode actors: OpenAI completions and chat
 (through the official ``openai`` client too, streaming included), /generate, /v1/models, /health,
-and 4xx answers to bad input that leave the replica serving.
+sessions, the minimum weight version, the weight and cache admin endpoints, and 4xx answers to
+bad input that leave the replica serving. (Routed experts need an MoE model: test_serve_moe.py.)
 
 One local Ray (reused if the session already started one), one prefill and one decode actor, and
 one deployment for the whole module, because Serve takes seconds to start on two shared cores.
@@ -288,6 +289,36 @@ BAD_REQUESTS = [
      "sampling_params.temperature"),
     ("generate-stream", "/generate", {"input_ids": [65], "stream": True}, 400,
      "unsupported_value", "stream"),
+    ("chat-prompt-too-long", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x" * TOO_LONG}]}, 400, "prompt_too_long",
+     "messages"),
+    # rollmesh's extension fields
+    ("routed-experts-of-a-dense-model", "/generate",
+     {"input_ids": [BOS_ID, 65], "return_routed_experts": True}, 400, "unsupported_value",
+     "return_routed_experts"),
+    ("routed-experts-start-past-the-prompt", "/generate",
+     {"input_ids": [65, 66], "routed_experts_start_len": 3}, 400, "invalid_value",
+     "routed_experts_start_len"),
+    ("chat-routed-experts-start-negative", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "routed_experts_start_len": -1}, 400,
+     "invalid_value", "routed_experts_start_len"),
+    ("routed-experts-dtype-unknown", "/generate",
+     {"input_ids": [65], "routed_experts_dtype": "float16"}, 400, "invalid_value",
+     "routed_experts_dtype"),
+    ("min-weight-version-negative", "/v1/completions", {"prompt": "a", "min_weight_version": -1},
+     400, "invalid_value", "min_weight_version"),
+    ("session-id-empty", "/generate", {"input_ids": [65], "session_id": ""}, 400,
+     "invalid_value", "session_id"),
+    ("rid-empty", "/generate", {"input_ids": [65], "rid": ""}, 400, "invalid_value", "rid"),
+    # the weight admin
+    ("update-weights-without-a-path", "/update_weights_from_disk", {"weight_version": 1}, 400,
+     "invalid_value", "model_path"),
+    ("update-weights-from-a-missing-file", "/update_weights_from_disk",
+     {"model_path": "/nonexistent/weights.safetensors", "weight_version": 1}, 400,
+     "invalid_weights", "model_path"),
+    ("update-weights-version-not-a-number", "/update_weights_from_disk",
+     {"model_path": "/nonexistent/weights.safetensors", "weight_version": "one"}, 400,
+     "invalid_value", "weight_version"),
 ]
 
 
@@ -311,6 +342,77 @@ def test_bad_input_gets_a_4xx_error_and_the_next_request_succeeds(
         assert error["param"] == param
 
     assert greedy_generate(client, [BOS_ID, 65], max_new_tokens=1)["output_ids"]
+
+
+def test_min_weight_version_not_reached_is_a_retryable_503(client: httpx.Client) -> None:
+    body = {"input_ids": [BOS_ID, 65], "sampling_params": {"max_new_tokens": 2}}
+    response = client.post("/generate", json={**body, "min_weight_version": 10**6})
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"] == "1"
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("version_unavailable", "min_weight_version")
+    assert "retryable" in error["message"]
+
+    reached = client.post("/generate", json={**body, "min_weight_version": 0})
+    assert reached.status_code == 200, reached.text
+
+
+def test_admin_weights_lists_every_worker_and_its_version(client: httpx.Client) -> None:
+    response = client.get("/v1/admin/weights")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["weight_version"] == 0
+    assert [(w["name"].split("-")[0], w["role"], w["current_version"], w["staged_version"])
+            for w in body["workers"]] == [("prefill", "prefill", 0, None),
+                                          ("decode", "decode", 0, None)]
+
+
+def test_session_turns_reuse_kv_until_the_cache_is_flushed(client: httpx.Client) -> None:
+    session_id = "agent-" + uuid.uuid4().hex[:8]
+
+    def generate(input_ids: list[int]) -> dict:
+        response = client.post("/generate", json={
+            "input_ids": input_ids, "session_id": session_id,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 4}})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    first_prompt = TOKENIZER.encode("the first turn of a session", bos=True)
+    first = generate(first_prompt)
+    assert first["meta_info"]["cached_tokens"] == 0
+    second_prompt = [*first_prompt, *first["output_ids"], *b" tool says 4"]
+    second = generate(second_prompt)
+    assert second["meta_info"]["cached_tokens"] > 0
+
+    flushed = client.post("/flush_cache")
+    assert flushed.status_code == 200, flushed.text
+    assert flushed.json()["success"] is True
+    assert flushed.json()["kv_blocks_freed"] > 0
+    third = generate([*second_prompt, *second["output_ids"], *b" and 5"])
+    assert third["meta_info"]["cached_tokens"] == 0
+
+
+def test_chat_session_reports_cached_tokens_in_openai_usage(
+    openai_client: openai.OpenAI,
+) -> None:
+    session = {"session_id": "chat-" + uuid.uuid4().hex[:8]}
+    messages = [{"role": "user", "content": "2+2?"}]  # short: the tiny context is 64 tokens
+    first = openai_client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0, extra_body=session)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "3+3?"}]
+    second = openai_client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0, extra_body=session)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_generate_echoes_sglang_rid_as_the_request_id(client: httpx.Client) -> None:
+    rid = "rid-" + uuid.uuid4().hex
+    response = client.post("/generate", json={"input_ids": [BOS_ID, 65], "rid": rid,
+                                              "sampling_params": {"max_new_tokens": 1}})
+    assert response.status_code == 200, response.text
+    assert response.json()["meta_info"]["id"] == rid
 
 
 def test_generate_streaming_is_refused_with_a_clear_message(client: httpx.Client) -> None:

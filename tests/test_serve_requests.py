@@ -1,15 +1,28 @@
-"""HTTP bodies -> engine inputs and GenerationResults -> HTTP bodies, and error mapping, without
-Ray or Serve running."""
+"""HTTP bodies -> engine inputs and GenerationResults -> HTTP bodies, rollmesh's extension fields
+(session, minimum weight version, routed experts), and error mapping, without Ray or Serve
+running."""
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 
+import numpy as np
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from rollmesh.engine.errors import CapacityError, InvalidRequestError, PromptTooLongError
-from rollmesh.engine.protocols import GenerationResult
+from rollmesh.engine.errors import (
+    CapacityError,
+    InvalidRequestError,
+    KvCapacityError,
+    PromptTooLongError,
+    StaleWeightsError,
+    VersionUnavailableError,
+    WeightsFileError,
+)
+from rollmesh.engine.protocols import GenerateOptions, GenerationResult
+from rollmesh.engine.sglang_client import RoutedExpertsShape, decode_routed_experts
 from rollmesh.engine.tokenizer import BOS_ID, EOS_ID
 from rollmesh.messages.base import SamplingParams
 from rollmesh.serve_apps.errors import (
@@ -17,20 +30,30 @@ from rollmesh.serve_apps.errors import (
     InvalidApiRequestError,
     ModelNotFoundError,
 )
+from rollmesh.serve_apps.chat_requests import chat_response, chat_stream_events
+from rollmesh.serve_apps.generate_extensions import encode_routed_experts, generate_options
 from rollmesh.serve_apps.generation_requests import (
     ServedModel,
     completion_inputs,
     completion_response,
     generate_inputs,
+    generate_request_id,
     generate_response,
     token_text,
 )
 from rollmesh.serve_apps.http_shapes import (
+    ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     GenerateSamplingParams,
 )
-from rollmesh.serve_apps.inference_app import api_error_from_ray, invalid_body_error
+from rollmesh.serve_apps.inference_app import (
+    COMPLETION_PARAMS,
+    GENERATE_PARAMS,
+    api_error_from_ray,
+    invalid_body_error,
+)
+from rollmesh.serve_apps.weight_admin import requested_weight_version
 
 pytestmark = pytest.mark.unit
 
@@ -158,3 +181,187 @@ def test_malformed_json_and_wrong_types_are_one_400_each() -> None:
     )
     assert (wrong.status, wrong.param) == (400, "temperature")
     assert wrong.message == "temperature: Input should be a number"
+
+
+def from_actor(cause: Exception) -> RayTaskError:
+    return RayTaskError("decode", "traceback", cause).as_instanceof_cause()
+
+
+def test_a_version_the_engine_lacks_is_a_retryable_503_with_retry_after() -> None:
+    error = api_error_from_ray(from_actor(VersionUnavailableError(7, 3, request_id="r")))
+    assert (error.status, error.code, error.param) == (503, "version_unavailable",
+                                                       "min_weight_version")
+    assert error.headers() == {"Retry-After": "1"}
+    assert "retryable" in error.message and "7" in error.message
+    assert api_error_from_ray(from_actor(CapacityError(8))).headers() == {}
+
+
+def test_engine_field_names_become_the_routes_parameter_names() -> None:
+    kv = from_actor(KvCapacityError(9, 4))
+    assert (api_error_from_ray(kv, GENERATE_PARAMS).status,
+            api_error_from_ray(kv, GENERATE_PARAMS).code) == (400, "kv_capacity_exceeded")
+    assert api_error_from_ray(kv, GENERATE_PARAMS).param == "sampling_params.max_new_tokens"
+    assert api_error_from_ray(kv, COMPLETION_PARAMS).param == "max_tokens"
+    too_long = from_actor(PromptTooLongError(70, 63))
+    assert api_error_from_ray(too_long, GENERATE_PARAMS).param == "input_ids"
+    assert api_error_from_ray(too_long).param == "prompt"
+    dense = api_error_from_ray(from_actor(InvalidRequestError(
+        "the model is dense", field="return_routed_experts")))
+    assert (dense.status, dense.code, dense.param) == (400, "unsupported_value",
+                                                       "return_routed_experts")
+
+
+def test_weights_that_cannot_be_loaded_are_400s() -> None:
+    missing = api_error_from_ray(from_actor(WeightsFileError("/no/such.safetensors", "gone")))
+    assert (missing.status, missing.code, missing.param) == (400, "invalid_weights", "model_path")
+    stale = api_error_from_ray(from_actor(StaleWeightsError(2, 5)))
+    assert (stale.status, stale.code) == (400, "stale_weight_version")
+
+
+# -- rollmesh's extension fields ----------------------------------------------------------------
+
+MOE = ServedModel(name="moe", max_seq_len=16, vocab_size=260, routes_experts=True)
+DENSE = ServedModel(name="dense", max_seq_len=16, vocab_size=260, routes_experts=False)
+
+
+def test_extension_fields_become_the_engines_generate_options() -> None:
+    request = GenerateRequest(input_ids=[1, 2, 3], session_id="agent-7", min_weight_version=4,
+                              return_routed_experts=True, routed_experts_start_len=3)
+    assert generate_options(request, prompt_len=3, served=MOE) == GenerateOptions(
+        session_id="agent-7", min_version=4, return_routed_experts=True,
+        routed_experts_start_len=3)
+    assert generate_options(GenerateRequest(input_ids=[1]), prompt_len=1,
+                            served=SERVED) == GenerateOptions()
+
+
+def test_openai_requests_take_the_extension_fields_from_extra_body() -> None:
+    extra = {"session_id": "s", "min_weight_version": 2, "return_routed_experts": True,
+             "routed_experts_start_len": 1, "routed_experts_dtype": "int32"}
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], **extra})
+    completion = CompletionRequest.model_validate({"prompt": "hi", **extra})
+    for request in (chat, completion):
+        options = generate_options(request, prompt_len=5, served=MOE)
+        assert options == GenerateOptions(session_id="s", min_version=2,
+                                          return_routed_experts=True, routed_experts_start_len=1)
+        assert request.routed_experts_dtype == "int32"
+
+
+@pytest.mark.parametrize(("fields", "served", "param", "code"), [
+    ({"routed_experts_start_len": 4}, MOE, "routed_experts_start_len", "invalid_value"),
+    ({"routed_experts_start_len": -1}, MOE, "routed_experts_start_len", "invalid_value"),
+    ({"return_routed_experts": True}, DENSE, "return_routed_experts", "unsupported_value"),
+    ({"session_id": ""}, MOE, "session_id", "invalid_value"),
+    ({"session_id": "s" * 257}, MOE, "session_id", "invalid_value"),
+    ({"min_weight_version": -1}, MOE, "min_weight_version", "invalid_value"),
+])
+def test_bad_extension_fields_name_their_parameter(
+    fields: dict, served: ServedModel, param: str, code: str
+) -> None:
+    request = GenerateRequest(input_ids=[1, 2, 3], **fields)
+    with pytest.raises(InvalidApiRequestError) as raised:
+        generate_options(request, prompt_len=3, served=served)
+    assert (raised.value.status, raised.value.param, raised.value.code) == (400, param, code)
+
+
+def test_a_server_not_told_the_model_kind_leaves_the_dense_check_to_the_engine() -> None:
+    request = GenerateRequest(input_ids=[1], return_routed_experts=True)
+    assert generate_options(request, prompt_len=1, served=SERVED).return_routed_experts
+
+
+def test_unknown_routed_experts_dtype_is_refused_by_the_body_schema() -> None:
+    with pytest.raises(ValueError):
+        GenerateRequest.model_validate({"input_ids": [1], "routed_experts_dtype": "float16"})
+
+
+def test_sglang_rid_is_the_request_id_and_one_is_made_up_without_it() -> None:
+    assert generate_request_id(GenerateRequest(input_ids=[1], rid="turn-3")) == "turn-3"
+    assert len(generate_request_id(GenerateRequest(input_ids=[1]))) == 32
+    with pytest.raises(InvalidApiRequestError) as raised:
+        generate_request_id(GenerateRequest(input_ids=[1], rid=""))
+    assert raised.value.param == "rid"
+
+
+def routed_result(rows: np.ndarray, start: int = 1, cached: int = 2) -> GenerationResult:
+    # prompt 4, generated 3: rows for positions [start, 4 + 3 - 1)
+    return GenerationResult(
+        token_ids=[65, 66, 67], logprobs=[-0.5] * 3, versions=[1] * 3, finish_reason="length",
+        prompt_len=4, request_id="r", cached_tokens=cached, routed_experts=rows,
+        routed_experts_start=start,
+    )
+
+
+ROWS = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2) % 8  # 5 rows, 2 layers, top 2
+
+
+def test_routed_experts_are_compact_base64_in_c_order() -> None:
+    routed = encode_routed_experts(routed_result(ROWS), "compact")
+    assert (routed.routed_experts_dtype, routed.routed_experts_shape,
+            routed.routed_experts_start_len) == ("uint8", [5, 2, 2], 1)
+    decoded = np.frombuffer(base64.b64decode(routed.routed_experts), dtype=np.uint8)
+    np.testing.assert_array_equal(decoded.reshape(5, 2, 2), ROWS)
+
+    wide = (ROWS.astype(np.uint16) + 300).astype(">u2")  # more than 256 experts, any byte order
+    routed = encode_routed_experts(routed_result(wide), "compact")
+    assert routed.routed_experts_dtype == "uint16"
+    decoded = np.frombuffer(base64.b64decode(routed.routed_experts), dtype="<u2")
+    np.testing.assert_array_equal(decoded.reshape(5, 2, 2), wide)
+    assert encode_routed_experts(routed_result(None), "compact") is None
+
+
+def test_int32_routed_experts_are_what_an_sglang_client_decodes() -> None:
+    routed = encode_routed_experts(routed_result(ROWS, start=1), "int32")
+    assert routed.routed_experts_dtype == "int32"
+    rows, ignored_start = decode_routed_experts(
+        routed.routed_experts, RoutedExpertsShape(num_layers=2, top_k=2, num_experts=8),
+        seqlen=4 + 3, start_len=1)
+    np.testing.assert_array_equal(rows, ROWS)
+    assert not ignored_start
+
+
+def test_generate_meta_info_has_cached_tokens_and_routed_experts_only_when_present() -> None:
+    plain = generate_response(result([65]), request_id="1", served=SERVED,
+                              sampling=SamplingParams(), return_logprob=False)
+    meta = json.loads(plain.model_dump_json(exclude_none=True))["meta_info"]
+    assert meta["cached_tokens"] == 0
+    assert not any(key.startswith("routed_experts") for key in meta)
+
+    routed = generate_response(routed_result(ROWS), request_id="2", served=MOE,
+                               sampling=SamplingParams(), return_logprob=False,
+                               routed_experts_dtype="int32")
+    meta = routed.meta_info
+    assert meta.cached_tokens == 2
+    assert (meta.routed_experts_dtype, meta.routed_experts_shape,
+            meta.routed_experts_start_len) == ("int32", [5, 2, 2], 1)
+    assert len(base64.b64decode(meta.routed_experts)) == 5 * 2 * 2 * 4
+
+
+def test_openai_choices_carry_routed_experts_in_the_rollmesh_object() -> None:
+    finished = routed_result(ROWS, cached=3)
+    completion = completion_response(finished, request_id="cmpl-1", created=1, served=MOE,
+                                     sampling=SamplingParams(), with_logprobs=False)
+    chat = chat_response(finished, request_id="chatcmpl-1", created=1, served=MOE,
+                         sampling=SamplingParams())
+    for response in (completion, chat):
+        (choice,) = response.choices
+        assert choice.rollmesh.routed_experts_shape == [5, 2, 2]
+        assert response.usage.prompt_tokens_details.cached_tokens == 3
+    assert completion_response(result([65]), request_id="c", created=1, served=SERVED,
+                               sampling=SamplingParams(), with_logprobs=False
+                               ).choices[0].rollmesh is None
+
+    events = list(chat_stream_events(finished, request_id="chatcmpl-2", created=1, served=MOE,
+                                     sampling=SamplingParams()))
+    chunks = [json.loads(event[len("data: "):]) for event in events[:-1]]
+    assert "rollmesh" not in chunks[0]["choices"][0]
+    assert chunks[-1]["choices"][0]["rollmesh"]["routed_experts_dtype"] == "uint8"
+
+
+def test_update_weight_version_is_the_requests_or_one_past_the_newest() -> None:
+    assert requested_weight_version(None, 4) == 5
+    assert requested_weight_version(9, 4) == 9
+    assert requested_weight_version("12", 4) == 12  # SGLang sends a string
+    for bad in ("v2", "-1", -1):
+        with pytest.raises(InvalidApiRequestError) as raised:
+            requested_weight_version(bad, 4)
+        assert raised.value.param == "weight_version"

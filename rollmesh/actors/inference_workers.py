@@ -1,13 +1,16 @@
 """Prefill and decode worker actors: thin shells around the engine's PrefillEngine and DecodeLoop.
 
-Knows Ray only through the launcher (no ray import here). The KV made by ``PrefillWorkerActor.prefill``
-is returned as a PrefillResult; the router passes the resulting ObjectRef straight to
-``DecodeWorkerActor.generate``, so the KV travels through the Ray object store, never through the
-caller. Both follow weight versions over NATS (``WeightFollower``).
+Knows Ray only through the launcher (no ray import here). The KV pages made by
+``PrefillWorkerActor.prefill`` are returned as a PrefillResult; the router passes the resulting
+ObjectRef straight to ``DecodeWorkerActor.generate``, so the KV travels through the Ray object
+store, never through the caller. ``DecodeWorkerActor.generate_prompt`` prefills on the decode
+worker itself: the aggregated mode, and the later turns of a session whose KV is parked there.
+Both follow weight versions over NATS (``WeightFollower``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from opentelemetry import trace
@@ -17,11 +20,13 @@ from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.bus.trace_headers import extract_trace_context
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
-from rollmesh.engine.decode import DecodeEngine, FinishedSequence
-from rollmesh.engine.model import build_model
+from rollmesh.engine.decode import FinishedSequence
+from rollmesh.engine.local_engine import build_decode_engine
+from rollmesh.engine.paged_model import build_inference_model
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult
-from rollmesh.engine.tokenizer import ByteTokenizer
-from rollmesh.engine.weight_follower import WeightFollower
+from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions
+from rollmesh.engine.weight_follower import StagesWeights, WeightFollower
+from rollmesh.engine.weights import load_weights
 from rollmesh.messages.base import SamplingParams
 
 _tracer = trace.get_tracer("rollmesh.inference")
@@ -73,7 +78,8 @@ class PrefillWorkerActor(RoleActor):
     def __init__(self, name: str, mesh: MeshContext, model_config: ModelConfig,
                  inference_config: InferenceConfig) -> None:
         super().__init__(name, mesh, torch_threads=inference_config.torch_threads)
-        self.engine = PrefillEngine(build_model(model_config))
+        self.engine = PrefillEngine(build_inference_model(model_config),
+                                    block_size=inference_config.kv_block_size)
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         return WeightFollower(_PrefillWeights(self.engine), publisher, worker=self.name, role=self.role)
@@ -90,6 +96,16 @@ class PrefillWorkerActor(RoleActor):
     async def current_version(self) -> int:
         return self.engine.current_version
 
+    async def weight_versions(self) -> dict[str, int | None]:
+        """The active and the staged weight version (the HTTP API's ``GET /v1/admin/weights``)."""
+        return {"current": self.engine.current_version,
+                "staged": self.engine.weights.staged_version}
+
+    async def update_weights_from_file(self, path: str, version: int) -> int:
+        """Load a ``save_weights`` file, stage it as ``version`` and apply it; returns the active
+        version (see ``update_weights_from_file`` below)."""
+        return await update_weights_from_file(_PrefillWeights(self.engine), path, version)
+
 
 class DecodeWorkerActor(RoleActor):
     role = "decode"
@@ -97,8 +113,8 @@ class DecodeWorkerActor(RoleActor):
     def __init__(self, name: str, mesh: MeshContext, model_config: ModelConfig,
                  inference_config: InferenceConfig, seed: int = 0) -> None:
         super().__init__(name, mesh, torch_threads=inference_config.torch_threads)
-        engine = DecodeEngine(build_model(model_config), max_batch=inference_config.max_batch,
-                              seed=seed, tokenizer=ByteTokenizer(model_config.vocab_size))
+        engine = build_decode_engine(build_inference_model(model_config), inference_config,
+                                     seed=seed)
         self.loop = DecodeLoop(engine)
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
@@ -106,12 +122,30 @@ class DecodeWorkerActor(RoleActor):
         return WeightFollower(_DecodeWeights(self.loop), publisher, worker=self.name, role=self.role)
 
     async def generate(self, prefill: PrefillResult, sampling: SamplingParams, request_id: str,
-                       trace_headers: dict[str, str] | None = None) -> FinishedSequence:
+                       trace_headers: dict[str, str] | None = None,
+                       options: GenerateOptions = DEFAULT_OPTIONS) -> FinishedSequence:
+        """Decode a prompt a prefill worker prefilled (its KV pages arrive with ``prefill``)."""
         with _tracer.start_as_current_span(
             "decode", context=extract_trace_context(trace_headers or {}),
             attributes={"request_id": request_id, "prompt_tokens": prefill.num_tokens},
         ):
-            return await self.loop.submit(request_id, prefill, sampling)
+            return await self.loop.submit(request_id, prefill, sampling, options)
+
+    async def generate_prompt(self, input_ids: list[int], sampling: SamplingParams,
+                              request_id: str, trace_headers: dict[str, str] | None = None,
+                              options: GenerateOptions = DEFAULT_OPTIONS) -> FinishedSequence:
+        """Prefill here (reusing the session's parked KV), then decode."""
+        with _tracer.start_as_current_span(
+            "prefill_and_decode", context=extract_trace_context(trace_headers or {}),
+            attributes={"request_id": request_id, "prompt_tokens": len(input_ids)},
+        ) as span:
+            finished = await self.loop.submit(request_id, input_ids, sampling, options)
+            span.set_attribute("cached_tokens", finished.cached_tokens)
+            return finished
+
+    async def drop_sessions(self) -> int:
+        """Free every parked session's KV; returns the blocks freed."""
+        return self.loop.engine.drop_sessions()
 
     async def load(self) -> int:
         """Requests running or waiting here (the router balances on it)."""
@@ -120,9 +154,29 @@ class DecodeWorkerActor(RoleActor):
     async def current_version(self) -> int:
         return self.loop.engine.current_version
 
+    async def weight_versions(self) -> dict[str, int | None]:
+        """The active and the staged weight version (the HTTP API's ``GET /v1/admin/weights``)."""
+        stats = self.loop.stats()
+        return {"current": stats.current_version, "staged": stats.staged_version}
+
+    async def update_weights_from_file(self, path: str, version: int) -> int:
+        """Load a ``save_weights`` file, stage it as ``version`` and wait for the decode loop to
+        swap it in at a step boundary; returns the active version."""
+        return await update_weights_from_file(_DecodeWeights(self.loop), path, version)
+
     async def stop(self) -> None:
         await super().stop()
         await self.loop.stop()
 
     async def stats(self) -> dict[str, Any]:
         return {**await super().stats(), "decode": self.loop.stats()}
+
+
+async def update_weights_from_file(weights: StagesWeights, path: str, version: int) -> int:
+    """The HTTP API's ``/update_weights_from_disk`` on one worker: load ``path`` (no checksum: the
+    operator named the file), stage it as ``version`` and wait until it or a newer version is
+    active. Unlike a trainer's update it is not announced on NATS, and a later
+    ``WeightsPublished`` not newer than ``version`` is ignored by the follower."""
+    # Read and stage (a checked copy) off the event loop, as the follower does: decoding goes on.
+    await asyncio.to_thread(lambda: weights.stage_weights(load_weights(path), version))
+    return await weights.wait_weights_activated(version)

@@ -58,6 +58,15 @@ def served_model_name(config) -> str:
     return "rollmesh-tiny"
 
 
+def model_routes_experts(config) -> bool:
+    """Whether the configured model is a mixture of experts (has routed experts to report)."""
+    if config.family == "hf":
+        from rollmesh.engine.models import read_hf_config
+
+        return read_hf_config(config.hf_path).moe is not None
+    return False
+
+
 def model_limits(config) -> tuple[int, int]:
     """(context length, vocabulary size) of the configured model, without building it."""
     if config.family == "hf":

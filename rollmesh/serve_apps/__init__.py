@@ -1,14 +1,17 @@
 """rollmesh.serve_apps: Ray Serve applications (the request plane).
 
 ``build_inference_app`` puts OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``
-(streaming included; optional bearer key, see ``api_keys``) and an SGLang-style
-token-in/token-out ``/generate`` in front of named prefill and decode actors; the HTTP shapes
-(``http_shapes``) are the public HTTP API, separate from the NATS wire contract.
+(streaming included; optional bearer key, see ``api_keys``), an SGLang-style token-in/token-out
+``/generate`` and the weight and cache admin endpoints (``weight_admin``) in front of named
+prefill and decode actors. rollmesh's extension fields (session, minimum weight version, routed
+experts) are checked in ``generate_extensions``. The HTTP shapes (``http_shapes``) are the public
+HTTP API, separate from the NATS wire contract.
 """
 
 from rollmesh.serve_apps.api_keys import API_KEY_ENV, check_authorization, resolve_api_key
 from rollmesh.serve_apps.chat_requests import render_chat
 from rollmesh.serve_apps.errors import (
+    RETRY_AFTER_S,
     ApiError,
     AuthenticationError,
     InvalidApiKeyFileError,
@@ -16,6 +19,7 @@ from rollmesh.serve_apps.errors import (
     InvalidApiRequestError,
     ModelNotFoundError,
 )
+from rollmesh.serve_apps.generate_extensions import encode_routed_experts, generate_options
 from rollmesh.serve_apps.generation_requests import ServedModel
 from rollmesh.serve_apps.inference_app import (
     APP_NAME,
@@ -33,10 +37,13 @@ __all__ = [
     "EngineUnavailableError",
     "InvalidApiRequestError",
     "ModelNotFoundError",
+    "RETRY_AFTER_S",
     "ServedModel",
     "build_inference_app",
     "check_authorization",
     "deploy_inference_app",
+    "encode_routed_experts",
+    "generate_options",
     "render_chat",
     "resolve_api_key",
     "shutdown_inference_app",

@@ -12,7 +12,8 @@ No stop string is added: pass ``stop=["\\n"]`` to end the reply at the end of it
 
 Streaming (``"stream": true``) sends the finished text as chunks after generation, because the
 engine returns whole sequences today; token-by-token streaming from the decode loop comes later.
-The events are OpenAI's: ``data: {chunk}\\n\\n`` per chunk, then ``data: [DONE]\\n\\n``.
+The events are OpenAI's: ``data: {chunk}\\n\\n`` per chunk, then ``data: [DONE]\\n\\n``. Routed
+experts, when asked for, ride on the last chunk's choice as its ``rollmesh`` object.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rollmesh.engine.protocols import GenerationResult
 from rollmesh.engine.tokenizer import ByteTokenizer
 from rollmesh.messages.base import SamplingParams
 from rollmesh.serve_apps.errors import InvalidApiRequestError
+from rollmesh.serve_apps.generate_extensions import encode_routed_experts
 from rollmesh.serve_apps.generation_requests import (
     ServedModel,
     check_max_tokens,
@@ -32,6 +34,7 @@ from rollmesh.serve_apps.generation_requests import (
     openai_finish_reason,
     openai_sampling_params,
     openai_text,
+    openai_usage,
 )
 from rollmesh.serve_apps.http_shapes import (
     AssistantMessage,
@@ -39,7 +42,7 @@ from rollmesh.serve_apps.http_shapes import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
-    CompletionUsage,
+    RoutedExpertsDtype,
 )
 
 ASSISTANT_PREFIX = "assistant: "
@@ -86,8 +89,8 @@ def chat_response(
     created: int,
     served: ServedModel,
     sampling: SamplingParams,
+    routed_experts_dtype: RoutedExpertsDtype = "compact",
 ) -> ChatCompletionResponse:
-    completion_tokens = len(result.token_ids)
     return ChatCompletionResponse(
         id=request_id,
         created=created,
@@ -98,12 +101,10 @@ def chat_response(
                 message=AssistantMessage(content=openai_text(result, served, sampling)),
                 finish_reason=openai_finish_reason(result),
                 weight_versions=list(result.versions),
+                rollmesh=encode_routed_experts(result, routed_experts_dtype),
             )
         ],
-        usage=CompletionUsage(
-            prompt_tokens=result.prompt_len, completion_tokens=completion_tokens,
-            total_tokens=result.prompt_len + completion_tokens,
-        ),
+        usage=openai_usage(result),
     )
 
 
@@ -112,38 +113,47 @@ def chat_response(
 
 def completion_stream_events(
     result: GenerationResult, *, request_id: str, created: int, served: ServedModel,
-    sampling: SamplingParams,
+    sampling: SamplingParams, routed_experts_dtype: RoutedExpertsDtype = "compact",
 ) -> Iterator[str]:
     """``text_completion`` chunks of the finished text, the last with the finish reason."""
-    def chunk(text: str, finish_reason: str | None) -> dict:
+    def chunk(text: str, finish_reason: str | None, **extension: object) -> dict:
         return {"id": request_id, "object": "text_completion", "created": created,
                 "model": served.name, "choices": [
-                    {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                    {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                     **extension}]}
 
     for piece in _pieces(openai_text(result, served, sampling)):
         yield _event(chunk(piece, None))
-    yield _event(chunk("", openai_finish_reason(result)))
+    yield _event(chunk("", openai_finish_reason(result),
+                       **_extension(result, routed_experts_dtype)))
     yield _DONE
 
 
 def chat_stream_events(
     result: GenerationResult, *, request_id: str, created: int, served: ServedModel,
-    sampling: SamplingParams,
+    sampling: SamplingParams, routed_experts_dtype: RoutedExpertsDtype = "compact",
 ) -> Iterator[str]:
     """``chat.completion.chunk`` deltas: the role first, then the text, then the finish reason."""
-    def chunk(delta: dict, finish_reason: str | None) -> dict:
+    def chunk(delta: dict, finish_reason: str | None, **extension: object) -> dict:
         return {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": served.name, "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                     **extension}]}
 
     yield _event(chunk({"role": "assistant", "content": ""}, None))
     for piece in _pieces(openai_text(result, served, sampling)):
         yield _event(chunk({"content": piece}, None))
-    yield _event(chunk({}, openai_finish_reason(result)))
+    yield _event(chunk({}, openai_finish_reason(result),
+                       **_extension(result, routed_experts_dtype)))
     yield _DONE
 
 
 _DONE = "data: [DONE]\n\n"
+
+
+def _extension(result: GenerationResult, routed_experts_dtype: RoutedExpertsDtype) -> dict:
+    routed = encode_routed_experts(result, routed_experts_dtype)
+    return {} if routed is None else {"rollmesh": routed.model_dump()}
 
 
 def _event(payload: dict) -> str:

@@ -9,6 +9,7 @@ Ray actor reaches us wrapped and without the request's field names.
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass
 
 import msgspec
@@ -17,6 +18,7 @@ from rollmesh.engine.protocols import GenerationResult
 from rollmesh.engine.tokenizer import EOS_ID, SPECIAL_TOKENS, ByteTokenizer
 from rollmesh.messages.base import SamplingParams
 from rollmesh.serve_apps.errors import InvalidApiRequestError, ModelNotFoundError
+from rollmesh.serve_apps.generate_extensions import MAX_ID_CHARS, encode_routed_experts
 from rollmesh.serve_apps.http_shapes import (
     CompletionChoice,
     CompletionLogprobs,
@@ -27,6 +29,8 @@ from rollmesh.serve_apps.http_shapes import (
     GenerateMetaInfo,
     GenerateRequest,
     GenerateResponse,
+    PromptTokensDetails,
+    RoutedExpertsDtype,
 )
 
 # SGLang's default when sampling_params.max_new_tokens is absent (still clipped to the context).
@@ -39,11 +43,14 @@ _SPECIAL_NAMES = {token_id: name for name, token_id in SPECIAL_TOKENS.items()}
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """What the API knows of the model behind it: its name and the limits it validates against."""
+    """What the API knows of the model behind it: its name and the limits it validates against.
+    ``routes_experts``: True for an MoE model, False for a dense one, None when the deployer did
+    not say (then the engine refuses ``return_routed_experts`` on a dense model)."""
 
     name: str
     max_seq_len: int
     vocab_size: int
+    routes_experts: bool | None = None
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -118,6 +125,18 @@ def generate_inputs(
     return input_ids, sampling
 
 
+def generate_request_id(request: GenerateRequest) -> str:
+    """SGLang's ``rid`` when the client sent one, else a fresh id."""
+    if request.rid is None:
+        return uuid.uuid4().hex
+    if not 1 <= len(request.rid) <= MAX_ID_CHARS:
+        raise InvalidApiRequestError(
+            f"rid must be 1 to {MAX_ID_CHARS} characters (got {len(request.rid)})",
+            code="invalid_value", param="rid",
+        )
+    return request.rid
+
+
 def check_max_tokens(value: int, served: ServedModel, *, param: str) -> None:
     if not 1 <= value <= served.max_seq_len:
         raise InvalidApiRequestError(
@@ -184,6 +203,7 @@ def completion_response(
     served: ServedModel,
     sampling: SamplingParams,
     with_logprobs: bool,
+    routed_experts_dtype: RoutedExpertsDtype = "compact",
 ) -> CompletionResponse:
     text = openai_text(result, served, sampling)
     logprobs = None
@@ -192,7 +212,6 @@ def completion_response(
             tokens=[token_text(t) for t in result.token_ids],
             token_logprobs=[_finite(x) for x in result.logprobs],
         )
-    completion_tokens = len(result.token_ids)
     return CompletionResponse(
         id=request_id,
         created=created,
@@ -201,12 +220,19 @@ def completion_response(
             CompletionChoice(
                 index=0, text=text, finish_reason=openai_finish_reason(result),
                 logprobs=logprobs, weight_versions=list(result.versions),
+                rollmesh=encode_routed_experts(result, routed_experts_dtype),
             )
         ],
-        usage=CompletionUsage(
-            prompt_tokens=result.prompt_len, completion_tokens=completion_tokens,
-            total_tokens=result.prompt_len + completion_tokens,
-        ),
+        usage=openai_usage(result),
+    )
+
+
+def openai_usage(result: GenerationResult) -> CompletionUsage:
+    completion_tokens = len(result.token_ids)
+    return CompletionUsage(
+        prompt_tokens=result.prompt_len, completion_tokens=completion_tokens,
+        total_tokens=result.prompt_len + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens),
     )
 
 
@@ -226,6 +252,7 @@ def generate_response(
     served: ServedModel,
     sampling: SamplingParams,
     return_logprob: bool,
+    routed_experts_dtype: RoutedExpertsDtype = "compact",
 ) -> GenerateResponse:
     # Unlike SGLang, the text is not trimmed at a stop string: it is exactly output_ids decoded,
     # so a token-level caller can splice the two without re-tokenizing.
@@ -236,6 +263,7 @@ def generate_response(
             (_finite(logprob), token_id, None)
             for logprob, token_id in zip(result.logprobs, result.token_ids, strict=True)
         ]
+    routed = encode_routed_experts(result, routed_experts_dtype)
     return GenerateResponse(
         output_ids=list(result.token_ids),
         text=text,
@@ -247,6 +275,8 @@ def generate_response(
             output_token_logprobs=output_token_logprobs,
             weight_version=result.versions[-1] if result.versions else None,
             weight_versions=list(result.versions),
+            cached_tokens=result.cached_tokens,
+            **(routed.model_dump() if routed is not None else {}),
         ),
     )
 

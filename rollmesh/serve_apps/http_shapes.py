@@ -1,4 +1,5 @@
-"""The HTTP API's request and response bodies: OpenAI completions and SGLang-style /generate.
+"""The HTTP API's request and response bodies: OpenAI completions, SGLang-style /generate and the
+weight and cache admin endpoints.
 
 Knows pydantic only (FastAPI validates and documents these). These are the public HTTP API, not
 the NATS wire contract, which lives in ``rollmesh.messages``. Requests are strict (no "0.5" for a
@@ -21,10 +22,45 @@ class _Response(BaseModel):
     model_config = ConfigDict(frozen=True)
 
 
+RoutedExpertsDtype = Literal["compact", "int32"]
+
+
+class EngineOptionFields(_Request):
+    """rollmesh's fields on every generate route (an OpenAI client sends them in ``extra_body``).
+
+    - ``session_id``: turns of one multi-turn conversation share it; the next turn reuses the
+      session's KV (its prompt must extend the previous turn's prompt and output).
+    - ``min_weight_version``: the oldest weight version allowed to produce tokens; while the
+      engine is older the request fails with 503 ``version_unavailable`` and ``Retry-After``.
+    - ``return_routed_experts`` / ``routed_experts_start_len``: MoE models only; the routed
+      expert ids of positions ``[start_len, seqlen - 1)`` as SGLang slices them.
+    - ``routed_experts_dtype``: "compact" (uint8 up to 256 experts, else uint16) or "int32"
+      (SGLang's own encoding, for clients written against SGLang).
+    """
+
+    session_id: str | None = None
+    min_weight_version: int | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    routed_experts_dtype: RoutedExpertsDtype = "compact"
+
+
+class RoutedExperts(_Response):
+    """Routed expert ids: base64 of a C-order array of ``routed_experts_shape`` = [rows, MoE
+    layers, top_k] in ``routed_experts_dtype`` (little-endian), one row per position from
+    ``routed_experts_start_len`` to ``seqlen - 2``. On OpenAI choices this is the ``rollmesh``
+    object; /generate puts the same four fields in ``meta_info``."""
+
+    routed_experts: str
+    routed_experts_dtype: Literal["uint8", "uint16", "int32"]
+    routed_experts_shape: list[int]
+    routed_experts_start_len: int
+
+
 # -- OpenAI /v1/completions -------------------------------------------------------------------
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(EngineOptionFields):
     model: str | None = None  # None: the one served model
     prompt: str
     max_tokens: int | None = 16
@@ -50,12 +86,20 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None
     # Not OpenAI: the weight version that produced each generated token.
     weight_versions: list[int]
+    # Not OpenAI: routed experts, when asked for (``return_routed_experts``).
+    rollmesh: RoutedExperts | None = None
+
+
+class PromptTokensDetails(_Response):
+    # Prompt tokens whose KV was reused from the session (``session_id``) instead of computed.
+    cached_tokens: int
 
 
 class CompletionUsage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionResponse(_Response):
@@ -75,7 +119,7 @@ class ChatMessage(_Request):
     content: str
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(EngineOptionFields):
     model: str | None = None  # None: the one served model
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -99,6 +143,8 @@ class ChatChoice(_Response):
     logprobs: None = None
     # Not OpenAI: the weight version that produced each generated token.
     weight_versions: list[int]
+    # Not OpenAI: routed experts, when asked for (``return_routed_experts``).
+    rollmesh: RoutedExperts | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -132,11 +178,13 @@ class GenerateSamplingParams(_Request):
     stop: str | list[str] | None = None
 
 
-class GenerateRequest(_Request):
+class GenerateRequest(EngineOptionFields):
     input_ids: list[int]
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     return_logprob: bool = False
     stream: bool = False
+    # SGLang's request id: echoed as meta_info.id (one made up when absent). Not a session.
+    rid: str | None = None
 
 
 class GenerateFinishReason(_Response):
@@ -156,12 +204,55 @@ class GenerateMetaInfo(_Response):
     # SGLang's label is the server's version at emission time; ours is the last token's.
     weight_version: int | None
     weight_versions: list[int]
+    cached_tokens: int = 0
+    # With return_routed_experts only; see RoutedExperts.
+    routed_experts: str | None = None
+    routed_experts_dtype: Literal["uint8", "uint16", "int32"] | None = None
+    routed_experts_shape: list[int] | None = None
+    routed_experts_start_len: int | None = None
 
 
 class GenerateResponse(_Response):
     output_ids: list[int]
     text: str
     meta_info: GenerateMetaInfo
+
+
+# -- admin: weights and cache ----------------------------------------------------------------
+
+
+class UpdateWeightsFromDiskRequest(_Request):
+    """SGLang's body: ``model_path`` is a file written by ``rollmesh.engine.weights.save_weights``
+    (one safetensors file, not a checkpoint directory). ``weight_version`` may be an int or, as
+    SGLang sends it, a string of one; absent means one past the newest active version."""
+
+    model_path: str
+    weight_version: int | str | None = None
+
+
+class UpdateWeightsFromDiskResponse(_Response):
+    success: bool = True
+    message: str
+    weight_version: int
+
+
+class WorkerWeights(_Response):
+    name: str
+    role: Literal["prefill", "decode"]
+    current_version: int
+    staged_version: int | None
+
+
+class WeightVersionsResponse(_Response):
+    # The version every worker has reached: min_weight_version up to it is served at once.
+    weight_version: int
+    workers: list[WorkerWeights]
+
+
+class FlushCacheResponse(_Response):
+    success: bool = True
+    message: str
+    kv_blocks_freed: int
 
 
 # -- errors -----------------------------------------------------------------------------------

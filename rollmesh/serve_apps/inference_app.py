@@ -1,7 +1,9 @@
 """The inference Serve application: OpenAI ``/v1/completions`` and ``/v1/chat/completions``
 (streaming included), SGLang-style ``/generate``, ``/v1/models`` and ``/health`` in front of the
-prefill and decode actors. With an API key (given at construction, never read here from the
-environment) every endpoint but ``/health`` requires ``Authorization: Bearer KEY``.
+prefill and decode actors, and the admin endpoints ``GET /v1/admin/weights``, SGLang's
+``POST /update_weights_from_disk`` and ``POST /flush_cache``. With an API key (given at
+construction, never read here from the environment) every endpoint but ``/health`` requires
+``Authorization: Bearer KEY``.
 
 Knows Ray Serve, FastAPI and the InferenceRouter; finds the workers by actor name (the launcher
 spawned them), never spawns or stops them. Bad input is answered with a 4xx JSON error and never
@@ -14,6 +16,7 @@ undone here and nowhere else.
 # be taken for a query parameter).
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -28,7 +31,7 @@ from ray.serve.exceptions import RayServeException
 
 from rollmesh.actors.inference_router import InferenceRouter
 from rollmesh.engine.errors import EngineError
-from rollmesh.engine.protocols import GenerationResult
+from rollmesh.engine.protocols import GenerateOptions, GenerationResult
 from rollmesh.messages.base import SamplingParams
 from rollmesh.serve_apps.api_keys import check_authorization
 from rollmesh.serve_apps.chat_requests import (
@@ -43,11 +46,13 @@ from rollmesh.serve_apps.errors import (
     InvalidApiRequestError,
     api_error_from_engine,
 )
+from rollmesh.serve_apps.generate_extensions import generate_options
 from rollmesh.serve_apps.generation_requests import (
     ServedModel,
     completion_inputs,
     completion_response,
     generate_inputs,
+    generate_request_id,
     generate_response,
 )
 from rollmesh.serve_apps.http_shapes import (
@@ -55,10 +60,20 @@ from rollmesh.serve_apps.http_shapes import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    FlushCacheResponse,
     GenerateRequest,
     GenerateResponse,
     ModelCard,
     ModelList,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDiskResponse,
+    WeightVersionsResponse,
+)
+from rollmesh.serve_apps.weight_admin import (
+    Worker,
+    flush_cache,
+    update_weights_from_disk,
+    weight_versions,
 )
 from rollmesh.telemetry.logging import setup_logging
 
@@ -72,7 +87,8 @@ _http = FastAPI(title="rollmesh inference", docs_url=None, redoc_url=None)
 
 @_http.exception_handler(ApiError)
 async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(status_code=exc.status, content=exc.to_response().model_dump())
+    return JSONResponse(status_code=exc.status, content=exc.to_response().model_dump(),
+                        headers=exc.headers())
 
 
 @_http.exception_handler(RequestValidationError)
@@ -102,7 +118,20 @@ def _event_stream(events: Any) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache"})
 
 
-def api_error_from_ray(exc: BaseException) -> ApiError:
+# The engine's field names as each route calls them, for the ``param`` of a mapped engine error.
+COMPLETION_PARAMS = {"input_ids": "prompt", "max_new_tokens": "max_tokens"}
+GENERATE_PARAMS = {"input_ids": "input_ids", "request_id": "rid",
+                   "max_new_tokens": "sampling_params.max_new_tokens"}
+
+
+def chat_params(body: ChatCompletionRequest) -> dict[str, str]:
+    tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    return {"input_ids": "messages", "max_new_tokens": tokens}
+
+
+def api_error_from_ray(
+    exc: BaseException, param_names: Mapping[str, str] | None = None
+) -> ApiError:
     """The HTTP error for what ``await actor.method.remote()`` raised."""
     if isinstance(exc, RayActorError):
         return EngineUnavailableError(
@@ -112,7 +141,7 @@ def api_error_from_ray(exc: BaseException) -> ApiError:
     # unpickled here, ``cause`` is Ray's UnserializableException and we can only say 500.
     cause = exc.cause if isinstance(exc, RayTaskError) else exc
     if isinstance(cause, EngineError):
-        return api_error_from_engine(cause)
+        return api_error_from_engine(cause, param_names)
     return ApiError(f"inference failed: {type(cause).__name__}", code="engine_error")
 
 
@@ -138,9 +167,14 @@ class InferenceServer:
         self.served = served
         self._api_key = api_key  # never logged
         self.created = int(time.time())
+        self.workers = [
+            Worker(name, role, ray.get_actor(name, namespace=ray_namespace))
+            for role, names in (("prefill", prefill_actor_names), ("decode", decode_actor_names))
+            for name in names
+        ]
         self.router = InferenceRouter(
-            [ray.get_actor(name, namespace=ray_namespace) for name in prefill_actor_names],
-            [ray.get_actor(name, namespace=ray_namespace) for name in decode_actor_names],
+            [w.actor for w in self.workers if w.role == "prefill"],
+            [w.actor for w in self.workers if w.role == "decode"],
         )
 
     # A body that fails validation is answered 400 before the key is checked (FastAPI validates
@@ -151,15 +185,18 @@ class InferenceServer:
     ) -> CompletionResponse | StreamingResponse:
         check_authorization(authorization, self._api_key)
         input_ids, sampling = completion_inputs(body, self.served)
+        options = generate_options(body, prompt_len=len(input_ids), served=self.served)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        result = await self._generate(input_ids, sampling, request_id)
+        result = await self._generate(input_ids, sampling, request_id, options,
+                                      COMPLETION_PARAMS)
         if body.stream:
             return _event_stream(completion_stream_events(
                 result, request_id=request_id, created=int(time.time()), served=self.served,
-                sampling=sampling))
+                sampling=sampling, routed_experts_dtype=body.routed_experts_dtype))
         return completion_response(
             result, request_id=request_id, created=int(time.time()), served=self.served,
             sampling=sampling, with_logprobs=body.logprobs is not None,
+            routed_experts_dtype=body.routed_experts_dtype,
         )
 
     @_http.post("/v1/chat/completions", response_model=None)
@@ -168,15 +205,17 @@ class InferenceServer:
     ) -> ChatCompletionResponse | StreamingResponse:
         check_authorization(authorization, self._api_key)
         input_ids, sampling = chat_inputs(body, self.served)
+        options = generate_options(body, prompt_len=len(input_ids), served=self.served)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        result = await self._generate(input_ids, sampling, request_id)
+        result = await self._generate(input_ids, sampling, request_id, options,
+                                      chat_params(body))
         if body.stream:
             return _event_stream(chat_stream_events(
                 result, request_id=request_id, created=int(time.time()), served=self.served,
-                sampling=sampling))
+                sampling=sampling, routed_experts_dtype=body.routed_experts_dtype))
         return chat_response(
             result, request_id=request_id, created=int(time.time()), served=self.served,
-            sampling=sampling,
+            sampling=sampling, routed_experts_dtype=body.routed_experts_dtype,
         )
 
     @_http.post(
@@ -187,11 +226,12 @@ class InferenceServer:
     ) -> GenerateResponse:
         check_authorization(authorization, self._api_key)
         input_ids, sampling = generate_inputs(body, self.served)
-        request_id = uuid.uuid4().hex
-        result = await self._generate(input_ids, sampling, request_id)
+        options = generate_options(body, prompt_len=len(input_ids), served=self.served)
+        request_id = generate_request_id(body)
+        result = await self._generate(input_ids, sampling, request_id, options, GENERATE_PARAMS)
         return generate_response(
             result, request_id=request_id, served=self.served, sampling=sampling,
-            return_logprob=body.return_logprob,
+            return_logprob=body.return_logprob, routed_experts_dtype=body.routed_experts_dtype,
         )
 
     @_http.get("/v1/models", response_model=ModelList)
@@ -203,13 +243,53 @@ class InferenceServer:
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    async def _generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str
-    ) -> GenerationResult:
+    # -- admin ----------------------------------------------------------------------------
+
+    @_http.get("/v1/admin/weights", response_model=WeightVersionsResponse)
+    async def admin_weights(
+        self, authorization: str | None = Header(default=None)
+    ) -> WeightVersionsResponse:
+        check_authorization(authorization, self._api_key)
         try:
-            return await self.router.generate(input_ids, sampling, request_id=request_id)
+            return await weight_versions(self.workers)
+        except (RayTaskError, RayActorError, EngineError) as exc:
+            raise api_error_from_ray(exc) from exc
+
+    @_http.post("/update_weights_from_disk", response_model=UpdateWeightsFromDiskResponse)
+    async def admin_update_weights_from_disk(
+        self, body: UpdateWeightsFromDiskRequest,
+        authorization: str | None = Header(default=None),
+    ) -> UpdateWeightsFromDiskResponse:
+        check_authorization(authorization, self._api_key)
+        try:
+            answer = await update_weights_from_disk(self.workers, body)
         except (RayTaskError, RayActorError, EngineError) as exc:
             error = api_error_from_ray(exc)
+            _log.warning("update_weights_failed", path=body.model_path, error=str(exc))
+            raise error from exc
+        _log.info("weights_updated_from_disk", path=body.model_path,
+                  weight_version=answer.weight_version)
+        return answer
+
+    @_http.post("/flush_cache", response_model=FlushCacheResponse)
+    async def admin_flush_cache(
+        self, authorization: str | None = Header(default=None)
+    ) -> FlushCacheResponse:
+        check_authorization(authorization, self._api_key)
+        try:
+            return await flush_cache(self.workers)
+        except (RayTaskError, RayActorError, EngineError) as exc:
+            raise api_error_from_ray(exc) from exc
+
+    async def _generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str,
+        options: GenerateOptions, param_names: Mapping[str, str],
+    ) -> GenerationResult:
+        try:
+            return await self.router.generate(
+                input_ids, sampling, request_id=request_id, options=options)
+        except (RayTaskError, RayActorError, EngineError) as exc:
+            error = api_error_from_ray(exc, param_names)
             if error.status >= 500:
                 _log.warning("generate_failed", request_id=request_id, error=str(exc))
             raise error from exc
@@ -224,14 +304,18 @@ def build_inference_app(
     max_seq_len: int,
     vocab_size: int,
     api_key: str = "",
+    routes_experts: bool | None = None,
 ) -> Application:
     """The bound application; deploy it with ``deploy_inference_app``. A non-empty ``api_key``
-    is required as ``Authorization: Bearer`` on every endpoint but ``/health``."""
+    is required as ``Authorization: Bearer`` on every endpoint but ``/health``.
+    ``routes_experts`` (MoE or dense, None: unknown) lets a dense model's server refuse
+    ``return_routed_experts`` before any worker runs; the engine refuses it either way."""
     return InferenceServer.bind(
         prefill_actor_names=list(prefill_actor_names),
         decode_actor_names=list(decode_actor_names),
         ray_namespace=ray_namespace,
-        served=ServedModel(name=model_name, max_seq_len=max_seq_len, vocab_size=vocab_size),
+        served=ServedModel(name=model_name, max_seq_len=max_seq_len, vocab_size=vocab_size,
+                           routes_experts=routes_experts),
         api_key=api_key,
     )
 
