@@ -1,0 +1,151 @@
+"""The inference router: which worker serves what (plain logic over fake handles), and the real
+thing on Ray: KV pages through the object store, sessions kept on their decode worker with their
+KV reused, and the aggregated mode answering as the disaggregated one does."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+import ray
+
+from rollmesh.actors.inference_router import InferenceRouter
+from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
+from rollmesh.actors.role_base import MeshContext
+from rollmesh.config import InferenceConfig, ModelConfig
+from rollmesh.engine.decode import FinishedSequence
+from rollmesh.engine.protocols import GenerateOptions
+from rollmesh.messages.base import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
+
+
+class _Method:
+    def __init__(self, worker: "FakeWorker", name: str) -> None:
+        self.worker, self.name = worker, name
+
+    def remote(self, *args: Any) -> Any:
+        self.worker.calls.append((self.name, args))
+        if self.name == "prefill":
+            return f"kv-ref-of-{args[1]}"  # what Ray would hand over: a reference
+        return self.worker.finish(args)
+
+
+class FakeWorker:
+    """A duck-typed actor handle; decode calls finish when ``release`` is set."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls: list[tuple[str, tuple]] = []
+        self.release = asyncio.Event()
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(self, name)
+
+    async def finish(self, args: tuple) -> FinishedSequence:
+        await self.release.wait()
+        return FinishedSequence(request_id=args[2], token_ids=[1], logprobs=[0.0], versions=[0],
+                                finish_reason="length", prompt_len=3)
+
+
+def names(worker: FakeWorker) -> list[str]:
+    return [name for name, _ in worker.calls]
+
+
+@pytest.mark.unit
+async def test_first_turn_is_prefilled_apart_and_later_turns_stay_on_their_decode_worker() -> None:
+    prefill, decode_a, decode_b = FakeWorker("p"), FakeWorker("a"), FakeWorker("b")
+    for worker in (decode_a, decode_b):
+        worker.release.set()
+    router = InferenceRouter([prefill], [decode_a, decode_b])
+    session = GenerateOptions(session_id="rollout-1")
+    await router.generate([1, 2, 3], GREEDY, request_id="t1", options=session)
+    first = decode_a if decode_a.calls else decode_b
+    assert names(prefill) == ["prefill"] and names(first) == ["generate"]
+    # The decode worker got the prefill's reference, not the pages through the router.
+    assert first.calls[0][1][0] == "kv-ref-of-t1"
+    await router.generate([1, 2, 3, 4, 5], GREEDY, request_id="t2", options=session)
+    assert names(prefill) == ["prefill"]  # no second prefill: the session's KV is on `first`
+    assert names(first) == ["generate", "generate_prompt"]
+    assert first.calls[1][1][4] == session  # the options reach the worker
+
+
+@pytest.mark.unit
+async def test_new_sessions_go_to_the_decode_worker_with_fewest_requests_in_flight() -> None:
+    decode_a, decode_b = FakeWorker("a"), FakeWorker("b")
+    router = InferenceRouter([], [decode_a, decode_b])  # aggregated: no prefill workers
+    busy = asyncio.create_task(router.generate([1], GREEDY, request_id="long"))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(router.generate([1], GREEDY, request_id="s",
+                                                 options=GenerateOptions(session_id="s")))
+    await asyncio.sleep(0)
+    assert names(decode_a) == ["generate_prompt"] and names(decode_b) == ["generate_prompt"]
+    decode_a.release.set()
+    decode_b.release.set()
+    await asyncio.gather(busy, second)
+    assert router.decode_worker_for("s") == (1, True)
+
+
+@pytest.mark.unit
+def test_the_router_forgets_the_oldest_sessions_past_its_bound() -> None:
+    router = InferenceRouter([], [FakeWorker("a"), FakeWorker("b")], max_sessions=2)
+    for session in ("x", "y", "z"):
+        router.decode_worker_for(session)
+    assert router.decode_worker_for("x")[1] is False  # forgotten: placed anew
+    assert router.decode_worker_for("z")[1] is True
+    with pytest.raises(ValueError):
+        InferenceRouter([FakeWorker("p")], [])
+
+
+# -- on Ray -----------------------------------------------------------------------------------
+
+MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def workers(ray_session, nats_server, tmp_path_factory):
+    namespace = "r" + uuid.uuid4().hex[:10]
+    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url,
+                       run_dir=str(tmp_path_factory.mktemp("router-run")))
+    inference = InferenceConfig(max_batch=4, kv_block_size=8)
+
+    def spawn(cls, name, *args):
+        return ray.remote(cls).options(name=name, namespace=namespace, num_cpus=0).remote(
+            name, mesh, MODEL, inference, *args)
+
+    prefill = spawn(PrefillWorkerActor, "prefill-0")
+    decodes = [spawn(DecodeWorkerActor, f"decode-{i}", i) for i in range(2)]
+    actors = [prefill, *decodes]
+    try:
+        ray.get([actor.start.remote() for actor in actors], timeout=60)
+        yield prefill, decodes
+    finally:
+        for actor in actors:
+            try:
+                ray.get(actor.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort: killed next anyway
+                pass
+            ray.kill(actor)
+
+
+@pytest.mark.integration
+async def test_on_ray_sessions_reuse_kv_on_their_decode_worker_and_aggregated_answers_alike(workers) -> None:
+    prefill, decodes = workers
+    disaggregated = InferenceRouter([prefill], decodes)
+    session = GenerateOptions(session_id="agent")
+    first = await disaggregated.generate([256, 5, 6, 7, 8], GREEDY, request_id="d1", options=session)
+    turn_two = [256, 5, 6, 7, 8, *first.token_ids, 9, 10]
+    second = await disaggregated.generate(turn_two, GREEDY, request_id="d2", options=session)
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == 5 + len(first.token_ids) - 1  # all but the unforwarded last
+    index, returning = disaggregated.decode_worker_for("agent")
+    stats = await decodes[index].stats.remote()
+    assert returning and stats["decode"].session_hits == 1
+
+    aggregated = InferenceRouter([], decodes)
+    alike = await aggregated.generate([256, 5, 6, 7, 8], GREEDY, request_id="a1")
+    assert alike.token_ids == first.token_ids and alike.cached_tokens == 0
+    again = await aggregated.generate(turn_two, GREEDY, request_id="a2")
+    assert again.token_ids == second.token_ids
