@@ -9,6 +9,7 @@ Knows ``HFModelConfig``; does not know files, transformers, or which feed-forwar
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -37,15 +38,20 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+@functools.lru_cache(maxsize=16)
+def _inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    # Cached per (shape, device) rather than kept as a module buffer: a model built on the meta
+    # device and then loaded with assign=True would otherwise keep a meta buffer.
+    # Made outside inference mode, so a training forward may use the cached tensor too.
+    with torch.inference_mode(False):
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float) / head_dim))
+
+
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [T, head_dim] for the half-split ("rotate_half") RoPE layout HF uses."""
-    # Computed per call rather than kept as a buffer: it is cheap, and a model built on the meta
-    # device then loaded with assign=True would otherwise keep a meta buffer.
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float) / head_dim)
-    )
+    inv_freq = _inverse_frequencies(head_dim, theta, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
