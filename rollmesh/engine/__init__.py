@@ -1,6 +1,8 @@
-"""rollmesh.engine: the torch reference inference engine and its seams.
+"""rollmesh.engine: the torch inference engine (paged KV, continuous batching, sessions, weight
+swaps) and its seams.
 
-Plain logic, no Ray and no NATS: the actor shells wrap ``PrefillEngine`` and ``DecodeLoop``.
+Plain logic, no Ray and no NATS: the actor shells wrap ``PrefillEngine`` and ``DecodeLoop``. The
+SGLang backend (``sglang_backend``) is imported from its module, not from here.
 """
 
 from rollmesh.engine.batch_loop import DecodeLoop
@@ -12,17 +14,28 @@ from rollmesh.engine.errors import (
     EngineError,
     EngineStoppedError,
     InvalidRequestError,
+    KvCapacityError,
     PromptTooLongError,
     StaleWeightsError,
     WeightsChecksumError,
     WeightsError,
     WeightsFileError,
+    VersionUnavailableError,
     WeightsMismatchError,
 )
+from rollmesh.engine.kv_pages import KvBlockPool, KvLayout, PagedAttention
 from rollmesh.engine.local_engine import LocalEngine
 from rollmesh.engine.model import ModelShape, TinyDecoder, build_model
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult
-from rollmesh.engine.protocols import Detokenizer, FinishReason, GenerationResult, InferenceEngine
+from rollmesh.engine.paged_model import PagedCausalModel, build_inference_model
+from rollmesh.engine.protocols import (
+    Detokenizer,
+    FinishReason,
+    GenerateOptions,
+    GenerationResult,
+    InferenceEngine,
+)
+from rollmesh.engine.session_cache import SessionCache
 from rollmesh.engine.sampling import sample_tokens
 from rollmesh.engine.stopping import StopChecker
 from rollmesh.engine.tokenizer import ByteTokenizer
@@ -42,22 +55,31 @@ __all__ = [
     "EngineStoppedError",
     "FinishReason",
     "FinishedSequence",
+    "GenerateOptions",
     "GenerationResult",
     "InferenceEngine",
     "InvalidRequestError",
+    "KvBlockPool",
+    "KvCapacityError",
+    "KvLayout",
     "LocalEngine",
     "ModelShape",
+    "PagedAttention",
+    "PagedCausalModel",
     "PrefillEngine",
     "PrefillResult",
     "PromptTooLongError",
+    "SessionCache",
     "StaleWeightsError",
     "StopChecker",
     "TinyDecoder",
+    "VersionUnavailableError",
     "WeightStager",
     "WeightsChecksumError",
     "WeightsError",
     "WeightsFileError",
     "WeightsMismatchError",
+    "build_inference_model",
     "build_model",
     "load_weights",
     "sample_tokens",
