@@ -9,6 +9,10 @@ the boundary with ``raise X(...) from exc``::
     +-- BackendFailedError         the backend could not run one command (reason, argv0):
     |                              the sandbox failed, not the tool, so it is an infra failure
     +-- ToolNotFoundError          no tool script of that name ships with rollmesh (tool)
+    +-- SandboxDiedError           the sandbox's agent is gone (sandbox_id, reason): infra
+    +-- WorkspacePathError         a path that is absolute or leaves the workspace (path)
+    +-- UnsafeArchiveError         a tar member that would land outside the workspace (member)
+    +-- TransferError              a file could not be stored or read (path, reason)
 """
 
 from __future__ import annotations
@@ -39,3 +43,29 @@ class ToolNotFoundError(SandboxError):
     def __init__(self, message: str, *, tool: str) -> None:
         super().__init__(message)
         self.tool = tool
+
+
+class SandboxDiedError(SandboxError):
+    def __init__(self, message: str, *, backend: str = "", sandbox_id: str = "", reason: str = "") -> None:
+        super().__init__(f"{message}: {reason}" if reason else message, backend=backend)
+        self.sandbox_id = sandbox_id
+        self.reason = reason
+
+
+class WorkspacePathError(SandboxError):
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class UnsafeArchiveError(SandboxError):
+    def __init__(self, message: str, *, member: str) -> None:
+        super().__init__(message)
+        self.member = member
+
+
+class TransferError(SandboxError):
+    def __init__(self, message: str, *, path: str, reason: str = "") -> None:
+        super().__init__(f"{message}: {reason}" if reason else message)
+        self.path = path
+        self.reason = reason
