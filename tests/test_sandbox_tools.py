@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 from decimal import Decimal
 from types import ModuleType
@@ -13,8 +14,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rollmesh.sandbox import ToolNotFoundError, python_for_sandbox, tool_script_path
+from rollmesh.sandbox.bwrap_backend import BwrapBackend
+from rollmesh.sandbox.errors import BackendUnavailableError
+from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.timeout(60)]
 
 
 def load_tool() -> ModuleType:
@@ -42,11 +46,13 @@ molar_mass = load_tool()
         ("CH3COOH", "60.052"),
     ],
 )
+@pytest.mark.unit
 def test_molar_mass_of_known_formulas(formula: str, expected: str) -> None:
     assert f"{molar_mass.molar_mass(formula):.3f}" == expected
     assert molar_mass.format_mass(formula) == expected
 
 
+@pytest.mark.unit
 def test_repeated_symbols_add_up() -> None:
     assert molar_mass.parse_formula("CH3COOH") == {"C": 2, "H": 4, "O": 2}
 
@@ -55,23 +61,27 @@ def test_repeated_symbols_add_up() -> None:
     "formula",
     ["", "h2o", "H0", "H02", "2H", "H2O)", "(OH)2", "H2 O", "Xx", "Co", "H1234567", "Na+", "H" * 65],
 )
+@pytest.mark.unit
 def test_malformed_or_unknown_formulas_raise(formula: str) -> None:
     with pytest.raises(molar_mass.FormulaError):
         molar_mass.parse_formula(formula)
 
 
 @given(st.lists(st.tuples(st.sampled_from(sorted(molar_mass.ATOMIC_WEIGHTS)), st.integers(1, 4)), min_size=1, max_size=3))
+@pytest.mark.unit
 def test_mass_is_the_weighted_sum_of_the_parts(parts: list[tuple[str, int]]) -> None:
     formula = "".join(symbol if count == 1 else f"{symbol}{count}" for symbol, count in parts)
     expected = sum((molar_mass.ATOMIC_WEIGHTS[s] * c for s, c in parts), Decimal(0))
     assert molar_mass.format_mass(formula) == f"{expected:.3f}"
 
 
+@pytest.mark.unit
 def test_main_prints_three_decimals_and_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert molar_mass.main(["H2O"]) == 0
     assert capsys.readouterr().out == "18.015\n"
 
 
+@pytest.mark.unit
 def test_main_exits_two_with_a_message_on_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert molar_mass.main(["Xy2"]) == 2
     captured = capsys.readouterr()
@@ -79,6 +89,7 @@ def test_main_exits_two_with_a_message_on_bad_input(capsys: pytest.CaptureFixtur
     assert "unknown element" in captured.err
 
 
+@pytest.mark.unit
 def test_the_script_runs_alone_without_site_packages() -> None:
     argv = [python_for_sandbox(), "-I", "-S", str(tool_script_path("molar_mass"))]
     ok = subprocess.run([*argv, "CaCl2"], capture_output=True, text=True, env={}, timeout=20, check=False)
@@ -89,11 +100,37 @@ def test_the_script_runs_alone_without_site_packages() -> None:
 
 
 @pytest.mark.parametrize("name", ["no_such_tool", "../molar_mass", "molar_mass.py", "", "/etc/passwd"])
+@pytest.mark.unit
 def test_tool_script_path_refuses_unknown_names_and_paths(name: str) -> None:
     with pytest.raises(ToolNotFoundError) as info:
         tool_script_path(name)
     assert info.value.tool == name
 
 
+@pytest.mark.unit
 def test_python_for_sandbox_is_an_executable() -> None:
     assert os.access(python_for_sandbox(), os.X_OK)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+async def test_molar_mass_runs_inside_a_bubblewrap_sandbox() -> None:
+    """The tool scripts are shown read-only at their host path, so a rollout's tool call is the
+    same argv inside a sandbox as outside."""
+    backend = BwrapBackend()
+    try:
+        backend.self_test()
+    except BackendUnavailableError as exc:
+        pytest.skip(f"bubblewrap cannot run sandboxes here: {exc}")
+    sandbox = await backend.create("tools", SandboxLimits(memory_mb=128, pids=32, workspace_mb=8))
+    try:
+        argv = [python_for_sandbox(), "-I", "-S", str(tool_script_path("molar_mass"))]
+        ok = await sandbox.exec([*argv, "K2NaN2"])
+        assert (ok.result, ok.exit_code, ok.stdout, ok.stderr) == ("exit", 0, b"129.200\n", b"")
+        bad = await sandbox.exec([*argv, "Xx"])
+        assert (bad.result, bad.exit_code, bad.stdout) == ("exit", 2, b"")
+        before = tool_script_path("molar_mass").read_bytes()
+        scribble = await sandbox.exec(["/bin/sh", "-c", f"echo x >> {tool_script_path('molar_mass')}"])
+        assert scribble.exit_code != 0 and tool_script_path("molar_mass").read_bytes() == before
+    finally:
+        await sandbox.destroy()

@@ -1,197 +1,227 @@
-"""The bubblewrap backend: every command is a fresh ``bwrap`` process around the tool.
+"""The bubblewrap backend: one long-lived ``bwrap`` per sandbox, whose command is the agent.
 
-Knows bwrap's command line and the limits runner; nothing of leases or messages. What one
-command gets: the host root read-only, new user/pid/net/ipc/uts/cgroup namespaces (so only a
-loopback with nothing on it), no capabilities, private /tmp, /dev and /proc, a clean environment,
-and the lease's directory read-write as cwd. Every other lease's directory is hidden.
+Knows bwrap's command line, the host's cgroups and uids (``limits``) and the agent's config;
+nothing of leases. What a sandbox gets, and why:
 
-bwrap has no time or memory limits and cgroups are not ours to use, so the limits come from the
-runner: RLIMIT_AS via prlimit, and SIGKILL to the process group, which holds bwrap's pid-namespace
-init; when it dies the kernel kills everything left in the namespace, setsid or not.
+* ``--unshare-all`` (user, pid, net, ipc, uts, cgroup namespaces; ``--share-net`` only when the
+  lease asks for network), ``--die-with-parent``, ``--new-session``, ``--cap-drop ALL``, and
+  ``--as-pid-1``: the agent is the sandbox's init, so signals from inside cannot kill it, no
+  bwrap process inside holds the host's pipes (where same-uid code could ptrace it), and when
+  the agent dies the kernel ends everything in the sandbox.
+* A minimal read-only root built on bwrap's own tmpfs, never the host's ``/``: ``/usr``
+  read-only, the merged-usr links (``/bin``, ``/lib``, ``/lib64``, ``/sbin``) as they are on the
+  host, a few ``/etc`` files (the loader cache, nsswitch, localtime, alternatives; a synthesized
+  passwd, group and hosts; with network also resolv.conf and the CA store), fresh ``/proc`` and
+  ``/dev``, then ``/`` and ``/dev`` remounted read-only (writes fail with EROFS).
+* Writable only: ``/workspace`` (the cwd and HOME), a tmpfs of ``workspace_mb`` (the quota:
+  ENOSPC past it), ``/tmp`` (as large, also the agent's tar spool) and ``/dev/shm`` (small).
+  tmpfs pages are charged to the sandbox's memory cgroup, so files count as memory there.
+* Read-only at their host paths: the tool scripts (``TOOLS_DIR``) and the configured
+  ``readonly_paths``; the agent's files at ``/.rollmesh``. They must be readable by the
+  sandbox's uid (world-readable), which ``self_test`` checks.
+* When the broker runs as root: each sandbox runs as its own host uid (``setpriv``, an argv
+  prefix rather than a ``preexec_fn``, because the broker's Ray actor has threads), so
+  RLIMIT_NPROC and file ownership are per sandbox. Not root: the broker's uid.
+* Per-sandbox cgroup (v2, else v1 memory + pids) with ``memory_mb`` and ``pids``; the OOM-kill
+  counter lets the client report "oom". Without usable cgroups: RLIMIT_AS per exec and
+  RLIMIT_NPROC on the agent (counted per user namespace, hence per sandbox).
+  ``SandboxInfo.enforcement`` records which. On this project's dev host (Debian 12, root,
+  cgroup v1 memory + pids mounted, a v2 hierarchy without controllers) that is cgroup v1.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import subprocess
-import tempfile
+import uuid
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
-from rollmesh.sandbox.backend_protocol import ExecResult, clean_environment
-from rollmesh.sandbox.errors import BackendFailedError, BackendUnavailableError
-from rollmesh.sandbox.limited_process import run_limited
-from rollmesh.sandbox.tool_paths import TOOLS_DIR
+from rollmesh.sandbox.agent_client import AgentSandbox
+from rollmesh.sandbox.backend_check import check_backend
+from rollmesh.sandbox.errors import BackendFailedError, BackendUnavailableError, SandboxError
+from rollmesh.sandbox.limits import CgroupManager, SandboxCgroup, UidLease, UidPool, exec_rlimits
+from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
+from rollmesh.sandbox.tool_paths import AGENT_DIR, AGENT_ENV, AGENT_FILES, SANDBOX_PATH, SYSTEM_PYTHON, TOOLS_DIR
 
-SELF_TEST_TIMEOUT_S = 10.0
+AGENT_MOUNT = "/.rollmesh"
+WORKSPACE = "/workspace"
+SHM_MB = 64
+MERGED_USR_LINKS = ("bin", "lib", "lib64", "lib32", "libx32", "sbin")
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "nsswitch.conf", "localtime", "alternatives", "mime.types")
+ETC_NETWORK_FILES = ("resolv.conf", "hosts", "gai.conf", "ssl", "ca-certificates")
 
 
 class BwrapBackend:
-    """``workdir_mount``: where the lease's directory appears inside; None = at its host path.
-
-    The host path is the default because tool scripts live in the rollmesh checkout, and a
-    fixed mount such as ``/work`` hides them whenever the checkout sits below that path (as it
-    does in our dev tree, /work/main). A fixed mount must already exist on the host: the root is
-    read-only, so bwrap cannot create it.
-    """
-
     name = "bwrap"
     isolated = True
 
-    def __init__(self, *, bwrap: str | None = None, workdir_mount: str | None = None,
-                 readonly_paths: Sequence[str] = ()) -> None:
+    def __init__(self, *, bwrap: str | None = None, readonly_paths: Sequence[str] = (),
+                 python: str = SYSTEM_PYTHON, use_cgroups: bool = True, uid_pool: UidPool | None = None) -> None:
         found = bwrap or shutil.which("bwrap")
         if not found:
             raise BackendUnavailableError("bubblewrap is not installed", backend=self.name, reason="no bwrap on PATH")
-        if workdir_mount is not None and not Path(workdir_mount).is_dir():
-            raise BackendUnavailableError(
-                "workdir_mount must be an existing directory on the host",
-                backend=self.name,
-                reason=workdir_mount,
-            )
         self.bwrap = found
-        self.workdir_mount = workdir_mount
-        # Our own tool scripts must stay visible wherever the project is installed, /tmp included
-        # (a CI clone under /tmp would otherwise vanish under the sandbox's private /tmp).
+        self.python = python
         self.readonly_paths = [str(TOOLS_DIR), *(str(Path(p).resolve()) for p in readonly_paths)]
+        self.cgroups: CgroupManager | None = None
+        self.cgroup_reason = "disabled"
+        if use_cgroups:
+            self.cgroups, self.cgroup_reason = CgroupManager.detect()
+            if self.cgroups is not None:
+                self.cgroups.sweep()
+        self.setpriv: str | None = None
+        self.uids: UidPool | None = None
+        if os.geteuid() == 0:
+            self.setpriv = shutil.which("setpriv")
+            if self.setpriv is None:
+                raise BackendUnavailableError(
+                    "running as root needs setpriv (util-linux) to give each sandbox its own uid",
+                    backend=self.name, reason="no setpriv on PATH")
+            self.uids = uid_pool or UidPool()
 
-    def build_argv(
-        self, argv: list[str], *, workdir: Path, network: bool, writable_root: bool, status_fd: int
-    ) -> list[str]:
-        inside = self.workdir_mount or str(workdir)
-        # No --new-session: the runner already starts bwrap in a new session with no controlling
-        # terminal (what --new-session guards against), and bwrap's --new-session would move the
-        # sandbox's init out of the process group we kill. --die-with-parent alone is not
-        # enough: a child killed early in its setup can miss it.
-        wrapped = [self.bwrap, "--die-with-parent", "--unshare-all"]
-        if network:
-            wrapped.append("--share-net")
-        # Capabilities would be confined to the new user namespace anyway; dropping them all
-        # also stops tool code from mounting over what we set up.
-        wrapped += ["--cap-drop", "ALL"]
-        # writable_root writes through to the HOST root (bwrap 0.8 has no overlay); the broker
-        # refuses it until a backend can give a private writable root.
-        wrapped += ["--bind" if writable_root else "--ro-bind", "/", "/"]
-        wrapped += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-        for path in self.readonly_paths:
-            wrapped += ["--ro-bind-try", path, path]
-        if workdir.parent != Path("/"):
-            wrapped += ["--tmpfs", str(workdir.parent)]  # other leases live beside this one
-        wrapped += ["--bind", str(workdir), inside, "--chdir", inside, "--clearenv"]
-        for key, value in clean_environment(inside).items():
-            wrapped += ["--setenv", key, value]
-        wrapped += ["--json-status-fd", str(status_fd), "--", *argv]
-        return wrapped
+    # ---- create ------------------------------------------------------------------------------
 
-    async def run(
-        self,
-        argv: list[str],
-        *,
-        stdin: str,
-        timeout_s: float,
-        workdir: Path,
-        network: bool,
-        writable_root: bool,
-        max_output_bytes: int,
-        memory_limit_mb: int,
-    ) -> ExecResult:
-        status_read, status_write = os.pipe()
+    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False) -> AgentSandbox:
+        uid = self.uids.acquire() if self.uids is not None else None
+        cgroup: SandboxCgroup | None = None
+        data_fds: list[int] = []
         try:
-            wrapped = self.build_argv(
-                argv, workdir=workdir, network=network, writable_root=writable_root, status_fd=status_write
+            if self.cgroups is not None:
+                cgroup = self.cgroups.create(_cgroup_name(sandbox_id), memory_mb=limits.memory_mb, pids=limits.pids)
+            sandbox_uid = uid.uid if uid is not None else os.getuid()
+            argv, data_fds = self.build_argv(limits, network=network, uid=sandbox_uid, cgroup=cgroup)
+        except (OSError, SandboxError) as exc:
+            _release(cgroup, uid)
+            raise BackendFailedError("could not prepare the sandbox", backend=self.name, reason=str(exc)) from exc
+        info = SandboxInfo(sandbox_id=sandbox_id, backend=self.name, isolated=True, limits=limits,
+                           enforcement=self.enforcement(limits, network=network, cgroup=cgroup, uid=uid))
+        try:
+            # Without a cgroup, killing bwrap's session is enough: its pid-namespace init dies
+            # with it (--die-with-parent) and takes every process in the namespace along.
+            sandbox = await AgentSandbox.launch(
+                info, argv, env={"PATH": SANDBOX_PATH}, pass_fds=data_fds,
+                kill_tree=cgroup.kill_all if cgroup is not None else None,
+                cleanup=lambda: _release(cgroup, uid),
+                oom_kills=cgroup.oom_kills if cgroup is not None else None,
             )
-            try:
-                result = await run_limited(
-                    wrapped,
-                    env=clean_environment(str(workdir)),
-                    cwd=str(workdir),
-                    stdin=stdin.encode(),
-                    timeout_s=timeout_s,
-                    max_output_bytes=max_output_bytes,
-                    memory_limit_mb=memory_limit_mb,
-                    pass_fds=(status_write,),
-                )
-            except OSError as exc:
-                raise BackendFailedError(
-                    "could not start bwrap", backend=self.name, reason=str(exc), argv0=argv[0]
-                ) from exc
-            os.close(status_write)
-            status_write = -1
-            status = _read_status(status_read)
         finally:
-            os.close(status_read)
-            if status_write >= 0:
-                os.close(status_write)
-        if result.timed_out or result.truncated:
-            return result  # we killed it, so bwrap never got to report an exit
-        if "exit-code" not in status:
-            # bwrap failed before or at exec (bad mount, missing program): the sandbox failed,
-            # not the tool, so this must not reach the rollout as an ordinary tool result.
-            raise BackendFailedError(
-                "bwrap did not run the command",
-                backend=self.name,
-                reason=result.stderr.strip()[-500:],
-                argv0=argv[0],
-            )
-        return replace(result, exit_code=int(status["exit-code"]))
+            for fd in data_fds:
+                os.close(fd)
+        return sandbox
+
+    def build_argv(self, limits: SandboxLimits, *, network: bool, uid: int,
+                   cgroup: SandboxCgroup | None) -> tuple[list[str], list[int]]:
+        """The full command line (cgroup join, uid switch, bwrap, agent) and the fds it reads
+        synthesized files from (the caller closes them once the sandbox started)."""
+        fds: list[int] = []
+
+        def data(name: str, text: str) -> str:
+            fd = os.memfd_create(f"rollmesh-{name}", 0)
+            os.write(fd, text.encode())
+            os.lseek(fd, 0, os.SEEK_SET)
+            fds.append(fd)
+            return str(fd)
+
+        prefix: list[str] = []
+        if cgroup is not None:
+            prefix += cgroup.join_argv()
+        if self.setpriv is not None:
+            prefix += [self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+        args = [self.bwrap, "--unshare-all"]
+        if network:
+            args.append("--share-net")
+        # --as-pid-1: the agent is the namespace's init, so no bwrap process inside holds the
+        # host's pipes where code in the sandbox (same uid) could ptrace it, signals from inside
+        # cannot kill the agent, and when it dies everything in the sandbox dies with it.
+        args += ["--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+                 "--ro-bind", "/usr", "/usr"]
+        for link in MERGED_USR_LINKS:
+            host = Path("/") / link
+            if host.is_symlink():
+                args += ["--symlink", os.readlink(host), str(host)]
+            elif host.is_dir():
+                args += ["--ro-bind", str(host), str(host)]
+        args += ["--perms", "0755", "--dir", "/etc"]
+        for name in (*ETC_FILES, *(ETC_NETWORK_FILES if network else ())):
+            host = Path("/etc") / name
+            if host.is_symlink() and os.readlink(host).startswith("/usr/"):
+                args += ["--symlink", os.readlink(host), str(host)]
+            elif host.exists():
+                args += ["--ro-bind", str(host), str(host)]
+        args += ["--perms", "0644", "--ro-bind-data", data("passwd", _passwd(uid)), "/etc/passwd"]
+        args += ["--perms", "0644", "--ro-bind-data", data("group", _group(uid)), "/etc/group"]
+        if not network:
+            args += ["--perms", "0644", "--ro-bind-data", data("hosts", "127.0.0.1 localhost\n::1 localhost\n"),
+                     "/etc/hosts"]
+        workspace_bytes = str(limits.workspace_mb * 1024 * 1024)
+        args += ["--proc", "/proc", "--dev", "/dev",
+                 "--size", str(min(SHM_MB, limits.workspace_mb) * 1024 * 1024), "--tmpfs", "/dev/shm",
+                 "--size", workspace_bytes, "--perms", "1777", "--tmpfs", "/tmp",
+                 "--size", workspace_bytes, "--perms", "0755", "--tmpfs", WORKSPACE]
+        args += ["--perms", "0755", "--dir", AGENT_MOUNT]
+        for name in AGENT_FILES:
+            args += ["--ro-bind", str(AGENT_DIR / name), f"{AGENT_MOUNT}/{name}"]
+        for path in self.readonly_paths:
+            args += ["--ro-bind-try", path, path]
+        args += ["--remount-ro", "/", "--remount-ro", "/dev", "--chdir", WORKSPACE, "--clearenv"]
+        for key, value in AGENT_ENV.items():
+            args += ["--setenv", key, value]
+        args += ["--setenv", "HOME", WORKSPACE]
+        config = {
+            "workspace": WORKSPACE,
+            "spool": "/tmp",
+            "path": SANDBOX_PATH,
+            "max_output_bytes": limits.max_output_bytes,
+            "exec_timeout_s": limits.exec_timeout_s,
+            "exec_rlimits": exec_rlimits(cpu_s=limits.cpu_s, file_size_mb=limits.file_size_mb,
+                                         memory_mb=None if cgroup is not None else limits.memory_mb),
+            "nproc": limits.pids,
+            "child_oom_score_adj": 1000,
+        }
+        args += ["--", self.python, "-I", "-S", f"{AGENT_MOUNT}/agent.py", json.dumps(config)]
+        return prefix + args, fds
+
+    def enforcement(self, limits: SandboxLimits, *, network: bool, cgroup: SandboxCgroup | None,
+                    uid: UidLease | None) -> dict[str, str]:
+        by_cgroup = f"cgroup {cgroup.version}" if cgroup is not None else ""
+        return {
+            "isolation": "bubblewrap namespaces (user, pid, net, ipc, uts, cgroup), read-only minimal root",
+            "memory": by_cgroup or "rlimit (RLIMIT_AS per exec)",
+            "pids": by_cgroup or "rlimit (RLIMIT_NPROC per sandbox user namespace)",
+            "cgroups": by_cgroup or f"none: {self.cgroup_reason}",
+            "workspace": f"tmpfs quota {limits.workspace_mb} MiB",
+            "cpu": "rlimit (RLIMIT_CPU per exec)",
+            "file_size": "rlimit (RLIMIT_FSIZE per exec)",
+            "uid": f"dedicated host uid {uid.uid}" if uid is not None else "the broker's uid",
+            "network": "host network" if network else "none (own network namespace)",
+        }
 
     def self_test(self) -> None:
-        """Run ``true`` in a throwaway sandbox; raise BackendUnavailableError if that fails.
-
-        Synchronous on purpose: it runs once, at start-up, before any event loop work.
-        """
-        with tempfile.TemporaryDirectory(prefix="rollmesh-bwrap-selftest-") as tmp:
-            workdir = Path(tmp) / "lease"
-            workdir.mkdir()
-            argv = self.build_argv(["true"], workdir=workdir, network=False, writable_root=False, status_fd=1)
-            try:
-                done = subprocess.run(
-                    argv,
-                    env=clean_environment(str(workdir)),
-                    cwd=workdir,
-                    capture_output=True,
-                    timeout=SELF_TEST_TIMEOUT_S,
-                    check=False,
-                )
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                raise BackendUnavailableError("bwrap self-test failed", backend=self.name, reason=str(exc)) from exc
-            if done.returncode != 0:
-                reason = done.stderr.decode(errors="replace").strip()[-500:] or f"exit {done.returncode}"
-                raise BackendUnavailableError("bwrap self-test failed", backend=self.name, reason=reason)
+        """Start a sandbox, run ``true`` and read a tool script; BackendUnavailableError when
+        any of that fails. Synchronous: it runs once, at start-up."""
+        check_backend(self)
 
 
-def _read_status(fd: int) -> dict[str, object]:
-    """Merge bwrap's JSON status documents ({"child-pid": ...} then {"exit-code": ...}).
+def _release(cgroup: SandboxCgroup | None, uid: UidLease | None) -> None:
+    if cgroup is not None:
+        cgroup.kill_all()
+        cgroup.remove()
+    if uid is not None:
+        uid.release()
 
-    Read without blocking: bwrap wrote everything before it exited, and a lingering sandboxed
-    process must not make us wait for an EOF.
-    """
-    os.set_blocking(fd, False)
-    data = b""
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            break
-        if not chunk:
-            break
-        data += chunk
-    merged: dict[str, object] = {}
-    decoder = json.JSONDecoder()
-    text = data.decode(errors="replace")
-    index = 0
-    while index < len(text):
-        while index < len(text) and text[index].isspace():
-            index += 1
-        if index >= len(text):
-            break
-        try:
-            document, index = decoder.raw_decode(text, index)
-        except json.JSONDecodeError:
-            break
-        if isinstance(document, dict):
-            merged.update(document)
-    return merged
+
+def _cgroup_name(sandbox_id: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", sandbox_id)[:64]
+    return f"{safe}-{uuid.uuid4().hex[:8]}"
+
+
+def _passwd(uid: int) -> str:
+    return (f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:{WORKSPACE}:/bin/sh\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+
+
+def _group(uid: int) -> str:
+    return f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n"

@@ -1,68 +1,89 @@
-"""The bare process backend: a plain subprocess in the lease's directory. Development only.
+"""The bare process backend: the agent as a plain subprocess, its workspace a host temp
+directory. Development only.
 
-Knows the limits runner and structlog; nothing of leases. It keeps the limits (time, memory,
-output, clean environment) but isolates NOTHING: tool code can read and write anything the broker
-can and use the network. It ignores ``network`` and ``writable_root``: both are always "yes".
+Knows the agent's config and structlog; nothing of leases. It keeps the per-exec limits (time,
+output, RLIMIT_CPU / FSIZE / AS, a clean environment) and the workspace path checks, but
+isolates NOTHING: tool code can read and write anything the broker can, signal the broker's
+processes and use the network; there is no workspace quota and no process limit.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import stat
+import tempfile
 from pathlib import Path
 
 import structlog
 
-from rollmesh.sandbox.backend_protocol import SANDBOX_PATH, ExecResult, clean_environment
-from rollmesh.sandbox.errors import BackendFailedError
-from rollmesh.sandbox.limited_process import run_limited
+from rollmesh.sandbox.agent_client import AgentSandbox
+from rollmesh.sandbox.limits import exec_rlimits
+from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
+from rollmesh.sandbox.tool_paths import AGENT_DIR, AGENT_ENV, SANDBOX_PATH, python_for_sandbox
 
 log = structlog.get_logger(__name__)
+
+ENFORCEMENT = {
+    "isolation": "none: a plain host process (development only)",
+    "memory": "rlimit (RLIMIT_AS per exec)",
+    "pids": "none",
+    "workspace": "none: a host directory without quota",
+    "cpu": "rlimit (RLIMIT_CPU per exec)",
+    "file_size": "rlimit (RLIMIT_FSIZE per exec)",
+    "uid": "the broker's uid",
+    "network": "host network",
+}
 
 
 class ProcessBackend:
     name = "process"
     isolated = False
 
-    def __init__(self) -> None:
+    def __init__(self, *, root_dir: str | Path | None = None) -> None:
+        self.root_dir = str(root_dir) if root_dir is not None else None
         log.warning("process sandbox backend isolates NOTHING: development only", backend=self.name)
 
-    async def run(
-        self,
-        argv: list[str],
-        *,
-        stdin: str,
-        timeout_s: float,
-        workdir: Path,
-        network: bool,
-        writable_root: bool,
-        max_output_bytes: int,
-        memory_limit_mb: int,
-    ) -> ExecResult:
-        # Checked here because prlimit would report a missing program as exit 127, while bwrap
-        # reports it as a sandbox failure; both backends must agree.
-        if not _is_runnable(argv[0], workdir):
-            raise BackendFailedError(
-                "no such program in the sandbox", backend=self.name, reason=argv[0], argv0=argv[0]
-            )
+    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False) -> AgentSandbox:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", sandbox_id)[:64]
+        if self.root_dir is not None:
+            os.makedirs(self.root_dir, exist_ok=True)
+        home = tempfile.mkdtemp(prefix=f"rollmesh-sandbox-{safe}-", dir=self.root_dir)
+        workspace, spool = os.path.join(home, "workspace"), os.path.join(home, "spool")
+        os.mkdir(workspace)
+        os.mkdir(spool, 0o700)
+        config = {
+            "workspace": workspace,
+            "spool": spool,
+            "path": SANDBOX_PATH,
+            "max_output_bytes": limits.max_output_bytes,
+            "exec_timeout_s": limits.exec_timeout_s,
+            "exec_rlimits": exec_rlimits(cpu_s=limits.cpu_s, file_size_mb=limits.file_size_mb,
+                                         memory_mb=limits.memory_mb),
+        }
+        info = SandboxInfo(sandbox_id=sandbox_id, backend=self.name, isolated=False, limits=limits,
+                           enforcement=dict(ENFORCEMENT))
+        argv = [python_for_sandbox(), "-I", "-S", str(AGENT_DIR / "agent.py"), json.dumps(config)]
+        return await AgentSandbox.launch(info, argv, env=dict(AGENT_ENV), cwd=workspace,
+                                         cleanup=lambda: remove_tree(home), graceful_exit_s=1.0)
+
+    def self_test(self) -> None:
+        """Nothing to check: a plain subprocess always works."""
+
+
+def remove_tree(path: str) -> None:
+    """Remove ``path`` even where a command left directories without write permission."""
+
+    def make_writable_and_retry(function, failed_path, _exc_info) -> None:  # noqa: ANN001
+        parent = os.path.dirname(failed_path)
         try:
-            return await run_limited(
-                argv,
-                env=clean_environment(str(workdir)),
-                cwd=str(workdir),
-                stdin=stdin.encode(),
-                timeout_s=timeout_s,
-                max_output_bytes=max_output_bytes,
-                memory_limit_mb=memory_limit_mb,
-            )
-        except OSError as exc:
-            raise BackendFailedError(
-                "could not start the command", backend=self.name, reason=str(exc), argv0=argv[0]
-            ) from exc
+            os.chmod(parent, os.stat(parent).st_mode | stat.S_IRWXU)
+            if os.path.isdir(failed_path) and not os.path.islink(failed_path):
+                os.chmod(failed_path, os.stat(failed_path).st_mode | stat.S_IRWXU)
+            function(failed_path)
+        except OSError:
+            pass
 
-
-def _is_runnable(program: str, workdir: Path) -> bool:
-    if "/" not in program:
-        return shutil.which(program, path=SANDBOX_PATH) is not None
-    path = workdir / program  # an absolute program replaces workdir in the join
-    return path.is_file() and os.access(path, os.X_OK)
+    shutil.rmtree(path, onerror=make_writable_and_retry)

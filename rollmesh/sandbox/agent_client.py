@@ -1,0 +1,514 @@
+"""The host's end of a sandbox: spawns the agent process a backend describes, multiplexes
+concurrent calls over its pipes by request id, and implements the ``Sandbox`` protocol.
+
+Knows asyncio, the frame codec and the sandbox protocol; nothing of bubblewrap, cgroups or
+leases (a backend hands in the argv and its own ``kill_tree`` / ``cleanup`` / ``oom_kills``).
+Everything read from the agent is untrusted: code in the sandbox runs as the agent's uid, so the
+reader bounds every frame, and a pipe that stops making sense counts as a dead sandbox.
+
+Latency matters (a tool call is one exec round trip): the pipes are plain non-blocking fds on
+the event loop (``add_reader``), no asyncio transports or threads, and 1 MiB large so a 1 MiB
+upload is one write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import inspect
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from rollmesh.sandbox import agent_wire as wire
+from rollmesh.sandbox.errors import (
+    BackendFailedError,
+    SandboxDiedError,
+    TransferError,
+    UnsafeArchiveError,
+    WorkspacePathError,
+)
+from rollmesh.sandbox.sandbox_protocol import ExecOutcome, FileTransfer, OutputCallback, SandboxInfo
+
+F_SETPIPE_SZ = 1031
+PIPE_SIZE = 1024 * 1024
+HIGH_WATER = 2 * wire.CHUNK  # a chunked upload waits while this much is still unwritten
+MAX_REPLY_PAYLOAD = wire.CHUNK + 64 * 1024  # the agent never sends more in one frame
+ANSWER_GRACE_S = 30.0  # past an exec's timeout: how long the agent may take to report it
+STDERR_TAIL = 4096
+EXIT_WAIT_S = 5.0
+_DIED = object()  # pushed to every open call when the sandbox dies
+
+
+class _Call:
+    """The frames that arrived for one request id, and whoever waits for the next."""
+
+    __slots__ = ("frames", "waiter")
+
+    def __init__(self) -> None:
+        self.frames: deque = deque()
+        self.waiter: asyncio.Future | None = None
+
+    def push(self, frame: object) -> None:
+        self.frames.append(frame)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def next(self, timeout_s: float | None = None) -> object:
+        """The next frame; asyncio.TimeoutError after ``timeout_s`` without one."""
+        while not self.frames:
+            loop = asyncio.get_running_loop()
+            waiter = self.waiter = loop.create_future()
+            timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
+            try:
+                await waiter
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        return self.frames.popleft()
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(asyncio.TimeoutError())
+
+
+class AgentSandbox:
+    """A live sandbox whose agent this object spawned and owns. Use ``launch``."""
+
+    def __init__(
+        self,
+        info: SandboxInfo,
+        process: subprocess.Popen,
+        *,
+        kill_tree: Callable[[], None] | None = None,
+        cleanup: Callable[[], None] | None = None,
+        oom_kills: Callable[[], int] | None = None,
+        graceful_exit_s: float = 0.0,
+    ) -> None:
+        self.info = info
+        self._graceful_exit_s = graceful_exit_s
+        self._process = process
+        self._kill_tree = kill_tree
+        self._cleanup = cleanup
+        self._oom_kills = oom_kills
+        self._loop = asyncio.get_running_loop()
+        self._reader = wire.FrameReader(MAX_REPLY_PAYLOAD, reuse=True)
+        assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+        self._in_fd, self._out_fd, self._err_fd = process.stdin.fileno(), process.stdout.fileno(), process.stderr.fileno()
+        self._writer = wire.FrameWriter(self._in_fd)
+        self._calls: dict[int, _Call] = {0: _Call()}  # id 0: the agent's "ready" hello
+        self._next_id = 1
+        self._drain_waiters: list[tuple[int, asyncio.Future]] = []
+        self._stderr_tail = bytearray()
+        self._dead_reason = ""
+        self._destroyed = False
+        for fd in (self._in_fd, self._out_fd, self._err_fd):
+            os.set_blocking(fd, False)
+        for fd in (self._in_fd, self._out_fd):
+            try:
+                fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)
+            except OSError:
+                pass  # over the per-user pipe budget: still correct, only slower
+        self._loop.add_reader(self._out_fd, self._on_readable)
+        self._loop.add_reader(self._err_fd, self._on_stderr)
+
+    @classmethod
+    async def launch(
+        cls,
+        info: SandboxInfo,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str],
+        cwd: str | None = None,
+        pass_fds: Sequence[int] = (),
+        start_timeout_s: float = 20.0,
+        kill_tree: Callable[[], None] | None = None,
+        cleanup: Callable[[], None] | None = None,
+        oom_kills: Callable[[], int] | None = None,
+        graceful_exit_s: float = 0.0,
+    ) -> AgentSandbox:
+        """Spawn the agent (``argv``, which already holds every wrapper) and wait for its hello.
+
+        No ``preexec_fn``: the broker runs inside a Ray actor, which has threads. The agent gets
+        a session of its own so no signal meant for the broker's group reaches it.
+        """
+        try:
+            process = subprocess.Popen(
+                list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env=env, cwd=cwd, pass_fds=tuple(pass_fds), start_new_session=True, bufsize=0,
+            )
+        except OSError as exc:
+            if cleanup is not None:
+                cleanup()
+            raise BackendFailedError("could not start the sandbox", backend=info.backend, reason=str(exc),
+                                     argv0=str(argv[0])) from exc
+        sandbox = cls(info, process, kill_tree=kill_tree, cleanup=cleanup, oom_kills=oom_kills,
+                      graceful_exit_s=graceful_exit_s)
+        try:
+            hello = await sandbox._calls[0].next(start_timeout_s)
+        except asyncio.TimeoutError:
+            hello = None
+        except BaseException:
+            await sandbox.destroy()
+            raise
+        del sandbox._calls[0]
+        if hello is _DIED or not isinstance(hello, tuple) or hello[0].get("t") != "ready":
+            reason = sandbox._dead_reason or "the agent did not start in time"
+            await sandbox.destroy()
+            raise BackendFailedError("the sandbox did not start", backend=info.backend, reason=reason,
+                                     argv0=str(argv[0]))
+        return sandbox
+
+    # ---- pipes -------------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        try:
+            frames = self._reader.read(self._out_fd)
+        except BlockingIOError:
+            return
+        except EOFError:
+            self._mark_dead("the agent exited")
+            return
+        except (wire.WireError, OSError) as exc:
+            self._mark_dead(f"the agent's pipe broke: {exc}")
+            return
+        for header, payload in frames:
+            call = self._calls.get(header.get("id", 0) if header.get("t") != "ready" else 0)
+            if call is not None:  # else: a call cancelled while its reply was on the way
+                # A large payload is a view of the reader's scratch buffer: the one copy it gets
+                # (the bytes the caller receives) is made here, before the next read.
+                call.push((header, payload if isinstance(payload, bytes) else bytes(payload)))
+
+    def _on_stderr(self) -> bool:
+        """Keep the tail of what the agent (or bwrap, runsc) says on stderr; False at its end."""
+        try:
+            data = os.read(self._err_fd, 65536)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            data = b""
+        if not data:
+            self._loop.remove_reader(self._err_fd)
+            return False
+        self._stderr_tail += data
+        del self._stderr_tail[:-STDERR_TAIL]
+        return True
+
+    def _on_writable(self) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
+        try:
+            done = self._writer.flush()
+        except OSError as exc:  # BrokenPipeError: the agent is gone
+            self._mark_dead(f"cannot write to the agent: {exc}")
+            return
+        if done:
+            self._loop.remove_writer(self._in_fd)
+        else:
+            self._loop.add_writer(self._in_fd, self._on_writable)
+        if self._drain_waiters:
+            waiting = []
+            for level, waiter in self._drain_waiters:
+                if self._writer.pending > level:
+                    waiting.append((level, waiter))
+                elif not waiter.done():
+                    waiter.set_result(None)
+            self._drain_waiters = waiting
+
+    def _send(self, header: dict[str, object], payload: bytes | memoryview = b"") -> None:
+        self._writer.send(header, payload)
+        self._flush()
+
+    async def _wait_drained(self, level: int) -> None:
+        """Until at most ``level`` bytes are still waiting for the pipe."""
+        while self._writer.pending > level and not self._dead_reason:
+            waiter = self._loop.create_future()
+            self._drain_waiters.append((level, waiter))
+            await waiter
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead_reason:
+            return
+        if self._oom_kills is not None and not self._destroyed:
+            try:
+                if self._oom_kills() > 0:
+                    reason += " (the memory limit killed a process in this sandbox)"
+            except OSError:
+                pass
+        code = self._process.poll()
+        if code is not None:
+            reason += f"; exit status {code}"
+        for _ in range(16):  # what it said last (why it died) may still be in the pipe
+            if not self._on_stderr():
+                break
+        tail = self._stderr_tail.decode(errors="replace").strip()
+        self._dead_reason = f"{reason}: {tail[-500:]}" if tail else reason
+        for fd in (self._out_fd, self._err_fd):
+            self._loop.remove_reader(fd)
+        self._loop.remove_writer(self._in_fd)
+        for call in self._calls.values():
+            call.push(_DIED)
+        for _, waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _open(self) -> tuple[int, _Call]:
+        if self._dead_reason:
+            raise SandboxDiedError("the sandbox is gone", backend=self.info.backend,
+                                   sandbox_id=self.info.sandbox_id, reason=self._dead_reason)
+        rid = self._next_id
+        self._next_id += 1
+        call = self._calls[rid] = _Call()
+        return rid, call
+
+    def _died(self) -> SandboxDiedError:
+        return SandboxDiedError("the sandbox died", backend=self.info.backend,
+                                sandbox_id=self.info.sandbox_id, reason=self._dead_reason)
+
+    def _raise_for(self, frame: object) -> dict:
+        """The header of an answer frame; raises what an error frame (or death) means."""
+        if frame is _DIED:
+            raise self._died()
+        header = frame[0]  # type: ignore[index]
+        if header.get("t") != "error":
+            return header
+        kind, message = header.get("kind"), str(header.get("message", ""))
+        if kind == "workspace_path":
+            raise WorkspacePathError(message, path=str(header.get("path", "")))
+        if kind == "unsafe_archive":
+            raise UnsafeArchiveError(message, member=str(header.get("member", "")))
+        if kind == "transfer":
+            raise TransferError(message, path=str(header.get("path", "")), reason=str(header.get("reason", "")))
+        raise BackendFailedError("the agent refused a request", backend=self.info.backend, reason=message)
+
+    # ---- Sandbox protocol --------------------------------------------------------------------
+
+    async def exec(
+        self,
+        argv: list[str] | None = None,
+        *,
+        shell: str | None = None,
+        stdin: bytes = b"",
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> ExecOutcome:
+        if (argv is None) == (shell is None):
+            raise ValueError("exec takes exactly one of argv and shell")
+        if argv is not None and (not argv or not all(isinstance(a, str) for a in argv)):
+            raise ValueError("argv must be a non-empty list of strings")
+        if cwd not in (None, "", "."):
+            _relative(str(cwd))
+        limit = self.info.limits.exec_timeout_s
+        timeout = limit if timeout_s is None else max(0.001, min(float(timeout_s), limit))
+        started = time.monotonic()
+        oom_before = self._count_oom()
+        rid, call = self._open()
+        header: dict[str, object] = {"id": rid, "op": "exec", "timeout_s": timeout, "stream": on_output is not None}
+        if argv is not None:
+            header["argv"] = list(argv)
+        else:
+            header["shell"] = shell
+        if env:
+            header["env"] = {str(k): str(v) for k, v in env.items()}
+        if cwd not in (None, "", "."):
+            header["cwd"] = cwd
+        out, err = bytearray(), bytearray()
+        try:
+            self._send(header, stdin)
+            while True:
+                try:
+                    frame = await call.next(timeout + ANSWER_GRACE_S)
+                except asyncio.TimeoutError:
+                    return _outcome("infra_error", out, err, started, detail="the agent did not report the exec")
+                if frame is _DIED:
+                    return _outcome("sandbox_died", out, err, started, detail=self._dead_reason)
+                fields = self._raise_for(frame)
+                payload = frame[1]  # type: ignore[index]
+                if fields.get("t") == "out":
+                    (out if fields.get("s") == "stdout" else err).extend(payload)
+                    if on_output is not None:
+                        maybe = on_output("stdout" if fields.get("s") == "stdout" else "stderr", bytes(payload))
+                        if inspect.isawaitable(maybe):
+                            await maybe
+                    continue
+                if fields.get("t") == "done":
+                    return self._finish_exec(fields, payload, out, err, oom_before, on_output)
+        except BaseException:  # cancelled, or on_output raised: the command must not run on
+            if not self._dead_reason:
+                self._send({"id": 0, "op": "cancel", "target": rid})
+            raise
+        finally:
+            self._calls.pop(rid, None)
+
+    def _finish_exec(self, fields: dict, payload: bytes, out: bytearray, err: bytearray,
+                     oom_before: int | None, on_output: OutputCallback | None) -> ExecOutcome:
+        n_stdout = min(int(fields.get("n_stdout") or 0), len(payload))
+        out += payload[:n_stdout]
+        err += payload[n_stdout:]
+        result = str(fields.get("result", "infra_error"))
+        exit_code, signum = fields.get("exit_code"), fields.get("signal")
+        detail = str(fields.get("detail", ""))
+        killed = signum == signal.SIGKILL or (result == "exit" and exit_code == 128 + signal.SIGKILL)
+        if result in ("signal", "exit") and killed and oom_before is not None:
+            if (self._count_oom() or 0) > oom_before:
+                result, exit_code, signum = "oom", None, int(signal.SIGKILL)
+                detail = "the sandbox's memory limit killed it"
+        return ExecOutcome(
+            result=result,  # type: ignore[arg-type]
+            exit_code=exit_code if isinstance(exit_code, int) else None,
+            signal=signum if isinstance(signum, int) else None,
+            truncated=bool(fields.get("truncated")),
+            stdout=bytes(out),
+            stderr=bytes(err),
+            duration_s=float(fields.get("duration_s") or 0.0),
+            cpu_s=float(fields.get("cpu_s") or 0.0),
+            detail=detail,
+        )
+
+    def _count_oom(self) -> int | None:
+        if self._oom_kills is None:
+            return None
+        try:
+            return self._oom_kills()
+        except OSError:
+            return None
+
+    async def put_file(self, path: str, data: bytes, *, mode: int = 0o644) -> FileTransfer:
+        return await self._upload("put_file", path, data, {"mode": int(mode)})
+
+    async def put_tar(self, path: str, tar_bytes: bytes) -> FileTransfer:
+        return await self._upload("put_tar", path, tar_bytes, {}, allow_root=True)
+
+    async def get_file(self, path: str) -> tuple[bytes, FileTransfer]:
+        return await self._download("get_file", path)
+
+    async def get_tar(self, path: str) -> tuple[bytes, FileTransfer]:
+        return await self._download("get_tar", path, allow_root=True)
+
+    async def _upload(self, op: str, path: str, data: bytes, extra: dict[str, object],
+                      *, allow_root: bool = False) -> FileTransfer:
+        rel = _relative(path, allow_root=allow_root)
+        view = memoryview(data).cast("B")
+        rid, call = self._open()
+        hasher = hashlib.sha256()
+        try:
+            first = view[:wire.CHUNK]
+            self._send({"id": rid, "op": op, "path": rel, "size": len(view), "last": len(view) <= wire.CHUNK, **extra},
+                       first)
+            # Hash our copy while the agent stores (and hashes) its own; but first let the pipe
+            # take the frame, else the agent would wait for its tail while we hash.
+            await self._wait_drained(0 if len(view) <= wire.CHUNK else HIGH_WATER)
+            await _hash(hasher, first)
+            for start in range(wire.CHUNK, len(view), wire.CHUNK):
+                await self._wait_drained(HIGH_WATER)
+                if call.frames:  # refused early (a bad path, a full disk): stop sending
+                    self._send({"id": rid, "op": "chunk", "last": True, "abort": True})
+                    break
+                chunk = view[start:start + wire.CHUNK]
+                self._send({"id": rid, "op": "chunk", "last": start + wire.CHUNK >= len(view)}, chunk)
+                await _hash(hasher, chunk)
+            fields = self._raise_for(await call.next())
+        finally:
+            self._calls.pop(rid, None)
+        transfer = FileTransfer(path=rel, size=int(fields.get("size", -1)), sha256=str(fields.get("sha256", "")))
+        if transfer.size != len(view) or transfer.sha256 != hasher.hexdigest():
+            raise TransferError("the sandbox stored different bytes", path=rel, reason="size or sha256 mismatch")
+        return transfer
+
+    async def _download(self, op: str, path: str, *, allow_root: bool = False) -> tuple[bytes, FileTransfer]:
+        rel = _relative(path, allow_root=allow_root)
+        rid, call = self._open()
+        hasher = hashlib.sha256()
+        parts: list[bytes | bytearray] = []
+        try:
+            self._send({"id": rid, "op": op, "path": rel})
+            while True:
+                frame = await call.next()
+                fields = self._raise_for(frame)
+                payload = frame[1]  # type: ignore[index]
+                if len(payload):
+                    parts.append(payload)
+                    await _hash(hasher, payload)
+                if fields.get("t") == "ok":
+                    break
+        finally:
+            self._calls.pop(rid, None)
+        data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+        transfer = FileTransfer(path=rel, size=int(fields.get("size", -1)), sha256=str(fields.get("sha256", "")))
+        if transfer.size != len(data) or transfer.sha256 != hasher.hexdigest():
+            raise TransferError("the bytes read differ from what the sandbox sent", path=rel,
+                                reason="size or sha256 mismatch")
+        return data, transfer
+
+    async def ping(self) -> float:
+        """One round trip to the agent, in seconds."""
+        started = time.perf_counter()
+        rid, call = self._open()
+        try:
+            self._send({"id": rid, "op": "ping"})
+            self._raise_for(await call.next())
+        finally:
+            self._calls.pop(rid, None)
+        return time.perf_counter() - started
+
+    def alive(self) -> bool:
+        return not self._dead_reason and self._process.poll() is None
+
+    async def destroy(self) -> None:
+        """Kill the whole process tree and remove what the backend made for it. Idempotent."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._mark_dead("the sandbox was destroyed")
+        try:
+            self._process.stdin.close()  # type: ignore[union-attr]  # the agent kills its commands and exits
+        except OSError:
+            pass
+        give_up = time.monotonic() + self._graceful_exit_s
+        while self._process.poll() is None and time.monotonic() < give_up:
+            await asyncio.sleep(0.002)
+        if self._kill_tree is not None:
+            self._kill_tree()
+        else:
+            try:
+                os.killpg(self._process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        give_up = time.monotonic() + EXIT_WAIT_S
+        while self._process.poll() is None and time.monotonic() < give_up:
+            await asyncio.sleep(0.002)
+        for pipe in (self._process.stdout, self._process.stderr):
+            if pipe is not None:
+                pipe.close()
+        if self._cleanup is not None:
+            self._cleanup()
+
+
+async def _hash(hasher: hashlib._Hash, data: bytes | bytearray | memoryview) -> None:
+    # hashlib drops the GIL on large buffers: hash big chunks in a thread so the event loop
+    # (other sandboxes' pipes) keeps going. Small ones are cheaper inline.
+    if len(data) > 1024 * 1024:
+        await asyncio.to_thread(hasher.update, data)
+    else:
+        hasher.update(data)
+
+
+def _relative(path: str, *, allow_root: bool = False) -> str:
+    try:
+        return wire.workspace_relative(path, allow_root=allow_root)
+    except ValueError as exc:
+        raise WorkspacePathError(f"path {path!r} refused: {exc}", path=str(path)) from None
+
+
+def _outcome(result: str, out: bytearray, err: bytearray, started: float, *, detail: str) -> ExecOutcome:
+    return ExecOutcome(result=result, exit_code=None, signal=None, truncated=False,  # type: ignore[arg-type]
+                       stdout=bytes(out), stderr=bytes(err), duration_s=time.monotonic() - started, detail=detail)
+
