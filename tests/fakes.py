@@ -1,45 +1,204 @@
 """Fakes for the true edges of the system, one class per edge; each says what it fakes.
 
-Only edges are faked (a process we would spawn, the wall clock, the NATS bus, a model server's
-generate and weight-swap calls); plain logic is always real.
+Only edges are faked (a sandbox runtime we would spawn, the wall clock, the NATS bus, a model
+server's generate and weight-swap calls); plain logic is always real.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import io
+import tarfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
 from rollmesh.messages import SamplingParams, Subject, WireMessage
-from rollmesh.sandbox.backend_protocol import ExecResult
+from rollmesh.sandbox.errors import SandboxDiedError, TransferError, UnsafeArchiveError, WorkspacePathError
+from rollmesh.sandbox.sandbox_protocol import ExecOutcome, FileTransfer, SandboxInfo, SandboxLimits
 
 if TYPE_CHECKING:
     import torch
 
 
-class FakeSandboxBackend:
-    """Fakes a ``rollmesh.sandbox.SandboxBackend``: runs nothing.
+class FakeSandbox:
+    """Fakes one live ``rollmesh.sandbox.Sandbox`` (the runtime edge): no process, no isolation.
 
-    Each ``run`` records its call in ``calls`` and returns the next scripted outcome from
-    ``outcomes`` (an ``ExecResult``, or an exception to raise); when none are left it returns an
-    empty success.
+    The workspace is the dict ``files`` (relative path -> bytes); tars in and out are real tars of
+    it. A command answers with the backend's next scripted outcome (an ``ExecOutcome``, an
+    exception to raise, or a function of ``(sandbox, argv, shell, stdin)``), else by a few
+    built-ins: ``echo WORDS``, ``cat`` (stdin), ``cat FILE``, ``exit N``; anything else exits 0
+    silently. Output is handed to ``on_output`` line by line before the outcome is returned.
+    ``die()`` makes it behave as a sandbox whose agent is gone.
+    """
+
+    def __init__(self, backend: FakeSandboxBackend, sandbox_id: str, limits: SandboxLimits,
+                 network: bool) -> None:
+        self.info = SandboxInfo(sandbox_id, backend.name, backend.isolated, limits)
+        self.network = network
+        self.files: dict[str, bytes] = {}
+        self.execs: list[dict[str, Any]] = []
+        self.destroyed = False
+        self.dead = False
+        self._backend = backend
+
+    def die(self) -> None:
+        self.dead = True
+
+    def alive(self) -> bool:
+        return not self.dead and not self.destroyed
+
+    async def destroy(self) -> None:
+        self.destroyed = True
+
+    async def exec(self, argv: list[str] | None = None, *, shell: str | None = None, stdin: bytes = b"",
+                   timeout_s: float | None = None, env: dict[str, str] | None = None,
+                   cwd: str | None = None, on_output: Any = None) -> ExecOutcome:
+        self._check_alive()
+        self.execs.append({"argv": argv, "shell": shell, "stdin": stdin, "timeout_s": timeout_s,
+                           "env": env, "cwd": cwd})
+        if cwd is not None:
+            _workspace_path(cwd)
+        backend = self._backend
+        if backend.exec_gate is not None:
+            backend.execs_waiting += 1
+            try:
+                await backend.exec_gate.wait()
+            finally:
+                backend.execs_waiting -= 1
+        self._check_alive()
+        outcome = backend.outcomes.pop(0) if backend.outcomes else self._builtin
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if callable(outcome):
+            outcome = outcome(self, argv, shell, stdin)
+        if on_output is not None:
+            for stream, data in (("stdout", outcome.stdout), ("stderr", outcome.stderr)):
+                for line in data.splitlines(keepends=True):
+                    await on_output(stream, line)
+        return outcome
+
+    def _builtin(self, sandbox: FakeSandbox, argv: list[str] | None, shell: str | None,
+                 stdin: bytes) -> ExecOutcome:
+        words = argv or (shell or "").split()
+        stdout, stderr, code = b"", b"", 0
+        if words[:1] == ["echo"]:
+            stdout = (" ".join(words[1:]) + "\n").encode()
+        elif words == ["cat"]:
+            stdout = stdin
+        elif words[:1] == ["cat"]:
+            if words[1] in self.files:
+                stdout = self.files[words[1]]
+            else:
+                stderr, code = f"cat: {words[1]}: No such file or directory\n".encode(), 1
+        elif words[:1] == ["exit"]:
+            code = int(words[1])
+        return ExecOutcome("exit", code, None, False, stdout, stderr, 0.01)
+
+    async def put_file(self, path: str, data: bytes, *, mode: int = 0o644) -> FileTransfer:
+        self._check_alive()
+        name = _workspace_path(path)
+        self.files[name] = bytes(data)
+        return FileTransfer(name, len(data), self._stored_sha(data))
+
+    async def get_file(self, path: str) -> tuple[bytes, FileTransfer]:
+        self._check_alive()
+        name = _workspace_path(path)
+        if name not in self.files:
+            raise TransferError("no such file", path=name, reason="missing")
+        data = self.files[name]
+        return data, FileTransfer(name, len(data), hashlib.sha256(data).hexdigest())
+
+    async def put_tar(self, path: str, tar_bytes: bytes) -> FileTransfer:
+        self._check_alive()
+        base = _workspace_path(path)
+        with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as archive:
+            for member in archive.getmembers():
+                if member.name.startswith("/") or ".." in Path(member.name).parts or member.issym():
+                    raise UnsafeArchiveError("member outside the workspace", member=member.name)
+                if member.isfile():
+                    name = str(Path(base) / member.name) if base != "." else str(Path(member.name))
+                    self.files[str(Path(name))] = archive.extractfile(member).read()  # type: ignore[union-attr]
+        return FileTransfer(base, len(tar_bytes), self._stored_sha(tar_bytes))
+
+    async def get_tar(self, path: str) -> tuple[bytes, FileTransfer]:
+        self._check_alive()
+        base = _workspace_path(path)
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as archive:
+            for name in sorted(self.files):
+                if base != "." and not name.startswith(base + "/"):
+                    continue
+                info = tarfile.TarInfo(name if base == "." else name[len(base) + 1:])
+                info.size = len(self.files[name])
+                archive.addfile(info, io.BytesIO(self.files[name]))
+        data = buffer.getvalue()
+        return data, FileTransfer(base, len(data), hashlib.sha256(data).hexdigest())
+
+    def _stored_sha(self, data: bytes) -> str:
+        # ``corrupt_stores``: the sandbox stores other bytes than it was given.
+        return hashlib.sha256(data + (b"!" if self._backend.corrupt_stores else b"")).hexdigest()
+
+    def _check_alive(self) -> None:
+        if not self.alive():
+            raise SandboxDiedError("sandbox is gone", sandbox_id=self.info.sandbox_id, reason="fake death")
+
+
+def _workspace_path(path: str) -> str:
+    if path.startswith("/") or ".." in Path(path).parts:
+        raise WorkspacePathError("path leaves the workspace", path=path)
+    return str(Path(path))
+
+
+class FakeSandboxBackend:
+    """Fakes a ``rollmesh.sandbox.SandboxBackend`` (the runtime edge): creates ``FakeSandbox``es.
+
+    ``created`` lists every sandbox made, in order. ``create_failures`` are raised by the next
+    creates; with ``create_gate`` set, creates wait for it; with a ``clock``, each create
+    advances it by ``create_s`` (a measurable creation latency). ``outcomes`` scripts the next
+    execs of any of its sandboxes; with ``exec_gate`` set, execs wait for it (``execs_waiting``
+    counts them). ``corrupt_stores`` makes sandboxes report the sha256 of other bytes than they
+    were given.
     """
 
     name = "fake"
     isolated = True
 
-    def __init__(self, outcomes: list[ExecResult | BaseException] | None = None) -> None:
+    def __init__(self, outcomes: list[Any] | None = None, *, clock: ManualClock | None = None,
+                 create_s: float = 0.0) -> None:
         self.outcomes = list(outcomes or [])
-        self.calls: list[dict[str, Any]] = []
+        self.clock = clock
+        self.create_s = create_s
+        self.created: list[FakeSandbox] = []
+        self.create_failures: list[BaseException] = []
+        self.create_gate: asyncio.Event | None = None
+        self.creates_waiting = 0
+        self.exec_gate: asyncio.Event | None = None
+        self.execs_waiting = 0
+        self.corrupt_stores = False
 
-    async def run(self, argv: list[str], *, workdir: Path, **limits: Any) -> ExecResult:
-        self.calls.append({"argv": argv, "workdir": workdir, "workdir_existed": workdir.is_dir(), **limits})
-        outcome = self.outcomes.pop(0) if self.outcomes else ExecResult(0, "", "", 0.0)
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False) -> FakeSandbox:
+        if self.create_gate is not None:
+            self.creates_waiting += 1
+            try:
+                await self.create_gate.wait()
+            finally:
+                self.creates_waiting -= 1
+        if self.create_failures:
+            raise self.create_failures.pop(0)
+        if self.clock is not None:
+            self.clock.advance(self.create_s)
+        sandbox = FakeSandbox(self, sandbox_id, limits, network)
+        self.created.append(sandbox)
+        return sandbox
+
+    def self_test(self) -> None:
+        pass
+
+    def live(self) -> list[FakeSandbox]:
+        return [sandbox for sandbox in self.created if not sandbox.destroyed]
 
 
 class ManualClock:

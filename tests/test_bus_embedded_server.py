@@ -53,3 +53,16 @@ def test_stop_is_idempotent(tmp_path):
     server.stop()
     server.stop()
     assert not server.running
+
+
+async def test_embedded_server_accepts_messages_up_to_8_mib(nats_server):
+    nc = await connect_bus(nats_server.url, name="probe", connect_timeout_s=5)
+    try:
+        assert nc.max_payload == 8 * 1024 * 1024
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(inbox, b"x" * (6 * 1024 * 1024))
+        msg = await sub.next_msg(timeout=5)
+        assert len(msg.data) == 6 * 1024 * 1024
+    finally:
+        await nc.close()

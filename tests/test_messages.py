@@ -13,6 +13,7 @@ from rollmesh.messages import (
     CheckpointConverted,
     CheckpointSaved,
     DeadLettered,
+    ForkedLease,
     GpuGranted,
     GpuReleased,
     PreemptionAcknowledged,
@@ -22,12 +23,24 @@ from rollmesh.messages import (
     RolloutProgressed,
     RolloutRequested,
     SamplingParams,
+    SandboxDownloadReply,
+    SandboxDownloadRequest,
     SandboxExecReply,
     SandboxExecRequest,
+    SandboxForkReply,
+    SandboxForkRequest,
+    SandboxHeartbeatReply,
+    SandboxHeartbeatRequest,
     SandboxLeaseReply,
     SandboxLeaseRequest,
+    SandboxLimitsSpec,
+    SandboxOutputProduced,
     SandboxReleaseReply,
     SandboxReleaseRequest,
+    SandboxSnapshotReply,
+    SandboxSnapshotRequest,
+    SandboxUploadReply,
+    SandboxUploadRequest,
     Subject,
     TrainerStepped,
     WeightsActivated,
@@ -67,10 +80,22 @@ EXAMPLES: dict[type, WireMessage] = {type(m): m for m in [
                     model_config={"d_model": 32}),
     CheckpointConverted(step=1, weight_version=1, source_path="/a", hf_path="/b", files=["m.safetensors"],
                         num_bytes=10),
-    SandboxLeaseRequest(holder="r-1"),
-    SandboxLeaseReply(lease_id="lease-1", backend="process"),
-    SandboxExecRequest(lease_id="lease-1", argv=["python3", "-c", "print(1)"]),
-    SandboxExecReply(exit_code=0, stdout="1\n"),
+    SandboxLeaseRequest(holder="r-1", profile="default", limits=SandboxLimitsSpec(memory_mb=4096)),
+    SandboxLeaseReply(lease_id="lease-1", backend="bwrap", isolated=True, warm=True,
+                      limits=SandboxLimitsSpec(memory_mb=4096, pids=256)),
+    SandboxExecRequest(lease_id="lease-1", argv=["python3", "-c", "print(1)"], stdin=b"\x00\xff"),
+    SandboxExecReply(result="exit", exit_code=0, stdout=b"1\n"),
+    SandboxOutputProduced(lease_id="lease-1", exec_id="e-1", stream="stdout", offset=0, data=b"1\n"),
+    SandboxUploadRequest(lease_id="lease-1", path="f", data=b"\x00", size=1, sha256="ab" * 32),
+    SandboxUploadReply(received=1, complete=True, size=1, sha256="ab" * 32),
+    SandboxDownloadRequest(lease_id="lease-1", path="d", kind="tar"),
+    SandboxDownloadReply(data=b"tar", size=3, sha256="cd" * 32, eof=True),
+    SandboxSnapshotRequest(lease_id="lease-1"),
+    SandboxSnapshotReply(snapshot_id="s-1", size=10),
+    SandboxForkRequest(snapshot_id="s-1", holder="g-1", count=2),
+    SandboxForkReply(leases=[ForkedLease(lease_id="lease-2", holder="g-1/0", expires_at=1.0)]),
+    SandboxHeartbeatRequest(lease_id="lease-1"),
+    SandboxHeartbeatReply(expires_at=2.0),
     SandboxReleaseRequest(lease_id="lease-1"),
     SandboxReleaseReply(released=True),
     GpuGranted(grant_id="g-1", holder="trainer", role="trainer", count=1.0, resource="GPU"),
@@ -230,3 +255,11 @@ def test_a_newer_reader_decodes_an_older_message_with_the_new_field_defaulted(su
     assert decoded == default
     (new_field,) = set(type(newer).__struct_fields__) - set(subject.type.__struct_fields__)
     assert getattr(decoded, new_field) == getattr(default, new_field)
+
+
+def test_sandbox_bytes_travel_as_msgpack_bin_not_text():
+    request = SandboxExecRequest(lease_id="l", argv=["cat"], stdin=b"\x00\xff binary")
+    raw = msgspec.msgpack.decode(SANDBOX_EXEC.encode(request))
+    assert raw["stdin"] == b"\x00\xff binary"  # bin decodes to bytes; str would decode to str
+    reply = SANDBOX_EXEC.decode_reply(SANDBOX_EXEC.encode_reply(SandboxExecReply(result="exit", stdout=b"\xff")))
+    assert reply.stdout == b"\xff"

@@ -4,6 +4,8 @@ tokenizer and the trajectory bookkeeping are the real ones."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from fakes import ProgressRecorder, RecordingPublisher, ScriptedEngine
@@ -18,6 +20,7 @@ from rollmesh.messages import (
     RolloutRequested,
     SamplingParams,
     SandboxExecReply,
+    SandboxHeartbeatReply,
     SandboxLeaseReply,
     SandboxReleaseReply,
 )
@@ -27,6 +30,7 @@ from rollmesh.messages.subjects import (
     ROLLOUT_PROGRESSED,
     ROLLOUT_REQUESTED,
     SANDBOX_EXEC,
+    SANDBOX_HEARTBEAT,
     SANDBOX_LEASE,
     SANDBOX_RELEASE,
 )
@@ -64,15 +68,16 @@ def sandbox_bus(*exec_replies: SandboxExecReply | BaseException,
         replies={SANDBOX_EXEC: list(exec_replies),
                  **({SANDBOX_LEASE: [lease]} if lease is not None else {})},
         default_replies={SANDBOX_LEASE: SandboxLeaseReply(lease_id=LEASE, backend="fake"),
-                         SANDBOX_EXEC: SandboxExecReply(exit_code=0, stdout=f"{MASS}\n"),
+                         SANDBOX_EXEC: SandboxExecReply(result="exit", exit_code=0, stdout=f"{MASS}\n".encode()),
+                         SANDBOX_HEARTBEAT: SandboxHeartbeatReply(expires_at=1e9),
                          SANDBOX_RELEASE: SandboxReleaseReply(released=True)},
     )
 
 
 def runner(engine: ScriptedEngine, bus: RecordingPublisher, *, max_seq_len: int = 128,
-           progress_events: bool = True) -> RolloutRunner:
+           progress_events: bool = True, **config) -> RolloutRunner:
     return RolloutRunner(
-        RolloutConfig(tool_timeout_s=5.0, progress_events=progress_events),
+        RolloutConfig(tool_timeout_s=5.0, progress_events=progress_events, **config),
         ModelConfig(max_seq_len=max_seq_len),
         tasks=TaskRegistry([MolarMassTask()]), engine=engine, publisher=bus, clock=lambda: 100.0,
     )
@@ -192,9 +197,59 @@ async def test_unreachable_broker_at_lease_time_fails_with_sandbox_error_before_
 
 async def test_refused_lease_fails_with_sandbox_error():
     result = await run(ScriptedEngine([answer()]),
-                       sandbox_bus(lease=SandboxLeaseReply(error_kind="capacity", error="full")))
+                       sandbox_bus(lease=SandboxLeaseReply(error_kind="invalid_request", error="no such profile")))
     assert isinstance(result, RolloutFailed)
     assert result.kind == "sandbox_error"
+
+
+async def test_a_lease_refused_for_capacity_is_retried_then_fails_with_sandbox_error():
+    full = SandboxLeaseReply(error_kind="capacity", error="full", retry_after_s=0.001)
+    bus = sandbox_bus()
+    bus.replies[SANDBOX_LEASE] = [full, full]
+    assert isinstance(await run(ScriptedEngine([answer()]), bus, sandbox_capacity_retries=2), RolloutCompleted)
+    bus = sandbox_bus()
+    bus.replies[SANDBOX_LEASE] = [full] * 3
+    result = await run(ScriptedEngine([answer()]), bus, sandbox_capacity_retries=2)
+    assert isinstance(result, RolloutFailed) and result.kind == "sandbox_error" and "capacity" in result.reason
+
+
+@pytest.mark.parametrize("result_kind", ["sandbox_died", "infra_error"])
+async def test_a_sandbox_that_died_or_failed_under_the_tool_fails_with_sandbox_error(result_kind):
+    bus = sandbox_bus(SandboxExecReply(result=result_kind, detail="agent gone"))
+    result = await run(ScriptedEngine([tool_call(), answer()]), bus)
+    assert isinstance(result, RolloutFailed)
+    assert result.kind == "sandbox_error" and result_kind in result.reason
+    assert bus.messages(ROLLOUT_COMPLETED) == []
+
+
+async def test_the_lease_is_taken_with_the_rollout_id_as_token_and_heartbeated_while_the_rollout_runs():
+    bus = sandbox_bus()
+
+    class SlowEngine(ScriptedEngine):
+        async def generate(self, *args, **kwargs):
+            while len(bus.requested(SANDBOX_HEARTBEAT)) < 3:  # the model thinks for a while
+                await asyncio.sleep(0.005)
+            return await super().generate(*args, **kwargs)
+
+    result = await run(SlowEngine([answer()]), bus, sandbox_heartbeat_s=0.01, sandbox_lease_ttl_s=0.05)
+    assert isinstance(result, RolloutCompleted)
+    (lease,) = bus.requested(SANDBOX_LEASE)
+    assert (lease.holder, lease.ttl_s, lease.profile) == ("r-1", 0.05, "default")
+    assert {beat.lease_id for beat in bus.requested(SANDBOX_HEARTBEAT)} == {LEASE}
+    assert [release.lease_id for release in bus.requested(SANDBOX_RELEASE)] == [LEASE]
+
+
+async def test_a_lease_lost_mid_rollout_ends_it_with_sandbox_timeout():
+    bus = sandbox_bus()
+    bus.replies[SANDBOX_HEARTBEAT] = [SandboxHeartbeatReply(error_kind="lease_expired", error="too late")]
+
+    class StuckEngine(ScriptedEngine):
+        async def generate(self, *args, **kwargs):
+            await asyncio.Event().wait()  # never returns: only the lost lease ends the rollout
+
+    result = await run(StuckEngine([]), bus, sandbox_heartbeat_s=0.01, sandbox_lease_ttl_s=0.05)
+    assert isinstance(result, RolloutFailed) and result.kind == "sandbox_timeout"
+    assert [release.lease_id for release in bus.requested(SANDBOX_RELEASE)] == [LEASE]
 
 
 async def test_expired_lease_during_exec_fails_with_sandbox_timeout():
@@ -205,7 +260,7 @@ async def test_expired_lease_during_exec_fails_with_sandbox_timeout():
 
 
 async def test_tool_that_exits_non_zero_is_shown_to_the_model_not_a_failure():
-    bus = sandbox_bus(SandboxExecReply(exit_code=2, stderr="unknown element 'Xx'\n"))
+    bus = sandbox_bus(SandboxExecReply(result="exit", exit_code=2, stderr=b"unknown element 'Xx'\n"))
     engine = ScriptedEngine([tool_call("Xx"), answer("A: 1.000")])
     result = await run(engine, bus)
 
@@ -216,13 +271,18 @@ async def test_tool_that_exits_non_zero_is_shown_to_the_model_not_a_failure():
     assert result.reward == 0.0
 
 
-async def test_tool_timeout_is_shown_to_the_model_not_a_failure():
-    bus = sandbox_bus(SandboxExecReply(exit_code=-1, timed_out=True, error_kind="timeout", error="timed out"))
+@pytest.mark.parametrize("reply, shown_text", [
+    (SandboxExecReply(result="timeout", signal=9, stdout=b"partial"), "timed out"),
+    (SandboxExecReply(result="oom", signal=9), "out of memory"),
+    (SandboxExecReply(result="signal", signal=11), "killed by signal 11"),
+    (SandboxExecReply(result="output_truncated", truncated=True, stdout=b"y" * 100), "output too large"),
+])
+async def test_a_tool_timeout_oom_signal_or_cut_output_is_shown_to_the_model_not_a_failure(reply, shown_text):
     engine = ScriptedEngine([tool_call(), answer()])
-    result = await run(engine, bus)
+    result = await run(engine, sandbox_bus(reply))
 
     assert isinstance(result, RolloutCompleted)
-    shown = TOKENIZER.encode("<result>timed out</result>\n")
+    shown = TOKENIZER.encode(f"<result>{shown_text}</result>\n")
     assert engine.calls[1]["input_ids"][-len(shown):] == shown
 
 

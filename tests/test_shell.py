@@ -65,7 +65,7 @@ class ToyLogic:
     async def on_exec(self, request: SandboxExecRequest, ctx: MessageContext) -> SandboxExecReply:
         if request.argv[0] == "boom":
             raise RuntimeError("exec exploded")
-        return SandboxExecReply(exit_code=0, stdout=" ".join(request.argv))
+        return SandboxExecReply(result="exit", exit_code=0, stdout=" ".join(request.argv).encode())
 
     async def on_requested(self, request: RolloutRequested, ctx: MessageContext) -> None:
         self.entered.put_nowait(request.rollout_id)
@@ -117,11 +117,11 @@ async def test_request_reply_and_handler_error_reply(served, nats_client, namesp
     assert logic.started
     reply = await shell.publisher.request(
         SANDBOX_EXEC, SandboxExecRequest(lease_id="l", argv=["echo", "hi"]), timeout_s=WAIT_S)
-    assert reply == SandboxExecReply(exit_code=0, stdout="echo hi")
+    assert reply == SandboxExecReply(result="exit", exit_code=0, stdout=b"echo hi")
 
     failed = await shell.publisher.request(
         SANDBOX_EXEC, SandboxExecRequest(lease_id="l", argv=["boom"]), timeout_s=WAIT_S)
-    assert failed.error_kind == "backend_error" and "exec exploded" in failed.error
+    assert failed.error_kind == "internal_error" and "exec exploded" in failed.error
     counters = shell.stats()["subjects"][SANDBOX_EXEC.template]
     assert counters == {"received": 2, "handled": 1, "failed": 1, "dead_lettered": 0}
 
@@ -205,7 +205,7 @@ async def test_malformed_bytes_on_every_subject_are_dead_lettered_and_serving_go
     assert (await _get(logic.progressed))[0].rollout_id == "ok"
     reply = await shell.publisher.request(
         SANDBOX_EXEC, SandboxExecRequest(lease_id="l", argv=["x"]), timeout_s=WAIT_S)
-    assert reply.stdout == "x"
+    assert reply.stdout == b"x"
 
     # Terminated, not redelivered: the work queue is empty once "ok" is acked too.
     stream = rollout_requests_stream(namespace)

@@ -14,6 +14,7 @@ from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.rollout.agent_loop import RolloutRunner
 from rollmesh.rollout.tasks import TaskRegistry
+from rollmesh.sandbox.broker_client import SandboxBrokerClient
 
 
 class RolloutWorkerActor(RoleActor):
@@ -30,4 +31,6 @@ class RolloutWorkerActor(RoleActor):
         return RolloutRunner(
             self.config, self.model_config, tasks=TaskRegistry.from_import_paths(self.config.tasks),
             engine=self.router, publisher=publisher, worker=self.name,
+            # One lease per rollout (token: the rollout id), heartbeated while it runs.
+            sandbox=SandboxBrokerClient(publisher),
         )

@@ -1,71 +1,67 @@
-"""The sandbox broker actor: serves lease / exec / release requests over NATS request/reply.
+"""The sandbox broker actor: serves the broker's request/reply subjects over NATS.
 
-Knows the sandbox package and the shell; no ray import. Tool code runs in sandbox subprocesses
-spawned by the backend, never in this actor's process. A reaper task frees expired leases.
+Knows the sandbox package and the shell; no ray import. Tool code runs in sandboxes made by the
+backend, never in this actor's process. One task (owned by the service, cancelled at stop) runs
+the broker's timers: reaping expired leases and resizing warm pools. At stop every sandbox,
+leased or warm, is destroyed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
-from rollmesh.ports import ActorLogic, MessageContext, Publisher, Subscription
 from rollmesh.config import SandboxConfig
-from rollmesh.messages import SandboxExecRequest, SandboxLeaseRequest, SandboxReleaseRequest
-from rollmesh.messages.subjects import SANDBOX_EXEC, SANDBOX_LEASE, SANDBOX_RELEASE
+from rollmesh.ports import ActorLogic, MessageContext, Publisher, Subscription
 from rollmesh.sandbox import SandboxBroker, select_backend
+from rollmesh.sandbox.in_process import broker_handlers
+from rollmesh.messages.subjects import SANDBOX_EXEC
 
 _log = structlog.get_logger("rollmesh.sandbox_broker")
-REAP_EVERY_S = 5.0
-# Requests handled at once per subject; each exec mostly waits on its sandbox subprocess.
+# Requests handled at once per subject. Exec gets more than the broker admits, so a request past
+# max_concurrent_execs is answered "capacity" at once instead of waiting unseen in a queue.
 CONCURRENCY = 64
 
 
 class SandboxBrokerService:
-    """Binds the broker's three operations to their request subjects."""
+    """Binds each broker operation to its request subject."""
 
     def __init__(self, broker: SandboxBroker) -> None:
         self.broker = broker
-        self._reaper: asyncio.Task[None] | None = None
+        self._timers: asyncio.Task[None] | None = None
 
     def subscriptions(self) -> list[Subscription]:
+        exec_slots = self.broker.config.max_concurrent_execs + CONCURRENCY
         return [
-            Subscription(SANDBOX_LEASE, self.handle_lease, "request", max_concurrent=CONCURRENCY),
-            Subscription(SANDBOX_EXEC, self.handle_exec, "request", max_concurrent=CONCURRENCY),
-            Subscription(SANDBOX_RELEASE, self.handle_release, "request", max_concurrent=CONCURRENCY),
+            Subscription(subject, _handler(method), "request",
+                         max_concurrent=exec_slots if subject is SANDBOX_EXEC else CONCURRENCY)
+            for subject, method in broker_handlers(self.broker).items()
         ]
 
-    async def handle_lease(self, request: SandboxLeaseRequest, ctx: MessageContext):
-        return await self.broker.lease(request)
-
-    async def handle_exec(self, request: SandboxExecRequest, ctx: MessageContext):
-        return await self.broker.exec(request)
-
-    async def handle_release(self, request: SandboxReleaseRequest, ctx: MessageContext):
-        return await self.broker.release(request)
-
     async def start(self) -> None:
-        self._reaper = asyncio.create_task(self._reap_forever(), name="sandbox-reaper")
+        self._timers = asyncio.create_task(self.broker.run_timers(), name="sandbox-broker-timers")
 
     async def stop(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
+        if self._timers is not None:
+            self._timers.cancel()
+            await asyncio.gather(self._timers, return_exceptions=True)
+        await self.broker.close()
 
     def stats(self) -> dict[str, Any]:
-        stats = self.broker.stats()
-        return {name: getattr(stats, name) for name in stats.__dataclass_fields__}
+        return dataclasses.asdict(self.broker.stats())
 
-    async def _reap_forever(self) -> None:
-        while True:
-            await asyncio.sleep(REAP_EVERY_S)
-            reaped = await self.broker.reap_expired()
-            if reaped:
-                _log.info("sandbox_leases_reaped", count=reaped)
+
+def _handler(method: Any) -> Any:
+    async def handle(request: Any, ctx: MessageContext) -> Any:
+        return await method(request)
+
+    handle.__name__ = f"handle_{method.__name__}"
+    return handle
 
 
 class SandboxBrokerActor(RoleActor):
@@ -76,8 +72,11 @@ class SandboxBrokerActor(RoleActor):
         self.config = config
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
-        backend = select_backend(self.config.backend, readonly_paths=self.config.readonly_paths)
-        root = Path(self.mesh.run_dir) / "sandboxes"
-        root.mkdir(parents=True, exist_ok=True)
+        run_dir = Path(self.mesh.run_dir)
+        # Choosing a backend runs its self-test (a sandbox start): off the event loop.
+        backend = await asyncio.to_thread(select_backend, self.config.backend,
+                                          readonly_paths=self.config.readonly_paths)
         _log.info("sandbox_backend", backend=backend.name, isolated=backend.isolated)
-        return SandboxBrokerService(SandboxBroker(self.config, backend, root_dir=root))
+        broker = SandboxBroker(self.config, backend, snapshot_dir=run_dir / "sandbox-snapshots",
+                               publisher=publisher)
+        return SandboxBrokerService(broker)

@@ -21,6 +21,9 @@ from types import TracebackType
 from rollmesh.bus.errors import NatsServerNotFoundError, NatsServerStartError
 
 _LISTENING = re.compile(r"Listening for client connections on (\S+):(\d+)")
+# The largest message the server accepts (the default is 1 MiB). Sandbox transfers move files in
+# 4 MiB chunks and an exec reply carries up to 6 MiB of output, so they fit in one message.
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 _READY = "Server is ready"
 _TAIL_LINES = 40
 
@@ -89,8 +92,11 @@ class EmbeddedNatsServer:
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._port = None
         port = self._requested_port if self._requested_port else -1  # -1: the server picks
+        # max_payload has no command-line flag; the flags below override the rest of the file.
+        config_path = self.store_dir / "nats-server.conf"
+        config_path.write_text(f"max_payload: {MAX_PAYLOAD_BYTES}\n")
         argv = [
-            str(self._binary), "-a", self.host, "-p", str(port),
+            str(self._binary), "-c", str(config_path), "-a", self.host, "-p", str(port),
             "-js", "-sd", str(self.store_dir), "-l", str(self.log_path),
         ]
         self._process = subprocess.Popen(

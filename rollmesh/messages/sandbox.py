@@ -1,33 +1,70 @@
-"""Sandbox broker request/reply pairs. Knows msgspec only.
+"""Sandbox broker request/reply pairs and the exec output event. Knows msgspec only.
 
-A failed request is answered with a reply whose ``error_kind`` is set, never with silence.
+Every request is answered, never with silence: a request that could not run at all gets a reply
+whose ``error_kind`` is set (and ``retry_after_s`` when waiting may help, e.g. "capacity"). An
+exec that did run reports how it ended in ``result``; a tool's own failure (non-zero exit,
+timeout, oom, signal, output cut) is a normal result, while "sandbox_died" and "infra_error"
+say the sandbox failed, not the tool. Bytes (stdin, output, file data) travel as msgpack bin.
+
+Files larger than one NATS message travel in chunks: uploads carry ``upload_id``, ``offset`` and
+the size and sha256 of the whole file; downloads are read at ``offset`` until ``eof``. The
+sandbox side computes the sha256 of what it stored or read; a mismatch is "checksum_mismatch".
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from msgspec import Meta
+from msgspec import Meta, Struct
 
 from rollmesh.messages.base import WireMessage
 
 SandboxErrorKind = Literal[
     "",
-    "invalid_request",
-    "unknown_lease",
-    "lease_expired",
-    "capacity",
-    "timeout",
-    "backend_error",
-    "output_too_large",
+    "invalid_request",  # the request is malformed or asks for more than the broker allows
+    "unknown_lease",  # no such lease (released, reaped, or never granted)
+    "lease_expired",  # its TTL ran out without a heartbeat
+    "unknown_snapshot",  # no such snapshot (expired or evicted)
+    "capacity",  # max sandboxes or max concurrent execs reached: retry after retry_after_s
+    "path_error",  # a path that is absolute or leaves the workspace, or an unsafe archive
+    "transfer_error",  # a file could not be stored or read (missing, not a file, too large)
+    "checksum_mismatch",  # the sha256 of what was stored or read is not what was sent
+    "sandbox_died",  # the leased sandbox is gone; the lease is useless
+    "infra_error",  # the runtime failed (could not create a sandbox, ...): not the caller's fault
+    "internal_error",  # the broker itself failed on this request
 ]
+ExecResultKind = Literal[
+    "", "exit", "timeout", "oom", "signal", "output_truncated", "sandbox_died", "infra_error"
+]
+TransferKind = Literal["file", "tar"]  # "tar": a tar of a workspace directory
+Token = Annotated[str, Meta(min_length=1, max_length=200)]
+LeaseId = Annotated[str, Meta(min_length=1, max_length=200)]
+WorkspacePath = Annotated[str, Meta(min_length=1, max_length=4096)]
+TtlSeconds = Annotated[float, Meta(gt=0, le=30 * 24 * 3600)]
+Sha256Hex = Annotated[str, Meta(pattern="^([0-9a-f]{64})?$")]
+
+
+class SandboxLimitsSpec(Struct, frozen=True, kw_only=True):
+    """Per-sandbox limits. In a request each field is an override of the profile's value (None:
+    keep the profile's); in a reply every field is filled with what the sandbox got."""
+
+    memory_mb: Annotated[int, Meta(ge=16)] | None = None
+    pids: Annotated[int, Meta(ge=8)] | None = None
+    workspace_mb: Annotated[int, Meta(ge=1)] | None = None
+    exec_timeout_s: Annotated[float, Meta(gt=0)] | None = None
+    cpu_s: Annotated[int, Meta(ge=1)] | None = None
+    file_size_mb: Annotated[int, Meta(ge=1)] | None = None
+    max_output_bytes: Annotated[int, Meta(ge=1024)] | None = None
 
 
 class SandboxLeaseRequest(WireMessage, frozen=True, tag="sandbox.lease_request"):
-    holder: str
-    ttl_s: Annotated[float, Meta(gt=0, le=7 * 24 * 3600)] = 600.0
-    network: bool = False
-    writable_root: bool = False
+    # The idempotency token (a rollout's id): while its lease lives, a retried request with the
+    # same token gets the same lease, never a second sandbox.
+    holder: Token
+    ttl_s: TtlSeconds | None = None  # None: the broker's default; a heartbeat extends by this
+    network: bool = False  # refused unless the profile allows network
+    profile: str = "default"
+    limits: SandboxLimitsSpec = SandboxLimitsSpec()
 
 
 class SandboxLeaseReply(WireMessage, frozen=True, tag="sandbox.lease_reply"):
@@ -37,27 +74,150 @@ class SandboxLeaseReply(WireMessage, frozen=True, tag="sandbox.lease_reply"):
     expires_at: float = 0.0
     error_kind: SandboxErrorKind = ""
     error: str = ""
+    profile: str = ""
+    ttl_s: float = 0.0
+    limits: SandboxLimitsSpec = SandboxLimitsSpec()
+    warm: bool = False  # it came from the warm pool (no creation wait)
+    retry_after_s: float = 0.0
 
 
 class SandboxExecRequest(WireMessage, frozen=True, tag="sandbox.exec_request"):
-    lease_id: str
-    argv: Annotated[list[str], Meta(min_length=1)]
-    stdin: str = ""
-    timeout_s: Annotated[float, Meta(gt=0, le=24 * 3600)] = 10.0
+    """Run ``argv`` (no shell) or ``shell`` (one ``sh -c`` string): exactly one of the two."""
+
+    lease_id: LeaseId
+    argv: Annotated[list[str], Meta(max_length=4096)] = []
+    shell: str = ""
+    stdin: bytes = b""
+    timeout_s: Annotated[float, Meta(gt=0)] | None = None  # None: the lease's exec_timeout_s
+    env: dict[str, str] = {}
+    cwd: str = ""  # workspace-relative; "" is the workspace
+    # With stream_output, output chunks are published on rl.<ns>.sandbox.output as they come,
+    # tagged with exec_id (the caller's, or one the broker picks).
+    exec_id: Annotated[str, Meta(max_length=200)] = ""
+    stream_output: bool = False
 
 
 class SandboxExecReply(WireMessage, frozen=True, tag="sandbox.exec_reply"):
-    exit_code: int = -1
-    stdout: str = ""
-    stderr: str = ""
+    result: ExecResultKind = ""  # "" only when error_kind says the exec could not run at all
+    exit_code: int | None = None
+    signal: int | None = None
+    truncated: bool = False
+    stdout: bytes = b""
+    stderr: bytes = b""
     duration_s: float = 0.0
-    timed_out: bool = False
+    error_kind: SandboxErrorKind = ""
+    error: str = ""
+    cpu_s: float = 0.0
+    detail: str = ""  # why, for infra_error / sandbox_died / oom
+    exec_id: str = ""
+    retry_after_s: float = 0.0
+
+
+class SandboxOutputProduced(WireMessage, frozen=True, tag="sandbox.output"):
+    """A chunk of a streamed exec's output (core NATS: at most once; the reply has it all)."""
+
+    lease_id: str
+    exec_id: str
+    stream: Literal["stdout", "stderr"]
+    offset: int  # bytes of this stream published before this chunk
+    data: bytes
+
+
+class SandboxUploadRequest(WireMessage, frozen=True, tag="sandbox.upload_request"):
+    """One chunk of an upload; chunks of one upload share ``upload_id`` and come in order."""
+
+    lease_id: LeaseId
+    path: WorkspacePath  # the file, or for kind "tar" the directory to extract into
+    data: bytes
+    size: Annotated[int, Meta(ge=0)]  # of the whole file
+    sha256: Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]  # of the whole file
+    kind: TransferKind = "file"
+    upload_id: Annotated[str, Meta(max_length=200)] = ""  # "" for a single-chunk upload
+    offset: Annotated[int, Meta(ge=0)] = 0
+    mode: Annotated[int, Meta(ge=0, le=0o7777)] = 0o644
+
+
+class SandboxUploadReply(WireMessage, frozen=True, tag="sandbox.upload_reply"):
+    received: int = 0  # bytes of this upload the broker holds
+    complete: bool = False  # stored in the sandbox and verified
+    size: int = 0
+    sha256: str = ""  # computed in the sandbox, of what it stored
+    error_kind: SandboxErrorKind = ""
+    error: str = ""
+
+
+class SandboxDownloadRequest(WireMessage, frozen=True, tag="sandbox.download_request"):
+    lease_id: LeaseId
+    path: WorkspacePath
+    kind: TransferKind = "file"
+    # Chunks of one download share download_id (the broker reads the file once, at offset 0).
+    download_id: Annotated[str, Meta(max_length=200)] = ""
+    offset: Annotated[int, Meta(ge=0)] = 0
+    max_bytes: Annotated[int, Meta(ge=1)] = 4 * 1024 * 1024
+
+
+class SandboxDownloadReply(WireMessage, frozen=True, tag="sandbox.download_reply"):
+    data: bytes = b""
+    offset: int = 0
+    size: int = 0  # of the whole file (or tar)
+    sha256: str = ""  # of the whole file, computed in the sandbox
+    eof: bool = False
+    error_kind: SandboxErrorKind = ""
+    error: str = ""
+
+
+class SandboxSnapshotRequest(WireMessage, frozen=True, tag="sandbox.snapshot_request"):
+    """Keep a tar of the lease's workspace in the broker, to fork new leases from."""
+
+    lease_id: LeaseId
+
+
+class SandboxSnapshotReply(WireMessage, frozen=True, tag="sandbox.snapshot_reply"):
+    snapshot_id: str = ""
+    size: int = 0
+    sha256: str = ""
+    expires_at: float = 0.0
+    error_kind: SandboxErrorKind = ""
+    error: str = ""
+
+
+class SandboxForkRequest(WireMessage, frozen=True, tag="sandbox.fork_request"):
+    """``count`` new leases whose workspaces start as the snapshot, with the snapshot's profile
+    and limits. Idempotent by ``holder``: fork i gets the token ``<holder>/<i>``."""
+
+    snapshot_id: Annotated[str, Meta(min_length=1, max_length=200)]
+    holder: Token
+    count: Annotated[int, Meta(ge=1, le=256)] = 1
+    ttl_s: TtlSeconds | None = None
+
+
+class ForkedLease(Struct, frozen=True, kw_only=True):
+    lease_id: str
+    holder: str
+    expires_at: float
+
+
+class SandboxForkReply(WireMessage, frozen=True, tag="sandbox.fork_reply"):
+    leases: list[ForkedLease] = []
+    error_kind: SandboxErrorKind = ""
+    error: str = ""
+    retry_after_s: float = 0.0
+
+
+class SandboxHeartbeatRequest(WireMessage, frozen=True, tag="sandbox.heartbeat_request"):
+    """Extend the lease by its TTL from now: the holder is alive."""
+
+    lease_id: LeaseId
+
+
+class SandboxHeartbeatReply(WireMessage, frozen=True, tag="sandbox.heartbeat_reply"):
+    expires_at: float = 0.0
     error_kind: SandboxErrorKind = ""
     error: str = ""
 
 
 class SandboxReleaseRequest(WireMessage, frozen=True, tag="sandbox.release_request"):
-    lease_id: str
+    lease_id: LeaseId
 
 
 class SandboxReleaseReply(WireMessage, frozen=True, tag="sandbox.release_reply"):

@@ -24,12 +24,23 @@ from rollmesh.messages.rollout import (
     RolloutRequested,
 )
 from rollmesh.messages.sandbox import (
+    SandboxDownloadReply,
+    SandboxDownloadRequest,
     SandboxExecReply,
     SandboxExecRequest,
+    SandboxForkReply,
+    SandboxForkRequest,
+    SandboxHeartbeatReply,
+    SandboxHeartbeatRequest,
     SandboxLeaseReply,
     SandboxLeaseRequest,
+    SandboxOutputProduced,
     SandboxReleaseReply,
     SandboxReleaseRequest,
+    SandboxSnapshotReply,
+    SandboxSnapshotRequest,
+    SandboxUploadReply,
+    SandboxUploadRequest,
 )
 from rollmesh.messages.scheduling import (
     GpuGranted,
@@ -112,8 +123,23 @@ WEIGHTS_ACTIVATED = Subject("rl.{ns}.weights.activated", WeightsActivated)
 TRAINER_STEPPED = Subject("rl.{ns}.trainer.stepped", TrainerStepped, "json")
 CHECKPOINT_SAVED = Subject("rl.{ns}.ckpt.saved", CheckpointSaved)
 CHECKPOINT_CONVERTED = Subject("rl.{ns}.ckpt.converted", CheckpointConverted)
+# The sandbox broker's request/reply subjects, and the (core NATS) stream of exec output chunks.
+# One subject for all output: a chunk names its lease_id and exec_id, and only execs that asked
+# for streaming publish any.
 SANDBOX_LEASE = Subject("rl.{ns}.sandbox.lease", SandboxLeaseRequest, reply_type=SandboxLeaseReply)
 SANDBOX_EXEC = Subject("rl.{ns}.sandbox.exec", SandboxExecRequest, reply_type=SandboxExecReply)
+SANDBOX_OUTPUT = Subject("rl.{ns}.sandbox.output", SandboxOutputProduced)
+SANDBOX_UPLOAD = Subject("rl.{ns}.sandbox.upload", SandboxUploadRequest, reply_type=SandboxUploadReply)
+SANDBOX_DOWNLOAD = Subject(
+    "rl.{ns}.sandbox.download", SandboxDownloadRequest, reply_type=SandboxDownloadReply
+)
+SANDBOX_SNAPSHOT = Subject(
+    "rl.{ns}.sandbox.snapshot", SandboxSnapshotRequest, reply_type=SandboxSnapshotReply
+)
+SANDBOX_FORK = Subject("rl.{ns}.sandbox.fork", SandboxForkRequest, reply_type=SandboxForkReply)
+SANDBOX_HEARTBEAT = Subject(
+    "rl.{ns}.sandbox.heartbeat", SandboxHeartbeatRequest, reply_type=SandboxHeartbeatReply
+)
 SANDBOX_RELEASE = Subject(
     "rl.{ns}.sandbox.release", SandboxReleaseRequest, reply_type=SandboxReleaseReply
 )
@@ -135,6 +161,12 @@ ALL_SUBJECTS: tuple[Subject, ...] = (
     CHECKPOINT_CONVERTED,
     SANDBOX_LEASE,
     SANDBOX_EXEC,
+    SANDBOX_OUTPUT,
+    SANDBOX_UPLOAD,
+    SANDBOX_DOWNLOAD,
+    SANDBOX_SNAPSHOT,
+    SANDBOX_FORK,
+    SANDBOX_HEARTBEAT,
     SANDBOX_RELEASE,
     GPU_GRANTED,
     GPU_RELEASED,

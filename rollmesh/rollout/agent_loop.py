@@ -4,18 +4,28 @@ Knows the task plugins, the inference and publisher seams and the wire contract;
 nats-py (both arrive as injected collaborators). Infrastructure failures (sandbox broker, inference)
 end the rollout with a typed ``RolloutFailed``, never a silent zero reward. Tracing: the rollout
 has one span; every turn is its own trace whose root span links back to the rollout span.
+
+Sandbox: one lease per rollout, its idempotency token the rollout id (a redelivered rollout gets
+the sandbox its first attempt had, while that lease lives). While the rollout runs, a heartbeat
+keeps the lease alive however long it takes; a worker that dies stops heartbeating and the broker
+reaps the sandbox within a TTL. A tool's own failure (non-zero exit, timeout, oom, signal, output
+cut) is a tool result the model sees; a sandbox that died, a runtime error, an unreachable broker
+or capacity refused after retries fail the rollout as "sandbox_error" (a lost lease:
+"sandbox_timeout").
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from rollmesh.ports import MessageContext, Publisher, RequestFailedError, Subscription
+from rollmesh.ports import MessageContext, Publisher, Subscription
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.engine.protocols import GenerateOptions, InferenceEngine
 from rollmesh.engine.tokenizer import ByteTokenizer
@@ -25,29 +35,27 @@ from rollmesh.messages import (
     RolloutProgressed,
     RolloutRequested,
     SamplingParams,
-    SandboxExecRequest,
-    SandboxLeaseRequest,
-    SandboxReleaseRequest,
+    SandboxExecReply,
 )
+from rollmesh.messages.rollout import FailureKind
 from rollmesh.messages.subjects import (
     ROLLOUT_COMPLETED,
     ROLLOUT_FAILED,
     ROLLOUT_PROGRESSED,
     ROLLOUT_REQUESTED,
-    SANDBOX_EXEC,
-    SANDBOX_LEASE,
-    SANDBOX_RELEASE,
 )
 from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.tasks import Task, TaskInputError, TaskRegistry, ToolOutput, Transcript, UnknownTaskError
 from rollmesh.rollout.tool_syntax import format_tool_output, parse_tool_call, stop_strings
 from rollmesh.rollout.trajectory import Trajectory
+from rollmesh.sandbox.broker_client import SandboxBrokerClient
+from rollmesh.sandbox.errors import SandboxRequestError
 
 _log = structlog.get_logger("rollmesh.rollout")
 _tracer = trace.get_tracer("rollmesh.rollout")
-
-# How long a sandbox request may wait on a busy broker beyond the command's own time limit.
-BROKER_GRACE_S = 30.0
+T = TypeVar("T")
+# What the model is shown when a tool ended without an exit code of its own.
+_ENDINGS = {"timeout": "timed out", "oom": "out of memory", "output_truncated": "output too large"}
 
 
 class RolloutRunner:
@@ -63,6 +71,7 @@ class RolloutRunner:
         publisher: Publisher,
         worker: str = "rollout-worker",
         clock: Callable[[], float] = time.time,
+        sandbox: SandboxBrokerClient | None = None,
     ) -> None:
         self.config = config
         self.max_seq_len = model_config.max_seq_len
@@ -70,6 +79,7 @@ class RolloutRunner:
         self.tasks = tasks
         self.engine = engine
         self.publisher = publisher
+        self.sandbox = sandbox or SandboxBrokerClient(publisher)
         self.worker = worker
         self.clock = clock
         self.completed = 0
@@ -127,7 +137,8 @@ class RolloutRunner:
                                f"the model's context of {self.max_seq_len}")
         lease_id = await self._lease(request)
         try:
-            transcript, turns = await self._turns(request, task, trajectory, lease_id, ctx, rollout_span)
+            transcript, turns = await self._while_leased(
+                lease_id, self._turns(request, task, trajectory, lease_id, ctx, rollout_span))
         finally:
             await self._release(lease_id, request.rollout_id)
         reward = task.reward(request.task_input, transcript)
@@ -204,39 +215,72 @@ class RolloutRunner:
             raise RolloutError("inference_error", f"turn {turn}: {exc}", turns=turn) from exc
 
     async def _run_tool(self, request: RolloutRequested, task: Task, call, lease_id: str) -> ToolOutput:
-        timeout_s = self.config.tool_timeout_s
         with _tracer.start_as_current_span("tool", attributes={"tool": call.name,
                                                                 "rollout_id": request.rollout_id}):
             try:
-                reply = await self.publisher.request(
-                    SANDBOX_EXEC,
-                    SandboxExecRequest(lease_id=lease_id, argv=task.tool_argv(call, request.task_input), timeout_s=timeout_s),
-                    timeout_s=timeout_s + BROKER_GRACE_S,
-                )
-            except RequestFailedError as exc:
-                raise RolloutError("sandbox_error", f"sandbox broker unreachable: {exc}") from exc
-        if reply.error_kind in ("", "timeout", "output_too_large"):
-            # The tool's own failures are the model's business: it sees them and may try again.
-            ok = reply.exit_code == 0 and not reply.error_kind
-            text = reply.stdout.strip() if ok else (reply.stderr.strip() or reply.error or "error")
-            return ToolOutput(ok=ok, text=text[:200])
-        kind = "sandbox_timeout" if reply.error_kind == "lease_expired" else "sandbox_error"
-        raise RolloutError(kind, f"sandbox {reply.error_kind}: {reply.error}")
+                reply = await self.sandbox.exec(
+                    lease_id, task.tool_argv(call, request.task_input), timeout_s=self.config.tool_timeout_s,
+                    capacity_retries=self.config.sandbox_capacity_retries)
+            except SandboxRequestError as exc:
+                raise RolloutError(_failure_kind(exc), str(exc)) from exc
+        if reply.result in ("sandbox_died", "infra_error"):
+            raise RolloutError("sandbox_error", f"sandbox {reply.result}: {reply.detail}")
+        # The tool's own failures are the model's business: it sees them and may try again.
+        return ToolOutput(ok=reply.result == "exit" and reply.exit_code == 0, text=_tool_text(reply)[:200])
 
     async def _lease(self, request: RolloutRequested) -> str:
         try:
-            reply = await self.publisher.request(
-                SANDBOX_LEASE, SandboxLeaseRequest(holder=request.rollout_id), timeout_s=BROKER_GRACE_S,
-            )
-        except RequestFailedError as exc:
-            raise RolloutError("sandbox_error", f"sandbox broker unreachable: {exc}") from exc
-        if reply.error_kind:
-            raise RolloutError("sandbox_error", f"no sandbox lease ({reply.error_kind}): {reply.error}")
+            reply = await self.sandbox.lease(
+                request.rollout_id, profile=self.config.sandbox_profile,
+                ttl_s=self.config.sandbox_lease_ttl_s, capacity_retries=self.config.sandbox_capacity_retries)
+        except SandboxRequestError as exc:
+            raise RolloutError("sandbox_error", f"no sandbox lease: {exc}") from exc
         return reply.lease_id
+
+    async def _while_leased(self, lease_id: str, work: Awaitable[T]) -> T:
+        """Run ``work`` while heartbeating the lease; a lost lease ends the work (RolloutError)."""
+        working = asyncio.ensure_future(work)
+        heartbeat = asyncio.create_task(self._heartbeat(lease_id), name=f"heartbeat-{lease_id}")
+        try:
+            await asyncio.wait({working, heartbeat}, return_when=asyncio.FIRST_COMPLETED)
+            if not working.done():
+                heartbeat.result()  # it only ends by raising: the lease is lost
+            return working.result()
+        finally:
+            for task in (working, heartbeat):
+                task.cancel()
+            await asyncio.gather(working, heartbeat, return_exceptions=True)
+
+    async def _heartbeat(self, lease_id: str) -> None:
+        while True:
+            await asyncio.sleep(self.config.sandbox_heartbeat_s)
+            try:
+                await self.sandbox.heartbeat(lease_id)
+            except SandboxRequestError as exc:
+                if exc.kind == "unreachable":  # the TTL outlasts a missed beat or two
+                    _log.warning("sandbox_heartbeat_missed", lease_id=lease_id, error=str(exc))
+                    continue
+                raise RolloutError(_failure_kind(exc), f"sandbox lease lost: {exc}") from exc
 
     async def _release(self, lease_id: str, rollout_id: str) -> None:
         try:
-            await self.publisher.request(SANDBOX_RELEASE, SandboxReleaseRequest(lease_id=lease_id),
-                                         timeout_s=BROKER_GRACE_S)
-        except RequestFailedError as exc:  # the broker reaps expired leases; losing a release loses nothing
+            await self.sandbox.release(lease_id)
+        except SandboxRequestError as exc:  # the broker reaps expired leases; losing a release loses nothing
             _log.warning("sandbox_release_failed", rollout_id=rollout_id, lease_id=lease_id, error=str(exc))
+
+
+def _failure_kind(exc: SandboxRequestError) -> FailureKind:
+    return "sandbox_timeout" if exc.kind == "lease_expired" else "sandbox_error"
+
+
+def _tool_text(reply: SandboxExecReply) -> str:
+    """What the model sees of a tool's result."""
+    stdout = reply.stdout.decode(errors="replace").strip()
+    stderr = reply.stderr.decode(errors="replace").strip()
+    if reply.result == "exit" and reply.exit_code == 0:
+        return stdout
+    if reply.result == "exit":
+        return stderr or stdout or f"exit code {reply.exit_code}"
+    if reply.result == "signal":
+        return stderr or f"killed by signal {reply.signal}"
+    return _ENDINGS.get(reply.result, reply.result)

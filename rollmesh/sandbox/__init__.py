@@ -1,20 +1,33 @@
 """rollmesh.sandbox: isolated places where tool code runs, leased to rollouts by the broker.
 
 Knows the sandbox messages and its config slice; never imports ray or nats (the broker's actor
-shell does the wire work). Tool scripts that run inside sandboxes live in ``tools/`` as data.
+shell does the wire work). The runtime seam is ``sandbox_protocol`` (a backend creates live
+sandboxes); the broker (``broker``, ``workspace_ops``, ``warm_pool``, ``snapshots``) leases them;
+``broker_client`` is how rollouts and the CLI talk to it. Tool scripts that run inside sandboxes
+live in ``tools/`` as data.
 """
 
-from rollmesh.sandbox.backend_protocol import ExecResult, SandboxBackend
 from rollmesh.sandbox.backends import BackendKind, select_backend
 from rollmesh.sandbox.broker import SandboxBroker, SandboxBrokerStats
+from rollmesh.sandbox.broker_client import SandboxBrokerClient
 from rollmesh.sandbox.bwrap_backend import BwrapBackend
 from rollmesh.sandbox.errors import (
     BackendFailedError,
     BackendUnavailableError,
     SandboxError,
+    SandboxRequestError,
     ToolNotFoundError,
 )
 from rollmesh.sandbox.process_backend import ProcessBackend
+from rollmesh.sandbox.runsc_backend import RunscBackend
+from rollmesh.sandbox.sandbox_protocol import (
+    ExecOutcome,
+    FileTransfer,
+    Sandbox,
+    SandboxBackend,
+    SandboxInfo,
+    SandboxLimits,
+)
 from rollmesh.sandbox.tool_paths import python_for_sandbox, tool_script_path
 
 __all__ = [
@@ -22,12 +35,19 @@ __all__ = [
     "BackendKind",
     "BackendUnavailableError",
     "BwrapBackend",
-    "ExecResult",
+    "ExecOutcome",
+    "FileTransfer",
     "ProcessBackend",
+    "RunscBackend",
+    "Sandbox",
     "SandboxBackend",
     "SandboxBroker",
+    "SandboxBrokerClient",
     "SandboxBrokerStats",
     "SandboxError",
+    "SandboxInfo",
+    "SandboxLimits",
+    "SandboxRequestError",
     "ToolNotFoundError",
     "python_for_sandbox",
     "select_backend",

@@ -1,50 +1,62 @@
-"""The sandbox broker's plain logic: leases, exec, release and reaping, all held in memory.
+"""The sandbox broker's plain logic: leases, warm pools, admission, heartbeats and reaping.
 
-Knows the sandbox messages, its config slice and a ``SandboxBackend``; nothing of NATS or Ray
-(its actor shell decodes requests, calls these methods and sends the replies). Every failure is
-a reply with ``error_kind`` and ``error`` set, never an exception to the caller.
+Knows the sandbox messages, its config slice, the runtime seam (``SandboxBackend``/``Sandbox``)
+and a ``Publisher`` for exec output; nothing of NATS or Ray (its actor shell decodes requests,
+calls these methods and sends the replies). Every failure is a reply with ``error_kind`` and
+``error`` set, never an exception to the caller. What runs inside a leased sandbox (exec,
+transfers, snapshots) is in ``workspace_ops.py``; this module owns which sandbox exists and who
+holds it.
 
-How exec failures map to ``error_kind``: "timeout" and "output_too_large" describe the command
-(it was killed; the reply still carries its exit code and the output up to the cap; the wire
-reply has no truncated flag, so this is how callers learn the output is cut). "backend_error"
-means the sandbox itself failed and the result says nothing about the tool: an infra failure.
+Admission: leased sandboxes, warm ones and those being created never pass ``max_sandboxes``;
+warm sandboxes give way to leases (a lease of one profile may evict another profile's warm
+sandbox). A refused lease says "capacity" with a retry hint. A released or expired lease's
+sandbox is destroyed, never reused.
 """
 
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from rollmesh.config import SandboxConfig
 from rollmesh.messages.sandbox import (
+    ForkedLease,
+    SandboxDownloadReply,
+    SandboxDownloadRequest,
+    SandboxErrorKind,
     SandboxExecReply,
     SandboxExecRequest,
+    SandboxForkReply,
+    SandboxForkRequest,
+    SandboxHeartbeatReply,
+    SandboxHeartbeatRequest,
     SandboxLeaseReply,
     SandboxLeaseRequest,
     SandboxReleaseReply,
     SandboxReleaseRequest,
+    SandboxSnapshotReply,
+    SandboxSnapshotRequest,
+    SandboxUploadReply,
+    SandboxUploadRequest,
 )
-from rollmesh.sandbox.backend_protocol import SandboxBackend
-from rollmesh.sandbox.errors import SandboxError
+from rollmesh.ports import Publisher
+from rollmesh.sandbox.errors import CapacityError, RequestRefusedError
+from rollmesh.sandbox.lease_terms import LeaseTerms, limits_spec, profile_limits, resolve_terms
+from rollmesh.sandbox.leases import Lease, LeaseTable
+from rollmesh.sandbox.sandbox_protocol import Sandbox, SandboxBackend, SandboxLimits
+from rollmesh.sandbox.snapshots import SnapshotStore
+from rollmesh.sandbox.warm_pool import WarmPool
+from rollmesh.sandbox.workspace_ops import WorkspaceOps, failure_of
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class _Lease:
-    lease_id: str
-    holder: str
-    workdir: Path
-    expires_at: float
-    network: bool
-    writable_root: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,186 +64,360 @@ class SandboxBrokerStats:
     backend: str
     isolated: bool
     active_leases: int
-    max_leases: int
-    leases_granted: int
-    leases_refused: int
-    leases_released: int
-    leases_expired: int
-    execs: int
-    exec_timeouts: int
-    exec_output_too_large: int
-    exec_backend_errors: int
+    warm_sandboxes: dict[str, int]
+    max_sandboxes: int
+    running_execs: int
+    snapshots: int
+    snapshot_bytes: int
+    counts: dict[str, int]
 
 
 class SandboxBroker:
-    """``root_dir`` belongs to the broker: each lease's directory is ``root_dir/<lease_id>``, and
-    isolating backends hide ``root_dir`` from tool code (so leases cannot see one another)."""
+    """``snapshot_dir`` belongs to the broker (emptied at start). ``publisher`` publishes the
+    output chunks of execs that ask for streaming (None: they are not streamed)."""
 
     def __init__(
         self,
         config: SandboxConfig,
         backend: SandboxBackend,
         *,
-        root_dir: Path,
+        snapshot_dir: Path,
+        publisher: Publisher | None = None,
         clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
     ) -> None:
-        self._config = config
-        self._backend = backend
-        self._root_dir = Path(root_dir)
+        self.config = config
+        self.backend = backend
         self._clock = clock
         self._new_id = new_id
-        self._leases: dict[str, _Lease] = {}
-        self._lease_of_holder: dict[str, str] = {}
-        self._counts = dict.fromkeys(
-            (
-                "leases_granted",
-                "leases_refused",
-                "leases_released",
-                "leases_expired",
-                "execs",
-                "exec_timeouts",
-                "exec_output_too_large",
-                "exec_backend_errors",
-            ),
-            0,
-        )
+        self._leases = LeaseTable()
+        self._pool = WarmPool(window_s=config.demand_window_s, clock=clock)
+        self._snapshots = SnapshotStore(snapshot_dir, max_count=config.max_snapshots,
+                                        max_bytes=config.max_snapshot_bytes,
+                                        ttl_s=config.snapshot_ttl_s, clock=clock)
+        self.counts: Counter[str] = Counter()
+        self._ops = WorkspaceOps(config, self._snapshots, publisher=publisher, new_id=new_id,
+                                 counts=self.counts)
+        self._creates = asyncio.Semaphore(config.max_concurrent_creates)
+        self._reserved = 0  # sandboxes being obtained for leases
+        self._pending: dict[str, asyncio.Future[SandboxLeaseReply]] = {}
+        self._pools_wanted = asyncio.Event()
+        self._closed = False
+
+    # -- leases ----------------------------------------------------------------------------
 
     async def lease(self, req: SandboxLeaseRequest) -> SandboxLeaseReply:
-        held = self._live_lease_of(req.holder)
+        held = self._leases.of_holder(req.holder)
         if held is not None:
-            # Idempotent by holder: a retried request (the first reply was lost or late, or the
-            # rollout was redelivered) gets the same sandbox instead of leaking a second one.
-            return self._granted(held)
-        if len(self._leases) >= self._config.max_leases:
-            await self.reap_expired()  # expired leases that nobody reaped yet must not block new ones
-        refusal = self._refusal(req)
-        if refusal is not None:
-            self._counts["leases_refused"] += 1
-            log.info("sandbox lease refused", holder=req.holder, error_kind=refusal.error_kind, error=refusal.error)
-            return refusal
-        lease_id = self._new_id()
-        workdir = self._root_dir / lease_id
+            if not held.expired(self._clock()) and not held.died:
+                # Idempotent by token: a retried request (its first reply was lost or late, or
+                # the rollout was redelivered) gets the same sandbox, never a second one.
+                held.extend(self._clock())
+                return self._granted(held)
+            await self._end(held, "expired" if not held.died else "died")
+        pending = self._pending.get(req.holder)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[SandboxLeaseReply] = asyncio.get_running_loop().create_future()
+        self._pending[req.holder] = future
         try:
-            # 0o700: other local users must not read a rollout's files on the host either.
-            self._root_dir.mkdir(parents=True, exist_ok=True)
-            workdir.mkdir(mode=0o700)
-        except OSError as exc:
-            self._counts["leases_refused"] += 1
-            return SandboxLeaseReply(error_kind="backend_error", error=f"cannot create the lease directory: {exc}")
-        # The request's TTL is honoured as is: rollouts may run for hours and there is no renew.
-        lease = _Lease(lease_id, req.holder, workdir, self._clock() + req.ttl_s, req.network, req.writable_root)
-        self._leases[lease_id] = lease
-        self._lease_of_holder[req.holder] = lease_id
-        self._counts["leases_granted"] += 1
-        log.debug("sandbox leased", lease_id=lease_id, holder=req.holder, backend=self._backend.name)
+            reply = await self._new_lease(req)
+            future.set_result(reply)
+            return reply
+        except BaseException:
+            future.cancel()
+            raise
+        finally:
+            del self._pending[req.holder]
+
+    async def _new_lease(self, req: SandboxLeaseRequest) -> SandboxLeaseReply:
+        try:
+            terms = resolve_terms(self.config, profile=req.profile, overrides=req.limits,
+                                  network=req.network, ttl_s=req.ttl_s)
+        except RequestRefusedError as exc:
+            return self._refused_lease("invalid_request", str(exc))
+        self._pool.record_lease(terms.profile)
+        try:
+            (lease,) = await self._grant([req.holder], terms)
+        except CapacityError as exc:
+            return self._refused_lease("capacity", str(exc))
+        except Exception as exc:  # noqa: BLE001 - a runtime failure is a reply, by contract
+            kind, text = failure_of(exc)
+            return self._refused_lease(kind, f"no sandbox could be created: {text}")
         return self._granted(lease)
 
-    def _live_lease_of(self, holder: str) -> _Lease | None:
-        lease = self._leases.get(self._lease_of_holder.get(holder, ""))
-        return lease if lease is not None and lease.expires_at > self._clock() else None
+    async def fork(self, req: SandboxForkRequest) -> SandboxForkReply:
+        snapshot = self._snapshots.get(req.snapshot_id)
+        if snapshot is None:
+            return SandboxForkReply(error_kind="unknown_snapshot",
+                                    error=f"no snapshot {req.snapshot_id!r} (expired, evicted or never taken)")
+        ttl = self.config.default_lease_ttl_s if req.ttl_s is None else req.ttl_s
+        if ttl > self.config.max_lease_ttl_s:
+            return SandboxForkReply(error_kind="invalid_request",
+                                    error=f"ttl_s = {ttl:g} is above the maximum {self.config.max_lease_ttl_s:g}")
+        terms = LeaseTerms(snapshot.terms.profile, snapshot.terms.limits, snapshot.terms.network, ttl,
+                           warmable=snapshot.terms.warmable)
+        now = self._clock()
+        holders = [f"{req.holder}/{index}" for index in range(req.count)]
+        leases: dict[str, Lease] = {}
+        for holder in holders:  # forks already granted to a retried request are kept
+            held = self._leases.of_holder(holder)
+            if held is not None and not held.expired(now) and not held.died:
+                leases[holder] = held
+        missing = [holder for holder in holders if holder not in leases]
+        if missing:
+            for _ in missing:
+                self._pool.record_lease(terms.profile)
+            try:
+                tar = await self._snapshots.read(snapshot)
+                created = await self._grant(missing, terms,
+                                            seed=lambda sandbox: self._ops.restore(sandbox, tar, snapshot.sha256))
+            except CapacityError as exc:
+                return SandboxForkReply(error_kind="capacity", error=str(exc),
+                                        retry_after_s=self.config.capacity_retry_after_s)
+            except Exception as exc:  # noqa: BLE001
+                kind, text = failure_of(exc)
+                return SandboxForkReply(error_kind=kind, error=f"fork of {req.snapshot_id!r} failed: {text}")
+            leases.update(zip(missing, created, strict=True))
+        self.counts["forks"] += len(missing)
+        return SandboxForkReply(leases=[
+            ForkedLease(lease_id=leases[h].lease_id, holder=h, expires_at=leases[h].expires_at) for h in holders
+        ])
 
-    def _granted(self, lease: _Lease) -> SandboxLeaseReply:
-        return SandboxLeaseReply(
-            lease_id=lease.lease_id,
-            backend=self._backend.name,
-            isolated=self._backend.isolated,
-            expires_at=lease.expires_at,
-        )
-
-    async def exec(self, req: SandboxExecRequest) -> SandboxExecReply:
-        lease = self._leases.get(req.lease_id)
+    async def heartbeat(self, req: SandboxHeartbeatRequest) -> SandboxHeartbeatReply:
+        lease, kind, text = await self._live(req.lease_id)
         if lease is None:
-            return SandboxExecReply(error_kind="unknown_lease", error=f"no lease {req.lease_id!r}")
-        if self._clock() >= lease.expires_at:
-            await self._drop(lease)
-            self._counts["leases_expired"] += 1
-            return SandboxExecReply(error_kind="lease_expired", error=f"lease {req.lease_id!r} has expired")
-        self._counts["execs"] += 1
-        try:
-            result = await self._backend.run(
-                list(req.argv),
-                stdin=req.stdin,
-                timeout_s=req.timeout_s,
-                workdir=lease.workdir,
-                network=lease.network,
-                writable_root=lease.writable_root,
-                max_output_bytes=self._config.max_output_bytes,
-                memory_limit_mb=self._config.memory_limit_mb,
-            )
-        except Exception as exc:  # noqa: BLE001 - any backend failure becomes a reply, by contract
-            self._counts["exec_backend_errors"] += 1
-            kind = "sandbox" if isinstance(exc, SandboxError) else "unexpected"
-            log.warning("sandbox exec failed", lease_id=lease.lease_id, failure=kind, error=str(exc))
-            return SandboxExecReply(error_kind="backend_error", error=f"{type(exc).__name__}: {exc}")
-        error_kind, error = "", ""
-        if result.timed_out:
-            self._counts["exec_timeouts"] += 1
-            error_kind, error = "timeout", f"killed after {req.timeout_s:g} s"
-        elif result.truncated:
-            self._counts["exec_output_too_large"] += 1
-            error_kind = "output_too_large"
-            error = f"killed: output passed {self._config.max_output_bytes} bytes"
-        return SandboxExecReply(
-            exit_code=result.exit_code,
-            stdout=result.stdout,
-            stderr=result.stderr,
-            duration_s=result.duration_s,
-            timed_out=result.timed_out,
-            error_kind=error_kind,
-            error=error,
-        )
+            return SandboxHeartbeatReply(error_kind=kind, error=text)
+        if lease.died:  # the holder learns now, not at its next exec
+            return SandboxHeartbeatReply(error_kind="sandbox_died",
+                                         error=f"the sandbox of lease {req.lease_id!r} died")
+        lease.extend(self._clock())
+        return SandboxHeartbeatReply(expires_at=lease.expires_at)
 
     async def release(self, req: SandboxReleaseRequest) -> SandboxReleaseReply:
         lease = self._leases.get(req.lease_id)
         if lease is None:
             # Also what a second release gets: releasing is idempotent in effect.
-            return SandboxReleaseReply(released=False, error_kind="unknown_lease", error=f"no lease {req.lease_id!r}")
-        await self._drop(lease)
-        self._counts["leases_released"] += 1
-        log.info("sandbox released", lease_id=lease.lease_id, holder=lease.holder)
+            return SandboxReleaseReply(error_kind="unknown_lease", error=f"no lease {req.lease_id!r}")
+        await self._end(lease, "released")
         return SandboxReleaseReply(released=True)
 
+    # -- what runs in a leased sandbox ------------------------------------------------------
+
+    async def exec(self, req: SandboxExecRequest) -> SandboxExecReply:
+        lease, kind, text = await self._live(req.lease_id)
+        if lease is None:
+            return SandboxExecReply(error_kind=kind, error=text, exec_id=req.exec_id)
+        return await self._ops.exec(lease, req, now=self._clock)
+
+    async def upload(self, req: SandboxUploadRequest) -> SandboxUploadReply:
+        lease, kind, text = await self._live(req.lease_id)
+        if lease is None:
+            return SandboxUploadReply(error_kind=kind, error=text)
+        lease.extend(self._clock())
+        return await self._ops.upload(lease, req)
+
+    async def download(self, req: SandboxDownloadRequest) -> SandboxDownloadReply:
+        lease, kind, text = await self._live(req.lease_id)
+        if lease is None:
+            return SandboxDownloadReply(error_kind=kind, error=text)
+        lease.extend(self._clock())
+        return await self._ops.download(lease, req)
+
+    async def snapshot(self, req: SandboxSnapshotRequest) -> SandboxSnapshotReply:
+        lease, kind, text = await self._live(req.lease_id)
+        if lease is None:
+            return SandboxSnapshotReply(error_kind=kind, error=text)
+        lease.extend(self._clock())
+        return await self._ops.snapshot(lease, self._new_id())
+
+    # -- timers ----------------------------------------------------------------------------
+
+    async def run_timers(self) -> None:
+        """Reap expired leases and resize warm pools until cancelled (the shell owns the task)."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._every(self.config.reap_interval_s, self.reap_expired))
+            group.create_task(self._pools_forever())
+
+    async def _every(self, interval_s: float, action: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await action()
+            except Exception as exc:  # noqa: BLE001 - a failed round must not stop the timer
+                log.error("sandbox broker timer failed", action=action.__name__, error=repr(exc))
+
+    async def _pools_forever(self) -> None:
+        while True:
+            try:
+                await self.resize_pools()
+            except Exception as exc:  # noqa: BLE001
+                log.error("sandbox warm pool resize failed", error=repr(exc))
+            self._pools_wanted.clear()
+            try:  # woken early when a lease took a warm sandbox
+                await asyncio.wait_for(self._pools_wanted.wait(), self.config.pool_interval_s)
+            except TimeoutError:
+                pass
+
     async def reap_expired(self) -> int:
-        now = self._clock()
-        expired = [lease for lease in self._leases.values() if now >= lease.expires_at]
+        """End every lease whose holder stopped heartbeating; returns how many."""
+        expired = self._leases.expired(self._clock())
         for lease in expired:
-            await self._drop(lease)
-            log.info("sandbox lease expired", lease_id=lease.lease_id, holder=lease.holder)
-        self._counts["leases_expired"] += len(expired)
+            await self._end(lease, "expired")
+        self._snapshots.expire()
         return len(expired)
+
+    async def resize_pools(self) -> None:
+        """Bring each profile's warm pool to its demand-sized target."""
+        for sandbox in self._pool.dead():
+            await self._destroy(sandbox, "died while warm")
+        for name in self.config.profile_names():
+            profile = self.config.profile(name)
+            assert profile is not None
+            target = self._pool.target(name, minimum=profile.warm_min, maximum=profile.warm_max)
+            for sandbox in self._pool.surplus(name, target):
+                await self._destroy(sandbox, "warm pool shrank")
+            while (not self._closed and self._pool.ready(name) + self._pool.creating(name) < target
+                   and self.live_sandboxes() < self.config.max_sandboxes):
+                if not await self._create_warm(name, profile_limits(profile)):
+                    break  # the runtime failed: try again next round, not in a tight loop
+
+    async def _create_warm(self, profile: str, limits: SandboxLimits) -> bool:
+        self._pool.begin_creation(profile)
+        try:
+            sandbox = await self._create(profile, limits, network=False)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("sandbox warm creation failed", profile=profile, error=repr(exc))
+            self.counts["create_failures"] += 1
+            return False
+        finally:
+            self._pool.end_creation(profile)
+        if self._closed or self.live_sandboxes() >= self.config.max_sandboxes:
+            await self._destroy(sandbox, "no room left for it")  # leases took the room meanwhile
+            return False
+        self._pool.add(profile, sandbox)
+        return True
+
+    async def close(self) -> None:
+        """Destroy every sandbox, leased and warm (the broker is stopping)."""
+        self._closed = True
+        for lease in self._leases.all():
+            await self._end(lease, "broker stopped")
+        for sandbox in self._pool.drain():
+            await self._destroy(sandbox, "broker stopped")
+        self._snapshots.clear()
+
+    # -- state -----------------------------------------------------------------------------
+
+    def live_sandboxes(self) -> int:
+        return len(self._leases) + self._reserved + self._pool.total()
 
     def stats(self) -> SandboxBrokerStats:
         return SandboxBrokerStats(
-            backend=self._backend.name,
-            isolated=self._backend.isolated,
-            active_leases=len(self._leases),
-            max_leases=self._config.max_leases,
-            **self._counts,
+            backend=self.backend.name, isolated=self.backend.isolated, active_leases=len(self._leases),
+            warm_sandboxes={name: self._pool.ready(name) for name in self._pool.profiles()},
+            max_sandboxes=self.config.max_sandboxes, running_execs=self._ops.running_execs,
+            snapshots=len(self._snapshots), snapshot_bytes=self._snapshots.bytes_held(),
+            counts=dict(self.counts),
         )
 
-    def _refusal(self, req: SandboxLeaseRequest) -> SandboxLeaseReply | None:
-        if req.network:
-            # SandboxConfig has no field that allows network yet; refuse rather than guess.
-            return SandboxLeaseReply(
-                error_kind="invalid_request",
-                error="network access is not allowed by this broker (no config permits it)",
-            )
-        if req.writable_root:
-            # The only way bwrap 0.8 can make the root writable writes through to the host.
-            return SandboxLeaseReply(
-                error_kind="invalid_request",
-                error="a writable root is not allowed by this broker (no backend gives a private one)",
-            )
-        if len(self._leases) >= self._config.max_leases:
-            return SandboxLeaseReply(
-                error_kind="capacity", error=f"all {self._config.max_leases} sandbox leases are taken"
-            )
-        return None
+    # -- internals -------------------------------------------------------------------------
 
-    async def _drop(self, lease: _Lease) -> None:
-        # Forget the lease first, so a concurrent request cannot use a directory being removed.
-        self._leases.pop(lease.lease_id, None)
-        if self._lease_of_holder.get(lease.holder) == lease.lease_id:
-            del self._lease_of_holder[lease.holder]
-        await asyncio.to_thread(shutil.rmtree, lease.workdir, ignore_errors=True)
+    async def _grant(self, holders: list[str], terms: LeaseTerms,
+                     seed: Callable[[Sandbox], Any] | None = None) -> list[Lease]:
+        """One new lease per holder (all or none): warm sandboxes first, then new ones."""
+        leased = len(self._leases) + self._reserved
+        if leased + len(holders) > self.config.max_sandboxes:
+            self.counts["leases_refused"] += len(holders)
+            raise CapacityError(f"{leased} of {self.config.max_sandboxes} sandboxes are leased; "
+                                f"{len(holders)} more do not fit")
+        # Reserved before the first await, so concurrent requests see the room as taken; a warm
+        # sandbox taken moves from the pool's count to this one.
+        self._reserved += len(holders)
+        try:
+            obtained = await asyncio.gather(*(self._obtain(terms) for _ in holders), return_exceptions=True)
+            sandboxes = [item for item in obtained if not isinstance(item, BaseException)]
+            failure = next((item for item in obtained if isinstance(item, BaseException)), None)
+            if failure is None and seed is not None:
+                seeded = await asyncio.gather(*(seed(sandbox) for sandbox, _ in sandboxes),
+                                              return_exceptions=True)
+                failure = next((item for item in seeded if isinstance(item, BaseException)), None)
+            if failure is not None:
+                for sandbox, _ in sandboxes:
+                    await self._destroy(sandbox, "its lease could not be completed")
+                raise failure
+            now = self._clock()
+            leases = []
+            for holder, (sandbox, warm) in zip(holders, sandboxes, strict=True):
+                lease = Lease(self._new_id(), holder, terms, sandbox, now + terms.ttl_s, warm=warm)
+                self._leases.add(lease)
+                leases.append(lease)
+                self.counts["leases_granted"] += 1
+                self.counts["leases_warm" if warm else "leases_cold"] += 1
+                log.debug("sandbox leased", lease_id=lease.lease_id, holder=holder, warm=warm)
+            return leases
+        finally:
+            self._reserved -= len(holders)
+
+    async def _obtain(self, terms: LeaseTerms) -> tuple[Sandbox, bool]:
+        if terms.warmable:
+            sandbox, dead = self._pool.take(terms.profile)
+            for corpse in dead:
+                await self._destroy(corpse, "died while warm")
+            if sandbox is not None:
+                self._pools_wanted.set()
+                return sandbox, True
+        while self.live_sandboxes() > self.config.max_sandboxes:
+            evicted = self._pool.evict_one()
+            if evicted is None:
+                break
+            await self._destroy(evicted, "room for a lease")
+        return await self._create(terms.profile, terms.limits, network=terms.network), False
+
+    async def _create(self, profile: str, limits: SandboxLimits, *, network: bool) -> Sandbox:
+        async with self._creates:
+            started = self._clock()
+            sandbox = await self.backend.create(self._new_id(), limits, network=network)
+            self._pool.record_creation(profile, self._clock() - started)
+        self.counts["sandboxes_created"] += 1
+        return sandbox
+
+    async def _live(self, lease_id: str) -> tuple[Lease | None, SandboxErrorKind, str]:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return None, "unknown_lease", f"no lease {lease_id!r} (released, reaped or never granted)"
+        if lease.expired(self._clock()):
+            await self._end(lease, "expired")
+            return None, "lease_expired", f"lease {lease_id!r} expired: no heartbeat within its TTL"
+        if not lease.died and not lease.sandbox.alive():
+            lease.died = True
+            log.warning("leased sandbox died", lease_id=lease_id, holder=lease.holder)
+        return lease, "", ""
+
+    async def _end(self, lease: Lease, why: str) -> None:
+        # Forget the lease first, so no concurrent request can use a sandbox being destroyed.
+        if self._leases.remove(lease.lease_id) is None:
+            return
+        lease.transfers.clear()
+        self.counts[{"released": "leases_released", "expired": "leases_expired"}.get(why, "leases_ended")] += 1
+        log.info("sandbox lease ended", lease_id=lease.lease_id, holder=lease.holder, why=why)
+        await self._destroy(lease.sandbox, why)
+
+    async def _destroy(self, sandbox: Sandbox, why: str) -> None:
+        try:
+            await sandbox.destroy()
+        except Exception as exc:  # noqa: BLE001 - a failed destroy must not fail the request
+            log.warning("sandbox destroy failed", sandbox_id=sandbox.info.sandbox_id, why=why, error=repr(exc))
+        self.counts["sandboxes_destroyed"] += 1
+
+    def _granted(self, lease: Lease) -> SandboxLeaseReply:
+        return SandboxLeaseReply(
+            lease_id=lease.lease_id, backend=self.backend.name, isolated=self.backend.isolated,
+            expires_at=lease.expires_at, profile=lease.terms.profile, ttl_s=lease.terms.ttl_s,
+            limits=limits_spec(lease.terms.limits), warm=lease.warm,
+        )
+
+    def _refused_lease(self, kind: SandboxErrorKind, text: str) -> SandboxLeaseReply:
+        log.info("sandbox lease refused", error_kind=kind, error=text)
+        retry = self.config.capacity_retry_after_s if kind in ("capacity", "infra_error") else 0.0
+        return SandboxLeaseReply(error_kind=kind, error=text, retry_after_s=retry)

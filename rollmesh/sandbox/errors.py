@@ -13,6 +13,12 @@ the boundary with ``raise X(...) from exc``::
     +-- WorkspacePathError         a path that is absolute or leaves the workspace (path)
     +-- UnsafeArchiveError         a tar member that would land outside the workspace (member)
     +-- TransferError              a file could not be stored or read (path, reason)
+    +-- RequestRefusedError        a broker request asks for what the config does not allow
+    |                              (field): the caller's mistake, answered "invalid_request"
+    +-- CapacityError              no room for another sandbox now: answered "capacity"
+    +-- ChecksumMismatchError      bytes whose sha256 is not the one announced (path)
+    +-- SandboxRequestError        (client side) the broker answered error_kind, or could not be
+                                   reached (kind "unreachable"); retry_after_s, operation
 """
 
 from __future__ import annotations
@@ -69,3 +75,27 @@ class TransferError(SandboxError):
         super().__init__(f"{message}: {reason}" if reason else message)
         self.path = path
         self.reason = reason
+
+
+class RequestRefusedError(SandboxError):
+    def __init__(self, message: str, *, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class CapacityError(SandboxError):
+    pass
+
+
+class ChecksumMismatchError(SandboxError):
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class SandboxRequestError(SandboxError):
+    def __init__(self, message: str, *, kind: str, operation: str = "", retry_after_s: float = 0.0) -> None:
+        super().__init__(f"sandbox {operation} failed ({kind}): {message}" if operation else message)
+        self.kind = kind
+        self.operation = operation
+        self.retry_after_s = retry_after_s

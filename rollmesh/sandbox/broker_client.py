@@ -1,0 +1,171 @@
+"""How rollouts and the CLI talk to the sandbox broker: typed calls over request/reply.
+
+Knows the sandbox messages and the ``Publisher`` port (its ``request``); nothing of NATS or Ray,
+so the same client runs over the bus or, in tests and the CLI's in-process mode, straight into a
+broker. A reply with ``error_kind`` set, or no reply at all, raises ``SandboxRequestError``
+(kind "unreachable" when the broker could not be reached); an exec that ran returns its reply,
+whatever its ``result``. Files larger than one chunk move in chunks and are verified by sha256
+end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from rollmesh.messages import WireMessage
+from rollmesh.messages.sandbox import (
+    ForkedLease,
+    SandboxDownloadRequest,
+    SandboxExecReply,
+    SandboxExecRequest,
+    SandboxForkRequest,
+    SandboxHeartbeatRequest,
+    SandboxLeaseReply,
+    SandboxLeaseRequest,
+    SandboxLimitsSpec,
+    SandboxReleaseRequest,
+    SandboxSnapshotReply,
+    SandboxSnapshotRequest,
+    SandboxUploadReply,
+    SandboxUploadRequest,
+    TransferKind,
+)
+from rollmesh.messages.subjects import (
+    SANDBOX_DOWNLOAD,
+    SANDBOX_EXEC,
+    SANDBOX_FORK,
+    SANDBOX_HEARTBEAT,
+    SANDBOX_LEASE,
+    SANDBOX_RELEASE,
+    SANDBOX_SNAPSHOT,
+    SANDBOX_UPLOAD,
+    Subject,
+)
+from rollmesh.ports import Publisher, RequestFailedError
+from rollmesh.sandbox.errors import SandboxRequestError
+
+# Below the embedded NATS server's 8 MiB max payload with room for the message around the data.
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+# How long a request may wait on a busy broker beyond the work it asked for.
+BROKER_GRACE_S = 30.0
+# An exec without its own timeout waits for the default profile's limit (10 min) plus grace.
+DEFAULT_EXEC_WAIT_S = 600.0
+# A capacity refusal is retried after its retry hint, but never waits longer than this at once.
+MAX_RETRY_WAIT_S = 10.0
+
+
+class SandboxBrokerClient:
+    def __init__(self, requester: Publisher, *, timeout_s: float = BROKER_GRACE_S,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+                 sleep: Callable[[float], Any] = asyncio.sleep) -> None:
+        self._requester = requester
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self._new_id = new_id
+        self._sleep = sleep
+
+    async def lease(self, holder: str, *, profile: str = "default", ttl_s: float | None = None,
+                    network: bool = False, limits: SandboxLimitsSpec = SandboxLimitsSpec(),
+                    capacity_retries: int = 0) -> SandboxLeaseReply:
+        request = SandboxLeaseRequest(holder=holder, profile=profile, ttl_s=ttl_s, network=network,
+                                      limits=limits)
+        return await self._retrying(capacity_retries, lambda: self._call(SANDBOX_LEASE, request, "lease"))
+
+    async def exec(self, lease_id: str, argv: list[str] | None = None, *, shell: str = "",
+                   stdin: bytes = b"", timeout_s: float | None = None, env: dict[str, str] | None = None,
+                   cwd: str = "", exec_id: str = "", stream_output: bool = False,
+                   capacity_retries: int = 0) -> SandboxExecReply:
+        """Run a command; the reply's ``result`` says how it ended. Raises only when it could
+        not run at all."""
+        request = SandboxExecRequest(lease_id=lease_id, argv=list(argv or []), shell=shell, stdin=stdin,
+                                     timeout_s=timeout_s, env=dict(env or {}), cwd=cwd, exec_id=exec_id,
+                                     stream_output=stream_output)
+        wait_s = (timeout_s or DEFAULT_EXEC_WAIT_S) + self.timeout_s
+        return await self._retrying(capacity_retries,
+                                    lambda: self._call(SANDBOX_EXEC, request, "exec", wait_s=wait_s))
+
+    async def upload(self, lease_id: str, path: str, data: bytes, *, kind: TransferKind = "file",
+                     mode: int = 0o644) -> SandboxUploadReply:
+        """Store ``data`` at ``path`` (kind "tar": extract it into the directory ``path``)."""
+        sha256 = hashlib.sha256(data).hexdigest()
+        upload_id = self._new_id() if len(data) > self.chunk_bytes else ""
+        offset = 0
+        while True:
+            piece = data[offset:offset + self.chunk_bytes]
+            reply = await self._call(SANDBOX_UPLOAD, SandboxUploadRequest(
+                lease_id=lease_id, path=path, data=piece, size=len(data), sha256=sha256, kind=kind,
+                upload_id=upload_id, offset=offset, mode=mode), "upload")
+            if reply.complete:
+                return reply
+            offset += len(piece)
+            if offset >= len(data) or reply.received != offset:
+                raise SandboxRequestError(f"the broker holds {reply.received} of {len(data)} bytes "
+                                          f"after offset {offset}", kind="transfer_error", operation="upload")
+
+    async def download(self, lease_id: str, path: str, *, kind: TransferKind = "file") -> bytes:
+        """The file at ``path`` (kind "tar": a tar of the directory), verified by sha256."""
+        download_id, parts, offset = self._new_id(), [], 0
+        while True:
+            reply = await self._call(SANDBOX_DOWNLOAD, SandboxDownloadRequest(
+                lease_id=lease_id, path=path, kind=kind, download_id=download_id, offset=offset,
+                max_bytes=self.chunk_bytes), "download")
+            parts.append(reply.data)
+            offset += len(reply.data)
+            if reply.eof:
+                break
+            if not reply.data:
+                raise SandboxRequestError(f"empty chunk at offset {offset} of {reply.size}",
+                                          kind="transfer_error", operation="download")
+        data = b"".join(parts)
+        if len(data) != reply.size or hashlib.sha256(data).hexdigest() != reply.sha256:
+            raise SandboxRequestError(f"{path!r}: the {len(data)} bytes received do not match the "
+                                      f"sandbox's size {reply.size} and sha256 {reply.sha256}",
+                                      kind="checksum_mismatch", operation="download")
+        return data
+
+    async def snapshot(self, lease_id: str) -> SandboxSnapshotReply:
+        return await self._call(SANDBOX_SNAPSHOT, SandboxSnapshotRequest(lease_id=lease_id), "snapshot",
+                                wait_s=self.timeout_s * 4)
+
+    async def fork(self, snapshot_id: str, holder: str, count: int, *,
+                   ttl_s: float | None = None) -> list[ForkedLease]:
+        reply = await self._call(SANDBOX_FORK, SandboxForkRequest(
+            snapshot_id=snapshot_id, holder=holder, count=count, ttl_s=ttl_s), "fork", wait_s=self.timeout_s * 4)
+        return list(reply.leases)
+
+    async def heartbeat(self, lease_id: str) -> float:
+        """Extend the lease by its TTL; returns its new expiry."""
+        reply = await self._call(SANDBOX_HEARTBEAT, SandboxHeartbeatRequest(lease_id=lease_id), "heartbeat")
+        return reply.expires_at
+
+    async def release(self, lease_id: str) -> None:
+        await self._call(SANDBOX_RELEASE, SandboxReleaseRequest(lease_id=lease_id), "release")
+
+    # -- internals -------------------------------------------------------------------------
+
+    async def _call(self, subject: Subject, request: WireMessage, operation: str, *,
+                    wait_s: float | None = None) -> Any:
+        try:
+            reply = await self._requester.request(subject, request, timeout_s=wait_s or self.timeout_s)
+        except RequestFailedError as exc:
+            raise SandboxRequestError(f"sandbox broker unreachable: {exc}", kind="unreachable",
+                                      operation=operation) from exc
+        if reply.error_kind:  # type: ignore[attr-defined]
+            raise SandboxRequestError(reply.error, kind=reply.error_kind, operation=operation,  # type: ignore[attr-defined]
+                                      retry_after_s=getattr(reply, "retry_after_s", 0.0))
+        return reply
+
+    async def _retrying(self, retries: int, call: Callable[[], Any]) -> Any:
+        for attempt in range(retries + 1):
+            try:
+                return await call()
+            except SandboxRequestError as exc:
+                if exc.kind != "capacity" or attempt == retries:
+                    raise
+                await self._sleep(min(MAX_RETRY_WAIT_S, max(exc.retry_after_s, 0.05) * (attempt + 1)))
+        raise AssertionError("unreachable")

@@ -1,0 +1,258 @@
+"""What runs inside a leased sandbox: exec (with streamed output), uploads, downloads, snapshots.
+
+Knows the sandbox messages, the runtime seam and a ``Publisher`` for output chunks; nothing of
+NATS, Ray or which leases exist (the broker hands it a live lease). Every outcome is a reply:
+an exec that ran reports its ``result``; one that could not run at all gets ``error_kind``.
+
+End-to-end checksums: the client sends the sha256 of the whole file; the broker checks the bytes
+it assembled (corruption on the way in), then the sandbox's own sha256 of what it stored
+(corruption on the way down). Downloads check the sandbox's sha256 against the bytes the broker
+got, and the client checks the whole file against the same sha256.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import structlog
+
+from rollmesh.config import SandboxConfig
+from rollmesh.messages.sandbox import (
+    SandboxDownloadReply,
+    SandboxDownloadRequest,
+    SandboxErrorKind,
+    SandboxExecReply,
+    SandboxExecRequest,
+    SandboxOutputProduced,
+    SandboxSnapshotReply,
+    SandboxUploadReply,
+    SandboxUploadRequest,
+)
+from rollmesh.messages.subjects import SANDBOX_OUTPUT
+from rollmesh.ports import Publisher
+from rollmesh.sandbox.errors import (
+    CapacityError,
+    ChecksumMismatchError,
+    RequestRefusedError,
+    SandboxDiedError,
+    TransferError,
+    UnsafeArchiveError,
+    WorkspacePathError,
+)
+from rollmesh.sandbox.leases import Lease
+from rollmesh.sandbox.sandbox_protocol import ExecOutcome, OutputCallback, OutputStream, Sandbox
+from rollmesh.sandbox.snapshots import SnapshotStore
+from rollmesh.sandbox.transfers import Download, sha256_hex
+
+log = structlog.get_logger(__name__)
+
+# An output chunk on the bus is at most this long (a chatty tool must not make huge messages).
+OUTPUT_CHUNK_BYTES = 256 * 1024
+
+
+def failure_of(exc: BaseException) -> tuple[SandboxErrorKind, str]:
+    """The reply's error_kind for an exception out of the runtime, and its text."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SandboxDiedError):
+        return "sandbox_died", text
+    if isinstance(exc, CapacityError):
+        return "capacity", str(exc)
+    if isinstance(exc, RequestRefusedError):
+        return "invalid_request", str(exc)
+    if isinstance(exc, (WorkspacePathError, UnsafeArchiveError)):
+        return "path_error", str(exc)
+    if isinstance(exc, ChecksumMismatchError) or (isinstance(exc, TransferError) and "sha256" in exc.reason):
+        return "checksum_mismatch", str(exc)  # the runtime's own end-to-end check failed
+    if isinstance(exc, TransferError):
+        return "transfer_error", str(exc)
+    return "infra_error", text
+
+
+def exec_reply(outcome: ExecOutcome, exec_id: str) -> SandboxExecReply:
+    return SandboxExecReply(
+        result=outcome.result, exit_code=outcome.exit_code, signal=outcome.signal,
+        truncated=outcome.truncated, stdout=outcome.stdout, stderr=outcome.stderr,
+        duration_s=outcome.duration_s, cpu_s=outcome.cpu_s, detail=outcome.detail, exec_id=exec_id,
+    )
+
+
+class WorkspaceOps:
+    def __init__(self, config: SandboxConfig, snapshots: SnapshotStore, *, publisher: Publisher | None,
+                 new_id: Callable[[], str], counts: Counter[str]) -> None:
+        self.config = config
+        self._snapshots = snapshots
+        self._publisher = publisher
+        self._new_id = new_id
+        self._counts = counts
+        self.running_execs = 0
+
+    # -- exec ------------------------------------------------------------------------------
+
+    async def exec(self, lease: Lease, req: SandboxExecRequest, *, now: Callable[[], float]) -> SandboxExecReply:
+        exec_id = req.exec_id or self._new_id()
+        refusal = self._exec_refusal(lease, req)
+        if refusal is not None:
+            return SandboxExecReply(error_kind="invalid_request", error=refusal, exec_id=exec_id)
+        if self.running_execs >= self.config.max_concurrent_execs:
+            self._counts["execs_refused"] += 1
+            return SandboxExecReply(
+                error_kind="capacity", exec_id=exec_id, retry_after_s=self.config.capacity_retry_after_s,
+                error=f"all {self.config.max_concurrent_execs} concurrent execs are running")
+        if lease.died:
+            return SandboxExecReply(result="sandbox_died", exec_id=exec_id, detail="the sandbox died earlier")
+        self.running_execs += 1
+        lease.running_execs += 1
+        lease.extend(now())
+        try:
+            outcome = await lease.sandbox.exec(
+                list(req.argv) or None, shell=req.shell or None, stdin=req.stdin,
+                timeout_s=req.timeout_s or lease.terms.limits.exec_timeout_s, env=dict(req.env) or None,
+                cwd=req.cwd or None,
+                on_output=self._streamer(lease, exec_id) if req.stream_output else None,
+            )
+            reply = exec_reply(outcome, exec_id)
+        except Exception as exc:  # noqa: BLE001 - the runtime's failures are results, by contract
+            kind, text = failure_of(exc)
+            if kind == "path_error":  # a cwd outside the workspace: the caller's mistake
+                return SandboxExecReply(error_kind=kind, error=text, exec_id=exec_id)
+            result = "sandbox_died" if kind == "sandbox_died" else "infra_error"
+            log.warning("sandbox exec failed", lease_id=lease.lease_id, result=result, error=text)
+            reply = SandboxExecReply(result=result, detail=text, exec_id=exec_id)
+        finally:
+            self.running_execs -= 1
+            lease.running_execs -= 1
+            lease.extend(now())
+        if reply.result == "sandbox_died":
+            lease.died = True
+        self._counts["execs"] += 1
+        self._counts[f"exec_{reply.result}"] += 1
+        return reply
+
+    def _exec_refusal(self, lease: Lease, req: SandboxExecRequest) -> str | None:
+        if bool(req.argv) == bool(req.shell):
+            return "give exactly one of argv (a non-empty list) and shell (a command string)"
+        most = lease.terms.limits.exec_timeout_s
+        if req.timeout_s is not None and req.timeout_s > most:
+            return f"timeout_s = {req.timeout_s:g} is above this lease's exec_timeout_s {most:g}"
+        return None
+
+    def _streamer(self, lease: Lease, exec_id: str) -> OutputCallback | None:
+        publisher = self._publisher
+        if publisher is None:
+            return None
+        offsets: dict[OutputStream, int] = {"stdout": 0, "stderr": 0}
+        budget = [lease.terms.limits.max_output_bytes]
+        failed = [False]
+
+        async def on_output(stream: OutputStream, data: bytes) -> None:
+            data = data[: max(0, budget[0])]
+            budget[0] -= len(data)
+            for start in range(0, len(data), OUTPUT_CHUNK_BYTES):
+                piece = data[start:start + OUTPUT_CHUNK_BYTES]
+                chunk = SandboxOutputProduced(lease_id=lease.lease_id, exec_id=exec_id, stream=stream,
+                                              offset=offsets[stream], data=piece)
+                offsets[stream] += len(piece)
+                try:
+                    await publisher.publish(SANDBOX_OUTPUT, chunk)
+                except Exception as exc:  # noqa: BLE001 - streaming is best effort; the reply has it all
+                    if not failed[0]:
+                        log.warning("sandbox output publish failed", exec_id=exec_id, error=repr(exc))
+                    failed[0] = True
+
+        return on_output
+
+    # -- files -----------------------------------------------------------------------------
+
+    async def upload(self, lease: Lease, req: SandboxUploadRequest) -> SandboxUploadReply:
+        if lease.died:
+            return SandboxUploadReply(error_kind="sandbox_died", error="the sandbox died")
+        if req.size > self.config.max_transfer_bytes:
+            return SandboxUploadReply(error_kind="transfer_error",
+                                      error=f"{req.size} bytes is above sandbox.max_transfer_bytes "
+                                            f"({self.config.max_transfer_bytes})")
+        try:
+            assembled = lease.transfers.add_chunk(req)
+        except RequestRefusedError as exc:
+            return SandboxUploadReply(error_kind="invalid_request", error=str(exc))
+        if isinstance(assembled, int):
+            return SandboxUploadReply(received=assembled, size=req.size)
+        try:
+            if await sha256_hex(assembled) != req.sha256:
+                raise ChecksumMismatchError(f"the {len(assembled)} bytes received for {req.path!r} do not "
+                                            "have the announced sha256 (corrupted on the way in)",
+                                            path=req.path)
+            if req.kind == "tar":
+                stored = await lease.sandbox.put_tar(req.path, assembled)
+            else:
+                stored = await lease.sandbox.put_file(req.path, assembled, mode=req.mode)
+            if stored.sha256 != req.sha256:
+                raise ChecksumMismatchError(f"the sandbox stored {req.path!r} with sha256 {stored.sha256}, "
+                                            f"not the announced {req.sha256}", path=req.path)
+        except Exception as exc:  # noqa: BLE001
+            return self._transfer_failed(lease, SandboxUploadReply, "upload", req.path, exc)
+        self._counts["uploads"] += 1
+        return SandboxUploadReply(received=len(assembled), complete=True, size=len(assembled),
+                                  sha256=stored.sha256)
+
+    async def download(self, lease: Lease, req: SandboxDownloadRequest) -> SandboxDownloadReply:
+        if lease.died:
+            return SandboxDownloadReply(error_kind="sandbox_died", error="the sandbox died")
+        found = lease.transfers.download(req.download_id)
+        if found is None:
+            if req.offset != 0:
+                return SandboxDownloadReply(error_kind="invalid_request",
+                                            error=f"download {req.download_id!r} is unknown here: start at offset 0")
+            try:
+                found = await self._read(lease.sandbox, req.path, req.kind)
+            except Exception as exc:  # noqa: BLE001
+                return self._transfer_failed(lease, SandboxDownloadReply, "download", req.path, exc)
+            lease.transfers.keep_download(req.download_id, found)
+        size = len(found.data)
+        end = min(size, req.offset + min(req.max_bytes, self.config.transfer_chunk_bytes))
+        eof = end >= size
+        if eof:
+            lease.transfers.finish_download(req.download_id)
+            self._counts["downloads"] += 1
+        return SandboxDownloadReply(data=found.data[req.offset:end], offset=req.offset, size=size,
+                                    sha256=found.sha256, eof=eof)
+
+    async def _read(self, sandbox: Sandbox, path: str, kind: str) -> Download:
+        data, read = await (sandbox.get_tar(path) if kind == "tar" else sandbox.get_file(path))
+        if len(data) > self.config.max_transfer_bytes:
+            raise TransferError(f"{len(data)} bytes is above sandbox.max_transfer_bytes", path=path)
+        if await sha256_hex(data) != read.sha256:
+            raise ChecksumMismatchError(f"the bytes read from {path!r} do not have the sha256 the sandbox "
+                                        "computed (corrupted on the way up)", path=path)
+        return Download(data, read.sha256)
+
+    # -- snapshots -------------------------------------------------------------------------
+
+    async def snapshot(self, lease: Lease, snapshot_id: str) -> SandboxSnapshotReply:
+        if lease.died:
+            return SandboxSnapshotReply(error_kind="sandbox_died", error="the sandbox died")
+        try:
+            tar = await self._read(lease.sandbox, ".", "tar")
+            kept = await self._snapshots.put(snapshot_id, tar.data, sha256=tar.sha256, terms=lease.terms,
+                                             source_lease=lease.lease_id)
+        except Exception as exc:  # noqa: BLE001
+            return self._transfer_failed(lease, SandboxSnapshotReply, "snapshot", ".", exc)
+        self._counts["snapshots"] += 1
+        return SandboxSnapshotReply(snapshot_id=kept.snapshot_id, size=kept.size, sha256=kept.sha256,
+                                    expires_at=kept.expires_at)
+
+    async def restore(self, sandbox: Sandbox, tar: bytes, sha256: str) -> None:
+        """Seed a fresh sandbox's workspace with a snapshot (a fork); raises on any failure."""
+        stored = await sandbox.put_tar(".", tar)
+        if stored.sha256 != sha256:
+            raise ChecksumMismatchError(f"the sandbox restored a snapshot with sha256 {stored.sha256}, "
+                                        f"not {sha256}", path=".")
+
+    def _transfer_failed(self, lease: Lease, reply_type: type, what: str, path: str, exc: Exception):
+        kind, text = failure_of(exc)
+        if kind == "sandbox_died":
+            lease.died = True
+        self._counts[f"{what}_failures"] += 1
+        log.info("sandbox transfer failed", lease_id=lease.lease_id, what=what, path=path, error_kind=kind,
+                 error=text)
+        return reply_type(error_kind=kind, error=text)
