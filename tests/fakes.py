@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
 from rollmesh.messages import SamplingParams, Subject, WireMessage
-from rollmesh.sandbox.errors import SandboxDiedError, TransferError, UnsafeArchiveError, WorkspacePathError
+from rollmesh.sandbox.errors import (
+    ChecksumMismatchError,
+    SandboxDiedError,
+    TransferError,
+    UnsafeArchiveError,
+    WorkspacePathError,
+)
 from rollmesh.sandbox.sandbox_protocol import ExecOutcome, FileTransfer, SandboxInfo, SandboxLimits
 
 if TYPE_CHECKING:
@@ -97,13 +103,21 @@ class FakeSandbox:
             code = int(words[1])
         return ExecOutcome("exit", code, None, False, stdout, stderr, 0.01)
 
-    async def put_file(self, path: str, data: bytes, *, mode: int = 0o644) -> FileTransfer:
+    async def put_file(self, path: str, data: bytes, *, mode: int = 0o644,
+                       expected_sha256: str | None = None) -> FileTransfer:
         self._check_alive()
         name = _workspace_path(path)
+        stored = self._checked(FileTransfer(name, len(data), self._stored_sha(data)), expected_sha256)
         self.files[name] = bytes(data)
-        return FileTransfer(name, len(data), self._stored_sha(data))
+        return stored
 
-    async def get_file(self, path: str) -> tuple[bytes, FileTransfer]:
+    def _checked(self, stored: FileTransfer, expected_sha256: str | None) -> FileTransfer:
+        # As the real agent: bytes whose digest is not the sender's never land.
+        if expected_sha256 is not None and stored.sha256 != expected_sha256:
+            raise ChecksumMismatchError(f"arrived with sha256 {stored.sha256}", path=stored.path)
+        return stored
+
+    async def get_file(self, path: str, *, verify: bool = True) -> tuple[bytes, FileTransfer]:
         self._check_alive()
         name = _workspace_path(path)
         if name not in self.files:
@@ -111,7 +125,7 @@ class FakeSandbox:
         data = self.files[name]
         return data, FileTransfer(name, len(data), hashlib.sha256(data).hexdigest())
 
-    async def put_tar(self, path: str, tar_bytes: bytes) -> FileTransfer:
+    async def put_tar(self, path: str, tar_bytes: bytes, *, expected_sha256: str | None = None) -> FileTransfer:
         self._check_alive()
         base = _workspace_path(path)
         with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as archive:
@@ -121,9 +135,9 @@ class FakeSandbox:
                 if member.isfile():
                     name = str(Path(base) / member.name) if base != "." else str(Path(member.name))
                     self.files[str(Path(name))] = archive.extractfile(member).read()  # type: ignore[union-attr]
-        return FileTransfer(base, len(tar_bytes), self._stored_sha(tar_bytes))
+        return self._checked(FileTransfer(base, len(tar_bytes), self._stored_sha(tar_bytes)), expected_sha256)
 
-    async def get_tar(self, path: str) -> tuple[bytes, FileTransfer]:
+    async def get_tar(self, path: str, *, verify: bool = True) -> tuple[bytes, FileTransfer]:
         self._check_alive()
         base = _workspace_path(path)
         buffer = io.BytesIO()

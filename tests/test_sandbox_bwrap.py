@@ -98,10 +98,10 @@ async def test_per_exec_rlimits_apply(sandbox) -> None:
 async def test_burning_past_the_cpu_limit_kills_the_command(backend: BwrapBackend) -> None:
     box = await backend.create("cpu", SandboxLimits(cpu_s=1, exec_timeout_s=20.0, memory_mb=128, pids=32))
     try:
-        started = time.monotonic()
         done = await box.exec(["/bin/sh", "-c", "while :; do :; done"])
+        # SIGXCPU, not the 20 s timeout: the CPU limit ended it, after about 1 CPU-second.
         assert (done.result, done.signal) == ("signal", signal.SIGXCPU), done
-        assert 0.9 < done.cpu_s < 3 and time.monotonic() - started < 10
+        assert 0.9 < done.cpu_s < 3
     finally:
         await box.destroy()
 

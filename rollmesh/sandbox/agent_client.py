@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from rollmesh.sandbox import agent_wire as wire
 from rollmesh.sandbox.errors import (
     BackendFailedError,
+    ChecksumMismatchError,
     SandboxDiedError,
     TransferError,
     UnsafeArchiveError,
@@ -285,6 +286,8 @@ class AgentSandbox:
             raise UnsafeArchiveError(message, member=str(header.get("member", "")))
         if kind == "transfer":
             raise TransferError(message, path=str(header.get("path", "")), reason=str(header.get("reason", "")))
+        if kind == "checksum_mismatch":
+            raise ChecksumMismatchError(message, path=str(header.get("path", "")))
         raise BackendFailedError("the agent refused a request", backend=self.info.backend, reason=message)
 
     # ---- Sandbox protocol --------------------------------------------------------------------
@@ -381,32 +384,38 @@ class AgentSandbox:
         except OSError:
             return None
 
-    async def put_file(self, path: str, data: bytes, *, mode: int = 0o644) -> FileTransfer:
-        return await self._upload("put_file", path, data, {"mode": int(mode)})
+    async def put_file(self, path: str, data: bytes, *, mode: int = 0o644,
+                       expected_sha256: str | None = None) -> FileTransfer:
+        return await self._upload("put_file", path, data, {"mode": int(mode)}, expected_sha256=expected_sha256)
 
-    async def put_tar(self, path: str, tar_bytes: bytes) -> FileTransfer:
-        return await self._upload("put_tar", path, tar_bytes, {}, allow_root=True)
+    async def put_tar(self, path: str, tar_bytes: bytes, *, expected_sha256: str | None = None) -> FileTransfer:
+        return await self._upload("put_tar", path, tar_bytes, {}, allow_root=True,
+                                  expected_sha256=expected_sha256)
 
-    async def get_file(self, path: str) -> tuple[bytes, FileTransfer]:
-        return await self._download("get_file", path)
+    async def get_file(self, path: str, *, verify: bool = True) -> tuple[bytes, FileTransfer]:
+        return await self._download("get_file", path, verify=verify)
 
-    async def get_tar(self, path: str) -> tuple[bytes, FileTransfer]:
-        return await self._download("get_tar", path, allow_root=True)
+    async def get_tar(self, path: str, *, verify: bool = True) -> tuple[bytes, FileTransfer]:
+        return await self._download("get_tar", path, allow_root=True, verify=verify)
 
     async def _upload(self, op: str, path: str, data: bytes, extra: dict[str, object],
-                      *, allow_root: bool = False) -> FileTransfer:
+                      *, allow_root: bool = False, expected_sha256: str | None = None) -> FileTransfer:
+        """With ``expected_sha256`` (the sender's digest, checked end to end) the agent's digest
+        is compared with it and nothing is hashed here; without it we hash our copy."""
         rel = _relative(path, allow_root=allow_root)
         view = memoryview(data).cast("B")
         rid, call = self._open()
-        hasher = hashlib.sha256()
+        hasher = hashlib.sha256() if expected_sha256 is None else None
         try:
             first = view[:wire.CHUNK]
-            self._send({"id": rid, "op": op, "path": rel, "size": len(view), "last": len(view) <= wire.CHUNK, **extra},
-                       first)
+            expect = {} if expected_sha256 is None else {"sha256": expected_sha256}
+            self._send({"id": rid, "op": op, "path": rel, "size": len(view), "last": len(view) <= wire.CHUNK,
+                        **expect, **extra}, first)
             # Hash our copy while the agent stores (and hashes) its own; but first let the pipe
             # take the frame, else the agent would wait for its tail while we hash.
             await self._wait_drained(0 if len(view) <= wire.CHUNK else HIGH_WATER)
-            await _hash(hasher, first)
+            if hasher is not None:
+                await _hash(hasher, first)
             for start in range(wire.CHUNK, len(view), wire.CHUNK):
                 await self._wait_drained(HIGH_WATER)
                 if call.frames:  # refused early (a bad path, a full disk): stop sending
@@ -414,19 +423,27 @@ class AgentSandbox:
                     break
                 chunk = view[start:start + wire.CHUNK]
                 self._send({"id": rid, "op": "chunk", "last": start + wire.CHUNK >= len(view)}, chunk)
-                await _hash(hasher, chunk)
+                if hasher is not None:
+                    await _hash(hasher, chunk)
             fields = self._raise_for(await call.next())
         finally:
             self._calls.pop(rid, None)
         transfer = FileTransfer(path=rel, size=int(fields.get("size", -1)), sha256=str(fields.get("sha256", "")))
-        if transfer.size != len(view) or transfer.sha256 != hasher.hexdigest():
-            raise TransferError("the sandbox stored different bytes", path=rel, reason="size or sha256 mismatch")
+        if transfer.size != len(view):
+            raise TransferError("the sandbox stored different bytes", path=rel, reason="size mismatch")
+        expected = expected_sha256 if hasher is None else hasher.hexdigest()
+        if transfer.sha256 != expected:
+            raise ChecksumMismatchError(f"the sandbox stored {rel!r} with sha256 {transfer.sha256}, "
+                                        f"not {expected}", path=rel)
         return transfer
 
-    async def _download(self, op: str, path: str, *, allow_root: bool = False) -> tuple[bytes, FileTransfer]:
+    async def _download(self, op: str, path: str, *, allow_root: bool = False,
+                        verify: bool = True) -> tuple[bytes, FileTransfer]:
+        """``verify=False`` when the bytes go on to a receiver that checks the agent's digest
+        itself (end to end), so they are not hashed twice."""
         rel = _relative(path, allow_root=allow_root)
         rid, call = self._open()
-        hasher = hashlib.sha256()
+        hasher = hashlib.sha256() if verify else None
         parts: list[bytes | bytearray] = []
         try:
             self._send({"id": rid, "op": op, "path": rel})
@@ -436,14 +453,15 @@ class AgentSandbox:
                 payload = frame[1]  # type: ignore[index]
                 if len(payload):
                     parts.append(payload)
-                    await _hash(hasher, payload)
+                    if hasher is not None:
+                        await _hash(hasher, payload)
                 if fields.get("t") == "ok":
                     break
         finally:
             self._calls.pop(rid, None)
         data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
         transfer = FileTransfer(path=rel, size=int(fields.get("size", -1)), sha256=str(fields.get("sha256", "")))
-        if transfer.size != len(data) or transfer.sha256 != hasher.hexdigest():
+        if transfer.size != len(data) or (hasher is not None and transfer.sha256 != hasher.hexdigest()):
             raise TransferError("the bytes read differ from what the sandbox sent", path=rel,
                                 reason="size or sha256 mismatch")
         return data, transfer

@@ -28,6 +28,12 @@ else:  # inside the sandbox: agent.py put its own directory on sys.path
 HAS_DATA_FILTER = hasattr(tarfile, "data_filter")
 
 
+def check_digest(path: str, digest: str, expected: str | None) -> None:
+    if expected and digest != expected:
+        raise RequestError("checksum_mismatch", f"{path!r} arrived with sha256 {digest}, the sender's is {expected}",
+                           path=path)
+
+
 class RequestError(Exception):
     """A file request that must be answered with an error frame of this ``kind``."""
 
@@ -140,10 +146,17 @@ class Upload:
             self.hasher.update(data)
         self.size += len(data)
 
-    def commit(self) -> dict[str, object]:
-        """Rename the finished file over its target. A file it replaces stays open in
-        ``replaced_fd`` (or -1): freeing its pages takes time the reply need not wait for."""
+    def commit(self, expected_sha256: str | None = None) -> dict[str, object]:
+        """Rename the finished file over its target, unless its digest is not the sender's. A
+        file it replaces stays open in ``replaced_fd`` (or -1): freeing its pages takes time the
+        reply need not wait for."""
         self.replaced_fd = -1
+        digest = self.hasher.hexdigest()
+        try:
+            check_digest(self.path, digest, expected_sha256)
+        except RequestError:
+            self.abort()
+            raise
         try:
             os.fchmod(self.fd, self.mode & 0o777)
             os.close(self.fd)
@@ -156,7 +169,7 @@ class Upload:
         except OSError as exc:
             self.abort()
             raise transfer_failed(self.path, exc) from exc
-        return {"size": self.size, "sha256": self.hasher.hexdigest()}
+        return {"size": self.size, "sha256": digest}
 
     def abort(self) -> None:
         self.failed = True

@@ -107,6 +107,8 @@ class Transfers:
             self.workspace.directory(path)  # refuse a bad destination before taking the bytes
             upload = files.Upload(path, None, 0, spool_dir=self.spool)
         upload.op = op
+        # The sender's digest, when given: a file whose bytes do not match never lands.
+        upload.expected_sha256 = header.get("sha256")
         self.uploads[rid] = upload
         self.upload_chunk(rid, header, payload)
 
@@ -127,13 +129,15 @@ class Transfers:
             if not last:
                 return
             if upload.op == "put_file":
-                reply = upload.commit()
+                reply = upload.commit(expected_sha256=upload.expected_sha256)
                 if upload.replaced_fd >= 0:
                     self.closing.append(upload.replaced_fd)
                     upload.replaced_fd = -1
             else:
                 try:
-                    reply = {"size": upload.size, "sha256": upload.hasher.hexdigest(),
+                    digest = upload.hasher.hexdigest()
+                    files.check_digest(upload.path, digest, upload.expected_sha256)
+                    reply = {"size": upload.size, "sha256": digest,
                              **files.extract_tar(upload.fd, self.workspace, upload.path)}
                 finally:
                     upload.abort()  # the spool goes either way

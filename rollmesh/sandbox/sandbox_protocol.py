@@ -88,16 +88,22 @@ class Sandbox(Protocol):
         on_output: OutputCallback | None = None,
     ) -> ExecOutcome: ...
 
-    async def put_file(self, path: str, data: bytes, *, mode: int = 0o644) -> FileTransfer: ...
+    # Checksums: the sandbox side hashes what it stored or read. With ``expected_sha256`` (the
+    # sender's digest) a put compares against it and raises ``ChecksumMismatchError``; without,
+    # the caller's copy is hashed here. ``verify=False`` on a get skips hashing the bytes here,
+    # for a caller that passes them and the sandbox's digest on to a receiver that checks both.
 
-    async def get_file(self, path: str) -> tuple[bytes, FileTransfer]: ...
+    async def put_file(self, path: str, data: bytes, *, mode: int = 0o644,
+                       expected_sha256: str | None = None) -> FileTransfer: ...
 
-    async def put_tar(self, path: str, tar_bytes: bytes) -> FileTransfer:
+    async def get_file(self, path: str, *, verify: bool = True) -> tuple[bytes, FileTransfer]: ...
+
+    async def put_tar(self, path: str, tar_bytes: bytes, *, expected_sha256: str | None = None) -> FileTransfer:
         """Extract a tar into ``path`` (a workspace directory), refusing absolute names, ``..``
         and links that point outside the workspace (``UnsafeArchiveError``)."""
         ...
 
-    async def get_tar(self, path: str) -> tuple[bytes, FileTransfer]:
+    async def get_tar(self, path: str, *, verify: bool = True) -> tuple[bytes, FileTransfer]:
         """A tar of ``path`` (a workspace directory or file); "." is the whole workspace."""
         ...
 

@@ -10,8 +10,6 @@ without bound, and all of them go when the lease does.
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -19,16 +17,6 @@ from rollmesh.messages.sandbox import SandboxUploadRequest
 from rollmesh.sandbox.errors import RequestRefusedError
 
 MAX_PER_LEASE = 4
-# Hashing more than this goes to a thread, so a 1 GiB file does not stall every other request.
-_HASH_IN_THREAD_BYTES = 1 << 20
-
-
-async def sha256_hex(data: bytes) -> str:
-    if len(data) <= _HASH_IN_THREAD_BYTES:
-        return hashlib.sha256(data).hexdigest()
-    return await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
-
-
 @dataclass(slots=True)
 class _Upload:
     path: str

@@ -4,10 +4,10 @@ Knows the sandbox messages, the runtime seam and a ``Publisher`` for output chun
 NATS, Ray or which leases exist (the broker hands it a live lease). Every outcome is a reply:
 an exec that ran reports its ``result``; one that could not run at all gets ``error_kind``.
 
-End-to-end checksums: the client sends the sha256 of the whole file; the broker checks the bytes
-it assembled (corruption on the way in), then the sandbox's own sha256 of what it stored
-(corruption on the way down). Downloads check the sandbox's sha256 against the bytes the broker
-got, and the client checks the whole file against the same sha256.
+End-to-end checksums, each file hashed once at each end: the client sends the sha256 of the whole
+file and the sandbox's agent hashes what it stored; they must be equal (corruption anywhere on the
+way in). Downloads carry the agent's sha256 of what it read, and the client checks the bytes it
+received against it. Snapshots, which stay in the broker, are also checked here.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from rollmesh.sandbox.errors import (
 from rollmesh.sandbox.leases import Lease
 from rollmesh.sandbox.sandbox_protocol import ExecOutcome, OutputCallback, OutputStream, Sandbox
 from rollmesh.sandbox.snapshots import SnapshotStore
-from rollmesh.sandbox.transfers import Download, sha256_hex
+from rollmesh.sandbox.transfers import Download
 
 log = structlog.get_logger(__name__)
 
@@ -178,14 +178,13 @@ class WorkspaceOps:
         if isinstance(assembled, int):
             return SandboxUploadReply(received=assembled, size=req.size)
         try:
-            if await sha256_hex(assembled) != req.sha256:
-                raise ChecksumMismatchError(f"the {len(assembled)} bytes received for {req.path!r} do not "
-                                            "have the announced sha256 (corrupted on the way in)",
-                                            path=req.path)
+            # Checked end to end, once: the sandbox hashes what it stored and that must be the
+            # client's digest (so corruption anywhere on the way in is caught there).
             if req.kind == "tar":
-                stored = await lease.sandbox.put_tar(req.path, assembled)
+                stored = await lease.sandbox.put_tar(req.path, assembled, expected_sha256=req.sha256)
             else:
-                stored = await lease.sandbox.put_file(req.path, assembled, mode=req.mode)
+                stored = await lease.sandbox.put_file(req.path, assembled, mode=req.mode,
+                                                      expected_sha256=req.sha256)
             if stored.sha256 != req.sha256:
                 raise ChecksumMismatchError(f"the sandbox stored {req.path!r} with sha256 {stored.sha256}, "
                                             f"not the announced {req.sha256}", path=req.path)
@@ -217,13 +216,13 @@ class WorkspaceOps:
         return SandboxDownloadReply(data=found.data[req.offset:end], offset=req.offset, size=size,
                                     sha256=found.sha256, eof=eof)
 
-    async def _read(self, sandbox: Sandbox, path: str, kind: str) -> Download:
-        data, read = await (sandbox.get_tar(path) if kind == "tar" else sandbox.get_file(path))
+    async def _read(self, sandbox: Sandbox, path: str, kind: str, *, verify: bool = False) -> Download:
+        """``verify``: hash the bytes here too (snapshots, which stay in the broker); downloads
+        are checked by the client against the sandbox's digest, end to end."""
+        data, read = await (sandbox.get_tar(path, verify=verify) if kind == "tar"
+                            else sandbox.get_file(path, verify=verify))
         if len(data) > self.config.max_transfer_bytes:
             raise TransferError(f"{len(data)} bytes is above sandbox.max_transfer_bytes", path=path)
-        if await sha256_hex(data) != read.sha256:
-            raise ChecksumMismatchError(f"the bytes read from {path!r} do not have the sha256 the sandbox "
-                                        "computed (corrupted on the way up)", path=path)
         return Download(data, read.sha256)
 
     # -- snapshots -------------------------------------------------------------------------
@@ -232,7 +231,7 @@ class WorkspaceOps:
         if lease.died:
             return SandboxSnapshotReply(error_kind="sandbox_died", error="the sandbox died")
         try:
-            tar = await self._read(lease.sandbox, ".", "tar")
+            tar = await self._read(lease.sandbox, ".", "tar", verify=True)
             kept = await self._snapshots.put(snapshot_id, tar.data, sha256=tar.sha256, terms=lease.terms,
                                              source_lease=lease.lease_id)
         except Exception as exc:  # noqa: BLE001
@@ -243,7 +242,7 @@ class WorkspaceOps:
 
     async def restore(self, sandbox: Sandbox, tar: bytes, sha256: str) -> None:
         """Seed a fresh sandbox's workspace with a snapshot (a fork); raises on any failure."""
-        stored = await sandbox.put_tar(".", tar)
+        stored = await sandbox.put_tar(".", tar, expected_sha256=sha256)
         if stored.sha256 != sha256:
             raise ChecksumMismatchError(f"the sandbox restored a snapshot with sha256 {stored.sha256}, "
                                         f"not {sha256}", path=".")
