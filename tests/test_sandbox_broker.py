@@ -9,6 +9,7 @@ import hashlib
 import itertools
 from pathlib import Path
 
+import msgspec
 import pytest
 from fakes import FakeSandboxBackend, ManualClock, RecordingPublisher
 
@@ -382,6 +383,32 @@ async def test_a_download_corrupted_on_the_way_is_caught_by_the_client(tmp_path)
 
     with pytest.raises(SandboxRequestError) as caught:
         await SandboxBrokerClient(FlippingRequester(broker)).download(lease, "f")
+    assert caught.value.kind == "checksum_mismatch"
+
+
+async def test_an_upload_corrupted_on_the_way_in_is_caught_and_sent_again_with_its_digest(tmp_path):
+    broker, backend, _ = make_broker(tmp_path)
+    lease = (await broker.lease(SandboxLeaseRequest(holder="r"))).lease_id
+
+    class FlippingRequester(InProcessRequester):
+        """Flips the last byte of the first ``flips`` uploads on their way to the broker."""
+
+        flips = 1
+
+        async def request(self, subject, message, timeout_s):
+            if isinstance(message, SandboxUploadRequest) and self.flips:
+                self.flips -= 1
+                message = msgspec.structs.replace(message, data=message.data[:-1] + b"X")
+            return await super().request(subject, message, timeout_s)
+
+    once = FlippingRequester(broker)
+    reply = await SandboxBrokerClient(once).upload(lease, "f", b"payload")
+    assert backend.created[0].files["f"] == b"payload"  # the second try, checked, replaced it
+    assert reply.sha256 == hashlib.sha256(b"payload").hexdigest()
+    always = FlippingRequester(broker)
+    always.flips = 2
+    with pytest.raises(SandboxRequestError) as caught:
+        await SandboxBrokerClient(always).upload(lease, "g", b"payload")
     assert caught.value.kind == "checksum_mismatch"
 
 

@@ -130,7 +130,10 @@ class SandboxUploadRequest(WireMessage, frozen=True, tag="sandbox.upload_request
     path: WorkspacePath  # the file, or for kind "tar" the directory to extract into
     data: bytes
     size: Annotated[int, Meta(ge=0)]  # of the whole file
-    sha256: Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]  # of the whole file
+    # Of the whole file: the sandbox refuses to store bytes whose sha256 differs. "" only for a
+    # single-chunk upload whose sender checks the reply's sha256 itself (it can then hash while
+    # the bytes are on their way instead of before sending them).
+    sha256: Sha256Hex
     kind: TransferKind = "file"
     upload_id: Annotated[str, Meta(max_length=200)] = ""  # "" for a single-chunk upload
     offset: Annotated[int, Meta(ge=0)] = 0

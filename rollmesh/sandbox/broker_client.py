@@ -58,6 +58,16 @@ DEFAULT_EXEC_WAIT_S = 600.0
 MAX_RETRY_WAIT_S = 10.0
 
 
+# Hashing more than this goes to a thread: it drops the GIL, so it overlaps the event loop's work.
+_HASH_IN_THREAD_BYTES = 256 * 1024
+
+
+async def _sha256_hex(data: bytes) -> str:
+    if len(data) < _HASH_IN_THREAD_BYTES:
+        return hashlib.sha256(data).hexdigest()
+    return await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+
+
 class SandboxBrokerClient:
     def __init__(self, requester: Publisher, *, timeout_s: float = BROKER_GRACE_S,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -91,9 +101,12 @@ class SandboxBrokerClient:
 
     async def upload(self, lease_id: str, path: str, data: bytes, *, kind: TransferKind = "file",
                      mode: int = 0o644) -> SandboxUploadReply:
-        """Store ``data`` at ``path`` (kind "tar": extract it into the directory ``path``)."""
+        """Store ``data`` at ``path`` (kind "tar": extract it into the directory ``path``),
+        verified by sha256 end to end (ours of ``data`` against the sandbox's of what it stored)."""
+        if len(data) <= self.chunk_bytes:
+            return await self._upload_one(lease_id, path, data, kind=kind, mode=mode)
         sha256 = hashlib.sha256(data).hexdigest()
-        upload_id = self._new_id() if len(data) > self.chunk_bytes else ""
+        upload_id = self._new_id()
         offset = 0
         while True:
             piece = data[offset:offset + self.chunk_bytes]
@@ -106,6 +119,24 @@ class SandboxBrokerClient:
             if offset >= len(data) or reply.received != offset:
                 raise SandboxRequestError(f"the broker holds {reply.received} of {len(data)} bytes "
                                           f"after offset {offset}", kind="transfer_error", operation="upload")
+
+    async def _upload_one(self, lease_id: str, path: str, data: bytes, *, kind: TransferKind,
+                          mode: int) -> SandboxUploadReply:
+        """One message: sent before we hash it, so hashing overlaps the transfer and the store.
+        If the sandbox's digest differs, it is sent again with ours, which the sandbox checks
+        before it stores anything."""
+        sent = asyncio.ensure_future(self._call(SANDBOX_UPLOAD, SandboxUploadRequest(
+            lease_id=lease_id, path=path, data=data, size=len(data), sha256="", kind=kind, mode=mode),
+            "upload"))
+        try:
+            sha256 = await _sha256_hex(data)
+        finally:
+            reply = await sent
+        if reply.sha256 == sha256:
+            return reply
+        return await self._call(SANDBOX_UPLOAD, SandboxUploadRequest(
+            lease_id=lease_id, path=path, data=data, size=len(data), sha256=sha256, kind=kind, mode=mode),
+            "upload")
 
     async def download(self, lease_id: str, path: str, *, kind: TransferKind = "file") -> bytes:
         """The file at ``path`` (kind "tar": a tar of the directory), verified by sha256."""

@@ -171,6 +171,9 @@ class WorkspaceOps:
             return SandboxUploadReply(error_kind="transfer_error",
                                       error=f"{req.size} bytes is above sandbox.max_transfer_bytes "
                                             f"({self.config.max_transfer_bytes})")
+        if req.upload_id and not req.sha256:
+            return SandboxUploadReply(error_kind="invalid_request",
+                                      error="a chunked upload must carry the whole file's sha256")
         try:
             assembled = lease.transfers.add_chunk(req)
         except RequestRefusedError as exc:
@@ -180,12 +183,13 @@ class WorkspaceOps:
         try:
             # Checked end to end, once: the sandbox hashes what it stored and that must be the
             # client's digest (so corruption anywhere on the way in is caught there).
+            expected = req.sha256 or None  # None: the sender checks the reply's digest
             if req.kind == "tar":
-                stored = await lease.sandbox.put_tar(req.path, assembled, expected_sha256=req.sha256)
+                stored = await lease.sandbox.put_tar(req.path, assembled, expected_sha256=expected)
             else:
                 stored = await lease.sandbox.put_file(req.path, assembled, mode=req.mode,
-                                                      expected_sha256=req.sha256)
-            if stored.sha256 != req.sha256:
+                                                      expected_sha256=expected)
+            if expected is not None and stored.sha256 != expected:
                 raise ChecksumMismatchError(f"the sandbox stored {req.path!r} with sha256 {stored.sha256}, "
                                             f"not the announced {req.sha256}", path=req.path)
         except Exception as exc:  # noqa: BLE001
