@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,3 +142,17 @@ async def test_runsc_sandbox_runs_tools_moves_files_and_hides_the_host(runsc, tm
         finally:
             await box.destroy()
     assert not box.alive()
+
+
+@pytest.mark.unit
+def test_a_sweep_spares_cgroups_whose_owner_still_runs() -> None:
+    """Another live broker on the host (a test run beside a mesh) creates a cgroup empty and
+    joins it a moment later: its cgroups carry its pid and are never swept while it lives."""
+    from rollmesh.sandbox.limits import _owner_alive, owned_cgroup_name
+
+    ours = owned_cgroup_name("lease/1")
+    assert ours.startswith("lease_1-p") and _owner_alive(ours)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    assert not _owner_alive(f"x-p{dead.pid}-0123abcd")
+    assert not _owner_alive("left-by-an-old-broker")

@@ -33,16 +33,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 from rollmesh.sandbox.agent_client import AgentSandbox
 from rollmesh.sandbox.backend_check import check_backend
 from rollmesh.sandbox.errors import BackendFailedError, BackendUnavailableError, SandboxError
-from rollmesh.sandbox.limits import CgroupManager, SandboxCgroup, UidLease, UidPool, exec_rlimits
+from rollmesh.sandbox.limits import (
+    CgroupManager,
+    SandboxCgroup,
+    UidLease,
+    UidPool,
+    exec_rlimits,
+    owned_cgroup_name,
+)
 from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
 from rollmesh.sandbox.tool_paths import AGENT_DIR, AGENT_ENV, AGENT_FILES, SANDBOX_PATH, SYSTEM_PYTHON, TOOLS_DIR
 
@@ -90,7 +95,7 @@ class BwrapBackend:
         data_fds: list[int] = []
         try:
             if self.cgroups is not None:
-                cgroup = self.cgroups.create(_cgroup_name(sandbox_id), memory_mb=limits.memory_mb, pids=limits.pids)
+                cgroup = self.cgroups.create(owned_cgroup_name(sandbox_id), memory_mb=limits.memory_mb, pids=limits.pids)
             sandbox_uid = uid.uid if uid is not None else os.getuid()
             argv, data_fds = self.build_argv(limits, network=network, uid=sandbox_uid, cgroup=cgroup)
         except (OSError, SandboxError) as exc:
@@ -211,11 +216,6 @@ def _release(cgroup: SandboxCgroup | None, uid: UidLease | None) -> None:
         cgroup.remove()
     if uid is not None:
         uid.release()
-
-
-def _cgroup_name(sandbox_id: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", sandbox_id)[:64]
-    return f"{safe}-{uuid.uuid4().hex[:8]}"
 
 
 def _passwd(uid: int) -> str:

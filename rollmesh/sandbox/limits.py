@@ -13,6 +13,8 @@ when both are mounted and writable; else none, and the caller falls back to rlim
 
 from __future__ import annotations
 
+import uuid
+
 import errno
 import fcntl
 import os
@@ -190,17 +192,44 @@ class CgroupManager:
             raise
 
     def sweep(self) -> int:
-        """Remove sandbox cgroups left empty by a broker that died; returns how many."""
+        """Remove sandbox cgroups left empty by a broker that died; returns how many.
+
+        Only those whose owner (the pid in the name, see ``owned_cgroup_name``) is gone: another
+        live broker on this host (a test run beside a mesh) creates its cgroup empty and joins it
+        a moment later, and must not find it removed in between.
+        """
         removed = 0
         for parent in self.parents.values():
             for child in parent.iterdir() if parent.is_dir() else ():
-                if child.is_dir():
+                if child.is_dir() and not _owner_alive(child.name):
                     try:
                         child.rmdir()  # refused (EBUSY) while any process is in it
                         removed += 1
                     except OSError:
                         pass
         return removed
+
+
+_OWNER = re.compile(r"-p(\d+)-[0-9a-f]{8}$")
+
+
+def owned_cgroup_name(sandbox_id: str) -> str:
+    """A sandbox cgroup's name: the sandbox id, this process's pid (its owner) and a nonce."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", sandbox_id)[:64]
+    return f"{safe}-p{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _owner_alive(name: str) -> bool:
+    match = _OWNER.search(name)
+    if match is None:
+        return False  # not ours, or from before owners were named: empty ones may go
+    try:
+        os.kill(int(match.group(1)), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove_if_empty(directory: Path) -> None:
