@@ -104,7 +104,7 @@ class FakeSandbox:
         return ExecOutcome("exit", code, None, False, stdout, stderr, 0.01)
 
     async def put_file(self, path: str, data: bytes, *, mode: int = 0o644,
-                       expected_sha256: str | None = None) -> FileTransfer:
+                       expected_sha256: str | None = None, verify: bool = True) -> FileTransfer:
         self._check_alive()
         name = _workspace_path(path)
         stored = self._checked(FileTransfer(name, len(data), self._stored_sha(data)), expected_sha256)
@@ -125,7 +125,8 @@ class FakeSandbox:
         data = self.files[name]
         return data, FileTransfer(name, len(data), hashlib.sha256(data).hexdigest())
 
-    async def put_tar(self, path: str, tar_bytes: bytes, *, expected_sha256: str | None = None) -> FileTransfer:
+    async def put_tar(self, path: str, tar_bytes: bytes, *, expected_sha256: str | None = None,
+                      verify: bool = True) -> FileTransfer:
         self._check_alive()
         base = _workspace_path(path)
         with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as archive:

@@ -385,12 +385,14 @@ class AgentSandbox:
             return None
 
     async def put_file(self, path: str, data: bytes, *, mode: int = 0o644,
-                       expected_sha256: str | None = None) -> FileTransfer:
-        return await self._upload("put_file", path, data, {"mode": int(mode)}, expected_sha256=expected_sha256)
+                       expected_sha256: str | None = None, verify: bool = True) -> FileTransfer:
+        return await self._upload("put_file", path, data, {"mode": int(mode)}, expected_sha256=expected_sha256,
+                                  verify=verify)
 
-    async def put_tar(self, path: str, tar_bytes: bytes, *, expected_sha256: str | None = None) -> FileTransfer:
+    async def put_tar(self, path: str, tar_bytes: bytes, *, expected_sha256: str | None = None,
+                      verify: bool = True) -> FileTransfer:
         return await self._upload("put_tar", path, tar_bytes, {}, allow_root=True,
-                                  expected_sha256=expected_sha256)
+                                  expected_sha256=expected_sha256, verify=verify)
 
     async def get_file(self, path: str, *, verify: bool = True) -> tuple[bytes, FileTransfer]:
         return await self._download("get_file", path, verify=verify)
@@ -399,13 +401,15 @@ class AgentSandbox:
         return await self._download("get_tar", path, allow_root=True, verify=verify)
 
     async def _upload(self, op: str, path: str, data: bytes, extra: dict[str, object],
-                      *, allow_root: bool = False, expected_sha256: str | None = None) -> FileTransfer:
+                      *, allow_root: bool = False, expected_sha256: str | None = None,
+                      verify: bool = True) -> FileTransfer:
         """With ``expected_sha256`` (the sender's digest, checked end to end) the agent's digest
-        is compared with it and nothing is hashed here; without it we hash our copy."""
+        is compared with it and nothing is hashed here; without it we hash our copy, unless
+        ``verify=False`` (the caller hands the agent's digest to a sender that checks it)."""
         rel = _relative(path, allow_root=allow_root)
         view = memoryview(data).cast("B")
         rid, call = self._open()
-        hasher = hashlib.sha256() if expected_sha256 is None else None
+        hasher = hashlib.sha256() if expected_sha256 is None and verify else None
         try:
             first = view[:wire.CHUNK]
             expect = {} if expected_sha256 is None else {"sha256": expected_sha256}
@@ -432,7 +436,7 @@ class AgentSandbox:
         if transfer.size != len(view):
             raise TransferError("the sandbox stored different bytes", path=rel, reason="size mismatch")
         expected = expected_sha256 if hasher is None else hasher.hexdigest()
-        if transfer.sha256 != expected:
+        if expected is not None and transfer.sha256 != expected:
             raise ChecksumMismatchError(f"the sandbox stored {rel!r} with sha256 {transfer.sha256}, "
                                         f"not {expected}", path=rel)
         return transfer

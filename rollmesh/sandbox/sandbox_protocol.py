@@ -90,15 +90,16 @@ class Sandbox(Protocol):
 
     # Checksums: the sandbox side hashes what it stored or read. With ``expected_sha256`` (the
     # sender's digest) a put compares against it and raises ``ChecksumMismatchError``; without,
-    # the caller's copy is hashed here. ``verify=False`` on a get skips hashing the bytes here,
-    # for a caller that passes them and the sandbox's digest on to a receiver that checks both.
+    # the caller's copy is hashed here. ``verify=False`` skips hashing here, for a caller that
+    # passes the sandbox's digest on to the other end, which checks it (end to end).
 
     async def put_file(self, path: str, data: bytes, *, mode: int = 0o644,
-                       expected_sha256: str | None = None) -> FileTransfer: ...
+                       expected_sha256: str | None = None, verify: bool = True) -> FileTransfer: ...
 
     async def get_file(self, path: str, *, verify: bool = True) -> tuple[bytes, FileTransfer]: ...
 
-    async def put_tar(self, path: str, tar_bytes: bytes, *, expected_sha256: str | None = None) -> FileTransfer:
+    async def put_tar(self, path: str, tar_bytes: bytes, *, expected_sha256: str | None = None,
+                      verify: bool = True) -> FileTransfer:
         """Extract a tar into ``path`` (a workspace directory), refusing absolute names, ``..``
         and links that point outside the workspace (``UnsafeArchiveError``)."""
         ...
