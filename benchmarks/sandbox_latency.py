@@ -1,0 +1,211 @@
+"""Sandbox latency through the broker (warm sandbox, over NATS) vs a cold ``bwrap`` per call.
+
+Ours: a sandbox broker in its own process (as the broker actor runs in the mesh) serves a client
+in this process over an embedded nats-server (max payload 8 MiB). The client leases a sandbox
+from the warm pool, then times, end to end (request sent to reply decoded):
+- exec of ``true``;
+- a 1 MiB upload of random bytes, verified end to end by **sha256** (the client hashes what it
+  sends, the agent inside the sandbox hashes what it stored; the reply carries that digest).
+Baseline: ``bwrap`` started once per call with the same namespaces and mounts as our sandbox
+(the argv our bwrap backend builds, run as the broker's user, without the cgroup join and uid
+switch), running ``true``, or ``sh -c 'cat > f && sha256sum f'`` with the 1 MiB on stdin.
+Calls alternate ours / baseline. Also reported: lease from the warm pool (p50) and execs per
+second with 16 sandboxes running ``true`` concurrently.
+
+``ratio`` = baseline / ours for the 1 MiB upload p50 (target >= 4.5); ``exec_ratio`` the same
+for exec ``true`` (target >= 2.5); ``lease_p50_ms`` (target <= 10); ``execs_per_s``.
+
+    python benchmarks/sandbox_latency.py [--calls 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from rollmesh.bus.connection import connect_bus
+from rollmesh.bus.embedded_server import EmbeddedNatsServer
+from rollmesh.bus.publisher import BusPublisher
+from rollmesh.sandbox import SandboxBrokerClient
+from rollmesh.sandbox.bwrap_backend import BwrapBackend
+from rollmesh.sandbox.sandbox_protocol import SandboxLimits
+
+NAMESPACE = "bench"
+PAYLOAD_BYTES = 1024 * 1024
+CONCURRENT_SANDBOXES = 16
+THROUGHPUT_SECONDS = 5.0
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    return {"p50": round(statistics.median(samples), 3), "p99": round(percentile(samples, 0.99), 3)}
+
+
+# -- the broker, in its own process -----------------------------------------------------------
+
+
+def broker_process(url: str, run_dir: str, ready: multiprocessing.Event, stop: multiprocessing.Event) -> None:
+    asyncio.run(_serve_broker(url, Path(run_dir), ready, stop))
+
+
+async def _serve_broker(url: str, run_dir: Path, ready, stop) -> None:
+    from rollmesh.actors.sandbox_broker import SandboxBrokerService
+    from rollmesh.actors.shell import ActorShell
+    from rollmesh.config import SandboxConfig, SandboxProfileConfig, TelemetryConfig
+    from rollmesh.sandbox import SandboxBroker, select_backend
+
+    config = SandboxConfig(
+        backend="bwrap", pool_interval_s=0.05,
+        profiles={"default": SandboxProfileConfig(warm_min=4, warm_max=CONCURRENT_SANDBOXES + 4)},
+    )
+    shell = ActorShell("bench-broker", NAMESPACE, url, run_dir=run_dir,
+                       telemetry_config=TelemetryConfig(exporter="none", log_level="warning"))
+    publisher = await shell.connect()
+    backend = await asyncio.to_thread(select_backend, "bwrap")
+    broker = SandboxBroker(config, backend, snapshot_dir=run_dir / "snapshots", publisher=publisher)
+    await shell.serve(SandboxBrokerService(broker))
+    ready.set()
+    while not stop.is_set():
+        await asyncio.sleep(0.05)
+    await shell.stop()
+
+
+# -- the baseline: one cold bwrap per call ----------------------------------------------------
+
+
+class ColdBwrap:
+    def __init__(self) -> None:
+        self.backend = BwrapBackend(use_cgroups=False)
+        self.limits = SandboxLimits()
+
+    def run(self, command: list[str], stdin: bytes = b"") -> bytes:
+        argv, fds = self.backend.build_argv(self.limits, network=False, uid=os.getuid(), cgroup=None)
+        try:
+            argv = argv[argv.index(self.backend.bwrap):]  # no cgroup join, no uid switch
+            argv = argv[: len(argv) - argv[::-1].index("--")] + command  # the command, not the agent
+            done = subprocess.run(argv, input=stdin, capture_output=True, pass_fds=fds, check=True)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return done.stdout
+
+
+def timed_ms(call) -> tuple[float, object]:
+    start = time.perf_counter()
+    value = call()
+    return (time.perf_counter() - start) * 1000, value
+
+
+async def atimed_ms(call) -> tuple[float, object]:
+    start = time.perf_counter()
+    value = await call
+    return (time.perf_counter() - start) * 1000, value
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+async def measure(url: str, calls: int) -> dict:
+    nc = await connect_bus(url, name="bench-client")
+    client = SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), NAMESPACE))
+    cold = ColdBwrap()
+    payload = os.urandom(PAYLOAD_BYTES)
+    digest = hashlib.sha256(payload).hexdigest()
+    results: dict[str, list[float]] = {k: [] for k in ("exec", "exec_base", "upload", "upload_base", "lease")}
+    try:
+        lease = await client.lease("bench-main", capacity_retries=3)
+        for index in range(calls):
+            elapsed, reply = await atimed_ms(client.exec(lease.lease_id, ["true"]))
+            assert reply.result == "exit" and reply.exit_code == 0, reply
+            results["exec"].append(elapsed)
+            results["exec_base"].append(timed_ms(lambda: cold.run(["true"]))[0])
+            elapsed, reply = await atimed_ms(client.upload(lease.lease_id, f"blob{index % 4}", payload))
+            assert reply.complete and reply.sha256 == digest, reply
+            results["upload"].append(elapsed)
+            elapsed, out = timed_ms(lambda: cold.run(["sh", "-c", "cat > f && sha256sum f"], payload))
+            assert out.split()[0].decode() == digest
+            results["upload_base"].append(elapsed)
+        await client.release(lease.lease_id)
+        for index in range(min(calls, 100)):
+            await asyncio.sleep(0.1)  # let the pool refill: time a lease that finds one waiting
+            elapsed, reply = await atimed_ms(client.lease(f"bench-lease-{index}"))
+            results["lease"].append(elapsed)
+            assert reply.warm, "the warm pool was empty"
+            await client.release(reply.lease_id)
+        execs_per_s = await throughput(client)
+    finally:
+        await nc.close()
+    exec_ours, exec_base = summary(results["exec"]), summary(results["exec_base"])
+    up_ours, up_base = summary(results["upload"]), summary(results["upload_base"])
+    return {
+        "benchmark": "sandbox_latency",
+        "ours": up_ours["p50"], "baseline": up_base["p50"],
+        "unit": "ms, 1 MiB upload p50 (sha256-verified; lower is better)",
+        "ratio": round(up_base["p50"] / up_ours["p50"], 3),
+        "exec_ratio": round(exec_base["p50"] / exec_ours["p50"], 3),
+        "lease_p50_ms": summary(results["lease"])["p50"],
+        "execs_per_s": round(execs_per_s, 1),
+        "exec_true_ms": exec_ours, "exec_true_baseline_ms": exec_base,
+        "upload_1mib_ms": up_ours, "upload_1mib_baseline_ms": up_base,
+        "lease_ms": summary(results["lease"]), "checksum": "sha256", "calls": calls,
+        "concurrent_sandboxes": CONCURRENT_SANDBOXES,
+    }
+
+
+async def throughput(client: SandboxBrokerClient) -> float:
+    leases = [await client.lease(f"bench-par-{i}", capacity_retries=10) for i in range(CONCURRENT_SANDBOXES)]
+    done = 0
+    deadline = time.perf_counter() + THROUGHPUT_SECONDS
+
+    async def loop(lease_id: str) -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            reply = await client.exec(lease_id, ["true"])
+            assert reply.result == "exit"
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(loop(lease.lease_id) for lease in leases))
+    rate = done / (time.perf_counter() - start)
+    for lease in leases:
+        await client.release(lease.lease_id)
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="rollmesh-bench-sandbox-") as scratch:
+        server = EmbeddedNatsServer(Path(scratch) / "nats")
+        url = server.start()
+        context = multiprocessing.get_context("spawn")
+        ready, stop = context.Event(), context.Event()
+        broker = context.Process(target=broker_process, args=(url, scratch, ready, stop), daemon=True)
+        broker.start()
+        try:
+            if not ready.wait(60):
+                raise SystemExit("the broker did not start")
+            result = asyncio.run(measure(url, args.calls))
+        finally:
+            stop.set()
+            broker.join(30)
+            server.stop()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
