@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import ray
 
+from ray_actors import stop_and_kill
 from rollmesh.actors.inference_router import InferenceRouter
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
 from rollmesh.actors.role_base import MeshContext
@@ -122,12 +123,7 @@ def workers(ray_session, nats_server, tmp_path_factory):
         ray.get([actor.start.remote() for actor in actors], timeout=60)
         yield prefill, decodes
     finally:
-        for actor in actors:
-            try:
-                ray.get(actor.stop.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - best effort: killed next anyway
-                pass
-            ray.kill(actor)
+        stop_and_kill(*actors)
 
 
 @pytest.mark.integration

@@ -20,6 +20,7 @@ import openai
 import pytest
 import ray
 
+from ray_actors import stop_and_kill
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
@@ -87,12 +88,7 @@ def deployed(
         yield Deployed(url=url, prefill=prefill, decode=decode)
     finally:
         shutdown_inference_app()
-        for actor in (decode, prefill):
-            try:
-                ray.get(actor.stop.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - best effort: the actor is killed next anyway
-                pass
-            ray.kill(actor)
+        stop_and_kill(decode, prefill)
 
 
 @pytest.fixture(scope="module")

@@ -21,16 +21,15 @@ import os
 import signal
 import subprocess
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 from rollmesh.sandbox import agent_wire as wire
+from rollmesh.sandbox.agent_calls import Call, error_from_frame
 from rollmesh.sandbox.errors import (
     BackendFailedError,
     ChecksumMismatchError,
     SandboxDiedError,
     TransferError,
-    UnsafeArchiveError,
     WorkspacePathError,
 )
 from rollmesh.sandbox.sandbox_protocol import ExecOutcome, FileTransfer, OutputCallback, SandboxInfo
@@ -43,39 +42,6 @@ ANSWER_GRACE_S = 30.0  # past an exec's timeout: how long the agent may take to 
 STDERR_TAIL = 4096
 EXIT_WAIT_S = 5.0
 _DIED = object()  # pushed to every open call when the sandbox dies
-
-
-class _Call:
-    """The frames that arrived for one request id, and whoever waits for the next."""
-
-    __slots__ = ("frames", "waiter")
-
-    def __init__(self) -> None:
-        self.frames: deque = deque()
-        self.waiter: asyncio.Future | None = None
-
-    def push(self, frame: object) -> None:
-        self.frames.append(frame)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def next(self, timeout_s: float | None = None) -> object:
-        """The next frame; asyncio.TimeoutError after ``timeout_s`` without one."""
-        while not self.frames:
-            loop = asyncio.get_running_loop()
-            waiter = self.waiter = loop.create_future()
-            timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
-            try:
-                await waiter
-            finally:
-                if timer is not None:
-                    timer.cancel()
-        return self.frames.popleft()
-
-
-def _expire(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_exception(asyncio.TimeoutError())
 
 
 class AgentSandbox:
@@ -102,7 +68,7 @@ class AgentSandbox:
         assert process.stdin is not None and process.stdout is not None and process.stderr is not None
         self._in_fd, self._out_fd, self._err_fd = process.stdin.fileno(), process.stdout.fileno(), process.stderr.fileno()
         self._writer = wire.FrameWriter(self._in_fd)
-        self._calls: dict[int, _Call] = {0: _Call()}  # id 0: the agent's "ready" hello
+        self._calls: dict[int, Call] = {0: Call()}  # id 0: the agent's "ready" hello
         self._next_id = 1
         self._drain_waiters: list[tuple[int, asyncio.Future]] = []
         self._stderr_tail = bytearray()
@@ -259,13 +225,13 @@ class AgentSandbox:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _open(self) -> tuple[int, _Call]:
+    def _open(self) -> tuple[int, Call]:
         if self._dead_reason:
             raise SandboxDiedError("the sandbox is gone", backend=self.info.backend,
                                    sandbox_id=self.info.sandbox_id, reason=self._dead_reason)
         rid = self._next_id
         self._next_id += 1
-        call = self._calls[rid] = _Call()
+        call = self._calls[rid] = Call()
         return rid, call
 
     def _died(self) -> SandboxDiedError:
@@ -279,16 +245,7 @@ class AgentSandbox:
         header = frame[0]  # type: ignore[index]
         if header.get("t") != "error":
             return header
-        kind, message = header.get("kind"), str(header.get("message", ""))
-        if kind == "workspace_path":
-            raise WorkspacePathError(message, path=str(header.get("path", "")))
-        if kind == "unsafe_archive":
-            raise UnsafeArchiveError(message, member=str(header.get("member", "")))
-        if kind == "transfer":
-            raise TransferError(message, path=str(header.get("path", "")), reason=str(header.get("reason", "")))
-        if kind == "checksum_mismatch":
-            raise ChecksumMismatchError(message, path=str(header.get("path", "")))
-        raise BackendFailedError("the agent refused a request", backend=self.info.backend, reason=message)
+        raise error_from_frame(header, backend=self.info.backend)
 
     # ---- Sandbox protocol --------------------------------------------------------------------
 
