@@ -99,6 +99,11 @@ async def test_lease_put_run_get_release_from_the_command_line(broker_on_bus, na
     assert json.loads(timed_out.stdout.splitlines()[-1])["result"] == "timeout"
     assert sandbox.execs[-1]["timeout_s"] == 3.0
 
+    backend.outcomes.append(ExecOutcome("output_truncated", None, 9, True, b"yyyy", b"", 0.1))
+    cut = await rollmesh(nats_server, namespace, "sandbox", "run", "--lease", lease_id, "--", "yes")
+    assert cut.returncode == 137 and "[rollmesh: output truncated" in cut.stderr
+    assert json.loads(cut.stdout.splitlines()[-1])["truncated"] is True
+
     sandbox.files["out/result.bin"] = bytes(range(256))
     got = await rollmesh(nats_server, namespace, "sandbox", "get", "--lease", lease_id, "out/result.bin",
                          str(tmp_path / "result.bin"))

@@ -275,7 +275,8 @@ async def test_tool_that_exits_non_zero_is_shown_to_the_model_not_a_failure():
     (SandboxExecReply(result="timeout", signal=9, stdout=b"partial"), "timed out"),
     (SandboxExecReply(result="oom", signal=9), "out of memory"),
     (SandboxExecReply(result="signal", signal=11), "killed by signal 11"),
-    (SandboxExecReply(result="output_truncated", truncated=True, stdout=b"y" * 100), "output too large"),
+    (SandboxExecReply(result="output_truncated", truncated=True, stdout=b"y" * 10),
+     "y" * 10 + "\n[output truncated]"),
 ])
 async def test_a_tool_timeout_oom_signal_or_cut_output_is_shown_to_the_model_not_a_failure(reply, shown_text):
     engine = ScriptedEngine([tool_call(), answer()])

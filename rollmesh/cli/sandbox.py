@@ -131,6 +131,9 @@ def run_sandbox_run(args: argparse.Namespace) -> int:
         raise CliError("no command given: rollmesh sandbox run [options] -- CMD...", exit_code=2)
     config = load_cli_config(args)
     reply = asyncio.run(_run(args, config, cmd))
+    if reply.truncated:  # after the streamed output, where a reader notices what is missing
+        sys.stderr.write("\n[rollmesh: output truncated at the profile's cap]\n")
+        sys.stderr.flush()
     out = sys.stdout
     out.write(result_line(reply) + "\n")
     out.flush()

@@ -55,7 +55,9 @@ _log = structlog.get_logger("rollmesh.rollout")
 _tracer = trace.get_tracer("rollmesh.rollout")
 T = TypeVar("T")
 # What the model is shown when a tool ended without an exit code of its own.
-_ENDINGS = {"timeout": "timed out", "oom": "out of memory", "output_truncated": "output too large"}
+_ENDINGS = {"timeout": "timed out", "oom": "out of memory"}
+# Follows what was kept of an output that passed its cap, so the model knows it saw a part.
+TRUNCATION_MARKER = "[output truncated]"
 
 
 class RolloutRunner:
@@ -283,4 +285,7 @@ def _tool_text(reply: SandboxExecReply) -> str:
         return stderr or stdout or f"exit code {reply.exit_code}"
     if reply.result == "signal":
         return stderr or f"killed by signal {reply.signal}"
+    if reply.result == "output_truncated":
+        kept = stdout or stderr
+        return f"{kept}\n{TRUNCATION_MARKER}" if kept else TRUNCATION_MARKER
     return _ENDINGS.get(reply.result, reply.result)
