@@ -250,7 +250,7 @@ class DemoConfig(_Config):
     sft_batch: PositiveInt = 64
     sft_lr: PositiveFloat = 3e-3
     # Share of warm-start demonstrations that call the tool (the rest guess an answer).
-    warm_start_tool_fraction: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.4
+    warm_start_tool_fraction: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.3
     rl_steps: PositiveInt = 60
     eval_every: PositiveInt = 10
     eval_size: PositiveInt = 64
