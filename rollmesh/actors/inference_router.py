@@ -61,9 +61,6 @@ class InferenceRouter:
                 self._session_worker.popitem(last=False)
         return index, False
 
-    def forget_session(self, session_id: str) -> None:
-        self._session_worker.pop(session_id, None)
-
     async def generate(
         self,
         input_ids: list[int],

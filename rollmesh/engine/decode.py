@@ -325,8 +325,7 @@ class DecodeEngine:
         if session_id:
             self.pool.free(sequence.blocks[keep:])
             tokens = (sequence.input_ids + sequence.token_ids)[:cached_len]
-            replaced = self.sessions.park(session_id, CachedSession(
-                tokens, sequence.blocks[:keep], routes, max(sequence.versions, default=0)))
+            replaced = self.sessions.park(session_id, CachedSession(tokens, sequence.blocks[:keep], routes))
             self.pool.free(replaced)
         else:
             self.pool.free(sequence.blocks)

@@ -29,10 +29,6 @@ class KvLayout:
     head_dim: int
     dtype: torch.dtype = torch.float32
 
-    def bytes_per_token(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
-
 
 class OutOfBlocksError(RuntimeError):
     """Raised by ``KvBlockPool.allocate`` when the free list is too short (callers evict and
@@ -94,13 +90,6 @@ class KvBlockPool:
         paged = self.kv.view(*self.kv.shape[:2], self.num_blocks, self.block_size, *self.kv.shape[3:])
         paged[:, :, torch.as_tensor(blocks, dtype=torch.long)] = pages.to(self.kv.dtype)
 
-    def copy_tokens(self, source_blocks: list[int], target_blocks: list[int], num_tokens: int) -> None:
-        """Copy positions [0, num_tokens) from one page table to another."""
-        if num_tokens:
-            self.kv[:, :, self.slots(target_blocks, 0, num_tokens)] = self.kv[
-                :, :, self.slots(source_blocks, 0, num_tokens)
-            ]
-
 
 class PagedAttention:
     """The attention of one forward pass over rows that each add ``T`` tokens to their context.
@@ -150,10 +139,6 @@ class PagedAttention:
         # single-request decode step, where every microsecond counts).
         self.mask = None if (len(page_tables) == 1 and num_new == 1 and bool(visible.all())) \
             else visible[:, None].to(device)
-
-    @property
-    def batch(self) -> int:
-        return self.read_slots.shape[0]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, H, T, D], k and v [B, KVH, T, D] (rotated) -> attention output [B, H, T, D]."""

@@ -7,6 +7,8 @@ engine code: the demo's ``TinyDecoder`` and the HF Llama/Qwen2/Qwen3-MoE/Mixtral
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -49,29 +51,23 @@ def build_inference_model(config) -> nn.Module:
     return build_model(config)
 
 
-def served_model_name(config) -> str:
-    """The model's name on the HTTP API: "rollmesh-tiny", or the checkpoint directory's name."""
-    if config.family == "hf":
-        from pathlib import Path
+@dataclass(frozen=True, slots=True)
+class ServedModelFacts:
+    """What the HTTP API needs to know of the configured model, read without building it."""
 
-        return Path(config.hf_path).resolve().name
-    return "rollmesh-tiny"
-
-
-def model_routes_experts(config) -> bool:
-    """Whether the configured model is a mixture of experts (has routed experts to report)."""
-    if config.family == "hf":
-        from rollmesh.engine.models import read_hf_config
-
-        return read_hf_config(config.hf_path).moe is not None
-    return False
+    name: str  # "rollmesh-tiny", or the checkpoint directory's name
+    max_seq_len: int
+    vocab_size: int
+    routes_experts: bool  # a mixture of experts, with routed experts to report
 
 
-def model_limits(config) -> tuple[int, int]:
-    """(context length, vocabulary size) of the configured model, without building it."""
+def describe_served_model(config) -> ServedModelFacts:
     if config.family == "hf":
         from rollmesh.engine.models import read_hf_config
 
-        hf = read_hf_config(config.hf_path)
-        return hf.max_position_embeddings, hf.vocab_size
-    return config.max_seq_len, config.vocab_size
+        hf = read_hf_config(config.hf_path)  # config.json only, read once
+        return ServedModelFacts(name=Path(config.hf_path).resolve().name,
+                                max_seq_len=hf.max_position_embeddings, vocab_size=hf.vocab_size,
+                                routes_experts=hf.moe is not None)
+    return ServedModelFacts(name="rollmesh-tiny", max_seq_len=config.max_seq_len,
+                            vocab_size=config.vocab_size, routes_experts=False)

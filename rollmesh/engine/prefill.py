@@ -39,9 +39,6 @@ class PrefillResult:
     def block_size(self) -> int:
         return self.pages.shape[3]
 
-    def nbytes(self) -> int:
-        return self.pages.nbytes + self.last_logits.nbytes
-
     def __reduce__(self):
         # Pages travel as a numpy array: Ray's serializer hands numpy buffers out-of-band and
         # maps them zero-copy from the object store, where a torch tensor would be pickled into
@@ -117,9 +114,6 @@ class PrefillEngine:
             weight_version=self.weights.current_version,
             routes=None if routes is None else routes.clone(),
         )
-
-    def validate(self, input_ids: list[int], *, request_id: str | None = None) -> None:
-        validate_prompt(input_ids, self.model, request_id=request_id)
 
     def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
         """Keep new weights for the next call boundary (any thread); see WeightStager.stage."""

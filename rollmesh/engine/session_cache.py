@@ -24,7 +24,6 @@ class CachedSession:
     token_ids: list[int]  # the tokens whose KV the blocks hold, position by position
     blocks: list[int]
     routes: Any = None  # routed expert rows of those positions (MoE), or None
-    weight_version: int = 0  # the newest version that wrote any of this KV
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -86,5 +85,3 @@ class SessionCache:
         self._sessions.clear()
         return blocks
 
-    def num_blocks(self) -> int:
-        return sum(len(session.blocks) for session in self._sessions.values())
