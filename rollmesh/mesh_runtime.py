@@ -72,19 +72,15 @@ class MeshRuntime:
 
     def deploy_serve(self, *, prefill_names: list[str], decode_names: list[str], host: str, port: int,
                      api_key: str = "") -> str:
-        from rollmesh.engine.paged_model import (
-            model_limits,
-            model_routes_experts,
-            served_model_name,
-        )
+        from rollmesh.engine.paged_model import describe_served_model
         from rollmesh.serve_apps import build_inference_app, deploy_inference_app
 
-        max_seq_len, vocab_size = model_limits(self.config.model)
+        served = describe_served_model(self.config.model)
         app = build_inference_app(
             prefill_actor_names=prefill_names, decode_actor_names=decode_names,
-            ray_namespace=self.ray_namespace, model_name=served_model_name(self.config.model),
-            max_seq_len=max_seq_len, vocab_size=vocab_size, api_key=api_key,
-            routes_experts=model_routes_experts(self.config.model),
+            ray_namespace=self.ray_namespace, model_name=served.name,
+            max_seq_len=served.max_seq_len, vocab_size=served.vocab_size, api_key=api_key,
+            routes_experts=served.routes_experts,
         )
         self.serve_url = deploy_inference_app(app, host=host, port=port)
         return self.serve_url

@@ -30,7 +30,7 @@ from rollmesh.actors.role_base import MeshContext
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.models import load_hf_model
-from rollmesh.engine.paged_model import model_limits, served_model_name
+from rollmesh.engine.paged_model import describe_served_model
 from rollmesh.engine.tokenizer import BOS_ID
 from rollmesh.engine.weights import save_weights
 from rollmesh.serve_apps import build_inference_app, deploy_inference_app, shutdown_inference_app
@@ -93,15 +93,15 @@ def deployed(
     ).remote(f"decode-{namespace}", mesh, model, inference)
     try:
         ray.get([prefill.start.remote(), decode.start.remote()], timeout=60)
-        max_seq_len, vocab_size = model_limits(model)
+        served = describe_served_model(model)
         app = build_inference_app(
             prefill_actor_names=[f"prefill-{namespace}"],
             decode_actor_names=[f"decode-{namespace}"], ray_namespace=namespace,
-            model_name=served_model_name(model), max_seq_len=max_seq_len,
-            vocab_size=vocab_size, api_key=API_KEY, routes_experts=True,
+            model_name=served.name, max_seq_len=served.max_seq_len,
+            vocab_size=served.vocab_size, api_key=API_KEY, routes_experts=served.routes_experts,
         )
         url = deploy_inference_app(app, host="127.0.0.1", port=free_port())
-        yield Deployed(url=url, model_name=served_model_name(model), checkpoint=checkpoint)
+        yield Deployed(url=url, model_name=served.name, checkpoint=checkpoint)
     finally:
         shutdown_inference_app()
         stop_and_kill(decode, prefill)
