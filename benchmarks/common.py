@@ -17,7 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 MODEL_CONFIG = dict(
     vocab_size=32000, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
@@ -28,6 +27,8 @@ SEED = 1234
 
 
 def setup_threads() -> int:
+    import torch  # here, not at the top: the sandbox benchmarks need no torch
+
     threads = int(os.environ.get("ROLLMESH_BENCH_THREADS", "2"))
     torch.set_num_threads(threads)
     return threads
@@ -35,6 +36,7 @@ def setup_threads() -> int:
 
 def build_hf_llama(directory: Path | None = None):
     """(the transformers model, the safetensors directory it was saved to)."""
+    import torch
     import transformers
 
     torch.manual_seed(SEED)
@@ -67,6 +69,19 @@ class NoEos:
 
     def decode(self, ids) -> str:
         return ""
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """The ``q`` quantile (0 to 1) of ``samples``, nearest rank."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def atimed_ms(call) -> tuple[float, object]:
+    """(milliseconds, value) of awaiting ``call``."""
+    start = time.perf_counter()
+    value = await call
+    return (time.perf_counter() - start) * 1000, value
 
 
 def timed(fn):

@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import atimed_ms, percentile
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.bus.publisher import BusPublisher
@@ -49,11 +50,6 @@ CONCURRENT_SANDBOXES = 16
 BLOCK = 10
 SETTLE_S = 0.05
 THROUGHPUT_SECONDS = 5.0
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def summary(samples: list[float]) -> dict[str, float]:
@@ -112,12 +108,6 @@ class ColdBwrap:
 def timed_ms(call) -> tuple[float, object]:
     start = time.perf_counter()
     value = call()
-    return (time.perf_counter() - start) * 1000, value
-
-
-async def atimed_ms(call) -> tuple[float, object]:
-    start = time.perf_counter()
-    value = await call
     return (time.perf_counter() - start) * 1000, value
 
 

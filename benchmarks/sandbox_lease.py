@@ -20,9 +20,9 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
+from common import atimed_ms, percentile
 from rollmesh.actors.sandbox_broker import SandboxBrokerService
 from rollmesh.actors.shell import ActorShell
 from rollmesh.bus.connection import connect_bus
@@ -30,11 +30,6 @@ from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.config import SandboxConfig, SandboxProfileConfig, TelemetryConfig
 from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient, select_backend
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def serve(url: str, namespace: str, run_dir: Path, warm: int) -> tuple[ActorShell, SandboxBroker]:
@@ -54,12 +49,6 @@ async def wait_warm(broker: SandboxBroker, count: int) -> None:
         await asyncio.sleep(0.005)
 
 
-async def timed(call) -> tuple[float, object]:
-    start = time.perf_counter()
-    value = await call
-    return (time.perf_counter() - start) * 1000, value
-
-
 async def run(leases: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-") as scratch:
         root = Path(scratch)
@@ -77,15 +66,15 @@ async def run(leases: int) -> dict:
             payload = os.urandom(1024 * 1024)
             for index in range(leases):
                 await wait_warm(warm_broker, 2)
-                elapsed, reply = await timed(warm.lease(f"w{index}"))
+                elapsed, reply = await atimed_ms(warm.lease(f"w{index}"))
                 assert reply.warm, "the warm pool was empty"
                 warm_ms.append(elapsed)
                 if index < 50:
                     for _ in range(4):
-                        exec_ms.append((await timed(warm.exec(reply.lease_id, ["true"])))[0])
-                    upload_ms.append((await timed(warm.upload(reply.lease_id, "blob", payload)))[0])
+                        exec_ms.append((await atimed_ms(warm.exec(reply.lease_id, ["true"])))[0])
+                    upload_ms.append((await atimed_ms(warm.upload(reply.lease_id, "blob", payload)))[0])
                 await warm.release(reply.lease_id)
-                elapsed, reply = await timed(cold.lease(f"c{index}"))
+                elapsed, reply = await atimed_ms(cold.lease(f"c{index}"))
                 assert not reply.warm
                 cold_ms.append(elapsed)
                 await cold.release(reply.lease_id)

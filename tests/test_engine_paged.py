@@ -257,7 +257,6 @@ def test_min_version_not_reached_is_a_retryable_error_and_bad_options_are_refuse
 
 
 def test_weight_swap_replaces_storage_but_keeps_parameters_and_ties(checkpoints) -> None:
-    kind, overrides = CASES["qwen2-tied"]
     model = load_hf_model(checkpoints["qwen2-tied"])
     parameters = dict(model.named_parameters())
     new = {name: tensor + 1.0 for name, tensor in model.state_dict().items()}

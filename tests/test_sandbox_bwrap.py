@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from sandbox_helpers import usable_bwrap
 from rollmesh.sandbox import select_backend
 from rollmesh.sandbox.bwrap_backend import BwrapBackend
-from rollmesh.sandbox.errors import BackendUnavailableError
 from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 from rollmesh.sandbox.tool_paths import TOOLS_DIR
 
@@ -35,12 +35,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def backend() -> BwrapBackend:
-    backend = BwrapBackend()
-    try:
-        backend.self_test()
-    except BackendUnavailableError as exc:
-        pytest.skip(f"bubblewrap cannot run sandboxes here: {exc}")
-    return backend
+    return usable_bwrap()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

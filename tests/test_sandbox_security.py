@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from sandbox_helpers import usable_bwrap
 from rollmesh.sandbox.bwrap_backend import BwrapBackend
-from rollmesh.sandbox.errors import BackendUnavailableError, UnsafeArchiveError, WorkspacePathError
+from rollmesh.sandbox.errors import UnsafeArchiveError, WorkspacePathError
 from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,13 +39,9 @@ pytestmark = [
 def backend(request: pytest.FixtureRequest) -> BwrapBackend:
     """Each attack runs against both ways of enforcing limits: per-sandbox cgroups (where the
     host allows them) and the rlimit fallback."""
-    backend = BwrapBackend(use_cgroups=request.param == "cgroups")
+    backend = usable_bwrap(use_cgroups=request.param == "cgroups")
     if request.param == "cgroups" and backend.cgroups is None:
         pytest.skip(f"no usable cgroups here: {backend.cgroup_reason}")
-    try:
-        backend.self_test()
-    except BackendUnavailableError as exc:
-        pytest.skip(f"bubblewrap cannot run sandboxes here: {exc}")
     return backend
 
 

@@ -13,9 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sandbox_helpers import usable_bwrap
 from rollmesh.sandbox import ToolNotFoundError, python_for_sandbox, tool_script_path
-from rollmesh.sandbox.bwrap_backend import BwrapBackend
-from rollmesh.sandbox.errors import BackendUnavailableError
 from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -117,11 +116,7 @@ def test_python_for_sandbox_is_an_executable() -> None:
 async def test_molar_mass_runs_inside_a_bubblewrap_sandbox() -> None:
     """The tool scripts are shown read-only at their host path, so a rollout's tool call is the
     same argv inside a sandbox as outside."""
-    backend = BwrapBackend()
-    try:
-        backend.self_test()
-    except BackendUnavailableError as exc:
-        pytest.skip(f"bubblewrap cannot run sandboxes here: {exc}")
+    backend = usable_bwrap()
     sandbox = await backend.create("tools", SandboxLimits(memory_mb=128, pids=32, workspace_mb=8))
     try:
         argv = [python_for_sandbox(), "-I", "-S", str(tool_script_path("molar_mass"))]
