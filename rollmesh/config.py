@@ -19,6 +19,7 @@ from msgspec import Meta
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
 
 
 class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -32,6 +33,8 @@ class NatsConfig(_Config):
     # How long JetStream waits for an ack before redelivering a rollout request.
     rollout_ack_wait_s: PositiveFloat = 60.0
     max_deliver: PositiveInt = 5
+    # JetStream replicas of every stream and KV bucket: 1 on one server, 3 on a 3-node cluster.
+    replicas: PositiveInt = 1
 
 
 class RayConfig(_Config):
@@ -39,6 +42,9 @@ class RayConfig(_Config):
     address: str | None = None
     num_cpus: PositiveInt | None = None
     namespace_prefix: str = "rollmesh"
+    # How often the mesh checks for role actors that crashed, and starts them again once Ray
+    # re-created them.
+    supervise_interval_s: PositiveFloat = 2.0
 
 
 class TelemetryConfig(_Config):
@@ -104,6 +110,17 @@ class RolloutConfig(_Config):
     sandbox_heartbeat_s: PositiveFloat = 30.0
     # A lease or exec refused for capacity is retried this many times before the rollout fails.
     sandbox_capacity_retries: NonNegInt = 5
+    # A running rollout tells the work queue it is still in progress this often, so however long
+    # it runs its request is not redelivered; a dead worker's request is, after nats.rollout_ack_wait_s.
+    work_heartbeat_s: PositiveFloat = 15.0
+    # An infrastructure failure (sandbox died or lost, broker or inference unreachable) is retried
+    # this many times, from the last saved turn, after a pause that doubles each time (from
+    # infra_retry_delay_s); then the rollout fails, typed.
+    infra_retries: NonNegInt = 2
+    infra_retry_delay_s: NonNegFloat = 1.0
+    # Snapshot the workspace after every tool call, so a rollout whose sandbox was lost resumes
+    # with its files. Off by default: the demo's tools keep no state in the workspace.
+    snapshot_workspace: bool = False
 
     def __post_init__(self) -> None:
         if self.sandbox_heartbeat_s * 2 > self.sandbox_lease_ttl_s:
@@ -275,6 +292,11 @@ class RollmeshConfig(_Config):
     serve: ServeConfig = ServeConfig()
     demo: DemoConfig = DemoConfig()
 
+    def __post_init__(self) -> None:
+        if self.rollout.work_heartbeat_s >= self.nats.rollout_ack_wait_s:
+            # Else a live rollout's request would be redelivered to a second worker.
+            raise ValueError("rollout.work_heartbeat_s must be below nats.rollout_ack_wait_s")
+
 
 class ConfigError(ValueError):
     """The config file or an override is invalid; ``path`` names the offending field."""
@@ -312,6 +334,33 @@ def load_config(
         path = _error_path(str(exc))
         variable = next((name for dotted, (name, _) in env.items() if dotted == path), None)
         raise ConfigError(str(exc), source=variable or str(source), path=path) from exc
+
+
+RUN_CONFIG_FILE = "config.json"
+
+
+def save_run_config(run_dir: str | Path, config: RollmeshConfig) -> Path:
+    """Write the run's whole config into its run directory, so ``up --resume`` runs it again."""
+    path = Path(run_dir) / RUN_CONFIG_FILE
+    staging = path.with_suffix(".json.tmp")
+    staging.write_bytes(msgspec.json.format(msgspec.json.encode(config)))
+    staging.replace(path)
+    return path
+
+
+def load_run_config(run_dir: str | Path, *, overrides: dict[str, Any] | None = None) -> RollmeshConfig:
+    """The config a run was started with (``save_run_config``), with ``overrides`` on top."""
+    source = Path(run_dir) / RUN_CONFIG_FILE
+    try:
+        raw = msgspec.json.decode(source.read_bytes())
+    except (OSError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"no config of an earlier run here: {exc}", source=str(source)) from exc
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(raw, dotted, value, source="overrides")
+    try:
+        return msgspec.convert(raw, RollmeshConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(str(exc), source=str(source), path=_error_path(str(exc))) from exc
 
 
 _TOP_LEVEL_VALUES = frozenset({"namespace", "run_root"})

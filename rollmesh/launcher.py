@@ -23,7 +23,7 @@ from rollmesh.actors.role_base import MeshContext
 from rollmesh.actors.rollout_worker import RolloutWorkerActor
 from rollmesh.actors.sandbox_broker import SandboxBrokerActor
 from rollmesh.actors.trainer import TrainerActor
-from rollmesh.config import RollmeshConfig
+from rollmesh.config import RollmeshConfig, save_run_config
 from rollmesh.mesh_info import MeshInfo, new_run_dir, write_mesh_info
 from rollmesh.mesh_runtime import MeshRuntime
 from rollmesh.scheduling.grants import GpuScheduler
@@ -60,6 +60,7 @@ class Mesh:
 
     async def _start(self) -> MeshInfo:
         config, runtime, spawn = self.config, self.runtime, self.runtime.spawn
+        save_run_config(self.run_dir, config)  # what `rollmesh up --resume` starts again
         nats_url = runtime.start_bus()
         # Declared accelerators as a custom resource, so grants schedule with zero real GPUs
         # (joining a cluster, its nodes must declare them instead).
@@ -98,6 +99,7 @@ class Mesh:
             ray_address=config.ray.address or "", pid=os.getpid(), started_at=time.time(),
         )
         write_mesh_info(self.info)
+        runtime.supervisor.start()
         _log.info("mesh_ready", run_dir=str(self.run_dir), nats_url=nats_url, serve_url=runtime.serve_url)
         return self.info
 

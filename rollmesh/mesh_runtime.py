@@ -16,14 +16,16 @@ from typing import Any
 import ray
 import structlog
 
+from rollmesh.actor_supervisor import ActorSupervisor
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.config import RollmeshConfig
 
 _log = structlog.get_logger("rollmesh.mesh_runtime")
 
 # Actors mostly wait on NATS, Ray calls and each other: they reserve no CPU, so the whole mesh
-# fits on a 2-core machine, and torch in each is limited to one thread.
-ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000}
+# fits on a 2-core machine, and torch in each is limited to one thread. A killed actor's process
+# is re-created by Ray (max_restarts) and its role started again by the ActorSupervisor.
+ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000, "max_restarts": -1}
 ACTOR_STOP_TIMEOUT_S = 15.0
 
 
@@ -36,6 +38,7 @@ class MeshRuntime:
         self.actors: dict[str, Any] = {}
         self.serve_url = ""
         self._started_ray = False
+        self.supervisor = ActorSupervisor(lambda: self.actors, interval_s=config.ray.supervise_interval_s)
 
     def start_bus(self) -> str:
         """The configured NATS URL, or an embedded nats-server with JetStream in the run dir."""
@@ -86,6 +89,7 @@ class MeshRuntime:
         return self.serve_url
 
     async def stop(self) -> None:
+        await self.supervisor.stop()  # stopping actors must not look like crashes to restart
         if self.serve_url:
             from rollmesh.serve_apps import shutdown_inference_app
 

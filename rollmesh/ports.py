@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from rollmesh.messages import Subject, WireMessage
+from rollmesh.messages import RolloutState, Subject, WireMessage
 
 SubscriptionMode = Literal["core", "jetstream", "request"]
 _CONSUMER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
@@ -127,3 +127,25 @@ class ActorLogic(Protocol):
 
     def subscriptions(self) -> list[Subscription]: ...
 
+
+
+class StateStoreError(Exception):
+    """The rollout-state store could not be read or written (the bus raises subclasses)."""
+
+
+@runtime_checkable
+class RolloutStateStore(Protocol):
+    """Where rollouts keep their resumable state, one key per rollout id.
+
+    Implemented over the JetStream KV bucket by ``rollmesh.bus.rollout_states.KvRolloutStates``;
+    ``rollmesh.rollout.rollout_state.InMemoryRolloutStates`` serves in-process runs and tests.
+    """
+
+    async def load(self, rollout_id: str) -> RolloutState | None:
+        """The saved state, or None when the rollout never saved one."""
+
+    async def save(self, state: RolloutState) -> None:
+        """Durably store ``state``; returns once the store acknowledged it."""
+
+    async def delete(self, rollout_id: str) -> None:
+        """Forget a rollout's state (missing keys are fine)."""

@@ -121,9 +121,27 @@ async def mesh(nats_server: EmbeddedNatsServer, ray_session: None) -> AsyncItera
         "trainer.groups_per_step": 1,
         "sandbox.readonly_paths": [str(gate_dir)],
         "rollout.tasks": ["rollmesh.rollout.molar_mass:MolarMassTask",
-                          "mesh_test_tasks:GatedMolarMassTask"],
+                          "mesh_test_tasks:GatedMolarMassTask", "mesh_test_tasks:SlowToolMolarMassTask"],
+        # Short timers, so a killed actor's work is redelivered and its role restarted within
+        # seconds (tests/test_mesh_recovery.py).
+        "nats.rollout_ack_wait_s": 6.0,
+        "rollout.work_heartbeat_s": 1.5,
+        "rollout.infra_retry_delay_s": 0.5,
+        "rollout.infra_retries": 4,
+        "ray.supervise_interval_s": 0.5,
     })
     test_mesh = Mesh(config, run_dir=run_dir)
     info = await test_mesh.start()
     yield TestMesh(test_mesh, info, config, gate_dir)
     await test_mesh.stop()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def tool_calling_mesh(mesh: TestMesh) -> TestMesh:
+    """The mesh after a short supervised warm start: greedy decoding now calls the calculator."""
+    import ray
+
+    trainer = ray.get_actor("trainer", namespace=mesh.mesh.ray_namespace)
+    await trainer.warm_start.remote("rollmesh.rollout.molar_mass:MolarMassTask", steps=60,
+                                    batch_size=32, lr=3e-3, tool_fraction=1.0, seed=0)
+    return mesh

@@ -20,3 +20,15 @@ class GatedMolarMassTask(MolarMassTask):
         script = (f'while [ ! -e "{gate}" ]; do sleep 0.02; done; '
                   f'exec {python_for_sandbox()} -I -S {tool_script_path("molar_mass")} "$1"')
         return ["/bin/sh", "-c", script, "sh", call.argument]
+
+
+class SlowToolMolarMassTask(MolarMassTask):
+    """The demo task whose calculator first sleeps ``task_input["tool_sleep_s"]`` seconds, so a
+    fault-injection test can kill an actor while rollouts are in flight."""
+
+    name = "slow_molar_mass"
+
+    def tool_argv(self, call: ToolCall, task_input: dict) -> list[str]:
+        delay = float(task_input.get("tool_sleep_s", 1.0))
+        script = f'sleep {delay}; exec {python_for_sandbox()} -I -S {tool_script_path("molar_mass")} "$1"'
+        return ["/bin/sh", "-c", script, "sh", call.argument]

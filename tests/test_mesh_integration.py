@@ -2,7 +2,7 @@
 
 One session-scoped mesh (tests/conftest.py ``mesh``) serves every test here; each test uses its
 own rollout ids. Model behaviour that needs tool calls comes from a short supervised warm start
-done once (``tool_calling_mesh``).
+done once (``tool_calling_mesh``, in conftest).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import nats
 import pytest
-import pytest_asyncio
 import ray
 
 from rollmesh.engine.weights import load_weights, save_weights
@@ -57,15 +56,6 @@ class ResultWatcher:
             return self.results[rollout_id]
 
         return await asyncio.wait_for(arrived(), timeout)
-
-
-@pytest_asyncio.fixture(scope="session")
-async def tool_calling_mesh(mesh):
-    """The mesh after a short supervised warm start: greedy decoding now calls the calculator."""
-    trainer = ray.get_actor("trainer", namespace=mesh.mesh.ray_namespace)
-    await trainer.warm_start.remote("rollmesh.rollout.molar_mass:MolarMassTask", steps=60,
-                                    batch_size=32, lr=3e-3, tool_fraction=1.0, seed=0)
-    return mesh
 
 
 async def test_bare_nats_client_request_comes_back_completed(mesh) -> None:

@@ -35,6 +35,7 @@ from rollmesh.messages.subjects import (
     SANDBOX_RELEASE,
 )
 from rollmesh.rollout.agent_loop import RolloutRunner
+from rollmesh.rollout.rollout_state import InMemoryRolloutStates
 from rollmesh.rollout.molar_mass import MolarMassTask, true_molar_mass
 from rollmesh.rollout.tasks import TaskRegistry, ToolCall
 
@@ -75,11 +76,15 @@ def sandbox_bus(*exec_replies: SandboxExecReply | BaseException,
 
 
 def runner(engine: ScriptedEngine, bus: RecordingPublisher, *, max_seq_len: int = 128,
-           progress_events: bool = True, **config) -> RolloutRunner:
+           progress_events: bool = True, states: InMemoryRolloutStates | None = None,
+           **config) -> RolloutRunner:
+    """A runner that fails at the first infrastructure failure unless the test asks for retries."""
+    config = {"infra_retries": 0, "infra_retry_delay_s": 0.0, **config}
     return RolloutRunner(
         RolloutConfig(tool_timeout_s=5.0, progress_events=progress_events, **config),
         ModelConfig(max_seq_len=max_seq_len),
         tasks=TaskRegistry([MolarMassTask()]), engine=engine, publisher=bus, clock=lambda: 100.0,
+        states=states,
     )
 
 
@@ -367,4 +372,128 @@ async def test_runner_counts_completed_and_failed_rollouts():
     logic = runner(ScriptedEngine([answer(), RuntimeError("down")]), bus)
     await logic.handle_requested(request(rollout_id="a"), context())
     await logic.handle_requested(request(rollout_id="b"), context())
-    assert logic.stats() == {"completed": 1, "failed": 1}
+    assert logic.stats() == {"completed": 1, "failed": 1, "resumed": 0, "republished": 0, "infra_retries": 0,
+                             "joined": 0}
+
+
+# -- surviving crashes: saved state, resume, retries, re-publishing ---------------------------
+
+
+async def test_state_is_saved_after_every_turn_and_the_outcome_before_it_is_published():
+    states = InMemoryRolloutStates()
+    bus = sandbox_bus()
+    await runner(ScriptedEngine([tool_call(), answer()]), bus, states=states).handle_requested(request(), context())
+
+    saved = states.states["r-1"]
+    (completed,) = bus.messages(ROLLOUT_COMPLETED)
+    assert saved.outcome == completed, "the published outcome is the saved one"
+    assert saved.turn == 2 and saved.tokens == completed.tokens and saved.versions == completed.versions
+    assert [(c.name, c.argument, c.output) for c in saved.tool_calls] == [("calc", FORMULA, MASS)]
+    assert saved.lease_id == LEASE and saved.attempts == 1
+    assert states.saves == 4, "one save when it starts, one per turn, then one with the outcome"
+    assert completed.idempotency_key == "r-1"
+
+
+async def test_a_redelivered_request_resumes_from_the_last_saved_turn_in_the_same_sandbox():
+    states = InMemoryRolloutStates()
+    # The first worker runs turn 1 (a tool call), then "dies" while generating turn 2.
+    first = runner(ScriptedEngine([tool_call(version=3), asyncio.CancelledError()]), sandbox_bus(), states=states)
+    with pytest.raises(asyncio.CancelledError):
+        await first.handle_requested(request(), context())
+    assert states.states["r-1"].turn == 1 and states.states["r-1"].outcome is None
+
+    engine, bus = ScriptedEngine([answer(version=4)]), sandbox_bus()
+    second = runner(engine, bus, states=states)
+    await second.handle_requested(request(), context())
+
+    (completed,) = bus.messages(ROLLOUT_COMPLETED)
+    assert completed.turns == 2 and completed.tool_calls == 1 and completed.reward == 1.0
+    assert bus.requested(SANDBOX_EXEC) == [], "the tool of the saved turn is not run again"
+    assert len(engine.calls) == 1 and engine.calls[0]["request_id"] == "r-1/2"
+    assert engine.calls[0]["input_ids"] == states.states["r-1"].tokens[:len(engine.calls[0]["input_ids"])]
+    # Both versions survive: turn 1's tokens were made by version 3, turn 2's by version 4.
+    assert {v for v in completed.versions if v >= 0} == {3, 4}
+    (lease,) = bus.requested(SANDBOX_LEASE)
+    assert lease.holder == "r-1", "the same idempotency token: the earlier attempt's sandbox while it lives"
+    assert completed.attempts == 2 and second.stats()["resumed"] == 1
+
+
+async def test_a_request_redelivered_after_its_outcome_was_saved_republishes_it_and_runs_nothing():
+    states = InMemoryRolloutStates()
+    await runner(ScriptedEngine([answer()]), sandbox_bus(), states=states).handle_requested(request(), context())
+    engine, bus = ScriptedEngine([]), sandbox_bus()
+    again = runner(engine, bus, states=states)
+    await again.handle_requested(request(), context())
+
+    (completed,) = bus.messages(ROLLOUT_COMPLETED)
+    assert completed == states.states["r-1"].outcome
+    assert engine.calls == [] and bus.requested(SANDBOX_LEASE) == []
+    assert again.stats()["republished"] == 1
+
+
+async def test_an_infrastructure_failure_is_retried_from_the_last_saved_turn_with_a_fresh_lease():
+    states = InMemoryRolloutStates()
+    engine = ScriptedEngine([tool_call(), RuntimeError("decode worker died"), answer()])
+    bus = sandbox_bus()
+    logic = runner(engine, bus, states=states, infra_retries=2)
+    await logic.handle_requested(request(), context())
+
+    (completed,) = bus.messages(ROLLOUT_COMPLETED)
+    assert completed.infra_failures == 1 and completed.reward == 1.0
+    assert len(bus.requested(SANDBOX_EXEC)) == 1, "turn 1's tool ran once"
+    assert [c["request_id"] for c in engine.calls] == ["r-1/1", "r-1/2", "r-1/2"]
+    assert len(bus.requested(SANDBOX_LEASE)) == 2 and len(bus.requested(SANDBOX_RELEASE)) == 2
+    assert logic.stats()["infra_retries"] == 1
+
+
+async def test_infrastructure_failures_past_the_budget_end_typed_and_task_failures_are_not_retried():
+    engine = ScriptedEngine([RuntimeError("down")] * 3)
+    bus = sandbox_bus()
+    await runner(engine, bus, infra_retries=2).handle_requested(request(), context())
+    (failed,) = bus.messages(ROLLOUT_FAILED)
+    assert (failed.kind, failed.infra_failures, len(engine.calls)) == ("inference_error", 3, 3)
+    assert failed.idempotency_key == "r-1"
+
+    bus = sandbox_bus()
+    await runner(ScriptedEngine([]), bus, infra_retries=2).handle_requested(
+        request(task_input={"formula": ""}), context())
+    (failed,) = bus.messages(ROLLOUT_FAILED)
+    assert failed.kind == "invalid_request" and failed.infra_failures == 0
+
+
+async def test_a_long_tool_call_keeps_the_request_in_progress():
+    progress = ProgressRecorder()
+
+    class SlowBus(RecordingPublisher):
+        async def request(self, subject, message, timeout_s):
+            if subject == SANDBOX_EXEC:
+                await asyncio.sleep(0.35)
+            return await super().request(subject, message, timeout_s)
+
+    base = sandbox_bus()
+    bus = SlowBus(replies=base.replies, default_replies=base.default_replies)
+    await runner(ScriptedEngine([tool_call(), answer()]), bus, work_heartbeat_s=0.05).handle_requested(
+        request(), context(progress))
+    # Two per-turn calls, and the keepalive's while the 0.35 s tool ran (about 7 of them).
+    assert progress.calls >= 5
+
+
+async def test_a_request_redelivered_while_it_runs_here_waits_for_it_and_runs_nothing_twice():
+    gate = asyncio.Event()
+
+    class GatedEngine(ScriptedEngine):
+        async def generate(self, *args, **kwargs):
+            await gate.wait()
+            return await super().generate(*args, **kwargs)
+
+    engine, bus = GatedEngine([answer()]), sandbox_bus()
+    logic = runner(engine, bus)
+    first = asyncio.create_task(logic.handle_requested(request(), context()))
+    await asyncio.sleep(0.01)
+    second = asyncio.create_task(logic.handle_requested(request(), context()))
+    await asyncio.sleep(0.01)
+    assert not second.done()
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert len(engine.calls) == 1 and len(bus.messages(ROLLOUT_COMPLETED)) == 1
+    assert logic.stats()["joined"] == 1

@@ -17,6 +17,8 @@ from opentelemetry import trace
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.ports import ActorLogic, Publisher
+from rollmesh.bus.last_message import last_message
+from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.trace_headers import extract_trace_context
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
@@ -25,9 +27,10 @@ from rollmesh.engine.local_engine import build_decode_engine
 from rollmesh.engine.paged_model import build_inference_model
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions
-from rollmesh.engine.weight_follower import StagesWeights, WeightFollower
+from rollmesh.engine.weight_follower import LatestWeights, StagesWeights, WeightFollower
 from rollmesh.engine.weights import load_weights
 from rollmesh.messages.base import SamplingParams
+from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
 
 _tracer = trace.get_tracer("rollmesh.inference")
 
@@ -72,6 +75,16 @@ class _DecodeWeights:
         return self.loop.engine.num_active()
 
 
+def _latest_weights(publisher: Publisher) -> LatestWeights:
+    """The newest published version, read from the weights stream (a restarted worker's catch-up)."""
+    assert isinstance(publisher, BusPublisher), "the shell's publisher is a BusPublisher"
+
+    async def latest():
+        return await last_message(publisher.jetstream, publisher.namespace, WEIGHTS_PUBLISHED)
+
+    return latest
+
+
 class PrefillWorkerActor(RoleActor):
     role = "prefill"
 
@@ -82,7 +95,8 @@ class PrefillWorkerActor(RoleActor):
                                     block_size=inference_config.kv_block_size)
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
-        return WeightFollower(_PrefillWeights(self.engine), publisher, worker=self.name, role=self.role)
+        return WeightFollower(_PrefillWeights(self.engine), publisher, worker=self.name, role=self.role,
+                              latest=_latest_weights(publisher))
 
     async def prefill(self, input_ids: list[int], request_id: str = "",
                       trace_headers: dict[str, str] | None = None) -> PrefillResult:
@@ -119,7 +133,8 @@ class DecodeWorkerActor(RoleActor):
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         self.loop.start()
-        return WeightFollower(_DecodeWeights(self.loop), publisher, worker=self.name, role=self.role)
+        return WeightFollower(_DecodeWeights(self.loop), publisher, worker=self.name, role=self.role,
+                              latest=_latest_weights(publisher))
 
     async def generate(self, prefill: PrefillResult, sampling: SamplingParams, request_id: str,
                        trace_headers: dict[str, str] | None = None,

@@ -6,6 +6,7 @@ spawn time, so role classes stay plain classes that tests can also run in-proces
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,9 @@ class RoleActor:
     """Base for role actors: builds the shell, lets the subclass build its logic, serves it."""
 
     role = "actor"
+    # How long in-flight handlers may finish at stop before they are cancelled (and their
+    # JetStream messages handed back).
+    drain_timeout_s = 10.0
 
     def __init__(self, name: str, mesh: MeshContext, *, torch_threads: int | None = None) -> None:
         self.name = name
@@ -42,7 +46,7 @@ class RoleActor:
             torch.set_num_threads(torch_threads)
         self.shell = ActorShell(
             name, mesh.namespace, mesh.nats_url, run_dir=Path(mesh.run_dir),
-            telemetry_config=mesh.telemetry, nats_config=mesh.nats,
+            telemetry_config=mesh.telemetry, nats_config=mesh.nats, drain_timeout_s=self.drain_timeout_s,
         )
         self.logic: ActorLogic | None = None
 
@@ -63,3 +67,7 @@ class RoleActor:
 
     async def stats(self) -> dict[str, Any]:
         return self.shell.stats()
+
+    async def pid(self) -> int:
+        """This actor's process id (fault-injection tests SIGKILL it)."""
+        return os.getpid()

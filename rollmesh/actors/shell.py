@@ -28,7 +28,7 @@ from rollmesh.bus.consumers import Consumer, open_consumer
 from rollmesh.bus.dispatcher import MessageDispatcher
 from rollmesh.ports import ActorLogic
 from rollmesh.bus.publisher import BusPublisher
-from rollmesh.bus.streams import ensure_streams
+from rollmesh.bus.streams import StreamLimits, ensure_streams
 from rollmesh.bus.task_set import TaskSet
 from rollmesh.config import NatsConfig, TelemetryConfig
 from rollmesh.telemetry.logging import setup_logging
@@ -70,7 +70,8 @@ class ActorShell:
                                connect_timeout_s=self.nats_config.connect_timeout_s)
         js = nc.jetstream()
         try:
-            await ensure_streams(js, self.namespace)
+            await ensure_streams(js, self.namespace,
+                                 StreamLimits(replicas=self.nats_config.replicas))
         except Exception:
             await nc.close()
             raise

@@ -27,7 +27,8 @@ class TrainerActor(RoleActor):
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         backend = TorchTrainerBackend(self.model_config, self.config)
         self.trainer = TrainerLogic(self.config, self.model_config, backend, publisher,
-                                    run_dir=Path(self.mesh.run_dir))
+                                    run_dir=Path(self.mesh.run_dir),
+                                    in_progress_every_s=self.mesh.nats.rollout_ack_wait_s / 3)
         return self.trainer
 
     async def warm_start(self, task_path: str, *, steps: int, batch_size: int, lr: float,

@@ -119,6 +119,17 @@ class EmbeddedNatsServer:
             process.stderr.close()
         self._port = None
 
+    def restart(self, *, kill: bool = False) -> str:
+        """Stop the server (SIGKILL with ``kill``, as a crash would) and start it again on the same
+        port and store, so clients reconnect to the URL they know; returns it."""
+        port = self.port
+        if kill and self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self.stop()
+        self._requested_port = port  # from now on this server keeps its port
+        return self.start()
+
     def __enter__(self) -> EmbeddedNatsServer:
         self.start()
         return self

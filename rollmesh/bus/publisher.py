@@ -3,8 +3,10 @@
 Knows nats-py, OpenTelemetry and our subjects; knows nothing of actors or Ray. Subjects captured by
 a JetStream stream are published with an ack, so the effect is durable before ``publish``
 returns, and carry a ``Nats-Msg-Id`` when the message has a natural id (the server drops a repeat
-within the stream's duplicate window). Everything else goes over core NATS. Every publish carries
-the current trace context in W3C headers.
+within the stream's duplicate window). A durable publish rides out a NATS outage (a restarted
+server, a cluster electing a new leader): it is retried for up to ``outage_retry_s``, which the
+dedup id makes safe. Everything else goes over core NATS. Every publish carries the current trace
+context in W3C headers.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rollmesh.bus.errors import (
     RequestTimeoutError,
 )
 from rollmesh.bus.message_keys import dedup_id, log_fields
+from rollmesh.bus.outage import retry_through_outage
 from rollmesh.bus.streams import stream_for
 from rollmesh.bus.trace_headers import inject_trace_headers
 from rollmesh.messages import DeadLettered, Subject, WireMessage
@@ -42,11 +45,16 @@ class BusPublisher:
     """Implements ``rollmesh.ports.Publisher`` over one NATS connection."""
 
     def __init__(self, nc: Client, js: JetStreamContext, namespace: str, *,
-                 publish_timeout_s: float = 5.0) -> None:
+                 publish_timeout_s: float = 5.0, outage_retry_s: float = 60.0) -> None:
         self._nc = nc
         self._js = js
         self.namespace = namespace
         self.publish_timeout_s = publish_timeout_s
+        self.outage_retry_s = outage_retry_s
+
+    @property
+    def jetstream(self) -> JetStreamContext:
+        return self._js
 
     async def publish(self, subject: Subject, message: WireMessage) -> None:
         concrete = subject.format(self.namespace)
@@ -64,8 +72,10 @@ class BusPublisher:
             if msg_id is not None:
                 headers["Nats-Msg-Id"] = msg_id
             try:
-                ack = await self._js.publish(concrete, data, timeout=self.publish_timeout_s,
-                                             stream=stream, headers=headers)
+                ack = await retry_through_outage(
+                    lambda: self._js.publish(concrete, data, timeout=self.publish_timeout_s,
+                                             stream=stream, headers=headers),
+                    within_s=self.outage_retry_s, what=f"publish {subject.template}")
             except (nats.errors.Error, TimeoutError) as exc:
                 raise PublishError(f"JetStream publish to {stream} failed: {exc!r}",
                                    subject=concrete) from exc

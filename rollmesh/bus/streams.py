@@ -102,13 +102,17 @@ class StreamLimits:
     dead_letters_keep_last: int = 100_000
     # Window in which a repeated Nats-Msg-Id is dropped by the server (publisher dedup).
     duplicate_window_s: float = 120.0
+    # Copies of every stream and of the KV bucket (NatsConfig.replicas). 1 on a single server,
+    # which refuses more; 3 on a 3-node cluster, so losing any one node loses nothing.
+    replicas: int = 1
 
 
 def stream_configs(namespace: str, limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
     def subjects(*bound: Subject) -> list[str]:
         return [s.format(namespace) for s in bound]
 
-    common = dict(storage=StorageType.FILE, duplicate_window=limits.duplicate_window_s)
+    common = dict(storage=StorageType.FILE, duplicate_window=limits.duplicate_window_s,
+                  num_replicas=limits.replicas)
     return [
         StreamConfig(
             name=rollout_requests_stream(namespace), subjects=subjects(ROLLOUT_REQUESTED),
@@ -153,7 +157,7 @@ async def ensure_streams(js: JetStreamContext, namespace: str,
     """Create or update every stream and the rollout-state KV bucket; returns the stream names."""
     configs = stream_configs(namespace, limits)
     await asyncio.gather(*(_ensure_stream(js, config) for config in configs))
-    await _ensure_rollout_state_bucket(js, namespace)
+    await _ensure_rollout_state_bucket(js, namespace, limits.replicas)
     return [config.name for config in configs if config.name]
 
 
@@ -173,11 +177,12 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         raise StreamSetupError(f"cannot update: {exc}", stream=name) from exc
 
 
-async def _ensure_rollout_state_bucket(js: JetStreamContext, namespace: str) -> None:
+async def _ensure_rollout_state_bucket(js: JetStreamContext, namespace: str,
+                                       replicas: int) -> None:
     bucket = rollout_state_bucket(namespace)
     try:
         await js.create_key_value(KeyValueConfig(
-            bucket=bucket, history=1, storage=StorageType.FILE,
+            bucket=bucket, history=1, storage=StorageType.FILE, replicas=replicas,
             description="resumable rollout state, one key per rollout",
         ))
     except nats.js.errors.BadRequestError as exc:

@@ -4,7 +4,11 @@ Knows processes, signals and ``mesh.json``; the launcher (and so Ray) is importe
 foreground process that runs the mesh. ``up`` picks the run directory, spawns ``rollmesh up
 --foreground --run-dir DIR`` in a new session with its output in ``DIR/mesh.log``, and returns when
 ``mesh.json`` appears (the launcher writes it last, atomically). ``down`` sends SIGTERM to the pid
-in ``mesh.json``, waits, and kills the process group if it will not go.
+in ``mesh.json``, waits, and kills the process group if it will not go: the mesh drains (in-flight
+rollouts hand their requests back to the work queue, their state saved at their last turn; the
+trainer's unfinished groups stay unacknowledged). ``up --resume RUN_DIR`` starts that run again
+with its saved config (``config.json``) and the NATS store in its run directory, so everything
+carries on from where it stopped.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from typing import Any
 
 import msgspec
 
-from rollmesh.cli.errors import EXIT_OK, CliError
+from rollmesh.cli.errors import EXIT_OK, EXIT_USAGE, CliError
 from rollmesh.cli.foreground import run_until_signalled
 from rollmesh.cli.target import add_target_options, load_cli_config, namespace_arg, positive_float
+from rollmesh.config import RUN_CONFIG_FILE, ConfigError, load_run_config
 from rollmesh.mesh_info import MESH_FILE, MeshInfo, MeshNotFoundError, new_run_dir, read_mesh_info
 
 LOG_FILE = "mesh.log"
@@ -42,6 +47,10 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     up.add_argument("--no-serve", action="store_true", help="do not deploy the Serve inference app")
     up.add_argument("--run-dir", type=Path, metavar="DIR",
                     help="run directory (default: a new one under --run-root)")
+    up.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                    help="start again a run stopped by `rollmesh down`, with its own config: "
+                         "queued and in-flight rollouts resume from their last saved turn, "
+                         "the trainer from its last durable step")
     up.add_argument("--timeout", type=positive_float, default=600.0, metavar="S",
                     help="seconds to wait for the mesh to be ready (default: %(default)s)")
     up.add_argument("--foreground", action="store_true",
@@ -66,8 +75,11 @@ def _up_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    config = load_cli_config(args, _up_overrides(args))  # a bad config fails here, not in the child
-    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config.run_root)
+    if args.resume is not None:
+        config, run_dir = _resumed_config(args), args.resume
+    else:
+        config = load_cli_config(args, _up_overrides(args))  # a bad config fails here, not in the child
+        run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config.run_root)
     if args.foreground:
         return asyncio.run(_run_foreground(config, run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -95,6 +107,20 @@ def run_up(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _resumed_config(args: argparse.Namespace) -> Any:
+    """The config the resumed run was started with (only addresses and Serve may change)."""
+    if args.config or args.run_dir or args.namespace:
+        raise CliError("--resume runs the run's own config: it takes no --config, --run-dir or "
+                       "--namespace", exit_code=EXIT_USAGE)
+    if not (args.resume / RUN_CONFIG_FILE).is_file():
+        raise CliError(f"{args.resume} holds no run to resume (no {RUN_CONFIG_FILE})", exit_code=EXIT_USAGE)
+    try:
+        return load_run_config(args.resume, overrides={
+            key: value for key, value in _up_overrides(args).items() if value is not None})
+    except ConfigError as exc:
+        raise CliError(f"bad config: {exc}", exit_code=EXIT_USAGE) from exc
+
+
 def child_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
     """The ``rollmesh up --foreground`` command line that runs the mesh for ``run_dir``."""
     command = [sys.executable, "-m", "rollmesh.cli"]
@@ -102,7 +128,10 @@ def child_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
         command += ["--config", str(Path(args.config).resolve())]
     if args.debug:
         command.append("--debug")
-    command += ["up", "--foreground", "--run-dir", str(run_dir.resolve())]
+    if args.resume is not None:
+        command += ["up", "--foreground", "--resume", str(run_dir.resolve())]
+    else:
+        command += ["up", "--foreground", "--run-dir", str(run_dir.resolve())]
     for flag, value in (("--nats-url", args.nats_url), ("--ray-address", args.ray_address),
                         ("--namespace", args.namespace)):
         if value:

@@ -176,13 +176,13 @@ async def _submit(target: MeshTarget, requests: list[RolloutRequested], *, wait:
                   timeout_s: float, bad_lines: int) -> ResultCollector:
     from rollmesh.bus.connection import connect_bus
     from rollmesh.bus.publisher import BusPublisher
-    from rollmesh.bus.streams import ensure_streams
+    from rollmesh.bus.streams import StreamLimits, ensure_streams
 
     nc = await connect_bus(target.nats_url, name="rollmesh-submit", connect_timeout_s=target.connect_timeout_s)
     try:
         js = nc.jetstream()
         # Idempotent: requests are stored even when no mesh has created the streams yet.
-        await ensure_streams(js, target.namespace)
+        await ensure_streams(js, target.namespace, StreamLimits(replicas=target.replicas))
         collector = ResultCollector({r.rollout_id for r in requests})
         if wait:  # subscribe before publishing, so no result can slip past
             for subject in (ROLLOUT_COMPLETED, ROLLOUT_FAILED):

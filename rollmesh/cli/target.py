@@ -26,6 +26,8 @@ class MeshTarget:
     run_dir: Path | None = None
     info: MeshInfo | None = None
     connect_timeout_s: float = 5.0
+    # JetStream replicas the streams are ensured with (the config's nats.replicas).
+    replicas: int = 1
 
 
 def namespace_arg(text: str) -> str:
@@ -77,14 +79,16 @@ def load_cli_config(args: argparse.Namespace, overrides: dict[str, Any] | None =
 def find_mesh(args: argparse.Namespace, config: RollmeshConfig) -> MeshTarget:
     namespace = getattr(args, "namespace", None)
     nats_url = getattr(args, "nats_url", None)
-    timeout_s = config.nats.connect_timeout_s
+    timeout_s, replicas = config.nats.connect_timeout_s, config.nats.replicas
     if nats_url:
-        return MeshTarget(nats_url, namespace or config.namespace, connect_timeout_s=timeout_s)
+        return MeshTarget(nats_url, namespace or config.namespace, connect_timeout_s=timeout_s,
+                          replicas=replicas)
     if args.run_dir is None and config.nats.url:
-        return MeshTarget(config.nats.url, namespace or config.namespace, connect_timeout_s=timeout_s)
+        return MeshTarget(config.nats.url, namespace or config.namespace,
+                          connect_timeout_s=timeout_s, replicas=replicas)
     try:
         info = read_mesh_info(args.run_dir, run_root=config.run_root)
     except MeshNotFoundError as exc:
         raise CliError(str(exc)) from exc
     return MeshTarget(info.nats_url, namespace or info.namespace, Path(info.run_dir), info,
-                      connect_timeout_s=timeout_s)
+                      connect_timeout_s=timeout_s, replicas=replicas)

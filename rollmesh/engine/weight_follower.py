@@ -3,7 +3,8 @@
 Knows the engine's weight files, the mesh ports (rollmesh.ports) and the wire contract; not Ray, not nats-py. On
 ``WeightsPublished`` it loads the safetensors file off the event loop, stages it (the engine swaps
 at its next step boundary, so no request is aborted) and publishes ``WeightsActivated`` once the
-swap happened.
+swap happened. On start it catches up with the newest version already published (``latest``), so
+a worker restarted after a crash serves the current weights, not its initial ones.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class StagesWeights(Protocol):
     def num_active(self) -> int: ...
 
 
+# The newest WeightsPublished in the weights stream (None: none yet).
+LatestWeights = Callable[[], Awaitable[WeightsPublished | None]]
+
+
 class WeightFollower:
     def __init__(
         self,
@@ -46,13 +51,23 @@ class WeightFollower:
         worker: str,
         role: str,
         clock: Callable[[], float] = time.time,
+        latest: LatestWeights | None = None,
     ) -> None:
         self.engine = engine
         self.publisher = publisher
         self.worker = worker
         self.role = role
         self.clock = clock
+        self.latest = latest
         self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        if self.latest is None:
+            return
+        newest = await self.latest()
+        if newest is not None:
+            _log.info("weights_catch_up", weight_version=newest.version, role=self.role)
+            await self.handle_weights_published(newest)
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription(WEIGHTS_PUBLISHED, self.handle_weights_published, "core")]
@@ -82,5 +97,3 @@ class WeightFollower:
             ),
         )
 
-
-LatestWeights = Callable[[], Awaitable[WeightsPublished | None]]

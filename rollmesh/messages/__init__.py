@@ -4,11 +4,14 @@ from rollmesh.messages.base import SamplingParams, WireMessage
 from rollmesh.messages.checkpoint import CheckpointConverted, CheckpointFormat, CheckpointSaved
 from rollmesh.messages.dead_letter import DeadLettered
 from rollmesh.messages.rollout import (
+    INFRA_FAILURE_KINDS,
     FailureKind,
     RolloutCompleted,
     RolloutFailed,
     RolloutProgressed,
     RolloutRequested,
+    RolloutState,
+    SavedToolCall,
 )
 from rollmesh.messages.sandbox import (
     ExecResultKind,
@@ -53,6 +56,7 @@ __all__ = [
     "ExecResultKind",
     "ForkedLease",
     "FailureKind",
+    "INFRA_FAILURE_KINDS",
     "GpuGranted",
     "GpuReleased",
     "PreemptionAcknowledged",
@@ -61,6 +65,8 @@ __all__ = [
     "RolloutFailed",
     "RolloutProgressed",
     "RolloutRequested",
+    "RolloutState",
+    "SavedToolCall",
     "SamplingParams",
     "SandboxDownloadReply",
     "SandboxDownloadRequest",

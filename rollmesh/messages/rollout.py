@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgspec
 from msgspec import Meta
 
 from rollmesh.messages.base import SamplingParams, WireMessage
@@ -65,6 +66,11 @@ class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed"):
     duration_s: float = 0.0
     # Where the trajectory blob lives when it is too large to inline (later issues); "" = inline.
     trajectory_ref: str = ""
+    # The trainer trains on one key at most once, however often the message is delivered.
+    idempotency_key: str = ""
+    # Attempts this rollout took, and the infrastructure failures it survived on the way.
+    attempts: int = 1
+    infra_failures: int = 0
 
 
 FailureKind = Literal[
@@ -86,3 +92,53 @@ class RolloutFailed(WireMessage, frozen=True, tag="rollout.failed"):
     group_id: str = ""
     purpose: Purpose = "train"
     turns: int = 0
+    idempotency_key: str = ""
+    attempts: int = 1
+    infra_failures: int = 0
+
+
+# Failure kinds that are the infrastructure's fault, not the task's: retried up to a budget, and
+# when the budget is spent, masked out of group statistics (never scored as a zero reward).
+INFRA_FAILURE_KINDS: frozenset[str] = frozenset({"sandbox_error", "sandbox_timeout", "inference_error"})
+
+
+class SavedToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One tool call of a saved rollout and what the model was shown of its output."""
+
+    name: str
+    argument: str
+    ok: bool
+    output: str
+
+
+class RolloutState(WireMessage, frozen=True, tag="rollout.state"):
+    """A rollout's resumable state: the value of its key in the rollout-state KV bucket.
+
+    Written after every turn (and when the rollout ends), before the work queue is told the
+    rollout is still in progress, so a worker that takes over resumes from the last saved turn.
+    ``outcome`` is set once the rollout ended: a redelivered request then re-publishes it instead
+    of running the rollout again. Token arrays have one entry per token, as in RolloutCompleted.
+    """
+
+    rollout_id: str
+    request: RolloutRequested
+    turn: int = 0  # turns completed
+    tokens: list[int] = []
+    loss_mask: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    prompt_len: int = 0
+    tool_calls: list[SavedToolCall] = []
+    final_text: str = ""
+    finished_with_eos: bool = False
+    reward_so_far: float = 0.0
+    # Where this model's expert-routing rows live (a sidecar key); "" for dense models.
+    routed_experts_ref: str = ""
+    lease_id: str = ""
+    snapshot_id: str = ""  # the workspace after the last tool call, when snapshots are on
+    attempts: int = 0  # times a worker started (or resumed) this rollout
+    infra_failures: int = 0  # infrastructure failures so far, against rollout.infra_retries
+    tool_wait_s: float = 0.0
+    started_at: float = 0.0
+    updated_at: float = 0.0
+    outcome: RolloutCompleted | RolloutFailed | None = None

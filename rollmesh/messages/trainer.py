@@ -12,7 +12,18 @@ class TrainerStepped(WireMessage, frozen=True, tag="trainer.stepped"):
     reward_mean: float
     num_samples: int
     num_groups: int
-    # Version lag of the generated tokens that were trained on (max over the batch).
+    # Generation lag (training/admission.py: version lag of the generated tokens, tool waits
+    # excluded; the admission measure) of the trajectories trained on, max over the batch.
     max_version_lag: int = 0
     dropped_stale: int = 0
     duration_s: float = 0.0
+    # The distribution of that generation lag over the step's admitted trajectories: nearest-rank
+    # percentiles (each a lag that occurred) and lag -> trajectories (JSON object keys are strings
+    # on the wire; msgspec decodes them back to ints). Admitted lags are <= max_staleness, so the
+    # histogram has at most max_staleness + 1 keys.
+    version_lag_p50: int = 0
+    version_lag_p90: int = 0
+    version_lag_histogram: dict[int, int] = {}
+    # Raw version lag (tool waits included) of the same trajectories, max over the batch: how old
+    # the oldest token the importance ratio had to correct was.
+    max_raw_version_lag: int = 0

@@ -1,17 +1,27 @@
 """The agent loop of one rollout: generate -> parse tool call -> sandbox exec -> append -> ... -> reward.
 
-Knows the task plugins, the inference and publisher seams and the wire contract; not Ray, not
-nats-py (both arrive as injected collaborators). Infrastructure failures (sandbox broker, inference)
-end the rollout with a typed ``RolloutFailed``, never a silent zero reward. Tracing: the rollout
-has one span; every turn is its own trace whose root span links back to the rollout span.
+Knows the task plugins, the inference, publisher and state-store seams and the wire contract; not
+Ray, not nats-py (they arrive as injected collaborators). Tracing: the rollout has one span; every
+turn is its own trace whose root span links back to the rollout span.
 
-Sandbox: one lease per rollout, its idempotency token the rollout id (a redelivered rollout gets
-the sandbox its first attempt had, while that lease lives). While the rollout runs, a heartbeat
-keeps the lease alive however long it takes; a worker that dies stops heartbeating and the broker
-reaps the sandbox within a TTL. A tool's own failure (non-zero exit, timeout, oom, signal, output
-cut) is a tool result the model sees; a sandbox that died, a runtime error, an unreachable broker
-or capacity refused after retries fail the rollout as "sandbox_error" (a lost lease:
-"sandbox_timeout").
+Surviving crashes. After every turn the rollout's state (tokens, mask, logprobs, versions, the
+transcript, its lease and workspace snapshot) is saved to the state store, then the work queue is
+told the request is still in progress; a keepalive repeats that every ``work_heartbeat_s`` while a
+long tool call runs. A worker that dies stops both: the request is redelivered after the ack wait,
+and whoever takes it resumes from the last saved turn. The outcome is saved before it is
+published, so a request redelivered after its rollout ended (a worker that died between publishing
+and acking) re-publishes that outcome and runs nothing again.
+
+Infrastructure failures (sandbox died or lost, broker unreachable, inference error) are retried
+from the last saved turn up to ``infra_retries`` times; then the rollout ends as a typed
+``RolloutFailed``, never a silent zero reward.
+
+Sandbox: one lease per rollout, its idempotency token the rollout id (a resumed rollout gets the
+sandbox its earlier attempt had, while that lease lives; if it is gone and snapshots are on, a
+fork of the last snapshot). While the rollout runs, a heartbeat keeps the lease alive however long
+it takes; a worker that dies stops heartbeating and the broker reaps the sandbox within a TTL. A
+tool's own failure (non-zero exit, timeout, oom, signal, output cut) is a tool result the model
+sees.
 """
 
 from __future__ import annotations
@@ -19,21 +29,26 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
+
+import msgspec
 
 import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from rollmesh.ports import MessageContext, Publisher, Subscription
+from rollmesh.ports import MessageContext, Publisher, RolloutStateStore, StateStoreError, Subscription
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.engine.protocols import GenerateOptions, InferenceEngine
 from rollmesh.engine.tokenizer import ByteTokenizer
 from rollmesh.messages import (
+    INFRA_FAILURE_KINDS,
     RolloutCompleted,
     RolloutFailed,
     RolloutProgressed,
     RolloutRequested,
+    RolloutState,
     SamplingParams,
     SandboxExecReply,
 )
@@ -45,6 +60,7 @@ from rollmesh.messages.subjects import (
     ROLLOUT_REQUESTED,
 )
 from rollmesh.rollout.errors import RolloutError
+from rollmesh.rollout.rollout_state import InMemoryRolloutStates, trajectory_of, transcript_of, with_progress
 from rollmesh.rollout.tasks import Task, TaskInputError, TaskRegistry, ToolOutput, Transcript, UnknownTaskError
 from rollmesh.rollout.tool_syntax import format_tool_output, parse_tool_call, stop_strings
 from rollmesh.rollout.trajectory import Trajectory
@@ -58,6 +74,17 @@ T = TypeVar("T")
 _ENDINGS = {"timeout": "timed out", "oom": "out of memory"}
 # Follows what was kept of an output that passed its cap, so the model knows it saw a part.
 TRUNCATION_MARKER = "[output truncated]"
+MAX_RETRY_DELAY_S = 30.0
+
+
+@dataclass
+class _Run:
+    """One rollout as it runs here: its request, its latest state and its open span."""
+
+    request: RolloutRequested
+    state: RolloutState
+    span: trace.Span
+    ctx: MessageContext
 
 
 class RolloutRunner:
@@ -74,6 +101,7 @@ class RolloutRunner:
         worker: str = "rollout-worker",
         clock: Callable[[], float] = time.time,
         sandbox: SandboxBrokerClient | None = None,
+        states: RolloutStateStore | None = None,
     ) -> None:
         self.config = config
         self.max_seq_len = model_config.max_seq_len
@@ -82,10 +110,12 @@ class RolloutRunner:
         self.engine = engine
         self.publisher = publisher
         self.sandbox = sandbox or SandboxBrokerClient(publisher)
+        self.states: RolloutStateStore = states if states is not None else InMemoryRolloutStates()
         self.worker = worker
         self.clock = clock
-        self.completed = 0
-        self.failed = 0
+        self.counts = {"completed": 0, "failed": 0, "resumed": 0, "republished": 0, "infra_retries": 0,
+                       "joined": 0}
+        self._running: dict[str, asyncio.Future[None]] = {}
 
     def subscriptions(self) -> list[Subscription]:
         return [
@@ -98,73 +128,161 @@ class RolloutRunner:
         ]
 
     def stats(self) -> dict[str, int]:
-        return {"completed": self.completed, "failed": self.failed}
+        return dict(self.counts)
 
     async def handle_requested(self, request: RolloutRequested, ctx: MessageContext) -> None:
-        """Run the rollout; returns only after its result is durably published (then the shell acks)."""
-        started = self.clock()
+        """Run (or resume) the rollout; returns only after its outcome is durably published (then
+        the shell acks)."""
+        running = self._running.get(request.rollout_id)
+        if running is not None:
+            # Redelivered while it still runs here (the server lost its in-progress acks, e.g. in
+            # a NATS restart): the running one publishes the outcome; this delivery waits for it.
+            self.counts["joined"] += 1
+            await self._join(running, ctx)
+            return
+        done = asyncio.get_running_loop().create_future()
+        self._running[request.rollout_id] = done
+        try:
+            await self._handle(request, ctx)
+        except BaseException as exc:
+            done.set_exception(RuntimeError(f"rollout {request.rollout_id} did not finish: {exc!r}"))
+            raise
+        else:
+            done.set_result(None)
+        finally:
+            self._running.pop(request.rollout_id, None)
+
+    async def _join(self, running: asyncio.Future[None], ctx: MessageContext) -> None:
+        while not running.done():
+            await asyncio.wait({running}, timeout=self.config.work_heartbeat_s)
+            if not running.done():
+                await ctx.in_progress()
+        running.result()  # it failed: this delivery is nak'ed and comes back
+
+    async def _handle(self, request: RolloutRequested, ctx: MessageContext) -> None:
+        saved = await self._load(request)
+        if saved is not None and saved.outcome is not None:
+            # It ended, but the request was never acked: publish the same outcome again (dedup
+            # ids and the trainer's idempotency keys make the repeat harmless), redo nothing.
+            self.counts["republished"] += 1
+            await self._publish(saved.outcome)
+            return
+        now = self.clock()
+        state = saved or RolloutState(rollout_id=request.rollout_id, request=request, started_at=now)
+        if saved is not None:
+            self.counts["resumed"] += 1
+            _log.info("rollout_resumed", rollout_id=request.rollout_id, turn=saved.turn,
+                      attempt=saved.attempts + 1)
+        state = msgspec.structs.replace(state, attempts=state.attempts + 1, updated_at=now)
+        # Saved at once: a worker that takes this request over sees it was started before.
+        await self._save(state)
         with _tracer.start_as_current_span(
             "rollout", attributes={"rollout_id": request.rollout_id, "task": request.task,
-                                   "purpose": request.purpose},
+                                   "purpose": request.purpose, "rollout.attempt": state.attempts,
+                                   "rollout.resumed_turn": state.turn},
         ) as rollout_span:
+            run = _Run(request, state, rollout_span, ctx)
+            keepalive = asyncio.create_task(self._keep_in_progress(ctx), name=f"keepalive-{request.rollout_id}")
             try:
-                result = await self._run(request, ctx, rollout_span, started)
-            except RolloutError as exc:
-                rollout_span.set_attribute("rollout.failure", exc.kind)
-                result = RolloutFailed(
-                    rollout_id=request.rollout_id, kind=exc.kind, reason=str(exc),
-                    group_id=request.group_id, purpose=request.purpose, turns=exc.turns,
-                )
-            if isinstance(result, RolloutCompleted):
-                rollout_span.set_attribute("rollout.reward", result.reward)
-                await self.publisher.publish(ROLLOUT_COMPLETED, result)
-                self.completed += 1
+                outcome = await self._run_with_retries(run)
+            finally:
+                keepalive.cancel()
+                await asyncio.gather(keepalive, return_exceptions=True)
+            if isinstance(outcome, RolloutCompleted):
+                rollout_span.set_attribute("rollout.reward", outcome.reward)
             else:
-                _log.warning("rollout_failed", rollout_id=request.rollout_id, kind=result.kind,
-                             reason=result.reason)
-                await self.publisher.publish(ROLLOUT_FAILED, result)
-                self.failed += 1
+                rollout_span.set_attribute("rollout.failure", outcome.kind)
+                _log.warning("rollout_failed", rollout_id=request.rollout_id, kind=outcome.kind,
+                             reason=outcome.reason, infra_failures=outcome.infra_failures)
+        # Saved before it is published: a redelivery finds it and does not run the rollout again.
+        await self._save(msgspec.structs.replace(run.state, outcome=outcome, updated_at=self.clock()))
+        await self._publish(outcome)
 
-    async def _run(self, request: RolloutRequested, ctx: MessageContext, rollout_span: trace.Span,
-                   started: float) -> RolloutCompleted:
+    async def _publish(self, outcome: RolloutCompleted | RolloutFailed) -> None:
+        if isinstance(outcome, RolloutCompleted):
+            await self.publisher.publish(ROLLOUT_COMPLETED, outcome)
+            self.counts["completed"] += 1
+        else:
+            await self.publisher.publish(ROLLOUT_FAILED, outcome)
+            self.counts["failed"] += 1
+
+    async def _run_with_retries(self, run: _Run) -> RolloutCompleted | RolloutFailed:
+        request = run.request
+        while True:
+            try:
+                return await self._attempt(run)
+            except RolloutError as exc:
+                infra = exc.kind in INFRA_FAILURE_KINDS
+                if infra:
+                    run.state = msgspec.structs.replace(run.state, infra_failures=run.state.infra_failures + 1)
+                    await self._save(run.state)
+                if not infra or run.state.infra_failures > self.config.infra_retries:
+                    return RolloutFailed(
+                        rollout_id=request.rollout_id, kind=exc.kind, reason=str(exc),
+                        group_id=request.group_id, purpose=request.purpose,
+                        turns=max(exc.turns, run.state.turn), idempotency_key=request.rollout_id,
+                        attempts=run.state.attempts, infra_failures=run.state.infra_failures,
+                    )
+                self.counts["infra_retries"] += 1
+                _log.warning("rollout_infra_retry", rollout_id=request.rollout_id, kind=exc.kind,
+                             reason=str(exc), failures=run.state.infra_failures,
+                             resume_turn=run.state.turn)
+                # Backing off (doubling) gives a restarted actor or NATS time to come back.
+                await asyncio.sleep(min(MAX_RETRY_DELAY_S, self.config.infra_retry_delay_s
+                                        * 2 ** (run.state.infra_failures - 1)))
+
+    async def _attempt(self, run: _Run) -> RolloutCompleted:
+        request = run.request
         task = self._task(request)
+        if not run.state.tokens:
+            run.state = self._started(run.state, task)
+        trajectory = trajectory_of(run.state)
+        lease_id = await self._lease(run)
         try:
-            prompt = task.build_prompt(request.task_input)
-        except TaskInputError as exc:
-            raise RolloutError("invalid_request", str(exc)) from exc
-        trajectory = Trajectory()
-        trajectory.append_forced(self.tokenizer.encode(prompt, bos=True))
-        if len(trajectory) >= self.max_seq_len:
-            raise RolloutError("invalid_request", f"prompt of {len(trajectory)} tokens does not fit "
-                               f"the model's context of {self.max_seq_len}")
-        lease_id = await self._lease(request)
-        try:
-            transcript, turns = await self._while_leased(
-                lease_id, self._turns(request, task, trajectory, lease_id, ctx, rollout_span))
+            transcript = await self._while_leased(lease_id, self._turns(run, task, trajectory, lease_id))
         finally:
             await self._release(lease_id, request.rollout_id)
         reward = task.reward(request.task_input, transcript)
         return RolloutCompleted(
             rollout_id=request.rollout_id, task=request.task, group_id=request.group_id,
-            purpose=request.purpose, reward=reward, turns=turns,
-            tool_calls=len(transcript.tool_calls), prompt_len=len(self.tokenizer.encode(prompt)) + 1,
+            purpose=request.purpose, reward=reward, turns=run.state.turn,
+            tool_calls=len(transcript.tool_calls), prompt_len=run.state.prompt_len,
             tokens=trajectory.tokens, loss_mask=trajectory.loss_mask, logprobs=trajectory.logprobs,
             versions=trajectory.versions, text=self.tokenizer.decode(trajectory.tokens),
-            duration_s=self.clock() - started,
+            duration_s=self.clock() - run.state.started_at, idempotency_key=request.rollout_id,
+            attempts=run.state.attempts, infra_failures=run.state.infra_failures,
         )
 
-    async def _turns(self, request: RolloutRequested, task: Task, trajectory: Trajectory,
-                     lease_id: str, ctx: MessageContext, rollout_span: trace.Span
-                     ) -> tuple[Transcript, int]:
-        calls, outputs = [], []
-        final_text, finished_with_eos, turns_run = "", False, 0
+    def _started(self, state: RolloutState, task: Task) -> RolloutState:
+        """The state of a rollout about to run its first turn: the prompt, forced."""
+        request = state.request
+        try:
+            prompt = task.build_prompt(request.task_input)
+        except TaskInputError as exc:
+            raise RolloutError("invalid_request", str(exc)) from exc
+        prompt_ids = self.tokenizer.encode(prompt, bos=True)
+        if len(prompt_ids) >= self.max_seq_len:
+            raise RolloutError("invalid_request", f"prompt of {len(prompt_ids)} tokens does not fit "
+                               f"the model's context of {self.max_seq_len}")
+        return msgspec.structs.replace(
+            state, tokens=prompt_ids, loss_mask=[0] * len(prompt_ids), logprobs=[0.0] * len(prompt_ids),
+            versions=[-1] * len(prompt_ids), prompt_len=len(prompt_ids),
+        )
+
+    async def _turns(self, run: _Run, task: Task, trajectory: Trajectory, lease_id: str) -> Transcript:
+        request = run.request
+        transcript = transcript_of(run.state)
+        calls, outputs = list(transcript.tool_calls), list(transcript.tool_outputs)
+        final_text, finished_with_eos = transcript.final_text, transcript.finished_with_eos
+        if len(calls) < run.state.turn:  # the last saved turn was the answer: nothing left to run
+            return transcript
         stops = sorted({*request.sampling.stop, *stop_strings(task.tools)})
-        link = trace.Link(rollout_span.get_span_context())
-        for turn in range(1, request.max_turns + 1):
+        link = trace.Link(run.span.get_span_context())
+        for turn in range(run.state.turn + 1, request.max_turns + 1):
             room = self.max_seq_len - len(trajectory)
             if room <= 0:
                 break
-            turns_run = turn
+            tool_wait_s = 0.0
             # Each turn is its own trace (hour-long rollouts would make one trace unreadable),
             # linked to the rollout's span so the whole story can be followed.
             with _tracer.start_as_current_span(
@@ -184,11 +302,21 @@ class RolloutRunner:
                     finished_with_eos = generation.finish_reason == "eos"
                 else:
                     calls.append(call)
-                    output = await self._run_tool(request, task, call, lease_id)
+                    tool_started = self.clock()
+                    output = await self._run_tool(request, task, call, lease_id, turn)
+                    tool_wait_s = self.clock() - tool_started
                     outputs.append(output)
                     room = max(0, self.max_seq_len - len(trajectory))
                     trajectory.append_forced(self.tokenizer.encode(format_tool_output(output.text))[:room])
-            await ctx.in_progress()
+            snapshot_id = run.state.snapshot_id
+            if call is not None and self.config.snapshot_workspace:
+                snapshot_id = await self._snapshot(lease_id, request.rollout_id) or snapshot_id
+            transcript = Transcript(calls, outputs, final_text, finished_with_eos)
+            run.state = with_progress(run.state, trajectory=trajectory, transcript=transcript, turn=turn,
+                                      now=self.clock(), tool_wait_s=run.state.tool_wait_s + tool_wait_s,
+                                      snapshot_id=snapshot_id)
+            await self._save(run.state)
+            await run.ctx.in_progress()
             if self.config.progress_events:
                 await self.publisher.publish(ROLLOUT_PROGRESSED, RolloutProgressed(
                     rollout_id=request.rollout_id, turn=turn, num_tokens=len(trajectory),
@@ -197,7 +325,36 @@ class RolloutRunner:
                 ))
             if call is None:
                 break
-        return Transcript(calls, outputs, final_text, finished_with_eos), turns_run
+        return Transcript(calls, outputs, final_text, finished_with_eos)
+
+    # -- state and the work queue -----------------------------------------------------------
+
+    async def _load(self, request: RolloutRequested) -> RolloutState | None:
+        try:
+            saved = await self.states.load(request.rollout_id)
+        except StateStoreError as exc:
+            _log.warning("rollout_state_unreadable", rollout_id=request.rollout_id, error=str(exc))
+            return None
+        if saved is not None and saved.request != request:
+            # The same id for a different request: the new request wins; its old state is void.
+            _log.warning("rollout_state_mismatch", rollout_id=request.rollout_id)
+            return None
+        return saved
+
+    async def _save(self, state: RolloutState) -> None:
+        try:
+            await self.states.save(state)
+        except StateStoreError as exc:  # the rollout still runs; only resuming it would be lost
+            _log.warning("rollout_state_not_saved", rollout_id=state.rollout_id, error=str(exc))
+
+    async def _keep_in_progress(self, ctx: MessageContext) -> None:
+        """Keep the request's delivery alive between turns (a tool may run for an hour)."""
+        while True:
+            await asyncio.sleep(self.config.work_heartbeat_s)
+            try:
+                await ctx.in_progress()
+            except Exception as exc:  # NATS away for a moment: the next beat tries again
+                _log.warning("work_heartbeat_failed", error=repr(exc))
 
     def _task(self, request: RolloutRequested) -> Task:
         try:
@@ -216,7 +373,8 @@ class RolloutRunner:
         except Exception as exc:  # the engine's and Ray's errors alike: a typed failure, not a crash
             raise RolloutError("inference_error", f"turn {turn}: {exc}", turns=turn) from exc
 
-    async def _run_tool(self, request: RolloutRequested, task: Task, call, lease_id: str) -> ToolOutput:
+    async def _run_tool(self, request: RolloutRequested, task: Task, call, lease_id: str,
+                        turn: int) -> ToolOutput:
         with _tracer.start_as_current_span("tool", attributes={"tool": call.name,
                                                                 "rollout_id": request.rollout_id}):
             try:
@@ -224,20 +382,49 @@ class RolloutRunner:
                     lease_id, task.tool_argv(call, request.task_input), timeout_s=self.config.tool_timeout_s,
                     capacity_retries=self.config.sandbox_capacity_retries)
             except SandboxRequestError as exc:
-                raise RolloutError(_failure_kind(exc), str(exc)) from exc
+                raise RolloutError(_failure_kind(exc), f"turn {turn}: {exc}", turns=turn) from exc
         if reply.result in ("sandbox_died", "infra_error"):
-            raise RolloutError("sandbox_error", f"sandbox {reply.result}: {reply.detail}")
+            raise RolloutError("sandbox_error", f"turn {turn}: sandbox {reply.result}: {reply.detail}",
+                               turns=turn)
         # The tool's own failures are the model's business: it sees them and may try again.
         return ToolOutput(ok=reply.result == "exit" and reply.exit_code == 0, text=_tool_text(reply)[:200])
 
-    async def _lease(self, request: RolloutRequested) -> str:
+    async def _lease(self, run: _Run) -> str:
+        """The rollout's sandbox: the one its earlier attempt held, while that lease lives (the
+        rollout id is the idempotency token); else a fork of its last workspace snapshot; else a
+        fresh one."""
+        rollout_id, saved = run.request.rollout_id, run.state
         try:
             reply = await self.sandbox.lease(
-                request.rollout_id, profile=self.config.sandbox_profile,
+                rollout_id, profile=self.config.sandbox_profile,
                 ttl_s=self.config.sandbox_lease_ttl_s, capacity_retries=self.config.sandbox_capacity_retries)
         except SandboxRequestError as exc:
-            raise RolloutError("sandbox_error", f"no sandbox lease: {exc}") from exc
-        return reply.lease_id
+            raise RolloutError("sandbox_error", f"no sandbox lease: {exc}", turns=saved.turn) from exc
+        lease_id = reply.lease_id
+        if saved.lease_id and lease_id != saved.lease_id and saved.snapshot_id:
+            lease_id = await self._restore(rollout_id, saved.snapshot_id, fresh_lease=lease_id)
+        run.state = msgspec.structs.replace(run.state, lease_id=lease_id)
+        return lease_id
+
+    async def _restore(self, rollout_id: str, snapshot_id: str, *, fresh_lease: str) -> str:
+        """A lease on a fork of ``snapshot_id``, the fresh lease given back; the fresh lease
+        itself when the snapshot is gone (the rollout goes on with an empty workspace)."""
+        try:
+            (forked,) = await self.sandbox.fork(snapshot_id, rollout_id, 1, ttl_s=self.config.sandbox_lease_ttl_s)
+        except (SandboxRequestError, ValueError) as exc:
+            _log.warning("workspace_snapshot_lost", rollout_id=rollout_id, snapshot_id=snapshot_id, error=str(exc))
+            return fresh_lease
+        await self._release(fresh_lease, rollout_id)
+        return forked.lease_id
+
+    async def _snapshot(self, lease_id: str, rollout_id: str) -> str:
+        """A snapshot of the workspace now, or "" when the broker could not take one (the rollout
+        goes on; only a lost sandbox would then lose its files)."""
+        try:
+            return (await self.sandbox.snapshot(lease_id)).snapshot_id
+        except SandboxRequestError as exc:
+            _log.warning("workspace_snapshot_failed", rollout_id=rollout_id, error=str(exc))
+            return ""
 
     async def _while_leased(self, lease_id: str, work: Awaitable[T]) -> T:
         """Run ``work`` while heartbeating the lease; a lost lease ends the work (RolloutError)."""

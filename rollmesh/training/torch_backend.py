@@ -22,6 +22,8 @@ class TrainerBackend(Protocol):
 
     def state_dict(self) -> dict[str, torch.Tensor]: ...
 
+    def load_state_dict(self, weights: dict[str, torch.Tensor]) -> None: ...
+
 
 class TorchTrainerBackend:
     def __init__(self, model_config, trainer_config) -> None:
@@ -66,3 +68,9 @@ class TorchTrainerBackend:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+
+    def load_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Resume from saved weights. The optimizer starts afresh: its moments are not in the
+        weights file (a restarted trainer loses them, and only them)."""
+        self.model.load_state_dict(weights)
+        self.optimizer = self._new_optimizer(self.config.lr)

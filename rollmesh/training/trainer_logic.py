@@ -1,9 +1,13 @@
 """The trainer's plain logic: admit trajectories, train GRPO steps, publish weight versions.
 
-Knows the training backend, the mesh ports (rollmesh.ports) and the wire contract; not Ray, not nats-py. A
-trajectory's JetStream message is acknowledged only when the step that consumed it has written
-its new weights (or the trajectory was rejected), so a trainer killed mid-step loses nothing; a
-redelivered trajectory is recognised by its rollout_id and never trained twice.
+Knows the training backend, the mesh ports (rollmesh.ports) and the wire contract; not Ray, not
+nats-py. Exactly-once: a step's order is weights file written -> ledger line (its trajectories'
+idempotency keys; ``ledger.py``) -> trajectories acknowledged -> weights announced. A trainer
+killed mid-step loses nothing (its trajectories were never acknowledged; they are redelivered and
+trained once by the restarted trainer, which resumes from the ledger's last weights); one killed
+after the ledger line acknowledges the redelivered trajectories without training them again.
+Admission: the generation lag of a trajectory's tokens (tool waits excluded; ``admission.py``) must
+be at most ``max_staleness``; the PPO ratio corrects the older tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from rollmesh.ports import MessageContext, Publisher, Subscription
 from rollmesh.checkpoint.torch_format import save_torch_checkpoint
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.tokenizer import ByteTokenizer
-from rollmesh.engine.weights import save_weights
+from rollmesh.engine.weights import load_weights, save_weights
 from rollmesh.messages import (
     CheckpointSaved,
     RolloutCompleted,
@@ -38,8 +42,16 @@ from rollmesh.messages.subjects import (
     WEIGHTS_PUBLISHED,
 )
 from rollmesh.rollout.tasks import DemonstrableTask
-from rollmesh.training.admission import Group, GroupBuffer, GroupMember, version_lag
+from rollmesh.training.admission import (
+    Group,
+    GroupBuffer,
+    GroupMember,
+    generation_lag,
+    summarize_lags,
+    version_lag,
+)
 from rollmesh.training.grpo import PolicySample
+from rollmesh.training.ledger import LedgerEntry, TrainingLedger
 from rollmesh.training.torch_backend import TrainerBackend
 from rollmesh.training.warm_start import demonstration_batch
 
@@ -48,7 +60,8 @@ _tracer = trace.get_tracer("rollmesh.trainer")
 
 # Weight files older than this many versions behind the newest are deleted.
 KEEP_WEIGHT_FILES = 8
-# How often a waiting trajectory tells JetStream it is still being worked on.
+# How often a waiting trajectory tells JetStream it is still being worked on (well inside the
+# consumer's ack wait; the actor derives it from nats.rollout_ack_wait_s).
 IN_PROGRESS_EVERY_S = 10.0
 
 
@@ -62,22 +75,50 @@ class TrainerLogic:
         *,
         run_dir: Path,
         clock: Callable[[], float] = time.time,
+        in_progress_every_s: float = IN_PROGRESS_EVERY_S,
     ) -> None:
         self.config = config
+        self.in_progress_every_s = in_progress_every_s
         self.model_config = model_config
         self.backend = backend
         self.publisher = publisher
         self.weights_dir = Path(run_dir) / "weights"
         self.checkpoint_dir = Path(run_dir) / "checkpoints"
+        self.ledger = TrainingLedger(Path(run_dir) / "trainer" / "ledger.jsonl")
         self.clock = clock
         self.version = 0
         self.step = 0
         self.buffer = GroupBuffer(config.group_size)
+        # Idempotency keys consumed by a durable step (from the ledger) or waiting in a group.
         self._seen: set[str] = set()
         self._consumed: dict[str, asyncio.Future[None]] = {}
         self._train_lock = asyncio.Lock()
+        self._last_weights: WeightsPublished | None = None
         self.dropped_stale = 0
         self.ungrouped = 0
+        self.duplicates = 0
+        self.resumed_from_step: int | None = None
+
+    async def start(self) -> None:
+        """Resume from the ledger: the last durable step's weights, version and consumed keys."""
+        state = await asyncio.to_thread(self.ledger.read)
+        if state is None:
+            return
+        last = state.last
+        if last.weights_path:
+            weights = await asyncio.to_thread(load_weights, last.weights_path, last.sha256)
+            await asyncio.to_thread(self.backend.load_state_dict, weights)
+            self._last_weights = WeightsPublished(
+                version=last.weight_version, path=last.weights_path, sha256=last.sha256,
+                num_bytes=last.num_bytes, trainer_step=last.step, published_at=last.recorded_at)
+            # Killed between its ledger line and its announcement, the last version was maybe
+            # never announced; announcing it twice is harmless (dedup id, and followers skip it).
+            await self.publisher.publish(WEIGHTS_PUBLISHED, self._last_weights)
+        self.step, self.version = last.step, last.weight_version
+        self._seen.update(state.consumed)
+        self.resumed_from_step = last.step
+        _log.info("trainer_resumed", step=self.step, weight_version=self.version,
+                  consumed=len(state.consumed))
 
     def subscriptions(self) -> list[Subscription]:
         # Every trajectory of a step waits un-acked until the step is durable, so the consumer
@@ -92,37 +133,47 @@ class TrainerLogic:
 
     def stats(self) -> dict[str, Any]:
         return {"step": self.step, "version": self.version, "dropped_stale": self.dropped_stale,
-                "ungrouped": self.ungrouped,
+                "ungrouped": self.ungrouped, "duplicates": self.duplicates,
+                "resumed_from_step": self.resumed_from_step, "consumed": len(self._seen),
                 "open_groups": self.buffer.open_groups(), "ready_groups": len(self.buffer.ready)}
 
     async def handle_completed(self, message: RolloutCompleted, ctx: MessageContext) -> None:
-        if message.purpose != "train" or not self._first_time(message.rollout_id):
+        if message.purpose != "train" or await self._seen_before(_key(message), ctx):
             return
         if not message.group_id and self.config.group_size > 1:
             # GRPO needs a group; an ungrouped trajectory would wait forever for its peers.
             self.ungrouped += 1
             return
-        lag = version_lag(message.versions, self.version)
+        lag = generation_lag(message.versions, self.version)
         sample = None
         if lag <= self.config.max_staleness:
             sample = PolicySample(message.tokens, message.loss_mask, message.logprobs, 0.0)
         else:
             self.dropped_stale += 1
-        await self._admit(message.group_id or message.rollout_id,
-                          GroupMember(message.rollout_id, message.reward, sample, lag), ctx)
+        member = GroupMember(_key(message), message.reward, sample, lag,
+                             raw_version_lag=version_lag(message.versions, self.version))
+        await self._admit(message.group_id or message.rollout_id, member, ctx)
 
     async def handle_failed(self, message: RolloutFailed, ctx: MessageContext) -> None:
-        if message.purpose != "train" or not self._first_time(message.rollout_id):
+        if message.purpose != "train" or await self._seen_before(_key(message), ctx):
             return
         if not message.group_id and self.config.group_size > 1:
             return
+        # Counted in its group (so the group completes) but masked out of its statistics.
         await self._admit(message.group_id or message.rollout_id,
-                          GroupMember(message.rollout_id, 0.0, None), ctx)
+                          GroupMember(_key(message), 0.0, None), ctx)
 
-    def _first_time(self, rollout_id: str) -> bool:
-        if rollout_id in self._seen:
+    async def _seen_before(self, key: str, ctx: MessageContext) -> bool:
+        """False the first time ``key`` arrives. A repeat (a redelivery, a re-published outcome)
+        returns True once the key's step is durable, so it is acknowledged then and not sooner:
+        acking a repeat of a trajectory still waiting in a group would ack the trajectory."""
+        if key not in self._seen:
+            self._seen.add(key)
             return False
-        self._seen.add(rollout_id)
+        self.duplicates += 1
+        pending = self._consumed.get(key)
+        if pending is not None:
+            await self._until_durable(pending, ctx)
         return True
 
     async def _admit(self, group_id: str, member: GroupMember, ctx: MessageContext) -> None:
@@ -131,8 +182,13 @@ class TrainerLogic:
         self.buffer.add(group_id, member)
         if len(self.buffer.ready) >= self.config.groups_per_step:
             await self._train_ready_groups()
+        await self._until_durable(consumed, ctx)
+
+    async def _until_durable(self, consumed: asyncio.Future[None], ctx: MessageContext) -> None:
+        """Wait for the step that consumes a trajectory, keeping its delivery alive meanwhile;
+        raises if that step failed (the message is then nak'ed and trained on redelivery)."""
         while not consumed.done():
-            await asyncio.wait({consumed}, timeout=IN_PROGRESS_EVERY_S)
+            await asyncio.wait({consumed}, timeout=self.in_progress_every_s)
             if not consumed.done():
                 await ctx.in_progress()
         consumed.result()
@@ -165,7 +221,9 @@ class TrainerLogic:
         started = self.clock()
         samples = [sample for group in groups for sample in group.trainable_samples()]
         rewards = [reward for group in groups for reward in group.rewards()]
-        lags = [member.version_lag for group in groups for member in group.members if member.sample]
+        admitted = [member for group in groups for member in group.members if member.sample]
+        lags = summarize_lags(member.version_lag for member in admitted)
+        keys = [member.rollout_id for group in groups for member in group.members]
         with _tracer.start_as_current_span(
             "train_step", attributes={"step": self.step + 1, "samples": len(samples),
                                       "groups": len(groups)},
@@ -173,13 +231,16 @@ class TrainerLogic:
             stats: dict[str, float] = {"loss": 0.0}
             if samples:
                 stats = await asyncio.to_thread(self.backend.policy_step, samples)
-                await self._publish_weights(trainer_step=self.step + 1)
-            self.step += 1
+                await self._commit_step(self.step + 1, keys, new_weights=True)
+            else:
+                await self._commit_step(self.step + 1, keys, new_weights=False)
         message = TrainerStepped(
             step=self.step, weight_version=self.version, loss=float(stats.get("loss", 0.0)),
             reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
-            num_samples=len(samples), num_groups=len(groups), max_version_lag=max(lags, default=0),
+            num_samples=len(samples), num_groups=len(groups), max_version_lag=lags.max,
             dropped_stale=self.dropped_stale, duration_s=self.clock() - started,
+            version_lag_p50=lags.p50, version_lag_p90=lags.p90, version_lag_histogram=lags.histogram,
+            max_raw_version_lag=max((member.raw_version_lag for member in admitted), default=0),
         )
         await self.publisher.publish(TRAINER_STEPPED, message)
         _log.info("trainer_stepped", step=self.step, weight_version=self.version,
@@ -187,21 +248,36 @@ class TrainerLogic:
         if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
             await self.save_checkpoint()
 
-    async def _publish_weights(self, *, trainer_step: int) -> WeightsPublished:
-        # The version only advances once its file is written and announced: a failed save must
-        # not make the redelivered trajectories look one version staler than they are.
+    async def _commit_step(self, step: int, keys: list[str], *, new_weights: bool) -> None:
+        """Make a step durable: its weights file (when it trained), then its ledger line; only
+        then does the step count, and are its weights announced."""
+        weights = await self._write_weights(step) if new_weights else self._last_weights
+        entry = LedgerEntry(
+            step=step, weight_version=weights.version if weights else self.version,
+            weights_path=weights.path if weights else "", sha256=weights.sha256 if weights else "",
+            num_bytes=weights.num_bytes if weights else 0, keys=keys, recorded_at=self.clock())
+        await asyncio.to_thread(self.ledger.append, entry)
+        # The version only advances once the step is durable: a failed save must not make the
+        # redelivered trajectories look one version staler than they are.
+        self.step = step
+        if new_weights and weights is not None:
+            await self._announce(weights)
+
+    async def _write_weights(self, trainer_step: int) -> WeightsPublished:
         version = self.version + 1
-        with _tracer.start_as_current_span("weights_publish", attributes={"weight_version": version}):
+        with _tracer.start_as_current_span("weights_save", attributes={"weight_version": version}):
             path = self.weights_dir / f"v{version:06d}.safetensors"
             sha256, num_bytes = await asyncio.to_thread(save_weights, self.backend.state_dict(), path)
-            message = WeightsPublished(version=version, path=str(path), sha256=sha256,
-                                       num_bytes=num_bytes, trainer_step=trainer_step,
-                                       published_at=self.clock())
-            await self.publisher.publish(WEIGHTS_PUBLISHED, message)
-        self.version = version
-        stale = self.weights_dir / f"v{version - KEEP_WEIGHT_FILES:06d}.safetensors"
+        return WeightsPublished(version=version, path=str(path), sha256=sha256, num_bytes=num_bytes,
+                                trainer_step=trainer_step, published_at=self.clock())
+
+    async def _announce(self, weights: WeightsPublished) -> None:
+        with _tracer.start_as_current_span("weights_publish", attributes={"weight_version": weights.version}):
+            await self.publisher.publish(WEIGHTS_PUBLISHED, weights)
+        self.version = weights.version
+        self._last_weights = weights
+        stale = self.weights_dir / f"v{weights.version - KEEP_WEIGHT_FILES:06d}.safetensors"
         stale.unlink(missing_ok=True)
-        return message
 
     async def warm_start(self, task: DemonstrableTask, *, steps: int, batch_size: int, lr: float,
                          tool_fraction: float, seed: int) -> dict[str, float]:
@@ -215,7 +291,7 @@ class TrainerLogic:
                                             tool_fraction=tool_fraction)
                 loss = await asyncio.to_thread(self.backend.sft_step, batch, lr=lr)
             if steps:
-                await self._publish_weights(trainer_step=self.step)
+                await self._commit_step(self.step, [], new_weights=True)
         return {"loss": loss, "weight_version": self.version}
 
     async def save_checkpoint(self) -> CheckpointSaved:
@@ -227,3 +303,8 @@ class TrainerLogic:
                                   format="torch", model_config=model_config)
         await self.publisher.publish(CHECKPOINT_SAVED, message)
         return message
+
+
+def _key(message: RolloutCompleted | RolloutFailed) -> str:
+    """The trajectory's idempotency key (its rollout id, from publishers that set none)."""
+    return message.idempotency_key or message.rollout_id

@@ -1,0 +1,81 @@
+"""The trainer's ledger: which trajectories each durable step consumed, and the weights it made.
+
+Knows json and the filesystem; nothing of torch, NATS or Ray. One JSON line per step, appended
+and fsynced *after* the step's weights file is on disk and *before* the step's trajectories are
+acknowledged or its weights announced. That order is what makes training exactly-once:
+
+- a trainer killed before the line is written loses the step: its trajectories were never
+  acknowledged, so they are redelivered and trained again, once, by the restarted trainer, which
+  resumes from the previous line's weights;
+- a trainer killed after the line but before the acks finds the keys in the ledger when the
+  trajectories are redelivered, and acknowledges them without training them again.
+
+A line torn by a crash mid-write is ignored (its step is lost, as above). Keys are trajectories'
+idempotency keys; a step lists every member of its groups, trained, stale or failed alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    step: int
+    weight_version: int
+    weights_path: str  # "" before the first weights were written
+    sha256: str = ""
+    num_bytes: int = 0
+    keys: list[str] = field(default_factory=list)
+    recorded_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class LedgerState:
+    """What a restarted trainer resumes from: the last entry and every key consumed so far."""
+
+    last: LedgerEntry
+    consumed: frozenset[str]
+    entries: int
+
+
+class TrainingLedger:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def read(self) -> LedgerState | None:
+        """None when no step was ever recorded."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        last: LedgerEntry | None = None
+        consumed: set[str] = set()
+        entries = 0
+        for line in text.splitlines():
+            try:
+                entry = LedgerEntry(**json.loads(line))
+            except (ValueError, TypeError):
+                continue  # torn by a crash mid-write: that step never happened
+            last, entries = entry, entries + 1
+            consumed.update(entry.keys)
+        return None if last is None else LedgerState(last, frozenset(consumed), entries)
+
+    def append(self, entry: LedgerEntry) -> None:
+        """Durable on return (written and fsynced)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps(asdict(entry), separators=(",", ":")) + "\n"
+        with open(self.path, "a") as handle:
+            if handle.tell() and not self._ends_with_newline():
+                handle.write("\n")  # after a torn line, start a fresh one
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def _ends_with_newline(self) -> bool:
+        with open(self.path, "rb") as handle:
+            handle.seek(-1, os.SEEK_END)
+            return handle.read(1) == b"\n"

@@ -1,0 +1,105 @@
+"""Exactly-once into training across trainer restarts: the ledger, and a trainer rebuilt on the
+same run directory (what a killed and restarted trainer actor does) with the real torch backend.
+
+A "crash" here is a trainer object dropped mid-way: what it had not made durable (its ledger line)
+is gone, what it had is read back by its successor."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+import pytest
+import torch
+
+from fakes import RecordingPublisher
+from rollmesh.engine.weights import load_weights
+from rollmesh.messages.subjects import TRAINER_STEPPED, WEIGHTS_PUBLISHED
+from rollmesh.training.ledger import LedgerEntry, TrainingLedger
+from test_training_trainer_logic import STEP_TIMEOUT_S, completed, context, deliver, failed, trainer
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+def test_ledger_reads_back_every_consumed_key_and_ignores_a_line_torn_by_a_crash(tmp_path):
+    ledger = TrainingLedger(tmp_path / "ledger.jsonl")
+    assert ledger.read() is None
+    ledger.append(LedgerEntry(step=1, weight_version=1, weights_path="w1", keys=["a", "b"]))
+    ledger.append(LedgerEntry(step=2, weight_version=2, weights_path="w2", keys=["c"]))
+    with open(ledger.path, "a") as handle:
+        handle.write('{"step": 3, "weight_ver')  # killed mid-write
+    state = ledger.read()
+    assert (state.last.step, state.last.weights_path, state.consumed) == (2, "w2", frozenset("abc"))
+
+    ledger.append(LedgerEntry(step=3, weight_version=3, weights_path="w3", keys=["d"]))
+    state = ledger.read()
+    assert state.last.step == 3 and state.consumed == frozenset("abcd") and state.entries == 3
+
+
+async def test_a_restarted_trainer_resumes_from_the_last_durable_step_and_never_retrains_its_trajectories(tmp_path):
+    bus = RecordingPublisher()
+    first = trainer(tmp_path, bus)
+    await first.start()
+    await deliver(first, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
+    (published,) = bus.messages(WEIGHTS_PUBLISHED)
+    trained_weights = load_weights(published.path)
+
+    # The trainer dies after its step's ledger line: its successor gets the same two trajectories
+    # again (never acked) and one new group.
+    bus2 = RecordingPublisher()
+    second = trainer(tmp_path, bus2)
+    await second.start()
+    assert (second.step, second.version) == (1, 1)
+    for name, tensor in second.backend.state_dict().items():
+        assert torch.equal(tensor, trained_weights[name]), f"{name} was not restored"
+    assert bus2.messages(WEIGHTS_PUBLISHED) == [published], "the last version is announced again"
+
+    results = await deliver(second, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
+    assert results == [None, None], "redelivered and acked"
+    assert second.step == 1 and second.stats()["duplicates"] == 2
+    await deliver(second, completed("c", "g2", 1.0), completed("d", "g2", 0.0, version=1))
+    assert second.step == 2 and second.version == 2
+    (stepped,) = bus2.messages(TRAINER_STEPPED)
+    assert stepped.num_samples == 2
+    assert stepped.version_lag_histogram == {0: 1, 1: 1} and stepped.max_version_lag == 1, (
+        "the lag distribution of the step's trajectories is reported")
+
+    keys = [key for line in (tmp_path / "trainer" / "ledger.jsonl").read_text().splitlines()
+            for key in json.loads(line)["keys"]]
+    assert sorted(keys) == ["a", "b", "c", "d"], "each trajectory in exactly one durable step"
+
+
+async def test_trajectories_of_a_step_lost_with_the_trainer_are_trained_again_exactly_once(tmp_path):
+    bus = RecordingPublisher()
+    first = trainer(tmp_path, bus, group_size=3)
+    await first.start()
+    # Two of a group of three arrive; the trainer dies before the group (and so the step) exists.
+    waiting = [asyncio.create_task(first.handle_completed(m, context()))
+               for m in (completed("a", "g", 1.0), completed("b", "g", 0.0))]
+    await asyncio.sleep(0)
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert not (tmp_path / "trainer" / "ledger.jsonl").exists()
+
+    bus2 = RecordingPublisher()
+    second = trainer(tmp_path, bus2, group_size=3)
+    await second.start()
+    assert second.step == 0
+    await asyncio.wait_for(deliver(second, completed("a", "g", 1.0), completed("b", "g", 0.0),
+                                   failed("c", "g")), STEP_TIMEOUT_S)
+    (stepped,) = bus2.messages(TRAINER_STEPPED)
+    assert (stepped.step, stepped.num_samples) == (1, 2), "the failed member is masked out of the group"
+    assert TrainingLedger(tmp_path / "trainer" / "ledger.jsonl").read().consumed == {"a", "b", "c"}
+
+
+async def test_the_idempotency_key_not_the_rollout_id_decides_what_counts_as_a_repeat(tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(tmp_path, bus)
+    first = completed("a", "g", 1.0)
+    again = msgspec.structs.replace(first, idempotency_key="a")
+    other = msgspec.structs.replace(completed("a2", "g", 0.0), idempotency_key="k2")
+    await deliver(logic, first, again, other)
+    assert logic.stats()["duplicates"] == 1 and logic.step == 1
+    assert TrainingLedger(tmp_path / "trainer" / "ledger.jsonl").read().consumed == {"a", "k2"}
