@@ -233,6 +233,9 @@ class TrainerConfig(_Config):
     # Two passes per batch: with four the trainer took most of a 2-core machine and learned no faster.
     ppo_epochs: PositiveInt = 2
     clip_eps: PositiveFloat = 0.2
+    # Dual-clip PPO: with a negative advantage, a token's objective is floored at dual_clip x the
+    # advantage, so tokens from much older versions (long rollouts) cannot blow up the loss.
+    dual_clip: Annotated[float, Meta(gt=1.0)] = 3.0
     grad_clip: PositiveFloat = 1.0
     # Admission: the largest version lag of generated tokens a trajectory may have.
     max_staleness: NonNegInt = 2

@@ -147,3 +147,29 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_up_resume_needs_a_run_that_saved_its_config(run_dir, capsys):
+    assert main(["up", "--resume", str(run_dir)]) == 2
+    assert "no run to resume" in capsys.readouterr().err
+
+
+def test_up_resume_takes_the_runs_own_config_not_another(run_dir, capsys):
+    assert main(["up", "--resume", str(run_dir), "--namespace", "other"]) == 2
+    assert "own config" in capsys.readouterr().err
+
+
+def test_up_resume_runs_the_saved_config_in_the_child(run_dir):
+    import argparse
+
+    from rollmesh.cli.mesh import _resumed_config, child_command
+    from rollmesh.config import load_config, save_run_config
+
+    saved = load_config(overrides={"namespace": "resumed", "trainer.lr": 0.5})
+    save_run_config(run_dir, saved)
+    args = argparse.Namespace(resume=run_dir, config=None, run_dir=None, namespace=None, nats_url=None,
+                              ray_address=None, no_serve=True, debug=False, run_root=None)
+    config = _resumed_config(args)
+    assert (config.namespace, config.trainer.lr, config.serve.enabled) == ("resumed", 0.5, False)
+    command = child_command(args, run_dir)
+    assert command[command.index("--resume") + 1] == str(run_dir.resolve()) and "--run-dir" not in command

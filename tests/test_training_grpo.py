@@ -232,3 +232,18 @@ def test_backend_state_dict_is_a_copy_of_the_model_weights(backend):
     tensor.add_(1.0)
     assert not torch.equal(backend.model.state_dict()[name], tensor)
     assert set(state) == set(backend.model.state_dict())
+
+
+def test_dual_clip_bounds_a_large_ratio_under_a_negative_advantage():
+    # One trained token whose ratio is e^3 (about 20): PPO-clip alone leaves -20 x A.
+    batch = PolicyBatch(inputs=torch.zeros(1, 1, dtype=torch.long), targets=torch.zeros(1, 1, dtype=torch.long),
+                        mask=torch.ones(1, 1), behaviour_logprobs=torch.tensor([[-4.0]]),
+                        advantages=torch.tensor([-1.0]))
+    new = torch.tensor([[-1.0]])
+    plain, _ = clipped_policy_loss(new, batch, clip_eps=0.2)
+    bounded, _ = clipped_policy_loss(new, batch, clip_eps=0.2, dual_clip=3.0)
+    assert float(plain) == pytest.approx(float(torch.exp(torch.tensor(3.0))))
+    assert float(bounded) == pytest.approx(3.0)
+    # A positive advantage is untouched by the dual clip.
+    positive = PolicyBatch(batch.inputs, batch.targets, batch.mask, batch.behaviour_logprobs, torch.tensor([1.0]))
+    assert float(clipped_policy_loss(new, positive, clip_eps=0.2, dual_clip=3.0)[0]) == pytest.approx(-1.2)

@@ -68,14 +68,21 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def clipped_policy_loss(
-    new_logprobs: torch.Tensor, batch: PolicyBatch, *, clip_eps: float
+    new_logprobs: torch.Tensor, batch: PolicyBatch, *, clip_eps: float, dual_clip: float | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip surrogate, averaged over trained tokens of the whole batch (token-mean)."""
+    """PPO-clip surrogate, averaged over trained tokens of the whole batch (token-mean).
+
+    ``dual_clip`` (c > 1) also bounds the other side: with a negative advantage the PPO clip
+    leaves a large ratio unbounded, and tokens made by much older versions (admitted long
+    rollouts) can have one; their objective is floored at c * advantage (dual-clip PPO)."""
     ratio = torch.exp(new_logprobs - batch.behaviour_logprobs)
     advantages = batch.advantages[:, None]
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
+    objective = torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        objective = torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
+    per_token = -objective
     trained = batch.mask.sum().clamp(min=1.0)
     loss = (per_token * batch.mask).sum() / trained
     with torch.no_grad():

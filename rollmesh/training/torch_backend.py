@@ -58,7 +58,8 @@ class TorchTrainerBackend:
         stats: dict[str, float] = {}
         for _ in range(self.config.ppo_epochs):
             new_logprobs = token_logprobs(self.model(batch.inputs), batch.targets)
-            loss, stats = clipped_policy_loss(new_logprobs, batch, clip_eps=self.config.clip_eps)
+            loss, stats = clipped_policy_loss(new_logprobs, batch, clip_eps=self.config.clip_eps,
+                                              dual_clip=self.config.dual_clip)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
