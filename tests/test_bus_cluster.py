@@ -20,6 +20,7 @@ import nats.js.errors
 import pytest
 
 from nats_cluster import DEPLOY_DIR, LocalNatsCluster
+from test_cli import restore_logging_config  # noqa: F401  (autouse: the shell sets up logging)
 from rollmesh.actors.shell import ActorShell
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.embedded_server import find_nats_server_binary

@@ -78,8 +78,11 @@ async def results_of(nc, namespace: str, ids: list[str]) -> dict[str, list[dict]
             await asyncio.sleep(0.2)
             continue
         for msg in msgs:
-            body = json.loads(msg.data)
-            if body.get("rollout_id") in wanted:
+            try:
+                body = json.loads(msg.data)
+            except ValueError:  # malformed bytes another test published into the stream
+                body = {}
+            if isinstance(body, dict) and body.get("rollout_id") in wanted:
                 found[body["rollout_id"]].append(body)
             await msg.ack()
     return found
