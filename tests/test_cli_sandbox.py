@@ -54,7 +54,7 @@ async def broker_on_bus(nats_server, namespace, tmp_path, trace_file):
     shell = ActorShell("sandbox-broker-cli", namespace, nats_server.url, run_dir=tmp_path,
                        telemetry_config=TelemetryConfig(exporter="jsonl"))
     publisher = await shell.connect()
-    config = SandboxConfig(profiles={"default": SandboxProfileConfig(warm_min=0)})  # one sandbox to look at
+    config = SandboxConfig(profiles={"default": SandboxProfileConfig(warm_min=0)})  # few sandboxes to look at
     broker = SandboxBroker(config, backend, snapshot_dir=tmp_path / "snapshots", publisher=publisher)
     await shell.serve(SandboxBrokerService(broker))
     yield backend
@@ -82,7 +82,8 @@ async def test_lease_put_run_get_release_from_the_command_line(broker_on_bus, na
     put = await rollmesh(nats_server, namespace, "sandbox", "put", "--lease", lease_id, str(local), "data/in.txt")
     assert put.returncode == 0, put.stderr
     assert json.loads(put.stdout)["size"] == len("hello from the host\n")
-    (sandbox,) = backend.created
+    # The leased sandbox is the one holding the file (demand may have warmed a spare meanwhile).
+    (sandbox,) = [created for created in backend.created if "data/in.txt" in created.files]
     assert sandbox.files["data/in.txt"] == b"hello from the host\n"
 
     ran = await rollmesh(nats_server, namespace, "sandbox", "run", "--lease", lease_id, "--", "cat", "data/in.txt")
