@@ -149,3 +149,16 @@ class RolloutStateStore(Protocol):
 
     async def delete(self, rollout_id: str) -> None:
         """Forget a rollout's state (missing keys are fine)."""
+
+
+@runtime_checkable
+class RoutedExpertsStore(Protocol):
+    """Where MoE rollouts keep their routed-expert rows, one blob per turn (see
+    ``rollmesh.rollout.routed_experts``); ``rows`` are numpy arrays, typed loosely here."""
+
+    async def save_turn(self, rollout_id: str, turn: int, start: int, rows: object) -> str:
+        """Durably store one turn's rows (a retried turn replaces its blob); returns the
+        rollout's reference, the same for all its turns."""
+
+    async def load(self, ref: str) -> object:
+        """Every row of the rollout, joined in position order."""

@@ -497,3 +497,41 @@ async def test_a_request_redelivered_while_it_runs_here_waits_for_it_and_runs_no
     await asyncio.wait_for(asyncio.gather(first, second), 5)
     assert len(engine.calls) == 1 and len(bus.messages(ROLLOUT_COMPLETED)) == 1
     assert logic.stats()["joined"] == 1
+
+
+async def test_an_moe_rollout_keeps_each_turns_routed_experts_and_resumes_them():
+    import numpy as np
+
+    from rollmesh.rollout.routed_experts import InMemoryRoutedExperts
+
+    def routed(result: GenerationResult, start: int, end: int) -> GenerationResult:
+        """``result`` with rows for positions [start, end), each row holding its position."""
+        rows = np.arange(start, end, dtype=np.uint8).reshape(-1, 1, 1)
+        return GenerationResult(result.token_ids, result.logprobs, result.versions, result.finish_reason,
+                                result.prompt_len, routed_experts=rows, routed_experts_start=start)
+
+    after_call = len(TOKENIZER.encode(PROMPT, bos=True)) + len(tool_call().token_ids)
+    after_answer = after_call + len(TOKENIZER.encode(f"<result>{MASS}</result>\n")) + len(answer().token_ids)
+    first = routed(tool_call(), 0, after_call - 1)  # the last token is not forwarded yet
+    second = routed(answer(), after_call - 1, after_answer - 1)
+
+    states, experts = InMemoryRolloutStates(), InMemoryRoutedExperts()
+    engine = ScriptedEngine([first, asyncio.CancelledError()])  # the worker dies in turn 2
+    logic = runner(engine, sandbox_bus(), states=states)
+    logic.routed_experts = experts
+    with pytest.raises(asyncio.CancelledError):
+        await logic.handle_requested(request(), context())
+    options = engine.calls[0]["options"]
+    assert options.return_routed_experts and options.routed_experts_start_len == 0
+    assert states.states["r-1"].routed_experts_rows == after_call - 1
+
+    engine, bus = ScriptedEngine([second]), sandbox_bus()
+    resumed = runner(engine, bus, states=states)
+    resumed.routed_experts = experts
+    await resumed.handle_requested(request(), context())
+    # The resumed turn asks for the positions after those already stored.
+    assert engine.calls[0]["options"].routed_experts_start_len == after_call - 1
+    (completed,) = bus.messages(ROLLOUT_COMPLETED)
+    rows = await experts.load(completed.routed_experts_ref)
+    assert len(rows) == len(completed.tokens) - 1, "one row per position but the last"
+    assert rows[:, 0, 0].tolist() == list(range(len(rows)))

@@ -12,6 +12,8 @@ from rollmesh.actors.inference_router import InferenceRouter
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.rollout_states import KvRolloutStates
+from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
+from rollmesh.engine.paged_model import describe_served_model
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.rollout.agent_loop import RolloutRunner
@@ -34,6 +36,7 @@ class RolloutWorkerActor(RoleActor):
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         assert isinstance(publisher, BusPublisher), "the shell's publisher is a BusPublisher"
+        routes_experts = describe_served_model(self.model_config).routes_experts
         return RolloutRunner(
             self.config, self.model_config, tasks=TaskRegistry.from_import_paths(self.config.tasks),
             engine=self.router, publisher=publisher, worker=self.name,
@@ -41,4 +44,7 @@ class RolloutWorkerActor(RoleActor):
             sandbox=SandboxBrokerClient(publisher),
             # Saved after every turn, so whoever takes over a dead worker's rollout resumes it.
             states=KvRolloutStates(publisher.jetstream, publisher.namespace),
+            # MoE models: each turn's routed-expert rows, kept for routing replay in training.
+            routed_experts=ObjectStoreRoutedExperts(publisher.jetstream, publisher.namespace,
+                                                    replicas=self.mesh.nats.replicas) if routes_experts else None,
         )

@@ -66,6 +66,9 @@ class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed"):
     duration_s: float = 0.0
     # Where the trajectory blob lives when it is too large to inline (later issues); "" = inline.
     trajectory_ref: str = ""
+    # MoE models: where the routed-expert rows of every position but the last are stored (one
+    # object per turn, for routing replay); "" for dense models.
+    routed_experts_ref: str = ""
     # The trainer trains on one key at most once, however often the message is delivered.
     idempotency_key: str = ""
     # Attempts this rollout took, and the infrastructure failures it survived on the way.
@@ -132,8 +135,10 @@ class RolloutState(WireMessage, frozen=True, tag="rollout.state"):
     final_text: str = ""
     finished_with_eos: bool = False
     reward_so_far: float = 0.0
-    # Where this model's expert-routing rows live (a sidecar key); "" for dense models.
+    # MoE models: where this rollout's routed-expert rows are stored, and how many positions
+    # they cover so far (the next turn's rows start there); "" and 0 for dense models.
     routed_experts_ref: str = ""
+    routed_experts_rows: int = 0
     lease_id: str = ""
     snapshot_id: str = ""  # the workspace after the last tool call, when snapshots are on
     attempts: int = 0  # times a worker started (or resumed) this rollout

@@ -38,7 +38,14 @@ import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from rollmesh.ports import MessageContext, Publisher, RolloutStateStore, StateStoreError, Subscription
+from rollmesh.ports import (
+    MessageContext,
+    Publisher,
+    RolloutStateStore,
+    RoutedExpertsStore,
+    StateStoreError,
+    Subscription,
+)
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.engine.protocols import GenerateOptions, InferenceEngine
 from rollmesh.engine.tokenizer import ByteTokenizer
@@ -102,6 +109,7 @@ class RolloutRunner:
         clock: Callable[[], float] = time.time,
         sandbox: SandboxBrokerClient | None = None,
         states: RolloutStateStore | None = None,
+        routed_experts: RoutedExpertsStore | None = None,
     ) -> None:
         self.config = config
         self.max_seq_len = model_config.max_seq_len
@@ -111,6 +119,8 @@ class RolloutRunner:
         self.publisher = publisher
         self.sandbox = sandbox or SandboxBrokerClient(publisher)
         self.states: RolloutStateStore = states if states is not None else InMemoryRolloutStates()
+        # Set for MoE models: every turn's routed-expert rows are kept for routing replay.
+        self.routed_experts = routed_experts
         self.worker = worker
         self.clock = clock
         self.counts = {"completed": 0, "failed": 0, "resumed": 0, "republished": 0, "infra_retries": 0,
@@ -250,6 +260,7 @@ class RolloutRunner:
             tokens=trajectory.tokens, loss_mask=trajectory.loss_mask, logprobs=trajectory.logprobs,
             versions=trajectory.versions, text=self.tokenizer.decode(trajectory.tokens),
             duration_s=self.clock() - run.state.started_at, idempotency_key=request.rollout_id,
+            routed_experts_ref=run.state.routed_experts_ref,
             attempts=run.state.attempts, infra_failures=run.state.infra_failures,
         )
 
@@ -293,7 +304,9 @@ class RolloutRunner:
                     temperature=request.sampling.temperature, top_p=request.sampling.top_p,
                     max_new_tokens=min(request.sampling.max_new_tokens, room), stop=stops,
                 )
-                generation = await self._generate(request, trajectory, sampling, turn)
+                generation = await self._generate(request, trajectory, sampling, turn,
+                                                  experts_from=run.state.routed_experts_rows)
+                experts = await self._keep_routed_experts(run, turn, generation)
                 trajectory.append_generated(generation.token_ids, generation.logprobs, generation.versions)
                 text = self.tokenizer.decode(generation.token_ids)
                 call = parse_tool_call(text, task.tools)
@@ -314,7 +327,7 @@ class RolloutRunner:
             transcript = Transcript(calls, outputs, final_text, finished_with_eos)
             run.state = with_progress(run.state, trajectory=trajectory, transcript=transcript, turn=turn,
                                       now=self.clock(), tool_wait_s=run.state.tool_wait_s + tool_wait_s,
-                                      snapshot_id=snapshot_id)
+                                      snapshot_id=snapshot_id, **experts)
             await self._save(run.state)
             await run.ctx.in_progress()
             if self.config.progress_events:
@@ -363,15 +376,31 @@ class RolloutRunner:
             raise RolloutError("unknown_task", str(exc)) from exc
 
     async def _generate(self, request: RolloutRequested, trajectory: Trajectory,
-                        sampling: SamplingParams, turn: int):
+                        sampling: SamplingParams, turn: int, *, experts_from: int):
+        # One session per rollout: each turn reuses the KV of the turns before it. An MoE model
+        # also reports the routing of the positions this turn forwarded that earlier turns did not.
+        options = GenerateOptions(session_id=request.rollout_id,
+                                  return_routed_experts=self.routed_experts is not None,
+                                  routed_experts_start_len=experts_from)
         try:
-            # One session per rollout: each turn reuses the KV of the turns before it.
             return await self.engine.generate(
-                list(trajectory.tokens), sampling, request_id=f"{request.rollout_id}/{turn}",
-                options=GenerateOptions(session_id=request.rollout_id),
-            )
+                list(trajectory.tokens), sampling, request_id=f"{request.rollout_id}/{turn}", options=options)
         except Exception as exc:  # the engine's and Ray's errors alike: a typed failure, not a crash
             raise RolloutError("inference_error", f"turn {turn}: {exc}", turns=turn) from exc
+
+    async def _keep_routed_experts(self, run: _Run, turn: int, generation) -> dict[str, object]:
+        """Store the turn's routed-expert rows; the state fields that point at them."""
+        rows = generation.routed_experts
+        if self.routed_experts is None or rows is None:
+            return {}
+        try:
+            ref = await self.routed_experts.save_turn(run.request.rollout_id, turn,
+                                                      generation.routed_experts_start, rows)
+        except StateStoreError as exc:  # without its rows the trajectory cannot be replayed
+            raise RolloutError("inference_error", f"turn {turn}: routed experts not stored: {exc}",
+                               turns=turn) from exc
+        return {"routed_experts_ref": ref,
+                "routed_experts_rows": generation.routed_experts_start + len(rows)}
 
     async def _run_tool(self, request: RolloutRequested, task: Task, call, lease_id: str,
                         turn: int) -> ToolOutput:
