@@ -103,3 +103,4 @@ async def test_the_idempotency_key_not_the_rollout_id_decides_what_counts_as_a_r
     await deliver(logic, first, again, other)
     assert logic.stats()["duplicates"] == 1 and logic.step == 1
     assert TrainingLedger(tmp_path / "trainer" / "ledger.jsonl").read().consumed == {"a", "k2"}
+

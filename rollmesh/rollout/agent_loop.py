@@ -156,6 +156,7 @@ class RolloutRunner:
             await self._handle(request, ctx)
         except BaseException as exc:
             done.set_exception(RuntimeError(f"rollout {request.rollout_id} did not finish: {exc!r}"))
+            done.exception()  # read here: with no delivery waiting on it, it is nobody's error
             raise
         else:
             done.set_result(None)

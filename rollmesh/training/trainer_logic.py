@@ -51,6 +51,7 @@ from rollmesh.training.admission import (
     version_lag,
 )
 from rollmesh.training.grpo import PolicySample
+from rollmesh.training.heap import return_freed_memory
 from rollmesh.training.ledger import LedgerEntry, TrainingLedger
 from rollmesh.training.torch_backend import TrainerBackend
 from rollmesh.training.warm_start import demonstration_batch
@@ -230,7 +231,7 @@ class TrainerLogic:
         ):
             stats: dict[str, float] = {"loss": 0.0}
             if samples:
-                stats = await asyncio.to_thread(self.backend.policy_step, samples)
+                stats = await asyncio.to_thread(self._policy_step, samples)
                 await self._commit_step(self.step + 1, keys, new_weights=True)
             else:
                 await self._commit_step(self.step + 1, keys, new_weights=False)
@@ -247,6 +248,11 @@ class TrainerLogic:
                   reward_mean=round(message.reward_mean, 4), samples=len(samples))
         if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
             await self.save_checkpoint()
+
+    def _policy_step(self, samples: list[PolicySample]) -> dict[str, float]:
+        stats = self.backend.policy_step(samples)
+        return_freed_memory()  # the step's activations and gradients, back to the OS
+        return stats
 
     async def _commit_step(self, step: int, keys: list[str], *, new_weights: bool) -> None:
         """Make a step durable: its weights file (when it trained), then its ledger line; only
