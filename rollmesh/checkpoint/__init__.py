@@ -1,8 +1,9 @@
 """Checkpoints: the torch format, readers by format, the Hugging Face writer and the resharder.
 
 Knows torch, safetensors and the filesystem; never Ray or NATS (the resharder's actor shell owns
-those). Megatron readers, architecture maps and parallel resharding plug in behind
-``read_checkpoint`` and ``CheckpointResharder`` later.
+those). The Megatron <-> HF architecture maps (``arch_maps``, with their exact tensor transforms
+in ``layout_transforms``) are in place; Megatron readers, the planner and parallel resharding plug
+in behind ``read_checkpoint`` and ``CheckpointResharder`` later.
 """
 
 from rollmesh.checkpoint.errors import (
