@@ -1,0 +1,134 @@
+"""Reads Megatron-core ``torch_dist`` checkpoints (torch.distributed.checkpoint) chunk by chunk.
+
+Knows the DCP on-disk format: a pickled global index in ``.metadata`` (each tensor's global shape
+and dtype, its chunks as boxes, and where each chunk's bytes lie: file, offset, length) and
+``__<rank>_<n>.distcp`` files in which every chunk is one ``torch.save``d tensor. The plan is made
+from the index alone (``tensors``); data is read one chunk at a time by byte range
+(``read_region``), so memory holds at most the region asked for plus one chunk, never the model.
+Megatron stacks per-layer tensors on a leading layer axis (``decoder.layers.<param>``);
+``per_layer_name`` / ``stacked_source`` translate between that and per-layer names. Byte entries
+(``_extra_state``) carry no weights and are skipped.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from pathlib import Path
+
+import torch
+
+from rollmesh.checkpoint.chunk_geometry import Box, check_tiling, plan_copies
+from rollmesh.checkpoint.convert_planner import StoredChunk, TensorInfo
+from rollmesh.checkpoint.errors import CheckpointReadError
+
+METADATA_FILE = ".metadata"
+_STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
+_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+class TorchDistCheckpoint:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        metadata_path = self.path / METADATA_FILE
+        try:
+            with open(metadata_path, "rb") as handle:
+                metadata = pickle.load(handle)  # noqa: S301 - DCP's own format; a trusted local checkpoint
+        except FileNotFoundError as exc:
+            raise CheckpointReadError(f"no {METADATA_FILE}: not a torch_dist checkpoint", path=str(metadata_path)) from exc
+        except Exception as exc:  # pickle raises many things on a damaged file
+            raise CheckpointReadError(f"unreadable {METADATA_FILE}: {exc!r}", path=str(metadata_path)) from exc
+        self._where = {(index.fqn, tuple(index.offset or ())): info for index, info in metadata.storage_data.items()}
+        self._tensors: dict[str, TensorInfo] = {}
+        for name, entry in metadata.state_dict_metadata.items():
+            if not hasattr(entry, "chunks"):
+                continue  # bytes (``_extra_state``): no weights
+            shape = tuple(entry.size)
+            itemsize = torch.empty(0, dtype=entry.properties.dtype).element_size()
+            chunks = []
+            for chunk in entry.chunks:
+                box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+                info = self._where.get((name, box.offsets))
+                if info is None:
+                    raise CheckpointReadError(f"{name}: the index names no file for the chunk at {box.offsets}",
+                                              path=str(metadata_path))
+                chunks.append(StoredChunk(name, box, info.relative_path, box.numel * itemsize))
+            self._tensors[name] = TensorInfo(name, shape, itemsize, tuple(chunks),
+                                             expert_axis=".experts.experts." in name)
+        self.dtypes = {name: entry.properties.dtype for name, entry in metadata.state_dict_metadata.items()
+                       if hasattr(entry, "chunks")}
+
+    def tensors(self) -> list[TensorInfo]:
+        return list(self._tensors.values())
+
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise CheckpointReadError(f"no tensor {name!r} in the checkpoint", path=str(self.path)) from None
+
+    def check(self) -> None:
+        """Raise unless every tensor's chunks tile it exactly (the index is consistent)."""
+        for tensor in self._tensors.values():
+            try:
+                check_tiling(tensor.shape, [chunk.box for chunk in tensor.chunks])
+            except ValueError as exc:
+                raise CheckpointReadError(f"{tensor.name}: {exc}", path=str(self.path / METADATA_FILE)) from exc
+
+    def read_region(self, name: str, region: Box | None = None) -> torch.Tensor:
+        """The part ``region`` (default: all) of tensor ``name``, assembled from its chunks."""
+        tensor = self.tensor(name)
+        region = region or Box.whole(tensor.shape)
+        out = torch.empty(region.sizes, dtype=self.dtypes[name])
+        for copy in plan_copies([region], [chunk.box for chunk in tensor.chunks]):
+            chunk = tensor.chunks[copy.source]
+            data = self._read_chunk(chunk)
+            out[copy.region.relative_to(region)] = data[copy.region.relative_to(chunk.box)]
+        return out
+
+    def _read_chunk(self, chunk: StoredChunk) -> torch.Tensor:
+        info = self._where[(chunk.tensor, chunk.box.offsets)]
+        file = self.path / info.relative_path
+        try:
+            with open(file, "rb") as handle:
+                handle.seek(info.offset)
+                raw = handle.read(info.length)
+        except OSError as exc:
+            raise CheckpointReadError(f"shard file {info.relative_path} is missing or unreadable: {exc.strerror}",
+                                      path=str(file)) from exc
+        if len(raw) != info.length:
+            raise CheckpointReadError(f"shard file {info.relative_path} is truncated: {len(raw)} of "
+                                      f"{info.length} bytes at offset {info.offset}", path=str(file))
+        try:
+            data = torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception as exc:  # a damaged shard: the loader's errors vary
+            raise CheckpointReadError(f"shard file {info.relative_path} is corrupt at offset {info.offset}: "
+                                      f"{exc!r}", path=str(file)) from exc
+        if tuple(data.shape) != chunk.box.sizes:
+            raise CheckpointReadError(f"shard file {info.relative_path}: chunk of {chunk.tensor} has shape "
+                                      f"{tuple(data.shape)}, the index says {chunk.box.sizes}", path=str(file))
+        return data
+
+
+def stacked_source(per_layer: str, stacked_names: set[str]) -> tuple[str, int] | None:
+    """``decoder.layers.3.mlp.linear_fc2.weight`` -> (``decoder.layers.mlp.linear_fc2.weight``, 3)
+    when the checkpoint stacks that parameter over layers; else None."""
+    match = _PER_LAYER.match(per_layer)
+    if match is None:
+        return None
+    stacked = f"decoder.layers.{match.group(2)}"
+    return (stacked, int(match.group(1))) if stacked in stacked_names else None
+
+
+def per_layer_name(stacked: str, layer: int) -> str:
+    match = _STACKED.match(stacked)
+    if match is None:
+        raise ValueError(f"{stacked!r} is not a layer-stacked name")
+    return f"decoder.layers.{layer}.{match.group(1)}"
+
+
+def layer_box(tensor: TensorInfo, layer: int) -> Box:
+    """The box of one layer of a layer-stacked tensor."""
+    whole = Box.whole(tensor.shape)
+    return Box((layer,) + whole.offsets[1:], (1,) + whole.sizes[1:])

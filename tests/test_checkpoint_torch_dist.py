@@ -1,0 +1,83 @@
+"""The torch_dist reader on a real Megatron-core checkpoint (TP=2, written once per session on CPU
+under gloo): its plan comes from the index alone, every tensor reads back exactly as torch's own
+DCP loader assembles it, parts read alone, and broken shard files are named in the error."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from megatron_checkpoints import TINY_DENSE, write_checkpoint
+from rollmesh.checkpoint.arch_maps import canonical_megatron_name
+from rollmesh.checkpoint.chunk_geometry import Box
+from rollmesh.checkpoint.errors import CheckpointReadError
+from rollmesh.checkpoint.torch_dist_reader import TorchDistCheckpoint, layer_box, per_layer_name, stacked_source
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="session")
+def dense_tp2(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("megatron") / "dense_tp2", tp=2)
+
+
+@pytest.fixture(scope="session")
+def reference(dense_tp2, tmp_path_factory):
+    """The same checkpoint as torch's own converter assembles it (whole, in one process)."""
+    out = tmp_path_factory.mktemp("reference") / "whole.pt"
+    dcp_to_torch_save(dense_tp2, out)
+    return torch.load(out, weights_only=False)
+
+
+def test_the_index_holds_tp_sharded_layer_stacked_tensors_that_tile_exactly(dense_tp2):
+    checkpoint = TorchDistCheckpoint(dense_tp2)
+    checkpoint.check()
+    tensors = {t.name: t for t in checkpoint.tensors()}
+    qkv = tensors["decoder.layers.self_attention.linear_qkv.weight"]
+    groups, heads = TINY_DENSE["num_query_groups"], TINY_DENSE["num_attention_heads"]
+    head_dim = TINY_DENSE["hidden_size"] // heads
+    assert qkv.shape == (TINY_DENSE["num_layers"], (heads + 2 * groups) * head_dim, TINY_DENSE["hidden_size"])
+    assert len(qkv.chunks) == 4, "two layers x two tensor-parallel ranks"
+    assert len({chunk.file for chunk in qkv.chunks}) >= 2, "the ranks wrote different files"
+    # Megatron names (fused layer norms) fold into the architecture map's names.
+    assert canonical_megatron_name(per_layer_name("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 1)) \
+        == "decoder.layers.1.input_layernorm.weight"
+
+
+def test_every_tensor_reads_back_as_torchs_own_loader_assembles_it(dense_tp2, reference):
+    checkpoint = TorchDistCheckpoint(dense_tp2)
+    names = {t.name for t in checkpoint.tensors()}
+    assert names == {k for k, v in reference.items() if isinstance(v, torch.Tensor)}
+    for name in sorted(names):
+        assert torch.equal(checkpoint.read_region(name), reference[name]), name
+
+
+def test_one_layer_or_any_box_reads_alone(dense_tp2, reference):
+    checkpoint = TorchDistCheckpoint(dense_tp2)
+    fc1 = checkpoint.tensor("decoder.layers.mlp.linear_fc1.weight")
+    assert torch.equal(checkpoint.read_region(fc1.name, layer_box(fc1, 1)), reference[fc1.name][1:2])
+    stacked = {t.name for t in checkpoint.tensors()}
+    assert stacked_source("decoder.layers.1.mlp.linear_fc1.weight", stacked) == (fc1.name, 1)
+    # A box across both ranks' chunks (rows 60-70 straddle the TP boundary at 64).
+    box = Box((0, 60, 5), (2, 10, 7))
+    assert torch.equal(checkpoint.read_region(fc1.name, box), reference[fc1.name][0:2, 60:70, 5:12])
+
+
+def test_a_missing_or_corrupt_shard_file_is_named_in_the_error(dense_tp2, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(dense_tp2, broken)
+    checkpoint = TorchDistCheckpoint(broken)
+    qkv = checkpoint.tensor("decoder.layers.self_attention.linear_qkv.weight")
+    victim = qkv.chunks[0].file
+    (broken / victim).write_bytes(b"\0" * (broken / victim).stat().st_size)
+    with pytest.raises(CheckpointReadError, match=f"shard file {victim} is corrupt"):
+        checkpoint.read_region(qkv.name)
+    (broken / victim).unlink()
+    with pytest.raises(CheckpointReadError, match=f"shard file {victim} is missing"):
+        checkpoint.read_region(qkv.name)
+    (broken / ".metadata").unlink()
+    with pytest.raises(CheckpointReadError, match="not a torch_dist checkpoint"):
+        TorchDistCheckpoint(broken)
