@@ -1,8 +1,9 @@
 """Writes real Megatron-core ``torch_dist`` checkpoints on CPU, for the checkpoint tests.
 
 Run as a script (``python tests/megatron_checkpoints.py OUT --tp 2``): it spawns one process per
-tensor-parallel rank under gloo, builds a tiny GPTModel with megatron-core's local layer spec and
-saves it with ``dist_checkpointing.save``. ``write_checkpoint`` runs that script in a child
+tensor-parallel rank under gloo, builds a tiny GPTModel with megatron-core's local layer spec,
+saves it with ``dist_checkpointing.save`` and writes megatron-core's own logits for
+``PROBE_IDS`` next to it (``OUT.logits.pt``), the reference a converted model must reproduce. ``write_checkpoint`` runs that script in a child
 process, so the test process never initialises torch.distributed or megatron's global state.
 """
 
@@ -18,6 +19,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TINY_DENSE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
                   vocab_size=300)
+PROBE_IDS = [[5, 17, 42, 99, 7, 250, 3, 11, 64, 128]]
+
+
+def logits_path(checkpoint: Path) -> Path:
+    return checkpoint.with_name(checkpoint.name + ".logits.pt")
 
 
 def write_checkpoint(out: Path, *, tp: int = 2, timeout_s: float = 240.0) -> Path:
@@ -58,6 +64,15 @@ def _save(rank: int, world: int, out: str) -> None:
                      vocab_size=TINY_DENSE["vocab_size"], max_sequence_length=64, position_embedding_type="rope",
                      share_embeddings_and_output_weights=False)
     dist_checkpointing.save(model.sharded_state_dict(), out)
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    model.eval()
+    ids = torch.tensor(PROBE_IDS)
+    causal = torch.triu(torch.ones(1, 1, ids.shape[1], ids.shape[1]), diagonal=1).bool()  # True: masked
+    with torch.no_grad():
+        logits = gather_from_tensor_model_parallel_region(model(ids, torch.arange(ids.shape[1])[None], causal))
+    if rank == 0:
+        torch.save(logits, logits_path(Path(out)))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -81,3 +81,28 @@ def test_a_missing_or_corrupt_shard_file_is_named_in_the_error(dense_tp2, tmp_pa
     (broken / ".metadata").unlink()
     with pytest.raises(CheckpointReadError, match="not a torch_dist checkpoint"):
         TorchDistCheckpoint(broken)
+
+
+def test_a_converted_checkpoint_loads_in_transformers_with_megatrons_logits(dense_tp2, tmp_path):
+    import transformers
+
+    from megatron_checkpoints import PROBE_IDS, logits_path
+    from rollmesh.checkpoint.arch_maps import ArchSpec
+    from rollmesh.checkpoint.megatron_to_hf import convert_torch_dist_to_hf, hf_config
+
+    heads = TINY_DENSE["num_attention_heads"]
+    spec = ArchSpec(family="llama", num_layers=TINY_DENSE["num_layers"], hidden_size=TINY_DENSE["hidden_size"],
+                    num_heads=heads, num_query_groups=TINY_DENSE["num_query_groups"],
+                    head_dim=TINY_DENSE["hidden_size"] // heads, ffn_hidden_size=TINY_DENSE["ffn_hidden_size"],
+                    vocab_size=TINY_DENSE["vocab_size"], padded_vocab_size=TINY_DENSE["vocab_size"])
+    # megatron-core's defaults for what the model was built with: RMSNorm eps 1e-5, RoPE base 10000.
+    config = hf_config(spec, norm_epsilon=1e-5, rope_theta=10000.0, max_position_embeddings=64, dtype=torch.float32)
+    files = convert_torch_dist_to_hf(dense_tp2, tmp_path / "hf", spec, config=config, max_shard_bytes=200_000)
+    assert files[-2:] == ["model.safetensors.index.json", "config.json"] and len(files) > 3, "sharded, index last"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        ours = model(torch.tensor(PROBE_IDS)).logits
+    reference = torch.load(logits_path(dense_tp2), weights_only=True)
+    # float32 on CPU: measured 1.5e-7 apart (logits up to 0.6); the bound leaves room for kernels.
+    assert ours.shape == reference.shape
+    assert torch.allclose(ours, reference, atol=1e-4, rtol=0), float((ours - reference).abs().max())

@@ -1,12 +1,19 @@
 """The few CUDA calls megatron-core makes unconditionally, answered on a machine without CUDA.
 
-Knows torch only. megatron-core (0.16) builds models and saves ``torch_dist`` checkpoints on CPU
-under a gloo process group, but its checkpoint saver calls ``torch.cuda.synchronize()`` and puts
-a status tensor on ``torch.cuda.current_device()``. ``install_cpu_shims`` makes the first a no-op
-and the second name the CPU, and only when CUDA is absent: on a GPU machine it changes nothing.
+Knows torch and megatron-core's RNG tracker. megatron-core (0.16) builds models, runs their
+forward and saves ``torch_dist`` checkpoints on CPU under a gloo process group, but:
+- its checkpoint saver calls ``torch.cuda.synchronize()`` and puts a status tensor on
+  ``torch.cuda.current_device()``: the first becomes a no-op, the second names the CPU;
+- its forward forks the CUDA RNG tracker's "model-parallel-rng" state around dropout, a state
+  that only a CUDA seed can register: forking becomes a no-op (CPU runs here are deterministic
+  evaluations with no dropout).
+Installed only when CUDA is absent: on a GPU machine ``install_cpu_shims`` changes nothing.
+(Callers pass an explicit attention mask: the default causal mask is built on "cuda".)
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -17,4 +24,7 @@ def install_cpu_shims() -> bool:
         return False
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     return True
