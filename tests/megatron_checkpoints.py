@@ -63,7 +63,16 @@ def _save(rank: int, world: int, out: str) -> None:
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                      vocab_size=TINY_DENSE["vocab_size"], max_sequence_length=64, position_embedding_type="rope",
                      share_embeddings_and_output_weights=False)
-    dist_checkpointing.save(model.sharded_state_dict(), out)
+    state = model.sharded_state_dict()
+    # What Megatron-LM saves with every checkpoint (common.pt): the converter reads the model from it.
+    state["args"] = argparse.Namespace(
+        num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+        group_query_attention=True, num_query_groups=config.num_query_groups, kv_channels=config.kv_channels,
+        ffn_hidden_size=config.ffn_hidden_size, padded_vocab_size=TINY_DENSE["vocab_size"],
+        untie_embeddings_and_output_weights=True, normalization="RMSNorm", norm_epsilon=config.layernorm_epsilon,
+        rotary_base=10000, swiglu=True, add_qkv_bias=False, qk_layernorm=False, num_experts=None,
+        max_position_embeddings=64, params_dtype=torch.float32, tensor_model_parallel_size=world)
+    dist_checkpointing.save(state, out)
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     model.eval()

@@ -4,6 +4,7 @@ DCP loader assembles it, parts read alone, and broken shard files are named in t
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_checkpoints import TINY_DENSE, write_checkpoint
+from test_cli import restore_logging_config  # noqa: F401  (autouse: main() sets up logging)
 from rollmesh.checkpoint.arch_maps import canonical_megatron_name
 from rollmesh.checkpoint.chunk_geometry import Box
 from rollmesh.checkpoint.errors import CheckpointReadError
@@ -106,3 +108,30 @@ def test_a_converted_checkpoint_loads_in_transformers_with_megatrons_logits(dens
     # float32 on CPU: measured 1.5e-7 apart (logits up to 0.6); the bound leaves room for kernels.
     assert ours.shape == reference.shape
     assert torch.allclose(ours, reference, atol=1e-4, rtol=0), float((ours - reference).abs().max())
+
+
+def test_rollmesh_convert_reads_the_model_from_the_save_root_and_writes_what_transformers_loads(
+        dense_tp2, tmp_path, capsys):
+    import transformers
+
+    from megatron_checkpoints import PROBE_IDS, logits_path
+    from rollmesh.cli import main
+
+    root = tmp_path / "save"
+    shutil.copytree(dense_tp2, root / "iter_0000010")
+    (root / "latest_checkpointed_iteration.txt").write_text("10\n")
+
+    assert main(["convert", str(root), str(tmp_path / "plan"), "--dry-run"]) == 0
+    planned = capsys.readouterr().out
+    assert "torch_dist, llama, 2 layers" in planned and "task 0:" in planned
+    assert not (tmp_path / "plan").exists(), "a dry run writes nothing"
+    assert main(["convert", str(root), str(tmp_path / "x"), "--target-tp", "2"]) == 2
+
+    assert main(["convert", str(root), str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["num_key_value_heads"], config["rms_norm_eps"], config["dtype"]) == (2, 1e-5, "bfloat16")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = model(torch.tensor(PROBE_IDS)).logits
+    # bfloat16 weights: the logits keep about two significant digits.
+    assert torch.allclose(ours, torch.load(logits_path(dense_tp2), weights_only=True), atol=3e-2, rtol=0)

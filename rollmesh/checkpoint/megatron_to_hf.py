@@ -11,6 +11,7 @@ models it is tested on); the bounded, planned, parallel executor replaces that l
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +61,10 @@ def megatron_sources(checkpoint: TorchDistCheckpoint) -> dict[str, tuple[str, Bo
 
 
 def convert_torch_dist_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *, config: dict[str, Any],
-                             max_shard_bytes: int, dtype: torch.dtype | None = None) -> list[str]:
+                             max_shard_bytes: int, dtype: torch.dtype | None = None,
+                             progress: Callable[[int, int], None] | None = None) -> list[str]:
     """Write the HF directory ``dst``; returns its file names. Weights keep the checkpoint's
-    dtype unless ``dtype`` says otherwise."""
+    dtype unless ``dtype`` says otherwise. ``progress(done, total)`` follows the Megatron tensors."""
     checkpoint = TorchDistCheckpoint(src)
     checkpoint.check()
     arch = build_arch_map(spec)
@@ -73,11 +75,14 @@ def convert_torch_dist_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *
         raise CheckpointReadError(f"the checkpoint does not fit a {spec.family} model: missing {missing[:5]}, "
                                   f"unexpected {unknown[:5]}", path=str(src))
     state: dict[str, torch.Tensor] = {}
-    for name in arch.megatron_names():
+    names = arch.megatron_names()
+    for done, name in enumerate(names, start=1):
         stored, box = sources[name]
         tensor = checkpoint.read_region(stored, box)
         if box is not None:
             tensor = tensor[0]  # one layer of a layer-stacked tensor
         for hf_name, hf_tensor in arch.to_hf(name, tensor).items():
             state[hf_name] = hf_tensor.to(dtype) if dtype is not None else hf_tensor
+        if progress is not None:
+            progress(done, len(names))
     return write_hf_checkpoint(state, Path(dst), max_shard_bytes=max_shard_bytes, config=config)

@@ -1,4 +1,5 @@
-"""The ``rollmesh`` command: ``up``, ``down``, ``submit``, ``watch``, ``demo``, ``serve``, ``sandbox``.
+"""The ``rollmesh`` command: ``up``, ``down``, ``submit``, ``watch``, ``demo``, ``serve``, ``sandbox``,
+``convert``.
 
 Knows argparse and the modules of this package, one per subcommand family, each of which registers its
 own options and handler. Nothing heavy is imported until a handler needs it, so ``--help`` is
@@ -14,6 +15,7 @@ import traceback
 from pathlib import Path
 
 from rollmesh.cli import (
+    convert as cli_convert,
     demo as cli_demo,
     mesh as cli_mesh,
     sandbox as cli_sandbox,
@@ -49,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _add_global_options(common, suppress=True)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (cli_mesh, cli_submit, cli_watch, cli_demo, cli_serve, cli_sandbox):
+    for module in (cli_mesh, cli_submit, cli_watch, cli_demo, cli_serve, cli_sandbox, cli_convert):
         module.register(subparsers, common)
     return parser
 

@@ -1,0 +1,92 @@
+"""What a Megatron checkpoint says about its model: where it is, its format, and the arguments
+saved with it (``args`` in ``common.pt``), turned into an ``ArchSpec`` and HF hyperparameters.
+
+Knows Megatron-LM's save layout (a save root with ``latest_checkpointed_iteration.txt`` and
+``iter_NNNNNNN`` folders), its argument names, and torch.load; nothing of tensors' contents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollmesh.checkpoint.arch_maps import FAMILIES, ArchSpec, Family
+from rollmesh.checkpoint.errors import CheckpointReadError, UnsupportedCheckpointFormatError
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+COMMON_FILE = "common.pt"
+
+
+def resolve_iteration_dir(src: str | Path) -> Path:
+    """An iteration folder: ``src`` itself, or the latest one of a save root."""
+    src = Path(src)
+    latest = src / LATEST_FILE
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        folder = src / (f"iter_{int(tag):07d}" if tag.isdigit() else tag)
+        if not folder.is_dir():
+            raise CheckpointReadError(f"{LATEST_FILE} names {folder.name}, which is missing", path=str(src))
+        return folder
+    if not src.is_dir():
+        raise CheckpointReadError("no such checkpoint directory", path=str(src))
+    return src
+
+
+def detect_format(folder: Path) -> str:
+    if (folder / ".metadata").is_file():
+        return "torch_dist"
+    if any(folder.glob("mp_rank_*")):
+        raise UnsupportedCheckpointFormatError(format="megatron_legacy", path=str(folder))
+    raise CheckpointReadError("neither a torch_dist checkpoint (.metadata) nor legacy mp_rank_* shards",
+                              path=str(folder))
+
+
+def saved_args(folder: Path) -> Any:
+    """The training arguments saved with the checkpoint (Megatron-LM's ``args``), or None."""
+    path = folder / COMMON_FILE
+    if not path.is_file():
+        return None
+    try:
+        common = torch.load(path, weights_only=False, map_location="cpu")  # noqa: S614 - a trusted local checkpoint
+    except Exception as exc:  # a damaged file: the loader's errors vary
+        raise CheckpointReadError(f"unreadable {COMMON_FILE}: {exc!r}", path=str(path)) from exc
+    return common.get("args") if isinstance(common, dict) else None
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    spec: ArchSpec
+    norm_epsilon: float
+    rope_theta: float
+    max_position_embeddings: int
+    moe_top_k: int
+    dtype: torch.dtype
+
+
+def describe_model(args: Any, *, family: Family | None = None) -> ModelDescription:
+    """The architecture from the saved arguments; ``family`` overrides only the detection."""
+    if args is None:
+        raise CheckpointReadError("the checkpoint saved no training arguments (args in common.pt)", path="")
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    experts = get("num_experts") or 0
+    if family is None:
+        family = ("qwen3_moe" if get("qk_layernorm") else "mixtral") if experts else (
+            "qwen2" if get("add_qkv_bias") else "llama")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown architecture {family!r}: one of {', '.join(FAMILIES)}")
+    heads = get("num_attention_heads")
+    groups = get("num_query_groups") if get("group_query_attention") else heads
+    padded = get("padded_vocab_size")
+    spec = ArchSpec(
+        family=family, num_layers=get("num_layers"), hidden_size=get("hidden_size"), num_heads=heads,
+        num_query_groups=groups, head_dim=get("kv_channels") or get("hidden_size") // heads,
+        ffn_hidden_size=get("ffn_hidden_size"), vocab_size=get("vocab_size") or padded, padded_vocab_size=padded,
+        tie_embeddings=not get("untie_embeddings_and_output_weights", False), num_experts=experts,
+        moe_ffn_hidden_size=get("moe_ffn_hidden_size") or 0)
+    return ModelDescription(
+        spec=spec, norm_epsilon=float(get("norm_epsilon", 1e-5)), rope_theta=float(get("rotary_base", 10000)),
+        max_position_embeddings=int(get("max_position_embeddings", 4096)), moe_top_k=int(get("moe_router_topk", 2)),
+        dtype=get("params_dtype") or torch.float32)
