@@ -26,19 +26,19 @@ def logits_path(checkpoint: Path) -> Path:
     return checkpoint.with_name(checkpoint.name + ".logits.pt")
 
 
-def write_checkpoint(out: Path, *, tp: int = 2, timeout_s: float = 240.0) -> Path:
+def write_checkpoint(out: Path, *, tp: int = 2, legacy: bool = False, timeout_s: float = 240.0) -> Path:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(port)}
-    done = subprocess.run([sys.executable, __file__, str(out), "--tp", str(tp)], env=env, capture_output=True,
-                          text=True, timeout=timeout_s)
+    command = [sys.executable, __file__, str(out), "--tp", str(tp)] + (["--legacy"] if legacy else [])
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"writing a megatron checkpoint failed:\n{done.stderr[-4000:]}")
     return out
 
 
-def _save(rank: int, world: int, out: str) -> None:
+def _save(rank: int, world: int, out: str, legacy: bool) -> None:
     import torch
     import torch.distributed as dist
 
@@ -72,7 +72,14 @@ def _save(rank: int, world: int, out: str) -> None:
         untie_embeddings_and_output_weights=True, normalization="RMSNorm", norm_epsilon=config.layernorm_epsilon,
         rotary_base=10000, swiglu=True, add_qkv_bias=False, qk_layernorm=False, num_experts=None,
         max_position_embeddings=64, params_dtype=torch.float32, tensor_model_parallel_size=world)
-    dist_checkpointing.save(state, out)
+    if legacy:
+        # Megatron-LM's legacy format: each rank saves its local shards (mp_rank_XX/model_optim_rng.pt).
+        rank_dir = Path(out) / f"mp_rank_{rank:02d}"
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": model.state_dict(), "args": state["args"], "iteration": 10},
+                   rank_dir / "model_optim_rng.pt")
+    else:
+        dist_checkpointing.save(state, out)
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     model.eval()
@@ -90,8 +97,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--legacy", action="store_true", help="per-rank model_optim_rng.pt files, not torch_dist")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     import torch.multiprocessing as mp
 
-    mp.spawn(_save, args=(args.tp, args.out), nprocs=args.tp)
+    mp.spawn(_save, args=(args.tp, args.out, args.legacy), nprocs=args.tp)

@@ -135,3 +135,36 @@ def test_rollmesh_convert_reads_the_model_from_the_save_root_and_writes_what_tra
         ours = model(torch.tensor(PROBE_IDS)).logits
     # bfloat16 weights: the logits keep about two significant digits.
     assert torch.allclose(ours, torch.load(logits_path(dense_tp2), weights_only=True), atol=3e-2, rtol=0)
+
+
+@pytest.fixture(scope="session")
+def legacy_tp2(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("megatron") / "legacy_tp2", tp=2, legacy=True)
+
+
+def test_the_legacy_per_rank_format_converts_to_the_same_model(legacy_tp2, tmp_path):
+    import transformers
+
+    from megatron_checkpoints import PROBE_IDS, logits_path
+    from rollmesh.cli import main
+
+    assert sorted(p.name for p in legacy_tp2.iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    assert main(["convert", str(legacy_tp2), str(tmp_path / "hf")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        ours = model(torch.tensor(PROBE_IDS)).logits
+    assert torch.allclose(ours, torch.load(logits_path(legacy_tp2), weights_only=True), atol=1e-4, rtol=0)
+
+
+def test_a_missing_rank_of_the_legacy_format_is_named(legacy_tp2, tmp_path):
+    from rollmesh.checkpoint.legacy_reader import LegacyCheckpoint
+
+    broken = tmp_path / "broken"
+    shutil.copytree(legacy_tp2, broken)
+    (broken / "mp_rank_01" / "model_optim_rng.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointReadError, match="shard file mp_rank_01/model_optim_rng.pt is corrupt"):
+        LegacyCheckpoint(broken).global_state()
+    shutil.rmtree(broken / "mp_rank_01")
+    shutil.copytree(legacy_tp2 / "mp_rank_01", broken / "mp_rank_02")
+    with pytest.raises(CheckpointReadError, match="rank folders missing: mp_rank_01"):
+        LegacyCheckpoint(broken)

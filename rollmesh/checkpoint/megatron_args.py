@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from rollmesh.checkpoint.arch_maps import FAMILIES, ArchSpec, Family
-from rollmesh.checkpoint.errors import CheckpointReadError, UnsupportedCheckpointFormatError
+from rollmesh.checkpoint.errors import CheckpointReadError
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.pt"
@@ -36,16 +36,21 @@ def resolve_iteration_dir(src: str | Path) -> Path:
 
 
 def detect_format(folder: Path) -> str:
+    """"torch_dist" or "megatron_legacy"."""
     if (folder / ".metadata").is_file():
         return "torch_dist"
     if any(folder.glob("mp_rank_*")):
-        raise UnsupportedCheckpointFormatError(format="megatron_legacy", path=str(folder))
+        return "megatron_legacy"
     raise CheckpointReadError("neither a torch_dist checkpoint (.metadata) nor legacy mp_rank_* shards",
                               path=str(folder))
 
 
 def saved_args(folder: Path) -> Any:
     """The training arguments saved with the checkpoint (Megatron-LM's ``args``), or None."""
+    if detect_format(folder) == "megatron_legacy":
+        from rollmesh.checkpoint.legacy_reader import LegacyCheckpoint
+
+        return LegacyCheckpoint(folder).args()
     path = folder / COMMON_FILE
     if not path.is_file():
         return None

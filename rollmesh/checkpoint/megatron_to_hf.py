@@ -86,3 +86,27 @@ def convert_torch_dist_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *
         if progress is not None:
             progress(done, len(names))
     return write_hf_checkpoint(state, Path(dst), max_shard_bytes=max_shard_bytes, config=config)
+
+
+def convert_legacy_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *, config: dict[str, Any],
+                         max_shard_bytes: int, dtype: torch.dtype | None = None,
+                         progress: Callable[[int, int], None] | None = None) -> list[str]:
+    """The same for Megatron-LM's legacy per-rank files (``legacy_reader``): every rank's file
+    is loaded (the format has no index to read parts by), merged, then mapped."""
+    from rollmesh.checkpoint.legacy_reader import LegacyCheckpoint
+
+    megatron = LegacyCheckpoint(src).global_state()
+    arch = build_arch_map(spec)
+    missing = sorted(set(arch.megatron_names()) - set(megatron))
+    unknown = sorted(set(megatron) - set(arch.megatron_names()))
+    if missing or unknown:
+        raise CheckpointReadError(f"the checkpoint does not fit a {spec.family} model: missing {missing[:5]}, "
+                                  f"unexpected {unknown[:5]}", path=str(src))
+    state: dict[str, torch.Tensor] = {}
+    names = arch.megatron_names()
+    for done, name in enumerate(names, start=1):
+        for hf_name, hf_tensor in arch.to_hf(name, megatron.pop(name)).items():
+            state[hf_name] = hf_tensor.to(dtype) if dtype is not None else hf_tensor
+        if progress is not None:
+            progress(done, len(names))
+    return write_hf_checkpoint(state, Path(dst), max_shard_bytes=max_shard_bytes, config=config)

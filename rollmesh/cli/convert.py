@@ -1,4 +1,4 @@
-"""``rollmesh convert SRC DST``: a Megatron-core checkpoint to a Hugging Face directory.
+"""``rollmesh convert SRC DST``: a Megatron checkpoint (torch_dist or legacy) to a Hugging Face directory.
 
 Knows the checkpoint package and argparse. SRC is a Megatron save root (with
 ``latest_checkpointed_iteration.txt``) or one iteration folder; the format is detected and the
@@ -26,7 +26,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     convert = subparsers.add_parser(
         "convert", parents=[common], help="convert a Megatron checkpoint to a Hugging Face directory",
-        description="Convert a Megatron-core torch_dist checkpoint (a save root or one iteration folder) "
+        description="Convert a Megatron checkpoint, torch_dist or legacy per-rank files (a save root or one iteration folder), "
                     "into a directory transformers.AutoModelForCausalLM.from_pretrained loads as is.")
     convert.add_argument("src", type=Path, metavar="SRC")
     convert.add_argument("dst", type=Path, metavar="DST")
@@ -57,21 +57,22 @@ def run_convert(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         folder = resolve_iteration_dir(args.src)
-        detect_format(folder)
+        layout = detect_format(folder)
         model = describe_model(saved_args(folder), family=args.arch)
-        checkpoint = TorchDistCheckpoint(folder)
         if args.dry_run:
             spec = model.spec
-            print(f"{folder}: torch_dist, {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
+            print(f"{folder}: {layout}, {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
                   f"{spec.num_heads} heads in {spec.num_query_groups} groups, vocab {spec.vocab_size}"
                   + (f", {spec.num_experts} experts" if spec.num_experts else ""))
-            for line in describe_plan(plan_tasks(checkpoint.tensors(), max_task_bytes=int(args.max_task_gb * 2**30))):
-                print(line)
+            if layout == "torch_dist":  # the legacy format has no index to plan from
+                tensors = TorchDistCheckpoint(folder).tensors()
+                for line in describe_plan(plan_tasks(tensors, max_task_bytes=int(args.max_task_gb * 2**30))):
+                    print(line)
             return EXIT_OK
         config = hf_config(model.spec, norm_epsilon=model.norm_epsilon, rope_theta=model.rope_theta,
                            max_position_embeddings=model.max_position_embeddings,
                            dtype=dtype or model.dtype, moe_top_k=model.moe_top_k)
-        files = _convert_with_progress(folder, args, model, config, dtype)
+        files = _convert_with_progress(folder, layout, args, model, config, dtype)
     except CheckpointError as exc:
         raise CliError(str(exc)) from exc
     except ValueError as exc:
@@ -80,16 +81,17 @@ def run_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _convert_with_progress(folder: Path, args: argparse.Namespace, model: Any, config: dict[str, Any],
-                           dtype: Any) -> list[str]:
-    from rollmesh.checkpoint.megatron_to_hf import convert_torch_dist_to_hf
+def _convert_with_progress(folder: Path, layout: str, args: argparse.Namespace, model: Any,
+                           config: dict[str, Any], dtype: Any) -> list[str]:
+    from rollmesh.checkpoint.megatron_to_hf import convert_legacy_to_hf, convert_torch_dist_to_hf
 
+    convert = convert_torch_dist_to_hf if layout == "torch_dist" else convert_legacy_to_hf
     kwargs = dict(config=config, max_shard_bytes=int(args.max_shard_gb * 2**30), dtype=dtype)
     if not sys.stderr.isatty():
-        return convert_torch_dist_to_hf(folder, args.dst, model.spec, **kwargs)
+        return convert(folder, args.dst, model.spec, **kwargs)
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task("converting", total=None)
-        return convert_torch_dist_to_hf(folder, args.dst, model.spec, **kwargs,
-                                        progress=lambda done, total: bar.update(task, completed=done, total=total))
+        return convert(folder, args.dst, model.spec, **kwargs,
+                       progress=lambda done, total: bar.update(task, completed=done, total=total))
