@@ -57,9 +57,7 @@ from rollmesh.messages import (
     RolloutRequested,
     RolloutState,
     SamplingParams,
-    SandboxExecReply,
 )
-from rollmesh.messages.rollout import FailureKind
 from rollmesh.messages.subjects import (
     ROLLOUT_COMPLETED,
     ROLLOUT_FAILED,
@@ -69,6 +67,7 @@ from rollmesh.messages.subjects import (
 from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates, trajectory_of, transcript_of, with_progress
 from rollmesh.rollout.tasks import Task, TaskInputError, TaskRegistry, ToolOutput, Transcript, UnknownTaskError
+from rollmesh.rollout.tool_results import failure_kind, tool_text
 from rollmesh.rollout.tool_syntax import format_tool_output, parse_tool_call, stop_strings
 from rollmesh.rollout.trajectory import Trajectory
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
@@ -77,10 +76,6 @@ from rollmesh.sandbox.errors import SandboxRequestError
 _log = structlog.get_logger("rollmesh.rollout")
 _tracer = trace.get_tracer("rollmesh.rollout")
 T = TypeVar("T")
-# What the model is shown when a tool ended without an exit code of its own.
-_ENDINGS = {"timeout": "timed out", "oom": "out of memory"}
-# Follows what was kept of an output that passed its cap, so the model knows it saw a part.
-TRUNCATION_MARKER = "[output truncated]"
 MAX_RETRY_DELAY_S = 30.0
 
 
@@ -412,12 +407,12 @@ class RolloutRunner:
                     lease_id, task.tool_argv(call, request.task_input), timeout_s=self.config.tool_timeout_s,
                     capacity_retries=self.config.sandbox_capacity_retries)
             except SandboxRequestError as exc:
-                raise RolloutError(_failure_kind(exc), f"turn {turn}: {exc}", turns=turn) from exc
+                raise RolloutError(failure_kind(exc), f"turn {turn}: {exc}", turns=turn) from exc
         if reply.result in ("sandbox_died", "infra_error"):
             raise RolloutError("sandbox_error", f"turn {turn}: sandbox {reply.result}: {reply.detail}",
                                turns=turn)
         # The tool's own failures are the model's business: it sees them and may try again.
-        return ToolOutput(ok=reply.result == "exit" and reply.exit_code == 0, text=_tool_text(reply)[:200])
+        return ToolOutput(ok=reply.result == "exit" and reply.exit_code == 0, text=tool_text(reply)[:200])
 
     async def _lease(self, run: _Run) -> str:
         """The rollout's sandbox: the one its earlier attempt held, while that lease lives (the
@@ -479,30 +474,10 @@ class RolloutRunner:
                 if exc.kind == "unreachable":  # the TTL outlasts a missed beat or two
                     _log.warning("sandbox_heartbeat_missed", lease_id=lease_id, error=str(exc))
                     continue
-                raise RolloutError(_failure_kind(exc), f"sandbox lease lost: {exc}") from exc
+                raise RolloutError(failure_kind(exc), f"sandbox lease lost: {exc}") from exc
 
     async def _release(self, lease_id: str, rollout_id: str) -> None:
         try:
             await self.sandbox.release(lease_id)
         except SandboxRequestError as exc:  # the broker reaps expired leases; losing a release loses nothing
             _log.warning("sandbox_release_failed", rollout_id=rollout_id, lease_id=lease_id, error=str(exc))
-
-
-def _failure_kind(exc: SandboxRequestError) -> FailureKind:
-    return "sandbox_timeout" if exc.kind == "lease_expired" else "sandbox_error"
-
-
-def _tool_text(reply: SandboxExecReply) -> str:
-    """What the model sees of a tool's result."""
-    stdout = reply.stdout.decode(errors="replace").strip()
-    stderr = reply.stderr.decode(errors="replace").strip()
-    if reply.result == "exit" and reply.exit_code == 0:
-        return stdout
-    if reply.result == "exit":
-        return stderr or stdout or f"exit code {reply.exit_code}"
-    if reply.result == "signal":
-        return stderr or f"killed by signal {reply.signal}"
-    if reply.result == "output_truncated":
-        kept = stdout or stderr
-        return f"{kept}\n{TRUNCATION_MARKER}" if kept else TRUNCATION_MARKER
-    return _ENDINGS.get(reply.result, reply.result)
