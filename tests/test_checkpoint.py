@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -127,8 +129,10 @@ def test_hf_writer_shards_by_size_with_hf_names_and_exact_index(tmp_path: Path, 
     total = len(shards)
     assert total >= 3
     assert shards == [f"model-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1)]
-    assert files[total:] == ["model.safetensors.index.json", "config.json"]
+    assert files[total:] == ["sha256_manifest.json", "config.json", "model.safetensors.index.json"]
     assert sorted(p.name for p in out.iterdir()) == sorted(files)
+    manifest = json.loads((out / "sha256_manifest.json").read_text())
+    assert manifest == {shard: hashlib.sha256((out / shard).read_bytes()).hexdigest() for shard in shards}
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index) == {"metadata", "weight_map"}
@@ -154,7 +158,7 @@ def test_hf_writer_shards_by_size_with_hf_names_and_exact_index(tmp_path: Path, 
 def test_hf_writer_puts_everything_in_one_shard_when_it_fits(tmp_path: Path, state_dict) -> None:
     files = write_hf_checkpoint(state_dict, tmp_path / "hf", max_shard_bytes=1 << 30, config={})
     assert files[0] == "model-00001-of-00001.safetensors"
-    assert len(files) == 3
+    assert len(files) == 4
 
 
 def test_hf_writer_accepts_shared_and_non_contiguous_tensors(tmp_path: Path) -> None:
@@ -243,3 +247,23 @@ def test_checkpoint_package_exports_what_it_states() -> None:
     import rollmesh.checkpoint as package
 
     assert all(hasattr(package, name) for name in package.__all__)
+
+
+def test_a_rerun_after_a_writer_was_killed_mid_write_publishes_and_clears_its_staging(tmp_path: Path, state_dict):
+    """A converter killed mid-write leaves its staging directory (and no published one); the rerun
+    writes the same export and removes what the dead writer left, never a live writer's."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "hf"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    abandoned = tmp_path / f".hf.staging-{dead.stdout.strip()}-0123abcd"
+    abandoned.mkdir()
+    (abandoned / "model-00001-of-00002.safetensors").write_bytes(b"half a shard")
+    live = tmp_path / f".hf.staging-{os.getpid()}-4567ef01"  # a concurrent writer still running
+    live.mkdir()
+    files = write_hf_checkpoint(state_dict, out, max_shard_bytes=SMALL_SHARD_BYTES, config={})
+    assert not abandoned.exists() and live.exists()
+    again = write_hf_checkpoint(state_dict, out, max_shard_bytes=SMALL_SHARD_BYTES, config={})
+    assert again == files and sorted(p.name for p in out.iterdir()) == sorted(files)
+    assert_same_tensors(read_hf_checkpoint(out), state_dict)

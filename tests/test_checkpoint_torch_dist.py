@@ -100,7 +100,8 @@ def test_a_converted_checkpoint_loads_in_transformers_with_megatrons_logits(dens
     # megatron-core's defaults for what the model was built with: RMSNorm eps 1e-5, RoPE base 10000.
     config = hf_config(spec, norm_epsilon=1e-5, rope_theta=10000.0, max_position_embeddings=64, dtype=torch.float32)
     files = convert_torch_dist_to_hf(dense_tp2, tmp_path / "hf", spec, config=config, max_shard_bytes=200_000)
-    assert files[-2:] == ["model.safetensors.index.json", "config.json"] and len(files) > 3, "sharded, index last"
+    assert files[-3:] == ["sha256_manifest.json", "config.json", "model.safetensors.index.json"] and len(files) > 4, (
+        "sharded, index last")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         ours = model(torch.tensor(PROBE_IDS)).logits

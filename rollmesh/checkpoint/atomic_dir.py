@@ -28,9 +28,12 @@ def staged_directory(final: Path) -> Iterator[Path]:
 
     On an exception the staging directory is removed and ``final`` is left as it was.
     """
-    staging = final.with_name(f".{final.name}.staging-{uuid4().hex}")
+    # The writer's pid in the name: a rerun after a crash removes the staging its dead
+    # predecessor left, and never a live concurrent writer's.
+    staging = final.with_name(f".{final.name}.staging-{os.getpid()}-{uuid4().hex}")
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
+        remove_abandoned_staging(final)
         # os.mkdir, not tempfile.mkdtemp: the published directory gets the umask's mode, not 0700.
         staging.mkdir()
     except OSError as exc:
@@ -45,6 +48,28 @@ def staged_directory(final: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def remove_abandoned_staging(final: Path) -> list[Path]:
+    """Remove the staging directories of ``final`` whose writer process is gone (killed
+    mid-write); returns them."""
+    removed = []
+    for candidate in final.parent.glob(f".{final.name}.staging-*"):
+        pid = candidate.name.rsplit(".staging-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(candidate, ignore_errors=True)
+            removed.append(candidate)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def publish_directory(staging: Path, final: Path) -> None:

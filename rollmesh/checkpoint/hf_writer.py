@@ -9,6 +9,7 @@ HF's own writer does; each file adds a small JSON header on top.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from rollmesh.checkpoint.meta import read_json_struct
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+# sha256 of every shard, so a copy of the export can be checked without loading it.
+MANIFEST_FILE = "sha256_manifest.json"
 SINGLE_FILE = "model.safetensors"
 # transformers refuses a safetensors file whose metadata does not say which framework wrote it.
 _SHARD_METADATA = {"format": "pt"}
@@ -70,7 +73,7 @@ def write_hf_checkpoint(
 ) -> list[str]:
     """Write an HF checkpoint directory at ``out_dir`` atomically; return its file names.
 
-    Shard files come first, in order, then the index and ``config.json``.
+    Shard files come first, in order, then the sha256 manifest, ``config.json`` and the index.
     """
     out_dir = Path(out_dir)
     if not state_dict:
@@ -93,9 +96,19 @@ def write_hf_checkpoint(
                 save_file(tensors, str(staging / file), metadata=_SHARD_METADATA)
             except (SafetensorError, ValueError, RuntimeError) as exc:
                 raise CheckpointWriteError(f"{file}: {exc}", path=str(out_dir)) from exc
-        (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        manifest = {file: _sha256_of(staging / file) for file in names}
+        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         (staging / CONFIG_FILE).write_bytes(config_bytes + b"\n")
-    return [*names, INDEX_FILE, CONFIG_FILE]
+        (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")  # last: it names the rest
+    return [*names, MANIFEST_FILE, CONFIG_FILE, INDEX_FILE]
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def list_hf_files(directory: Path) -> list[str]:
@@ -103,7 +116,7 @@ def list_hf_files(directory: Path) -> list[str]:
     directory = Path(directory)
     index = _read_index(directory)
     shards = list(dict.fromkeys(sorted(index.weight_map.values())))
-    extras = [name for name in (INDEX_FILE, CONFIG_FILE) if (directory / name).is_file()]
+    extras = [name for name in (MANIFEST_FILE, CONFIG_FILE, INDEX_FILE) if (directory / name).is_file()]
     return [*shards, *extras]
 
 
