@@ -101,3 +101,20 @@ def test_a_tensor_larger_than_the_budget_is_refused_by_name():
                          expert_axis=True)
     tasks = plan_tasks([experts], max_task_bytes=256)  # two experts per task
     assert [unit.region.sizes[0] for task in tasks for unit in task.units] == [2, 2]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(["decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.mlp.linear_fc1.weight",
+                        "decoder.layers.0.mlp.linear_fc2.weight", "decoder.layers.0.input_layernorm.weight"]),
+       st.sampled_from([1, 2, 4]), st.integers(1, 3), st.integers(1, 3), st.booleans())
+def test_the_rank_boxes_of_every_rank_cover_a_split_tensor_exactly_once(name, tp, rows, cols, stacked):
+    from rollmesh.checkpoint.tp_reshard import rank_boxes
+
+    shape = (2 * tp * rows, tp * cols)
+    whole = Box((1,) + (0, 0), (1,) + shape) if stacked else Box.whole(shape)
+    boxes = [box for rank in range(tp) for box in rank_boxes(name, whole, rank, tp, stacked=stacked)]
+    if name.endswith("layernorm.weight"):
+        assert boxes == [whole] * tp  # replicated
+    else:
+        check_tiling(whole.sizes, [Box(tuple(o - w for o, w in zip(b.offsets, whole.offsets)), b.sizes)
+                                   for b in boxes])

@@ -126,7 +126,7 @@ def test_rollmesh_convert_reads_the_model_from_the_save_root_and_writes_what_tra
     planned = capsys.readouterr().out
     assert "torch_dist, llama, 2 layers" in planned and "task 0:" in planned
     assert not (tmp_path / "plan").exists(), "a dry run writes nothing"
-    assert main(["convert", str(root), str(tmp_path / "x"), "--target-tp", "2"]) == 2
+    assert main(["convert", str(root), str(tmp_path / "x"), "--target-tp", "0"]) == 2
 
     assert main(["convert", str(root), str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -169,3 +169,21 @@ def test_a_missing_rank_of_the_legacy_format_is_named(legacy_tp2, tmp_path):
     shutil.copytree(legacy_tp2 / "mp_rank_01", broken / "mp_rank_02")
     with pytest.raises(CheckpointReadError, match="rank folders missing: mp_rank_01"):
         LegacyCheckpoint(broken)
+
+
+def test_resharding_to_tp2_per_rank_files_gives_megatrons_own_rank_shards(dense_tp2, legacy_tp2, tmp_path, capsys):
+    """The same model saved by megatron-core as torch_dist and as per-rank files: resharding the
+    first to tensor parallel 2 reproduces the second's shards bit for bit, rank by rank."""
+    from rollmesh.cli import main
+
+    assert main(["convert", str(dense_tp2), str(tmp_path / "tp2"), "--target-tp", "2"]) == 0
+    for rank in (0, 1):
+        ours = torch.load(tmp_path / "tp2" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt", weights_only=False)
+        theirs = torch.load(legacy_tp2 / f"mp_rank_{rank:02d}" / "model_optim_rng.pt", weights_only=False)["model"]
+        theirs = {canonical_megatron_name(k): v for k, v in theirs.items() if isinstance(v, torch.Tensor)}
+        assert sorted(ours["model"]) == sorted(theirs)
+        assert all(torch.equal(ours["model"][name], theirs[name]) for name in theirs), rank
+        assert ours["args"].tensor_model_parallel_size == 2
+    # 2 query groups cannot be spread over 4 ranks: refused, nothing written.
+    assert main(["convert", str(dense_tp2), str(tmp_path / "tp4"), "--target-tp", "4"]) == 2
+    assert "2 query groups do not split over 4" in capsys.readouterr().err and not (tmp_path / "tp4").exists()

@@ -32,7 +32,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     convert.add_argument("dst", type=Path, metavar="DST")
     convert.add_argument("--arch", choices=ARCHITECTURES, help="override the architecture read from the checkpoint")
     convert.add_argument("--target-tp", type=int, default=1, metavar="N",
-                         help="tensor-parallel degree of the output (only 1, a Hugging Face directory, for now)")
+                         help="1 (default): a Hugging Face directory; N > 1: a Megatron checkpoint resharded "
+                              "to N tensor-parallel ranks (mp_rank_XX/model_optim_rng.pt), from a torch_dist SRC")
     convert.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: keep the checkpoint's)")
     convert.add_argument("--max-shard-gb", type=positive_float, default=5.0, metavar="GB",
                          help="largest safetensors shard (default: %(default)s)")
@@ -43,9 +44,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    if args.target_tp != 1:
-        raise CliError("--target-tp other than 1 (resharding to another parallel layout) is not built yet",
-                       exit_code=EXIT_USAGE)
+    if args.target_tp < 1:
+        raise CliError("--target-tp must be at least 1", exit_code=EXIT_USAGE)
     import torch
 
     from rollmesh.checkpoint.convert_planner import describe_plan, plan_tasks
@@ -68,6 +68,14 @@ def run_convert(args: argparse.Namespace) -> int:
                 tensors = TorchDistCheckpoint(folder).tensors()
                 for line in describe_plan(plan_tasks(tensors, max_task_bytes=int(args.max_task_gb * 2**30))):
                     print(line)
+            return EXIT_OK
+        if args.target_tp > 1:
+            if layout != "torch_dist":
+                raise CliError("--target-tp N > 1 reshards torch_dist checkpoints only", exit_code=EXIT_USAGE)
+            from rollmesh.checkpoint.tp_reshard import reshard_torch_dist
+
+            files = reshard_torch_dist(folder, args.dst, model.spec, tp=args.target_tp, args=saved_args(folder))
+            print(f"resharded {folder} -> {args.dst}: tensor parallel {args.target_tp}, {len(files)} files")
             return EXIT_OK
         config = hf_config(model.spec, norm_epsilon=model.norm_epsilon, rope_theta=model.rope_theta,
                            max_position_embeddings=model.max_position_embeddings,
