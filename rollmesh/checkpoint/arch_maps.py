@@ -10,8 +10,9 @@ padding), with no HF name twice.
 
 Megatron names are those of the local spec (``input_layernorm``, ``pre_mlp_layernorm``) with
 grouped experts stacked (``mlp.experts.experts.linear_fc{1,2}.weight``, [E, ...]);
-``canonical_megatron_name`` folds in the Transformer-Engine spec's fused layer-norm names and the
-per-expert ``local_experts.{e}`` layout is read by stacking (see ``expert_index``).
+``canonical_megatron_name`` folds in the Transformer-Engine spec's fused layer-norm names;
+``expert_index`` names where a per-expert ``local_experts.{e}`` tensor belongs in the stacked one
+(no reader of that layout uses it yet).
 """
 
 from __future__ import annotations

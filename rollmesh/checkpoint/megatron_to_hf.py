@@ -10,20 +10,17 @@ models it is tested on); the bounded, planned, parallel executor replaces that l
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rollmesh.checkpoint.arch_maps import ArchSpec, build_arch_map, canonical_megatron_name
-from rollmesh.checkpoint.chunk_geometry import Box
+from rollmesh.checkpoint.arch_maps import ArchSpec, build_arch_map
 from rollmesh.checkpoint.errors import CheckpointReadError
 from rollmesh.checkpoint.hf_writer import write_hf_checkpoint
-from rollmesh.checkpoint.torch_dist_reader import TorchDistCheckpoint, layer_box, per_layer_name
+from rollmesh.checkpoint.torch_dist_reader import TorchDistCheckpoint, layer_sources
 
-_STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)")
 _HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                      "mixtral": ("MixtralForCausalLM", "mixtral"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
 
@@ -48,18 +45,6 @@ def hf_config(spec: ArchSpec, *, norm_epsilon: float, rope_theta: float, max_pos
     return config
 
 
-def megatron_sources(checkpoint: TorchDistCheckpoint) -> dict[str, tuple[str, Box | None]]:
-    """Canonical per-layer Megatron name -> (the checkpoint tensor holding it, the layer's box)."""
-    sources: dict[str, tuple[str, Box | None]] = {}
-    for tensor in checkpoint.tensors():
-        if _STACKED.match(tensor.name):
-            for layer in range(tensor.shape[0]):
-                sources[canonical_megatron_name(per_layer_name(tensor.name, layer))] = (tensor.name, layer_box(tensor, layer))
-        else:
-            sources[canonical_megatron_name(tensor.name)] = (tensor.name, None)
-    return sources
-
-
 def convert_torch_dist_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *, config: dict[str, Any],
                              max_shard_bytes: int, dtype: torch.dtype | None = None,
                              progress: Callable[[int, int], None] | None = None) -> list[str]:
@@ -67,25 +52,15 @@ def convert_torch_dist_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *
     dtype unless ``dtype`` says otherwise. ``progress(done, total)`` follows the Megatron tensors."""
     checkpoint = TorchDistCheckpoint(src)
     checkpoint.check()
-    arch = build_arch_map(spec)
-    sources = megatron_sources(checkpoint)
-    missing = sorted(set(arch.megatron_names()) - set(sources))
-    unknown = sorted(set(sources) - set(arch.megatron_names()))
-    if missing or unknown:
-        raise CheckpointReadError(f"the checkpoint does not fit a {spec.family} model: missing {missing[:5]}, "
-                                  f"unexpected {unknown[:5]}", path=str(src))
-    state: dict[str, torch.Tensor] = {}
-    names = arch.megatron_names()
-    for done, name in enumerate(names, start=1):
-        stored, box = sources[name]
-        tensor = checkpoint.read_region(stored, box)
-        if box is not None:
-            tensor = tensor[0]  # one layer of a layer-stacked tensor
-        for hf_name, hf_tensor in arch.to_hf(name, tensor).items():
-            state[hf_name] = hf_tensor.to(dtype) if dtype is not None else hf_tensor
-        if progress is not None:
-            progress(done, len(names))
-    return write_hf_checkpoint(state, Path(dst), max_shard_bytes=max_shard_bytes, config=config)
+    sources = layer_sources(checkpoint)
+
+    def read(name: str) -> torch.Tensor:
+        source = sources[name]
+        tensor = checkpoint.read_region(source.stored, source.box)
+        return tensor[0] if source.stacked else tensor  # one layer of a layer-stacked tensor
+
+    return _write_hf(src, dst, spec, set(sources), read, config=config, max_shard_bytes=max_shard_bytes,
+                     dtype=dtype, progress=progress)
 
 
 def convert_legacy_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *, config: dict[str, Any],
@@ -96,16 +71,24 @@ def convert_legacy_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *, co
     from rollmesh.checkpoint.legacy_reader import LegacyCheckpoint
 
     megatron = LegacyCheckpoint(src).global_state()
+    return _write_hf(src, dst, spec, set(megatron), megatron.pop, config=config, max_shard_bytes=max_shard_bytes,
+                     dtype=dtype, progress=progress)
+
+
+def _write_hf(src: str | Path, dst: str | Path, spec: ArchSpec, available: set[str],
+              read: Callable[[str], torch.Tensor], *, config: dict[str, Any], max_shard_bytes: int,
+              dtype: torch.dtype | None, progress: Callable[[int, int], None] | None) -> list[str]:
+    """Check the checkpoint's tensors fit ``spec``, map each one ``read`` gives, write ``dst``."""
     arch = build_arch_map(spec)
-    missing = sorted(set(arch.megatron_names()) - set(megatron))
-    unknown = sorted(set(megatron) - set(arch.megatron_names()))
+    names = arch.megatron_names()
+    missing = sorted(set(names) - available)
+    unknown = sorted(available - set(names))
     if missing or unknown:
         raise CheckpointReadError(f"the checkpoint does not fit a {spec.family} model: missing {missing[:5]}, "
                                   f"unexpected {unknown[:5]}", path=str(src))
     state: dict[str, torch.Tensor] = {}
-    names = arch.megatron_names()
     for done, name in enumerate(names, start=1):
-        for hf_name, hf_tensor in arch.to_hf(name, megatron.pop(name)).items():
+        for hf_name, hf_tensor in arch.to_hf(name, read(name)).items():
             state[hf_name] = hf_tensor.to(dtype) if dtype is not None else hf_tensor
         if progress is not None:
             progress(done, len(names))

@@ -6,7 +6,7 @@ and dtype, its chunks as boxes, and where each chunk's bytes lie: file, offset, 
 from the index alone (``tensors``); data is read one chunk at a time by byte range
 (``read_region``), so memory holds at most the region asked for plus one chunk, never the model.
 Megatron stacks per-layer tensors on a leading layer axis (``decoder.layers.<param>``);
-``per_layer_name`` / ``stacked_source`` translate between that and per-layer names. Byte entries
+``layer_sources`` indexes every canonical per-layer name by where it lives. Byte entries
 (``_extra_state``) carry no weights and are skipped.
 """
 
@@ -15,10 +15,12 @@ from __future__ import annotations
 import io
 import pickle
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from rollmesh.checkpoint.arch_maps import canonical_megatron_name
 from rollmesh.checkpoint.chunk_geometry import Box, check_tiling, plan_copies
 from rollmesh.checkpoint.convert_planner import StoredChunk, TensorInfo
 from rollmesh.checkpoint.errors import CheckpointReadError
@@ -132,3 +134,25 @@ def layer_box(tensor: TensorInfo, layer: int) -> Box:
     """The box of one layer of a layer-stacked tensor."""
     whole = Box.whole(tensor.shape)
     return Box((layer,) + whole.offsets[1:], (1,) + whole.sizes[1:])
+
+
+@dataclass(frozen=True)
+class LayerSource:
+    """Where one canonical per-layer Megatron tensor lives in the checkpoint."""
+
+    stored: str  # the checkpoint tensor holding it
+    box: Box  # its part of that tensor (one layer of a layer-stacked one, else the whole)
+    stacked: bool  # the box keeps the stacked tensor's leading layer axis (of size 1)
+
+
+def layer_sources(checkpoint: TorchDistCheckpoint) -> dict[str, LayerSource]:
+    """Canonical per-layer Megatron name -> where it lives (layer-stacked tensors unstacked)."""
+    sources: dict[str, LayerSource] = {}
+    for tensor in checkpoint.tensors():
+        if _STACKED.match(tensor.name):
+            for layer in range(tensor.shape[0]):
+                sources[canonical_megatron_name(per_layer_name(tensor.name, layer))] = LayerSource(
+                    tensor.name, layer_box(tensor, layer), True)
+        else:
+            sources[canonical_megatron_name(tensor.name)] = LayerSource(tensor.name, Box.whole(tensor.shape), False)
+    return sources

@@ -12,19 +12,18 @@ half and of the up half), and everything else replicated.
 
 from __future__ import annotations
 
-import re
+import copy
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rollmesh.checkpoint.arch_maps import ArchSpec, canonical_megatron_name
+from rollmesh.checkpoint.arch_maps import ArchSpec
 from rollmesh.checkpoint.atomic_dir import staged_directory
 from rollmesh.checkpoint.chunk_geometry import Box
 from rollmesh.checkpoint.legacy_reader import RANK_FILE
-from rollmesh.checkpoint.torch_dist_reader import TorchDistCheckpoint, layer_box, per_layer_name
+from rollmesh.checkpoint.torch_dist_reader import TorchDistCheckpoint, layer_sources
 
-_STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)")
 _ROWS = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "word_embeddings.weight",
          "output_layer.weight")
 _COLUMNS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
@@ -68,24 +67,17 @@ def reshard_torch_dist(src: str | Path, dst: str | Path, spec: ArchSpec, *, tp: 
         raise ValueError("resharding MoE checkpoints is not supported yet")
     checkpoint = TorchDistCheckpoint(src)
     checkpoint.check()
-    sources: list[tuple[str, str, Box, bool]] = []  # (per-layer name, stored tensor, its box, stacked)
-    for tensor in checkpoint.tensors():
-        if _STACKED.match(tensor.name):
-            for layer in range(tensor.shape[0]):
-                sources.append((canonical_megatron_name(per_layer_name(tensor.name, layer)), tensor.name,
-                                layer_box(tensor, layer), True))
-        else:
-            sources.append((canonical_megatron_name(tensor.name), tensor.name, Box.whole(tensor.shape), False))
+    sources = layer_sources(checkpoint)
     rank_args = _with_tp(args, tp)
     written = []
     with staged_directory(Path(dst)) as staging:
         for rank in range(tp):
             model: dict[str, torch.Tensor] = {}
-            for name, stored, box, stacked in sources:
-                parts = [checkpoint.read_region(stored, part)
-                         for part in rank_boxes(name, box, rank, tp, stacked=stacked)]
-                shard = torch.cat(parts, dim=1 if stacked else 0) if len(parts) > 1 else parts[0]
-                model[name] = (shard[0] if stacked else shard).contiguous()
+            for name, source in sources.items():
+                parts = [checkpoint.read_region(source.stored, part)
+                         for part in rank_boxes(name, source.box, rank, tp, stacked=source.stacked)]
+                shard = torch.cat(parts, dim=1 if source.stacked else 0) if len(parts) > 1 else parts[0]
+                model[name] = (shard[0] if source.stacked else shard).contiguous()
             folder = staging / f"mp_rank_{rank:02d}"
             folder.mkdir()
             torch.save({"model": model, "args": rank_args, "iteration": 0}, folder / RANK_FILE)
@@ -94,9 +86,9 @@ def reshard_torch_dist(src: str | Path, dst: str | Path, spec: ArchSpec, *, tp: 
 
 
 def _with_tp(args: Any, tp: int) -> Any:
-    if args is None:
-        return None
-    copied = type(args)(**vars(args)) if hasattr(args, "__dict__") else args
-    if hasattr(copied, "__dict__"):
-        copied.tensor_model_parallel_size = tp
+    """The saved arguments, saying the new tensor-parallel degree (a copy; None stays None)."""
+    if args is None or not hasattr(args, "__dict__"):
+        return args
+    copied = copy.copy(args)
+    copied.tensor_model_parallel_size = tp
     return copied
