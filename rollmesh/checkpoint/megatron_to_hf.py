@@ -54,12 +54,7 @@ def convert_torch_dist_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *
     checkpoint.check()
     sources = layer_sources(checkpoint)
 
-    def read(name: str) -> torch.Tensor:
-        source = sources[name]
-        tensor = checkpoint.read_region(source.stored, source.box)
-        return tensor[0] if source.stacked else tensor  # one layer of a layer-stacked tensor
-
-    return _write_hf(src, dst, spec, set(sources), read, config=config, max_shard_bytes=max_shard_bytes,
+    return _write_hf(src, dst, spec, set(sources), lambda name: checkpoint.read_source(sources[name]), config=config, max_shard_bytes=max_shard_bytes,
                      dtype=dtype, progress=progress)
 
 

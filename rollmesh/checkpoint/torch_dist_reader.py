@@ -89,6 +89,19 @@ class TorchDistCheckpoint:
             out[copy.region.relative_to(region)] = data[copy.region.relative_to(chunk.box)]
         return out
 
+    def read_source(self, source: LayerSource) -> torch.Tensor:
+        """The canonical per-layer tensor ``source`` locates (stacked leading axes dropped)."""
+        tensor = self.read_region(source.stored, source.box)
+        return tensor[0] if source.stacked else tensor
+
+    def source_files(self, source: LayerSource) -> frozenset[str]:
+        """The shard files holding part of ``source`` (what reading it opens)."""
+        return frozenset(chunk.file for chunk in self.tensor(source.stored).chunks
+                         if chunk.box.intersect(source.box) is not None)
+
+    def source_nbytes(self, source: LayerSource) -> int:
+        return source.box.numel * self.tensor(source.stored).itemsize
+
     def _read_chunk(self, chunk: StoredChunk) -> torch.Tensor:
         info = self._where[(chunk.tensor, chunk.box.offsets)]
         file = self.path / info.relative_path
