@@ -246,6 +246,12 @@ class TrainerConfig(_Config):
 
 class ResharderConfig(_Config):
     max_shard_bytes: PositiveInt = 1 << 20
+    # Megatron checkpoints: shards converted at once, and the memory they may hold together.
+    convert_workers: PositiveInt = 2
+    convert_memory_budget_bytes: PositiveInt = 4 << 30
+    # "threads" in the resharder's process, or "ray" tasks anywhere in the cluster (the
+    # checkpoint and export directories must then be on a file system every node sees).
+    convert_backend: Literal["threads", "ray"] = "threads"
 
 
 class SchedulerConfig(_Config):

@@ -235,11 +235,11 @@ async def test_resharder_redoes_an_export_of_the_same_step_from_another_source(
 
 
 @pytest.mark.parametrize("format", ["megatron_torch_dist", "megatron_legacy"])
-async def test_resharder_rejects_megatron_formats_for_now(tmp_path: Path, format: str) -> None:
+async def test_resharder_names_a_missing_megatron_checkpoint(tmp_path: Path, format: str) -> None:
+    # Real Megatron conversions: tests/test_checkpoint_convert.py.
     resharder = CheckpointResharder(ResharderConfig(), export_root=tmp_path / "hf")
-    with pytest.raises(UnsupportedCheckpointFormatError) as caught:
+    with pytest.raises(CheckpointReadError, match="no such checkpoint directory"):
         await resharder.handle_checkpoint_saved(saved_event(tmp_path / "ckpt", format=format))
-    assert caught.value.format == format
     assert not (tmp_path / "hf" / "step_00000005").exists()
 
 

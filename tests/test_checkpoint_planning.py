@@ -9,13 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollmesh.checkpoint.chunk_geometry import Box, check_tiling, plan_copies, split_along
-from rollmesh.checkpoint.convert_planner import (
-    StoredChunk,
-    TaskTooLargeError,
-    TensorInfo,
-    describe_plan,
-    plan_tasks,
-)
+from rollmesh.checkpoint.convert_planner import PlannedTensor, TaskTooLargeError, plan_tasks
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -60,47 +54,58 @@ def test_tiling_check_names_gaps_overlaps_and_strays():
 
 @st.composite
 def checkpoints(draw):
+    """Canonical tensors as the planner sees them: stored in row pieces over a few files, some
+    row-splittable (vocabulary tables, whose output may drop padding rows)."""
     tensors = []
     for index in range(draw(st.integers(1, 8))):
-        expert = draw(st.booleans())
-        rows = draw(st.integers(1, 6)) * (draw(st.integers(1, 4)) if expert else 1)
-        shape = (rows, draw(st.integers(1, 4)), draw(st.integers(1, 4)))
+        rows, row_bytes = draw(st.integers(1, 12)), draw(st.sampled_from([2, 4, 8, 64]))
         parts = draw(st.sampled_from([d for d in (1, 2, 3) if rows % d == 0]))
-        boxes = split_along(shape, 0, parts)
-        itemsize = draw(st.sampled_from([2, 4]))
-        chunks = tuple(StoredChunk(f"t{index}", box, f"file{draw(st.integers(0, 3))}", box.numel * itemsize)
-                       for box in boxes)
-        tensors.append(TensorInfo(f"t{index}", shape, itemsize, chunks, expert_axis=expert))
+        step = rows // parts
+        row_files = tuple((p * step, (p + 1) * step, f"file{draw(st.integers(0, 3))}") for p in range(parts))
+        splittable = draw(st.booleans())
+        kept_rows = draw(st.integers(0, rows)) if splittable else rows  # vocabulary padding dropped
+        out_row_bytes = draw(st.sampled_from([row_bytes, 2 * row_bytes]))  # a cast may change the size
+        tensors.append(PlannedTensor(f"t{index}", rows, rows * row_bytes, kept_rows * out_row_bytes, row_files,
+                                     row_splittable=splittable, kept_rows=kept_rows))
     return tensors
 
 
-@settings(max_examples=150, deadline=None)
-@given(checkpoints(), st.integers(1, 4))
-def test_planner_covers_every_element_once_within_the_budget_largest_first(tensors, slack):
-    per_expert = max(t.nbytes // t.shape[0] for t in tensors)
-    largest_whole = max((t.nbytes for t in tensors if not t.expert_axis), default=0)
-    budget = max(largest_whole, per_expert) * slack
-    tasks = plan_tasks(tensors, max_task_bytes=budget)
-    assert all(task.nbytes <= budget for task in tasks)
-    assert [task.nbytes for task in tasks] == sorted((task.nbytes for task in tasks), reverse=True)
+@settings(max_examples=200, deadline=None)
+@given(checkpoints(), st.integers(1, 4), st.integers(1, 3))
+def test_planner_covers_every_row_once_within_the_budget_largest_first(tensors, slack, task_share):
+    largest_fixed = max((t.in_bytes + t.out_bytes for t in tensors if not t.row_splittable), default=0)
+    row_max = max(t.in_bytes // t.rows + (t.out_bytes // t.kept_rows if t.kept_rows else 0) for t in tensors)
+    budget = max(largest_fixed, row_max) * slack
+    task_bytes = max(1, sum(t.out_bytes for t in tensors) // task_share)
+    tasks = plan_tasks(tensors, max_task_bytes=task_bytes, max_unit_memory=budget)
+    assert all(task.memory_bytes <= budget for task in tasks)
+    assert [task.out_bytes for task in tasks] == sorted((task.out_bytes for task in tasks), reverse=True)
+    units = [unit for task in tasks for unit in task.units]
     for tensor in tensors:
-        regions = [unit.region for task in tasks for unit in task.units if unit.tensor == tensor.name]
-        check_tiling(tensor.shape, regions)  # exactly once, whole tensors or runs of whole experts
-        for unit in (u for task in tasks for u in task.units if u.tensor == tensor.name):
-            assert unit.files == {c.file for c in tensor.chunks if c.box.intersect(unit.region)}
-    assert sum(task.nbytes for task in tasks) == sum(t.nbytes for t in tensors)
-    assert len(describe_plan(tasks)) == len(tasks)
+        mine = [unit for unit in units if unit.tensor == tensor.name]
+        homes = {id(task) for task in tasks for unit in task.units if unit.tensor == tensor.name}
+        assert len(homes) == 1  # a tensor's blocks fill one output tensor: one task, in order
+        spans = [unit.rows or (0, tensor.rows) for unit in mine]
+        check_tiling((tensor.rows,), [Box((start,), (stop - start,)) for start, stop in spans])
+        assert [start for start, _ in spans] == sorted(start for start, _ in spans)
+        assert sum(unit.in_bytes for unit in mine) == tensor.in_bytes
+        assert sum(unit.out_bytes for unit in mine) == tensor.out_bytes
+        for unit, (start, stop) in zip(mine, spans):
+            assert unit.files == tensor.files(start, stop)
+    for task in tasks:  # packed to the task size, unless one tensor alone is larger
+        if len({unit.tensor for unit in task.units}) > 1:
+            assert task.out_bytes <= task_bytes
 
 
-def test_a_tensor_larger_than_the_budget_is_refused_by_name():
-    dense = TensorInfo("decoder.layers.0.mlp.linear_fc1.weight", (8, 4), 4,
-                       (StoredChunk("decoder.layers.0.mlp.linear_fc1.weight", Box.whole((8, 4)), "a.distcp", 128),))
-    with pytest.raises(TaskTooLargeError, match="linear_fc1.weight: 128 bytes"):
-        plan_tasks([dense], max_task_bytes=100)
-    experts = TensorInfo("experts", (4, 8, 4), 4, (StoredChunk("experts", Box.whole((4, 8, 4)), "a.distcp", 512),),
-                         expert_axis=True)
-    tasks = plan_tasks([experts], max_task_bytes=256)  # two experts per task
-    assert [unit.region.sizes[0] for task in tasks for unit in task.units] == [2, 2]
+def test_a_tensor_larger_than_the_budget_is_refused_by_name_unless_its_rows_can_split():
+    dense = PlannedTensor("decoder.layers.0.mlp.linear_fc1.weight", 8, 128, 128, ((0, 8, "a.distcp"),))
+    with pytest.raises(TaskTooLargeError, match="linear_fc1.weight: converting it holds 256 bytes"):
+        plan_tasks([dense], max_task_bytes=1 << 20, max_unit_memory=200)
+    table = PlannedTensor("embedding.word_embeddings.weight", 8, 128, 112, ((0, 4, "a.distcp"), (4, 8, "b.distcp")),
+                          row_splittable=True, kept_rows=7)
+    tasks = plan_tasks([table], max_task_bytes=1 << 20, max_unit_memory=128)  # 4 rows: 64 in + 64 out
+    assert [(unit.rows, unit.files) for unit in tasks[0].units] == [((0, 4), {"a.distcp"}), ((4, 8), {"b.distcp"})]
+    assert [unit.out_bytes for unit in tasks[0].units] == [64, 48]  # the last row is padding, dropped
 
 
 @settings(max_examples=100, deadline=None)

@@ -93,7 +93,7 @@ def publish_directory(staging: Path, final: Path) -> None:
         shutil.rmtree(retired, ignore_errors=True)
     else:
         raise CheckpointWriteError("publish kept racing with other writers", path=str(final))
-    _fsync_path(final.parent)
+    fsync_directory(final.parent)
 
 
 def write_file_atomically(path: Path, data: bytes) -> None:
@@ -108,7 +108,7 @@ def write_file_atomically(path: Path, data: bytes) -> None:
     except OSError as exc:
         temporary.unlink(missing_ok=True)
         raise CheckpointWriteError(str(exc), path=str(path)) from exc
-    _fsync_path(path.parent)
+    fsync_directory(path.parent)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -118,10 +118,10 @@ def _fsync_tree(root: Path) -> None:
         if entry.is_file():
             with open(entry, "rb") as handle:
                 os.fsync(handle.fileno())
-    _fsync_path(root)
+    fsync_directory(root)
 
 
-def _fsync_path(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     descriptor = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(descriptor)

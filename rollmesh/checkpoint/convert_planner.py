@@ -1,13 +1,15 @@
 """The conversion plan, from a checkpoint's metadata only: byte-sized tasks, largest first,
-grouped by source file, each within a memory budget.
+grouped by source file, each unit of work within a memory budget.
 
-Knows the chunk geometry; nothing of torch or files' contents. Each stored tensor is a unit of
-work (its HF tensors need all of it: QKV de-interleave, gate/up split), except grouped expert
-tensors, which split into runs of whole experts so one huge MoE tensor never has to sit in memory
-at once. Units are packed into tasks of at most ``max_task_bytes``, preferring units that read the
-same source files (a task opens few files, and a file is read by few tasks), then sorted largest
-first so parallel workers finish together (LPT). A unit larger than the budget on its own is an
-error that names it: the budget could never hold it.
+Knows the chunk geometry; nothing of torch or files' contents. The unit of work is one canonical
+Megatron tensor (a layer's, or one expert's): its HF tensors need all of it (QKV de-interleave,
+gate/up split). Vocabulary tables, whose size grows with the vocabulary rather than with a layer,
+may be split into blocks of rows, so the largest tensor of a big-vocabulary model need not fit the
+budget whole. A worker holds one unit's input and output at a time, so the budget bounds memory
+per worker whatever the task or model size. Units are packed into tasks (one task writes one
+output shard) of at most ``max_task_bytes`` of output, preferring units that read the same
+source files, then sorted largest first so parallel workers finish together (LPT). A unit that
+cannot be split and does not fit the budget is an error that names it.
 """
 
 from __future__ import annotations
@@ -43,22 +45,56 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class PlannedTensor:
+    """A canonical tensor to convert, as the planner sees it."""
+
+    name: str
+    rows: int  # length of axis 0
+    in_bytes: int  # read from the checkpoint
+    out_bytes: int  # written to the output
+    # (first row, end row, file) of each stored piece: which files a block of rows reads.
+    row_files: tuple[tuple[int, int, str], ...]
+    row_splittable: bool = False
+    # The leading rows that give output (the rest are vocabulary padding, dropped); None: all.
+    kept_rows: int | None = None
+
+    def files(self, start: int = 0, stop: int | None = None) -> frozenset[str]:
+        stop = self.rows if stop is None else stop
+        return frozenset(file for first, end, file in self.row_files if first < stop and start < end)
+
+
+@dataclass(frozen=True)
 class WorkUnit:
-    """A tensor, or a run of whole experts of one: ``region`` is the part of it to convert."""
+    """One tensor, or (``rows`` set) one block of its rows: what a worker holds at once."""
 
     tensor: str
-    region: Box
-    nbytes: int
+    rows: tuple[int, int] | None
+    in_bytes: int
+    out_bytes: int
     files: frozenset[str]
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.in_bytes + self.out_bytes
 
 
 @dataclass
 class ConvertTask:
+    """The units one worker converts into one output shard, in order."""
+
     units: list[WorkUnit] = field(default_factory=list)
 
     @property
-    def nbytes(self) -> int:
-        return sum(unit.nbytes for unit in self.units)
+    def out_bytes(self) -> int:
+        return sum(unit.out_bytes for unit in self.units)
+
+    @property
+    def in_bytes(self) -> int:
+        return sum(unit.in_bytes for unit in self.units)
+
+    @property
+    def memory_bytes(self) -> int:
+        return max((unit.memory_bytes for unit in self.units), default=0)
 
     @property
     def files(self) -> frozenset[str]:
@@ -67,55 +103,52 @@ class ConvertTask:
 
 class TaskTooLargeError(ValueError):
     def __init__(self, tensor: str, nbytes: int, budget: int) -> None:
-        super().__init__(f"{tensor}: {nbytes} bytes cannot fit a task budget of {budget} bytes")
+        super().__init__(f"{tensor}: converting it holds {nbytes} bytes, over the memory budget of {budget} bytes")
         self.tensor, self.nbytes, self.budget = tensor, nbytes, budget
 
 
-def work_units(tensor: TensorInfo, *, max_task_bytes: int) -> list[WorkUnit]:
-    """The tensor whole, or (experts) runs of whole experts of at most ``max_task_bytes``."""
-    whole = Box.whole(tensor.shape)
-    if tensor.nbytes <= max_task_bytes or not tensor.expert_axis:
-        if tensor.nbytes > max_task_bytes:
-            raise TaskTooLargeError(tensor.name, tensor.nbytes, max_task_bytes)
-        return [WorkUnit(tensor.name, whole, tensor.nbytes, frozenset(c.file for c in tensor.chunks))]
-    per_expert = tensor.nbytes // tensor.shape[0]
-    run = max_task_bytes // per_expert
-    if run < 1:
-        raise TaskTooLargeError(f"{tensor.name} (one expert)", per_expert, max_task_bytes)
+def work_units(tensor: PlannedTensor, *, max_unit_memory: int, split_above: int | None = None) -> list[WorkUnit]:
+    """The tensor whole, or (row-splittable, holding more than ``split_above``, default
+    ``max_unit_memory``) in blocks of rows each holding at most that much. Only a unit that
+    cannot be split and holds more than ``max_unit_memory`` is refused."""
+    memory = tensor.in_bytes + tensor.out_bytes
+    target = min(split_above or max_unit_memory, max_unit_memory)
+    if memory <= target or tensor.rows <= 1 or not tensor.row_splittable:
+        if memory > max_unit_memory:
+            raise TaskTooLargeError(tensor.name, memory, max_unit_memory)
+        return [WorkUnit(tensor.name, None, tensor.in_bytes, tensor.out_bytes, tensor.files())]
+    kept = tensor.rows if tensor.kept_rows is None else tensor.kept_rows
+    per_row_in, per_row_out = tensor.in_bytes // tensor.rows, (tensor.out_bytes // kept if kept else 0)
+    block = target // (per_row_in + per_row_out)
+    if block < 1:
+        raise TaskTooLargeError(f"{tensor.name} (one row)", per_row_in + per_row_out, target)
     units = []
-    for first in range(0, tensor.shape[0], run):
-        count = min(run, tensor.shape[0] - first)
-        region = Box((first,) + whole.offsets[1:], (count,) + whole.sizes[1:])
-        files = frozenset(c.file for c in tensor.chunks if c.box.intersect(region) is not None)
-        units.append(WorkUnit(tensor.name, region, count * per_expert, files))
+    for start in range(0, tensor.rows, block):
+        stop = min(start + block, tensor.rows)
+        out_rows = max(0, min(stop, kept) - start)
+        units.append(WorkUnit(tensor.name, (start, stop), (stop - start) * per_row_in, out_rows * per_row_out,
+                              tensor.files(start, stop)))
     return units
 
 
-def plan_tasks(tensors: Sequence[TensorInfo], *, max_task_bytes: int) -> list[ConvertTask]:
-    """Pack every tensor's units into tasks (see the module docstring); largest task first."""
-    units = [unit for tensor in tensors for unit in work_units(tensor, max_task_bytes=max_task_bytes)]
-    # Group by the files a unit reads, then first-fit-decreasing within and across groups.
-    by_files: dict[frozenset[str], list[WorkUnit]] = defaultdict(list)
-    for unit in units:
-        by_files[unit.files].append(unit)
+def plan_tasks(tensors: Sequence[PlannedTensor], *, max_task_bytes: int, max_unit_memory: int,
+               split_above: int | None = None) -> list[ConvertTask]:
+    """Pack every tensor's units into tasks (see the module docstring); largest task first. The
+    blocks of one tensor stay together, in order, since they fill one output tensor."""
+    groups: dict[frozenset[str], list[list[WorkUnit]]] = defaultdict(list)
+    for tensor in tensors:
+        groups[tensor.files()].append(work_units(tensor, max_unit_memory=max_unit_memory, split_above=split_above))
     tasks: list[ConvertTask] = []
-    for files in sorted(by_files, key=lambda f: sorted(f)):
+    for files in sorted(groups, key=sorted):
         open_tasks: list[ConvertTask] = []
-        for unit in sorted(by_files[files], key=lambda u: (-u.nbytes, u.tensor, u.region.offsets)):
-            home = next((t for t in open_tasks if t.nbytes + unit.nbytes <= max_task_bytes), None)
-            if home is None:
+        items = sorted(groups[files], key=lambda item: (-sum(u.out_bytes for u in item), item[0].tensor))
+        for item in items:
+            size = sum(unit.out_bytes for unit in item)
+            home = next((t for t in open_tasks if t.out_bytes + size <= max_task_bytes), None)
+            if home is None:  # a tensor larger than the limit gets a task of its own
                 home = ConvertTask()
                 open_tasks.append(home)
-            home.units.append(unit)
+            home.units += item
         tasks += open_tasks
-    return sorted(tasks, key=lambda t: (-t.nbytes, sorted(t.files)))
+    return sorted(tasks, key=lambda t: (-t.out_bytes, t.units[0].tensor))
 
-
-def describe_plan(tasks: Sequence[ConvertTask]) -> list[str]:
-    """Lines for ``--dry-run``: one per task (bytes, files, tensors)."""
-    lines = []
-    for index, task in enumerate(tasks):
-        names = sorted({unit.tensor for unit in task.units})
-        lines.append(f"task {index}: {task.nbytes} bytes, {len(task.files)} file(s), {len(task.units)} unit(s): "
-                     f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}")
-    return lines

@@ -16,6 +16,18 @@ class CheckpointError(Exception):
         super().__init__(f"{message} ({path})")
         self.path = path
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only fields defeat Exception's default pickling, and conversion errors cross
+        # process boundaries (Ray tasks): rebuild from the message and the fields as they are.
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuild(kind: type[CheckpointError], args: tuple[object, ...], fields: dict[str, object]) -> CheckpointError:
+    error = kind.__new__(kind)
+    Exception.__init__(error, *args)
+    error.__dict__.update(fields)
+    return error
+
 
 class CheckpointReadError(CheckpointError):
     def __init__(self, reason: str, *, path: str) -> None:

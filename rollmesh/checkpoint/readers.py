@@ -1,8 +1,9 @@
 """Checkpoint readers by format: the one place that maps a ``CheckpointFormat`` to code.
 
-Knows the reader functions, not what they read or who asks. ``"torch"`` is implemented; the
-Megatron formats (``torch_dist`` DCP and legacy ``mp_rank_XX``) are known names without a reader
-yet, so they fail with a typed error instead of a KeyError.
+Knows the reader functions, not what they read or who asks. Only ``"torch"`` (the trainer's own
+format) is read whole into a state dict here. The Megatron formats (``torch_dist`` DCP and
+legacy ``mp_rank_XX``) are converted by ``megatron_export``, which never holds a whole model;
+asking this registry for them fails with a typed error instead of a KeyError.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ CheckpointReader = Callable[[Path], tuple[dict[str, Tensor], CheckpointMeta]]
 
 _READERS: dict[str, CheckpointReader] = {
     "torch": load_torch_checkpoint,
-    # "megatron_torch_dist" and "megatron_legacy" get readers here when they are written.
+    # "megatron_torch_dist" and "megatron_legacy": see megatron_export (planned, bounded).
 }
 
 

@@ -1,8 +1,12 @@
 """Checkpoint resharder logic: CheckpointSaved in, HF export on disk, CheckpointConverted out.
 
-Knows the readers registry, the HF writer and the checkpoint messages; not Ray, not NATS (its
-actor shell subscribes and publishes). Idempotent by step: a redelivered event finds the export
-already there and answers the same message without converting again.
+Knows the readers registry, the HF writer, the Megatron exporter and the checkpoint messages; not
+NATS (its actor shell subscribes and publishes), and Ray only through the exporter's "ray"
+backend. Megatron checkpoints (torch_dist or legacy) go through the planned, memory-bounded
+exporter (``megatron_export``), the trainer's own torch format through ``read_checkpoint``.
+Idempotent by step: a redelivered event finds the export already there and answers the same
+message without converting again, and a conversion cut off by a crash resumes from the shards
+it had finished.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ import msgspec
 from rollmesh.checkpoint.atomic_dir import write_file_atomically
 from rollmesh.checkpoint.errors import CheckpointReadError
 from rollmesh.checkpoint.hf_writer import list_hf_files, write_hf_checkpoint
+from rollmesh.checkpoint.megatron_export import ExportOptions, export_to_hf
 from rollmesh.checkpoint.readers import read_checkpoint
 from rollmesh.config import ResharderConfig
 from rollmesh.messages.checkpoint import CheckpointConverted, CheckpointSaved
 
 # Written after the export is published; without it (or with other values) an export is redone.
 PROVENANCE_FILE = "rollmesh_export.json"
+# Converted by the planned Megatron exporter (the rest through ``read_checkpoint``).
+MEGATRON_FORMATS = ("megatron_torch_dist", "megatron_legacy")
 
 
 class ExportProvenance(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,6 +43,9 @@ class CheckpointResharder:
     def __init__(self, config: ResharderConfig, *, export_root: Path) -> None:
         self._config = config
         self._export_root = Path(export_root)
+        self._export_options = ExportOptions(max_shard_bytes=config.max_shard_bytes, workers=config.convert_workers,
+                                             memory_budget_bytes=config.convert_memory_budget_bytes,
+                                             backend=config.convert_backend)
 
     def export_dir(self, step: int) -> Path:
         return self._export_root / f"step_{step:08d}"
@@ -55,7 +65,11 @@ class CheckpointResharder:
             format=msg.format,
         )
         files = self._reusable_files(out_dir, provenance)
-        if files is None:
+        if files is None and msg.format in MEGATRON_FORMATS:
+            # The architecture and hyperparameters come from the arguments saved with the checkpoint.
+            files = export_to_hf(Path(msg.path), out_dir, self._export_options)
+            write_file_atomically(out_dir / PROVENANCE_FILE, msgspec.json.encode(provenance))
+        elif files is None:
             state_dict, meta = read_checkpoint(Path(msg.path), msg.format)
             # The checkpoint's own config is the truth; the event's copy fills what it lacks.
             config = {**msg.model_config, **meta.model_config}

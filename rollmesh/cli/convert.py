@@ -4,12 +4,14 @@ Knows the checkpoint package and argparse. SRC is a Megatron save root (with
 ``latest_checkpointed_iteration.txt``) or one iteration folder; the format is detected and the
 architecture read from the arguments saved with the checkpoint (``--arch`` only overrides the
 detection). ``--dry-run`` prints the model and the conversion plan and writes nothing. Works
-without a mesh, NATS or Ray.
+without a mesh or NATS; ``--backend ray`` spreads the shards over a Ray cluster (``RAY_ADDRESS``,
+or a local Ray started for the run).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,8 +39,14 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     convert.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: keep the checkpoint's)")
     convert.add_argument("--max-shard-gb", type=positive_float, default=5.0, metavar="GB",
                          help="largest safetensors shard (default: %(default)s)")
-    convert.add_argument("--max-task-gb", type=positive_float, default=2.0, metavar="GB",
-                         help="memory budget of one conversion task (default: %(default)s)")
+    convert.add_argument("--workers", type=int, default=2, metavar="N",
+                         help="shards converted at once (default: %(default)s)")
+    convert.add_argument("--memory-budget-gb", type=positive_float, default=4.0, metavar="GB",
+                         help="memory the workers may hold together; a tensor that cannot fit is refused by "
+                              "name before anything is written (default: %(default)s)")
+    convert.add_argument("--backend", choices=("threads", "ray"), default="threads",
+                         help="worker threads in this process, or Ray tasks on the cluster at RAY_ADDRESS "
+                              "(one node or many, sharing the file system; default: %(default)s)")
     convert.add_argument("--dry-run", action="store_true", help="print the model and the plan, write nothing")
     convert.set_defaults(handler=run_convert)
 
@@ -46,60 +54,70 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     if args.target_tp < 1:
         raise CliError("--target-tp must be at least 1", exit_code=EXIT_USAGE)
+    if args.workers < 1:
+        raise CliError("--workers must be at least 1", exit_code=EXIT_USAGE)
     import torch
 
-    from rollmesh.checkpoint.convert_planner import describe_plan, plan_tasks
     from rollmesh.checkpoint.errors import CheckpointError
-    from rollmesh.checkpoint.megatron_args import describe_model, detect_format, resolve_iteration_dir, saved_args
-    from rollmesh.checkpoint.megatron_to_hf import hf_config
-    from rollmesh.checkpoint.torch_dist_reader import TorchDistCheckpoint
+    from rollmesh.checkpoint.megatron_export import ExportOptions, describe_export, inspect_source
 
-    dtype = getattr(torch, args.dtype) if args.dtype else None
+    options = ExportOptions(arch=args.arch, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                            max_shard_bytes=int(args.max_shard_gb * 2**30),
+                            memory_budget_bytes=int(args.memory_budget_gb * 2**30), workers=args.workers,
+                            backend=args.backend)
     try:
-        folder = resolve_iteration_dir(args.src)
-        layout = detect_format(folder)
-        model = describe_model(saved_args(folder), family=args.arch)
         if args.dry_run:
-            spec = model.spec
-            print(f"{folder}: {layout}, {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
-                  f"{spec.num_heads} heads in {spec.num_query_groups} groups, vocab {spec.vocab_size}"
-                  + (f", {spec.num_experts} experts" if spec.num_experts else ""))
-            if layout == "torch_dist":  # the legacy format has no index to plan from
-                tensors = TorchDistCheckpoint(folder).tensors()
-                for line in describe_plan(plan_tasks(tensors, max_task_bytes=int(args.max_task_gb * 2**30))):
-                    print(line)
+            for line in describe_export(args.src, options):
+                print(line)
             return EXIT_OK
         if args.target_tp > 1:
-            if layout != "torch_dist":
+            source = inspect_source(args.src, arch=args.arch)
+            if source.layout != "torch_dist":
                 raise CliError("--target-tp N > 1 reshards torch_dist checkpoints only", exit_code=EXIT_USAGE)
+            from rollmesh.checkpoint.megatron_args import saved_args
             from rollmesh.checkpoint.tp_reshard import reshard_torch_dist
 
-            files = reshard_torch_dist(folder, args.dst, model.spec, tp=args.target_tp, args=saved_args(folder))
-            print(f"resharded {folder} -> {args.dst}: tensor parallel {args.target_tp}, {len(files)} files")
+            files = reshard_torch_dist(source.folder, args.dst, source.model.spec, tp=args.target_tp,
+                                       args=saved_args(source.folder))
+            print(f"resharded {source.folder} -> {args.dst}: tensor parallel {args.target_tp}, {len(files)} files")
             return EXIT_OK
-        config = hf_config(model.spec, norm_epsilon=model.norm_epsilon, rope_theta=model.rope_theta,
-                           max_position_embeddings=model.max_position_embeddings,
-                           dtype=dtype or model.dtype, moe_top_k=model.moe_top_k)
-        files = _convert_with_progress(folder, layout, args, model, config, dtype)
+        files = _export_with_progress(args, options)
     except CheckpointError as exc:
         raise CliError(str(exc)) from exc
     except ValueError as exc:
         raise CliError(str(exc), exit_code=EXIT_USAGE) from exc
-    print(f"converted {folder} -> {args.dst}: {len(files)} files")
+    print(f"converted {args.src} -> {args.dst}: {len(files)} files")
     return EXIT_OK
 
 
-def _convert_with_progress(folder: Path, layout: str, args: argparse.Namespace, model: Any,
-                           config: dict[str, Any], dtype: Any) -> list[str]:
-    from rollmesh.checkpoint.megatron_to_hf import convert_legacy_to_hf, convert_torch_dist_to_hf
+def _export_with_progress(args: argparse.Namespace, options: Any) -> list[str]:
+    """The export, with a progress bar on a terminal and a line per finished shard otherwise."""
+    from rollmesh.checkpoint.megatron_export import export_to_hf
 
-    convert = convert_torch_dist_to_hf if layout == "torch_dist" else convert_legacy_to_hf
-    kwargs = dict(config=config, max_shard_bytes=int(args.max_shard_gb * 2**30), dtype=dtype)
+    if args.backend == "ray":
+        import ray
+
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
     if not sys.stderr.isatty():
-        return convert(folder, args.dst, model.spec, **kwargs)
-    from rich.progress import Progress
+        return export_to_hf(args.src, args.dst, options, progress=_progress_lines())
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    with Progress(transient=True) as bar:
+    columns = (*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, transient=True) as bar:
         task = bar.add_task("converting", total=None)
-        return convert(folder, args.dst, model.spec, **kwargs,
-                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+        return export_to_hf(args.src, args.dst, options,
+                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+
+
+def _progress_lines() -> Any:
+    printed = [-1]  # the last tenth reported: a line per 10%, however many shards
+
+    def report(done: int, total: int) -> None:
+        tenth = 10 * done // max(total, 1)
+        if tenth > printed[0]:
+            printed[0] = tenth
+            print(f"converted {done / 2**20:.1f} of {total / 2**20:.1f} MiB ({100 * done / max(total, 1):.0f}%)",
+                  file=sys.stderr, flush=True)
+
+    return report
