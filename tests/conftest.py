@@ -145,3 +145,24 @@ async def tool_calling_mesh(mesh: TestMesh) -> TestMesh:
     await trainer.warm_start.remote("rollmesh.rollout.molar_mass:MolarMassTask", steps=60,
                                     batch_size=32, lr=3e-3, tool_fraction=1.0, seed=0)
     return mesh
+
+
+@pytest.fixture(scope="session")
+def dense_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny dense model written by megatron-core at TP=2 (two gloo processes on CPU), as
+    torch_dist and as legacy per-rank files, in one run (a run costs 6-10 s on 2 cores)."""
+    from megatron_checkpoints import write_checkpoint
+
+    root = tmp_path_factory.mktemp("megatron")
+    write_checkpoint(root / "dense_tp2", tp=2, legacy_out=root / "legacy_tp2")
+    return root / "dense_tp2", root / "legacy_tp2"
+
+
+@pytest.fixture(scope="session")
+def dense_tp2(dense_checkpoints: tuple[Path, Path]) -> Path:
+    return dense_checkpoints[0]
+
+
+@pytest.fixture(scope="session")
+def legacy_tp2(dense_checkpoints: tuple[Path, Path]) -> Path:
+    return dense_checkpoints[1]

@@ -17,6 +17,7 @@ from rollmesh.checkpoint.arch_maps import (
     canonical_megatron_name,
     expert_index,
     megatron_shapes,
+    per_expert_name,
 )
 from rollmesh.checkpoint.layout_transforms import deinterleave_qkv, interleave_qkv
 
@@ -77,9 +78,16 @@ def test_transformer_engine_names_and_per_expert_layout_are_recognised():
         "decoder.layers.3.input_layernorm.weight"
     assert canonical_megatron_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == \
         "decoder.layers.0.pre_mlp_layernorm.weight"
+    # TEGroupedMLP's per-gemm weights are the canonical per-expert tensors.
+    assert canonical_megatron_name("decoder.layers.2.mlp.experts.linear_fc2.weight5") == \
+        "decoder.layers.2.mlp.experts.local_experts.5.linear_fc2.weight"
+    # A per-expert tensor sits at its global id on the expert axis of the grouped one torch_dist stores.
     assert expert_index("decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight") == (
         "decoder.layers.1.mlp.experts.experts.linear_fc1.weight", 7)
+    assert per_expert_name("decoder.layers.1.mlp.experts.experts.linear_fc1.weight", 7) == \
+        "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight"
     assert expert_index("decoder.layers.1.mlp.linear_fc1.weight") is None
+    assert per_expert_name("decoder.layers.1.mlp.linear_fc1.weight", 0) is None
     arch = build_arch_map(spec_for("llama", False))
     with pytest.raises(KeyError, match="not a tensor of a llama checkpoint"):
         arch.rule("decoder.layers.9.mlp.router.weight")
@@ -108,6 +116,10 @@ def test_every_element_is_mapped_exactly_once_with_no_name_twice_and_maps_back_e
     assert len(set(arch.hf_names())) == len(arch.hf_names()), "an HF name appears twice"
     shapes = megatron_shapes(spec)
     assert sorted(shapes) == sorted(arch.megatron_names())
+    # MoE: one rule per expert per layer, under global expert ids, and the router.
+    experts = [name for name in shapes if expert_index(name) is not None]
+    assert len(experts) == 2 * spec.num_layers * spec.num_experts
+    assert all(per_expert_name(*expert_index(name)) == name for name in experts)
     # Every Megatron element gets a unique id; padding rows of vocabulary tables are zero (they
     # carry nothing and are dropped), so ids are only given to real rows.
     next_id, megatron, expected = 1, {}, []

@@ -26,7 +26,6 @@ from rollmesh.checkpoint.resharder import CheckpointResharder
 from rollmesh.config import ResharderConfig
 from rollmesh.messages.checkpoint import CheckpointSaved
 from conftest import REPO_ROOT
-from megatron_checkpoints import write_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -35,15 +34,10 @@ TIGHT = ExportOptions(memory_budget_bytes=300_000, workers=2, max_shard_bytes=1 
 
 
 @pytest.fixture(scope="session")
-def dense_ckpt(tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("convert") / "dense_tp2", tp=2)
-
-
-@pytest.fixture(scope="session")
-def whole_export(dense_ckpt, tmp_path_factory) -> Path:
+def whole_export(dense_tp2, tmp_path_factory) -> Path:
     """One shard, one worker, a budget that never splits anything: the reference output."""
     out = tmp_path_factory.mktemp("convert_ref") / "hf"
-    export_to_hf(dense_ckpt, out, ExportOptions(workers=1, memory_budget_bytes=1 << 30))
+    export_to_hf(dense_tp2, out, ExportOptions(workers=1, memory_budget_bytes=1 << 30))
     return out
 
 
@@ -57,15 +51,15 @@ def manifest(directory: Path) -> dict[str, str]:
     return json.loads((directory / MANIFEST_FILE).read_text())
 
 
-def test_a_tight_budget_splits_the_work_yet_writes_the_same_tensors(dense_ckpt, whole_export, tmp_path):
-    source = inspect_source(dense_ckpt)
+def test_a_tight_budget_splits_the_work_yet_writes_the_same_tensors(dense_tp2, whole_export, tmp_path):
+    source = inspect_source(dense_tp2)
     plan = plan_conversion(source.folder, source.model.spec, max_shard_bytes=TIGHT.max_shard_bytes,
                            memory_budget_bytes=TIGHT.memory_budget_bytes, workers=TIGHT.workers)
     assert len(plan.jobs) > 2 and all(job.memory_bytes <= TIGHT.memory_budget_bytes // 2 for job in plan.jobs)
     blocks = [unit.rows for job in plan.jobs for unit in job.units if unit.name == "embedding.word_embeddings.weight"]
     assert len(blocks) > 1  # the vocabulary table went in blocks of rows
     seen: list[int] = []
-    files = export_to_hf(dense_ckpt, tmp_path / "hf", TIGHT, progress=lambda done, total: seen.append(done))
+    files = export_to_hf(dense_tp2, tmp_path / "hf", TIGHT, progress=lambda done, total: seen.append(done))
     assert seen[-1] == plan.total_bytes and seen == sorted(seen)
     out = tmp_path / "hf"
     assert files[-1] == INDEX_FILE and len(manifest(out)) == len(plan.jobs)
@@ -78,13 +72,13 @@ def test_a_tight_budget_splits_the_work_yet_writes_the_same_tensors(dense_ckpt, 
     assert not list(tmp_path.glob(".hf.convert-*"))  # the staging directory became the export
 
 
-def test_ray_tasks_write_the_same_bytes_as_threads_and_report_errors_typed(dense_ckpt, tmp_path, ray_session):
+def test_ray_tasks_write_the_same_bytes_as_threads_and_report_errors_typed(dense_tp2, tmp_path, ray_session):
     on_ray = ExportOptions(**{**TIGHT.__dict__, "backend": "ray"})
-    export_to_hf(dense_ckpt, tmp_path / "threads", TIGHT)
-    export_to_hf(dense_ckpt, tmp_path / "ray", on_ray)
+    export_to_hf(dense_tp2, tmp_path / "threads", TIGHT)
+    export_to_hf(dense_tp2, tmp_path / "ray", on_ray)
     assert manifest(tmp_path / "ray") == manifest(tmp_path / "threads")
     broken = tmp_path / "broken"
-    shutil.copytree(dense_ckpt, broken)
+    shutil.copytree(dense_tp2, broken)
     victim = sorted(broken.glob("*.distcp"))[0]
     victim.write_bytes(b"\0" * victim.stat().st_size)
     with pytest.raises(CheckpointReadError, match=f"shard file {victim.name} is corrupt"):
@@ -104,9 +98,9 @@ _KILLED_AFTER_FIRST_SHARD = textwrap.dedent("""
 """)
 
 
-def test_a_conversion_killed_midway_resumes_on_rerun_and_gives_the_same_export(dense_ckpt, tmp_path):
+def test_a_conversion_killed_midway_resumes_on_rerun_and_gives_the_same_export(dense_tp2, tmp_path):
     out = tmp_path / "hf"
-    killed = subprocess.run([sys.executable, "-c", _KILLED_AFTER_FIRST_SHARD, str(dense_ckpt), str(out)],
+    killed = subprocess.run([sys.executable, "-c", _KILLED_AFTER_FIRST_SHARD, str(dense_tp2), str(out)],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert killed.returncode == 17, killed.stderr
     assert not out.exists()  # nothing half-published
@@ -114,22 +108,22 @@ def test_a_conversion_killed_midway_resumes_on_rerun_and_gives_the_same_export(d
     finished_before = sorted(p.name for p in staging.glob("model-*.safetensors"))
     assert finished_before
     seen: list[int] = []
-    export_to_hf(dense_ckpt, out, TIGHT, progress=lambda done, total: seen.append(done))
+    export_to_hf(dense_tp2, out, TIGHT, progress=lambda done, total: seen.append(done))
     assert seen[0] > 0  # the rerun started from the shards the killed run had finished
-    export_to_hf(dense_ckpt, tmp_path / "clean", TIGHT)
+    export_to_hf(dense_tp2, tmp_path / "clean", TIGHT)
     assert manifest(out) == manifest(tmp_path / "clean")
     assert not staging.exists()
 
 
-def test_a_budget_that_cannot_hold_a_tensor_is_refused_before_anything_is_written(dense_ckpt, tmp_path):
+def test_a_budget_that_cannot_hold_a_tensor_is_refused_before_anything_is_written(dense_tp2, tmp_path):
     with pytest.raises(TaskTooLargeError, match="linear_qkv.weight: converting it holds 65536 bytes"):
-        export_to_hf(dense_ckpt, tmp_path / "hf", ExportOptions(memory_budget_bytes=50_000, workers=1))
+        export_to_hf(dense_tp2, tmp_path / "hf", ExportOptions(memory_budget_bytes=50_000, workers=1))
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_corrupt_shard_fails_naming_the_file_and_publishes_nothing(dense_ckpt, tmp_path):
+def test_a_corrupt_shard_fails_naming_the_file_and_publishes_nothing(dense_tp2, tmp_path):
     broken = tmp_path / "broken"
-    shutil.copytree(dense_ckpt, broken)
+    shutil.copytree(dense_tp2, broken)
     victim = sorted(broken.glob("*.distcp"))[0]
     victim.write_bytes(b"\0" * victim.stat().st_size)
     with pytest.raises(CheckpointReadError, match=f"shard file {victim.name} is corrupt"):
@@ -137,8 +131,8 @@ def test_a_corrupt_shard_fails_naming_the_file_and_publishes_nothing(dense_ckpt,
     assert not (tmp_path / "hf").exists()
 
 
-def test_two_converters_never_share_one_staging_directory(dense_ckpt, tmp_path):
-    source = inspect_source(dense_ckpt)
+def test_two_converters_never_share_one_staging_directory(dense_tp2, tmp_path):
+    source = inspect_source(dense_tp2)
     spec = source.model.spec
     entered = []
 
@@ -154,11 +148,11 @@ def test_two_converters_never_share_one_staging_directory(dense_ckpt, tmp_path):
     assert entered and (tmp_path / "hf" / INDEX_FILE).is_file()
 
 
-async def test_the_resharder_converts_a_saved_megatron_checkpoint(dense_ckpt, whole_export, tmp_path):
+async def test_the_resharder_converts_a_saved_megatron_checkpoint(dense_tp2, whole_export, tmp_path):
     resharder = CheckpointResharder(ResharderConfig(max_shard_bytes=1 << 30, convert_workers=2),
                                     export_root=tmp_path / "exports")
-    saved = CheckpointSaved(step=7, weight_version=3, path=str(dense_ckpt), format="megatron_torch_dist")
+    saved = CheckpointSaved(step=7, weight_version=3, path=str(dense_tp2), format="megatron_torch_dist")
     converted = await resharder.handle_checkpoint_saved(saved)
-    assert (converted.step, converted.weight_version, converted.source_path) == (7, 3, str(dense_ckpt))
+    assert (converted.step, converted.weight_version, converted.source_path) == (7, 3, str(dense_tp2))
     assert_same_tensors(Path(converted.hf_path), whole_export)
     assert await resharder.handle_checkpoint_saved(saved) == converted  # a redelivery reuses the export

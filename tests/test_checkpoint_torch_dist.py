@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from megatron_checkpoints import TINY_DENSE, write_checkpoint
+from megatron_checkpoints import TINY_DENSE
 from test_cli import restore_logging_config  # noqa: F401  (autouse: main() sets up logging)
 from rollmesh.checkpoint.arch_maps import canonical_megatron_name
 from rollmesh.checkpoint.chunk_geometry import Box
@@ -19,11 +19,6 @@ from rollmesh.checkpoint.errors import CheckpointReadError
 from rollmesh.checkpoint.torch_dist_reader import TorchDistCheckpoint, layer_box, per_layer_name, stacked_source
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="session")
-def dense_tp2(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("megatron") / "dense_tp2", tp=2)
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +85,8 @@ def test_a_converted_checkpoint_loads_in_transformers_with_megatrons_logits(dens
 
     from megatron_checkpoints import PROBE_IDS, logits_path
     from rollmesh.checkpoint.arch_maps import ArchSpec
-    from rollmesh.checkpoint.megatron_to_hf import convert_torch_dist_to_hf, hf_config
+    from rollmesh.checkpoint.convert_executor import convert_planned
+    from rollmesh.checkpoint.megatron_to_hf import hf_config
 
     heads = TINY_DENSE["num_attention_heads"]
     spec = ArchSpec(family="llama", num_layers=TINY_DENSE["num_layers"], hidden_size=TINY_DENSE["hidden_size"],
@@ -99,7 +95,8 @@ def test_a_converted_checkpoint_loads_in_transformers_with_megatrons_logits(dens
                     vocab_size=TINY_DENSE["vocab_size"], padded_vocab_size=TINY_DENSE["vocab_size"])
     # megatron-core's defaults for what the model was built with: RMSNorm eps 1e-5, RoPE base 10000.
     config = hf_config(spec, norm_epsilon=1e-5, rope_theta=10000.0, max_position_embeddings=64, dtype=torch.float32)
-    files = convert_torch_dist_to_hf(dense_tp2, tmp_path / "hf", spec, config=config, max_shard_bytes=200_000)
+    files = convert_planned(dense_tp2, tmp_path / "hf", spec, config=config, max_shard_bytes=200_000,
+                            memory_budget_bytes=1 << 30, workers=2)
     assert files[-3:] == ["sha256_manifest.json", "config.json", "model.safetensors.index.json"] and len(files) > 4, (
         "sharded, index last")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -124,7 +121,7 @@ def test_rollmesh_convert_reads_the_model_from_the_save_root_and_writes_what_tra
 
     assert main(["convert", str(root), str(tmp_path / "plan"), "--dry-run"]) == 0
     planned = capsys.readouterr().out
-    assert "torch_dist, llama, 2 layers" in planned and "task 0:" in planned
+    assert "torch_dist, llama, 2 layers" in planned and "model-00001-of-" in planned
     assert not (tmp_path / "plan").exists(), "a dry run writes nothing"
     assert main(["convert", str(root), str(tmp_path / "x"), "--target-tp", "0"]) == 2
 
@@ -136,11 +133,6 @@ def test_rollmesh_convert_reads_the_model_from_the_save_root_and_writes_what_tra
         ours = model(torch.tensor(PROBE_IDS)).logits
     # bfloat16 weights: measured 1.6e-3 from the float32 reference (logits up to 0.6).
     assert torch.allclose(ours, torch.load(logits_path(dense_tp2), weights_only=True), atol=3e-2, rtol=0)
-
-
-@pytest.fixture(scope="session")
-def legacy_tp2(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("megatron") / "legacy_tp2", tp=2, legacy=True)
 
 
 def test_the_legacy_per_rank_format_converts_to_the_same_model(legacy_tp2, tmp_path):

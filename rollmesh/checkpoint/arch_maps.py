@@ -1,18 +1,21 @@
 """Declarative name and layout maps between Megatron-core and Hugging Face, per architecture.
 
 Knows the Megatron-core (local and Transformer-Engine spec) and HF hub tensor names of the Llama,
-Qwen2 (dense, GQA, QKV bias), Mixtral and Qwen3-MoE (grouped experts, Qwen3's QK norms) families,
-and the transforms of ``layout_transforms``; nothing of files. An ``ArchMap`` is a list of
-``Rule``s, one per Megatron tensor: its HF tensors, and the transform each way. So every mapping
-has its inverse (HF -> Megatron, to write test checkpoints or reshard back), and the coverage is
-checkable: every Megatron tensor maps to HF tensors holding exactly its elements (less vocabulary
-padding), with no HF name twice.
+Qwen2 (dense, GQA, QKV bias), Mixtral and Qwen3-MoE (per-expert SwiGLU, Qwen3's QK norms)
+families, and the transforms of ``layout_transforms``; nothing of files. An ``ArchMap`` is a list
+of ``Rule``s, one per canonical Megatron tensor: its HF tensors, and the transform each way. So
+every mapping has its inverse (HF -> Megatron, to write test checkpoints or reshard back), and the
+coverage is checkable: every Megatron tensor maps to HF tensors holding exactly its elements (less
+vocabulary padding), with no HF name twice.
 
-Megatron names are those of the local spec (``input_layernorm``, ``pre_mlp_layernorm``) with
-grouped experts stacked (``mlp.experts.experts.linear_fc{1,2}.weight``, [E, ...]);
-``canonical_megatron_name`` folds in the Transformer-Engine spec's fused layer-norm names;
-``expert_index`` names where a per-expert ``local_experts.{e}`` tensor belongs in the stacked one
-(no reader of that layout uses it yet).
+Canonical Megatron names are per layer and, for MoE, per expert: the local spec's names
+(``input_layernorm``, ``pre_mlp_layernorm``, ``mlp.experts.local_experts.{E}.linear_fc{1,2}``)
+with E the GLOBAL expert id. Readers bring what checkpoints store to these names:
+``canonical_megatron_name`` folds in the Transformer-Engine spec's fused layer norms and
+``TEGroupedMLP``'s per-gemm names (``mlp.experts.linear_fc1.weight{E}``); ``expert_index`` and
+``per_expert_name`` go between a per-expert name and the grouped-experts tensor that torch_dist
+checkpoints store (``mlp.experts.experts.linear_fc1.weight``, expert axis first, written alike by
+``SequentialMLP``, ``GroupedMLP`` and ``TEGroupedMLP``).
 """
 
 from __future__ import annotations
@@ -116,16 +119,24 @@ class ArchMap:
                 for rule in self.rules}
 
 
-# Transformer-Engine spec names -> local spec names (TE fuses each pre-norm into the next linear).
+# Transformer-Engine spec names -> local spec names (TE fuses each pre-norm into the next linear;
+# TEGroupedMLP keeps expert E's weights as ``linear_fc1.weight{E}`` of one grouped linear).
 _TE_NAMES = [
     (re.compile(r"^(decoder\.layers\.\d+)\.self_attention\.linear_qkv\.layer_norm_weight$"), r"\1.input_layernorm.weight"),
     (re.compile(r"^(decoder\.layers\.\d+)\.mlp\.linear_fc1\.layer_norm_weight$"), r"\1.pre_mlp_layernorm.weight"),
+    (re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$"),
+     r"\1.local_experts.\3.\2.weight"),
 ]
 _LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+_GROUPED_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12]\.weight)$")
 
 
 def canonical_megatron_name(name: str) -> str:
-    """The local-spec name of a Megatron tensor name (TE fused layer norms renamed)."""
+    """The canonical name of a per-layer Megatron tensor name: TE's fused layer norms renamed to
+    the local spec's, TE grouped-gemm expert weights (``experts.linear_fc1.weight{E}``) to
+    ``experts.local_experts.{E}.linear_fc1.weight``. E is kept as given: TE numbers a rank's
+    gemms locally, names only seen in per-rank files, whose reader renumbers them globally
+    (torch_dist stores TE experts grouped, under the global ids of ``expert_index``)."""
     for pattern, replacement in _TE_NAMES:
         if pattern.match(name):
             return pattern.sub(replacement, name)
@@ -133,12 +144,23 @@ def canonical_megatron_name(name: str) -> str:
 
 
 def expert_index(name: str) -> tuple[str, int] | None:
-    """``...experts.local_experts.{e}.linear_fc1.weight`` -> (the grouped name, e); else None.
-    Per-expert tensors are stacked on a leading axis in ``e`` order to make the grouped one."""
+    """``...mlp.experts.local_experts.{E}.linear_fc1.weight`` -> (the grouped-experts tensor
+    ``...mlp.experts.experts.linear_fc1.weight``, E): where a per-expert tensor sits on the
+    leading expert axis of the grouped one torch_dist stores; None for any other name."""
     match = _LOCAL_EXPERT.match(name)
     if match is None:
         return None
     return f"{match.group(1)}.experts.{match.group(3)}", int(match.group(2))
+
+
+def per_expert_name(grouped: str, expert: int) -> str | None:
+    """The inverse of ``expert_index``: (``...mlp.experts.experts.linear_fc1.weight``, E) ->
+    ``...mlp.experts.local_experts.{E}.linear_fc1.weight``; None when ``grouped`` is not a
+    per-layer grouped-experts name."""
+    match = _GROUPED_EXPERTS.match(grouped)
+    if match is None:
+        return None
+    return f"{match.group(1)}.local_experts.{expert}.{match.group(2)}"
 
 
 def build_arch_map(spec: ArchSpec) -> ArchMap:
@@ -193,24 +215,15 @@ def _mlp_rules(spec: ArchSpec, layer: int) -> list[Rule]:
         ffn, gate, up, down = f"{h}.block_sparse_moe", "w1", "w3", "w2"
     else:
         ffn, gate, up, down = f"{h}.mlp", "gate_proj", "up_proj", "down_proj"
-    experts = range(spec.num_experts)
-
-    def fc1_forward(stacked: torch.Tensor) -> list[torch.Tensor]:
-        gates, ups = split_gate_up(stacked)
-        return [t for e in experts for t in (gates[e], ups[e])]
-
-    def fc1_inverse(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        return join_gate_up(torch.stack(list(tensors[0::2])), torch.stack(list(tensors[1::2])))
-
-    return [
-        Rule(f"{m}.mlp.router.weight", (f"{ffn}.gate.weight",), forward, inverse),
-        Rule(f"{m}.mlp.experts.experts.linear_fc1.weight",
-             tuple(f"{ffn}.experts.{e}.{name}.weight" for e in experts for name in (gate, up)),
-             fc1_forward, fc1_inverse),
-        Rule(f"{m}.mlp.experts.experts.linear_fc2.weight",
-             tuple(f"{ffn}.experts.{e}.{down}.weight" for e in experts),
-             lambda stacked: list(stacked.unbind(0)), lambda ts: torch.stack(list(ts))),
-    ]
+    rules = [Rule(f"{m}.mlp.router.weight", (f"{ffn}.gate.weight",), forward, inverse)]
+    for e in range(spec.num_experts):
+        expert = f"{m}.mlp.experts.local_experts.{e}"
+        rules += [
+            Rule(f"{expert}.linear_fc1.weight", (f"{ffn}.experts.{e}.{gate}.weight", f"{ffn}.experts.{e}.{up}.weight"),
+                 split_gate_up, lambda ts: join_gate_up(*ts)),
+            Rule(f"{expert}.linear_fc2.weight", (f"{ffn}.experts.{e}.{down}.weight",), forward, inverse),
+        ]
+    return rules
 
 
 def megatron_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
@@ -237,6 +250,7 @@ def megatron_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
             shapes[f"{m}.mlp.linear_fc2.weight"] = (hidden, spec.ffn_hidden_size)
         else:
             shapes[f"{m}.mlp.router.weight"] = (spec.num_experts, hidden)
-            shapes[f"{m}.mlp.experts.experts.linear_fc1.weight"] = (spec.num_experts, 2 * spec.expert_ffn, hidden)
-            shapes[f"{m}.mlp.experts.experts.linear_fc2.weight"] = (spec.num_experts, hidden, spec.expert_ffn)
+            for e in range(spec.num_experts):
+                shapes[f"{m}.mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * spec.expert_ffn, hidden)
+                shapes[f"{m}.mlp.experts.local_experts.{e}.linear_fc2.weight"] = (hidden, spec.expert_ffn)
     return shapes

@@ -32,7 +32,7 @@ from rollmesh.checkpoint.arch_maps import ArchSpec, build_arch_map
 from rollmesh.checkpoint.chunk_geometry import Box
 from rollmesh.checkpoint.convert_planner import ConvertTask, PlannedTensor, plan_tasks
 from rollmesh.checkpoint.convert_staging import ResumableStaging, ShardDone
-from rollmesh.checkpoint.errors import CheckpointReadError
+from rollmesh.checkpoint.megatron_to_hf import check_names_fit
 from rollmesh.checkpoint.hf_writer import CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, shard_file_name
 from rollmesh.checkpoint.safetensors_stream import StreamedShard, TensorSlot
 from rollmesh.checkpoint.torch_dist_reader import METADATA_FILE, LayerSource, TorchDistCheckpoint, layer_sources
@@ -84,11 +84,8 @@ def plan_conversion(src: str | Path, spec: ArchSpec, *, dtype: torch.dtype | Non
     checkpoint.check()
     sources = layer_sources(checkpoint)
     arch = build_arch_map(spec)
+    check_names_fit(arch, set(sources), src)
     names = arch.megatron_names()
-    missing, unknown = sorted(set(names) - set(sources)), sorted(set(sources) - set(names))
-    if missing or unknown:
-        raise CheckpointReadError(f"the checkpoint does not fit a {spec.family} model: missing {missing[:5]}, "
-                                  f"unexpected {unknown[:5]}", path=str(src))
     planned, outputs = [], {}
     for name in names:
         source = sources[name]
@@ -224,7 +221,7 @@ def _read_rows(checkpoint: TorchDistCheckpoint, source: LayerSource, rows: tuple
     start, stop = rows[0], min(rows[1], vocab_size)
     if stop <= start:
         return torch.empty(0, *_canonical_shape(source)[1:], dtype=checkpoint.dtypes[source.stored])
-    lead = 1 if source.stacked else 0
+    lead = int(source.stacked)
     offsets, sizes = list(source.box.offsets), list(source.box.sizes)
     offsets[lead], sizes[lead] = offsets[lead] + start, stop - start
     block = checkpoint.read_region(source.stored, Box(tuple(offsets), tuple(sizes)))
@@ -247,7 +244,7 @@ def _canonical_shape(source: LayerSource) -> tuple[int, ...]:
 
 
 def _row_files(checkpoint: TorchDistCheckpoint, source: LayerSource) -> tuple[tuple[int, int, str], ...]:
-    lead = 1 if source.stacked else 0
+    lead = int(source.stacked)
     if len(source.box.sizes) <= lead:
         return tuple((0, 1, file) for file in sorted(checkpoint.source_files(source)))
     spans = []

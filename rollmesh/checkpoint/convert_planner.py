@@ -37,7 +37,6 @@ class TensorInfo:
     shape: tuple[int, ...]
     itemsize: int
     chunks: tuple[StoredChunk, ...]
-    expert_axis: bool = False  # a grouped-experts tensor: axis 0 counts experts
 
     @property
     def nbytes(self) -> int:

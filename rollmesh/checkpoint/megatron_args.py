@@ -3,6 +3,9 @@ saved with it (``args`` in ``common.pt``), turned into an ``ArchSpec`` and HF hy
 
 Knows Megatron-LM's save layout (a save root with ``latest_checkpointed_iteration.txt`` and
 ``iter_NNNNNNN`` folders), its argument names, and torch.load; nothing of tensors' contents.
+MoE checkpoints are read only when their router computes what the HF families do (softmax score,
+top-k then renormalised, every layer an MoE layer, no shared experts); the rest are refused by
+name rather than converted into a model that routes differently.
 """
 
 from __future__ import annotations
@@ -82,6 +85,11 @@ def describe_model(args: Any, *, family: Family | None = None) -> ModelDescripti
             "qwen2" if get("add_qkv_bias") else "llama")
     if family not in FAMILIES:
         raise ValueError(f"unknown architecture {family!r}: one of {', '.join(FAMILIES)}")
+    if experts:
+        unsupported = _unsupported_moe_options(get)
+        if unsupported:
+            raise CheckpointReadError(f"MoE options no Hugging Face {family} model reproduces: "
+                                      f"{', '.join(unsupported)}", path="")
     heads = get("num_attention_heads")
     groups = get("num_query_groups") if get("group_query_attention") else heads
     padded = get("padded_vocab_size")
@@ -95,3 +103,23 @@ def describe_model(args: Any, *, family: Family | None = None) -> ModelDescripti
         spec=spec, norm_epsilon=float(get("norm_epsilon", 1e-5)), rope_theta=float(get("rotary_base", 10000)),
         max_position_embeddings=int(get("max_position_embeddings", 4096)), moe_top_k=int(get("moe_router_topk", 2)),
         dtype=get("params_dtype") or torch.float32)
+
+
+def _unsupported_moe_options(get: Any) -> list[str]:
+    """The saved MoE options (Megatron-LM argument names) that change routing or add parameters
+    beyond Mixtral's and Qwen3-MoE's: softmax over all experts then top-k without renormalising
+    (pre-softmax), sigmoid scores, scaled or grouped top-k, expert bias, shared experts, dense
+    layers between MoE layers."""
+    found = []
+    if get("moe_router_pre_softmax"):
+        found.append("moe_router_pre_softmax")
+    if (get("moe_router_score_function") or "softmax") != "softmax":
+        found.append(f"moe_router_score_function={get('moe_router_score_function')}")
+    for name in ("moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
+                 "moe_shared_expert_intermediate_size", "moe_router_num_groups"):
+        if get(name):
+            found.append(name)
+    frequency = get("moe_layer_freq", 1)
+    if not (frequency in (1, None) or (isinstance(frequency, list) and set(frequency) == {1})):
+        found.append(f"moe_layer_freq={get('moe_layer_freq')}")
+    return found

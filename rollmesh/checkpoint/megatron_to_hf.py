@@ -1,11 +1,11 @@
-"""Megatron-core ``torch_dist`` checkpoint -> Hugging Face directory, through an architecture map.
+"""What every Megatron -> Hugging Face conversion shares, and the legacy-format converter.
 
-Knows the torch_dist reader, the architecture maps and the HF writer. Each Megatron tensor (or
-each layer of a layer-stacked one) is read by byte range, mapped to its HF tensors and written as
-safetensors shards with ``model.safetensors.index.json`` and a ``config.json`` carrying every
-hyperparameter that changes the numbers (norm epsilon, RoPE base, GQA groups, experts, top-k).
-This first converter holds the HF tensors of the whole model before writing (fine for the small
-models it is tested on); the bounded, planned, parallel executor replaces that loop.
+Knows the architecture maps, the legacy reader and the HF writer. ``hf_config`` is the
+``config.json`` carrying every hyperparameter that changes the numbers (norm epsilon, RoPE base,
+GQA groups, experts, top-k); ``check_names_fit`` refuses a checkpoint whose tensors are not
+those of the architecture. ``convert_legacy_to_hf`` loads and merges every rank file, since the
+legacy format has no index to read parts by; torch_dist checkpoints go through the planned,
+bounded converter (``convert_executor``).
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 
-from rollmesh.checkpoint.arch_maps import ArchSpec, build_arch_map
+from rollmesh.checkpoint.arch_maps import ArchMap, ArchSpec, build_arch_map
 from rollmesh.checkpoint.errors import CheckpointReadError
 from rollmesh.checkpoint.hf_writer import write_hf_checkpoint
-from rollmesh.checkpoint.torch_dist_reader import TorchDistCheckpoint, layer_sources
 
 _HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                      "mixtral": ("MixtralForCausalLM", "mixtral"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
@@ -37,54 +36,46 @@ def hf_config(spec: ArchSpec, *, norm_epsilon: float, rope_theta: float, max_pos
         "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": spec.tie_embeddings,
         "hidden_act": "silu", "dtype": str(dtype).removeprefix("torch."),
     }
-    if spec.family == "mixtral":
-        config.update(num_local_experts=spec.num_experts, num_experts_per_tok=moe_top_k)
-    if spec.family == "qwen3_moe":
+    # Megatron's router (softmax score, top-k then softmax over the k, the default without
+    # pre-softmax) gives each token its k experts' softmax probabilities renormalised to sum to 1:
+    # Mixtral's routing, and Qwen3-MoE's with norm_topk_prob. (describe_model refuses the others.)
+    if spec.family == "mixtral":  # Mixtral's experts are sized by intermediate_size
+        config.update(num_local_experts=spec.num_experts, num_experts_per_tok=moe_top_k,
+                      intermediate_size=spec.expert_ffn)
+    if spec.family == "qwen3_moe":  # every layer sparse; its q/k norms share rms_norm_eps
         config.update(num_experts=spec.num_experts, num_experts_per_tok=moe_top_k,
-                      moe_intermediate_size=spec.expert_ffn, decoder_sparse_step=1, norm_topk_prob=True)
+                      moe_intermediate_size=spec.expert_ffn, decoder_sparse_step=1, mlp_only_layers=[],
+                      norm_topk_prob=True, attention_bias=False)
     return config
-
-
-def convert_torch_dist_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *, config: dict[str, Any],
-                             max_shard_bytes: int, dtype: torch.dtype | None = None,
-                             progress: Callable[[int, int], None] | None = None) -> list[str]:
-    """Write the HF directory ``dst``; returns its file names. Weights keep the checkpoint's
-    dtype unless ``dtype`` says otherwise. ``progress(done, total)`` follows the Megatron tensors."""
-    checkpoint = TorchDistCheckpoint(src)
-    checkpoint.check()
-    sources = layer_sources(checkpoint)
-
-    return _write_hf(src, dst, spec, set(sources), lambda name: checkpoint.read_source(sources[name]), config=config, max_shard_bytes=max_shard_bytes,
-                     dtype=dtype, progress=progress)
 
 
 def convert_legacy_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *, config: dict[str, Any],
                          max_shard_bytes: int, dtype: torch.dtype | None = None,
                          progress: Callable[[int, int], None] | None = None) -> list[str]:
-    """The same for Megatron-LM's legacy per-rank files (``legacy_reader``): every rank's file
-    is loaded (the format has no index to read parts by), merged, then mapped."""
+    """Megatron-LM's legacy per-rank files (``legacy_reader``) -> the HF directory ``dst``: every
+    rank's file is loaded (the format has no index to read parts by), merged, then mapped.
+    ``progress(done_bytes, total_bytes)`` follows the mapped Megatron tensors."""
     from rollmesh.checkpoint.legacy_reader import LegacyCheckpoint
 
     megatron = LegacyCheckpoint(src).global_state()
-    return _write_hf(src, dst, spec, set(megatron), megatron.pop, config=config, max_shard_bytes=max_shard_bytes,
-                     dtype=dtype, progress=progress)
-
-
-def _write_hf(src: str | Path, dst: str | Path, spec: ArchSpec, available: set[str],
-              read: Callable[[str], torch.Tensor], *, config: dict[str, Any], max_shard_bytes: int,
-              dtype: torch.dtype | None, progress: Callable[[int, int], None] | None) -> list[str]:
-    """Check the checkpoint's tensors fit ``spec``, map each one ``read`` gives, write ``dst``."""
     arch = build_arch_map(spec)
-    names = arch.megatron_names()
-    missing = sorted(set(names) - available)
-    unknown = sorted(available - set(names))
-    if missing or unknown:
-        raise CheckpointReadError(f"the checkpoint does not fit a {spec.family} model: missing {missing[:5]}, "
-                                  f"unexpected {unknown[:5]}", path=str(src))
+    check_names_fit(arch, set(megatron), src)
+    total, done = sum(t.numel() * t.element_size() for t in megatron.values()), 0
     state: dict[str, torch.Tensor] = {}
-    for done, name in enumerate(names, start=1):
-        for hf_name, hf_tensor in arch.to_hf(name, read(name)).items():
+    for name in arch.megatron_names():
+        tensor = megatron.pop(name)
+        done += tensor.numel() * tensor.element_size()
+        for hf_name, hf_tensor in arch.to_hf(name, tensor).items():
             state[hf_name] = hf_tensor.to(dtype) if dtype is not None else hf_tensor
         if progress is not None:
-            progress(done, len(names))
+            progress(done, total)
     return write_hf_checkpoint(state, Path(dst), max_shard_bytes=max_shard_bytes, config=config)
+
+
+def check_names_fit(arch: ArchMap, available: set[str], src: str | Path) -> None:
+    """Raise unless the checkpoint holds exactly the Megatron tensors of ``arch``."""
+    names = set(arch.megatron_names())
+    missing, unknown = sorted(names - available), sorted(available - names)
+    if missing or unknown:
+        raise CheckpointReadError(f"the checkpoint does not fit a {arch.spec.family} model: missing {missing[:5]}, "
+                                  f"unexpected {unknown[:5]}", path=str(src))

@@ -5,9 +5,13 @@ and dtype, its chunks as boxes, and where each chunk's bytes lie: file, offset, 
 ``__<rank>_<n>.distcp`` files in which every chunk is one ``torch.save``d tensor. The plan is made
 from the index alone (``tensors``); data is read one chunk at a time by byte range
 (``read_region``), so memory holds at most the region asked for plus one chunk, never the model.
-Megatron stacks per-layer tensors on a leading layer axis (``decoder.layers.<param>``);
-``layer_sources`` indexes every canonical per-layer name by where it lives. Byte entries
-(``_extra_state``) carry no weights and are skipped.
+Megatron stacks per-layer tensors on a leading layer axis (``decoder.layers.<param>``), and MoE
+expert weights on a second, expert axis (``decoder.layers.mlp.experts.experts.linear_fc1.weight``,
+[layers, global experts, 2 * ffn, hidden], one chunk per layer, expert and TP rank's gate or up
+rows; whatever the expert module: ``SequentialMLP``, ``GroupedMLP`` and ``TEGroupedMLP`` all save
+this layout); ``layer_sources`` indexes every canonical per-layer, per-expert name by the box it
+occupies. Byte entries (``_extra_state``) carry no weights and are skipped. Not read: the
+``singleton_local_shards`` layout (one key per expert, SwiGLU halves under ``_w``/``_v`` keys).
 """
 
 from __future__ import annotations
@@ -17,13 +21,15 @@ import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from rollmesh.checkpoint.arch_maps import canonical_megatron_name
+from rollmesh.checkpoint.arch_maps import canonical_megatron_name, per_expert_name
 from rollmesh.checkpoint.chunk_geometry import Box, check_tiling, plan_copies
 from rollmesh.checkpoint.convert_planner import StoredChunk, TensorInfo
 from rollmesh.checkpoint.errors import CheckpointReadError
+from rollmesh.checkpoint.torch_save_records import locate_tensor_bytes
 
 METADATA_FILE = ".metadata"
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
@@ -56,8 +62,7 @@ class TorchDistCheckpoint:
                     raise CheckpointReadError(f"{name}: the index names no file for the chunk at {box.offsets}",
                                               path=str(metadata_path))
                 chunks.append(StoredChunk(name, box, info.relative_path, box.numel * itemsize))
-            self._tensors[name] = TensorInfo(name, shape, itemsize, tuple(chunks),
-                                             expert_axis=".experts.experts." in name)
+            self._tensors[name] = TensorInfo(name, shape, itemsize, tuple(chunks))
         self.dtypes = {name: entry.properties.dtype for name, entry in metadata.state_dict_metadata.items()
                        if hasattr(entry, "chunks")}
 
@@ -85,14 +90,17 @@ class TorchDistCheckpoint:
         out = torch.empty(region.sizes, dtype=self.dtypes[name])
         for copy in plan_copies([region], [chunk.box for chunk in tensor.chunks]):
             chunk = tensor.chunks[copy.source]
-            data = self._read_chunk(chunk)
-            out[copy.region.relative_to(region)] = data[copy.region.relative_to(chunk.box)]
+            destination = out[copy.region.relative_to(region)]
+            if copy.region == chunk.box and destination.is_contiguous():
+                self._read_chunk(chunk, into=destination)  # straight into place: no copy
+            else:
+                destination.copy_(self._read_chunk(chunk)[copy.region.relative_to(chunk.box)])
         return out
 
     def read_source(self, source: LayerSource) -> torch.Tensor:
-        """The canonical per-layer tensor ``source`` locates (stacked leading axes dropped)."""
+        """The canonical tensor ``source`` locates (its stacked leading axes dropped)."""
         tensor = self.read_region(source.stored, source.box)
-        return tensor[0] if source.stacked else tensor
+        return tensor.reshape(tensor.shape[source.stacked:])
 
     def source_files(self, source: LayerSource) -> frozenset[str]:
         """The shard files holding part of ``source`` (what reading it opens)."""
@@ -102,16 +110,35 @@ class TorchDistCheckpoint:
     def source_nbytes(self, source: LayerSource) -> int:
         return source.box.numel * self.tensor(source.stored).itemsize
 
-    def _read_chunk(self, chunk: StoredChunk) -> torch.Tensor:
+    def _read_chunk(self, chunk: StoredChunk, *, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored chunk, read into ``into`` (contiguous, of the chunk's shape) when given."""
         info = self._where[(chunk.tensor, chunk.box.offsets)]
         file = self.path / info.relative_path
+        itemsize = self.tensor(chunk.tensor).itemsize
         try:
             with open(file, "rb") as handle:
+                located = locate_tensor_bytes(handle, info.offset, info.length, shape=chunk.box.sizes,
+                                              itemsize=itemsize)
+                if located is not None:  # the usual case: the bytes go straight into place
+                    target = into if into is not None else torch.empty(chunk.box.sizes, dtype=self.dtypes[chunk.tensor])
+                    handle.seek(located.offset)
+                    got = handle.readinto(target.reshape(-1).view(torch.uint8).numpy())
+                    if got != located.length:
+                        raise CheckpointReadError(f"shard file {info.relative_path} is truncated: {got} of "
+                                                  f"{located.length} bytes of {chunk.tensor}", path=str(file))
+                    return target
                 handle.seek(info.offset)
                 raw = handle.read(info.length)
         except OSError as exc:
             raise CheckpointReadError(f"shard file {info.relative_path} is missing or unreadable: {exc.strerror}",
                                       path=str(file)) from exc
+        data = self._load_record(raw, chunk, info, file)
+        if into is not None:
+            into.copy_(data)
+        return data
+
+    def _load_record(self, raw: bytes, chunk: StoredChunk, info: Any, file: Path) -> torch.Tensor:
+        """``torch.load`` of a record ``locate_tensor_bytes`` could not place (or a damaged one)."""
         if len(raw) != info.length:
             raise CheckpointReadError(f"shard file {info.relative_path} is truncated: {len(raw)} of "
                                       f"{info.length} bytes at offset {info.offset}", path=str(file))
@@ -151,21 +178,33 @@ def layer_box(tensor: TensorInfo, layer: int) -> Box:
 
 @dataclass(frozen=True)
 class LayerSource:
-    """Where one canonical per-layer Megatron tensor lives in the checkpoint."""
+    """Where one canonical per-layer (and per-expert) Megatron tensor lives in the checkpoint."""
 
     stored: str  # the checkpoint tensor holding it
-    box: Box  # its part of that tensor (one layer of a layer-stacked one, else the whole)
-    stacked: bool  # the box keeps the stacked tensor's leading layer axis (of size 1)
+    box: Box  # its part of that tensor: one layer (and one expert) of a stacked one, else the whole
+    # How many leading axes of size 1 the box keeps (layer, then expert) that reading drops:
+    # 0 for a tensor stored as it is, 1 for a layer of a layer-stacked one, 2 for an expert of
+    # the layer-stacked grouped experts. (Truthy exactly when a layer axis is kept.)
+    stacked: int
 
 
 def layer_sources(checkpoint: TorchDistCheckpoint) -> dict[str, LayerSource]:
-    """Canonical per-layer Megatron name -> where it lives (layer-stacked tensors unstacked)."""
+    """Canonical per-layer Megatron name -> where it lives (layer-stacked tensors unstacked,
+    grouped experts split into one source per global expert)."""
     sources: dict[str, LayerSource] = {}
     for tensor in checkpoint.tensors():
         if _STACKED.match(tensor.name):
-            for layer in range(tensor.shape[0]):
-                sources[canonical_megatron_name(per_layer_name(tensor.name, layer))] = LayerSource(
-                    tensor.name, layer_box(tensor, layer), True)
+            parts = [(per_layer_name(tensor.name, layer), layer_box(tensor, layer), 1)
+                     for layer in range(tensor.shape[0])]
         else:
-            sources[canonical_megatron_name(tensor.name)] = LayerSource(tensor.name, Box.whole(tensor.shape), False)
+            parts = [(tensor.name, Box.whole(tensor.shape), 0)]
+        for name, box, lead in parts:
+            if per_expert_name(name, 0) is None:
+                sources[canonical_megatron_name(name)] = LayerSource(tensor.name, box, lead)
+                continue
+            for expert in range(box.sizes[lead]):  # the expert axis follows the layer axis
+                offsets, sizes = list(box.offsets), list(box.sizes)
+                offsets[lead], sizes[lead] = expert, 1
+                sources[per_expert_name(name, expert)] = LayerSource(tensor.name, Box(tuple(offsets), tuple(sizes)),
+                                                                     lead + 1)
     return sources

@@ -6,7 +6,10 @@ forward and saves ``torch_dist`` checkpoints on CPU under a gloo process group, 
   ``torch.cuda.current_device()``: the first becomes a no-op, the second names the CPU;
 - its forward forks the CUDA RNG tracker's "model-parallel-rng" state around dropout, a state
   that only a CUDA seed can register: forking becomes a no-op (CPU runs here are deterministic
-  evaluations with no dropout).
+  evaluations with no dropout);
+- its MoE router's gating (``moe_utils.RouterGatingLinearFunction``) tests ``te_general_gemm``,
+  a name only bound when Transformer Engine imports: without TE it raises NameError, so the
+  name is bound to None (the plain ``torch.mm`` path).
 Installed only when CUDA is absent: on a GPU machine ``install_cpu_shims`` changes nothing.
 (Callers pass an explicit attention mask: the default causal mask is built on "cuda".)
 """
@@ -27,4 +30,8 @@ def install_cpu_shims() -> bool:
     from megatron.core.tensor_parallel import random as megatron_random
 
     megatron_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     return True
