@@ -196,13 +196,15 @@ def write_shard(job: ShardJob, staging: str) -> ShardDone:
     path = Path(staging) / job.file
     partial = path.with_name(path.name + ".partial")
     shard = StreamedShard(partial, list(job.slots))
+    scratch = _Scratch()
     try:
         for unit in job.units:
             source = sources[unit.name]
             if unit.rows is None:
-                mapped = arch.to_hf(unit.name, checkpoint.read_source(source))
+                into = scratch.tensor(source.box.sizes, checkpoint.dtypes[source.stored])
+                mapped = arch.to_hf(unit.name, checkpoint.read_source(source, out=into))
             else:
-                mapped = {unit.outputs[0]: _read_rows(checkpoint, source, unit.rows, job.spec.vocab_size)}
+                mapped = {unit.outputs[0]: _read_rows(checkpoint, source, unit.rows, job.spec.vocab_size, scratch)}
             for hf_name in unit.outputs:
                 tensor = mapped[hf_name]
                 shard.append(hf_name, tensor.to(job.dtype) if job.dtype is not None else tensor)
@@ -216,7 +218,7 @@ def write_shard(job: ShardJob, staging: str) -> ShardDone:
 
 
 def _read_rows(checkpoint: TorchDistCheckpoint, source: LayerSource, rows: tuple[int, int],
-               vocab_size: int) -> torch.Tensor:
+               vocab_size: int, scratch: _Scratch) -> torch.Tensor:
     """Rows ``rows`` of a vocabulary table, less those past the vocabulary (padding)."""
     start, stop = rows[0], min(rows[1], vocab_size)
     if stop <= start:
@@ -224,8 +226,26 @@ def _read_rows(checkpoint: TorchDistCheckpoint, source: LayerSource, rows: tuple
     lead = int(source.stacked)
     offsets, sizes = list(source.box.offsets), list(source.box.sizes)
     offsets[lead], sizes[lead] = offsets[lead] + start, stop - start
-    block = checkpoint.read_region(source.stored, Box(tuple(offsets), tuple(sizes)))
+    box = Box(tuple(offsets), tuple(sizes))
+    block = checkpoint.read_region(source.stored, box, out=scratch.tensor(box.sizes, checkpoint.dtypes[source.stored]))
     return block.reshape(block.shape[int(source.stacked):])
+
+
+class _Scratch:
+    """One buffer a worker reads every unit into, grown to the largest: its pages are touched once
+    per shard, not once per tensor (fresh memory's page faults cost more than the reads did on the
+    test VM: 0.21 s against 0.04 s per 406 MiB). Safe because a unit's output is written before the
+    next unit is read."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(0, dtype=torch.uint8)  # let the old pages go first
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype).view(shape)
 
 
 def _shard_job(src: str, stamp: tuple[int, int], file: str, task: ConvertTask, spec: ArchSpec, dtype: torch.dtype | None,

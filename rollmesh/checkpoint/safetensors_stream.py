@@ -11,10 +11,12 @@ its sha256 comes for free.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -29,6 +31,7 @@ _DTYPE_NAMES = {
 # transformers refuses a safetensors file whose metadata does not say which framework wrote it.
 SHARD_METADATA = {"format": "pt"}
 _WRITE_PIECE = 1 << 20
+_WRITEBACK_STEP = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,27 @@ def safetensors_header(slots: list[TensorSlot]) -> bytes:
     return struct.pack("<Q", len(header)) + header
 
 
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.sync_file_range
+    except (OSError, AttributeError):  # not Linux: close() fsyncs everything anyway
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return function
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
+
+
+def start_writeback(descriptor: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` of a file to disk (Linux's
+    ``sync_file_range``; a no-op elsewhere). Durability still comes from fsync."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(descriptor, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
 class StreamedShard:
     """Writes one safetensors file at ``path`` whose tensors arrive in slot order, whole or as
     consecutive blocks of leading rows. ``close`` checks every byte arrived, syncs the file and
@@ -75,6 +99,7 @@ class StreamedShard:
         self._next = 0  # index of the slot being filled
         self._filled = 0  # bytes of it written so far
         self._digest = hashlib.sha256()
+        self._written = self._flushed = 0  # bytes written, and handed to the disk
         self._handle: BinaryIO = open(self.path, "wb")  # noqa: SIM115 - closed by close()/abort()
         self._write(safetensors_header(slots))
 
@@ -116,9 +141,15 @@ class StreamedShard:
 
     def _write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
-        # In pieces: on the test VM one 64 MiB write() into new page-cache pages took ten times
-        # as long per byte as the same bytes in 1 MiB writes (3.2 s against 0.34 s for 1.5 GB).
+        # In pieces, so the hash reads each piece while it is still in the CPU cache.
         for start in range(0, len(view), _WRITE_PIECE):
             piece = view[start:start + _WRITE_PIECE]
             self._handle.write(piece)
             self._digest.update(piece)
+            self._written += len(piece)
+        if self._written - self._flushed >= _WRITEBACK_STEP:
+            # Start the disk writing what is written so far, without waiting: the fsync in
+            # close() then has little left to wait for, and the disk works while we compute.
+            self._handle.flush()
+            start_writeback(self._handle.fileno(), self._flushed, self._written - self._flushed)
+            self._flushed = self._written
