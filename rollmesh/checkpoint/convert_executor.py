@@ -34,6 +34,7 @@ from rollmesh.checkpoint.convert_planner import ConvertTask, PlannedTensor, plan
 from rollmesh.checkpoint.convert_staging import ResumableStaging, ShardDone
 from rollmesh.checkpoint.megatron_to_hf import check_names_fit
 from rollmesh.checkpoint.hf_writer import CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, shard_file_name
+from rollmesh.checkpoint.row_pieces import write_from_pages
 from rollmesh.checkpoint.safetensors_stream import StreamedShard, TensorSlot
 from rollmesh.checkpoint.torch_dist_reader import METADATA_FILE, LayerSource, TorchDistCheckpoint, layer_sources
 
@@ -200,6 +201,9 @@ def write_shard(job: ShardJob, staging: str) -> ShardDone:
     try:
         for unit in job.units:
             source = sources[unit.name]
+            if unit.rows is None and write_from_pages(checkpoint, source, arch, unit.name, unit.outputs,
+                                                      shard.append, job.dtype):
+                continue  # written straight from the file's pages
             if unit.rows is None:
                 into = scratch.tensor(source.box.sizes, checkpoint.dtypes[source.stored])
                 mapped = arch.to_hf(unit.name, checkpoint.read_source(source, out=into))

@@ -8,7 +8,8 @@ may be split into blocks of rows, so the largest tensor of a big-vocabulary mode
 budget whole. A worker holds one unit's input and output at a time, so the budget bounds memory
 per worker whatever the task or model size. Units are packed into tasks (one task writes one
 output shard) of at most ``max_task_bytes`` of output, preferring units that read the same
-source files, then sorted largest first so parallel workers finish together (LPT). A unit that
+source files (small leftovers are then folded into larger tasks), then sorted largest first so
+parallel workers finish together (LPT). A unit that
 cannot be split and does not fit the budget is an error that names it.
 """
 
@@ -149,5 +150,15 @@ def plan_tasks(tensors: Sequence[PlannedTensor], *, max_task_bytes: int, max_uni
                 open_tasks.append(home)
             home.units += item
         tasks += open_tasks
-    return sorted(tasks, key=lambda t: (-t.out_bytes, t.units[0].tensor))
+    # Groups read by few tensors (replicated norms live in one rank's file) leave small tasks:
+    # fold each into a larger one it fits, rather than writing a shard of a few kilobytes.
+    tasks.sort(key=lambda t: (-t.out_bytes, t.units[0].tensor))
+    merged: list[ConvertTask] = []
+    for task in tasks:
+        home = next((t for t in merged if t.out_bytes + task.out_bytes <= max_task_bytes), None)
+        if home is not None and task.out_bytes < max_task_bytes // 4:
+            home.units += task.units
+        else:
+            merged.append(task)
+    return sorted(merged, key=lambda t: (-t.out_bytes, t.units[0].tensor))
 

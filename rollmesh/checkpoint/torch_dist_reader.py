@@ -17,6 +17,7 @@ occupies. Byte entries (``_extra_state``) carry no weights and are skipped. Not 
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import pickle
 import re
@@ -117,6 +118,30 @@ class TorchDistCheckpoint:
     def source_nbytes(self, source: LayerSource) -> int:
         return source.box.numel * self.tensor(source.stored).itemsize
 
+    def chunk_view(self, chunk: StoredChunk) -> torch.Tensor | None:
+        """The stored chunk as a tensor over the file's pages, mapped private and read-only in
+        effect: nothing is copied, the page cache's pages are ours until unmapped (when the last
+        view goes). None when its record is not the plain layout ``locate_tensor_bytes`` places."""
+        info = self._where[(chunk.tensor, chunk.box.offsets)]
+        file = self.path / info.relative_path
+        dtype = self.dtypes[chunk.tensor]
+        try:
+            with open(file, "rb") as handle:
+                located = locate_tensor_bytes(handle, info.offset, info.length, shape=chunk.box.sizes,
+                                              itemsize=self.tensor(chunk.tensor).itemsize)
+                if located is None or located.length == 0:
+                    return None
+                start = located.offset - located.offset % mmap.ALLOCATIONGRANULARITY
+                pages = mmap.mmap(handle.fileno(), located.offset + located.length - start, offset=start,
+                                  flags=mmap.MAP_PRIVATE | _MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise CheckpointReadError(f"shard file {info.relative_path} is missing or unreadable: {exc.strerror}",
+                                      path=str(file)) from exc
+        except ValueError as exc:  # the mapping would pass the end of the file
+            raise CheckpointReadError(f"shard file {info.relative_path} is truncated: {exc}", path=str(file)) from exc
+        count = located.length // self.tensor(chunk.tensor).itemsize
+        return torch.frombuffer(pages, dtype=dtype, count=count, offset=located.offset - start).reshape(chunk.box.sizes)
+
     def _read_chunk(self, chunk: StoredChunk, *, into: torch.Tensor | None = None) -> torch.Tensor:
         """The stored chunk, read into ``into`` (contiguous, of the chunk's shape) when given."""
         info = self._where[(chunk.tensor, chunk.box.offsets)]
@@ -216,6 +241,8 @@ def layer_sources(checkpoint: TorchDistCheckpoint) -> dict[str, LayerSource]:
     return sources
 
 
+# Map the pages in one go rather than fault them in one at a time (Linux only).
+_MAP_POPULATE = 0
 # At most this many buffers per preadv call (Linux's IOV_MAX).
 _IOV_MAX = 1024
 
