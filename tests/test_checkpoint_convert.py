@@ -156,3 +156,32 @@ async def test_the_resharder_converts_a_saved_megatron_checkpoint(dense_tp2, who
     assert (converted.step, converted.weight_version, converted.source_path) == (7, 3, str(dense_tp2))
     assert_same_tensors(Path(converted.hf_path), whole_export)
     assert await resharder.handle_checkpoint_saved(saved) == converted  # a redelivery reuses the export
+
+
+def test_per_layer_keys_and_args_inside_the_checkpoint_convert_to_the_same_model(dense_tp2, whole_export, tmp_path):
+    """Megatron's other torch_dist flavours: a key per layer (``decoder.layers.N.*``) rather than
+    layer-stacked tensors, and the common state (``args``) saved inside the checkpoint rather
+    than in common.pt (Megatron-LM's torch_dcp format)."""
+    import re
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(dense_tp2, tmp_path / "whole.pt")
+    stacked = torch.load(tmp_path / "whole.pt", weights_only=False)
+    per_layer: dict[str, object] = {}
+    for name, value in stacked.items():
+        if not isinstance(value, torch.Tensor):
+            continue  # _extra_state bytes
+        match = re.match(r"^decoder\.layers\.(?!\d+\.)(.+)$", name)
+        if match is None:
+            per_layer[name] = value
+        else:
+            per_layer.update({f"decoder.layers.{layer}.{match.group(1)}": value[layer].clone()
+                              for layer in range(value.shape[0])})
+    per_layer["args"] = torch.load(dense_tp2 / "common.pt", weights_only=False)["args"]
+    flavour = tmp_path / "per_layer"
+    dcp.save(per_layer, checkpoint_id=str(flavour), no_dist=True)
+    assert not (flavour / "common.pt").exists()
+    export_to_hf(flavour, tmp_path / "hf", ExportOptions(workers=2))
+    assert_same_tensors(tmp_path / "hf", whole_export)

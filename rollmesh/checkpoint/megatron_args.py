@@ -49,14 +49,18 @@ def detect_format(folder: Path) -> str:
 
 
 def saved_args(folder: Path) -> Any:
-    """The training arguments saved with the checkpoint (Megatron-LM's ``args``), or None."""
+    """The training arguments saved with the checkpoint (Megatron-LM's ``args``: in the legacy
+    files, in ``common.pt``, or as an object inside a torch_dist checkpoint), or None."""
     if detect_format(folder) == "megatron_legacy":
         from rollmesh.checkpoint.legacy_reader import LegacyCheckpoint
 
         return LegacyCheckpoint(folder).args()
     path = folder / COMMON_FILE
-    if not path.is_file():
-        return None
+    if not path.is_file():  # the common state saved inside the checkpoint itself
+        from rollmesh.checkpoint.torch_dist_reader import TorchDistCheckpoint
+
+        checkpoint = TorchDistCheckpoint(folder)
+        return checkpoint.read_object("args") if "args" in checkpoint.objects else None
     try:
         common = torch.load(path, weights_only=False, map_location="cpu")  # noqa: S614 - a trusted local checkpoint
     except Exception as exc:  # a damaged file: the loader's errors vary

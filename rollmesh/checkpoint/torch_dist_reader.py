@@ -67,6 +67,28 @@ class TorchDistCheckpoint:
             self._tensors[name] = TensorInfo(name, shape, itemsize, tuple(chunks))
         self.dtypes = {name: entry.properties.dtype for name, entry in metadata.state_dict_metadata.items()
                        if hasattr(entry, "chunks")}
+        # Objects saved inside the checkpoint rather than in common.pt (Megatron-LM's torch_dcp
+        # format keeps ``args`` there), each a torch.save'd byte record.
+        self.objects = sorted(name for name, entry in metadata.state_dict_metadata.items()
+                              if not hasattr(entry, "chunks") and (name, ()) in self._where)
+
+    def read_object(self, name: str) -> Any:
+        """An object saved inside the checkpoint (a byte entry of the index), unpickled."""
+        info = self._where.get((name, ()))
+        if name not in self.objects or info is None:
+            raise CheckpointReadError(f"no object {name!r} in the checkpoint", path=str(self.path))
+        file = self.path / info.relative_path
+        try:
+            with open(file, "rb") as handle:
+                handle.seek(info.offset)
+                raw = handle.read(info.length)
+            return torch.load(io.BytesIO(raw), weights_only=False)  # noqa: S614 - a trusted local checkpoint
+        except OSError as exc:
+            raise CheckpointReadError(f"shard file {info.relative_path} is missing or unreadable: {exc.strerror}",
+                                      path=str(file)) from exc
+        except Exception as exc:  # a damaged record: the loader's errors vary
+            raise CheckpointReadError(f"shard file {info.relative_path}: object {name!r} is corrupt: {exc!r}",
+                                      path=str(file)) from exc
 
     def tensors(self) -> list[TensorInfo]:
         return list(self._tensors.values())
