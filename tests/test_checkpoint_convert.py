@@ -185,3 +185,40 @@ def test_per_layer_keys_and_args_inside_the_checkpoint_convert_to_the_same_model
     assert not (flavour / "common.pt").exists()
     export_to_hf(flavour, tmp_path / "hf", ExportOptions(workers=2))
     assert_same_tensors(tmp_path / "hf", whole_export)
+
+
+async def test_the_resharder_actor_answers_checkpoint_saved_on_nats_converted_or_failed(dense_tp2, mesh):
+    """Through the running mesh: a Megatron checkpoint saved -> CheckpointConverted; one that is
+    not there -> CheckpointConversionFailed with the reason, once (no retry loop)."""
+    import asyncio
+
+    import nats
+
+    from rollmesh.messages.subjects import CHECKPOINT_CONVERTED, CHECKPOINT_FAILED, CHECKPOINT_SAVED
+
+    namespace = mesh.namespace
+    nc = await nats.connect(mesh.info.nats_url)
+    converted: asyncio.Queue = asyncio.Queue()
+    failed: asyncio.Queue = asyncio.Queue()
+    try:
+        async def on_converted(msg) -> None:
+            converted.put_nowait(CHECKPOINT_CONVERTED.decode(msg.data))
+
+        async def on_failed(msg) -> None:
+            failed.put_nowait(CHECKPOINT_FAILED.decode(msg.data))
+
+        await nc.subscribe(CHECKPOINT_CONVERTED.format(namespace), cb=on_converted)
+        await nc.subscribe(CHECKPOINT_FAILED.format(namespace), cb=on_failed)
+        missing = dense_tp2.parent / "not_saved_yet"
+        for step, path in ((9001, dense_tp2), (9002, missing)):
+            saved = CheckpointSaved(step=step, weight_version=step, path=str(path), format="megatron_torch_dist")
+            await nc.jetstream().publish(CHECKPOINT_SAVED.format(namespace), CHECKPOINT_SAVED.encode(saved))
+        done = await asyncio.wait_for(converted.get(), timeout=120)
+        assert done.step == 9001 and (Path(done.hf_path) / INDEX_FILE).is_file()
+        refused = await asyncio.wait_for(failed.get(), timeout=60)
+        assert (refused.step, refused.error_type) == (9002, "CheckpointReadError")
+        assert "no such checkpoint directory" in refused.reason and str(missing) in refused.reason
+        await asyncio.sleep(2.0)
+        assert failed.empty() and converted.empty()  # answered once each, not retried
+    finally:
+        await nc.close()

@@ -10,6 +10,7 @@ import pytest
 
 from rollmesh.messages import (
     ALL_SUBJECTS,
+    CheckpointConversionFailed,
     CheckpointConverted,
     CheckpointSaved,
     DeadLettered,
@@ -80,6 +81,8 @@ EXAMPLES: dict[type, WireMessage] = {type(m): m for m in [
                     model_config={"d_model": 32}),
     CheckpointConverted(step=1, weight_version=1, source_path="/a", hf_path="/b", files=["m.safetensors"],
                         num_bytes=10),
+    CheckpointConversionFailed(step=1, weight_version=1, source_path="/a", format="megatron_torch_dist",
+                               error_type="CheckpointReadError", reason="cannot read checkpoint: ..."),
     SandboxLeaseRequest(holder="r-1", profile="default", limits=SandboxLimitsSpec(memory_mb=4096)),
     SandboxLeaseReply(lease_id="lease-1", backend="bwrap", isolated=True, warm=True,
                       limits=SandboxLimitsSpec(memory_mb=4096, pids=256)),

@@ -1,4 +1,5 @@
-"""The checkpoint resharder actor: CheckpointSaved in, Hugging Face safetensors out.
+"""The checkpoint resharder actor: CheckpointSaved in, Hugging Face safetensors out
+(CheckpointConverted), or CheckpointConversionFailed with the reason when it cannot be.
 
 Knows the checkpoint package and the shell; no ray import. Checkpoint events come from a
 JetStream stream, so a checkpoint saved while the resharder is down is converted when it is back.
@@ -10,10 +11,10 @@ from pathlib import Path
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.ports import ActorLogic, MessageContext, Publisher, Subscription
-from rollmesh.checkpoint.resharder import CheckpointResharder
+from rollmesh.checkpoint.resharder import PERMANENT_CONVERSION_ERRORS, CheckpointResharder, conversion_failed
 from rollmesh.config import ResharderConfig
 from rollmesh.messages import CheckpointSaved
-from rollmesh.messages.subjects import CHECKPOINT_CONVERTED, CHECKPOINT_SAVED
+from rollmesh.messages.subjects import CHECKPOINT_CONVERTED, CHECKPOINT_FAILED, CHECKPOINT_SAVED
 
 
 class ResharderService:
@@ -25,7 +26,13 @@ class ResharderService:
         return [Subscription(CHECKPOINT_SAVED, self.handle_saved, "jetstream", durable="resharder")]
 
     async def handle_saved(self, message: CheckpointSaved, ctx: MessageContext) -> None:
-        converted = await self.resharder.handle_checkpoint_saved(message)
+        try:
+            converted = await self.resharder.handle_checkpoint_saved(message)
+        except PERMANENT_CONVERSION_ERRORS as exc:
+            # Retrying cannot help: say why once and settle the event. Write errors (a full
+            # disk) are not in the list: they raise, and JetStream redelivers later.
+            await self.publisher.publish(CHECKPOINT_FAILED, conversion_failed(message, exc))
+            return
         await self.publisher.publish(CHECKPOINT_CONVERTED, converted)
 
 

@@ -26,6 +26,7 @@ from rollmesh.bus.errors import StreamSetupError
 from rollmesh.messages import Subject, check_namespace
 from rollmesh.messages.subjects import (
     CHECKPOINT_CONVERTED,
+    CHECKPOINT_FAILED,
     CHECKPOINT_SAVED,
     DEAD_LETTERED,
     GPU_GRANTED,
@@ -80,6 +81,7 @@ _CAPTURED = {
     WEIGHTS_PUBLISHED.template: weights_stream,
     CHECKPOINT_SAVED.template: checkpoints_stream,
     CHECKPOINT_CONVERTED.template: checkpoints_stream,
+    CHECKPOINT_FAILED.template: checkpoints_stream,
     GPU_GRANTED.template: scheduling_stream,
     GPU_RELEASED.template: scheduling_stream,
     PREEMPTION_REQUESTED.template: scheduling_stream,
@@ -132,8 +134,9 @@ def stream_configs(namespace: str, limits: StreamLimits = StreamLimits()) -> lis
         ),
         StreamConfig(
             # Saved checkpoints wait here for the resharder, even if it is down when they land.
-            name=checkpoints_stream(namespace), subjects=subjects(CHECKPOINT_SAVED, CHECKPOINT_CONVERTED),
-            retention=RetentionPolicy.LIMITS, description="checkpoint saved/converted events",
+            name=checkpoints_stream(namespace),
+            subjects=subjects(CHECKPOINT_SAVED, CHECKPOINT_CONVERTED, CHECKPOINT_FAILED),
+            retention=RetentionPolicy.LIMITS, description="checkpoint saved/converted/failed events",
             **common,
         ),
         StreamConfig(

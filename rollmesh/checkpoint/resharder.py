@@ -17,17 +17,26 @@ from pathlib import Path
 import msgspec
 
 from rollmesh.checkpoint.atomic_dir import write_file_atomically
+from rollmesh.checkpoint.convert_planner import TaskTooLargeError
 from rollmesh.checkpoint.errors import CheckpointReadError
 from rollmesh.checkpoint.hf_writer import list_hf_files, write_hf_checkpoint
 from rollmesh.checkpoint.megatron_export import ExportOptions, export_to_hf
 from rollmesh.checkpoint.readers import read_checkpoint
 from rollmesh.config import ResharderConfig
-from rollmesh.messages.checkpoint import CheckpointConverted, CheckpointSaved
+from rollmesh.messages.checkpoint import CheckpointConversionFailed, CheckpointConverted, CheckpointSaved
 
 # Written after the export is published; without it (or with other values) an export is redone.
 PROVENANCE_FILE = "rollmesh_export.json"
 # Converted by the planned Megatron exporter (the rest through ``read_checkpoint``).
 MEGATRON_FORMATS = ("megatron_torch_dist", "megatron_legacy")
+# Errors that converting the same checkpoint again would raise again: missing or corrupt files,
+# an unknown format or architecture, a tensor too large for the memory budget.
+PERMANENT_CONVERSION_ERRORS = (CheckpointReadError, TaskTooLargeError)
+
+
+def conversion_failed(msg: CheckpointSaved, error: Exception) -> CheckpointConversionFailed:
+    return CheckpointConversionFailed(step=msg.step, weight_version=msg.weight_version, source_path=msg.path,
+                                      format=msg.format, error_type=type(error).__name__, reason=str(error))
 
 
 class ExportProvenance(msgspec.Struct, frozen=True, kw_only=True):

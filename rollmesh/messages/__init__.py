@@ -1,7 +1,12 @@
 """The wire contract: message Structs and the subjects they travel on. Imports nothing of ours."""
 
 from rollmesh.messages.base import SamplingParams, WireMessage
-from rollmesh.messages.checkpoint import CheckpointConverted, CheckpointFormat, CheckpointSaved
+from rollmesh.messages.checkpoint import (
+    CheckpointConversionFailed,
+    CheckpointConverted,
+    CheckpointFormat,
+    CheckpointSaved,
+)
 from rollmesh.messages.dead_letter import DeadLettered
 from rollmesh.messages.rollout import (
     INFRA_FAILURE_KINDS,
@@ -49,6 +54,7 @@ from rollmesh.messages.weights import WeightsActivated, WeightsPublished
 
 __all__ = [
     "ALL_SUBJECTS",
+    "CheckpointConversionFailed",
     "CheckpointConverted",
     "CheckpointFormat",
     "CheckpointSaved",

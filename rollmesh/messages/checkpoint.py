@@ -25,3 +25,16 @@ class CheckpointConverted(WireMessage, frozen=True, tag="ckpt.converted"):
     hf_path: str
     files: list[str]
     num_bytes: int
+
+
+class CheckpointConversionFailed(WireMessage, frozen=True, tag="ckpt.failed"):
+    """A saved checkpoint that cannot be converted as it is (missing, corrupt, not an
+    architecture the maps know, or too large for the memory budget): retrying would fail the same
+    way, so the resharder says why once and moves on."""
+
+    step: int
+    weight_version: int
+    source_path: str
+    format: CheckpointFormat
+    error_type: str  # the exception's class, e.g. CheckpointReadError or TaskTooLargeError
+    reason: str

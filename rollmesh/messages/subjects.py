@@ -15,7 +15,7 @@ from typing import Generic, Literal, TypeVar
 import msgspec
 
 from rollmesh.messages.base import WireMessage
-from rollmesh.messages.checkpoint import CheckpointConverted, CheckpointSaved
+from rollmesh.messages.checkpoint import CheckpointConversionFailed, CheckpointConverted, CheckpointSaved
 from rollmesh.messages.dead_letter import DeadLettered
 from rollmesh.messages.rollout import (
     RolloutCompleted,
@@ -123,6 +123,7 @@ WEIGHTS_ACTIVATED = Subject("rl.{ns}.weights.activated", WeightsActivated)
 TRAINER_STEPPED = Subject("rl.{ns}.trainer.stepped", TrainerStepped, "json")
 CHECKPOINT_SAVED = Subject("rl.{ns}.ckpt.saved", CheckpointSaved)
 CHECKPOINT_CONVERTED = Subject("rl.{ns}.ckpt.converted", CheckpointConverted)
+CHECKPOINT_FAILED = Subject("rl.{ns}.ckpt.failed", CheckpointConversionFailed)
 # The sandbox broker's request/reply subjects, and the (core NATS) stream of exec output chunks.
 # One subject for all output: a chunk names its lease_id and exec_id, and only execs that asked
 # for streaming publish any.
@@ -159,6 +160,7 @@ ALL_SUBJECTS: tuple[Subject, ...] = (
     TRAINER_STEPPED,
     CHECKPOINT_SAVED,
     CHECKPOINT_CONVERTED,
+    CHECKPOINT_FAILED,
     SANDBOX_LEASE,
     SANDBOX_EXEC,
     SANDBOX_OUTPUT,
