@@ -179,3 +179,33 @@ def test_resharding_to_tp2_per_rank_files_gives_megatrons_own_rank_shards(dense_
     # 2 query groups cannot be spread over 4 ranks: refused, nothing written.
     assert main(["convert", str(dense_tp2), str(tmp_path / "tp4"), "--target-tp", "4"]) == 2
     assert "2 query groups do not split over 4" in capsys.readouterr().err and not (tmp_path / "tp4").exists()
+
+
+def test_legacy_pipeline_stages_merge_into_the_same_model(legacy_tp2, tmp_path):
+    """Megatron-LM's pipeline-parallel naming, mp_rank_TT_PPP: each stage holds its layers under
+    local numbers (the second stage's first layer is its layer 0); the reader renumbers them."""
+    import re
+
+    from rollmesh.checkpoint.legacy_reader import LegacyCheckpoint
+
+    staged = tmp_path / "tp2_pp2"
+    for tp in range(2):
+        saved = torch.load(legacy_tp2 / f"mp_rank_{tp:02d}" / "model_optim_rng.pt", weights_only=False)
+        saved["args"].pipeline_model_parallel_size = 2
+        stages: list[dict] = [{}, {}]
+        for name, value in saved["model"].items():
+            layer = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+            if layer is not None:  # layer 0 on stage 0, layer 1 on stage 1 as its local layer 0
+                stages[int(layer.group(1))][f"decoder.layers.0.{layer.group(2)}"] = value
+            else:  # embedding on the first stage, final norm and output layer on the last
+                stages[0 if name.startswith("embedding") else 1][name] = value
+        for pp, model in enumerate(stages):
+            folder = staged / f"mp_rank_{tp:02d}_{pp:03d}"
+            folder.mkdir(parents=True)
+            torch.save({**saved, "model": model}, folder / "model_optim_rng.pt")
+    merged = LegacyCheckpoint(staged)
+    assert (merged.tp, merged.pp, merged.ep) == (2, 2, 1)
+    original = LegacyCheckpoint(legacy_tp2).global_state()
+    stitched = merged.global_state()
+    assert sorted(stitched) == sorted(original)
+    assert all(torch.equal(stitched[name], original[name]) for name in original)
