@@ -242,6 +242,20 @@ class TrainerConfig(_Config):
     checkpoint_every: NonNegInt = 0
     torch_threads: PositiveInt = 1
     seed: int = 0
+    # The policy loss (training/losses.py): "ppo_clip" averages over every trained token of the
+    # batch (today's loss); "grpo" averages within each sample, then over samples (DeepSeekMath).
+    policy_loss: Literal["grpo", "ppo_clip"] = "ppo_clip"
+    # Decoupled PPO: clip against the trainer's own logprobs before the update and weight each
+    # token by min(exp(proximal - behaviour), is_cap), e.g. 2.0. None or 0: off, the ratio is
+    # taken against the behaviour logprobs (today's loss; identical when behaviour == proximal).
+    is_cap: NonNegFloat | None = None
+    # Tokens generated more than this many versions before the trainer's weights are masked out
+    # of the loss. Not max_staleness: that bound excludes tool waits, so an admitted long
+    # rollout's first turns may be older; this one counts raw versions. None: no bound.
+    max_token_lag: NonNegInt | None = None
+    # k3 KL to the weights RL started from (a frozen copy: one more model's weights in memory).
+    kl_coef: NonNegFloat = 0.0
+    entropy_coef: NonNegFloat = 0.0  # entropy bonus over the trained tokens' full distributions
 
 
 class ResharderConfig(_Config):

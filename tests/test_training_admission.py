@@ -198,3 +198,16 @@ def test_a_trainer_stepped_from_an_older_publisher_decodes_with_an_empty_distrib
     decoded = TRAINER_STEPPED.decode(older)
     assert (decoded.version_lag_p50, decoded.version_lag_p90, decoded.version_lag_histogram,
             decoded.max_raw_version_lag) == (0, 0, {}, 0)
+
+
+def test_group_advantages_keep_each_samples_token_versions_and_flags():
+    from rollmesh.training.admission import Group, GroupMember
+    from rollmesh.training.grpo import PolicySample
+
+    made = [PolicySample([1, 2, 3], [0, 1, 1], [0.0, -1.0, -2.0], 0.0, versions=[-1, 4, 5]),
+            PolicySample([1, 2], [0, 1], [0.0, -0.5], 0.0, versions=[-1, 5], infra_failed=True)]
+    group = Group("g", [GroupMember("a", 1.0, made[0]), GroupMember("b", 0.0, made[1])])
+    trained = group.trainable_samples()
+    assert [sample.versions for sample in trained] == [[-1, 4, 5], [-1, 5]]
+    assert [sample.infra_failed for sample in trained] == [False, True]
+    assert trained[0].advantage > 0 > trained[1].advantage

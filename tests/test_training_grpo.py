@@ -1,9 +1,8 @@
-"""GRPO math and what feeds it: group advantages, batches, the clipped loss, admission by version
-lag, warm-start data, and the plain-torch backend on a tiny model."""
+"""GRPO's data side and what feeds it: group advantages, batches, admission by version lag,
+warm-start data, and the plain-torch backend on a tiny model. The losses: test_training_losses.py."""
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -13,13 +12,8 @@ from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
 from rollmesh.rollout.molar_mass import MolarMassTask, is_held_out
 from rollmesh.training.admission import Group, GroupBuffer, GroupMember, version_lag
-from rollmesh.training.grpo import (
-    PolicyBatch,
-    PolicySample,
-    clipped_policy_loss,
-    group_advantages,
-    token_logprobs,
-)
+from rollmesh.training.grpo import PolicyBatch, PolicySample, group_advantages
+from rollmesh.training.losses import token_logprobs
 from rollmesh.training.torch_backend import TorchTrainerBackend
 from rollmesh.training.warm_start import demonstration_batch
 
@@ -50,7 +44,7 @@ def test_group_advantages_are_none_when_nothing_can_be_learned(rewards):
     assert group_advantages(rewards) is None
 
 
-# --- batches and the clipped loss --------------------------------------------------------------
+# --- batches -----------------------------------------------------------------------------------
 
 def test_collate_right_pads_and_shifts_targets_mask_and_behaviour_logprobs_by_one():
     short = PolicySample([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.2], 1.0)
@@ -63,55 +57,6 @@ def test_collate_right_pads_and_shifts_targets_mask_and_behaviour_logprobs_by_on
     torch.testing.assert_close(batch.behaviour_logprobs,
                                torch.tensor([[-0.1, -0.2, 0.0, 0.0], [0.0, -0.3, -0.4, -0.5]]))
     assert batch.advantages.tolist() == [1.0, -1.0]
-
-
-def hand_batch() -> tuple[torch.Tensor, PolicyBatch]:
-    new = torch.tensor([[0.0, -1.0], [-1.0, -2.0]])
-    batch = PolicyBatch(
-        inputs=torch.zeros(2, 2, dtype=torch.long), targets=torch.zeros(2, 2, dtype=torch.long),
-        mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]),
-        behaviour_logprobs=torch.tensor([[-0.5, -0.9], [-0.5, -2.0]]),
-        advantages=torch.tensor([1.0, -1.0]),
-    )
-    return new, batch
-
-
-def test_clipped_loss_equals_a_hand_computation():
-    new, batch = hand_batch()
-    loss, stats = clipped_policy_loss(new, batch, clip_eps=0.2)
-
-    # Row 0 (advantage +1): ratio e^0.5 is clipped to 1.2; ratio e^-0.1 is inside the clip range.
-    # Row 1 (advantage -1): ratio e^-0.5 -> min(-e^-0.5, -0.8) = -0.8; its 2nd token is masked.
-    per_token = [-1.2, -math.exp(-0.1), 0.8]
-    assert float(loss) == pytest.approx(sum(per_token) / 3, rel=1e-6)
-    assert stats["clip_fraction"] == pytest.approx(2 / 3)
-    assert stats["mean_ratio"] == pytest.approx((math.exp(0.5) + math.exp(-0.1) + math.exp(-0.5)) / 3, rel=1e-6)
-
-
-def test_positions_with_mask_zero_contribute_nothing_to_loss_or_gradient():
-    new, batch = hand_batch()
-    wild = new.clone()
-    wild[1, 1] = 5.0  # the masked position
-    wild.requires_grad_(True)
-    loss, _ = clipped_policy_loss(wild, batch, clip_eps=0.2)
-    loss.backward()
-
-    assert float(loss.detach()) == pytest.approx(float(clipped_policy_loss(new, batch, clip_eps=0.2)[0]))
-    assert float(wild.grad[1, 1]) == 0.0
-    assert float(wild.grad[0, 1]) != 0.0  # an unclipped trained token does get a gradient
-
-
-def test_clipped_loss_of_a_batch_with_no_trained_tokens_is_zero():
-    new, batch = hand_batch()
-    empty = PolicyBatch(batch.inputs, batch.targets, torch.zeros_like(batch.mask),
-                        batch.behaviour_logprobs, batch.advantages)
-    loss, stats = clipped_policy_loss(new, empty, clip_eps=0.2)
-    assert float(loss) == 0.0 and stats["clip_fraction"] == 0.0
-
-
-def test_token_logprobs_pick_the_target_log_softmax():
-    logits = torch.tensor([[[0.0, math.log(3.0)]]])
-    assert float(token_logprobs(logits, torch.tensor([[1]]))[0, 0]) == pytest.approx(math.log(0.75))
 
 
 # --- admission ---------------------------------------------------------------------------------
@@ -232,18 +177,3 @@ def test_backend_state_dict_is_a_copy_of_the_model_weights(backend):
     tensor.add_(1.0)
     assert not torch.equal(backend.model.state_dict()[name], tensor)
     assert set(state) == set(backend.model.state_dict())
-
-
-def test_dual_clip_bounds_a_large_ratio_under_a_negative_advantage():
-    # One trained token whose ratio is e^3 (about 20): PPO-clip alone leaves -20 x A.
-    batch = PolicyBatch(inputs=torch.zeros(1, 1, dtype=torch.long), targets=torch.zeros(1, 1, dtype=torch.long),
-                        mask=torch.ones(1, 1), behaviour_logprobs=torch.tensor([[-4.0]]),
-                        advantages=torch.tensor([-1.0]))
-    new = torch.tensor([[-1.0]])
-    plain, _ = clipped_policy_loss(new, batch, clip_eps=0.2)
-    bounded, _ = clipped_policy_loss(new, batch, clip_eps=0.2, dual_clip=3.0)
-    assert float(plain) == pytest.approx(float(torch.exp(torch.tensor(3.0))))
-    assert float(bounded) == pytest.approx(3.0)
-    # A positive advantage is untouched by the dual clip.
-    positive = PolicyBatch(batch.inputs, batch.targets, batch.mask, batch.behaviour_logprobs, torch.tensor([1.0]))
-    assert float(clipped_policy_loss(new, positive, clip_eps=0.2, dual_clip=3.0)[0]) == pytest.approx(-1.2)

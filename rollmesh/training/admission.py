@@ -12,7 +12,7 @@ bound would drop long rollouts far more often than short ones; the generation la
 
 Excluding tool time means the oldest tokens of an admitted long rollout can be many versions older
 than ``max_staleness`` (``version_lag`` says how many; the trainer reports both). That is what the
-importance weight is for: every token carries its behaviour logprob, and the loss in ``grpo.py``
+importance weight is for: every token carries its behaviour logprob, and the loss in ``losses.py``
 weights it by the ratio exp(new_logprob - behaviour_logprob), truncated by the PPO clip. Hazard:
 that clip is one-sided; with a negative advantage a large ratio is not clipped (dual-clip would
 bound it), and the older the token, the further its ratio can drift from 1.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import groupby
 
 from rollmesh.training.grpo import PolicySample, group_advantages
@@ -123,11 +123,9 @@ class Group:
         advantages = group_advantages([member.reward for member in usable])
         if advantages is None:
             return []
-        return [
-            PolicySample(m.sample.tokens, m.sample.loss_mask, m.sample.behaviour_logprobs, advantage)
-            for m, advantage in zip(usable, advantages)
-            if m.sample is not None
-        ]
+        # replace(), not a new PolicySample: the per-token versions and flags travel to the loss.
+        return [replace(m.sample, advantage=advantage) for m, advantage in zip(usable, advantages)
+                if m.sample is not None]
 
     def rewards(self) -> list[float]:
         return [member.reward for member in self.members if member.sample is not None]

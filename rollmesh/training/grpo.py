@@ -1,8 +1,9 @@
-"""GRPO: group-relative advantages and the clipped importance-ratio loss.
+"""GRPO's data side: trajectories as policy samples, group-relative advantages, padded batches.
 
-Knows torch only. Each sample is one trajectory with its exact tokens, a loss mask (1 where the
-policy produced the token) and the behaviour logprob of every token, so off-policy tokens (made by
-an older weight version) are corrected by the ratio exp(new_logprob - behaviour_logprob).
+Knows torch only; the losses that consume a batch live in ``losses.py``. Each sample is one
+trajectory with its exact tokens, a loss mask (1 where the policy produced the token), the
+behaviour logprob of every token (from the inference engine) and the weight version that produced
+it, so the loss can correct, or mask, tokens made by older weights.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from dataclasses import dataclass
 import torch
 
 ADVANTAGE_EPS = 1e-6
+# The version of a forced token (prompt, tool output) or of a token whose version is unknown; the
+# wire uses the same value (RolloutCompleted.versions).
+NO_VERSION = -1
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,10 @@ class PolicySample:
     loss_mask: list[int]
     behaviour_logprobs: list[float]
     advantage: float
+    # One weight version per token (NO_VERSION for forced tokens); None: unknown, never stale.
+    versions: list[int] | None = None
+    # An infrastructure failure: the sample trains nothing and counts in no normalisation.
+    infra_failed: bool = False
 
 
 def group_advantages(rewards: list[float]) -> list[float] | None:
@@ -39,9 +47,11 @@ class PolicyBatch:
 
     inputs: torch.Tensor  # [B, T-1]
     targets: torch.Tensor  # [B, T-1]
-    mask: torch.Tensor  # [B, T-1] float, 1 where the target token is trained
+    mask: torch.Tensor  # [B, T-1] float, 1 where the target token is trained (the loss mask)
     behaviour_logprobs: torch.Tensor  # [B, T-1]
     advantages: torch.Tensor  # [B]
+    versions: torch.Tensor | None = None  # [B, T-1] long, the target token's version; None: unknown
+    infra_failed: torch.Tensor | None = None  # [B] bool; None: no sample failed
 
     @classmethod
     def collate(cls, samples: list[PolicySample], *, pad_id: int) -> "PolicyBatch":
@@ -49,43 +59,20 @@ class PolicyBatch:
         tokens = torch.full((len(samples), length), pad_id, dtype=torch.long)
         mask = torch.zeros(len(samples), length)
         old = torch.zeros(len(samples), length)
+        versions = torch.full((len(samples), length), NO_VERSION, dtype=torch.long)
         for row, sample in enumerate(samples):
             size = len(sample.tokens)
             tokens[row, :size] = torch.tensor(sample.tokens)
             mask[row, :size] = torch.tensor(sample.loss_mask, dtype=torch.float32)
             old[row, :size] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+            if sample.versions is not None:
+                versions[row, :size] = torch.tensor(sample.versions, dtype=torch.long)
         return cls(
             inputs=tokens[:, :-1],
             targets=tokens[:, 1:],
             mask=mask[:, 1:],
             behaviour_logprobs=old[:, 1:],
             advantages=torch.tensor([sample.advantage for sample in samples], dtype=torch.float32),
+            versions=versions[:, 1:],
+            infra_failed=torch.tensor([sample.infra_failed for sample in samples], dtype=torch.bool),
         )
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
-
-
-def clipped_policy_loss(
-    new_logprobs: torch.Tensor, batch: PolicyBatch, *, clip_eps: float, dual_clip: float | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip surrogate, averaged over trained tokens of the whole batch (token-mean).
-
-    ``dual_clip`` (c > 1) also bounds the other side: with a negative advantage the PPO clip
-    leaves a large ratio unbounded, and tokens made by much older versions (admitted long
-    rollouts) can have one; their objective is floored at c * advantage (dual-clip PPO)."""
-    ratio = torch.exp(new_logprobs - batch.behaviour_logprobs)
-    advantages = batch.advantages[:, None]
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
-    objective = torch.minimum(unclipped, clipped)
-    if dual_clip is not None:
-        objective = torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
-    per_token = -objective
-    trained = batch.mask.sum().clamp(min=1.0)
-    loss = (per_token * batch.mask).sum() / trained
-    with torch.no_grad():
-        clip_fraction = (((ratio - 1).abs() > clip_eps).float() * batch.mask).sum() / trained
-        mean_ratio = (ratio * batch.mask).sum() / trained
-    return loss, {"clip_fraction": float(clip_fraction), "mean_ratio": float(mean_ratio)}

@@ -148,7 +148,11 @@ class TrainerLogic:
         lag = generation_lag(message.versions, self.version)
         sample = None
         if lag <= self.config.max_staleness:
-            sample = PolicySample(message.tokens, message.loss_mask, message.logprobs, 0.0)
+            # Never infra_failed: a RolloutCompleted's infra_failures are failures it survived
+            # (resumed from its last saved turn, its tokens whole); one that did not survive is
+            # a RolloutFailed, counted in its group with no sample (handle_failed).
+            sample = PolicySample(message.tokens, message.loss_mask, message.logprobs, 0.0,
+                                  versions=message.versions)
         else:
             self.dropped_stale += 1
         member = GroupMember(_key(message), message.reward, sample, lag,
@@ -250,7 +254,7 @@ class TrainerLogic:
             await self.save_checkpoint()
 
     def _policy_step(self, samples: list[PolicySample]) -> dict[str, float]:
-        stats = self.backend.policy_step(samples)
+        stats = self.backend.policy_step(samples, current_version=self.version)
         return_freed_memory()  # the step's activations and gradients, back to the OS
         return stats
 
