@@ -256,6 +256,9 @@ class TrainerConfig(_Config):
     # k3 KL to the weights RL started from (a frozen copy: one more model's weights in memory).
     kl_coef: NonNegFloat = 0.0
     entropy_coef: NonNegFloat = 0.0  # entropy bonus over the trained tokens' full distributions
+    # Each weight version is published as safetensors buckets of at most this many bytes plus a
+    # manifest of their sha256 (engine/weight_buckets.py).
+    weight_bucket_bytes: PositiveInt = 512 << 20
 
 
 class ResharderConfig(_Config):

@@ -17,7 +17,8 @@ import nats
 import pytest
 import ray
 
-from rollmesh.engine.weights import load_weights, save_weights
+from rollmesh.engine.weight_buckets import load_published
+from rollmesh.engine.weights import save_weights
 from rollmesh.messages import WeightsPublished
 from rollmesh.messages.subjects import (
     DEAD_LETTERED,
@@ -168,9 +169,9 @@ async def test_weight_update_mid_rollout_keeps_the_rollout_and_both_versions(too
         await asyncio.wait_for(tool_started.wait(), 60)
         # The same (warm-started) weights under a new version: the tokens' versions must show
         # the swap, and the model keeps behaving for the tests that follow.
-        latest = sorted((mesh.run_dir / "weights").glob("v*.safetensors"))[-1]
+        latest = sorted((mesh.run_dir / "weights").glob("v*/manifest.json"))[-1]
         path = mesh.run_dir / "weights" / f"test-v{new_version}.safetensors"
-        sha256, size = save_weights(load_weights(latest), path)
+        sha256, size = save_weights(load_published(latest), path)
         await nc.publish(WEIGHTS_PUBLISHED.format(mesh.namespace), WEIGHTS_PUBLISHED.encode(
             WeightsPublished(version=new_version, path=str(path), sha256=sha256, num_bytes=size)))
         await asyncio.wait_for(all_activated.wait(), 30)

@@ -19,7 +19,8 @@ import pytest
 from rollmesh.bus.rollout_states import KvRolloutStates
 from rollmesh.bus.streams import rollout_requests_stream
 from rollmesh.config import load_run_config
-from rollmesh.engine.weights import load_weights, save_weights
+from rollmesh.engine.weight_buckets import load_published
+from rollmesh.engine.weights import save_weights
 from rollmesh.launcher import Mesh
 from rollmesh.mesh_info import new_run_dir
 from rollmesh.messages.subjects import ROLLOUT_REQUESTED
@@ -35,9 +36,9 @@ ROLLOUTS = 4
 async def test_a_drained_mesh_resumes_its_in_flight_rollouts_and_trains_each_once(tool_calling_mesh):
     session = tool_calling_mesh
     run_dir = new_run_dir(REPO_ROOT / ".rollmesh" / "test-runs")
-    latest = sorted((session.mesh.run_dir / "weights").glob("v*.safetensors"))[-1]
+    latest = sorted((session.mesh.run_dir / "weights").glob("v*/manifest.json"))[-1]
     weights = run_dir / "weights" / "v000001.safetensors"
-    sha256, size = save_weights(load_weights(latest), weights)
+    sha256, size = save_weights(load_published(latest), weights)
     TrainingLedger(run_dir / "trainer" / "ledger.jsonl").append(LedgerEntry(
         step=0, weight_version=1, weights_path=str(weights), sha256=sha256, num_bytes=size))
     gate = session.gate_dir / uuid.uuid4().hex

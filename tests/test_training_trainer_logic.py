@@ -16,7 +16,7 @@ from rollmesh.ports import MessageContext
 from rollmesh.checkpoint.torch_format import load_torch_checkpoint
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.tokenizer import BOS_ID, EOS_ID
-from rollmesh.engine.weights import load_weights
+from rollmesh.engine.weight_buckets import load_published, read_manifest
 from rollmesh.messages import RolloutCompleted, RolloutFailed
 from rollmesh.messages.subjects import (
     CHECKPOINT_SAVED,
@@ -165,11 +165,14 @@ async def test_weights_published_versions_increase_by_one_per_step_and_the_file_
     published = bus.messages(WEIGHTS_PUBLISHED)
     assert [message.version for message in published] == [1, 2]
     assert [step.weight_version for step in bus.messages(TRAINER_STEPPED)] == [1, 2]
-    for message in published:
-        data = Path(message.path).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == message.sha256
-        assert len(data) == message.num_bytes
-    newest = load_weights(published[-1].path, published[-1].sha256)
+    for message in published:  # the manifest is what the sha256 covers; it covers the buckets
+        manifest = read_manifest(Path(message.path), message.sha256)
+        assert manifest.version == message.version
+        for bucket in manifest.buckets:
+            data = (Path(message.path).parent / bucket.file).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == bucket.sha256
+        assert sum(len((Path(message.path).parent / b.file).read_bytes()) for b in manifest.buckets) == message.num_bytes
+    newest = load_published(published[-1].path, published[-1].sha256)
     for name, tensor in logic.backend.state_dict().items():
         assert torch.equal(newest[name], tensor)
 
@@ -201,7 +204,7 @@ async def test_trainer_stepped_reward_mean_averages_all_admitted_members_of_the_
 async def test_a_step_whose_weights_cannot_be_written_naks_its_trajectories_and_trains_their_redelivery(tmp_path):
     bus = RecordingPublisher()
     logic = trainer(tmp_path, bus)
-    (tmp_path / "weights").write_text("not a directory")  # save_weights cannot create the folder
+    (tmp_path / "weights").write_text("not a directory")  # the weights folder cannot be created
 
     outcomes = await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0))
     assert all(isinstance(outcome, Exception) for outcome in outcomes)  # nak'ed, so redelivered

@@ -28,7 +28,7 @@ from rollmesh.engine.paged_model import build_inference_model
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions
 from rollmesh.engine.weight_follower import LatestWeights, StagesWeights, WeightFollower
-from rollmesh.engine.weights import load_weights
+from rollmesh.engine.weight_buckets import load_published
 from rollmesh.messages.base import SamplingParams
 from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
 
@@ -116,8 +116,8 @@ class PrefillWorkerActor(RoleActor):
                 "staged": self.engine.weights.staged_version}
 
     async def update_weights_from_file(self, path: str, version: int) -> int:
-        """Load a ``save_weights`` file, stage it as ``version`` and apply it; returns the active
-        version (see ``update_weights_from_file`` below)."""
+        """Load a ``save_weights`` file or a bucket manifest, stage it as ``version`` and apply
+        it; returns the active version (see ``update_weights_from_file`` below)."""
         return await update_weights_from_file(_PrefillWeights(self.engine), path, version)
 
 
@@ -175,8 +175,8 @@ class DecodeWorkerActor(RoleActor):
         return {"current": stats.current_version, "staged": stats.staged_version}
 
     async def update_weights_from_file(self, path: str, version: int) -> int:
-        """Load a ``save_weights`` file, stage it as ``version`` and wait for the decode loop to
-        swap it in at a step boundary; returns the active version."""
+        """Load a ``save_weights`` file or a bucket manifest, stage it as ``version`` and wait for
+        the decode loop to swap it in at a step boundary; returns the active version."""
         return await update_weights_from_file(_DecodeWeights(self.loop), path, version)
 
     async def stop(self) -> None:
@@ -193,5 +193,5 @@ async def update_weights_from_file(weights: StagesWeights, path: str, version: i
     active. Unlike a trainer's update it is not announced on NATS, and a later
     ``WeightsPublished`` not newer than ``version`` is ignored by the follower."""
     # Read and stage (a checked copy) off the event loop, as the follower does: decoding goes on.
-    await asyncio.to_thread(lambda: weights.stage_weights(load_weights(path), version))
+    await asyncio.to_thread(lambda: weights.stage_weights(load_published(path), version))
     return await weights.wait_weights_activated(version)

@@ -1,9 +1,9 @@
 """Follows the trainer's weight versions for one inference worker: load, stage, acknowledge.
 
-Knows the engine's weight files, the mesh ports (rollmesh.ports) and the wire contract; not Ray, not nats-py. On
-``WeightsPublished`` it loads the safetensors file off the event loop, stages it (the engine swaps
-at its next step boundary, so no request is aborted) and publishes ``WeightsActivated`` once the
-swap happened. On start it catches up with the newest version already published (``latest``), so
+Knows the engine's weight files, the mesh ports (rollmesh.ports) and the wire contract; not Ray,
+not nats-py. On ``WeightsPublished`` it loads the version (bucket manifest or single file) off the
+event loop, stages it (the engine swaps at its next step boundary, so no request is aborted) and
+publishes ``WeightsActivated``, with the load's duration, once the swap happened. On start it catches up with the newest version already published (``latest``), so
 a worker restarted after a crash serves the current weights, not its initial ones.
 """
 
@@ -18,7 +18,7 @@ import structlog
 import torch
 
 from rollmesh.ports import MessageContext, Publisher, Subscription
-from rollmesh.engine.weights import load_weights
+from rollmesh.engine.weight_buckets import load_published
 from rollmesh.messages import WeightsActivated, WeightsPublished
 from rollmesh.messages.subjects import WEIGHTS_ACTIVATED, WEIGHTS_PUBLISHED
 
@@ -79,9 +79,11 @@ class WeightFollower:
                 return
             # Read, verify and stage (a checked copy) off the event loop: decoding goes on, and
             # the only pause is the swap itself at the next step boundary.
+            started = time.perf_counter()
             staged = await asyncio.to_thread(
-                lambda: self.engine.stage_weights(load_weights(message.path, message.sha256),
+                lambda: self.engine.stage_weights(load_published(message.path, message.sha256),
                                                   message.version))
+            load_s = time.perf_counter() - started
             if not staged:
                 return
             version = await self.engine.wait_weights_activated(message.version)
@@ -93,6 +95,7 @@ class WeightFollower:
                 worker=self.worker,
                 role=self.role,
                 in_flight=self.engine.num_active(),
+                load_s=load_s,
                 activated_at=self.clock(),
             ),
         )

@@ -15,6 +15,9 @@ class WeightsPublished(WireMessage, frozen=True, tag="weights.published"):
     num_bytes: int
     trainer_step: int = 0
     published_at: float = 0.0
+    # Where the publication's time went: copying the weights off the model, then writing them.
+    gather_s: float = 0.0
+    write_s: float = 0.0
 
 
 class WeightsActivated(WireMessage, frozen=True, tag="weights.activated"):
@@ -24,4 +27,7 @@ class WeightsActivated(WireMessage, frozen=True, tag="weights.activated"):
     worker: str
     role: str
     in_flight: int = 0
+    # Reading, verifying and staging the version while generation went on (the swap itself is
+    # the pause, at the next step boundary).
+    load_s: float = 0.0
     activated_at: float = 0.0

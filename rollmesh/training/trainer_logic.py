@@ -26,7 +26,13 @@ from rollmesh.ports import MessageContext, Publisher, Subscription
 from rollmesh.checkpoint.torch_format import save_torch_checkpoint
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.tokenizer import ByteTokenizer
-from rollmesh.engine.weights import load_weights, save_weights
+from rollmesh.engine.weight_buckets import (
+    MANIFEST_FILE,
+    load_published,
+    remove_published,
+    version_directory,
+    write_buckets,
+)
 from rollmesh.messages import (
     CheckpointSaved,
     RolloutCompleted,
@@ -107,7 +113,7 @@ class TrainerLogic:
             return
         last = state.last
         if last.weights_path:
-            weights = await asyncio.to_thread(load_weights, last.weights_path, last.sha256)
+            weights = await asyncio.to_thread(load_published, last.weights_path, last.sha256)
             await asyncio.to_thread(self.backend.load_state_dict, weights)
             self._last_weights = WeightsPublished(
                 version=last.weight_version, path=last.weights_path, sha256=last.sha256,
@@ -275,19 +281,20 @@ class TrainerLogic:
 
     async def _write_weights(self, trainer_step: int) -> WeightsPublished:
         version = self.version + 1
-        with _tracer.start_as_current_span("weights_save", attributes={"weight_version": version}):
-            path = self.weights_dir / f"v{version:06d}.safetensors"
-            sha256, num_bytes = await asyncio.to_thread(save_weights, self.backend.state_dict(), path)
-        return WeightsPublished(version=version, path=str(path), sha256=sha256, num_bytes=num_bytes,
-                                trainer_step=trainer_step, published_at=self.clock())
+        with _tracer.start_as_current_span("weights_save", attributes={"weight_version": version}) as span:
+            published = await asyncio.to_thread(write_buckets, self.backend.state_dict(), self.weights_dir,
+                                                version=version, bucket_bytes=self.config.weight_bucket_bytes)
+            span.set_attributes({"gather_s": published.gather_s, "write_s": published.write_s})
+        return WeightsPublished(version=version, path=str(published.manifest_path), sha256=published.manifest_sha256,
+                                num_bytes=published.total_bytes, trainer_step=trainer_step,
+                                published_at=self.clock(), gather_s=published.gather_s, write_s=published.write_s)
 
     async def _announce(self, weights: WeightsPublished) -> None:
         with _tracer.start_as_current_span("weights_publish", attributes={"weight_version": weights.version}):
             await self.publisher.publish(WEIGHTS_PUBLISHED, weights)
         self.version = weights.version
         self._last_weights = weights
-        stale = self.weights_dir / f"v{weights.version - KEEP_WEIGHT_FILES:06d}.safetensors"
-        stale.unlink(missing_ok=True)
+        remove_published(version_directory(self.weights_dir, weights.version - KEEP_WEIGHT_FILES) / MANIFEST_FILE)
 
     async def warm_start(self, task: DemonstrableTask, *, steps: int, batch_size: int, lr: float,
                          tool_fraction: float, seed: int) -> dict[str, float]:
