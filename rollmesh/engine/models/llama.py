@@ -144,9 +144,13 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         paged: PagedAttention | None = None,
         layer_index: int = 0,
+        replay: torch.Tensor | None = None,
     ) -> FeedForwardOutput:
+        """``replay``: recorded expert ids [B*T, top_k] for a sparse layer (routing replay)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, paged, layer_index)
-        out = getattr(self, self.feed_forward_name)(self.post_attention_layernorm(x))
+        feed_forward = getattr(self, self.feed_forward_name)
+        h = self.post_attention_layernorm(x)
+        out = feed_forward(h) if replay is None else feed_forward(h, replay)
         out, routed = out if isinstance(out, tuple) else (out, None)
         return x + out, routed
 
@@ -182,26 +186,47 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.forward_with_routes(input_ids)[0]
+    def forward(self, input_ids: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_with_routes(input_ids, routed_experts)[0]
 
-    def forward_with_routes(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_with_routes(
+        self, input_ids: torch.Tensor, routed_experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B, T, V] and, for MoE models, routed expert ids [B, T, sparse layers, top_k].
 
         Expert ids are uint8 when there are at most 256 experts, else uint16; rows follow
-        ``config.moe.sparse_layers``. Dense models return None for the routes.
+        ``config.moe.sparse_layers``. Dense models return None for the routes. ``routed_experts``
+        (same layout, any integer dtype) replays recorded ids instead of each router's top k
+        (see ``rollmesh.training.router_replay``); the routes returned are then those ids.
         """
         batch, seq = input_ids.shape
         x = self.model.embed_tokens(input_ids)
         positions = torch.arange(seq, device=input_ids.device)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        replays = self.layer_replays(routed_experts)
         routes = []
-        for layer in self.model.layers:
-            x, routed = layer(x, cos, sin)
+        for layer, replay in zip(self.model.layers, replays):
+            x, routed = layer(x, cos, sin, replay=replay)
             if routed is not None:
                 routes.append(routed.view(batch, seq, -1))
         logits = self.lm_head(self.model.norm(x))
         return logits, self._stack_routes(routes)
+
+    def layer_replays(self, routed_experts: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Each layer's replayed ids [B*T, top_k] from [B, T, sparse layers, top_k]; None for
+        dense layers, and for every layer when ``routed_experts`` is None."""
+        replays: list[torch.Tensor | None] = [None] * len(self.model.layers)
+        if routed_experts is None:
+            return replays
+        moe = self.config.moe
+        if moe is None:
+            raise ValueError(f"{self.config.model_type} is dense: it has no experts to replay")
+        if routed_experts.dim() != 4 or routed_experts.shape[2:] != self.routing_shape:
+            raise ValueError(f"routed experts {tuple(routed_experts.shape)}, expected "
+                             f"[B, T, {len(moe.sparse_layers)}, {moe.num_experts_per_tok}]")
+        for slot, layer in enumerate(moe.sparse_layers):
+            replays[layer] = routed_experts[:, :, slot].reshape(-1, moe.num_experts_per_tok)
+        return replays
 
     def _stack_routes(self, routes: list[torch.Tensor]) -> torch.Tensor | None:
         if not routes:
