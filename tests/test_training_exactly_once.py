@@ -106,3 +106,37 @@ async def test_the_idempotency_key_not_the_rollout_id_decides_what_counts_as_a_r
     assert logic.stats()["duplicates"] == 1 and logic.step == 1
     assert TrainingLedger(tmp_path / "trainer" / "ledger.jsonl").read().consumed == {"a", "k2"}
 
+
+
+async def test_a_trainer_restarted_from_a_checkpointed_step_trains_the_next_step_bit_for_bit_as_if_never_stopped(tmp_path):
+    """Exact resume: weights, optimizer moments and step counts, RNG, version and the data cursor.
+    Without the saved training state the same restart gives different weights (fresh moments)."""
+    def run(name: str):
+        return trainer(tmp_path / name, RecordingPublisher(), checkpoint_every=1)
+
+    async def first_step(logic) -> None:
+        await logic.start()
+        await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
+
+    async def second_step(logic) -> dict[str, torch.Tensor]:
+        await deliver(logic, completed("c", "g2", 0.0), completed("d", "g2", 1.0))
+        return logic.backend.state_dict()
+
+    never_stopped = run("x")
+    await first_step(never_stopped)
+    expected = await second_step(never_stopped)
+
+    for exact in (True, False):
+        folder = f"exact_{exact}"
+        await first_step(run(folder))  # then the process dies
+        state_file = tmp_path / folder / "checkpoints" / "step_00000001.trainer_state.pt"
+        assert state_file.is_file()
+        if not exact:
+            state_file.unlink()
+        restarted = run(folder)
+        await restarted.start()
+        assert (restarted.step, restarted.version) == (1, 1)
+        assert await deliver(restarted, completed("a", "g1", 1.0), completed("b", "g1", 0.0)) == [None, None]
+        resumed = await second_step(restarted)
+        same = all(torch.equal(resumed[name], expected[name]) for name in expected)
+        assert same is exact, "exact resume" if exact else "the test can tell a fresh optimizer apart"

@@ -8,7 +8,7 @@ backend offers the same methods (``TrainerBackend`` Protocol).
 from __future__ import annotations
 
 import copy
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,10 @@ class TrainerBackend(Protocol):
     def state_dict(self) -> dict[str, torch.Tensor]: ...
 
     def load_state_dict(self, weights: dict[str, torch.Tensor]) -> None: ...
+
+    def training_state(self) -> dict[str, Any]: ...
+
+    def load_training_state(self, state: dict[str, Any]) -> None: ...
 
 
 class TorchTrainerBackend:
@@ -108,3 +112,20 @@ class TorchTrainerBackend:
         self.model.load_state_dict(weights)
         self.optimizer = self._new_optimizer(self.config.lr)
         self._reference = None
+
+    def training_state(self) -> dict[str, Any]:
+        """What an exact resume needs besides the weights: the optimizer's moments and step
+        counts, the RNG states, and the KL reference's weights when there is one."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "reference": None if self._reference is None else self._reference.state_dict(),
+        }
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """Restore ``training_state`` after ``load_state_dict`` of the same step's weights."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        if state.get("reference") is not None:
+            self._reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+            self._reference.load_state_dict(state["reference"])

@@ -6,13 +6,15 @@ idempotency keys; ``ledger.py``) -> trajectories acknowledged -> weights announc
 killed mid-step loses nothing (its trajectories were never acknowledged; they are redelivered and
 trained once by the restarted trainer, which resumes from the ledger's last weights); one killed
 after the ledger line acknowledges the redelivered trajectories without training them again.
-Admission: the generation lag of a trajectory's tokens (tool waits excluded; ``admission.py``) must
+Checkpoints (every ``checkpoint_every`` steps) also keep the optimizer, RNG and step position, so
+a restart at a checkpointed step is exact: it trains on as if never stopped. Admission: the generation lag of a trajectory's tokens (tool waits excluded; ``admission.py``) must
 be at most ``max_staleness``; the PPO ratio corrects the older tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import random
 import time
 from collections.abc import Callable
@@ -20,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+import torch
 from opentelemetry import trace
 
 from rollmesh.ports import MessageContext, Publisher, Subscription
+from rollmesh.checkpoint.atomic_dir import write_file_atomically
 from rollmesh.checkpoint.torch_format import save_torch_checkpoint
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.tokenizer import ByteTokenizer
@@ -122,10 +126,14 @@ class TrainerLogic:
             # never announced; announcing it twice is harmless (dedup id, and followers skip it).
             await self.publisher.publish(WEIGHTS_PUBLISHED, self._last_weights)
         self.step, self.version = last.step, last.weight_version
-        self._seen.update(state.consumed)
+        self._seen.update(state.consumed)  # the data cursor: what was trained, and only that
         self.resumed_from_step = last.step
+        # Exact when the last durable step was checkpointed with its optimizer and RNG state;
+        # otherwise the weights are exact and the optimizer's moments start afresh.
+        exact = last.weights_path != "" and await asyncio.to_thread(
+            self._restore_training_state, last.step, last.weight_version)
         _log.info("trainer_resumed", step=self.step, weight_version=self.version,
-                  consumed=len(state.consumed))
+                  consumed=len(state.consumed), exact=exact)
 
     def subscriptions(self) -> list[Subscription]:
         # Every trajectory of a step waits un-acked until the step is durable, so the consumer
@@ -316,10 +324,36 @@ class TrainerLogic:
         model_config = {field: getattr(self.model_config, field) for field in self.model_config.__struct_fields__}
         await asyncio.to_thread(save_torch_checkpoint, path, self.backend.state_dict(),
                                 model_config=model_config, step=self.step, weight_version=self.version)
+        # Written after the weights: a state file always has its step's weights beside it.
+        await asyncio.to_thread(self._save_training_state)
         message = CheckpointSaved(step=self.step, weight_version=self.version, path=str(path),
                                   format="torch", model_config=model_config)
         await self.publisher.publish(CHECKPOINT_SAVED, message)
         return message
+
+
+    def training_state_path(self, step: int) -> Path:
+        return self.checkpoint_dir / f"step_{step:08d}.trainer_state.pt"
+
+    def _save_training_state(self) -> None:
+        """The optimizer, RNG and position of this step, so a restart from it is exact."""
+        state = {"step": self.step, "weight_version": self.version, "backend": self.backend.training_state(),
+                 "python_rng": random.getstate()}
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        write_file_atomically(self.training_state_path(self.step), buffer.getvalue())
+
+    def _restore_training_state(self, step: int, version: int) -> bool:
+        """Load the training state saved with step ``step``, if there is one for that version."""
+        path = self.training_state_path(step)
+        if not path.is_file():
+            return False
+        state = torch.load(path, weights_only=False)  # noqa: S614 - our own file in the run directory
+        if (state["step"], state["weight_version"]) != (step, version):
+            return False
+        self.backend.load_training_state(state["backend"])
+        random.setstate(state["python_rng"])
+        return True
 
 
 def _key(message: RolloutCompleted | RolloutFailed) -> str:
