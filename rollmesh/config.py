@@ -259,6 +259,9 @@ class TrainerConfig(_Config):
     # Each weight version is published as safetensors buckets of at most this many bytes plus a
     # manifest of their sha256 (engine/weight_buckets.py).
     weight_bucket_bytes: PositiveInt = 512 << 20
+    # Rollout routing replay (MoE "hf" models): when every trained sample carries the experts
+    # the inference engine chose, the trainer's forwards route to those (training/router_replay.py).
+    router_replay: bool = True
 
 
 class ResharderConfig(_Config):

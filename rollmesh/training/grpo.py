@@ -8,9 +8,13 @@ it, so the loss can correct, or mask, tokens made by older weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ADVANTAGE_EPS = 1e-6
 # The version of a forced token (prompt, tool output) or of a token whose version is unknown; the
@@ -28,6 +32,11 @@ class PolicySample:
     versions: list[int] | None = None
     # An infrastructure failure: the sample trains nothing and counts in no normalisation.
     infra_failed: bool = False
+    # Routing replay (MoE): the experts the inference engine chose at each training input
+    # position, [len(tokens) - 1, sparse layers, top_k] as ``router_replay.compact_rows`` keeps
+    # them (uint8/uint16); None for a dense model or when none were recorded. Left out of ==
+    # (an array has no single truth value).
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
 
 
 def group_advantages(rewards: list[float]) -> list[float] | None:

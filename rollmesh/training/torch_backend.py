@@ -1,21 +1,45 @@
 """The plain-torch trainer backend (CPU or one GPU): supervised warm start and policy updates.
 
-Knows torch and the model builder; nothing of Ray or NATS. The loss itself is ``losses.py``; this
-module runs the forward passes it needs (new, proximal, reference logprobs). A later megatron-core
-backend offers the same methods (``TrainerBackend`` Protocol).
+Knows torch, the model builders and the checkpoint writers; nothing of Ray or NATS. The loss
+itself is ``losses.py``; this module runs the forward passes it needs (new, proximal, reference
+logprobs). A later megatron-core backend offers the same methods (``TrainerBackend`` Protocol).
+
+Models: the demo's tiny decoder (``model.family = "tiny"``), or for ``"hf"`` the inference
+engine's own ``CausalLM`` (Llama, Qwen2, Qwen3-MoE, Mixtral) loaded from ``model.hf_path``, so
+the weights keep the HF names the inference workers load and published versions stage there
+as they are. HF models train in float32 whatever ``model.dtype`` says: that is the serving
+dtype (the workers' ``WeightStager`` casts on staging), and AdamW updates in bf16 would round
+small steps away. MoE models replay the inference engine's expert choices (``router_replay``)
+when every trained sample carries them.
+
+Padding: batches are right-padded, and a padded position is never a target (mask 0) nor, in a
+causal model, seen by a real one, so the pad id only has to be a valid embedding row: the byte
+tokenizer's PAD_ID for "tiny", the checkpoint's ``eos_token_id`` (else 0) for "hf", whose
+vocabulary need not hold the byte tokenizer's ids.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
+from torch import nn
 
+from rollmesh.checkpoint.torch_format import save_torch_checkpoint
 from rollmesh.engine.model import build_model
+from rollmesh.engine.models import CausalLM, CheckpointKeysError, load_hf_model
 from rollmesh.engine.tokenizer import PAD_ID
 from rollmesh.training.grpo import PolicyBatch, PolicySample
 from rollmesh.training.losses import LossSettings, policy_loss, token_logprobs
+from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
+from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
+from rollmesh.training.router_replay import compact_rows, forward_with_replay, replay_tensor, rows_for_inputs
+
+TORCH_FORMAT = "torch"
 
 
 class TrainerBackend(Protocol):
@@ -28,18 +52,55 @@ class TrainerBackend(Protocol):
 
     def load_state_dict(self, weights: dict[str, torch.Tensor]) -> None: ...
 
+    def save_checkpoint(self, out_dir: Path, *, iteration: int, weight_version: int = 0) -> tuple[Path, str]: ...
+
     def training_state(self) -> dict[str, Any]: ...
 
     def load_training_state(self, state: dict[str, Any]) -> None: ...
 
 
+def build_trainable_model(model_config) -> nn.Module:
+    """The model ``model_config`` names, with trainable float32 weights (module docstring)."""
+    if model_config.family == "hf":
+        return load_hf_model(model_config.hf_path, dtype=torch.float32).requires_grad_(True)
+    return build_model(model_config)
+
+
+def training_pad_id(model: nn.Module) -> int:
+    """The id right-padding is filled with (module docstring): any valid embedding row."""
+    if isinstance(model, CausalLM):
+        eos = model.config.eos_token_id
+        return eos if eos is not None and 0 <= eos < model.config.vocab_size else 0
+    return PAD_ID
+
+
+def load_hf_weights_in_place(model: CausalLM, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy HF-named ``weights`` into ``model``'s own parameters after checking names and
+    shapes exactly (``CheckpointKeysError``). In place, unlike the engine's loader (which swaps
+    in new tensors): the optimizers hold these parameter objects. A tied model's
+    ``lm_head.weight`` may be absent (HF omits it) and, if present, is ignored, as the engine does."""
+    weights = dict(weights)
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        weights.pop("lm_head.weight", None)
+    missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
+    mismatched = sorted(f"{name} {tuple(weights[name].shape)} != {tuple(shape)}"
+                        for name, shape in expected.items() if name in weights and weights[name].shape != shape)
+    if missing or unexpected or mismatched:
+        raise CheckpointKeysError(path=None, missing=missing, unexpected=unexpected, mismatched=mismatched)
+    model.load_state_dict(weights, strict=False)
+
+
 class TorchTrainerBackend:
     def __init__(self, model_config, trainer_config) -> None:
         self.config = trainer_config
+        self.model_config = model_config
         self.loss_settings = LossSettings.from_config(trainer_config)
         torch.manual_seed(trainer_config.seed)
-        self.model = build_model(model_config)
+        self.model = build_trainable_model(model_config)
         self.model.train()
+        self.pad_id = training_pad_id(self.model)
         self.optimizer = self._new_optimizer(trainer_config.lr)
         self._sft_optimizer: torch.optim.Optimizer | None = None
         # The KL reference: a frozen copy of the weights RL started from, taken at the first
@@ -58,7 +119,7 @@ class TorchTrainerBackend:
             self._sft_optimizer = self._new_optimizer(lr)
         self._reference = None  # RL has not started yet: the reference is taken after this
         samples = [PolicySample(tokens, mask, [0.0] * len(tokens), 0.0) for tokens, mask in sequences]
-        batch = PolicyBatch.collate(samples, pad_id=PAD_ID)
+        batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
         logprobs = token_logprobs(self.model(batch.inputs), batch.targets)
         loss = -(logprobs * batch.mask).sum() / batch.mask.sum().clamp(min=1.0)
         self._sft_optimizer.zero_grad(set_to_none=True)
@@ -72,14 +133,16 @@ class TorchTrainerBackend:
         """``ppo_epochs`` full-batch updates of the configured loss on one batch of samples.
 
         ``current_version``: the weight version being trained, which ``max_token_lag`` measures
-        token ages against."""
+        token ages against. An MoE model routes every forward (new, proximal, reference) to the
+        samples' recorded experts when ``replay_routes`` finds them (stat ``router_replay``)."""
         settings = self.loss_settings
-        batch = PolicyBatch.collate(samples, pad_id=PAD_ID)
-        reference = self._reference_logprobs(batch) if settings.kl_coef > 0 else None
+        batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
+        routes = self.replay_routes(samples, batch.inputs.shape[1])
+        reference = self._reference_logprobs(batch, routes) if settings.kl_coef > 0 else None
         proximal: torch.Tensor | None = None
         stats: dict[str, float] = {}
         for _ in range(self.config.ppo_epochs):
-            logits = self.model(batch.inputs)
+            logits = self._logits(self.model, batch.inputs, routes)
             new_logprobs = token_logprobs(logits, batch.targets)
             if settings.decoupled and proximal is None:
                 # The first epoch's forward runs on the weights before this step's update: the
@@ -93,14 +156,43 @@ class TorchTrainerBackend:
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
             self.optimizer.step()
-            stats = {**stats, "loss": float(loss.detach()), "grad_norm": float(grad_norm)}
+            stats = {**stats, "loss": float(loss.detach()), "grad_norm": float(grad_norm),
+                     "router_replay": float(routes is not None)}
         return stats
 
-    def _reference_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
+    def replay_routes(self, samples: Sequence[PolicySample], seq_len: int) -> torch.Tensor | None:
+        """The samples' recorded experts as ``routed_experts`` [B, seq_len, sparse layers, top_k],
+        or None: a dense model, ``router_replay`` off, or a trained sample without rows (then the
+        whole batch routes by the trainer's router; a half-replayed batch would mix the two).
+        An infrastructure-failed sample trains nothing: its rows are neither needed nor read.
+        Rows are checked (``RouterReplayError``: shape, ids, one row per input position)."""
+        shape = getattr(self.model, "routing_shape", None)
+        if shape is None or not self.config.router_replay:
+            return None
+        if any(s.routed_experts is None and not s.infra_failed for s in samples):
+            return None
+        num_experts = self.model.config.moe.num_experts
+        rows = []
+        for index, sample in enumerate(samples):
+            if sample.infra_failed:
+                rows.append(np.zeros((0, *shape), dtype=np.uint8))  # padded with valid ids
+                continue
+            checked = compact_rows(sample.routed_experts, num_experts=num_experts, routing_shape=shape,
+                                   sample=index)
+            rows.append(rows_for_inputs(checked, len(sample.tokens), sample=index))
+        return replay_tensor(rows, seq_len, device=next(self.model.parameters()).device)
+
+    @staticmethod
+    def _logits(model: nn.Module, inputs: torch.Tensor, routes: torch.Tensor | None) -> torch.Tensor:
+        if routes is None:
+            return model(inputs)
+        return forward_with_replay(model, inputs, routes)[0]
+
+    def _reference_logprobs(self, batch: PolicyBatch, routes: torch.Tensor | None = None) -> torch.Tensor:
         if self._reference is None:
             self._reference = copy.deepcopy(self.model).requires_grad_(False).eval()
         with torch.no_grad():
-            return token_logprobs(self._reference(batch.inputs), batch.targets)
+            return token_logprobs(self._logits(self._reference, batch.inputs, routes), batch.targets)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
@@ -108,10 +200,33 @@ class TorchTrainerBackend:
     def load_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Resume from saved weights. The optimizer starts afresh: its moments are not in the
         weights file (a restarted trainer loses them, and only them). So does the KL reference:
-        it is not saved either, and is taken again from the resumed weights."""
-        self.model.load_state_dict(weights)
+        it is not saved either, and is taken again from the resumed weights. An "hf" model takes
+        HF names (what ``state_dict`` gives and the inference workers load)."""
+        if isinstance(self.model, CausalLM):
+            load_hf_weights_in_place(self.model, weights)
+        else:
+            self.model.load_state_dict(weights)
         self.optimizer = self._new_optimizer(self.config.lr)
         self._reference = None
+
+    def save_checkpoint(self, out_dir: Path, *, iteration: int, weight_version: int = 0) -> tuple[Path, str]:
+        """Save the weights under ``out_dir`` for the resharder; (the path for ``CheckpointSaved``,
+        its format). An "hf" model: a Megatron-LM save root (``iter_NNNNNNN``, torch_dist,
+        format "megatron_torch_dist"; ``megatron_checkpoint``). The tiny model, not an HF family:
+        the trainer's torch format at ``step_NNNNNNNN`` with the model config, format "torch".
+        Reads the live weights: call it between steps, never during one."""
+        if isinstance(self.model, CausalLM):
+            weights = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+            run_args = {"lr": self.config.lr, "weight_decay": self.config.weight_decay,
+                        "clip_grad": self.config.grad_clip, "seed": self.config.seed}
+            path = save_megatron_checkpoint(weights, self.model.config, out_dir, iteration=iteration,
+                                            extra_args=run_args)
+            return path, MEGATRON_FORMAT
+        path = Path(out_dir) / f"step_{iteration:08d}"
+        model_config = {name: getattr(self.model_config, name) for name in self.model_config.__struct_fields__}
+        save_torch_checkpoint(path, self.state_dict(), model_config=model_config, step=iteration,
+                              weight_version=weight_version)
+        return path, TORCH_FORMAT
 
     def training_state(self) -> dict[str, Any]:
         """What an exact resume needs besides the weights: the optimizer's moments and step

@@ -27,7 +27,6 @@ from opentelemetry import trace
 
 from rollmesh.ports import MessageContext, Publisher, Subscription
 from rollmesh.checkpoint.atomic_dir import write_file_atomically
-from rollmesh.checkpoint.torch_format import save_torch_checkpoint
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.tokenizer import ByteTokenizer
 from rollmesh.engine.weight_buckets import (
@@ -320,17 +319,17 @@ class TrainerLogic:
         return {"loss": loss, "weight_version": self.version}
 
     async def save_checkpoint(self) -> CheckpointSaved:
-        path = self.checkpoint_dir / f"step_{self.step:08d}"
+        """The backend's checkpoint (Megatron torch_dist for an HF family, which the resharder
+        converts; the trainer's torch format for the tiny model), then the training state."""
         model_config = {field: getattr(self.model_config, field) for field in self.model_config.__struct_fields__}
-        await asyncio.to_thread(save_torch_checkpoint, path, self.backend.state_dict(),
-                                model_config=model_config, step=self.step, weight_version=self.version)
+        path, layout = await asyncio.to_thread(self.backend.save_checkpoint, self.checkpoint_dir,
+                                               iteration=self.step, weight_version=self.version)
         # Written after the weights: a state file always has its step's weights beside it.
         await asyncio.to_thread(self._save_training_state)
         message = CheckpointSaved(step=self.step, weight_version=self.version, path=str(path),
-                                  format="torch", model_config=model_config)
+                                  format=layout, model_config=model_config)
         await self.publisher.publish(CHECKPOINT_SAVED, message)
         return message
-
 
     def training_state_path(self, step: int) -> Path:
         return self.checkpoint_dir / f"step_{step:08d}.trainer_state.pt"
