@@ -258,3 +258,29 @@ async def test_warm_start_of_zero_steps_publishes_nothing(tmp_path):
     logic = trainer(tmp_path, bus)
     result = await logic.warm_start(MolarMassTask(), steps=0, batch_size=4, lr=1e-3, tool_fraction=0.5, seed=0)
     assert bus.published == [] and result["weight_version"] == 0
+
+
+async def test_a_moe_rollouts_recorded_expert_rows_reach_the_policy_step(tmp_path):
+    import numpy as np
+    import msgspec
+
+    from rollmesh.rollout.routed_experts import InMemoryRoutedExperts
+
+    store = InMemoryRoutedExperts()
+    logic = trainer(tmp_path, RecordingPublisher())
+    logic.routed_experts = store
+    rows = {rid: np.full((6, 1, 2), index, dtype=np.uint16) for index, rid in enumerate("ab")}
+    refs = {rid: await store.save_turn(rid, 0, 0, rows[rid]) for rid in "ab"}
+    trained: list = []
+    policy_step = logic.backend.policy_step
+
+    def recording(samples, **kwargs):
+        trained.extend(samples)
+        return policy_step(samples, **kwargs)
+
+    logic.backend.policy_step = recording
+    messages = [msgspec.structs.replace(completed(rid, "g", reward), routed_experts_ref=refs[rid])
+                for rid, reward in (("a", 1.0), ("b", 0.0))]
+    assert await deliver(logic, *messages) == [None, None]
+    assert sorted(int(sample.routed_experts[0, 0, 0]) for sample in trained) == [0, 1]
+    assert all(np.array_equal(sample.routed_experts, rows[rid]) for sample, rid in zip(trained, "ab"))

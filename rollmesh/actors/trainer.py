@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.bus.publisher import BusPublisher
+from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
@@ -26,9 +28,13 @@ class TrainerActor(RoleActor):
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         backend = TorchTrainerBackend(self.model_config, self.config)
+        assert isinstance(publisher, BusPublisher), "the shell's publisher is a BusPublisher"
         self.trainer = TrainerLogic(self.config, self.model_config, backend, publisher,
                                     run_dir=Path(self.mesh.run_dir),
-                                    in_progress_every_s=self.mesh.nats.rollout_ack_wait_s / 3)
+                                    in_progress_every_s=self.mesh.nats.rollout_ack_wait_s / 3,
+                                    # Only MoE rollouts carry a reference into it.
+                                    routed_experts=ObjectStoreRoutedExperts(publisher.jetstream, publisher.namespace,
+                                                                            replicas=self.mesh.nats.replicas))
         return self.trainer
 
     async def warm_start(self, task_path: str, *, steps: int, batch_size: int, lr: float,

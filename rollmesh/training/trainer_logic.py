@@ -25,7 +25,7 @@ import structlog
 import torch
 from opentelemetry import trace
 
-from rollmesh.ports import MessageContext, Publisher, Subscription
+from rollmesh.ports import MessageContext, Publisher, RoutedExpertsStore, Subscription
 from rollmesh.checkpoint.atomic_dir import write_file_atomically
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.tokenizer import ByteTokenizer
@@ -86,9 +86,12 @@ class TrainerLogic:
         run_dir: Path,
         clock: Callable[[], float] = time.time,
         in_progress_every_s: float = IN_PROGRESS_EVERY_S,
+        routed_experts: RoutedExpertsStore | None = None,
     ) -> None:
         self.config = config
         self.in_progress_every_s = in_progress_every_s
+        # MoE rollouts' routed-expert rows, for routing replay in the policy step.
+        self.routed_experts = routed_experts
         self.model_config = model_config
         self.backend = backend
         self.publisher = publisher
@@ -165,12 +168,19 @@ class TrainerLogic:
             # (resumed from its last saved turn, its tokens whole); one that did not survive is
             # a RolloutFailed, counted in its group with no sample (handle_failed).
             sample = PolicySample(message.tokens, message.loss_mask, message.logprobs, 0.0,
-                                  versions=message.versions)
+                                  versions=message.versions, routed_experts=await self._routed_rows(message))
         else:
             self.dropped_stale += 1
         member = GroupMember(_key(message), message.reward, sample, lag,
                              raw_version_lag=version_lag(message.versions, self.version))
         await self._admit(message.group_id or message.rollout_id, member, ctx)
+
+    async def _routed_rows(self, message: RolloutCompleted) -> Any:
+        """The rollout's recorded expert rows (MoE models), or None. A store that cannot give
+        them now raises, and the trajectory is redelivered rather than trained without replay."""
+        if not message.routed_experts_ref or self.routed_experts is None:
+            return None
+        return await self.routed_experts.load(message.routed_experts_ref)
 
     async def handle_failed(self, message: RolloutFailed, ctx: MessageContext) -> None:
         if message.purpose != "train" or await self._seen_before(_key(message), ctx):
