@@ -1,0 +1,172 @@
+"""The megatron-core trainer backend: policy updates of a dense Llama-family HF model, tensor
+parallel (TP) under any torch.distributed backend (gloo on CPU, nccl on GPUs).
+
+Knows megatron-core through ``megatron_model`` and the loss of ``losses.py``; nothing of Ray or
+NATS. One instance per TP rank, in processes the caller spawned, with torch.distributed and
+``parallel_state`` initialised; every method is then a collective: all ranks call it together
+with the same arguments. It offers the torch backend's methods (``TrainerBackend``), and the
+weights it hands out (``state_dict``) are whole, HF-named tensors, so publishing is unchanged.
+
+Choices, and what is left out:
+- Logits are gathered over TP to the full vocabulary, then ``losses.token_logprobs`` and
+  ``policy_loss`` run exactly as in the torch backend (same numbers, entropy term included).
+  megatron's ``vocab_parallel_cross_entropy`` would keep only a vocabulary slice per rank, less
+  memory for big vocabularies, but the entropy term would need its own vocab-parallel form.
+- A plain torch AdamW over each rank's local (sharded) parameters: AdamW is elementwise, so the
+  shards step exactly as the whole tensors would. megatron's distributed optimizer (sharding the
+  moments over data-parallel ranks) is out of scope, as are pipeline and expert parallelism.
+- Gradient clipping by the global norm: squared norms summed over TP ranks, each replicated
+  parameter (the RMSNorm weights) counted once; then torch's clip rule (max_norm / (norm + 1e-6)).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rollmesh.engine.models import read_safetensors
+from rollmesh.training.grpo import PolicyBatch, PolicySample
+from rollmesh.training.losses import LossSettings, policy_loss, token_logprobs
+from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
+from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
+from rollmesh.training.megatron_model import MegatronLlama, UnsupportedMegatronModelError
+
+
+class MegatronTrainerBackend:
+    def __init__(self, model_config, trainer_config) -> None:
+        if model_config.family != "hf":
+            raise UnsupportedMegatronModelError("the megatron backend trains HF models only",
+                                                field="family", path=str(model_config.hf_path))
+        self.config = trainer_config
+        self.model_config = model_config
+        self.loss_settings = LossSettings.from_config(trainer_config)
+        torch.manual_seed(trainer_config.seed)
+        self.net = MegatronLlama(model_config.hf_path)
+        self.net.load_hf_state_dict(read_safetensors(model_config.hf_path, dtype=torch.float32))
+        self.net.model.train()
+        eos = self.net.hf_config.eos_token_id
+        # As the torch backend: any valid embedding row (padded positions are never targets).
+        self.pad_id = eos if eos is not None and 0 <= eos < self.net.spec.vocab_size else 0
+        self.optimizer = self._new_optimizer(trainer_config.lr)
+        self._sft_optimizer: torch.optim.Optimizer | None = None
+        # The KL reference: a copy of this rank's shards, taken at the first policy step.
+        self._reference: dict[str, torch.Tensor] | None = None
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.net.model.parameters())
+
+    def _new_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self._parameters(), lr=lr, weight_decay=self.config.weight_decay)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip every rank's gradients by the norm of the whole model's gradient; returns it."""
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        grads = [(p.grad, param_is_not_tensor_parallel_duplicate(p)) for p in self._parameters() if p.grad is not None]
+        # Replicated parameters: rank 0 counts them (their gradients are equal on every rank).
+        squares = sum((g.double().pow(2).sum() for g, own in grads if own or self.net.rank == 0),
+                      torch.zeros((), dtype=torch.float64))
+        dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+        norm = float(squares.sqrt())
+        coef = min(max_norm / (norm + 1e-6), 1.0)
+        if coef < 1.0:
+            for g, _ in grads:
+                g.mul_(coef)
+        return norm
+
+    def sft_step(self, sequences: list[tuple[list[int], list[int]]], *, lr: float) -> float:
+        """One supervised step on (tokens, loss_mask) pairs; loss only where the mask is 1."""
+        if self._sft_optimizer is None:
+            self._sft_optimizer = self._new_optimizer(lr)  # RL starts with fresh moments
+        self._reference = None
+        samples = [PolicySample(tokens, mask, [0.0] * len(tokens), 0.0) for tokens, mask in sequences]
+        batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
+        logprobs = token_logprobs(self.net.logits(batch.inputs), batch.targets)
+        loss = -(logprobs * batch.mask).sum() / batch.mask.sum().clamp(min=1.0)
+        self._sft_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.clip_grad_norm(self.config.grad_clip)
+        self._sft_optimizer.step()
+        return float(loss.detach())
+
+    def policy_step(self, samples: list[PolicySample], *,
+                    current_version: int | None = None) -> dict[str, float]:
+        """``ppo_epochs`` full-batch updates of the configured loss (as the torch backend's)."""
+        settings = self.loss_settings
+        batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
+        reference = self._reference_logprobs(batch) if settings.kl_coef > 0 else None
+        proximal: torch.Tensor | None = None
+        stats: dict[str, float] = {}
+        for _ in range(self.config.ppo_epochs):
+            logits = self.net.logits(batch.inputs)
+            new_logprobs = token_logprobs(logits, batch.targets)
+            if settings.decoupled and proximal is None:
+                proximal = new_logprobs.detach()  # the weights before this step's update
+            loss, stats = policy_loss(
+                new_logprobs, batch, settings, proximal_logprobs=proximal,
+                reference_logprobs=reference, logits=logits if settings.entropy_coef > 0 else None,
+                current_version=current_version)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = self.clip_grad_norm(self.config.grad_clip)
+            self.optimizer.step()
+            stats = {**stats, "loss": float(loss.detach()), "grad_norm": grad_norm, "router_replay": 0.0}
+        return stats
+
+    def _reference_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
+        params = dict(self.net.model.named_parameters())
+        if self._reference is None:
+            self._reference = {name: p.detach().clone() for name, p in params.items()}
+        # Swap the reference shards in for one no-grad forward, then the live ones back.
+        live = {name: p.data for name, p in params.items()}
+        try:
+            for name, p in params.items():
+                p.data = self._reference[name]
+            with torch.no_grad():
+                return token_logprobs(self.net.logits(batch.inputs), batch.targets)
+        finally:
+            for name, p in params.items():
+                p.data = live[name]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole HF-named tensors, gathered from every rank (a collective)."""
+        return self.net.hf_state_dict()
+
+    def load_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Resume from whole HF-named weights: each rank keeps its shards. Fresh optimizer and
+        KL reference, as in the torch backend."""
+        self.net.load_hf_state_dict(weights)
+        self.optimizer = self._new_optimizer(self.config.lr)
+        self._reference = None
+
+    def save_checkpoint(self, out_dir: Path, *, iteration: int, weight_version: int = 0) -> tuple[Path, str]:
+        """The torch backend's Megatron-LM save root of the gathered weights, written by TP rank 0
+        (one rank's file, TP 1: the resharder converts it to any layout)."""
+        weights = self.state_dict()
+        run_args = {"lr": self.config.lr, "weight_decay": self.config.weight_decay,
+                    "clip_grad": self.config.grad_clip, "seed": self.config.seed}
+        path = Path(out_dir) / f"iter_{iteration:07d}"
+        if self.net.rank == 0:
+            path = save_megatron_checkpoint(weights, self.net.hf_config, out_dir, iteration=iteration,
+                                            extra_args=run_args)
+        dist.barrier(group=self.net.group)
+        return path, MEGATRON_FORMAT
+
+    def training_state(self) -> dict[str, Any]:
+        """This rank's optimizer moments (of its shards), RNG state and KL reference shards."""
+        return {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                "reference": self._reference, "tp_rank": self.net.rank, "tp": self.net.tp}
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """Restore this rank's ``training_state`` (same TP layout) after ``load_state_dict``."""
+        if (state.get("tp_rank"), state.get("tp")) != (self.net.rank, self.net.tp):
+            raise UnsupportedMegatronModelError(
+                f"training state of TP rank {state.get('tp_rank')}/{state.get('tp')} loaded on "
+                f"{self.net.rank}/{self.net.tp}", field="tp", path=str(self.model_config.hf_path))
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        self._reference = state.get("reference")
