@@ -247,7 +247,11 @@ class TrainerLogic:
 
     async def _train_step(self, groups: list[Group]) -> None:
         started = self.clock()
-        samples = [sample for group in groups for sample in group.trainable_samples()]
+        # In a fixed order (group id, then each member's key), not arrival order: the same
+        # trajectories train the same step bit for bit however they arrived (exact resume).
+        ordered = [Group(group.group_id, sorted(group.members, key=lambda member: member.rollout_id))
+                   for group in sorted(groups, key=lambda group: group.group_id)]
+        samples = [sample for group in ordered for sample in group.trainable_samples()]
         rewards = [reward for group in groups for reward in group.rewards()]
         admitted = [member for group in groups for member in group.members if member.sample]
         lags = summarize_lags(member.version_lag for member in admitted)
