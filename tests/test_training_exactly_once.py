@@ -110,33 +110,30 @@ async def test_the_idempotency_key_not_the_rollout_id_decides_what_counts_as_a_r
 
 async def test_a_trainer_restarted_from_a_checkpointed_step_trains_the_next_step_bit_for_bit_as_if_never_stopped(tmp_path):
     """Exact resume: weights, optimizer moments and step counts, RNG, version and the data cursor.
-    Without the saved training state the same restart gives different weights (fresh moments)."""
-    def run(name: str):
-        return trainer(tmp_path / name, RecordingPublisher(), checkpoint_every=1)
+    The run directory is copied right after step 1 (the process dies there), the original trains
+    on, and the copy is restarted: its step 2 must equal the original's bit for bit. Without the
+    saved training state the same restart gives different weights (fresh moments)."""
+    import shutil
 
-    async def first_step(logic) -> None:
-        await logic.start()
-        await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
-
-    async def second_step(logic) -> dict[str, torch.Tensor]:
-        await deliver(logic, completed("c", "g2", 0.0), completed("d", "g2", 1.0))
-        return logic.backend.state_dict()
-
-    never_stopped = run("x")
-    await first_step(never_stopped)
-    expected = await second_step(never_stopped)
-
-    for exact in (True, False):
-        folder = f"exact_{exact}"
-        await first_step(run(folder))  # then the process dies
-        state_file = tmp_path / folder / "checkpoints" / "step_00000001.trainer_state.pt"
+    original = trainer(tmp_path / "run", RecordingPublisher(), checkpoint_every=1)
+    await original.start()
+    await deliver(original, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
+    for exact in (True, False):  # the run directory as the dying process left it
+        shutil.copytree(tmp_path / "run", tmp_path / f"died_{exact}")
+        state_file = tmp_path / f"died_{exact}" / "checkpoints" / "step_00000001.trainer_state.pt"
         assert state_file.is_file()
         if not exact:
             state_file.unlink()
-        restarted = run(folder)
+    second_step = (completed("c", "g2", 0.0), completed("d", "g2", 1.0))
+    await deliver(original, *second_step)
+    expected = original.backend.state_dict()
+
+    for exact in (True, False):
+        restarted = trainer(tmp_path / f"died_{exact}", RecordingPublisher(), checkpoint_every=1)
         await restarted.start()
         assert (restarted.step, restarted.version) == (1, 1)
         assert await deliver(restarted, completed("a", "g1", 1.0), completed("b", "g1", 0.0)) == [None, None]
-        resumed = await second_step(restarted)
+        await deliver(restarted, *second_step)
+        resumed = restarted.backend.state_dict()
         same = all(torch.equal(resumed[name], expected[name]) for name in expected)
         assert same is exact, "exact resume" if exact else "the test can tell a fresh optimizer apart"

@@ -114,6 +114,7 @@ class TorchTrainerBackend:
 
     def sft_step(self, sequences: list[tuple[list[int], list[int]]], *, lr: float) -> float:
         """One supervised step on (tokens, loss_mask) pairs; loss only where the mask is 1."""
+        self._pin_threads()
         if self._sft_optimizer is None:
             # The warm start has its own optimizer so RL starts with fresh Adam moments.
             self._sft_optimizer = self._new_optimizer(lr)
@@ -135,6 +136,7 @@ class TorchTrainerBackend:
         ``current_version``: the weight version being trained, which ``max_token_lag`` measures
         token ages against. An MoE model routes every forward (new, proximal, reference) to the
         samples' recorded experts when ``replay_routes`` finds them (stat ``router_replay``)."""
+        self._pin_threads()
         settings = self.loss_settings
         batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
         routes = self.replay_routes(samples, batch.inputs.shape[1])
@@ -227,6 +229,12 @@ class TorchTrainerBackend:
         save_torch_checkpoint(path, self.state_dict(), model_config=model_config, step=iteration,
                               weight_version=weight_version)
         return path, TORCH_FORMAT
+
+    def _pin_threads(self) -> None:
+        # Steps run on whichever executor thread asyncio.to_thread picks, and OpenMP keeps a
+        # thread count per thread, set when that thread first computed: pin it here, so a
+        # step's arithmetic (bit for bit) never depends on which thread ran it.
+        torch.set_num_threads(self.config.torch_threads)
 
     def training_state(self) -> dict[str, Any]:
         """What an exact resume needs besides the weights: the optimizer's moments and step
