@@ -17,10 +17,15 @@ import argparse
 import copy
 import random
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from common import print_result, setup_threads
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the shared MoE weights
+
+from common import print_result, setup_threads  # noqa: E402
+from moe_models import init_unit_router_weights  # noqa: E402
 from rollmesh.engine.decode import DecodeEngine
 from rollmesh.engine.models import CausalLM, build_causal_lm, parse_hf_config
 from rollmesh.engine.protocols import GenerateOptions
@@ -40,18 +45,7 @@ SEED = 1234
 def build_moe() -> CausalLM:
     config = parse_hf_config(MOE_CONFIG)
     torch.manual_seed(SEED)
-    model = build_causal_lm(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("gate.weight"):
-                # Router logits of unit scale: neither near-uniform (HF's init) nor one-hot.
-                p.normal_(0, config.hidden_size ** -0.5)
-            else:
-                p.normal_(0, 0.1)
-            p.copy_(p.bfloat16().float())  # the bf16 engine copy then holds the same values
-    return model.eval()
+    return init_unit_router_weights(build_causal_lm(config), config.hidden_size)
 
 
 def rollouts(engine_model: CausalLM, rng: random.Random, args) -> list:

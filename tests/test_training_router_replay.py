@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from moe_models import init_unit_router_weights
 from rollmesh.engine.decode import DecodeEngine
 from rollmesh.engine.models import CausalLM, build_causal_lm, parse_hf_config, route_top_k
 from rollmesh.engine.protocols import GenerateOptions
@@ -58,18 +59,7 @@ def tiny_moe(case: str = "qwen3_moe-norm-topk", *, layers: int = 3, seed: int = 
         vocab_size=VOCAB, intermediate_size=96, moe_intermediate_size=48, num_experts_per_tok=2,
         **FAMILIES[case]))
     torch.manual_seed(seed)
-    model = build_causal_lm(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("gate.weight"):
-                # Router logits of unit scale: neither near-uniform nor one-hot.
-                p.normal_(0, config.hidden_size ** -0.5)
-            else:
-                p.normal_(0, 0.1)
-            p.copy_(p.bfloat16().float())  # values a bf16 copy holds exactly
-    return model.eval()
+    return init_unit_router_weights(build_causal_lm(config), config.hidden_size)
 
 
 def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:

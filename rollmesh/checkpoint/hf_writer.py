@@ -22,14 +22,13 @@ from torch import Tensor
 from rollmesh.checkpoint.atomic_dir import staged_directory
 from rollmesh.checkpoint.errors import CheckpointReadError, CheckpointWriteError
 from rollmesh.checkpoint.meta import read_json_struct
+from rollmesh.checkpoint.safetensors_stream import SHARD_METADATA
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 # sha256 of every shard, so a copy of the export can be checked without loading it.
 MANIFEST_FILE = "sha256_manifest.json"
 SINGLE_FILE = "model.safetensors"
-# transformers refuses a safetensors file whose metadata does not say which framework wrote it.
-_SHARD_METADATA = {"format": "pt"}
 
 
 class _HfIndex(msgspec.Struct, frozen=True):
@@ -93,7 +92,7 @@ def write_hf_checkpoint(
             # a private contiguous CPU copy per shard satisfies both and bounds memory to a shard.
             tensors = {name: state_dict[name].detach().cpu().contiguous().clone() for name in shard}
             try:
-                save_file(tensors, str(staging / file), metadata=_SHARD_METADATA)
+                save_file(tensors, str(staging / file), metadata=SHARD_METADATA)
             except (SafetensorError, ValueError, RuntimeError) as exc:
                 raise CheckpointWriteError(f"{file}: {exc}", path=str(out_dir)) from exc
         manifest = {file: _sha256_of(staging / file) for file in names}

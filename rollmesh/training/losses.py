@@ -36,6 +36,7 @@ about the current policy and they are dropped, not down-weighted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -208,6 +209,31 @@ def policy_loss(
             infra_failed_samples=float(batch.infra_failed.sum()) if batch.infra_failed is not None else 0.0,
         )
     return loss, stats
+
+
+def policy_epochs(batch: PolicyBatch, settings: LossSettings, *, epochs: int,
+                  logits: Callable[[], torch.Tensor], update: Callable[[torch.Tensor], float],
+                  reference_logprobs: torch.Tensor | None = None,
+                  current_version: int | None = None) -> dict[str, float]:
+    """``epochs`` full-batch updates of ``policy_loss``, the loop every backend shares.
+
+    ``logits()`` is the backend's forward on ``batch.inputs``; ``update(loss)`` its backward,
+    gradient clipping and optimizer step, returning the gradient norm. The first epoch's forward
+    runs on the weights before this step's update: the proximal policy of the decoupled loss,
+    for free (full-batch updates; minibatches would need a pass of their own)."""
+    proximal: torch.Tensor | None = None
+    stats: dict[str, float] = {}
+    for _ in range(epochs):
+        step_logits = logits()
+        new_logprobs = token_logprobs(step_logits, batch.targets)
+        if settings.decoupled and proximal is None:
+            proximal = new_logprobs.detach()
+        loss, stats = policy_loss(
+            new_logprobs, batch, settings, proximal_logprobs=proximal, reference_logprobs=reference_logprobs,
+            logits=step_logits if settings.entropy_coef > 0 else None, current_version=current_version)
+        grad_norm = update(loss)
+        stats = {**stats, "loss": float(loss.detach()), "grad_norm": float(grad_norm)}
+    return stats
 
 
 def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> float:

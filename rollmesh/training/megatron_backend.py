@@ -8,8 +8,8 @@ with the same arguments. It offers the torch backend's methods (``TrainerBackend
 weights it hands out (``state_dict``) are whole, HF-named tensors, so publishing is unchanged.
 
 Choices, and what is left out:
-- Logits are gathered over TP to the full vocabulary, then ``losses.token_logprobs`` and
-  ``policy_loss`` run exactly as in the torch backend (same numbers, entropy term included).
+- Logits are gathered over TP to the full vocabulary, then ``losses.policy_epochs`` (its
+  ``token_logprobs`` and ``policy_loss``) runs exactly as in the torch backend (same numbers, entropy term included).
   megatron's ``vocab_parallel_cross_entropy`` would keep only a vocabulary slice per rank, less
   memory for big vocabularies, but the entropy term would need its own vocab-parallel form.
 - A plain torch AdamW over each rank's local (sharded) parameters: AdamW is elementwise, so the
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from rollmesh.engine.models import read_safetensors
 from rollmesh.training.grpo import PolicyBatch, PolicySample
-from rollmesh.training.losses import LossSettings, policy_loss, token_logprobs
+from rollmesh.training.losses import LossSettings, policy_epochs, token_logprobs
 from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
 from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
 from rollmesh.training.megatron_model import MegatronLlama, UnsupportedMegatronModelError
@@ -99,23 +99,18 @@ class MegatronTrainerBackend:
         settings = self.loss_settings
         batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
         reference = self._reference_logprobs(batch) if settings.kl_coef > 0 else None
-        proximal: torch.Tensor | None = None
-        stats: dict[str, float] = {}
-        for _ in range(self.config.ppo_epochs):
-            logits = self.net.logits(batch.inputs)
-            new_logprobs = token_logprobs(logits, batch.targets)
-            if settings.decoupled and proximal is None:
-                proximal = new_logprobs.detach()  # the weights before this step's update
-            loss, stats = policy_loss(
-                new_logprobs, batch, settings, proximal_logprobs=proximal,
-                reference_logprobs=reference, logits=logits if settings.entropy_coef > 0 else None,
-                current_version=current_version)
+
+        def update(loss: torch.Tensor) -> float:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = self.clip_grad_norm(self.config.grad_clip)
             self.optimizer.step()
-            stats = {**stats, "loss": float(loss.detach()), "grad_norm": grad_norm, "router_replay": 0.0}
-        return stats
+            return grad_norm
+
+        stats = policy_epochs(batch, settings, epochs=self.config.ppo_epochs,
+                              logits=lambda: self.net.logits(batch.inputs), update=update,
+                              reference_logprobs=reference, current_version=current_version)
+        return {**stats, "router_replay": 0.0}
 
     def _reference_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
         params = dict(self.net.model.named_parameters())

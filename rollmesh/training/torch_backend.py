@@ -34,7 +34,7 @@ from rollmesh.engine.model import build_model
 from rollmesh.engine.models import CausalLM, CheckpointKeysError, load_hf_model
 from rollmesh.engine.tokenizer import PAD_ID
 from rollmesh.training.grpo import PolicyBatch, PolicySample
-from rollmesh.training.losses import LossSettings, policy_loss, token_logprobs
+from rollmesh.training.losses import LossSettings, policy_epochs, token_logprobs
 from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
 from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
 from rollmesh.training.router_replay import compact_rows, forward_with_replay, replay_tensor, rows_for_inputs
@@ -141,26 +141,18 @@ class TorchTrainerBackend:
         batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
         routes = self.replay_routes(samples, batch.inputs.shape[1])
         reference = self._reference_logprobs(batch, routes) if settings.kl_coef > 0 else None
-        proximal: torch.Tensor | None = None
-        stats: dict[str, float] = {}
-        for _ in range(self.config.ppo_epochs):
-            logits = self._logits(self.model, batch.inputs, routes)
-            new_logprobs = token_logprobs(logits, batch.targets)
-            if settings.decoupled and proximal is None:
-                # The first epoch's forward runs on the weights before this step's update: the
-                # proximal policy, for free (full-batch updates; minibatches would need a pass).
-                proximal = new_logprobs.detach()
-            loss, stats = policy_loss(
-                new_logprobs, batch, settings, proximal_logprobs=proximal,
-                reference_logprobs=reference, logits=logits if settings.entropy_coef > 0 else None,
-                current_version=current_version)
+
+        def update(loss: torch.Tensor) -> float:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
             self.optimizer.step()
-            stats = {**stats, "loss": float(loss.detach()), "grad_norm": float(grad_norm),
-                     "router_replay": float(routes is not None)}
-        return stats
+            return float(grad_norm)
+
+        stats = policy_epochs(batch, settings, epochs=self.config.ppo_epochs,
+                              logits=lambda: self._logits(self.model, batch.inputs, routes), update=update,
+                              reference_logprobs=reference, current_version=current_version)
+        return {**stats, "router_replay": float(routes is not None)}
 
     def replay_routes(self, samples: Sequence[PolicySample], seq_len: int) -> torch.Tensor | None:
         """The samples' recorded experts as ``routed_experts`` [B, seq_len, sparse layers, top_k],
