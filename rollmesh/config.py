@@ -225,6 +225,38 @@ class SandboxConfig(_Config):
         return sorted({"default", *self.profiles})
 
 
+class MegatronConfig(_Config):
+    """The megatron-core trainer backend (``trainer.backend = "megatron"``): one process per rank,
+    started and driven by the trainer actor (training/megatron_ranks.py); the world is
+    tensor_parallel x pipeline_parallel x data_parallel ranks."""
+
+    tensor_parallel: PositiveInt = 1
+    pipeline_parallel: PositiveInt = 1
+    # Experts are split over expert_parallel ranks, taken from the data-parallel ranks.
+    expert_parallel: PositiveInt = 1
+    data_parallel: PositiveInt = 1
+    # megatron's distributed optimizer: Adam moments and fp32 master weights sharded over the
+    # data-parallel ranks.
+    distributed_optimizer: bool = False
+    # Recompute every layer's activations in backward (MoE routing replay covers the recompute).
+    recompute_activations: bool = False
+    # torch.distributed backend: "auto" is nccl where CUDA is available, else gloo.
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # How long starting the ranks (imports, model build) and one backend call may take: a rank
+    # that died inside a collective leaves the others waiting, and the trainer must fail, not hang.
+    start_timeout_s: PositiveFloat = 300.0
+    call_timeout_s: PositiveFloat = 1800.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    def __post_init__(self) -> None:
+        if self.data_parallel % self.expert_parallel:
+            raise ValueError("megatron.expert_parallel must divide megatron.data_parallel "
+                             "(expert-parallel ranks are data-parallel ranks)")
+
+
 class TrainerConfig(_Config):
     lr: PositiveFloat = 3e-4
     weight_decay: float = 0.0
@@ -262,6 +294,24 @@ class TrainerConfig(_Config):
     # Rollout routing replay (MoE "hf" models): when every trained sample carries the experts
     # the inference engine chose, the trainer's forwards route to those (training/router_replay.py).
     router_replay: bool = True
+    # The torch backend's arithmetic. "fp32": float32 weights and torch's AdamW. "bf16": bf16
+    # weights and gradients with fp32 master weights and Adam moments (training/optimizer_adamw.py),
+    # the precision of large-scale training; with optimizer_offload the fp32 state lives in host
+    # memory and visits the device in chunks (training/optimizer_offload.py).
+    precision: Literal["fp32", "bf16"] = "fp32"
+    optimizer_offload: bool = False
+    # "torch": this process, CPU or one GPU. "megatron": megatron-core GPTModel on the ranks of
+    # ``megatron`` (HF models of the dense Llama family, Qwen2 and the MoE families).
+    backend: Literal["torch", "megatron"] = "torch"
+    megatron: MegatronConfig = MegatronConfig()
+
+    def __post_init__(self) -> None:
+        if self.optimizer_offload and self.precision != "bf16":
+            raise ValueError('trainer.optimizer_offload needs trainer.precision = "bf16" (the offloaded '
+                             "state is the fp32 master weights and moments of bf16 weights)")
+        if self.backend == "megatron" and (self.precision != "fp32" or self.optimizer_offload):
+            raise ValueError('trainer.precision and trainer.optimizer_offload are the torch backend\'s; '
+                             'the megatron backend trains in fp32')
 
 
 class ResharderConfig(_Config):
@@ -325,6 +375,8 @@ class RollmeshConfig(_Config):
         if self.rollout.work_heartbeat_s >= self.nats.rollout_ack_wait_s:
             # Else a live rollout's request would be redelivered to a second worker.
             raise ValueError("rollout.work_heartbeat_s must be below nats.rollout_ack_wait_s")
+        if self.trainer.backend == "megatron" and self.model.family != "hf":
+            raise ValueError('trainer.backend "megatron" trains Hugging Face models only (model.family = "hf")')
 
 
 class ConfigError(ValueError):

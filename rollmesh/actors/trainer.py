@@ -5,6 +5,7 @@ Knows the training package and the shell; no ray import.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
@@ -13,7 +14,7 @@ from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
-from rollmesh.training.torch_backend import TorchTrainerBackend
+from rollmesh.training.torch_backend import TrainerBackend, build_trainer_backend
 from rollmesh.training.trainer_logic import TrainerLogic
 
 
@@ -25,9 +26,14 @@ class TrainerActor(RoleActor):
         self.config = config
         self.model_config = model_config
         self.trainer: TrainerLogic | None = None
+        self.backend: TrainerBackend | None = None
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
-        backend = TorchTrainerBackend(self.model_config, self.config)
+        # The megatron backend starts its rank processes here: seconds, off the event loop.
+        log_dir = Path(self.mesh.run_dir) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.backend = backend = await asyncio.to_thread(build_trainer_backend, self.model_config, self.config,
+                                                         log_dir=log_dir)
         assert isinstance(publisher, BusPublisher), "the shell's publisher is a BusPublisher"
         self.trainer = TrainerLogic(self.config, self.model_config, backend, publisher,
                                     run_dir=Path(self.mesh.run_dir),
@@ -36,6 +42,11 @@ class TrainerActor(RoleActor):
                                     routed_experts=ObjectStoreRoutedExperts(publisher.jetstream, publisher.namespace,
                                                                             replicas=self.mesh.nats.replicas))
         return self.trainer
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.backend is not None:
+            await asyncio.to_thread(self.backend.close)
 
     async def warm_start(self, task_path: str, *, steps: int, batch_size: int, lr: float,
                          tool_fraction: float, seed: int) -> dict[str, float]:

@@ -2,14 +2,17 @@
 
 Knows torch, the model builders and the checkpoint writers; nothing of Ray or NATS. The loss
 itself is ``losses.py``; this module runs the forward passes it needs (new, proximal, reference
-logprobs). A later megatron-core backend offers the same methods (``TrainerBackend`` Protocol).
+logprobs). The megatron-core backend offers the same methods (``TrainerBackend`` Protocol) from
+its rank processes (``megatron_ranks``); ``build_trainer_backend`` picks by ``trainer.backend``.
 
 Models: the demo's tiny decoder (``model.family = "tiny"``), or for ``"hf"`` the inference
 engine's own ``CausalLM`` (Llama, Qwen2, Qwen3-MoE, Mixtral) loaded from ``model.hf_path``, so
 the weights keep the HF names the inference workers load and published versions stage there
 as they are. HF models train in float32 whatever ``model.dtype`` says: that is the serving
 dtype (the workers' ``WeightStager`` casts on staging), and AdamW updates in bf16 would round
-small steps away. MoE models replay the inference engine's expert choices (``router_replay``)
+small steps away. ``trainer.precision = "bf16"`` trains bf16 weights against fp32 master weights
+and moments instead (``optimizer_adamw``), the precision of large-scale training, and
+``trainer.optimizer_offload`` keeps that fp32 state in host memory (``optimizer_offload``). MoE models replay the inference engine's expert choices (``router_replay``)
 when every trained sample carries them.
 
 Padding: batches are right-padded, and a padded position is never a target (mask 0) nor, in a
@@ -37,9 +40,13 @@ from rollmesh.training.grpo import PolicyBatch, PolicySample
 from rollmesh.training.losses import LossSettings, policy_epochs, token_logprobs
 from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
 from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
+from rollmesh.training.optimizer_adamw import AdamWConfig, MixedPrecisionAdamW
+from rollmesh.training.optimizer_offload import ChunkedOffloadAdamW
 from rollmesh.training.router_replay import compact_rows, forward_with_replay, replay_tensor, rows_for_inputs
 
 TORCH_FORMAT = "torch"
+# What ``trainer.precision`` picks (``TorchTrainerBackend._new_optimizer``).
+Optimizer = torch.optim.AdamW | MixedPrecisionAdamW | ChunkedOffloadAdamW
 
 
 class TrainerBackend(Protocol):
@@ -57,6 +64,18 @@ class TrainerBackend(Protocol):
     def training_state(self) -> dict[str, Any]: ...
 
     def load_training_state(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def build_trainer_backend(model_config, trainer_config, *, log_dir: Path | None = None) -> TrainerBackend:
+    """The backend ``trainer_config.backend`` names: this class, or the megatron backend's rank
+    processes (``megatron_ranks.MegatronRanks``; their output goes to ``log_dir``)."""
+    if trainer_config.backend == "megatron":
+        from rollmesh.training.megatron_ranks import MegatronRanks
+
+        return MegatronRanks(model_config, trainer_config, log_dir=log_dir)
+    return TorchTrainerBackend(model_config, trainer_config)
 
 
 def build_trainable_model(model_config) -> nn.Module:
@@ -99,18 +118,38 @@ class TorchTrainerBackend:
         self.loss_settings = LossSettings.from_config(trainer_config)
         torch.manual_seed(trainer_config.seed)
         self.model = build_trainable_model(model_config)
+        if trainer_config.precision == "bf16":
+            self.model.to(torch.bfloat16)
         self.model.train()
         self.pad_id = training_pad_id(self.model)
         self.optimizer = self._new_optimizer(trainer_config.lr)
-        self._sft_optimizer: torch.optim.Optimizer | None = None
+        self._sft_optimizer: Optimizer | None = None
         # The KL reference: a frozen copy of the weights RL started from, taken at the first
         # policy step (after the warm start), only when kl_coef > 0. It costs one more copy of
         # the weights, without gradients or optimizer moments (a quarter more than the weights,
         # gradients and two AdamW moments training holds), and one no-grad forward per step.
         self._reference: torch.nn.Module | None = None
 
-    def _new_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.config.weight_decay)
+    def _new_optimizer(self, lr: float) -> Optimizer:
+        """torch's AdamW (fp32), or the mixed-precision AdamW whose fp32 state stays on the device
+        or, with ``optimizer_offload``, in host memory (``trainer.precision = "bf16"``)."""
+        if self.config.precision == "fp32":
+            return torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.config.weight_decay)
+        settings = AdamWConfig(lr=lr, weight_decay=self.config.weight_decay)
+        device = next(self.model.parameters()).device
+        optimizer = ChunkedOffloadAdamW if self.config.optimizer_offload else MixedPrecisionAdamW
+        return optimizer(self.model.named_parameters(), config=settings, device=device)
+
+    def _apply(self, optimizer: Optimizer, loss: torch.Tensor) -> float:
+        """Backward, clip to ``grad_clip`` by the global norm, step; returns the norm."""
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if isinstance(optimizer, torch.optim.Optimizer):
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+        else:
+            grad_norm = optimizer.clip_grad_norm(self.config.grad_clip)  # in fp32, applied by step
+        optimizer.step()
+        return grad_norm
 
     def sft_step(self, sequences: list[tuple[list[int], list[int]]], *, lr: float) -> float:
         """One supervised step on (tokens, loss_mask) pairs; loss only where the mask is 1."""
@@ -123,10 +162,7 @@ class TorchTrainerBackend:
         batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
         logprobs = token_logprobs(self.model(batch.inputs), batch.targets)
         loss = -(logprobs * batch.mask).sum() / batch.mask.sum().clamp(min=1.0)
-        self._sft_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        self._sft_optimizer.step()
+        self._apply(self._sft_optimizer, loss)
         return float(loss.detach())
 
     def policy_step(self, samples: list[PolicySample], *,
@@ -137,20 +173,19 @@ class TorchTrainerBackend:
         token ages against. An MoE model routes every forward (new, proximal, reference) to the
         samples' recorded experts when ``replay_routes`` finds them (stat ``router_replay``)."""
         self._pin_threads()
+        if self._sft_optimizer is not None:
+            # RL after a warm start: fresh moments, and (bf16) master weights taken from the
+            # warm-started weights, not from the ones the RL optimizer was built on.
+            self._sft_optimizer = None
+            self.optimizer = self._new_optimizer(self.config.lr)
         settings = self.loss_settings
         batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
         routes = self.replay_routes(samples, batch.inputs.shape[1])
         reference = self._reference_logprobs(batch, routes) if settings.kl_coef > 0 else None
 
-        def update(loss: torch.Tensor) -> float:
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-            self.optimizer.step()
-            return float(grad_norm)
-
         stats = policy_epochs(batch, settings, epochs=self.config.ppo_epochs,
-                              logits=lambda: self._logits(self.model, batch.inputs, routes), update=update,
+                              logits=lambda: self._logits(self.model, batch.inputs, routes),
+                              update=lambda loss: self._apply(self.optimizer, loss),
                               reference_logprobs=reference, current_version=current_version)
         return {**stats, "router_replay": float(routes is not None)}
 
@@ -236,6 +271,9 @@ class TorchTrainerBackend:
             "torch_rng": torch.get_rng_state(),
             "reference": None if self._reference is None else self._reference.state_dict(),
         }
+
+    def close(self) -> None:
+        """Nothing to release: the model lives in this process."""
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Restore ``training_state`` after ``load_state_dict`` of the same step's weights."""
