@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollmesh.training.device_memory import DeviceMemoryAccount, measure_peak
-from rollmesh.training.optimizer_adamw import AdamWConfig, MixedPrecisionAdamW
+from rollmesh.training.optimizer_adamw import AdamWConfig, MixedPrecisionAdamW, adamw_update_
 from rollmesh.training.optimizer_chunks import Segment, plan_chunks
 from rollmesh.training.optimizer_errors import MissingGradientError, OptimizerSetupError
 from rollmesh.training.optimizer_offload import ChunkedOffloadAdamW
@@ -229,3 +229,54 @@ def test_offload_lowers_cuda_peak_memory_and_stays_bit_identical():
     # allocator's rounding of each block to 512 bytes.
     assert abs(peaks["plain"] - (16 * n + 8 * largest)) < 64 << 10
     assert abs(peaks["offload"] - (4 * n + 32 * c)) < 64 << 10
+
+
+@pytest.mark.parametrize("kind", ["plain", "offload"])
+def test_clipping_scales_the_fp32_gradients_and_both_optimizers_stay_bit_identical(kind):
+    """``clip_grad_norm`` gives the fp32 norm of the bf16 gradients and makes the next step use
+    gradients scaled to ``max_norm``: the same as stepping on the scaled fp32 gradients."""
+    named, reference_named = mixed_parameters(), mixed_parameters()
+    build = (lambda n: MixedPrecisionAdamW(n, config=CONFIG, device="cpu")) if kind == "plain" else (
+        lambda n: ChunkedOffloadAdamW(n, config=CONFIG, device="cpu", chunk_bytes=4096))
+    optimizer, reference = build(named), MixedPrecisionAdamW(reference_named, config=CONFIG, device="cpu")
+    give_random_gradients(named, reference_named, generator=torch.Generator().manual_seed(3))
+    norm = optimizer.clip_grad_norm(1.0)
+    expected = torch.sqrt(sum(p.grad.float().pow(2).sum() for _, p in named)).item()
+    assert norm == pytest.approx(expected, rel=1e-6) and norm > 1.0
+    optimizer.step()
+    # The reference steps once on fp32 gradients scaled by hand, through a step with scale 1.
+    scale = 1.0 / (expected + 1e-6)
+    for name, param in reference_named:
+        state = reference.state_of(name)
+        grad32 = param.grad.float().reshape(-1) * scale
+        adamw_update_(state.master, state.exp_avg, state.exp_avg_sq, grad32, torch.empty_like(grad32),
+                      step=1, config=CONFIG)
+    for name, _ in named:
+        assert torch.allclose(optimizer.state_of(name).master, reference.state_of(name).master, rtol=0, atol=1e-6)
+    assert optimizer.clip_grad_norm(1e9) > 0 and optimizer._grad_scale == 1.0  # no clipping: scale 1
+
+
+@pytest.mark.parametrize("kind", ["plain", "offload"])
+def test_state_dict_round_trip_resumes_bit_for_bit_and_refuses_other_parameters(kind):
+    def build(named):
+        if kind == "plain":
+            return MixedPrecisionAdamW(named, config=CONFIG, device="cpu")
+        return ChunkedOffloadAdamW(named, config=CONFIG, device="cpu", chunk_bytes=4096)
+
+    generator = torch.Generator().manual_seed(5)
+    first_named = mixed_parameters()
+    first = build(first_named)
+    give_random_gradients(first_named, generator=generator)
+    first.step()
+    saved = first.state_dict()
+    resumed_named = mixed_parameters()  # the parameters as a fresh process would have them
+    resumed = build(resumed_named)
+    resumed.load_state_dict(saved)
+    assert resumed.steps == 1
+    grads = torch.Generator().manual_seed(9)
+    give_random_gradients(first_named, resumed_named, generator=grads)
+    first.step()
+    resumed.step()
+    assert_bit_identical(first, first_named, resumed, resumed_named)
+    with pytest.raises(OptimizerSetupError):
+        build(mixed_parameters()[:-2]).load_state_dict(saved)

@@ -69,6 +69,72 @@ def adamw_update_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch
     master.sub_(grad)  # w -= lr / (1 - beta1^t) * m / denominator
 
 
+def clip_scale(named: list[tuple[str, torch.Tensor]], max_norm: float) -> tuple[float, float]:
+    """(the global gradient norm, the factor that clips it to ``max_norm``), computed in fp32 from
+    the bf16 gradients: ``step(grad_scale=...)`` then applies the factor to the fp32 copies, so
+    clipping rounds no bf16 gradient (torch's rule: max_norm / (norm + 1e-6), at most 1)."""
+    squares = torch.zeros((), dtype=torch.float32)
+    for _, param in named:
+        if param.grad is not None:
+            squares = squares + param.grad.detach().float().pow(2).sum().cpu()
+    norm = float(squares.sqrt())
+    return norm, min(max_norm / (norm + 1e-6), 1.0)
+
+
+def _state_dict(state: dict[str, AdamWState], steps: int) -> dict:
+    return {"steps": steps, "state": {name: [t.detach().cpu().clone() for t in parts] for name, parts in state.items()}}
+
+
+def _load_state_dict(saved: dict, state: dict[str, AdamWState]) -> int:
+    """Copy ``saved`` (``state_dict``'s) into ``state`` in place; returns its step count."""
+    if saved["state"].keys() != state.keys():
+        missing = sorted(state.keys() ^ saved["state"].keys())
+        raise OptimizerSetupError("saved optimizer state has other parameters", parameter=missing[0])
+    with torch.no_grad():
+        for name, parts in state.items():
+            for target, source in zip(parts, saved["state"][name], strict=True):
+                if target.shape != source.shape:
+                    raise OptimizerSetupError(f"saved state {tuple(source.shape)} != {tuple(target.shape)}",
+                                              parameter=name)
+                target.copy_(source)
+    return int(saved["steps"])
+
+
+class TrainingLoopMethods:
+    """What a training loop calls besides ``step``, shared by both optimizers: ``zero_grad``,
+    ``clip_grad_norm`` and a ``state_dict`` of CPU tensors (exact resume)."""
+
+    _named: list[tuple[str, torch.Tensor]]
+    _grad_scale: float = 1.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, param in self._named:
+            param.grad = None
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The gradients' global norm; the next ``step`` scales them so it is at most ``max_norm``."""
+        norm, self._grad_scale = clip_scale(self._named, max_norm)
+        return norm
+
+    def _take_grad_scale(self) -> float:
+        scale, self._grad_scale = self._grad_scale, 1.0
+        return scale
+
+    def named_state(self) -> dict[str, AdamWState]:
+        return {name: self.state_of(name) for name, _ in self._named}
+
+    def state_dict(self) -> dict:
+        return _state_dict(self.named_state(), self.steps)
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Restore ``state_dict``'s moments, master weights and step count; the bf16 parameters
+        are set from the restored masters, as after a step."""
+        self.steps = _load_state_dict(saved, self.named_state())
+        with torch.no_grad():
+            for name, param in self._named:
+                param.detach().view(-1).copy_(self.state_of(name).master)
+
+
 def checked_parameters(named_parameters: Iterable[tuple[str, torch.Tensor]],
                        device: torch.device) -> list[tuple[str, torch.Tensor]]:
     """The parameters as a list, each checked to be a contiguous float tensor on ``device``."""
@@ -99,9 +165,10 @@ def flat_gradients(named: list[tuple[str, torch.Tensor]], *, step: int,
     return grads
 
 
-class MixedPrecisionAdamW:
+class MixedPrecisionAdamW(TrainingLoopMethods):
     """The reference: bf16 parameters and gradients, fp32 master weights and moments, all on the
-    device. Each step: ``master = AdamW(master, grad.float())``, then ``param.copy_(master)``."""
+    device. Each step: ``master = AdamW(master, grad.float() * grad_scale)``, then
+    ``param.copy_(master)`` (``grad_scale``: the clipping factor of ``clip_grad_norm``, else 1)."""
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], *, config: AdamWConfig,
                  device: torch.device | str, account: DeviceMemoryAccount | None = None) -> None:
@@ -127,6 +194,7 @@ class MixedPrecisionAdamW:
     def step(self) -> None:
         grads = flat_gradients(self._named, step=self.steps + 1, account=self.account)
         self.steps += 1
+        grad_scale = self._take_grad_scale()
         # Work space for the largest parameter, reused by all: the fp32 gradient and one temporary.
         grad32 = self.account.allocate("step:grad32", self._largest, torch.float32)
         scratch = self.account.allocate("step:scratch", self._largest, torch.float32)
@@ -136,6 +204,8 @@ class MixedPrecisionAdamW:
                     numel = param.numel()
                     state = self._state[name]
                     grad32[:numel].copy_(grad)
+                    if grad_scale != 1.0:
+                        grad32[:numel].mul_(grad_scale)
                     adamw_update_(state.master, state.exp_avg, state.exp_avg_sq, grad32[:numel],
                                   scratch[:numel], step=self.steps, config=self.config)
                     param.detach().view(-1).copy_(state.master)  # fp32 -> bf16, round to nearest even

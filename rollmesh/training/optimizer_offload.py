@@ -29,6 +29,7 @@ from rollmesh.training.device_memory import DeviceMemoryAccount
 from rollmesh.training.optimizer_adamw import (
     AdamWConfig,
     AdamWState,
+    TrainingLoopMethods,
     adamw_update_,
     checked_parameters,
     flat_gradients,
@@ -57,7 +58,7 @@ class OffloadStats(msgspec.Struct, frozen=True, kw_only=True):
     copy_seconds: float | None
 
 
-class ChunkedOffloadAdamW:
+class ChunkedOffloadAdamW(TrainingLoopMethods):
     """``MixedPrecisionAdamW`` with its fp32 state in host memory, streamed through the device in
     chunks of ``chunk_bytes`` (per state tensor: master, exp_avg and exp_avg_sq each move that
     much per chunk). ``copies``: "stream" on CUDA (default there), "thread" or "inline" on CPU."""
@@ -75,6 +76,7 @@ class ChunkedOffloadAdamW:
             raise ValueError(f"copies={self.copies!r} does not fit device {self.device}")
         self.account = account or DeviceMemoryAccount(self.device)
         self.steps = 0
+        self._step_grad_scale = 1.0
         self._named = checked_parameters(named_parameters, self.device)
         self._flat_params = [param.detach().view(-1) for _, param in self._named]
         numels = [param.numel() for _, param in self._named]
@@ -103,6 +105,7 @@ class ChunkedOffloadAdamW:
     def step(self) -> None:
         grads = flat_gradients(self._named, step=self.steps + 1, account=self.account)
         self.steps += 1
+        self._step_grad_scale = self._take_grad_scale()
         slot_numel = min(self._chunk_numel, self._total)
         slots = [AdamWState(*(self.account.allocate(f"step:slot{s}.{part}", slot_numel, torch.float32)
                               for part in AdamWState._fields)) for s in (0, 1)]
@@ -142,6 +145,8 @@ class ChunkedOffloadAdamW:
         for seg in chunk.segments:
             grad32[seg.chunk_start:seg.chunk_start + seg.length].copy_(
                 grads[seg.param_index][seg.param_start:seg.param_start + seg.length])
+        if self._step_grad_scale != 1.0:
+            grad32[:numel].mul_(self._step_grad_scale)  # elementwise: the same bits as the plain optimizer's
         adamw_update_(slot.master[:numel], slot.exp_avg[:numel], slot.exp_avg_sq[:numel], grad32[:numel],
                       scratch[:numel], step=self.steps, config=self.config)
         for seg in chunk.segments:
