@@ -1,0 +1,65 @@
+"""The trainer actor with ``trainer.backend = "megatron"`` on the session's Ray and NATS: it
+starts its TP=2 rank processes, warm-starts, publishes a weight version and saves a Megatron
+checkpoint through them, and stopping the actor stops its ranks."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers builds the HF checkpoint")
+pytest.importorskip("megatron.core", reason="megatron-core builds the trained model")
+
+from ray_actors import stop_and_kill  # noqa: E402
+from rollmesh.actors.role_base import MeshContext  # noqa: E402
+from rollmesh.actors.trainer import TrainerActor  # noqa: E402
+from rollmesh.config import MegatronConfig, ModelConfig, TrainerConfig  # noqa: E402
+from rollmesh.engine.weight_buckets import load_published  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+RANK_MODULE = "rollmesh.training.megatron_ranks"
+
+
+def rank_processes() -> list[str]:
+    found = subprocess.run(["pgrep", "-f", RANK_MODULE], capture_output=True, text=True)
+    return found.stdout.split()
+
+
+def test_the_trainer_actor_trains_on_megatron_ranks_and_stops_them(ray_session, nats_server, tmp_path):
+    directory = tmp_path / "model"
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+        intermediate_size=128, eos_token_id=2, max_position_embeddings=256))
+    model.save_pretrained(directory)
+    model_config = ModelConfig(family="hf", hf_path=str(directory))
+    config = TrainerConfig(lr=1e-3, backend="megatron",
+                           megatron=MegatronConfig(tensor_parallel=2, start_timeout_s=120, call_timeout_s=120))
+    namespace = "t" + uuid.uuid4().hex[:10]
+    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(tmp_path / "run"))
+    before = set(rank_processes())
+    actor = ray.remote(TrainerActor).options(name=f"trainer-{namespace}", namespace=namespace, num_cpus=0).remote(
+        f"trainer-{namespace}", mesh, config, model_config)
+    try:
+        ray.get(actor.start.remote(), timeout=180)
+        assert len(set(rank_processes()) - before) == 2
+        warm = ray.get(actor.warm_start.remote("rollmesh.rollout.molar_mass:MolarMassTask", steps=1, batch_size=2,
+                                               lr=1e-3, tool_fraction=0.0, seed=0), timeout=120)
+        assert warm["weight_version"] == 1 and warm["loss"] > 0
+        published = sorted((tmp_path / "run" / "weights").glob("v*"))
+        assert published, "a weight version was published"
+        weights = load_published(published[-1] / "manifest.json")
+        assert weights["model.embed_tokens.weight"].shape == (300, 64)
+        assert not torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
+        checkpoint = ray.get(actor.save_checkpoint.remote(), timeout=120)
+        # Step 0 (the warm start is no RL step), in megatron's torch_dist layout.
+        assert checkpoint.endswith("iter_0000000") and (Path(checkpoint) / ".metadata").is_file()
+        assert (tmp_path / "run" / "logs" / "megatron_rank1.log").is_file()
+    finally:
+        stop_and_kill(actor)
+    assert not set(rank_processes()) - before, "stopping the trainer stops its rank processes"
