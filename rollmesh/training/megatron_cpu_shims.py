@@ -7,6 +7,9 @@ forward and saves ``torch_dist`` checkpoints on CPU under a gloo process group, 
 - its forward forks the CUDA RNG tracker's "model-parallel-rng" state around dropout, a state
   that only a CUDA seed can register: forking becomes a no-op (CPU runs here are deterministic
   evaluations with no dropout);
+- its activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA RNG
+  state around each recomputed layer: with no CUDA generator there is none to keep, so getting
+  it gives None and setting it does nothing (the CPU generator is still saved and restored);
 - its MoE router's gating (``moe_utils.RouterGatingLinearFunction``) tests ``te_general_gemm``,
   a name only bound when Transformer Engine imports: without TE it raises NameError, so the
   name is bound to None (the plain ``torch.mm`` path).
@@ -30,6 +33,8 @@ def install_cpu_shims() -> bool:
     from megatron.core.tensor_parallel import random as megatron_random
 
     megatron_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):

@@ -16,7 +16,8 @@ and its logits are masked out, so that choice reaches neither the loss nor any g
 Storage and slicing. Rows are kept per sample in the smallest unsigned dtype that holds every
 expert id (uint8 up to 256 experts, else uint16), 8x smaller than int64. A data-parallel rank
 picks its samples by index first and widens only those to int64 tensors, so it never holds the
-rows of the other ranks' samples.
+rows of the other ranks' samples. ``batch_rows`` is the one rule of when a batch replays, which
+every trainer backend applies.
 
 Recompute. ``forward_with_replay(recompute=True)`` checkpoints each layer. The replayed ids are
 inputs of the checkpointed call, so the recompute in backward uses the same experts. Without
@@ -33,6 +34,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from rollmesh.engine.models.llama import CausalLM, rope_cos_sin
+from rollmesh.training.grpo import PolicySample
 
 T = TypeVar("T")
 
@@ -121,6 +123,26 @@ def rows_for_inputs(rows: np.ndarray, num_tokens: int, *, sample: int | None = N
     (tokens[:-1]): exactly ``num_tokens - 1`` rows, row t for input position t."""
     if len(rows) != num_tokens - 1:
         raise RowsAlignmentError(rows=len(rows), tokens=num_tokens, sample=sample)
+    return rows
+
+
+def batch_rows(
+    samples: Sequence[PolicySample], *, num_experts: int, routing_shape: tuple[int, int]
+) -> list[np.ndarray] | None:
+    """Each sample's checked rows (``compact_rows``, ``rows_for_inputs``), or None when a trained
+    sample has none: the whole batch then routes by the trainer's router (a half-replayed batch
+    would mix the two). An infrastructure-failed sample trains nothing: it gets no rows (its
+    positions are padded with valid ids) and its recorded ones are not read."""
+    if any(s.routed_experts is None and not s.infra_failed for s in samples):
+        return None
+    rows = []
+    for index, sample in enumerate(samples):
+        if sample.infra_failed:
+            rows.append(np.zeros((0, *routing_shape), dtype=expert_id_dtype(num_experts)))
+            continue
+        checked = compact_rows(sample.routed_experts, num_experts=num_experts, routing_shape=routing_shape,
+                               sample=index)
+        rows.append(rows_for_inputs(checked, len(sample.tokens), sample=index))
     return rows
 
 

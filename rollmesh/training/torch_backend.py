@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -42,7 +41,7 @@ from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
 from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
 from rollmesh.training.optimizer_adamw import AdamWConfig, MixedPrecisionAdamW
 from rollmesh.training.optimizer_offload import ChunkedOffloadAdamW
-from rollmesh.training.router_replay import compact_rows, forward_with_replay, replay_tensor, rows_for_inputs
+from rollmesh.training.router_replay import batch_rows, forward_with_replay, replay_tensor
 
 TORCH_FORMAT = "torch"
 # What ``trainer.precision`` picks (``TorchTrainerBackend._new_optimizer``).
@@ -198,17 +197,9 @@ class TorchTrainerBackend:
         shape = getattr(self.model, "routing_shape", None)
         if shape is None or not self.config.router_replay:
             return None
-        if any(s.routed_experts is None and not s.infra_failed for s in samples):
+        rows = batch_rows(samples, num_experts=self.model.config.moe.num_experts, routing_shape=shape)
+        if rows is None:
             return None
-        num_experts = self.model.config.moe.num_experts
-        rows = []
-        for index, sample in enumerate(samples):
-            if sample.infra_failed:
-                rows.append(np.zeros((0, *shape), dtype=np.uint8))  # padded with valid ids
-                continue
-            checked = compact_rows(sample.routed_experts, num_experts=num_experts, routing_shape=shape,
-                                   sample=index)
-            rows.append(rows_for_inputs(checked, len(sample.tokens), sample=index))
         return replay_tensor(rows, seq_len, device=next(self.model.parameters()).device)
 
     @staticmethod
