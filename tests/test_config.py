@@ -153,3 +153,25 @@ def test_no_runs_or_no_mesh_file_is_mesh_not_found(tmp_path):
     with pytest.raises(MeshNotFoundError) as raised:
         read_mesh_info(run_dir, run_root=tmp_path)
     assert raised.value.run_dir == str(run_dir)
+
+
+def test_the_megatron_layout_is_a_nested_table_and_its_world_is_tp_x_pp_x_dp(tmp_path):
+    path = tmp_path / "megatron.toml"
+    path.write_text('[model]\nfamily = "hf"\nhf_path = "/models/qwen"\n[trainer]\nbackend = "megatron"\n'
+                    "[trainer.megatron]\ntensor_parallel = 2\npipeline_parallel = 2\ndata_parallel = 4\n"
+                    "expert_parallel = 2\ndistributed_optimizer = true\n")
+    config = load_config(path, environ={})
+    assert config.trainer.backend == "megatron" and config.trainer.megatron.world_size == 16
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[trainer]\nbackend = "megatron"\n', "Hugging Face models only"),  # the tiny model
+    ('[trainer]\noptimizer_offload = true\n', "optimizer_offload needs"),
+    ('[model]\nfamily = "hf"\n[trainer]\nbackend = "megatron"\nprecision = "bf16"\n', "torch backend"),
+    ("[trainer.megatron]\ndata_parallel = 3\nexpert_parallel = 2\n", "expert_parallel must divide"),
+])
+def test_trainer_settings_that_cannot_run_together_are_config_errors(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, environ={})
