@@ -331,6 +331,10 @@ class SchedulerConfig(_Config):
     resource: str = "rollmesh_gpu"
     # Role -> accelerators granted at start.
     grants: dict[str, float] = {}
+    # Lending idle accelerators to simulation jobs: a job whose preemption grace period is longer
+    # than this may only run on accelerators no RL role is guaranteed, since RL announces its
+    # demand about this far ahead and must not wait for a slow leaver.
+    max_loan_grace_s: NonNegFloat = 300.0
 
 
 class ServeConfig(_Config):

@@ -19,6 +19,7 @@ from rollmesh.cli import (
     demo as cli_demo,
     mesh as cli_mesh,
     sandbox as cli_sandbox,
+    sched as cli_sched,
     serve as cli_serve,
     submit as cli_submit,
     watch as cli_watch,
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _add_global_options(common, suppress=True)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (cli_mesh, cli_submit, cli_watch, cli_demo, cli_serve, cli_sandbox, cli_convert):
+    for module in (cli_mesh, cli_submit, cli_watch, cli_demo, cli_serve, cli_sandbox, cli_convert, cli_sched):
         module.register(subparsers, common)
     return parser
 

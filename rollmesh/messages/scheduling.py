@@ -27,6 +27,9 @@ class PreemptionRequested(WireMessage, frozen=True, tag="sched.preemption_reques
     holder: str
     grace_s: float
     reason: str = ""
+    # Scheduler clock time by which the holder must have released (sent PreemptionAcknowledged);
+    # after it, the holder is killed. 0: not stated (older schedulers), count grace_s from receipt.
+    deadline: float = 0.0
 
 
 class PreemptionAcknowledged(WireMessage, frozen=True, tag="sched.preemption_acknowledged"):

@@ -1,10 +1,15 @@
 """Errors of the scheduling package. Knows nothing but the standard library.
 
     SchedulingError
-    ├── OverCommittedError      grants would exceed the declared accelerators
+    ├── OverCommittedError      grants (or guaranteed shares) would exceed the declared accelerators
     ├── InvalidGrantError       a role's count cannot be expressed as a Ray resource request
     ├── MissingHolderError      a role has accelerators in config but no actor to hold them
-    └── UnknownGrantError       no live grant has this id (never granted, or already released)
+    ├── UnknownGrantError       no live grant has this id (never granted, or already released)
+    ├── RunAlreadyRegisteredError  an RL run id registered twice
+    ├── UnknownRoleError        no registered RL run has this role
+    ├── UnknownJobError         no live simulation job has this id (never submitted, or finished)
+    ├── InvalidJobError         a simulation job the cluster can never run (or a duplicate id)
+    └── TraceFormatError        a workload trace or RL phases file that cannot be read
 """
 
 from __future__ import annotations
@@ -44,3 +49,40 @@ class UnknownGrantError(SchedulingError):
     def __init__(self, *, grant_id: str) -> None:
         super().__init__(f"no live grant {grant_id!r}")
         self.grant_id = grant_id
+
+
+class RunAlreadyRegisteredError(SchedulingError):
+    def __init__(self, *, run_id: str) -> None:
+        super().__init__(f"RL run {run_id!r} is already registered")
+        self.run_id = run_id
+
+
+class UnknownRoleError(SchedulingError):
+    def __init__(self, *, run_id: str, role: str) -> None:
+        super().__init__(f"RL run {run_id!r} has no registered role {role!r}")
+        self.run_id = run_id
+        self.role = role
+
+
+class UnknownJobError(SchedulingError):
+    def __init__(self, *, job_id: str) -> None:
+        super().__init__(f"no live simulation job {job_id!r}")
+        self.job_id = job_id
+
+
+class InvalidJobError(SchedulingError):
+    def __init__(self, reason: str, *, job_id: str) -> None:
+        super().__init__(f"simulation job {job_id!r}: {reason}")
+        self.job_id = job_id
+        self.reason = reason
+
+
+class TraceFormatError(SchedulingError):
+    """``line`` is 1-based; None when the reader cannot point at one (a TOML validation error)."""
+
+    def __init__(self, reason: str, *, path: str, line: int | None = None) -> None:
+        where = f"{path}:{line}" if line is not None else path
+        super().__init__(f"{where}: {reason}")
+        self.path = path
+        self.line = line
+        self.reason = reason
