@@ -1,17 +1,19 @@
 """The megatron-core trainer backend on the biased and MoE families under gloo, against the engine's
 own model (the torch backend) and transformers: a tiny random Qwen3-MoE (QK norms, 4 experts,
-top 2 renormalised) at TP=1 x EP=2, TP=2 x EP=1 (sequence parallel) and TP=2 x EP=2, with
-rollout routing replay; a tiny Mixtral (the same routing, its own tensor names) replayed in each
-layout; and a tiny Qwen2 (QKV bias, tied embeddings) at TP=2.
+top 2 renormalised) at TP=1 x DP=2 x EP=2, TP=2 x EP=1 (sequence parallel), TP=2 x DP=2 x EP=2
+and PP=2 (one layer per stage, 1F1B over two microbatches), with rollout routing replay (also
+under activation recompute); a tiny Mixtral (the same routing, its own tensor names) replayed in
+each layout but PP=2; and a tiny Qwen2 (QKV bias, tied embeddings) at TP=2. EP ranks are DP
+ranks: each trains its half of the samples, and megatron's DDP reduces the gradients.
 
 The replayed routes are the engine's own choices with a third of the positions of every layer
 sent to the two experts the router did NOT pick, so a backend that ignored them would fail. One
-worker run (``megatron_backend_worker``: TP x EP spawned processes) per layout does every check;
-the tests compare its results here. Measured on 2 CPU cores (whole module ~40 s): logits within
+worker run (``megatron_backend_worker``) per world size does every check of its layouts; the
+tests compare its results here. Measured on 2 CPU cores (whole module ~30 s): logits within
 2.5e-6 of transformers', replayed logits within 1.7e-6 of the engine's, the routers' choices
 equal to the replayed experts exactly, replayed gradients within 1.4e-6 (relative to each
 tensor's largest) of the torch backend's and bit for bit the same with activation recompute,
-every policy-step stat within 3e-6 of the torch backend's, the HF round trip bit for bit.
+every policy-step stat within 3.1e-6 of the torch backend's, the HF round trip bit for bit.
 """
 
 from __future__ import annotations
@@ -49,8 +51,12 @@ MODELS = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE),
           "mixtral": ("MixtralConfig", "MixtralForCausalLM", MIXTRAL),
           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", QWEN2)}
 TRAINER = dict(lr=1e-3, ppo_epochs=1, seed=0, grad_clip=1.0, weight_decay=0.01)
-# (TP, EP): experts split over EP only; over TP only (sequence parallel); over both (4 processes).
-LAYOUTS = {"tp1_ep2": (1, 2), "tp2_ep1": (2, 1), "tp2_ep2": (2, 2)}
+# (TP, PP, EP): experts split over EP only; over TP only (sequence parallel); over both (4
+# processes); one layer per pipeline stage (1F1B over two microbatches). EP ranks are
+# data-parallel ranks (DP = EP here): each trains its own half of the samples.
+LAYOUTS = {"tp1_ep2": (1, 1, 2), "tp2_ep1": (2, 1, 1), "tp2_ep2": (2, 1, 2), "pp2": (1, 2, 1)}
+# The pipeline layout runs only the replay cases (the routers' layer numbers are the stages').
+PIPELINE_CASES = ("moe_replay", "moe_replay_recompute")
 # Odd lengths: sequence parallel at TP 2 pads the batch to an even length.
 LENGTHS_AND_ADVANTAGES = ((14, 1.0), (9, -0.5), (11, 0.7))
 
@@ -145,8 +151,8 @@ CASES = {"moe_replay": ("qwen3_moe", True, dict(grads=True, replay_probe=True)),
 
 def _cases() -> list[tuple[str, str]]:
     """(layout, case) pairs; the dense model only where there are no experts to split (EP 1)."""
-    return [(layout, name) for layout, (_, ep) in LAYOUTS.items() for name, (model, _, _) in CASES.items()
-            if model != "qwen2" or ep == 1]
+    return [(layout, name) for layout, (_, pp, ep) in LAYOUTS.items() for name, (model, _, _) in CASES.items()
+            if (model != "qwen2" or ep == 1) and (pp == 1 or name in PIPELINE_CASES)]
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +176,17 @@ def runs(tmp_path_factory) -> dict[str, dict]:
             job["replay_probe"] = (reference["inputs"], [s.routed_experts for s in reference["samples"]])
         jobs[name] = job
     out = {"hf_logits": hf_logits}
-    for layout, (tp, ep) in LAYOUTS.items():
-        names = [name for case_layout, name in _cases() if case_layout == layout]
-        torch.save({name: jobs[name] for name in names}, root / f"{layout}.pt")
-        results = run_worker(root / f"{layout}.pt", root / f"{layout}.out.pt", tp=tp, ep=ep)
-        out[layout] = {name: {**references[CASES[name][:2]], "megatron": results[name]} for name in names}
+    # One worker run per world size (TP x PP x EP processes: DP = EP), every layout of it in turn.
+    by_world: dict[int, dict] = {}
+    for layout, name in _cases():
+        tp, pp, ep = LAYOUTS[layout]
+        by_world.setdefault(tp * pp * ep, {})[f"{layout}/{name}"] = dict(jobs[name], layout=dict(tp=tp, pp=pp, ep=ep))
+    results = {}
+    for world, job in by_world.items():
+        torch.save(job, root / f"world{world}.pt")
+        results.update(run_worker(root / f"world{world}.pt", root / f"world{world}.out.pt", world=world))
+    for layout, name in _cases():
+        out.setdefault(layout, {})[name] = {**references[CASES[name][:2]], "megatron": results[f"{layout}/{name}"]}
     return out
 
 
@@ -230,8 +242,7 @@ def test_megatron_routers_choose_exactly_the_replayed_experts(runs, layout):
     assert diff < 1e-5, f"max |replayed logit diff| {diff:.2e}"
 
 
-@pytest.mark.parametrize("layout,name", [(layout, name) for layout in LAYOUTS
-                                         for name in ("moe_replay", "moe_replay_recompute")])
+@pytest.mark.parametrize("layout,name", [(layout, name) for layout in LAYOUTS for name in PIPELINE_CASES])
 def test_megatron_replayed_gradients_match_the_torch_backend(runs, layout, name):
     run = runs[layout][name]
     ours, theirs = run["megatron"]["grads"], run["grads"]
@@ -243,9 +254,9 @@ def test_megatron_replayed_gradients_match_the_torch_backend(runs, layout, name)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_megatron_recompute_replays_the_same_experts_in_the_backward(runs, layout):
     plain, recomputed = runs[layout]["moe_replay"]["megatron"], runs[layout]["moe_replay_recompute"]["megatron"]
-    # The routers ran again in the recompute (once per layer) and not without it.
+    # The routers ran again in the recompute (once per layer and microbatch) and not without it.
     assert plain["backward_router_calls"] == 0
-    assert recomputed["backward_router_calls"] == QWEN3_MOE["num_hidden_layers"]
+    assert recomputed["backward_router_calls"] == QWEN3_MOE["num_hidden_layers"] * recomputed["microbatches"]
     worst = max((recomputed["grads"][k] - plain["grads"][k]).abs().max().item() for k in plain["grads"])
     assert worst == 0.0, f"max |grad diff| with recompute {worst:.2e}"
 

@@ -1,6 +1,7 @@
-"""``MegatronRanks``: the trainer's handle on the megatron backend's rank processes (TP=2 under
-gloo here), on a tiny random HF Llama: its calls give the torch backend's results, a resume from
-its per-rank training state is exact, and a failing rank is a typed error that closes the group.
+"""``MegatronRanks``: the trainer's handle on the megatron backend's rank processes (TP=2, and
+DP=2 with the distributed optimizer, under gloo here), on a tiny random HF Llama: its calls give
+the torch backend's results, a resume from its per-rank training state is exact (with either
+optimizer), and a failing rank is a typed error that closes the group.
 
 The backend's own numerics are ``test_training_megatron_backend``'s; this module checks the
 driving: processes, connections, per-rank state, failures. Each group start is two processes
@@ -24,6 +25,7 @@ from rollmesh.training.torch_backend import TorchTrainerBackend  # noqa: E402
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 TP2 = MegatronConfig(tensor_parallel=2, start_timeout_s=120, call_timeout_s=120)
+DP2_DISTRIBUTED = MegatronConfig(data_parallel=2, distributed_optimizer=True, start_timeout_s=120, call_timeout_s=120)
 TRAINER = TrainerConfig(lr=1e-3, ppo_epochs=2, seed=0, grad_clip=1.0, weight_decay=0.01, backend="megatron",
                         megatron=TP2)
 
@@ -72,25 +74,51 @@ def test_ranks_train_as_the_torch_backend(ranks, hf_model):
     assert max((after[k] - expected[k]).abs().max().item() for k in expected) < 0.01 * TRAINER.lr
 
 
-def test_a_resume_from_the_ranks_training_state_is_exact(ranks, hf_model):
+def _resume_is_exact(ranks: MegatronRanks, hf_model: ModelConfig, trainer: TrainerConfig) -> dict:
+    """Step, keep the weights and training state, step again; then fresh ranks load both and take
+    the same second step: its weights must be the same bit for bit. Returns the state."""
     ranks.policy_step(_samples(1), current_version=1)
     weights, state = ranks.state_dict(), ranks.training_state()
-    assert [rank["tp_rank"] for rank in state["ranks"]] == [0, 1]  # each rank's own shards
     ranks.policy_step(_samples(2), current_version=2)
     continued = ranks.state_dict()
 
-    resumed = MegatronRanks(hf_model, TRAINER)
+    resumed = MegatronRanks(hf_model, trainer)
     try:
         resumed.load_state_dict(weights)
         resumed.load_training_state(state)
         resumed.policy_step(_samples(2), current_version=2)
         again = resumed.state_dict()
-        other_layout = {**state, "layout": {**state["layout"], "tensor_parallel": 1}}
+        other_layout = {**state, "layout": {**state["layout"], "tensor_parallel": 3}}
         with pytest.raises(MegatronRanksFailed, match="layout"):
             resumed.load_training_state(other_layout)
     finally:
         resumed.close()
     assert all(torch.equal(again[k], continued[k]) for k in continued)
+    return state
+
+
+def test_a_resume_from_the_ranks_training_state_is_exact(ranks, hf_model):
+    state = _resume_is_exact(ranks, hf_model, TRAINER)
+    assert [rank["tp_rank"] for rank in state["ranks"]] == [0, 1]  # each rank's own shards
+
+
+def test_a_resume_with_the_distributed_optimizer_is_exact(hf_model):
+    """DP=2, each rank holding its half of Adam's moments (megatron's distributed optimizer),
+    with the KL reference and two epochs in the loss."""
+    trainer = TrainerConfig(lr=1e-3, ppo_epochs=2, seed=0, grad_clip=1.0, weight_decay=0.01, kl_coef=0.05,
+                            backend="megatron", megatron=DP2_DISTRIBUTED)
+    group = MegatronRanks(hf_model, trainer)
+    try:
+        state = _resume_is_exact(group, hf_model, trainer)
+    finally:
+        group.close()
+    assert [rank["dp_rank"] for rank in state["ranks"]] == [0, 1]
+    # Each rank saved only its own shard of the moments: about half of them.
+    shards = [rank["optimizer"][0]["shards"] for rank in state["ranks"]]
+    moments = [sum(t["exp_avg"].numel() for buckets in shard[0].values() for bucket in buckets for t in bucket)
+               for shard in shards]
+    assert moments[0] + moments[1] == sum(p.numel() for p in state["ranks"][0]["reference"].values())
+    assert all(rank["reference"] is not None for rank in state["ranks"])
 
 
 def test_a_failing_rank_is_a_typed_error_and_closes_the_group(hf_model):

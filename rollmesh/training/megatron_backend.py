@@ -1,60 +1,94 @@
 """The megatron-core trainer backend: policy updates of an HF model of the engine's families
-(Llama, Qwen2, Qwen3-MoE, Mixtral; ``megatron_model``), tensor parallel (TP) and, for MoE models,
-expert parallel (EP), under any torch.distributed backend (gloo on CPU, nccl on GPUs).
+(Llama, Qwen2, Qwen3-MoE, Mixtral; ``megatron_model``) at any TP x PP x DP layout, with expert
+parallel (EP, taken from the DP ranks) for MoE models, under any torch.distributed backend
+(gloo on CPU, nccl on GPUs). Verified on CPU under gloo against the torch backend (stats and
+weights after the step): TP=2; PP=2 (tied and untied); DP=2 with the distributed optimizer;
+TP=2 x PP=2; PP=2 x DP=2; MoE at DP=2 x EP=2, TP=2 (sequence parallel), TP=2 x DP=2 x EP=2 and
+PP=2, with routing replay, also under activation recompute; a bit-for-bit resume from
+``training_state`` with either optimizer (``test_training_megatron_ranks``). Not run yet: MoE at
+PP x TP or PP x EP, and anything on GPUs.
 
-Knows megatron-core through ``megatron_model``, the loss of ``losses.py`` and the replay rule of
-``router_replay``; nothing of Ray or NATS. One instance per rank, in processes the caller
-spawned, with torch.distributed and ``parallel_state`` initialised; every method is then a
-collective: all ranks call it together with the same arguments. It offers the torch backend's
-methods (``TrainerBackend``), and the weights it hands out (``state_dict``) are whole, HF-named
-tensors, so publishing is unchanged.
+Knows megatron-core through ``megatron_model`` (the stage, its weights and routers),
+``megatron_pipeline`` (forward/backward) and ``megatron_optimizer`` (DDP, optimizer), the loss
+of ``losses.py`` and the replay rule of ``router_replay``; nothing of Ray or NATS. One instance
+per rank, in processes the caller spawned, with torch.distributed and ``parallel_state``
+initialised; every method is then a collective: all ranks call it together with the same
+arguments. It offers the torch backend's methods (``TrainerBackend``), and the weights it hands
+out (``state_dict``) are whole, HF-named tensors, so publishing is unchanged.
 
-Choices, and what is left out:
-- Logits are gathered over TP to the full vocabulary, then ``losses.policy_epochs`` (its
-  ``token_logprobs`` and ``policy_loss``) runs exactly as in the torch backend (same numbers, entropy term included).
+How a step runs:
+- Data parallel: every rank gets the whole batch and collates it (so all agree on its padded
+  length), then trains only its DP rank's contiguous share (``router_replay.rank_sample_indices``);
+  megatron's DDP reduces the gradients (``megatron_pipeline``: DP, expert-DP, sequence-parallel
+  norms over TP, tied embeddings across stages) and its optimizer (``trainer.megatron
+  .distributed_optimizer`` picks the distributed one) clips by the global norm and steps.
+- Microbatches: one per DP rank at PP=1; at PP>1 each DP rank's share splits into PP
+  microbatches (fewer when it has fewer samples), enough for 1F1B to keep every stage busy once
+  the pipeline is full. All DP ranks run the same number of microbatches of one shape (the
+  largest share's), padded with blank samples (mask 0: they count in no loss, count or stat).
+  No ``trainer`` knob sizes them: the batch is the trainer's, and these are the fewest
+  microbatches that fill the pipeline.
+- Every forward and backward goes through ``megatron_pipeline.forward_backward`` (PP=1 too).
+  The last stage gathers the logits over TP to the full vocabulary and runs ``losses
+  .policy_loss`` per microbatch in megatron's (sum, count) form, so the loss is the torch
+  backend's over the whole batch (token mean for "ppo_clip", mean of per-sample means for
+  "grpo"); the entropy term reads the full-vocabulary logits. Stats are merged over
+  microbatches and DP ranks (token means weighted by trained tokens, counts summed).
   megatron's ``vocab_parallel_cross_entropy`` would keep only a vocabulary slice per rank, less
   memory for big vocabularies, but the entropy term would need its own vocab-parallel form.
-- Every rank trains the whole batch: no data parallel. megatron counts the EP ranks as
-  data-parallel ranks of the dense parameters; here they see the same samples, so their dense
-  gradients are equal (averaged anyway, so the replicas cannot drift by rounding), and the
-  allgather dispatcher hands each expert every EP rank's copy of the tokens: its gradient is
-  EP times the batch's and is divided by EP (``_finalize_gradients``, megatron's
-  ``finalize_model_grads`` for this layout, which also sums the gradients of sequence-parallel
-  norms, the routers and the QK norms over TP: each TP rank saw only part of their inputs).
+- Decoupled PPO's proximal logprobs are the first epoch's (as ``losses.policy_epochs``); the KL
+  reference's come from a forward-only pass with the reference shards swapped in.
 - Routing replay (R3): an MoE model's forwards route to the samples' recorded experts when
-  ``router_replay.batch_rows`` finds them (the torch backend's rule; stat ``router_replay``),
-  through megatron-core's ``RouterReplay``; the gate weights still come from the trainer's
-  router. ``recompute=True`` (constructor) recomputes each layer's activations in the
-  backward, replaying the same experts there.
-- A plain torch AdamW over each rank's local (sharded) parameters: AdamW is elementwise, so the
-  shards step exactly as the whole tensors would. megatron's distributed optimizer (sharding the
-  moments over data-parallel ranks) is out of scope, as is pipeline parallelism.
-- Gradient clipping by the global norm: squared norms summed over all ranks, each replicated
-  parameter counted once (on TP rank 0 of data-parallel rank 0); then torch's clip rule
-  (max_norm / (norm + 1e-6)).
+  ``router_replay.batch_rows`` finds them (the torch backend's rule; stat ``router_replay``).
+  Every rank checks every sample's rows (cheap, and a bad row fails every rank alike instead of
+  leaving the others in a collective) but widens only its own samples' rows, and under
+  sequence parallel only its own positions (``MegatronLlama.replay_targets``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+import torch.nn.functional as F
 
 from rollmesh.engine.models import read_safetensors
 from rollmesh.training.grpo import PolicyBatch, PolicySample
-from rollmesh.training.losses import LossSettings, policy_epochs, token_logprobs
+from rollmesh.training.losses import LossName, LossSettings, policy_loss, token_logprobs
 from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
 from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
 from rollmesh.training.megatron_model import MegatronLlama, UnsupportedMegatronModelError
-from rollmesh.training.router_replay import batch_rows
+from rollmesh.training.megatron_optimizer import (
+    build_adamw,
+    load_optimizer_state,
+    optimizer_state,
+    step,
+    wrap_data_parallel,
+    zero_grads,
+)
+from rollmesh.training.megatron_pipeline import LossFn, Microbatch, PipelineStepResult, forward_backward
+from rollmesh.training.router_replay import batch_rows, rank_sample_indices
+
+# policy_loss's stats that are counts (summed over microbatches); the others are means.
+_COUNTED_STATS = frozenset({"trained_tokens", "stale_tokens", "samples_trained", "infra_failed_samples"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """A microbatch's samples for the loss: its index in the step, its rows of the batch."""
+
+    index: int
+    batch: PolicyBatch
 
 
 class MegatronTrainerBackend:
     def __init__(self, model_config, trainer_config, *, recompute: bool | None = None) -> None:
+        from megatron.core import parallel_state
+
         if recompute is None:
             recompute = trainer_config.megatron.recompute_activations
         if model_config.family != "hf":
@@ -63,129 +97,144 @@ class MegatronTrainerBackend:
         self.config = trainer_config
         self.model_config = model_config
         self.loss_settings = LossSettings.from_config(trainer_config)
+        self.distributed_optimizer = trainer_config.megatron.distributed_optimizer
+        self.dp, self.dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         torch.manual_seed(trainer_config.seed)
         self.net = MegatronLlama(model_config.hf_path, recompute=recompute)
         self.net.load_hf_state_dict(read_safetensors(model_config.hf_path, dtype=torch.float32))
-        self.net.model.train()
+        # This stage in megatron's DDP: what forward_backward runs and the optimizers step.
+        self.model = wrap_data_parallel(self.net.model, distributed_optimizer=self.distributed_optimizer)
+        self.model.train()
         eos = self.net.hf_config.eos_token_id
         # As the torch backend: any valid embedding row (padded positions are never targets).
         self.pad_id = eos if eos is not None and 0 <= eos < self.net.spec.vocab_size else 0
         self.optimizer = self._new_optimizer(trainer_config.lr)
-        self._sft_optimizer: torch.optim.Optimizer | None = None
+        self._sft_optimizer = None
         # The KL reference: a copy of this rank's shards, taken at the first policy step.
         self._reference: dict[str, torch.Tensor] | None = None
 
-    def _parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.net.model.parameters())
-
-    def _new_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self._parameters(), lr=lr, weight_decay=self.config.weight_decay)
-
-    def _finalize_gradients(self) -> None:
-        """Make every rank's gradients those of the whole batch (module docstring)."""
-        from megatron.core import parallel_state
-
-        named = [(name, p.grad) for name, p in self.net.params.items() if p.grad is not None]
-        partial = [g for name, g in named if "q_layernorm" in name or "k_layernorm" in name
-                   or (self.net.sequence_parallel and getattr(self.net.params[name], "sequence_parallel", False))]
-        _all_reduce_sum(partial, parallel_state.get_tensor_model_parallel_group())
-        if self.net.ep > 1:
-            dense = [g for name, g in named if not self.net.is_expert(name)]
-            _all_reduce_sum(dense, parallel_state.get_data_parallel_group())
-            for g in dense:
-                g.div_(parallel_state.get_data_parallel_world_size())
-            for name, g in named:
-                if self.net.is_expert(name):
-                    g.div_(self.net.ep)
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip every rank's gradients by the norm of the whole model's gradient; returns it."""
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-        first_dp = parallel_state.get_data_parallel_rank() == 0
-        first_expert_dp = parallel_state.get_expert_data_parallel_rank() == 0
-        # Each distinct shard once: an expert's on its own EP rank (split over expert TP), a
-        # replicated parameter's on TP rank 0 (their gradients are equal on every rank).
-        grads = [(p.grad, first_expert_dp if self.net.is_expert(name)
-                  else first_dp and param_is_not_tensor_parallel_duplicate(p))
-                 for name, p in self.net.params.items() if p.grad is not None]
-        squares = sum((g.double().pow(2).sum() for g, own in grads if own), torch.zeros((), dtype=torch.float64))
-        dist.all_reduce(squares)
-        norm = float(squares.sqrt())
-        coef = min(max_norm / (norm + 1e-6), 1.0)
-        if coef < 1.0:
-            for g, _ in grads:
-                g.mul_(coef)
-        return norm
+    def _new_optimizer(self, lr: float):
+        return build_adamw([self.model], lr=lr, weight_decay=self.config.weight_decay,
+                           clip_grad=self.config.grad_clip, distributed_optimizer=self.distributed_optimizer)
 
     def sft_step(self, sequences: list[tuple[list[int], list[int]]], *, lr: float) -> float:
-        """One supervised step on (tokens, loss_mask) pairs; loss only where the mask is 1."""
+        """One supervised step on (tokens, loss_mask) pairs; loss only where the mask is 1 (its
+        token mean over the whole batch)."""
         if self._sft_optimizer is None:
-            self._sft_optimizer = self._new_optimizer(lr)  # RL starts with fresh moments
+            self._sft_optimizer = self._new_optimizer(lr)  # RL keeps its own, fresh moments
         self._reference = None
         samples = [PolicySample(tokens, mask, [0.0] * len(tokens), 0.0) for tokens, mask in sequences]
-        batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
-        logprobs = token_logprobs(self.net.logits(batch.inputs), batch.targets)
-        loss = -(logprobs * batch.mask).sum() / batch.mask.sum().clamp(min=1.0)
-        self._sft_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self._finalize_gradients()
-        self.clip_grad_norm(self.config.grad_clip)
-        self._sft_optimizer.step()
-        return float(loss.detach())
+        microbatches = self._microbatches(PolicyBatch.collate(samples, pad_id=self.pad_id), None)
+
+        def loss_fn(logits: torch.Tensor, microbatch: Microbatch):
+            piece: PolicyBatch = microbatch.extra.batch
+            logprobs = token_logprobs(logits[:, : piece.targets.shape[1]], piece.targets)
+            return -(logprobs * piece.mask).sum(), int(piece.mask.sum()), {}
+
+        zero_grads([self.model], self._sft_optimizer)
+        result = self._pass(microbatches, loss_fn)
+        step(self._sft_optimizer)
+        return result.loss
 
     def policy_step(self, samples: list[PolicySample], *,
                     current_version: int | None = None) -> dict[str, float]:
-        """``ppo_epochs`` full-batch updates of the configured loss (as the torch backend's); an
-        MoE model replays the samples' recorded experts in every forward when ``replay_rows``
-        finds them (stat ``router_replay``)."""
+        """``ppo_epochs`` full-batch updates of the configured loss (as the torch backend's
+        ``losses.policy_epochs``), each rank training its DP share; an MoE model replays the
+        samples' recorded experts in every forward when ``replay_rows`` finds them (stat
+        ``router_replay``)."""
         settings = self.loss_settings
         batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
         rows = self.replay_rows(samples)
-        reference = self._reference_logprobs(batch, rows) if settings.kl_coef > 0 else None
+        microbatches = self._microbatches(batch, rows)
+        reference = self._reference_logprobs(microbatches) if settings.kl_coef > 0 else {}
+        proximal: dict[int, torch.Tensor] = {}  # the first epoch's logprobs, per microbatch
 
-        def update(loss: torch.Tensor) -> float:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.net.prepare_backward()
-            loss.backward()
-            self._finalize_gradients()
-            grad_norm = self.clip_grad_norm(self.config.grad_clip)
-            self.optimizer.step()
-            return grad_norm
+        def loss_fn(logits: torch.Tensor, microbatch: Microbatch):
+            index, piece = microbatch.extra.index, microbatch.extra.batch
+            logits = logits[:, : piece.targets.shape[1]]
+            new_logprobs = token_logprobs(logits, piece.targets)
+            if settings.decoupled:
+                proximal.setdefault(index, new_logprobs.detach())
+            loss, stats = policy_loss(
+                new_logprobs, piece, settings, proximal_logprobs=proximal.get(index),
+                reference_logprobs=reference.get(index), current_version=current_version,
+                logits=logits if settings.entropy_coef > 0 else None)
+            # policy_loss's means are sum / max(count, 1): times count, the sum (0 when count is 0).
+            count = stats["trained_tokens"] if settings.loss == "ppo_clip" else stats["samples_trained"]
+            return loss * count, int(count), stats
 
-        stats = policy_epochs(batch, settings, epochs=self.config.ppo_epochs,
-                              logits=lambda: self.net.logits(batch.inputs, rows), update=update,
-                              reference_logprobs=reference, current_version=current_version)
-        return {**stats, "router_replay": float(rows is not None)}
+        for _ in range(self.config.ppo_epochs):  # the last epoch's stats, as policy_epochs reports
+            zero_grads([self.model], self.optimizer)
+            result = self._pass(microbatches, loss_fn)
+            grad_norm = step(self.optimizer)
+        return {**_merged_stats(result, settings.loss), "loss": result.loss, "grad_norm": grad_norm,
+                "router_replay": float(rows is not None)}
 
     def replay_rows(self, samples: list[PolicySample]) -> list[np.ndarray] | None:
-        """The samples' recorded experts, checked, one array per sample (``batch_rows``), or
-        None: a dense model, ``router_replay`` off, or a trained sample without rows. Every rank
-        keeps the compact rows of the whole batch (it trains every sample) and widens only its
-        own positions (``MegatronLlama.logits``)."""
+        """The samples' recorded experts, checked, one compact array per sample
+        (``batch_rows``), or None: a dense model, ``router_replay`` off, or a trained sample
+        without rows. Each rank widens only its own samples' (``_microbatches``)."""
         shape = self.net.routing_shape
         if shape is None or not self.config.router_replay:
             return None
         return batch_rows(samples, num_experts=self.net.spec.num_experts, routing_shape=shape)
 
-    def _reference_logprobs(self, batch: PolicyBatch, rows: list[np.ndarray] | None = None) -> torch.Tensor:
-        params = dict(self.net.model.named_parameters())
+    def _microbatches(self, batch: PolicyBatch, rows: list[np.ndarray] | None) -> list[Microbatch]:
+        """This DP rank's share of ``batch`` as microbatches of one shape on every DP rank,
+        padded with blank samples (module docstring), each with its replay targets."""
+        total = batch.inputs.shape[0]
+        share = list(rank_sample_indices(total, rank=self.dp_rank, world_size=self.dp))
+        largest = -(-total // self.dp)
+        count = 1 if self.net.pp == 1 else max(1, min(self.net.pp, largest))
+        size = -(-max(largest, 1) // count)
+        length = self.net.padded_length(batch.inputs.shape[1])
+        out = []
+        for index in range(count):
+            picked = share[index * size:(index + 1) * size]
+            piece = _blank_padded(batch, picked, size)
+            routes = None
+            if rows is not None:
+                blank = np.zeros((0, *self.net.routing_shape), dtype=np.uint8)
+                routes = self.net.replay_targets([rows[i] for i in picked] + [blank] * (size - len(picked)), length)
+            inputs = F.pad(piece.inputs, (0, length - piece.inputs.shape[1]), value=self.pad_id)
+            out.append(Microbatch(inputs, _Piece(index, piece), routes))
+        return out
+
+    def _pass(self, microbatches: list[Microbatch], loss_fn: LossFn, *,
+              forward_only: bool = False) -> PipelineStepResult:
+        """One pass of every microbatch through the pipeline (a backward too, unless
+        ``forward_only``), the routers set per microbatch."""
+        self.net.clear_routes()
+        with torch.set_grad_enabled(not forward_only):
+            return forward_backward(self.model, microbatches, loss_fn, vocab_size=self.net.spec.vocab_size,
+                                    forward_only=forward_only, run_stage=self.net.run_stage)
+
+    def _reference_logprobs(self, microbatches: list[Microbatch]) -> dict[int, torch.Tensor]:
+        """The KL reference's target logprobs per microbatch (on the last stage; empty elsewhere)."""
+        params = self.net.params
         if self._reference is None:
             self._reference = {name: p.detach().clone() for name, p in params.items()}
-        # Swap the reference shards in for one no-grad forward, then the live ones back.
+        recorded: dict[int, torch.Tensor] = {}
+
+        def record(logits: torch.Tensor, microbatch: Microbatch):
+            piece = microbatch.extra.batch
+            recorded[microbatch.extra.index] = token_logprobs(logits[:, : piece.targets.shape[1]], piece.targets)
+            return torch.zeros(()), 0, {}
+
+        # Swap the reference shards in for one forward-only pass, then the live ones back (the
+        # same tensors: with the distributed optimizer they are views of DDP's buffer).
         live = {name: p.data for name, p in params.items()}
         try:
             for name, p in params.items():
                 p.data = self._reference[name]
-            with torch.no_grad():
-                return token_logprobs(self.net.logits(batch.inputs, rows), batch.targets)
+            self._pass(microbatches, record, forward_only=True)
         finally:
             for name, p in params.items():
                 p.data = live[name]
+        return recorded
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole HF-named tensors, gathered from every rank (a collective)."""
+        """Whole HF-named tensors, gathered from every rank onto every rank (a collective)."""
         return self.net.hf_state_dict()
 
     def load_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
@@ -208,30 +257,56 @@ class MegatronTrainerBackend:
         dist.barrier()
         return path, MEGATRON_FORMAT
 
+    def _layout(self) -> dict[str, int | bool]:
+        net = self.net
+        return {"tp_rank": net.rank, "tp": net.tp, "pp_rank": net.pp_rank, "pp": net.pp, "ep_rank": net.ep_rank,
+                "ep": net.ep, "dp_rank": self.dp_rank, "dp": self.dp,
+                "distributed_optimizer": self.distributed_optimizer}
+
     def training_state(self) -> dict[str, Any]:
-        """This rank's optimizer moments (of its shards), RNG state and KL reference shards."""
-        return {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                "reference": self._reference, "tp_rank": self.net.rank, "tp": self.net.tp,
-                "ep_rank": self.net.ep_rank, "ep": self.net.ep}
+        """This rank's own state, no collective: its optimizer's (its shards' moments; the
+        distributed optimizer's shard of them), RNG state, KL reference shards and layout."""
+        return {"optimizer": optimizer_state(self.optimizer), "torch_rng": torch.get_rng_state(),
+                "reference": self._reference, **self._layout()}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
-        """Restore this rank's ``training_state`` (same TP x EP layout) after ``load_state_dict``."""
-        for field, here in (("tp", (self.net.rank, self.net.tp)), ("ep", (self.net.ep_rank, self.net.ep))):
+        """Restore this rank's ``training_state`` (same layout and optimizer) after
+        ``load_state_dict``."""
+        here = self._layout()
+        for field in ("tp", "pp", "ep", "dp"):
             saved = (state.get(f"{field}_rank", 0), state.get(field, 1))
-            if saved != here:
+            if saved != (here[f"{field}_rank"], here[field]):
                 raise UnsupportedMegatronModelError(
-                    f"training state of {field.upper()} rank {saved[0]}/{saved[1]} loaded on {here[0]}/{here[1]}",
-                    field=field, path=str(self.model_config.hf_path))
-        self.optimizer.load_state_dict(state["optimizer"])
+                    f"training state of {field.upper()} rank {saved[0]}/{saved[1]} loaded on "
+                    f"{here[f'{field}_rank']}/{here[field]}", field=field, path=str(self.model_config.hf_path))
+        if state.get("distributed_optimizer", False) != self.distributed_optimizer:
+            raise UnsupportedMegatronModelError("training state of the other optimizer (distributed or not)",
+                                                field="distributed_optimizer", path=str(self.model_config.hf_path))
+        load_optimizer_state(self.optimizer, state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self._reference = state.get("reference")
 
 
-def _all_reduce_sum(grads: list[torch.Tensor], group) -> None:
-    """Sum ``grads`` over ``group`` in place, in one flat collective."""
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-        grad.copy_(reduced)
+def _blank_padded(batch: PolicyBatch, picked: list[int], size: int) -> PolicyBatch:
+    """The ``picked`` samples of ``batch`` and blank ones after them up to ``size``: all zeros
+    (token 0 is a valid id; mask 0: they train nothing and count nowhere)."""
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        blank = tensor.new_zeros((size - len(picked), *tensor.shape[1:]))
+        return torch.cat([tensor[picked], blank])
+
+    return dataclasses.replace(batch, **{f.name: rows(getattr(batch, f.name)) for f in dataclasses.fields(batch)
+                                         if getattr(batch, f.name) is not None})
+
+
+def _merged_stats(result: PipelineStepResult, loss: LossName) -> dict[str, float]:
+    """``policy_loss``'s stats of the whole batch from its microbatches': counts summed, token
+    means weighted by trained tokens, GRPO's surrogate (a sample mean) by trained samples."""
+    parts = result.microbatch_stats
+    out = {}
+    for key in parts[0]:
+        if key in _COUNTED_STATS:
+            out[key] = sum(part[key] for part in parts)
+            continue
+        weight = "samples_trained" if key == "surrogate" and loss == "grpo" else "trained_tokens"
+        out[key] = sum(part[key] * part[weight] for part in parts) / max(sum(part[weight] for part in parts), 1.0)
+    return out

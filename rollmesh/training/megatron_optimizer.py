@@ -1,32 +1,25 @@
 """megatron-core's data-parallel wrapper (``DistributedDataParallel``) and optimizer
 (``get_megatron_optimizer``: AdamW, optionally the distributed optimizer that shards the fp32
 moments over data-parallel ranks), set up to step as ``torch.optim.AdamW`` does, on GPUs or on
-CPU under gloo.
+CPU under gloo, and each rank's part of the optimizer's state for an exact resume.
 
 Knows megatron-core's distributed and optimizer packages and torch; nothing of losses, HF names,
-Ray or NATS. Every function is a collective over the model's parallel groups (all ranks call it).
-
-What CPU needs (``megatron_cuda_on_cpu``): megatron (0.16) writes ``device="cuda"`` into its
-bookkeeping tensors (the schedules' token counter, the grad-norm all-reduce, ``found_inf``,
-``_dummy_overflow_buf``), moves tensors with ``.cuda()`` (the tied-embedding copy of a pipeline's
-last stage, at model construction) and tests ``param.type() == "torch.cuda.FloatTensor"`` to
-tell fp32 parameters from half ones (the distributed optimizer's shard builder, clip_grads).
-Without CUDA a torch function mode, active only around megatron's own calls, builds such
-tensors on the CPU, makes ``.cuda()`` return the tensor and names a CPU tensor's type as its
-CUDA twin's. Safe: on one CPU "device" placement cannot differ, and the type string is only
-read to pick the fp32 branch, never to convert. On a machine with CUDA the mode is not entered.
-Without Transformer Engine or Apex megatron itself falls back to ``torch.optim.AdamW`` (its
-"adam" is decoupled-weight-decay Adam, as Apex's FusedAdam) and to plain-torch
-``multi_tensor_applier``/l2-norm/scale, which run on CPU unchanged.
+Ray or NATS. Every function but the state ones is a collective over the model's parallel groups
+(all ranks call it). Without CUDA every megatron call runs inside
+``megatron_cpu_shims.megatron_cuda_on_cpu``; without Transformer Engine or Apex megatron itself
+falls back to ``torch.optim.AdamW`` (its "adam" is decoupled-weight-decay Adam, as Apex's
+FusedAdam) and to plain-torch ``multi_tensor_applier``/l2-norm/scale, which run on CPU unchanged.
+Verified on CPU under gloo (the megatron backend's tests): both optimizers at TP, PP, DP and EP
+layouts step as torch's AdamW with torch's clip, and resume bit for bit from ``optimizer_state``.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+
+from rollmesh.training.megatron_cpu_shims import megatron_cuda_on_cpu
 
 # torch.optim.AdamW's defaults: the torch backend steps with them.
 ADAMW_BETAS = (0.9, 0.999)
@@ -34,48 +27,22 @@ ADAMW_EPS = 1e-8
 
 
 class MegatronOptimizerError(RuntimeError):
-    """megatron's optimizer refused a step: ``reason`` says why (e.g. non-finite gradients)."""
+    """megatron's optimizer refused a step or a state: ``reason`` says why (e.g. non-finite
+    gradients, a state of another layout)."""
 
-    def __init__(self, reason: str, *, grad_norm: float | None) -> None:
-        super().__init__(f"{reason} (grad norm {grad_norm})")
+    def __init__(self, reason: str, *, grad_norm: float | None = None) -> None:
+        super().__init__(reason if grad_norm is None else f"{reason} (grad norm {grad_norm})")
         self.reason = reason
         self.grad_norm = grad_norm
 
 
-class _CudaOnCpu(TorchFunctionMode):
-    """Module docstring: CUDA placements and type names answered on the CPU."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs = {**kwargs, "device": "cpu"}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            # Only the no-argument form (a query); .type(dtype) converts and is left alone.
-            name = func(*args)
-            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def megatron_cuda_on_cpu() -> Iterator[bool]:
-    """Around a megatron-core call: without CUDA, its CUDA placements land on the CPU (module
-    docstring); with CUDA, nothing changes. Yields whether the shim is active."""
-    if torch.cuda.is_available():
-        yield False
-        return
-    with _CudaOnCpu():
-        yield True
-
-
 def wrap_data_parallel(model: torch.nn.Module, *, distributed_optimizer: bool = True):
     """``model`` (a GPTModel stage) in megatron's ``DistributedDataParallel``: gradients go to
-    one contiguous fp32 buffer, reduced over data-parallel ranks after the backward (a
-    reduce-scatter with the distributed optimizer, an all-reduce without) by
-    ``finalize_model_grads``, which megatron's schedules call. No overlap of the reduction with
-    the backward (``overlap_grad_reduce`` needs CUDA streams), one bucket."""
+    one contiguous fp32 buffer (experts' to one of their own), reduced after the backward over
+    the data-parallel ranks (experts': the expert-data-parallel ranks) by
+    ``finalize_model_grads``, which megatron's schedules call: a reduce-scatter with the
+    distributed optimizer, an all-reduce without. No overlap of the reduction with the backward
+    (``overlap_grad_reduce`` needs CUDA streams), one bucket."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
@@ -92,7 +59,8 @@ def build_adamw(ddp_models: list, *, lr: float, weight_decay: float, clip_grad: 
     stepping as ``torch.optim.AdamW(lr, betas, eps, weight_decay)`` with
     ``clip_grad_norm_(clip_grad)`` before it: weight decay on every parameter (megatron's default
     skips biases and 1-D weights; the torch backend decays them all), a constant learning rate
-    (no scheduler), the clip over the gradient norm of the whole model (every TP/PP/DP shard)."""
+    (no scheduler), the clip over the gradient norm of the whole model (every TP/PP/DP/EP shard).
+    An MoE model gets megatron's chain of two: the dense parameters' and the experts'."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
@@ -123,14 +91,85 @@ def step(optimizer) -> float:
     return float(grad_norm)
 
 
+def _parts(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _is_distributed(part) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(part, DistributedOptimizer)
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with every tensor in it copied: megatron hands out its live state."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _cloned(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cloned(item) for item in value)
+    return value
+
+
+def optimizer_state(optimizer) -> list[dict[str, Any]] | None:
+    """This rank's part of ``optimizer``'s state, a copy (no collective), or None before its
+    first step (nothing to keep: a fresh optimizer is the same). Per part of megatron's chain:
+    its ``state_dict()`` (param groups, step) and, for the distributed optimizer, this rank's
+    shard of the fp32 weights and moments (``get_parameter_state_dp_reshardable``: bucket
+    space, no gather; loading checks the buckets' sizes)."""
+    parts = _parts(optimizer)
+    if not any(part.optimizer.state for part in parts):
+        return None
+    out = []
+    for part in parts:
+        entry = {"state_dict": _cloned(part.state_dict())}
+        if _is_distributed(part):
+            entry["shards"] = _cloned(part.get_parameter_state_dp_reshardable())
+        out.append(entry)
+    return out
+
+
+def load_optimizer_state(optimizer, state: list[dict[str, Any]] | None) -> None:
+    """Restore ``optimizer_state`` into an optimizer of the same layout, built on the same
+    weights (``None``: leave it fresh). No collective."""
+    if state is None:
+        return
+    parts = _parts(optimizer)
+    if len(parts) != len(state) or any(_is_distributed(part) != ("shards" in entry)
+                                       for part, entry in zip(parts, state, strict=False)):
+        raise MegatronOptimizerError(f"an optimizer state of {len(state)} parts loaded into {len(parts)} "
+                                     "(or distributed into plain)")
+    # no_grad: the fp32 shards it copies into are views of the parameters themselves.
+    with megatron_cuda_on_cpu(), torch.no_grad():
+        for part, entry in zip(parts, state, strict=True):
+            part.load_state_dict(_cloned(entry["state_dict"]))
+            # Without Apex/TE the distributed optimizer's loader gives every parameter's state
+            # the SAME "step" tensor, which torch's AdamW then increments in place once per
+            # parameter: each gets its own, or the bias corrections would run ahead.
+            for parameter_state in part.optimizer.state.values():
+                if isinstance(parameter_state.get("step"), torch.Tensor):
+                    parameter_state["step"] = parameter_state["step"].clone()
+            if "shards" in entry:
+                shards = _cloned(entry["shards"])
+                # The loader skips bucket-padding entries, which only megatron's sharded
+                # checkpoint format adds ("padding": True); the getter's entries are all params.
+                for key, buffers in shards.items():
+                    if isinstance(key, int):
+                        for buckets in buffers.values():
+                            for bucket in buckets:
+                                for tensors in bucket:
+                                    tensors.setdefault("padding", False)
+                part.load_parameter_state_from_dp_reshardable(shards)
+
+
 def describe(optimizer) -> dict[str, object]:
     """What this rank's optimizer holds: megatron's optimizer classes, the torch optimizer under
     them, and how many fp32 elements its Adam moments cover (the distributed optimizer: this
     rank's shard, about 1/DP of the stage's parameters)."""
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    inner = [part.optimizer for part in parts]
+    inner = [part.optimizer for part in _parts(optimizer)]
     moments = sum(state["exp_avg"].numel() for torch_optimizer in inner for state in torch_optimizer.state.values()
                   if "exp_avg" in state)
-    return {"classes": [type(part).__name__ for part in parts],
+    return {"classes": [type(part).__name__ for part in _parts(optimizer)],
             "torch_optimizers": [type(torch_optimizer).__name__ for torch_optimizer in inner],
             "moment_elements": moments}
