@@ -335,6 +335,10 @@ class SchedulerConfig(_Config):
     # than this may only run on accelerators no RL role is guaranteed, since RL announces its
     # demand about this far ahead and must not wait for a slow leaver.
     max_loan_grace_s: NonNegFloat = 300.0
+    # The live scheduler's timers: how often it checks deadlines and planned reclaims at least,
+    # and how often it publishes its accounting on rl.<ns>.sched.utilization.
+    tick_s: PositiveFloat = 1.0
+    report_every_s: PositiveFloat = 10.0
 
 
 class ServeConfig(_Config):

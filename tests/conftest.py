@@ -75,7 +75,9 @@ def ray_session() -> Iterator[None]:
         ray.init(
             num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False,
             namespace="rollmesh-tests",
-            resources={"rollmesh_gpu": 2},  # the declared accelerators of the default config
+            # The declared accelerators of the default config, and others of the scheduler's live
+            # test (the session's mesh holds all of the first for the whole session).
+            resources={"rollmesh_gpu": 2, "rollmesh_sched_gpu": 3},
             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT)])}},
         )
     yield

@@ -33,9 +33,13 @@ from rollmesh.messages.subjects import (
     GPU_RELEASED,
     PREEMPTION_ACKNOWLEDGED,
     PREEMPTION_REQUESTED,
+    ROLE_DEMAND,
     ROLLOUT_COMPLETED,
     ROLLOUT_FAILED,
     ROLLOUT_REQUESTED,
+    SIM_ENDED,
+    SIM_STARTED,
+    SIM_SUBMITTED,
     WEIGHTS_PUBLISHED,
 )
 
@@ -86,6 +90,10 @@ _CAPTURED = {
     GPU_RELEASED.template: scheduling_stream,
     PREEMPTION_REQUESTED.template: scheduling_stream,
     PREEMPTION_ACKNOWLEDGED.template: scheduling_stream,
+    SIM_SUBMITTED.template: scheduling_stream,
+    SIM_STARTED.template: scheduling_stream,
+    SIM_ENDED.template: scheduling_stream,
+    ROLE_DEMAND.template: scheduling_stream,
     DEAD_LETTERED.template: dead_letter_stream,
 }
 
@@ -142,8 +150,11 @@ def stream_configs(namespace: str, limits: StreamLimits = StreamLimits()) -> lis
         StreamConfig(
             # Who holds which accelerator is state: a restarted scheduler or dashboard replays it.
             name=scheduling_stream(namespace),
-            subjects=subjects(GPU_GRANTED, GPU_RELEASED, PREEMPTION_REQUESTED, PREEMPTION_ACKNOWLEDGED),
-            retention=RetentionPolicy.LIMITS, description="accelerator grants and preemptions",
+            # Submitted jobs wait here for the scheduler's durable consumer, even while it restarts.
+            subjects=subjects(GPU_GRANTED, GPU_RELEASED, PREEMPTION_REQUESTED, PREEMPTION_ACKNOWLEDGED,
+                              SIM_SUBMITTED, SIM_STARTED, SIM_ENDED, ROLE_DEMAND),
+            retention=RetentionPolicy.LIMITS,
+            description="accelerator grants, preemptions, simulation jobs and RL demand",
             **common,
         ),
         StreamConfig(

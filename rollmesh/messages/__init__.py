@@ -48,6 +48,14 @@ from rollmesh.messages.scheduling import (
     PreemptionAcknowledged,
     PreemptionRequested,
 )
+from rollmesh.messages.sim_jobs import (
+    RoleDemandChanged,
+    SchedulerStatus,
+    SchedulerStatusRequest,
+    SimJobEnded,
+    SimJobStarted,
+    SimJobSubmitted,
+)
 from rollmesh.messages.subjects import ALL_SUBJECTS, Subject, check_namespace
 from rollmesh.messages.trainer import TrainerStepped
 from rollmesh.messages.weights import WeightsActivated, WeightsPublished
@@ -67,6 +75,12 @@ __all__ = [
     "GpuReleased",
     "PreemptionAcknowledged",
     "PreemptionRequested",
+    "RoleDemandChanged",
+    "SchedulerStatus",
+    "SchedulerStatusRequest",
+    "SimJobEnded",
+    "SimJobStarted",
+    "SimJobSubmitted",
     "RolloutCompleted",
     "RolloutFailed",
     "RolloutProgressed",

@@ -48,6 +48,14 @@ from rollmesh.messages.scheduling import (
     PreemptionAcknowledged,
     PreemptionRequested,
 )
+from rollmesh.messages.sim_jobs import (
+    RoleDemandChanged,
+    SchedulerStatus,
+    SchedulerStatusRequest,
+    SimJobEnded,
+    SimJobStarted,
+    SimJobSubmitted,
+)
 from rollmesh.messages.trainer import TrainerStepped
 from rollmesh.messages.weights import WeightsActivated, WeightsPublished
 
@@ -148,6 +156,14 @@ GPU_GRANTED = Subject("rl.{ns}.sched.gpu_granted", GpuGranted)
 GPU_RELEASED = Subject("rl.{ns}.sched.gpu_released", GpuReleased)
 PREEMPTION_REQUESTED = Subject("rl.{ns}.sched.preemption_requested", PreemptionRequested)
 PREEMPTION_ACKNOWLEDGED = Subject("rl.{ns}.sched.preemption_acknowledged", PreemptionAcknowledged)
+# Simulation jobs on lent accelerators: JSON, as users submit and follow them from any language.
+SIM_SUBMITTED = Subject("rl.{ns}.sched.sim_submitted", SimJobSubmitted, "json")
+SIM_STARTED = Subject("rl.{ns}.sched.sim_started", SimJobStarted, "json")
+SIM_ENDED = Subject("rl.{ns}.sched.sim_ended", SimJobEnded, "json")
+ROLE_DEMAND = Subject("rl.{ns}.sched.demand", RoleDemandChanged)
+SCHED_STATUS = Subject("rl.{ns}.sched.status", SchedulerStatusRequest, "json", reply_type=SchedulerStatus)
+# The scheduler's accounting, every scheduler.report_every_s (core NATS: the latest one matters).
+SCHED_UTILIZATION = Subject("rl.{ns}.sched.utilization", SchedulerStatus, "json")
 DEAD_LETTERED = Subject("rl.{ns}.dlq", DeadLettered, "json")
 
 ALL_SUBJECTS: tuple[Subject, ...] = (
@@ -174,5 +190,11 @@ ALL_SUBJECTS: tuple[Subject, ...] = (
     GPU_RELEASED,
     PREEMPTION_REQUESTED,
     PREEMPTION_ACKNOWLEDGED,
+    SIM_SUBMITTED,
+    SIM_STARTED,
+    SIM_ENDED,
+    ROLE_DEMAND,
+    SCHED_STATUS,
+    SCHED_UTILIZATION,
     DEAD_LETTERED,
 )

@@ -1,0 +1,89 @@
+"""Simulation jobs on lent accelerators, and RL roles' demand: the live GPU scheduler's events.
+
+Knows msgspec only. A job is submitted (``SimJobSubmitted``, durable: the scheduler acks it once
+it is in its job ledger), started on each attempt (``SimJobStarted``) and ends each attempt with
+an outcome (``SimJobEnded``); a preempted attempt is followed by another one later, which
+resumes from the job's checkpoint. Preemption itself is ``PreemptionRequested`` /
+``PreemptionAcknowledged`` (``scheduling.py``), with the job id as ``holder``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta
+
+from rollmesh.messages.base import WireMessage
+
+JobId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+JobOutcome = Literal["finished", "failed", "preempted", "killed", "rejected"]
+
+
+class SimJobSubmitted(WireMessage, frozen=True, tag="sched.sim_submitted"):
+    """A preemptible simulation job: run ``command`` on ``accelerators`` lent accelerators.
+
+    How it checkpoints: on its own every ``checkpoint_interval_s`` (0: not periodically) and, when
+    asked (SIGTERM), within ``checkpoint_s`` (None: it cannot save on request); it is killed
+    ``grace_s`` after a preemption request it has not honoured. ``restart_cost_s``: the time a
+    restart spends reloading before it makes progress again (a preemption costs that too)."""
+
+    job_id: JobId
+    command: Annotated[list[str], Meta(min_length=1)]
+    accelerators: Annotated[int, Meta(ge=1)]
+    expected_duration_s: Annotated[float, Meta(gt=0)]
+    grace_s: NonNegFloat = 60.0
+    checkpoint_interval_s: NonNegFloat = 0.0
+    checkpoint_s: NonNegFloat | None = None
+    restart_cost_s: NonNegFloat = 0.0
+    submitted_at: float = 0.0
+
+
+class SimJobStarted(WireMessage, frozen=True, tag="sched.sim_started"):
+    job_id: str
+    attempt: int
+    accelerators: int
+    started_at: float
+
+
+class SimJobEnded(WireMessage, frozen=True, tag="sched.sim_ended"):
+    """One attempt ended. ``preempted``/``killed``: the job waits to run again from its last
+    checkpoint; ``finished``/``failed`` (non-zero exit): it is done; ``rejected``: it never ran
+    (``reason`` says why: a malformed submission, more accelerators than exist, a duplicate id)."""
+
+    job_id: str
+    outcome: JobOutcome
+    attempt: int = 0
+    exit_code: int | None = None
+    reason: str = ""
+    ended_at: float = 0.0
+
+
+class RoleDemandChanged(WireMessage, frozen=True, tag="sched.demand"):
+    """An RL role needs ``accelerators`` from now on (e.g. the trainer wants its GPUs back).
+    ``run_id`` "": the mesh's own run (its namespace)."""
+
+    role: str
+    accelerators: Annotated[int, Meta(ge=0)]
+    run_id: str = ""
+
+
+class SchedulerStatusRequest(WireMessage, frozen=True, tag="sched.status_request"):
+    pass
+
+
+class SchedulerStatus(WireMessage, frozen=True, tag="sched.status"):
+    """What ``rollmesh sched status`` prints; also published every ``scheduler.report_every_s``."""
+
+    capacity: int
+    # run/role -> accelerators held (granted) and lent (elastic, past demand)
+    roles: dict[str, int]
+    # job id -> "queued" | "running" | "preempting"
+    jobs: dict[str, str]
+    allocated_utilization: float
+    busy_utilization: float
+    preemptions: int
+    kills: int
+    lost_accelerator_s: float
+    rl_queueing_s: float
+    reported_at: float

@@ -1,0 +1,374 @@
+"""The live GPU scheduler's logic: NATS events in, the lending core's commands carried out.
+
+Knows the scheduling core (``LendingScheduler``, the same code the simulator runs), the wire
+messages and two ports: ``JobLauncher`` (starts a job's process in its own accelerators; Ray in
+the actor, fakes in unit tests) and ``Publisher``. No Ray, NATS or wall clock of its own.
+
+Events in: ``SimJobSubmitted`` (durable: acked once written to the job ledger), ``RoleDemandChanged``,
+``SchedulerStatusRequest`` (request/reply). Each goes to the core, whose commands are carried out:
+- ``StartJob``: launch the job's next attempt (``SimJobStarted``); a watcher waits for its exit.
+- ``RequestPreemption``: ``PreemptionRequested`` with the deadline, then SIGTERM through the
+  launcher. The job checkpoints and exits; its exit is its ``PreemptionAcknowledged``, and the
+  core takes the job back into its queue (``SimJobEnded`` "preempted").
+- ``KillJob``: the deadline passed; SIGKILL (``SimJobEnded`` "killed"; it restarts later from its
+  last checkpoint, losing what it did since).
+- ``GrantRole`` / ``ReclaimRole``: ``GpuGranted`` / ``GpuReleased`` for the RL role. Loans to
+  elastic roles (``GrowDecode`` / ``ShrinkDecode``) are announced the same way, as grants to
+  "<role>.elastic".
+A job that exits on its own is finished (exit 0) or failed. ``tick`` runs the core's timers
+(deadlines, planned reclaims), which the actor calls at ``next_wakeup``. ``close`` (the mesh
+going down) preempts every running job the same way and leaves it unfinished in the ledger.
+
+Durability: the job ledger (``<run dir>/scheduler/jobs.jsonl``: submitted specs, then final
+outcomes) is read back at start, and every unfinished job is queued again: its next attempt
+resumes from its own checkpoint directory. Jobs run in actors the scheduler owns, and each job's
+process dies with its runner (``sim_job_runner``), so a scheduler that crashed leaves no job
+running on accelerators it no longer accounts for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+
+from rollmesh.messages import GpuGranted, GpuReleased, PreemptionAcknowledged, PreemptionRequested
+from rollmesh.messages.sim_jobs import (
+    RoleDemandChanged,
+    SchedulerStatus,
+    SchedulerStatusRequest,
+    SimJobEnded,
+    SimJobStarted,
+    SimJobSubmitted,
+)
+from rollmesh.messages.subjects import (
+    GPU_GRANTED,
+    GPU_RELEASED,
+    PREEMPTION_ACKNOWLEDGED,
+    PREEMPTION_REQUESTED,
+    ROLE_DEMAND,
+    SCHED_STATUS,
+    SCHED_UTILIZATION,
+    SIM_ENDED,
+    SIM_STARTED,
+    SIM_SUBMITTED,
+)
+from rollmesh.ports import MessageContext, Publisher, Subscription
+from rollmesh.scheduling.accounting import UtilizationAccount
+from rollmesh.scheduling.commands import (
+    Command,
+    GrantRole,
+    GrowDecode,
+    KillJob,
+    ReclaimRole,
+    RequestPreemption,
+    ShrinkDecode,
+    StartJob,
+)
+from rollmesh.scheduling.errors import SchedulingError
+from rollmesh.scheduling.lending import LendingScheduler
+from rollmesh.scheduling.workload import RoleShare, SimJob
+
+
+class JobHandle(Protocol):
+    async def request_preemption(self) -> None: ...
+
+    async def kill(self) -> None: ...
+
+    async def wait(self) -> int: ...
+
+    async def release(self) -> None: ...
+
+    def checkpointed_at(self) -> float | None:
+        """When the job last wrote its checkpoint (None: never), on the scheduler's clock."""
+
+
+class JobLauncher(Protocol):
+    async def launch(self, job: SimJobSubmitted, *, attempt: int, accelerators: int) -> JobHandle: ...
+
+
+class RoleGroups(Protocol):
+    """Holds the accelerators granted to a role beyond its start grant (placement groups)."""
+
+    async def grow(self, role: str, accelerators: int) -> None: ...
+
+    def shrink(self, role: str, accelerators: int) -> None: ...
+
+
+@dataclass
+class _Attempt:
+    handle: JobHandle
+    number: int
+    started_at: float
+    state: str = "running"  # running | preempting | killed
+
+
+def _core_job(spec: SimJobSubmitted) -> SimJob:
+    return SimJob(job_id=spec.job_id, accelerators=spec.accelerators, expected_duration_s=spec.expected_duration_s,
+                  grace_s=spec.grace_s, checkpoint_interval_s=spec.checkpoint_interval_s,
+                  checkpoint_s=spec.checkpoint_s, restart_cost_s=spec.restart_cost_s)
+
+
+class JobLedger:
+    """Append-only: a ``submitted`` line per job, an ``ended`` line when it is done for good."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def unfinished(self) -> list[SimJobSubmitted]:
+        specs: dict[str, SimJobSubmitted] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by a crash: its job was never acked, so it comes again
+                if record.get("event") == "submitted":
+                    specs[record["job"]["job_id"]] = msgspec.convert(record["job"], SimJobSubmitted)
+                elif record.get("event") == "ended":
+                    specs.pop(record["job_id"], None)
+        return list(specs.values())
+
+    def append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+
+class LendingService:
+    def __init__(self, core: LendingScheduler, *, run_id: str, roles: dict[str, RoleShare],
+                 start_grants: dict[str, int], launcher: JobLauncher, role_groups: RoleGroups, publisher: Publisher,
+                 clock: Callable[[], float], ledger: JobLedger, resource: str,
+                 account: UtilizationAccount) -> None:
+        self.core = core
+        self.run_id = run_id
+        self.launcher = launcher
+        self.publisher = publisher
+        self.clock = clock
+        self.ledger = ledger
+        self.resource = resource
+        self.account = account
+        self.specs: dict[str, SimJobSubmitted] = {}
+        self.attempts: dict[str, _Attempt] = {}
+        self.attempt_counts: dict[str, int] = {}
+        self.queued: set[str] = set()
+        self.role_held: dict[str, int] = {}
+        self._watchers: set[asyncio.Task] = set()
+        self._lock = asyncio.Lock()  # one core pass at a time: handlers and the timer interleave
+        self.role_groups = role_groups
+        # What each role's own actors hold for life (Ray resources of the mesh's actors): its
+        # demand never drops below it, and granting it again announces nothing new.
+        self.start_grants = start_grants
+        self._roles = roles
+
+    async def start(self) -> None:
+        """Register the run, queue the ledger's unfinished jobs again, meet the initial demand."""
+        async with self._lock:
+            now = self.clock()
+            await self._execute(self.core.register_run(self.run_id, self._roles, now))
+            for spec in self.ledger.unfinished():
+                self.specs[spec.job_id] = spec
+                self.queued.add(spec.job_id)
+                await self._execute(self.core.submit(_core_job(spec), now))
+            await self._execute(self.core.set_demand(self.run_id, self.start_grants, now))
+
+    def subscriptions(self) -> list[Subscription]:
+        return [Subscription(SIM_SUBMITTED, self.handle_submitted, mode="jetstream"),
+                Subscription(ROLE_DEMAND, self.handle_demand, mode="jetstream"),
+                Subscription(SCHED_STATUS, self.handle_status, mode="request")]
+
+    # --- events ----------------------------------------------------------------------------
+
+    async def handle_submitted(self, message: SimJobSubmitted, context: MessageContext) -> None:
+        async with self._lock:
+            now = self.clock()
+            if message.job_id in self.specs:
+                if self.specs[message.job_id] == message:
+                    return  # a redelivery of what the ledger already holds
+                await self._ended(message.job_id, 0, "rejected", reason="a different job has this id")
+                return
+            try:
+                commands = self.core.submit(_core_job(message), now)
+            except SchedulingError as exc:
+                await self._ended(message.job_id, 0, "rejected", reason=str(exc))
+                return
+            # Durable before the ack (the shell acks when this returns): a restart queues it again.
+            await asyncio.to_thread(self.ledger.append, {"event": "submitted", "job": msgspec.to_builtins(message)})
+            self.specs[message.job_id] = message
+            self.queued.add(message.job_id)
+            await self._execute(commands)
+
+    async def handle_demand(self, message: RoleDemandChanged, context: MessageContext) -> None:
+        async with self._lock:
+            run_id = message.run_id or self.run_id
+            floor = self.start_grants.get(message.role, 0) if run_id == self.run_id else 0
+            try:
+                commands = self.core.set_demand(run_id, {message.role: max(message.accelerators, floor)},
+                                                self.clock())
+            except SchedulingError:
+                return  # an unknown run or role: nothing to change (logged by the shell's span)
+            await self._execute(commands)
+
+    async def handle_status(self, message: SchedulerStatusRequest, context: MessageContext) -> SchedulerStatus:
+        return self.status()
+
+    async def tick(self) -> None:
+        async with self._lock:
+            await self._execute(self.core.tick(self.clock()))
+
+    def next_wakeup(self) -> float | None:
+        return self.core.next_wakeup()
+
+    # --- commands --------------------------------------------------------------------------
+
+    async def _execute(self, commands: list[Command]) -> None:
+        now = self.clock()
+        for command in commands:
+            match command:
+                case StartJob(job_id=job_id, accelerators=accelerators):
+                    await self._start(job_id, accelerators, now)
+                case RequestPreemption(job_id=job_id, deadline=deadline, reason=reason):
+                    attempt = self.attempts[job_id]
+                    attempt.state = "preempting"
+                    spec = self.specs[job_id]
+                    await self.publisher.publish(PREEMPTION_REQUESTED, PreemptionRequested(
+                        grant_id=job_id, holder=job_id, grace_s=spec.grace_s, reason=reason, deadline=deadline))
+                    await attempt.handle.request_preemption()
+                case KillJob(job_id=job_id):
+                    attempt = self.attempts[job_id]
+                    attempt.state = "killed"
+                    await attempt.handle.kill()
+                case GrantRole(run_id=run_id, role=role, accelerators=count, held=held):
+                    await self._grant(run_id, role, count, held, now)
+                case ReclaimRole(run_id=run_id, role=role, accelerators=count, held=held):
+                    await self._reclaim(run_id, role, count, held, now)
+                case GrowDecode(run_id=run_id, role=role, accelerators=count, lent=lent):
+                    await self._grant(run_id, f"{role}.elastic", count, lent, now)
+                case ShrinkDecode(run_id=run_id, role=role, accelerators=count, lent=lent):
+                    await self._reclaim(run_id, f"{role}.elastic", count, lent, now)
+        self._account(now)
+
+    async def _grant(self, run_id: str, holder: str, count: int, held: int, now: float) -> None:
+        """Record a role's grant; what goes past its start grant is placed and announced."""
+        own = self.start_grants.get(holder, 0) if run_id == self.run_id else 0
+        extra = held - max(own, held - count)
+        self.role_held[holder] = held
+        if extra > 0:
+            await self.role_groups.grow(holder, extra)
+            await self.publisher.publish(GPU_GRANTED, GpuGranted(
+                grant_id=f"{run_id}/{holder}/{held}", holder=holder, role=holder.split(".")[0], count=extra,
+                resource=self.resource, granted_at=now))
+
+    async def _reclaim(self, run_id: str, holder: str, count: int, held: int, now: float) -> None:
+        own = self.start_grants.get(holder, 0) if run_id == self.run_id else 0
+        extra = (held + count) - max(own, held)
+        self.role_held[holder] = held
+        if extra > 0:
+            self.role_groups.shrink(holder, extra)
+            await self.publisher.publish(GPU_RELEASED, GpuReleased(
+                grant_id=f"{run_id}/{holder}/{held + count}", holder=holder, count=extra, released_at=now))
+
+    async def _start(self, job_id: str, accelerators: int, now: float) -> None:
+        number = self.attempt_counts.get(job_id, 0) + 1
+        self.attempt_counts[job_id] = number
+        self.queued.discard(job_id)
+        handle = await self.launcher.launch(self.specs[job_id], attempt=number, accelerators=accelerators)
+        self.attempts[job_id] = _Attempt(handle, number, now)
+        await self.publisher.publish(SIM_STARTED, SimJobStarted(
+            job_id=job_id, attempt=number, accelerators=accelerators, started_at=now))
+        watcher = asyncio.create_task(self._watch(job_id, number, handle))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+
+    async def _watch(self, job_id: str, number: int, handle: JobHandle) -> None:
+        code = await handle.wait()
+        await handle.release()  # its accelerators go back to Ray before the core lends them again
+        async with self._lock:
+            attempt = self.attempts.pop(job_id)
+            now = self.clock()
+            if attempt.state == "killed":
+                # The core released and queued it when it issued the kill. What it did since its
+                # last checkpoint is lost: the next attempt resumes from that checkpoint.
+                self.queued.add(job_id)
+                since = max(attempt.started_at, handle.checkpointed_at() or attempt.started_at)
+                self.account.discard((now - since) * self.specs[job_id].accelerators)
+                await self._publish_ended(job_id, number, "killed", exit_code=code, now=now,
+                                          reason="did not release by the preemption deadline")
+                await self._execute(self.core.tick(now))
+            elif attempt.state == "preempting":
+                self.queued.add(job_id)
+                await self.publisher.publish(PREEMPTION_ACKNOWLEDGED, PreemptionAcknowledged(grant_id=job_id, holder=job_id))
+                await self._publish_ended(job_id, number, "preempted", exit_code=code, now=now)
+                await self._execute(self.core.acknowledged(job_id, now))
+            else:
+                outcome = "finished" if code == 0 else "failed"
+                await self._ended(job_id, number, outcome, exit_code=code)
+                await self._execute(self.core.finished(job_id, now))
+
+    async def _ended(self, job_id: str, number: int, outcome: str, *, exit_code: int | None = None,
+                     reason: str = "") -> None:
+        now = self.clock()
+        if outcome != "rejected":
+            await asyncio.to_thread(self.ledger.append, {"event": "ended", "job_id": job_id, "outcome": outcome})
+        await self._publish_ended(job_id, number, outcome, exit_code=exit_code, now=now, reason=reason)
+
+    async def _publish_ended(self, job_id: str, number: int, outcome: str, *, exit_code: int | None, now: float,
+                             reason: str = "") -> None:
+        await self.publisher.publish(SIM_ENDED, SimJobEnded(
+            job_id=job_id, attempt=number, outcome=outcome, exit_code=exit_code, reason=reason, ended_at=now))
+
+    # --- accounting ------------------------------------------------------------------------
+
+    def _account(self, now: float) -> None:
+        jobs = sum(self.specs[job_id].accelerators for job_id in self.attempts)
+        rl = sum(max(count, 0) for count in self.role_held.values())
+        # Live, an RL role's accelerators count as busy while held: the scheduler cannot see
+        # inside them (the simulator's phases file says how busy each role is).
+        self.account.set_rates(now, allocated=jobs + rl, busy=jobs + rl, rl_held=rl)
+
+    def status(self) -> SchedulerStatus:
+        now = self.clock()
+        totals = self.account.totals(now)
+        stats = self.core.stats()
+        jobs = {job_id: "queued" for job_id in self.queued}
+        jobs.update({job_id: attempt.state for job_id, attempt in self.attempts.items()})
+        return SchedulerStatus(
+            capacity=self.core.capacity, roles={k: v for k, v in self.role_held.items() if v},
+            jobs=jobs, allocated_utilization=totals.allocated_utilization,
+            busy_utilization=totals.busy_utilization, preemptions=stats.preemptions, kills=stats.kills,
+            lost_accelerator_s=totals.lost_s, rl_queueing_s=sum(stats.rl_queueing_s.values()),
+            reported_at=now)
+
+    async def report(self) -> None:
+        """Publish the accounting (``SCHED_UTILIZATION``); the actor calls it periodically."""
+        async with self._lock:
+            self._account(self.clock())
+            status = self.status()
+        await self.publisher.publish(SCHED_UTILIZATION, status)
+
+    async def close(self, *, wait_s: float = 5.0) -> None:
+        """Stop every running job as a preemption would (checkpoint and exit; killed after
+        ``wait_s`` or its grace, whichever is shorter) and give its accelerators back. Their ledger
+        entries stay open: a scheduler started again on this run directory resumes them."""
+        for task in list(self._watchers):
+            task.cancel()
+        attempts = list(self.attempts.items())
+        for _, attempt in attempts:
+            await attempt.handle.request_preemption()
+
+        async def leave(job_id: str, attempt: _Attempt) -> None:
+            try:
+                await asyncio.wait_for(attempt.handle.wait(), min(wait_s, self.specs[job_id].grace_s))
+            except TimeoutError:
+                await attempt.handle.kill()
+                await attempt.handle.wait()
+            await attempt.handle.release()
+
+        await asyncio.gather(*(leave(job_id, attempt) for job_id, attempt in attempts))
+        self.attempts.clear()

@@ -1,0 +1,142 @@
+"""The GPU scheduler actor, live: the session's Ray (3 declared accelerators of its own) and NATS,
+real job processes (examples/sim_counter_job.py: a counter checkpointed to disk) in placement
+groups. Jobs fill the idle accelerators; the trainer asks for them; one job checkpoints and
+leaves, one ignores the request and is killed at its deadline; the trainer gets them; when it
+gives them back both jobs resume from their checkpoints, losing at most one checkpoint interval;
+``rollmesh sched submit-sim`` and ``rollmesh sched status`` work against it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import msgspec
+import nats
+import pytest
+import ray
+
+from ray_actors import stop_and_kill
+from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
+from rollmesh.actors.role_base import MeshContext
+from rollmesh.config import SchedulerConfig
+from rollmesh.messages import RoleDemandChanged, SimJobSubmitted
+from rollmesh.messages.subjects import (
+    GPU_GRANTED,
+    GPU_RELEASED,
+    PREEMPTION_ACKNOWLEDGED,
+    PREEMPTION_REQUESTED,
+    ROLE_DEMAND,
+    SIM_ENDED,
+    SIM_STARTED,
+    SIM_SUBMITTED,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = [sys.executable, str(REPO / "examples" / "sim_counter_job.py"), "--steps", "100000", "--step-s", "0.01",
+       "--checkpoint-every", "20"]  # 100 steps/s: a checkpoint every 0.2 s
+CHECKPOINT_EVERY = 20
+WATCHED = (SIM_STARTED, SIM_ENDED, PREEMPTION_REQUESTED, PREEMPTION_ACKNOWLEDGED, GPU_GRANTED, GPU_RELEASED)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, object]] = []
+        self.changed = asyncio.Event()
+
+    async def on_message(self, msg) -> None:
+        subject = next(s for s in WATCHED if msg.subject.endswith(s.template.removeprefix("rl.{ns}")))
+        self.seen.append((subject.template, subject.decode(msg.data)))
+        self.changed.set()
+
+    def of(self, subject) -> list:
+        return [message for template, message in self.seen if template == subject.template]
+
+    async def until(self, predicate, timeout_s: float = 60.0) -> None:
+        async def wait() -> None:
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+        await asyncio.wait_for(wait(), timeout_s)
+
+
+def steps_of(log: Path) -> tuple[int, int]:
+    """(where the attempt started, the last step it reached)."""
+    lines = log.read_text().split()
+    numbers = [int(word) for word in lines if word.isdigit()]
+    return numbers[0], numbers[-1]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollmesh.cli", *args], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+
+
+async def test_jobs_are_preempted_when_the_trainer_asks_and_resume_from_their_checkpoints(
+        ray_session, nats_server, tmp_path):
+    namespace = "t" + uuid.uuid4().hex[:10]
+    run_dir = tmp_path / "run"
+    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(run_dir))
+    config = SchedulerConfig(total_gpus=3, resource="rollmesh_sched_gpu", tick_s=0.1, report_every_s=0.5)
+    actor = ray.remote(GpuSchedulerActor).options(name=f"sched-{namespace}", namespace=namespace,
+                                                   num_cpus=0).remote(f"sched-{namespace}", mesh, config)
+    nc = await nats.connect(nats_server.url)
+    events = Events()
+    for subject in WATCHED:
+        await nc.subscribe(subject.format(namespace), cb=events.on_message)
+    try:
+        await actor.start.remote()
+        js = nc.jetstream()
+        # One job over the CLI (checkpoints when asked), one over NATS (ignores the request).
+        submitted = run_cli("sched", "submit-sim", "--nats-url", nats_server.url, "--namespace", namespace,
+                            "--job-id", "polite", "--accelerators", "2", "--duration", "600", "--grace", "5",
+                            "--checkpoint-s", "1", "--checkpoint-interval", "0.2", "--", *JOB)
+        assert submitted.returncode == 0, submitted.stderr
+        stubborn = SimJobSubmitted(job_id="stubborn", command=[*JOB, "--ignore-preemption"], accelerators=1,
+                                   expected_duration_s=600.0, grace_s=1.0, checkpoint_interval_s=0.2)
+        await js.publish(SIM_SUBMITTED.format(namespace), SIM_SUBMITTED.encode(stubborn))
+        await events.until(lambda: len(events.of(SIM_STARTED)) == 2)
+        jobs_dir = run_dir / "scheduler" / "jobs"
+        await asyncio.sleep(1.0)  # let both make progress and checkpoint a few times
+
+        status = run_cli("sched", "status", "--nats-url", nats_server.url, "--namespace", namespace, "--json")
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["jobs"] == {"polite": "running", "stubborn": "running"}
+
+        # The trainer wants all three accelerators.
+        await js.publish(ROLE_DEMAND.format(namespace),
+                         ROLE_DEMAND.encode(RoleDemandChanged(role="trainer", accelerators=3)))
+        await events.until(lambda: sum(m.count for m in events.of(GPU_GRANTED)) == 3
+                           and len(events.of(SIM_ENDED)) == 2)
+        requests = {m.holder: m for m in events.of(PREEMPTION_REQUESTED)}
+        assert set(requests) == {"polite", "stubborn"}
+        ended = {m.job_id: m for m in events.of(SIM_ENDED)}
+        assert ended["polite"].outcome == "preempted" and ended["stubborn"].outcome == "killed"
+        assert [m.holder for m in events.of(PREEMPTION_ACKNOWLEDGED)] == ["polite"]
+        # The stubborn job was killed at its deadline, not before: the grant came after it.
+        assert ended["stubborn"].ended_at >= requests["stubborn"].deadline
+        polite_stop = steps_of(jobs_dir / "polite" / "attempt_1.log")[1]
+        stubborn_stop = steps_of(jobs_dir / "stubborn" / "attempt_1.log")[1]
+
+        # The trainer gives them back: both jobs run again from their checkpoints.
+        await js.publish(ROLE_DEMAND.format(namespace),
+                         ROLE_DEMAND.encode(RoleDemandChanged(role="trainer", accelerators=0)))
+        await events.until(lambda: len(events.of(SIM_STARTED)) == 4)
+        assert sum(m.count for m in events.of(GPU_RELEASED)) == 3
+        await asyncio.sleep(0.5)
+        polite_resumed = steps_of(jobs_dir / "polite" / "attempt_2.log")[0]
+        stubborn_resumed = steps_of(jobs_dir / "stubborn" / "attempt_2.log")[0]
+        assert polite_resumed == polite_stop  # it checkpointed when asked: nothing lost
+        assert stubborn_stop - CHECKPOINT_EVERY <= stubborn_resumed <= stubborn_stop  # at most one interval
+        final = msgspec.convert(await actor.status.remote(), dict)
+        assert final["preemptions"] == 2 and final["kills"] == 1 and final["lost_accelerator_s"] > 0
+    finally:
+        await nc.close()
+        stop_and_kill(actor)
+    leftover = subprocess.run(["pgrep", "-f", "sim_counter_job.py"], capture_output=True, text=True).stdout.split()
+    assert not leftover, "no job process outlives the scheduler"

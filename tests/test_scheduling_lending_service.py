@@ -1,0 +1,201 @@
+"""The live scheduler's logic (``LendingService``) around the real lending core, with a fake job
+launcher (jobs that exit when told), a recording bus and a hand-driven clock: the preemption
+protocol on the wire, kills at the deadline, rejections, the job ledger across a restart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fakes import RecordingPublisher
+from rollmesh.messages import RoleDemandChanged, SimJobSubmitted
+from rollmesh.messages.subjects import (
+    GPU_GRANTED,
+    GPU_RELEASED,
+    PREEMPTION_ACKNOWLEDGED,
+    PREEMPTION_REQUESTED,
+    SIM_ENDED,
+    SIM_STARTED,
+)
+from rollmesh.ports import MessageContext
+from rollmesh.scheduling.accounting import UtilizationAccount
+from rollmesh.scheduling.lending import LendingScheduler
+from rollmesh.scheduling.lending_service import JobLedger, LendingService
+from rollmesh.scheduling.workload import RoleShare
+
+pytestmark = pytest.mark.unit
+
+
+class FakeJob:
+    """A job process: exits 0 when asked to leave (unless it ignores that), -9 when killed."""
+
+    def __init__(self, job: SimJobSubmitted, attempt: int, *, honours: bool) -> None:
+        self.job, self.attempt, self.honours = job, attempt, honours
+        self.exit_code: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.asked = self.killed = self.released = False
+
+    async def request_preemption(self) -> None:
+        self.asked = True
+        if self.honours:
+            self.exit_code.set_result(0)
+
+    async def kill(self) -> None:
+        self.killed = True
+        if not self.exit_code.done():
+            self.exit_code.set_result(-9)
+
+    async def wait(self) -> int:
+        return await self.exit_code
+
+    async def release(self) -> None:
+        self.released = True
+
+    def checkpointed_at(self) -> float | None:
+        return None
+
+    def finish(self, code: int = 0) -> None:
+        self.exit_code.set_result(code)
+
+
+class FakeLauncher:
+    def __init__(self, ignoring: set[str] = frozenset()) -> None:
+        self.ignoring = ignoring
+        self.launched: list[FakeJob] = []
+
+    async def launch(self, job: SimJobSubmitted, *, attempt: int, accelerators: int) -> FakeJob:
+        assert accelerators == job.accelerators
+        handle = FakeJob(job, attempt, honours=job.job_id not in self.ignoring)
+        self.launched.append(handle)
+        return handle
+
+
+class FakeRoleGroups:
+    def __init__(self) -> None:
+        self.held: dict[str, int] = {}
+
+    async def grow(self, role: str, accelerators: int) -> None:
+        self.held[role] = self.held.get(role, 0) + accelerators
+
+    def shrink(self, role: str, accelerators: int) -> None:
+        self.held[role] -= accelerators
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def service(tmp_path, *, launcher=None, start_grants=None, capacity=4):
+    clock = Clock()
+    start_grants = {"decode": 1} if start_grants is None else start_grants
+    roles = {"trainer": RoleShare(guaranteed=2), "decode": RoleShare(guaranteed=start_grants.get("decode", 0))}
+    bus = RecordingPublisher()
+    logic = LendingService(LendingScheduler(capacity), run_id="ns", roles=roles, start_grants=start_grants,
+                           launcher=launcher or FakeLauncher(), role_groups=FakeRoleGroups(), publisher=bus,
+                           clock=clock, ledger=JobLedger(tmp_path / "jobs.jsonl"), resource="rollmesh_gpu",
+                           account=UtilizationAccount(capacity, start=clock.now))
+    return logic, bus, clock
+
+
+def job(job_id: str, accelerators: int = 2, **fields) -> SimJobSubmitted:
+    return SimJobSubmitted(job_id=job_id, command=["sim"], accelerators=accelerators, expected_duration_s=3600.0,
+                           **{"grace_s": 10.0, "checkpoint_s": 2.0, **fields})
+
+
+CONTEXT = MessageContext(subject="test")
+
+
+async def settle() -> None:
+    for _ in range(20):  # let the watchers of exited jobs run (their ledger writes use a thread)
+        await asyncio.sleep(0.01)
+
+
+async def test_a_job_on_idle_accelerators_is_preempted_when_the_trainer_asks_and_runs_again_later(tmp_path):
+    launcher = FakeLauncher()
+    logic, bus, clock = service(tmp_path, launcher=launcher, capacity=3)
+    await logic.start()
+    await logic.handle_submitted(job("md-1"), CONTEXT)  # decode holds 1 of 3: the 2 idle are lent
+    assert [m.job_id for m in bus.messages(SIM_STARTED)] == ["md-1"]
+
+    clock.now += 60
+    await logic.handle_demand(RoleDemandChanged(role="trainer", accelerators=2), CONTEXT)
+    [request] = bus.messages(PREEMPTION_REQUESTED)
+    assert request.holder == "md-1" and request.deadline == clock.now + 10.0 and launcher.launched[0].asked
+    assert not bus.messages(GPU_GRANTED), "the trainer is granted only once the job has left"
+    await settle()
+    assert [m.holder for m in bus.messages(PREEMPTION_ACKNOWLEDGED)] == ["md-1"]
+    assert [(m.outcome, m.attempt) for m in bus.messages(SIM_ENDED)] == [("preempted", 1)]
+    [granted] = bus.messages(GPU_GRANTED)
+    assert (granted.role, granted.count) == ("trainer", 2) and launcher.launched[0].released
+    assert logic.status().jobs == {"md-1": "queued"}
+
+    clock.now += 600
+    await logic.handle_demand(RoleDemandChanged(role="trainer", accelerators=0), CONTEXT)
+    assert [m.count for m in bus.messages(GPU_RELEASED)] == [2]
+    assert [(m.job_id, m.attempt) for m in bus.messages(SIM_STARTED)] == [("md-1", 1), ("md-1", 2)]
+    launcher.launched[1].finish(0)
+    await settle()
+    assert bus.messages(SIM_ENDED)[-1].outcome == "finished" and logic.status().jobs == {}
+    status = logic.status()
+    assert status.preemptions == 1 and 0 < status.allocated_utilization <= 1
+
+
+async def test_a_job_that_ignores_the_request_is_killed_at_the_deadline_not_before(tmp_path):
+    launcher = FakeLauncher(ignoring={"stubborn"})
+    logic, bus, clock = service(tmp_path, launcher=launcher, capacity=3)
+    await logic.start()
+    await logic.handle_submitted(job("stubborn"), CONTEXT)
+    await logic.handle_demand(RoleDemandChanged(role="trainer", accelerators=2), CONTEXT)
+    [request] = bus.messages(PREEMPTION_REQUESTED)
+    clock.now = request.deadline - 0.5
+    await logic.tick()
+    assert not launcher.launched[0].killed  # the grace period is honoured
+    assert logic.next_wakeup() == request.deadline
+    clock.now = request.deadline
+    await logic.tick()
+    await settle()
+    assert launcher.launched[0].killed
+    assert [m.outcome for m in bus.messages(SIM_ENDED)] == ["killed"]
+    assert [m.role for m in bus.messages(GPU_GRANTED)] == ["trainer"]
+    assert logic.status().kills == 1 and logic.status().jobs == {"stubborn": "queued"}
+
+
+async def test_a_job_that_cannot_run_gets_a_rejection_with_its_reason_and_costs_nothing(tmp_path):
+    logic, bus, _ = service(tmp_path)
+    await logic.start()
+    await logic.handle_submitted(job("huge", accelerators=9), CONTEXT)
+    await logic.handle_submitted(job("md-1"), CONTEXT)
+    await logic.handle_submitted(job("md-1"), CONTEXT)  # a redelivery: nothing new
+    await logic.handle_submitted(job("md-1", accelerators=1), CONTEXT)  # another job, same id
+    ended = bus.messages(SIM_ENDED)
+    assert [(m.job_id, m.outcome) for m in ended] == [("huge", "rejected"), ("md-1", "rejected")]
+    assert "9 of 4" in ended[0].reason and "id" in ended[1].reason
+    assert [m.job_id for m in bus.messages(SIM_STARTED)] == ["md-1"]
+
+
+async def test_a_restarted_scheduler_runs_the_unfinished_jobs_of_its_ledger_again(tmp_path):
+    first, _, _ = service(tmp_path)
+    await first.start()
+    await first.handle_submitted(job("done"), CONTEXT)
+    await first.handle_submitted(job("running", accelerators=1), CONTEXT)
+    first.launcher.launched[0].finish(0)
+    await settle()
+    # The process dies here: "running" never ended. Its successor reads the ledger.
+    launcher = FakeLauncher()
+    second, bus, _ = service(tmp_path, launcher=launcher)
+    await second.start()
+    assert [(h.job.job_id, h.attempt) for h in launcher.launched] == [("running", 1)]
+    assert [m.job_id for m in bus.messages(SIM_STARTED)] == ["running"]
+
+
+async def test_a_roles_demand_never_drops_below_what_its_own_actors_hold(tmp_path):
+    logic, bus, _ = service(tmp_path, start_grants={"decode": 2})
+    await logic.start()
+    await logic.handle_demand(RoleDemandChanged(role="decode", accelerators=0), CONTEXT)
+    await logic.handle_submitted(job("md-1", accelerators=3), CONTEXT)  # would need decode's
+    assert not bus.messages(SIM_STARTED) and not bus.messages(GPU_RELEASED)
+    assert logic.status().roles == {"decode": 2}
