@@ -21,7 +21,7 @@ from rollmesh.messages.subjects import (
 from rollmesh.ports import MessageContext
 from rollmesh.scheduling.accounting import UtilizationAccount
 from rollmesh.scheduling.lending import LendingScheduler
-from rollmesh.scheduling.lending_service import JobLedger, LendingService
+from rollmesh.scheduling.lending_service import JobLedger, LendingService, whole_start_grants
 from rollmesh.scheduling.workload import RoleShare
 
 pytestmark = pytest.mark.unit
@@ -199,3 +199,13 @@ async def test_a_roles_demand_never_drops_below_what_its_own_actors_hold(tmp_pat
     await logic.handle_submitted(job("md-1", accelerators=3), CONTEXT)  # would need decode's
     assert not bus.messages(SIM_STARTED) and not bus.messages(GPU_RELEASED)
     assert logic.status().roles == {"decode": 2}
+
+
+@pytest.mark.parametrize(("grants", "capacity", "expected"), [
+    ({"decode": 1, "trainer": 1}, 2, {"decode": 1, "trainer": 1}),
+    ({"decode": 0.5, "trainer": 0.5}, 1, {"decode": 0, "trainer": 1}),  # one accelerator, shared, once
+    ({"decode": 1.5, "trainer": 1}, 4, {"decode": 2, "trainer": 1}),  # half of one is not lendable
+    ({}, 3, {}),
+])
+def test_start_grants_count_whole_accelerators_once(grants, capacity, expected):
+    assert whole_start_grants(grants, capacity) == expected

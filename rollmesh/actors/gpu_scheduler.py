@@ -32,7 +32,7 @@ from rollmesh.ports import ActorLogic, Publisher, Subscription
 from rollmesh.scheduling.accounting import UtilizationAccount
 from rollmesh.scheduling.grants import GpuScheduler
 from rollmesh.scheduling.lending import LendingScheduler
-from rollmesh.scheduling.lending_service import JobLedger, LendingService
+from rollmesh.scheduling.lending_service import JobLedger, LendingService, whole_start_grants
 from rollmesh.scheduling.workload import RoleShare
 
 RL_ROLES = ("trainer", "prefill", "decode", "resharder")
@@ -175,7 +175,7 @@ class GpuSchedulerActor(RoleActor):
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         run_dir = Path(self.mesh.run_dir)
-        start_grants = {role: math.ceil(count) for role, count in self.config.grants.items()}
+        start_grants = whole_start_grants(self.config.grants, self.config.total_gpus)
         roles = {role: RoleShare(guaranteed=start_grants.get(role, 0)) for role in {*RL_ROLES, *start_grants}}
         launcher = RayJobLauncher(resource=self.config.resource, jobs_dir=run_dir / "scheduler" / "jobs")
         now = time.time()

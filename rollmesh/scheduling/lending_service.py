@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,21 @@ class _Attempt:
     number: int
     started_at: float
     state: str = "running"  # running | preempting | killed
+
+
+def whole_start_grants(grants: dict[str, float], capacity: int) -> dict[str, int]:
+    """The config's start grants in whole accelerators, as the lending core counts them: a role's
+    fraction of an accelerator makes that accelerator unlendable (rounded up), but roles sharing
+    one by fractions hold it once (the rounding never exceeds the whole accelerators they use)."""
+    whole = {role: math.ceil(count) for role, count in grants.items()}
+    used = min(capacity, math.ceil(sum(grants.values()) - 1e-9))
+    # Give back the roundings that overshoot, from the roles rounded up the most.
+    for role in sorted(whole, key=lambda r: whole[r] - grants[r], reverse=True):
+        if sum(whole.values()) <= used:
+            break
+        if whole[role] > grants[role]:
+            whole[role] -= 1
+    return whole
 
 
 def _core_job(spec: SimJobSubmitted) -> SimJob:
