@@ -4,8 +4,10 @@ The ~22M-parameter Llama of the engine benchmarks (6 layers, hidden 384, 6 query
 32k vocabulary, tied), as a Hugging Face directory both backends load. One fixed batch of 16
 samples x 128 tokens (the last 96 trained), one PPO epoch per step. The torch backend runs in
 this process on 2 threads; the megatron backend runs tensor-parallel on 2 gloo processes of one
-thread each (the machine's 2 cores either way), started and warmed before the clock. Tokens/s
-counts every token the step's forward and backward process. ``ratio`` = megatron / torch.
+thread each (the machine's 2 cores either way), as the trainer runs it (``MegatronRanks``),
+started and warmed before the clock; PP=2 and DP=2 with the distributed optimizer are reported
+too. Tokens/s counts every token the step's forward and backward process. ``ratio`` =
+megatron TP=2 / torch.
 
     python benchmarks/train_step.py [--steps 5]
 """
@@ -14,12 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -67,58 +64,35 @@ def main() -> None:
 
     torch_backend = TorchTrainerBackend(ModelConfig(family="hf", hf_path=str(directory)), TrainerConfig(**TRAINER))
     torch_seconds = timed_steps(torch_backend, samples, args.steps)
-    megatron_seconds = _megatron_steps(directory, samples, args.steps)
+    layouts = {"TP=2": dict(tensor_parallel=2), "PP=2": dict(pipeline_parallel=2),
+               "DP=2 distributed optimizer": dict(data_parallel=2, distributed_optimizer=True)}
+    megatron_seconds = {name: _megatron_steps(directory, samples, args.steps, **layout)
+                        for name, layout in layouts.items()}
     tokens = SAMPLES * (LENGTH - 1)
-    ours, baseline = tokens / statistics.median(megatron_seconds), tokens / statistics.median(torch_seconds)
-    print(f"torch: {[round(s, 3) for s in torch_seconds]} s/step; megatron TP=2: "
-          f"{[round(s, 3) for s in megatron_seconds]} s/step", flush=True)
+    per_layout = {name: round(tokens / statistics.median(seconds), 1) for name, seconds in megatron_seconds.items()}
+    ours, baseline = per_layout["TP=2"], tokens / statistics.median(torch_seconds)
+    print(f"torch: {[round(s, 3) for s in torch_seconds]} s/step", flush=True)
+    for name, seconds in megatron_seconds.items():
+        print(f"megatron {name}: {[round(s, 3) for s in seconds]} s/step, {per_layout[name]} tokens/s", flush=True)
     print_result("train_step", ours, baseline, "tokens/s (megatron-core TP=2 vs torch backend)", ours / baseline,
                  torch_step_s=round(statistics.median(torch_seconds), 3),
-                 megatron_step_s=round(statistics.median(megatron_seconds), 3),
-                 tokens_per_step=tokens, samples=SAMPLES, length=LENGTH, tensor_parallel=2)
+                 megatron_step_s=round(statistics.median(megatron_seconds["TP=2"]), 3),
+                 megatron_tokens_per_s=per_layout, tokens_per_step=tokens, samples=SAMPLES, length=LENGTH)
 
 
-def _megatron_steps(directory: Path, samples: list[PolicySample], steps: int) -> list[float]:
-    with tempfile.TemporaryDirectory() as scratch:
-        job, out = Path(scratch) / "job.pt", Path(scratch) / "out.json"
-        torch.save({"hf_path": str(directory), "samples": samples, "steps": steps}, job)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        repo = Path(__file__).resolve().parent.parent
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "benchmarks")]),
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        subprocess.run([sys.executable, __file__, "--ranks", str(job), str(out)], env=env, check=True)
-        return json.loads(out.read_text())["seconds"]
+def _megatron_steps(directory: Path, samples: list[PolicySample], steps: int, **layout: int) -> list[float]:
+    """Seconds per step of the megatron backend as the trainer runs it: its rank processes
+    (``MegatronRanks``, one thread each), started and warmed before the clock."""
+    from rollmesh.config import MegatronConfig
+    from rollmesh.training.megatron_ranks import MegatronRanks
 
-
-def _rank(rank: int, world: int, job_path: str, out_path: str) -> None:
-    import torch.distributed as dist
-
-    from rollmesh.training.megatron_cpu_shims import install_cpu_shims
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    install_cpu_shims()
-    torch.set_num_threads(1)
-    from megatron.core import parallel_state
-
-    from rollmesh.training.megatron_backend import MegatronTrainerBackend
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    job = torch.load(job_path, weights_only=False)
-    backend = MegatronTrainerBackend(ModelConfig(family="hf", hf_path=job["hf_path"]), TrainerConfig(**TRAINER))
-    seconds = timed_steps(backend, job["samples"], job["steps"], sync=dist.barrier)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps({"seconds": seconds}))
-    dist.barrier()
-    dist.destroy_process_group()
+    config = TrainerConfig(**TRAINER, backend="megatron", megatron=MegatronConfig(**layout))
+    ranks = MegatronRanks(ModelConfig(family="hf", hf_path=str(directory)), config)
+    try:
+        return timed_steps(ranks, samples, steps)
+    finally:
+        ranks.close()
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--ranks":
-        import torch.multiprocessing as mp
-
-        mp.spawn(_rank, args=(2, sys.argv[2], sys.argv[3]), nprocs=2)
-    else:
-        main()
+    main()
