@@ -6,7 +6,9 @@ scheduler_mix_rl.toml: an RL run's phases; see docs/scheduler.md for how they we
 live scheduler runs:
 
 * ours: ``LendingScheduler``: RL roles first; EASY backfill of idle accelerators around RL's
-  announced demand; preemption by cost with grace periods; elastic decode loans.
+  announced demand; preemption by cost with grace periods; elastic decode loans; preemption
+  deadlines past a reservation by as much as jobs were seen to release early, within an RL wait
+  budget of 2% (``busy_without_rl_slack``: the same with none).
 * baseline: ``StaticReservationScheduler``: RL keeps its peak demand reserved the whole run;
   simulation jobs run FIFO on the rest, never lent RL's idle accelerators, never preempted.
 
@@ -75,6 +77,8 @@ def main() -> None:
     cheaper = JobDefaults(checkpoint_s=15.0, restart_cost_s=30.0)
     halved = simulate(LendingScheduler(capacity), capacity, swf_trace_jobs(trace, cheaper), [run])
     describe("halved", halved)
+    no_slack = simulate(LendingScheduler(capacity, rl_wait_budget=0.0), capacity, jobs, [run])
+    describe("no slack", no_slack)
     print(f"RL run alone: {alone.rl_runs[0].makespan_s / 3600:.2f} h; with our policy "
           f"{ours.rl_runs[0].makespan_s / 3600:.2f} h (waited {ours.rl_runs[0].waited_s:.0f} s)")
     ours_busy, baseline_busy = ours.totals.busy_utilization, baseline.totals.busy_utilization
@@ -86,6 +90,7 @@ def main() -> None:
         baseline_allocated=round(baseline.totals.allocated_utilization, 4),
         baseline_rl_slowdown=round(baseline.rl_slowdown, 4), rl_idle=round(rl_idle / (capacity * window), 4),
         busy_if_preemption_halved=round(halved.totals.busy_utilization, 4),
+        busy_without_rl_slack=round(no_slack.totals.busy_utilization, 4),
         preemptions=ours.preemptions, kills=ours.kills, jobs_finished=ours.jobs_finished,
         baseline_jobs_finished=baseline.jobs_finished, accelerators=capacity,
         hours=round(window / 3600, 2),

@@ -335,6 +335,11 @@ class SchedulerConfig(_Config):
     # than this may only run on accelerators no RL role is guaranteed, since RL announces its
     # demand about this far ahead and must not wait for a slow leaver.
     max_loan_grace_s: NonNegFloat = 300.0
+    # Jobs leave some time before their preemption deadline (a margin for saving); a deadline may
+    # run past RL's announced reservation by as much as they were seen to, so they leave as RL
+    # starts. This share of the run's time bounds that slack in all: what RL waits if every job
+    # used its whole grace (0: deadlines never pass a reservation).
+    rl_wait_budget: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.02
     # The live scheduler's timers: how often it checks deadlines and planned reclaims at least,
     # and how often it publishes its accounting on rl.<ns>.sched.utilization.
     tick_s: PositiveFloat = 1.0

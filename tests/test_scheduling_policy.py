@@ -23,7 +23,7 @@ from rollmesh.scheduling import (
     UtilizationAccount,
 )
 from rollmesh.scheduling.fair_share import RoleDemand, fair_targets
-from rollmesh.scheduling.job_progress import JobProgress, choose_victims
+from rollmesh.scheduling.job_progress import JobProgress, ReleaseLeads, choose_victims
 
 pytestmark = pytest.mark.unit
 
@@ -122,6 +122,87 @@ def test_victim_choice_does_not_preempt_a_big_job_to_free_one_accelerator():
     for progress in (big, small):
         progress.start(0.0)
     assert choose_victims([big, small], 1, lambda p: 10.0) == [small]
+
+
+def test_victims_of_equal_cost_are_the_jobs_expected_to_end_soonest():
+    soon, late = (JobProgress(job(name, 2, expected), seq=i) for i, name, expected in ((0, "soon", 500.0),
+                                                                                      (1, "late", 5000.0)))
+    for progress in (soon, late):
+        progress.start(0.0)
+    assert choose_victims([late, soon], 2, lambda p: 10.0) == [soon]
+
+
+def test_release_leads_are_learned_in_save_times_and_a_kill_counts_as_none():
+    leads = ReleaseLeads()
+    saver = job("saver", 1, 100.0, grace_s=60.0, checkpoint_s=10.0)
+    assert leads.expected(saver) == 0.0  # nothing seen yet
+    leads.released(job("quick", 1, 100.0, grace_s=60.0, checkpoint_s=4.0), 4.0)
+    assert leads.expected(saver) == 10.0  # one save time early, like the job before it
+    # It saves for checkpoint_s after the request: never earlier than grace - checkpoint_s.
+    assert leads.expected(job("tight", 1, 100.0, grace_s=12.0, checkpoint_s=10.0)) == 2.0
+    assert leads.expected(job("fragile", 1, 100.0, checkpoint_s=None)) == 0.0
+    leads.released(saver, 0.0)  # killed at its deadline
+    assert leads.expected(saver) == 0.0
+
+
+def lead_learned(budget: float) -> LendingScheduler:
+    """A trainer of 8 and job "a" (8 accelerators, grace 30, saves in 5) that, preempted once,
+    released 5 s before its deadline; at 200 it runs again."""
+    scheduler = LendingScheduler(8, rl_wait_budget=budget)
+    scheduler.register_run("rl", {"trainer": RoleShare(guaranteed=8)}, 0.0)
+    scheduler.submit(job("a", 8, 10_000.0, grace_s=30.0, checkpoint_s=5.0), 0.0)
+    assert scheduler.set_demand("rl", {"trainer": 8}, 100.0) == [
+        RequestPreemption("a", deadline=130.0, reason="RL demand")]
+    scheduler.acknowledged("a", 125.0)
+    assert started(scheduler.set_demand("rl", {"trainer": 0}, 200.0)) == ["a"]
+    return scheduler
+
+
+def test_a_job_that_releases_early_is_asked_that_much_later_so_it_leaves_as_rl_starts():
+    scheduler = lead_learned(budget=0.02)
+    scheduler.reserve("rl", {"trainer": 8}, at=1000.0, now=200.0)
+    assert scheduler.next_wakeup() == 975.0  # grace 30 before the reservation plus its 5 s lead
+    assert scheduler.tick(975.0) == [RequestPreemption("a", deadline=1005.0, reason="announced RL demand")]
+    assert scheduler.acknowledged("a", 1000.0) == []
+    assert scheduler.set_demand("rl", {"trainer": 8}, 1000.0) == [GrantRole("rl", "trainer", 8, 8)]
+    assert scheduler.stats().rl_queueing_s == {"rl/trainer": 25.0}  # the unannounced wait only
+
+
+def test_without_an_rl_wait_budget_a_deadline_never_runs_past_the_reservation():
+    scheduler = lead_learned(budget=0.0)
+    scheduler.reserve("rl", {"trainer": 8}, at=1000.0, now=200.0)
+    assert scheduler.next_wakeup() == 970.0
+    assert scheduler.tick(970.0) == [RequestPreemption("a", deadline=1000.0, reason="announced RL demand")]
+
+
+def test_rl_slack_stays_within_its_budget():
+    # 0.1% of the 1000 s up to the reservation: 1 s past it at most, though the job leaves 5 s early.
+    scheduler = lead_learned(budget=0.001)
+    scheduler.reserve("rl", {"trainer": 8}, at=1000.0, now=200.0)
+    assert scheduler.tick(971.0) == [RequestPreemption("a", deadline=1001.0, reason="announced RL demand")]
+    # A second reservation has only what the first did not take (2 s by 2000, 1 s spent).
+    scheduler.acknowledged("a", 996.0)
+    scheduler.set_demand("rl", {"trainer": 8}, 1000.0)
+    scheduler.set_demand("rl", {"trainer": 0}, 1100.0)
+    scheduler.reserve("rl", {"trainer": 8}, at=2000.0, now=1100.0)
+    assert scheduler.next_wakeup() == 1971.0
+
+
+def test_a_job_still_there_past_its_expected_release_is_not_lent_out():
+    scheduler = LendingScheduler(10)
+    scheduler.register_run("rl", {"trainer": RoleShare(guaranteed=8)}, 0.0)
+    scheduler.submit(job("a", 4, 5000.0, grace_s=30.0, checkpoint_s=5.0), 0.0)
+    scheduler.submit(job("c", 4, 10_000.0, grace_s=30.0, checkpoint_s=5.0), 0.0)
+    scheduler.set_demand("rl", {"trainer": 4}, 100.0)  # "a" (ends sooner) is asked, leaves 5 s early
+    scheduler.acknowledged("a", 125.0)
+    scheduler.set_demand("rl", {"trainer": 0}, 200.0)
+    scheduler.reserve("rl", {"trainer": 4}, at=1000.0, now=200.0)
+    assert scheduler.tick(975.0) == [RequestPreemption("a", deadline=1005.0, reason="announced RL demand")]
+    scheduler.finished("c", 990.0)  # the trainer takes what "c" left instead
+    assert scheduler.set_demand("rl", {"trainer": 4}, 1000.0) == [GrantRole("rl", "trainer", 4, 4)]
+    # 2 are free; "a", expected gone by 1000, holds its 4 until it acknowledges (or 1005).
+    assert started(scheduler.submit(job("b", 6, 100.0), 1001.0)) == []
+    assert started(scheduler.acknowledged("a", 1002.0)) == ["a"]  # first in the queue
 
 
 def test_fair_share_splits_demand_above_guarantees_by_weight():

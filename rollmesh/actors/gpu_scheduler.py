@@ -180,7 +180,8 @@ class GpuSchedulerActor(RoleActor):
         launcher = RayJobLauncher(resource=self.config.resource, jobs_dir=run_dir / "scheduler" / "jobs")
         now = time.time()
         lending = LendingService(
-            LendingScheduler(self.config.total_gpus, max_loan_grace_s=self.config.max_loan_grace_s),
+            LendingScheduler(self.config.total_gpus, max_loan_grace_s=self.config.max_loan_grace_s,
+                             rl_wait_budget=self.config.rl_wait_budget),
             run_id=self.mesh.namespace, roles=roles, start_grants=start_grants, launcher=launcher,
             role_groups=RoleGrantGroups(launcher), publisher=publisher, clock=time.time,
             ledger=JobLedger(run_dir / "scheduler" / "jobs.jsonl"), resource=self.config.resource,

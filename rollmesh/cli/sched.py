@@ -109,7 +109,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.policy == "static":
         policy: Any = StaticReservationScheduler(capacity, reserved=sum(run.peak_demand() for run in runs))
     else:
-        policy = LendingScheduler(capacity, max_loan_grace_s=config.max_loan_grace_s)
+        policy = LendingScheduler(capacity, max_loan_grace_s=config.max_loan_grace_s,
+                                  rl_wait_budget=config.rl_wait_budget)
     result = simulate(policy, capacity, jobs, runs)
     _print_table(args, capacity, result)
     plot = args.plot or Path(f"{args.trace.stem}.utilization.png")

@@ -1,4 +1,5 @@
-"""A simulation job's progress as wall-clock arithmetic: what is saved, what a preemption loses.
+"""A simulation job's progress as wall-clock arithmetic: what is saved, what a preemption loses,
+and how early jobs release when asked to leave.
 
 Knows the workload specs only. The scheduler core keeps one per job as its estimate (from the
 job's expected duration and its checkpoint reports); the simulator keeps another as the truth.
@@ -9,6 +10,7 @@ restart cost has been paid.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -26,12 +28,13 @@ class JobProgress:
     saved_s: float = 0.0  # progress safe in a checkpoint
     compute_from: float = 0.0  # wall time from which progress counts up from saved_s
     deadline: float = math.inf  # while preempting: release by then or be killed
+    leave_by: float = math.inf  # while preempting: when the scheduler expects it gone
     starts: int = 0
 
     def start(self, now: float) -> None:
         self.starts += 1
         self.state = "running"
-        self.deadline = math.inf
+        self.deadline = self.leave_by = math.inf
         self.compute_from = now + (self.job.restart_cost_s if self.starts > 1 else 0.0)
 
     def progress_at(self, now: float) -> float:
@@ -48,7 +51,7 @@ class JobProgress:
         """Back to the queue; returns the progress lost (done since the last checkpoint)."""
         lost = self.progress_at(now) - self.saved_s
         self.state = "queued"
-        self.deadline = math.inf
+        self.deadline = self.leave_by = math.inf
         return lost
 
     def end_at(self, duration_s: float) -> float:
@@ -82,18 +85,49 @@ class JobProgress:
 
 
 def choose_victims(
-    candidates: Sequence[JobProgress], needed: int, ask_at: Callable[[JobProgress], float]
+    candidates: Sequence[JobProgress], needed: int, ask_at: Callable[[JobProgress], float],
+    ends: Callable[[JobProgress], float] | None = None,
 ) -> list[JobProgress]:
     """Jobs to preempt to free ``needed`` accelerators at least cost, each costed as if asked at
     ``ask_at(job)``. Greedy: the next pick is the one cheapest per accelerator still needed (so a
-    big job is not preempted to free one accelerator), the latest submitted on ties (the queue
-    stays FIFO-fair). Fewer than ``needed`` if the candidates run short."""
-    costs = {id(p): p.preemption_cost(ask_at(p)) for p in candidates}
+    big job is not preempted to free one accelerator); on ties, the one expected to end soonest
+    (``ends``, by default its own estimate): the likeliest to finish before it has to save, and
+    the quickest to finish once it restarts; then the latest submitted. A preempted job keeps its
+    place in the queue, so the choice does not cost it its turn. Fewer than ``needed`` if the
+    candidates run short."""
+    ends = ends or (lambda p: p.end_at(p.job.expected_duration_s))
+    costs = {id(p): (p.preemption_cost(ask_at(p)), ends(p)) for p in candidates}
     left = list(candidates)
     chosen: list[JobProgress] = []
     while needed > 0 and left:
-        pick = min(left, key=lambda p: (costs[id(p)] / min(p.job.accelerators, needed), -p.seq))
+        pick = min(left, key=lambda p: (costs[id(p)][0] / min(p.job.accelerators, needed), costs[id(p)][1], -p.seq))
         left.remove(pick)
         chosen.append(pick)
         needed -= pick.job.accelerators
     return chosen
+
+
+class ReleaseLeads:
+    """How long before its preemption deadline a job releases, learned from past releases.
+
+    A job that saves on request keeps a margin: it saves and leaves some time before its deadline.
+    Learned in save times (so jobs that save at different speeds share one figure) as a low
+    quantile of the recent releases, a kill counting as none: one early leaver does not make the
+    others late. A job that cannot save on request leaves whenever its periodic checkpoint falls,
+    so it gets no estimate.
+    """
+
+    def __init__(self, window: int = 32) -> None:
+        self._ratios: deque[float] = deque(maxlen=window)
+
+    def released(self, job: SimJob, lead: float) -> None:
+        """``job`` released ``lead`` seconds before its deadline (0 when it was killed)."""
+        if job.saves_on_request() and job.checkpoint_s:
+            self._ratios.append(max(0.0, lead) / job.checkpoint_s)
+
+    def expected(self, job: SimJob) -> float:
+        if not self._ratios or not job.saves_on_request() or not job.checkpoint_s:
+            return 0.0
+        ratio = sorted(self._ratios)[len(self._ratios) // 10]
+        # It saves for checkpoint_s after the request, so it cannot release earlier than that.
+        return min(job.checkpoint_s * ratio, job.grace_s - job.checkpoint_s)

@@ -6,9 +6,13 @@ both run this same code. One pass after each event:
 
 1. Kill jobs past their preemption deadline.
 2. Meet RL demand (fair share between runs when it exceeds the cluster): free accelerators and
-   elastic loans first, then PreemptionRequested to the cheapest jobs (lost work, restart cost).
+   elastic loans first, then PreemptionRequested to the cheapest jobs (lost work, restart cost;
+   on ties the one expected to end soonest).
 3. Reclaim ahead of announced demand (``reserve``): a job in the way is asked ``grace_s`` before
-   the reservation, so it is gone by then without the role waiting.
+   the reservation, so it is gone by then without the role waiting. Jobs that save on request
+   release early (they keep a margin for saving): from how early they did so far, a deadline
+   runs that much past the reservation, within a budget of RL slack (``rl_wait_budget``), so
+   they leave as RL starts instead of idling the accelerators until it does.
 4. EASY backfill of the FIFO queue: a job starts if it fits now and does not delay the queue's
    head; one that would overlap an announced reservation or the head's start starts only if it
    can be asked to leave in time and saves more work before then than its restart costs (the
@@ -43,7 +47,7 @@ from rollmesh.scheduling.errors import (
     UnknownRoleError,
 )
 from rollmesh.scheduling.fair_share import RoleDemand, fair_targets
-from rollmesh.scheduling.job_progress import JobProgress, choose_victims
+from rollmesh.scheduling.job_progress import JobProgress, ReleaseLeads, choose_victims
 from rollmesh.scheduling.workload import RoleShare, SimJob
 
 
@@ -85,12 +89,17 @@ class SchedulerStats:
 
 
 class LendingScheduler:
-    def __init__(self, capacity: int, *, max_loan_grace_s: float = 300.0) -> None:
+    def __init__(self, capacity: int, *, max_loan_grace_s: float = 300.0, rl_wait_budget: float = 0.02) -> None:
         """``max_loan_grace_s``: a job with a longer grace period would hold RL's guaranteed
         accelerators past an announced reclaim, so it only runs on accelerators no role is
-        guaranteed."""
+        guaranteed. ``rl_wait_budget``: the share of elapsed time by which preemption deadlines
+        may run past RL's announced reservations in all (0: never past them). Jobs release some
+        time before their deadline (they keep a margin for saving); a deadline that late asks
+        them that much later, so they leave when RL starts instead of idling the accelerators
+        until it does. A job that uses its whole grace makes RL wait at most that long."""
         self.capacity = capacity
         self.max_loan_grace_s = max_loan_grace_s
+        self.rl_wait_budget = rl_wait_budget
         self._runs: dict[str, _Run] = {}
         self._jobs: dict[str, JobProgress] = {}
         self._queue: list[JobProgress] = []  # queued jobs in submission order
@@ -99,6 +108,12 @@ class LendingScheduler:
         self._head: _HeadClaim | None = None
         self._started = self._finished = self._preemptions = self._kills = 0
         self._waited: dict[str, float] = {}
+        # RL slack: seconds a reservation's preemption deadlines may run past it, budgeted.
+        self._leads = ReleaseLeads()
+        self._slack: dict[float, float] = {}  # reservation time -> slack held for it
+        self._slack_used: dict[float, float] = {}  # reservation time -> most slack a job was given
+        self._slack_spent = 0.0
+        self._budget_since: float | None = None
 
     # --- RL side ------------------------------------------------------------------------------
 
@@ -113,6 +128,8 @@ class LendingScheduler:
                 resource="accelerators", total=self.capacity, held=guaranteed,
                 requested={f"{run_id}/{role}": share.guaranteed for role, share in roles.items()})
         self._runs[run_id] = _Run(weight, {role: _Role(share) for role, share in roles.items()})
+        if self._budget_since is None:
+            self._budget_since = now
         return self._schedule(now)
 
     def set_demand(self, run_id: str, demand: Mapping[str, int], now: float) -> list[Command]:
@@ -158,6 +175,8 @@ class LendingScheduler:
     def acknowledged(self, job_id: str, now: float) -> list[Command]:
         """The job released its accelerators (PreemptionAcknowledged); it waits in the queue again."""
         progress = self._job(job_id)
+        if progress.state == "preempting":
+            self._leads.released(progress.job, progress.deadline - now)
         if progress.state != "queued":
             progress.release(now)
             self._requeue(progress)
@@ -206,6 +225,7 @@ class LendingScheduler:
     def _kill_overdue(self, now: float, commands: list[Command]) -> None:
         for progress in list(self._jobs.values()):
             if progress.state == "preempting" and progress.deadline <= now:
+                self._leads.released(progress.job, 0.0)
                 progress.release(now)
                 self._requeue(progress)
                 self._kills += 1
@@ -232,13 +252,16 @@ class LendingScheduler:
         leaving = sum(p.job.accelerators for p in self._jobs.values() if p.state == "preempting")
         if unmet > leaving:
             running = [p for p in self._jobs.values() if p.state == "running"]
-            for victim in choose_victims(running, unmet - leaving, lambda p: now):
+            for victim in choose_victims(running, unmet - leaving, lambda p: now,
+                                         lambda p: self._expected_end(p, now)):
                 self._request(victim, now, "RL demand", commands)
 
     def _reclaim_ahead(self, now: float, commands: list[Command]) -> None:
         """Ask jobs in the way of announced RL demand, then of the queue head's start, to leave
-        exactly ``grace_s`` before it."""
+        exactly ``grace_s`` before it (before it plus their expected release lead, within the RL
+        slack budget, for RL demand)."""
         planned, self._planned = self._planned, {}
+        self._settle_slack(now)
         profile = self._availability(now)
         claims = [(at, None) for at in sorted(
             {at for _, role in self._roles() for at, _ in role.reservations if at > now})]
@@ -246,6 +269,10 @@ class LendingScheduler:
         if head is not None and head.progress.state == "queued" and head.start > now:
             claims.append((head.start, head))
         chosen: set[str] = set()
+
+        def ends(progress: JobProgress) -> float:
+            return self._expected_end(progress, now)
+
         for at, claim in claims:
             if claim is not None:
                 profile.shift(claim.start, claim.end, -claim.progress.job.accelerators)
@@ -259,20 +286,28 @@ class LendingScheduler:
             # Victims planned before go first (re-choosing by costs that moved since could pick a
             # job it is now too late to ask), then others that can be asked in time; jobs it is
             # too late to ask only if those run short.
-            timely = [p for p in in_the_way if at - p.job.grace_s >= now]
+            # Announced RL demand may take budgeted slack: deadlines that late make jobs leave at it.
+            cap = self._slack_cap(at, in_the_way, hold=True) if claim is None else 0.0
+            slack = {p.job.job_id: min(cap, self._leads.expected(p.job)) for p in in_the_way}
+            timely = [p for p in in_the_way if at + slack[p.job.job_id] - p.job.grace_s >= now]
             victims: list[JobProgress] = []
             for tier in ([p for p in timely if p.job.job_id in planned],
                          [p for p in timely if p.job.job_id not in planned],
                          [p for p in in_the_way if p not in timely] if claim is None else []):
                 short = deficit - sum(v.job.accelerators for v in victims)
                 if short > 0:
-                    victims += choose_victims(tier, short, lambda p: max(now, at - p.job.grace_s))
+                    victims += choose_victims(
+                        tier, short, lambda p: max(now, at + slack[p.job.job_id] - p.job.grace_s), ends)
             for victim in victims:
                 chosen.add(victim.job.job_id)
                 profile.shift(at, self._expected_end(victim, now), victim.job.accelerators)
-                request_at = at - victim.job.grace_s
+                own = slack[victim.job.job_id]
+                request_at = at + own - victim.job.grace_s
                 if request_at <= now:
-                    self._request(victim, now, "announced RL demand" if claim is None else "queue head", commands)
+                    self._request(victim, now, "announced RL demand" if claim is None else "queue head", commands,
+                                  slack=own)
+                    if own > 0:
+                        self._slack_used[at] = max(own, self._slack_used.get(at, 0.0))
                 else:
                     self._planned[victim.job.job_id] = request_at
 
@@ -320,14 +355,19 @@ class LendingScheduler:
         return lent
 
     def _worth_lending(self, progress: JobProgress, now: float, clash: float) -> bool:
-        """Whether a job that must leave by ``clash`` saves more work before then than it costs."""
+        """Whether a job that must leave by ``clash`` saves more work before then than it costs
+        (it computes on through its grace until it saves, as jobs released before did)."""
         job = progress.job
-        ask_at = clash - job.grace_s
+        lead = self._leads.expected(job)
+        deadline = clash + (min(lead, self._slack_cap(clash, [progress], hold=False))
+                            if self._is_reserved(clash) else 0.0)
+        ask_at = deadline - job.grace_s
         if ask_at <= now:
             return False  # it could not be asked in time: RL would wait
         reload = job.restart_cost_s if progress.starts else 0.0
         if job.saves_on_request():
-            saved = ask_at - now - reload
+            stops = max(ask_at, deadline - lead - (job.checkpoint_s or 0.0))
+            saved = stops - now - reload
         elif job.checkpoint_interval_s > 0:
             done = progress.saved_s + max(0.0, clash - now - reload)
             saved = math.floor(done / job.checkpoint_interval_s) * job.checkpoint_interval_s - progress.saved_s
@@ -366,7 +406,9 @@ class LendingScheduler:
             if progress.state == "running":
                 changes.append((self._expected_end(progress, now), progress.job.accelerators))
             elif progress.state == "preempting":
-                changes.append((progress.deadline, progress.job.accelerators))
+                # Expected gone by leave_by; one still there past it may hold on to its deadline.
+                leaves = progress.leave_by if progress.leave_by > now else progress.deadline
+                changes.append((leaves, progress.job.accelerators))
         unmet = 0
         for _, role in self._roles():
             level = max(role.demand, role.held)
@@ -385,11 +427,37 @@ class LendingScheduler:
         reload = progress.job.restart_cost_s if progress.starts else 0.0
         return reload + max(1.0, progress.job.expected_duration_s - progress.saved_s)
 
-    def _request(self, progress: JobProgress, now: float, reason: str, commands: list[Command]) -> None:
+    def _request(self, progress: JobProgress, now: float, reason: str, commands: list[Command], *,
+                 slack: float = 0.0) -> None:
         progress.state = "preempting"
         progress.deadline = now + progress.job.grace_s
+        progress.leave_by = progress.deadline - slack
         self._preemptions += 1
         commands.append(RequestPreemption(progress.job.job_id, progress.deadline, reason))
+
+    def _slack_cap(self, at: float, jobs: list[JobProgress], *, hold: bool) -> float:
+        """The most seconds deadlines of jobs leaving for the reservation at ``at`` may run past
+        it: what ``jobs`` need (their release leads), within what is left of the budget. Held once
+        chosen (``hold``), so plans built on it stay valid; what no job was given is refunded."""
+        if at in self._slack:
+            return self._slack[at]
+        # The budget accrues with the run's time, up to the reservation.
+        budget = (0.0 if self._budget_since is None else
+                  self.rl_wait_budget * (at - self._budget_since) - self._slack_spent - sum(self._slack.values()))
+        cap = min(max((self._leads.expected(p.job) for p in jobs), default=0.0), budget)
+        if cap <= 0:
+            return 0.0
+        if hold:
+            self._slack[at] = cap
+        return cap
+
+    def _settle_slack(self, now: float) -> None:
+        for at in [at for at in self._slack if at <= now]:
+            del self._slack[at]
+            self._slack_spent += self._slack_used.pop(at, 0.0)
+
+    def _is_reserved(self, at: float) -> bool:
+        return any(t == at for _, role in self._roles() for t, _ in role.reservations)
 
     def _requeue(self, progress: JobProgress) -> None:
         seqs = [p.seq for p in self._queue]
