@@ -62,7 +62,9 @@ def main() -> None:
     samples = batch(vocab)
     from rollmesh.training.torch_backend import TorchTrainerBackend
 
-    torch_backend = TorchTrainerBackend(ModelConfig(family="hf", hf_path=str(directory)), TrainerConfig(**TRAINER))
+    # The machine's 2 cores: 2 threads here, 1 thread in each of the megatron backend's 2 ranks.
+    torch_backend = TorchTrainerBackend(ModelConfig(family="hf", hf_path=str(directory)),
+                                        TrainerConfig(**TRAINER, torch_threads=2))
     torch_seconds = timed_steps(torch_backend, samples, args.steps)
     layouts = {"TP=2": dict(tensor_parallel=2), "PP=2": dict(pipeline_parallel=2),
                "DP=2 distributed optimizer": dict(data_parallel=2, distributed_optimizer=True)}
