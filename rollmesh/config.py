@@ -344,6 +344,11 @@ class SchedulerConfig(_Config):
     # and how often it publishes its accounting on rl.<ns>.sched.utilization.
     tick_s: PositiveFloat = 1.0
     report_every_s: PositiveFloat = 10.0
+    # Elastic decode: up to this many idle accelerators are lent to decode as extra decode
+    # workers (the rollout workers route new sessions to them), taken back first when RL or a job
+    # needs them; a worker gets elastic_drain_s between being announced gone and being stopped.
+    elastic_decode: NonNegInt = 0
+    elastic_drain_s: NonNegFloat = 2.0
 
 
 class ServeConfig(_Config):

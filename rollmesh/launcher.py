@@ -69,7 +69,9 @@ class Mesh:
         mesh = MeshContext(namespace=config.namespace, nats_url=nats_url,
                            run_dir=str(self.run_dir.resolve()),
                            telemetry=config.telemetry, nats=config.nats)
-        scheduler = await spawn("gpu-scheduler", GpuSchedulerActor, mesh, config.scheduler)
+        # The model and inference settings are what a decode worker lent idle accelerators serves.
+        scheduler = await spawn("gpu-scheduler", GpuSchedulerActor, mesh, config.scheduler, config.model,
+                                config.inference)
         # Grants first: each role's actor is then placed with the Ray resources it was granted.
         await scheduler.grant.remote(GRANT_HOLDERS)
         await spawn("sandbox-broker", SandboxBrokerActor, mesh, config.sandbox)

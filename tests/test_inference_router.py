@@ -90,6 +90,29 @@ async def test_new_sessions_go_to_the_decode_worker_with_fewest_requests_in_flig
 
 
 @pytest.mark.unit
+async def test_a_lent_decode_worker_takes_new_sessions_and_its_sessions_move_on_when_it_leaves() -> None:
+    own, lent = FakeWorker("own"), FakeWorker("lent")
+    own.release.set()
+    lent.release.set()
+    router = InferenceRouter([], [own])
+    await router.generate([1], GREEDY, request_id="a", options=GenerateOptions(session_id="a"))
+    router.add_decode_worker("decode-elastic-0", lent)
+    router.add_decode_worker("decode-elastic-0", lent)  # announced twice: added once
+    busy = asyncio.create_task(router.generate([1], GREEDY, request_id="long"))  # own is busier now...
+    own.release.clear()
+    await asyncio.sleep(0)
+    await router.generate([1], GREEDY, request_id="b", options=GenerateOptions(session_id="b"))
+    assert names(lent) == ["generate_prompt"] and router.lent_decode_workers() == ["decode-elastic-0"]
+    assert router.remove_decode_worker("decode-elastic-0") and not router.remove_decode_worker("decode-elastic-0")
+    own.release.set()
+    await busy
+    # The session that was on the lent worker continues on the mesh's own, prefilled there in full.
+    assert router.decode_worker_for("b") == (0, False)
+    await router.generate([1, 2], GREEDY, request_id="b2", options=GenerateOptions(session_id="b"))
+    assert names(lent) == ["generate_prompt"] and names(own)[-1] == "generate_prompt"
+
+
+@pytest.mark.unit
 def test_the_router_forgets_the_oldest_sessions_past_its_bound() -> None:
     router = InferenceRouter([], [FakeWorker("a"), FakeWorker("b")], max_sessions=2)
     for session in ("x", "y", "z"):

@@ -140,3 +140,58 @@ async def test_jobs_are_preempted_when_the_trainer_asks_and_resume_from_their_ch
         stop_and_kill(actor)
     leftover = subprocess.run(["pgrep", "-f", "sim_counter_job.py"], capture_output=True, text=True).stdout.split()
     assert not leftover, "no job process outlives the scheduler"
+
+
+async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ray_session, nats_server, tmp_path):
+    """Elastic decode: with nothing else to run, the scheduler lends 2 idle accelerators to
+    decode as 2 real decode workers (the tiny model) that a rollout worker's router picks up and
+    generates on; a job that needs them gets them once their release was announced and they
+    were stopped."""
+    from rollmesh.actors.inference_router import InferenceRouter
+    from rollmesh.actors.rollout_worker import ElasticDecodeFollower
+    from rollmesh.bus.publisher import BusPublisher
+    from rollmesh.config import InferenceConfig, ModelConfig
+    from rollmesh.messages.base import SamplingParams
+
+    namespace = "t" + uuid.uuid4().hex[:10]
+    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(tmp_path / "run"))
+    # Decode is active (its start grant; no actor of this test holds it), and 2 accelerators idle.
+    config = SchedulerConfig(total_gpus=3, resource="rollmesh_sched_gpu", grants={"decode": 1}, tick_s=0.1,
+                             elastic_decode=2, elastic_drain_s=0.2)
+    model = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
+    actor = ray.remote(GpuSchedulerActor).options(name=f"sched-{namespace}", namespace=namespace, num_cpus=0).remote(
+        f"sched-{namespace}", mesh, config, model, InferenceConfig(max_batch=4))
+    nc = await nats.connect(nats_server.url)
+    events = Events()
+    for subject in WATCHED:
+        await nc.subscribe(subject.format(namespace), cb=events.on_message)
+    try:
+        await actor.start.remote()
+        await events.until(lambda: len(events.of(GPU_GRANTED)) == 2)
+        lent = sorted(m.grant_id for m in events.of(GPU_GRANTED))
+        assert {m.holder for m in events.of(GPU_GRANTED)} == {"decode.elastic"}
+
+        # A rollout worker's router, started after the loans: it finds them through the status.
+        router = InferenceRouter([], [object()])
+        follower = ElasticDecodeFollower(router, BusPublisher(nc, nc.jetstream(), namespace))
+        await follower.start()
+        assert router.lent_decode_workers() == lent
+        finished = await router.decode_workers[1].generate_prompt.remote(
+            [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4), "r1")
+        assert len(finished.token_ids) == 4
+
+        job = SimJobSubmitted(job_id="md", command=JOB, accelerators=2, expected_duration_s=600.0, grace_s=5.0,
+                              checkpoint_s=1.0)
+        await nc.jetstream().publish(SIM_SUBMITTED.format(namespace), SIM_SUBMITTED.encode(job))
+        await events.until(lambda: len(events.of(SIM_STARTED)) == 1)
+        released = events.of(GPU_RELEASED)
+        assert sorted(m.grant_id for m in released) == lent
+        for message in released:  # as the rollout worker's subscription delivers them
+            await follower.handle_released(message, None)
+        assert router.lent_decode_workers() == []
+        for name in lent:  # stopped before the job was placed on their accelerators
+            with pytest.raises(ValueError):
+                ray.get_actor(name, namespace=namespace)
+    finally:
+        await nc.close()
+        stop_and_kill(actor)

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from fakes import RecordingPublisher
-from rollmesh.messages import RoleDemandChanged, SimJobSubmitted
+from rollmesh.messages import RoleDemandChanged, RunRegistered, SimJobSubmitted
 from rollmesh.messages.subjects import (
     GPU_GRANTED,
     GPU_RELEASED,
@@ -72,13 +72,26 @@ class FakeLauncher:
 
 class FakeRoleGroups:
     def __init__(self) -> None:
-        self.held: dict[str, int] = {}
+        self.held_ids: dict[str, list[str]] = {}
+        self.released: list[str] = []
+        self._count = 0
 
-    async def grow(self, role: str, accelerators: int) -> None:
-        self.held[role] = self.held.get(role, 0) + accelerators
+    async def grow(self, holder: str, accelerators: int) -> list[str]:
+        ids = [f"{holder}-{self._count + i}" for i in range(accelerators)]
+        self._count += accelerators
+        self.held_ids.setdefault(holder, []).extend(ids)
+        return ids
 
-    def shrink(self, role: str, accelerators: int) -> None:
-        self.held[role] -= accelerators
+    def pick(self, holder: str, accelerators: int) -> list[str]:
+        held = self.held_ids[holder]
+        picked, self.held_ids[holder] = held[len(held) - accelerators:][::-1], held[:len(held) - accelerators]
+        return picked
+
+    async def release(self, holder: str, grant_ids: list[str]) -> None:
+        self.released.extend(grant_ids)
+
+    def held(self, holder: str) -> list[str]:
+        return list(self.held_ids.get(holder, []))
 
 
 class Clock:
@@ -89,10 +102,11 @@ class Clock:
         return self.now
 
 
-def service(tmp_path, *, launcher=None, start_grants=None, capacity=4):
+def service(tmp_path, *, launcher=None, start_grants=None, capacity=4, elastic=0):
     clock = Clock()
     start_grants = {"decode": 1} if start_grants is None else start_grants
-    roles = {"trainer": RoleShare(guaranteed=2), "decode": RoleShare(guaranteed=start_grants.get("decode", 0))}
+    roles = {"trainer": RoleShare(guaranteed=2),
+             "decode": RoleShare(guaranteed=start_grants.get("decode", 0), elastic_limit=elastic)}
     bus = RecordingPublisher()
     logic = LendingService(LendingScheduler(capacity), run_id="ns", roles=roles, start_grants=start_grants,
                            launcher=launcher or FakeLauncher(), role_groups=FakeRoleGroups(), publisher=bus,
@@ -129,13 +143,13 @@ async def test_a_job_on_idle_accelerators_is_preempted_when_the_trainer_asks_and
     await settle()
     assert [m.holder for m in bus.messages(PREEMPTION_ACKNOWLEDGED)] == ["md-1"]
     assert [(m.outcome, m.attempt) for m in bus.messages(SIM_ENDED)] == [("preempted", 1)]
-    [granted] = bus.messages(GPU_GRANTED)
-    assert (granted.role, granted.count) == ("trainer", 2) and launcher.launched[0].released
+    assert [(m.role, m.count) for m in bus.messages(GPU_GRANTED)] == [("trainer", 1), ("trainer", 1)]
+    assert launcher.launched[0].released
     assert logic.status().jobs == {"md-1": "queued"}
 
     clock.now += 600
     await logic.handle_demand(RoleDemandChanged(role="trainer", accelerators=0), CONTEXT)
-    assert [m.count for m in bus.messages(GPU_RELEASED)] == [2]
+    assert [m.count for m in bus.messages(GPU_RELEASED)] == [1, 1]
     assert [(m.job_id, m.attempt) for m in bus.messages(SIM_STARTED)] == [("md-1", 1), ("md-1", 2)]
     launcher.launched[1].finish(0)
     await settle()
@@ -160,7 +174,7 @@ async def test_a_job_that_ignores_the_request_is_killed_at_the_deadline_not_befo
     await settle()
     assert launcher.launched[0].killed
     assert [m.outcome for m in bus.messages(SIM_ENDED)] == ["killed"]
-    assert [m.role for m in bus.messages(GPU_GRANTED)] == ["trainer"]
+    assert [m.role for m in bus.messages(GPU_GRANTED)] == ["trainer", "trainer"]
     assert logic.status().kills == 1 and logic.status().jobs == {"stubborn": "queued"}
 
 
@@ -199,6 +213,35 @@ async def test_a_roles_demand_never_drops_below_what_its_own_actors_hold(tmp_pat
     await logic.handle_submitted(job("md-1", accelerators=3), CONTEXT)  # would need decode's
     assert not bus.messages(SIM_STARTED) and not bus.messages(GPU_RELEASED)
     assert logic.status().roles == {"decode": 2}
+
+
+async def test_idle_accelerators_are_lent_to_decode_and_announced_gone_before_a_job_gets_them(tmp_path):
+    logic, bus, _ = service(tmp_path, elastic=2, capacity=3)  # decode 1 of 3: 2 idle
+    await logic.start()
+    assert [(m.holder, m.count) for m in bus.messages(GPU_GRANTED)] == [("decode.elastic", 1)] * 2
+    assert logic.status().roles == {"decode": 1, "decode.elastic": 2}
+    assert logic.status().elastic_workers == [m.grant_id for m in bus.messages(GPU_GRANTED)]
+    groups = logic.role_groups
+    await logic.handle_submitted(job("md-1"), CONTEXT)
+    released = [m.grant_id for m in bus.messages(GPU_RELEASED)]
+    assert released == groups.released and len(released) == 2  # announced, then taken back
+    assert [m.job_id for m in bus.messages(SIM_STARTED)] == ["md-1"]
+    published = [subject for subject, _ in bus.published]
+    assert published.index(GPU_RELEASED) < published.index(SIM_STARTED)
+
+
+async def test_a_second_run_shares_the_accelerators_beyond_the_guarantees_by_weight(tmp_path):
+    logic, bus, _ = service(tmp_path, start_grants={}, capacity=7)  # this run: trainer guaranteed 2
+    await logic.start()
+    await logic.handle_run_registered(RunRegistered(run_id="other", guaranteed={"trainer": 1}, weight=1.0), CONTEXT)
+    await logic.handle_run_registered(RunRegistered(run_id="other", guaranteed={"trainer": 1}), CONTEXT)  # repeat
+    await logic.handle_demand(RoleDemandChanged(role="trainer", accelerators=7), CONTEXT)
+    assert logic.status().roles == {"trainer": 7}  # alone, it may have them all
+    await logic.handle_demand(RoleDemandChanged(role="trainer", accelerators=7, run_id="other"), CONTEXT)
+    # Guarantees first (2 and 1), the 4 others split by the equal weights.
+    assert logic.status().roles == {"trainer": 4, "other/trainer": 3}
+    assert {m.holder for m in bus.messages(GPU_GRANTED)} == {"trainer", "other/trainer"}
+    assert {m.role for m in bus.messages(GPU_GRANTED)} == {"trainer"}
 
 
 @pytest.mark.parametrize(("grants", "capacity", "expected"), [

@@ -25,8 +25,9 @@ from typing import Any
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.actors.sim_job_runner import SimJobRunner
-from rollmesh.config import SchedulerConfig
+from rollmesh.config import InferenceConfig, ModelConfig, SchedulerConfig
 from rollmesh.messages import GpuGranted, SimJobSubmitted
+from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
 from rollmesh.messages.subjects import GPU_GRANTED
 from rollmesh.ports import ActorLogic, Publisher, Subscription
 from rollmesh.scheduling.accounting import UtilizationAccount
@@ -75,6 +76,13 @@ class RayJobLauncher:
     def bundle(self, accelerators: int) -> dict[str, float]:
         return {self.resource: float(accelerators)}
 
+    def actor_resources(self, accelerators: int) -> dict[str, Any]:
+        """``.options(...)`` kwargs for an actor using ``accelerators`` of the bundle (Ray refuses
+        "GPU" among custom resources: it is ``num_gpus``)."""
+        if self.resource == "GPU":
+            return {"num_gpus": accelerators}
+        return {"resources": self.bundle(accelerators)}
+
     async def launch(self, job: SimJobSubmitted, *, attempt: int, accelerators: int) -> RayJobHandle:
         import ray
         from ray.util.placement_group import placement_group
@@ -84,38 +92,75 @@ class RayJobLauncher:
         group = placement_group([self.bundle(accelerators)], strategy="STRICT_PACK")
         await group.ready()
         job_dir = self.jobs_dir / job.job_id
-        resources = {"num_gpus": accelerators} if self.resource == "GPU" else {"resources": self.bundle(accelerators)}
         runner = ray.remote(SimJobRunner).options(
-            num_cpus=0, **resources, scheduling_strategy=PlacementGroupSchedulingStrategy(group),
+            num_cpus=0, **self.actor_resources(accelerators), scheduling_strategy=PlacementGroupSchedulingStrategy(group),
         ).remote(job.job_id, job.command, job_dir=str(job_dir))
         await runner.start.remote(attempt)
         return RayJobHandle(runner, group, job_dir / "checkpoint")
 
 
 class RoleGrantGroups:
-    """Placement groups holding what roles were granted beyond their start grants."""
+    """What roles hold beyond their start grants: a placement group of one accelerator each,
+    named by its grant id, which the role's extra workers schedule into. A loan to decode
+    ("decode.elastic") also places a decode worker in it, named by the grant id, which rollout
+    workers look up and route to; given back, the worker is stopped after ``drain_s`` (the
+    routers drop it when the release is announced) and its group removed."""
 
-    def __init__(self, launcher: RayJobLauncher) -> None:
+    def __init__(self, launcher: RayJobLauncher, *, prefix: str, drain_s: float,
+                 start_decode_worker: Any = None) -> None:
         self.launcher = launcher
-        self.groups: dict[str, list[tuple[Any, int]]] = {}
+        self.prefix = prefix
+        self.drain_s = drain_s
+        self.start_decode_worker = start_decode_worker
+        self.holdings: dict[str, list[str]] = {}
+        self.groups: dict[str, Any] = {}
+        self.workers: dict[str, Any] = {}
+        self._count = 0
 
-    async def grow(self, role: str, accelerators: int) -> None:
+    async def grow(self, holder: str, accelerators: int) -> list[str]:
         from ray.util.placement_group import placement_group
 
-        group = placement_group([self.launcher.bundle(accelerators)], strategy="STRICT_PACK")
-        await group.ready()
-        self.groups.setdefault(role, []).append((group, accelerators))
+        grant_ids = []
+        for _ in range(accelerators):
+            grant_id = f"{self.prefix}-{holder.replace('.', '-').replace('/', '-')}-{self._count}"
+            self._count += 1
+            group = placement_group([self.launcher.bundle(1)], strategy="STRICT_PACK", name=grant_id)
+            await group.ready()
+            self.groups[grant_id] = group
+            if holder == ELASTIC_DECODE_HOLDER and self.start_decode_worker is not None:
+                self.workers[grant_id] = await self.start_decode_worker(grant_id, group)
+            self.holdings.setdefault(holder, []).append(grant_id)
+            grant_ids.append(grant_id)
+        return grant_ids
 
-    def shrink(self, role: str, accelerators: int) -> None:
+    def held(self, holder: str) -> list[str]:
+        return list(self.holdings.get(holder, []))
+
+    def pick(self, holder: str, accelerators: int) -> list[str]:
+        held = self.holdings.get(holder, [])
+        picked = held[len(held) - accelerators:][::-1]
+        del held[len(held) - len(picked):]
+        return picked
+
+    async def release(self, holder: str, grant_ids: list[str]) -> None:
+        import ray
         from ray.util.placement_group import remove_placement_group
 
-        held = self.groups.get(role, [])
-        while accelerators > 0 and held:
-            group, count = held.pop()
-            remove_placement_group(group)
-            if count > accelerators:  # give back part of a group: keep the rest as a new one
-                asyncio.get_running_loop().create_task(self.grow(role, count - accelerators))
-            accelerators -= count
+        workers = [self.workers.pop(grant_id) for grant_id in grant_ids if grant_id in self.workers]
+        if workers:
+            await asyncio.sleep(self.drain_s)  # requests already sent there finish meanwhile
+            for worker in workers:
+                try:
+                    await asyncio.wait_for(worker.stop.remote(), 10)
+                except Exception:  # noqa: BLE001 - it is killed next anyway
+                    pass
+                ray.kill(worker)
+        for grant_id in grant_ids:
+            remove_placement_group(self.groups.pop(grant_id))
+
+    async def close(self) -> None:
+        for holder, held in list(self.holdings.items()):
+            await self.release(holder, self.pick(holder, len(held)))
 
 
 class SchedulerLogic:
@@ -167,32 +212,55 @@ class SchedulerLogic:
 class GpuSchedulerActor(RoleActor):
     role = "gpu_scheduler"
 
-    def __init__(self, name: str, mesh: MeshContext, config: SchedulerConfig) -> None:
+    def __init__(self, name: str, mesh: MeshContext, config: SchedulerConfig,
+                 model_config: ModelConfig | None = None, inference_config: InferenceConfig | None = None) -> None:
         super().__init__(name, mesh)
         self.config = config
+        # What a lent decode worker serves (elastic decode); None: no elastic decode.
+        self.model_config = model_config
+        self.inference_config = inference_config
         self.scheduler = GpuScheduler(config, clock=time.time, new_id=lambda: uuid.uuid4().hex)
         self.logic_: SchedulerLogic | None = None
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         run_dir = Path(self.mesh.run_dir)
         start_grants = whole_start_grants(self.config.grants, self.config.total_gpus)
-        roles = {role: RoleShare(guaranteed=start_grants.get(role, 0)) for role in {*RL_ROLES, *start_grants}}
+        elastic = self.config.elastic_decode if self.model_config is not None else 0
+        roles = {role: RoleShare(guaranteed=start_grants.get(role, 0), elastic_limit=elastic if role == "decode" else 0)
+                 for role in {*RL_ROLES, *start_grants}}
         launcher = RayJobLauncher(resource=self.config.resource, jobs_dir=run_dir / "scheduler" / "jobs")
+        self.role_groups = RoleGrantGroups(launcher, prefix=self.mesh.namespace, drain_s=self.config.elastic_drain_s,
+                                           start_decode_worker=self._start_decode_worker if elastic else None)
         now = time.time()
         lending = LendingService(
             LendingScheduler(self.config.total_gpus, max_loan_grace_s=self.config.max_loan_grace_s,
                              rl_wait_budget=self.config.rl_wait_budget),
             run_id=self.mesh.namespace, roles=roles, start_grants=start_grants, launcher=launcher,
-            role_groups=RoleGrantGroups(launcher), publisher=publisher, clock=time.time,
+            role_groups=self.role_groups, publisher=publisher, clock=time.time,
             ledger=JobLedger(run_dir / "scheduler" / "jobs.jsonl"), resource=self.config.resource,
             account=UtilizationAccount(self.config.total_gpus, start=now))
         self.logic_ = SchedulerLogic(self.scheduler, publisher, lending, self.config)
         await self.logic_.start_lending()
         return self.logic_
 
+    async def _start_decode_worker(self, name: str, group: Any) -> Any:
+        """A decode worker in ``group``, named ``name``, started (it loads the latest weights)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rollmesh.actors.inference_workers import DecodeWorkerActor
+
+        worker = ray.remote(DecodeWorkerActor).options(
+            name=name, num_cpus=0, **self.role_groups.launcher.actor_resources(1),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group),
+        ).remote(name, self.mesh, self.model_config, self.inference_config)
+        await worker.start.remote()
+        return worker
+
     async def stop(self) -> None:
         if self.logic_ is not None:
             await self.logic_.close()
+            await self.role_groups.close()
         await super().stop()
 
     async def grant(self, holders: dict[str, str]) -> list[GpuGranted]:

@@ -12,6 +12,10 @@ Knows Ray actor handles (duck-typed ``.remote``), not how they were spawned; no 
 
 New sessions and session-less calls go to the decode worker with the fewest requests in flight
 from this router; prefill workers take new prompts in turn. Session stickiness is remembered for the most recent ``max_sessions``.
+
+Elastic decode: workers the GPU scheduler lends to decode join with ``add_decode_worker`` and
+leave with ``remove_decode_worker``, after which nothing new is sent to them; a session that was
+there continues on another worker, which prefills it in full (its KV left with the worker).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class InferenceRouter:
         if not decode_workers:
             raise ValueError("the router needs at least one decode worker")
         self.prefill_workers = list(prefill_workers)
-        self.decode_workers = list(decode_workers)
+        self.decode_workers: list[Any | None] = list(decode_workers)  # None: a worker that left
+        self._decode_names: dict[str, int] = {}  # a lent worker's name -> its index
         self._next_prefill = itertools.cycle(range(len(self.prefill_workers) or 1))
         self._decode_in_flight = [0] * len(self.decode_workers)
         self._session_worker: OrderedDict[str, int] = OrderedDict()
@@ -52,9 +57,10 @@ class InferenceRouter:
     def decode_worker_for(self, session_id: str | None) -> tuple[int, bool]:
         """(decode worker index, whether the session has been there before)."""
         if session_id and session_id in self._session_worker:
-            self._session_worker.move_to_end(session_id)
-            return self._session_worker[session_id], True
-        index = _least_loaded(self._decode_in_flight)
+            if self.decode_workers[self._session_worker[session_id]] is not None:
+                self._session_worker.move_to_end(session_id)
+                return self._session_worker[session_id], True
+        index = _least_loaded(self._decode_in_flight, self.decode_workers)
         if session_id:
             self._session_worker[session_id] = index
             while len(self._session_worker) > self._max_sessions:
@@ -97,5 +103,26 @@ class InferenceRouter:
         return await decode.generate.remote(kv_ref, sampling, request_id, headers, options)
 
 
-def _least_loaded(in_flight: list[int]) -> int:
-    return min(range(len(in_flight)), key=in_flight.__getitem__)
+    def add_decode_worker(self, name: str, worker: Any) -> None:
+        """A decode worker lent by the GPU scheduler joins (again: a no-op)."""
+        if name in self._decode_names:
+            return
+        self._decode_names[name] = len(self.decode_workers)
+        self.decode_workers.append(worker)
+        self._decode_in_flight.append(0)
+
+    def remove_decode_worker(self, name: str) -> bool:
+        """A lent decode worker leaves: nothing new goes to it. False if it was not here."""
+        index = self._decode_names.pop(name, None)
+        if index is None:
+            return False
+        self.decode_workers[index] = None
+        return True
+
+    def lent_decode_workers(self) -> list[str]:
+        return sorted(self._decode_names)
+
+
+def _least_loaded(in_flight: list[int], workers: list[Any | None]) -> int:
+    present = [index for index, worker in enumerate(workers) if worker is not None]
+    return min(present, key=in_flight.__getitem__)

@@ -1,11 +1,14 @@
 """The rollout worker actor: runs agent loops for rollout requests taken from the JetStream queue.
 
-Knows the rollout package, the inference router, the shell and the rollout-state KV store; no ray
-import (it receives the prefill/decode actor handles from the launcher).
+Knows the rollout package, the inference router, the shell and the rollout-state KV store. It
+receives the mesh's prefill/decode actor handles from the launcher; decode workers the GPU
+scheduler lends idle accelerators (elastic decode) it looks up by name as their grants arrive
+(``ElasticDecodeFollower``), the one place it asks Ray for a handle.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from rollmesh.actors.inference_router import InferenceRouter
@@ -14,11 +17,72 @@ from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.rollout_states import KvRolloutStates
 from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
 from rollmesh.engine.paged_model import describe_served_model
-from rollmesh.ports import ActorLogic, Publisher
+from rollmesh.bus.errors import BusRequestError
+from rollmesh.messages import GpuGranted, GpuReleased, SchedulerStatusRequest
+from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
+from rollmesh.messages.subjects import GPU_GRANTED, GPU_RELEASED, SCHED_STATUS
+from rollmesh.ports import ActorLogic, MessageContext, Publisher, Subscription
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.rollout.agent_loop import RolloutRunner
 from rollmesh.rollout.tasks import TaskRegistry
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
+
+
+class ElasticDecodeFollower:
+    """Keeps the router's lent decode workers in step with the GPU scheduler's loans: a
+    ``GpuGranted`` to "decode.elastic" adds the worker its grant id names, a ``GpuReleased``
+    removes it (announced before the worker stops). At start, the scheduler's status lists the
+    loans made before this worker existed."""
+
+    def __init__(self, router: InferenceRouter, publisher: Publisher) -> None:
+        self.router = router
+        self.publisher = publisher
+
+    def subscriptions(self) -> list[Subscription]:
+        return [Subscription(GPU_GRANTED, self.handle_granted, "core"),
+                Subscription(GPU_RELEASED, self.handle_released, "core")]
+
+    async def start(self) -> None:
+        try:
+            status = await self.publisher.request(SCHED_STATUS, SchedulerStatusRequest(), 5.0)
+        except BusRequestError:
+            return  # no scheduler answering: nothing lent
+        for name in status.elastic_workers:
+            await self._add(name)
+
+    async def handle_granted(self, message: GpuGranted, context: MessageContext) -> None:
+        if message.holder == ELASTIC_DECODE_HOLDER:
+            await self._add(message.grant_id)
+
+    async def handle_released(self, message: GpuReleased, context: MessageContext) -> None:
+        if message.holder == ELASTIC_DECODE_HOLDER:
+            self.router.remove_decode_worker(message.grant_id)
+
+    async def _add(self, name: str) -> None:
+        import ray
+
+        try:
+            worker = await asyncio.to_thread(ray.get_actor, name)
+        except ValueError:
+            return  # already taken back and gone
+        self.router.add_decode_worker(name, worker)
+
+
+class RolloutWorkerLogic:
+    """The rollout runner, and the follower of decode loans beside it."""
+
+    def __init__(self, runner: RolloutRunner, follower: ElasticDecodeFollower) -> None:
+        self.runner = runner
+        self.follower = follower
+
+    def subscriptions(self) -> list[Subscription]:
+        return self.runner.subscriptions() + self.follower.subscriptions()
+
+    async def start(self) -> None:
+        await self.follower.start()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.runner.stats(), "lent_decode_workers": len(self.follower.router.lent_decode_workers())}
 
 
 class RolloutWorkerActor(RoleActor):
@@ -37,7 +101,7 @@ class RolloutWorkerActor(RoleActor):
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         assert isinstance(publisher, BusPublisher), "the shell's publisher is a BusPublisher"
         routes_experts = describe_served_model(self.model_config).routes_experts
-        return RolloutRunner(
+        runner = RolloutRunner(
             self.config, self.model_config, tasks=TaskRegistry.from_import_paths(self.config.tasks),
             engine=self.router, publisher=publisher, worker=self.name,
             # One lease per rollout (token: the rollout id), heartbeated while it runs.
@@ -48,3 +112,4 @@ class RolloutWorkerActor(RoleActor):
             routed_experts=ObjectStoreRoutedExperts(publisher.jetstream, publisher.namespace,
                                                     replicas=self.mesh.nats.replicas) if routes_experts else None,
         )
+        return RolloutWorkerLogic(runner, ElasticDecodeFollower(self.router, publisher))

@@ -37,6 +37,7 @@ from rollmesh.messages.subjects import (
     ROLLOUT_COMPLETED,
     ROLLOUT_FAILED,
     ROLLOUT_REQUESTED,
+    RUN_REGISTERED,
     SIM_ENDED,
     SIM_STARTED,
     SIM_SUBMITTED,
@@ -94,6 +95,7 @@ _CAPTURED = {
     SIM_STARTED.template: scheduling_stream,
     SIM_ENDED.template: scheduling_stream,
     ROLE_DEMAND.template: scheduling_stream,
+    RUN_REGISTERED.template: scheduling_stream,
     DEAD_LETTERED.template: dead_letter_stream,
 }
 
@@ -152,7 +154,7 @@ def stream_configs(namespace: str, limits: StreamLimits = StreamLimits()) -> lis
             name=scheduling_stream(namespace),
             # Submitted jobs wait here for the scheduler's durable consumer, even while it restarts.
             subjects=subjects(GPU_GRANTED, GPU_RELEASED, PREEMPTION_REQUESTED, PREEMPTION_ACKNOWLEDGED,
-                              SIM_SUBMITTED, SIM_STARTED, SIM_ENDED, ROLE_DEMAND),
+                              SIM_SUBMITTED, SIM_STARTED, SIM_ENDED, ROLE_DEMAND, RUN_REGISTERED),
             retention=RetentionPolicy.LIMITS,
             description="accelerator grants, preemptions, simulation jobs and RL demand",
             **common,

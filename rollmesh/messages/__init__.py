@@ -50,6 +50,7 @@ from rollmesh.messages.scheduling import (
 )
 from rollmesh.messages.sim_jobs import (
     RoleDemandChanged,
+    RunRegistered,
     SchedulerStatus,
     SchedulerStatusRequest,
     SimJobEnded,
@@ -76,6 +77,7 @@ __all__ = [
     "PreemptionAcknowledged",
     "PreemptionRequested",
     "RoleDemandChanged",
+    "RunRegistered",
     "SchedulerStatus",
     "SchedulerStatusRequest",
     "SimJobEnded",

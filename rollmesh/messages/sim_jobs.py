@@ -15,6 +15,10 @@ from msgspec import Meta
 
 from rollmesh.messages.base import WireMessage
 
+# The holder of accelerators lent to decode past its demand: each grant's id names the decode
+# worker placed in them, which rollout workers route to until the grant is released.
+ELASTIC_DECODE_HOLDER = "decode.elastic"
+
 JobId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 JobOutcome = Literal["finished", "failed", "preempted", "killed", "rejected"]
@@ -68,6 +72,17 @@ class RoleDemandChanged(WireMessage, frozen=True, tag="sched.demand"):
     run_id: str = ""
 
 
+class RunRegistered(WireMessage, frozen=True, tag="sched.run_registered"):
+    """Another RL run shares this scheduler's accelerators: its roles' guaranteed shares, and its
+    weight when demand beyond the guarantees is shared between runs. Its roles then ask with
+    ``RoleDemandChanged`` (``run_id`` set); what they are granted is held as placement groups
+    named by the grant ids, which the run's workers schedule into."""
+
+    run_id: Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
+    guaranteed: dict[str, Annotated[int, Meta(ge=0)]]
+    weight: Annotated[float, Meta(gt=0)] = 1.0
+
+
 class SchedulerStatusRequest(WireMessage, frozen=True, tag="sched.status_request"):
     pass
 
@@ -87,3 +102,5 @@ class SchedulerStatus(WireMessage, frozen=True, tag="sched.status"):
     lost_accelerator_s: float
     rl_queueing_s: float
     reported_at: float
+    # The decode workers lent idle accelerators now (elastic decode), by name.
+    elastic_workers: list[str] = []

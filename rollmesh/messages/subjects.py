@@ -50,6 +50,7 @@ from rollmesh.messages.scheduling import (
 )
 from rollmesh.messages.sim_jobs import (
     RoleDemandChanged,
+    RunRegistered,
     SchedulerStatus,
     SchedulerStatusRequest,
     SimJobEnded,
@@ -161,6 +162,7 @@ SIM_SUBMITTED = Subject("rl.{ns}.sched.sim_submitted", SimJobSubmitted, "json")
 SIM_STARTED = Subject("rl.{ns}.sched.sim_started", SimJobStarted, "json")
 SIM_ENDED = Subject("rl.{ns}.sched.sim_ended", SimJobEnded, "json")
 ROLE_DEMAND = Subject("rl.{ns}.sched.demand", RoleDemandChanged)
+RUN_REGISTERED = Subject("rl.{ns}.sched.run_registered", RunRegistered)
 SCHED_STATUS = Subject("rl.{ns}.sched.status", SchedulerStatusRequest, "json", reply_type=SchedulerStatus)
 # The scheduler's accounting, every scheduler.report_every_s (core NATS: the latest one matters).
 SCHED_UTILIZATION = Subject("rl.{ns}.sched.utilization", SchedulerStatus, "json")
@@ -194,6 +196,7 @@ ALL_SUBJECTS: tuple[Subject, ...] = (
     SIM_STARTED,
     SIM_ENDED,
     ROLE_DEMAND,
+    RUN_REGISTERED,
     SCHED_STATUS,
     SCHED_UTILIZATION,
     DEAD_LETTERED,

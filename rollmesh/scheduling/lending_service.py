@@ -12,9 +12,10 @@ Events in: ``SimJobSubmitted`` (durable: acked once written to the job ledger), 
   core takes the job back into its queue (``SimJobEnded`` "preempted").
 - ``KillJob``: the deadline passed; SIGKILL (``SimJobEnded`` "killed"; it restarts later from its
   last checkpoint, losing what it did since).
-- ``GrantRole`` / ``ReclaimRole``: ``GpuGranted`` / ``GpuReleased`` for the RL role. Loans to
-  elastic roles (``GrowDecode`` / ``ShrinkDecode``) are announced the same way, as grants to
-  "<role>.elastic".
+- ``GrantRole`` / ``ReclaimRole``: ``GpuGranted`` / ``GpuReleased`` for the RL role, one per
+  accelerator beyond its start grant. Loans to decode (``GrowDecode`` / ``ShrinkDecode``) are
+  announced the same way with holder "decode.elastic", each grant id naming the decode worker
+  placed there; a release is announced before the worker is stopped, so routers drop it first.
 A job that exits on its own is finished (exit 0) or failed. ``tick`` runs the core's timers
 (deadlines, planned reclaims), which the actor calls at ``next_wakeup``. ``close`` (the mesh
 going down) preempts every running job the same way and leaves it unfinished in the ledger.
@@ -40,7 +41,9 @@ import msgspec
 
 from rollmesh.messages import GpuGranted, GpuReleased, PreemptionAcknowledged, PreemptionRequested
 from rollmesh.messages.sim_jobs import (
+    ELASTIC_DECODE_HOLDER,
     RoleDemandChanged,
+    RunRegistered,
     SchedulerStatus,
     SchedulerStatusRequest,
     SimJobEnded,
@@ -53,6 +56,7 @@ from rollmesh.messages.subjects import (
     PREEMPTION_ACKNOWLEDGED,
     PREEMPTION_REQUESTED,
     ROLE_DEMAND,
+    RUN_REGISTERED,
     SCHED_STATUS,
     SCHED_UTILIZATION,
     SIM_ENDED,
@@ -94,11 +98,18 @@ class JobLauncher(Protocol):
 
 
 class RoleGroups(Protocol):
-    """Holds the accelerators granted to a role beyond its start grant (placement groups)."""
+    """What roles hold beyond their start grants, one accelerator per holding (a placement group;
+    for an elastic loan to decode, the decode worker placed in it). A holding's id is the grant
+    id announced for it."""
 
-    async def grow(self, role: str, accelerators: int) -> None: ...
+    async def grow(self, holder: str, accelerators: int) -> list[str]: ...
 
-    def shrink(self, role: str, accelerators: int) -> None: ...
+    def pick(self, holder: str, accelerators: int) -> list[str]:
+        """The holdings to give back, newest first, taken off the books."""
+
+    async def release(self, holder: str, grant_ids: list[str]) -> None: ...
+
+    def held(self, holder: str) -> list[str]: ...
 
 
 @dataclass
@@ -197,6 +208,7 @@ class LendingService:
     def subscriptions(self) -> list[Subscription]:
         return [Subscription(SIM_SUBMITTED, self.handle_submitted, mode="jetstream"),
                 Subscription(ROLE_DEMAND, self.handle_demand, mode="jetstream"),
+                Subscription(RUN_REGISTERED, self.handle_run_registered, mode="jetstream"),
                 Subscription(SCHED_STATUS, self.handle_status, mode="request")]
 
     # --- events ----------------------------------------------------------------------------
@@ -231,6 +243,18 @@ class LendingService:
                 return  # an unknown run or role: nothing to change (logged by the shell's span)
             await self._execute(commands)
 
+    async def handle_run_registered(self, message: RunRegistered, context: MessageContext) -> None:
+        """Another run shares the cluster (fair share by weight beyond the guarantees). A repeat
+        is ignored; a run whose guarantees do not fit beside the others' is refused (logged by
+        the shell's span): it gets nothing guaranteed rather than a promise the cluster breaks."""
+        async with self._lock:
+            roles = {role: RoleShare(guaranteed=count) for role, count in message.guaranteed.items()}
+            try:
+                commands = self.core.register_run(message.run_id, roles, self.clock(), weight=message.weight)
+            except SchedulingError:
+                return
+            await self._execute(commands)
+
     async def handle_status(self, message: SchedulerStatusRequest, context: MessageContext) -> SchedulerStatus:
         return self.status()
 
@@ -261,34 +285,41 @@ class LendingService:
                     attempt.state = "killed"
                     await attempt.handle.kill()
                 case GrantRole(run_id=run_id, role=role, accelerators=count, held=held):
-                    await self._grant(run_id, role, count, held, now)
+                    await self._grant(run_id, self._holder(run_id, role), count, held, now)
                 case ReclaimRole(run_id=run_id, role=role, accelerators=count, held=held):
-                    await self._reclaim(run_id, role, count, held, now)
-                case GrowDecode(run_id=run_id, role=role, accelerators=count, lent=lent):
-                    await self._grant(run_id, f"{role}.elastic", count, lent, now)
-                case ShrinkDecode(run_id=run_id, role=role, accelerators=count, lent=lent):
-                    await self._reclaim(run_id, f"{role}.elastic", count, lent, now)
+                    await self._reclaim(run_id, self._holder(run_id, role), count, held, now)
+                case GrowDecode(run_id=run_id, accelerators=count, lent=lent):
+                    await self._grant(run_id, ELASTIC_DECODE_HOLDER, count, lent, now)
+                case ShrinkDecode(run_id=run_id, accelerators=count, lent=lent):
+                    await self._reclaim(run_id, ELASTIC_DECODE_HOLDER, count, lent, now)
         self._account(now)
 
+    def _holder(self, run_id: str, role: str) -> str:
+        """The mesh's own roles by name; another registered run's as "<run>/<role>"."""
+        return role if run_id == self.run_id else f"{run_id}/{role}"
+
     async def _grant(self, run_id: str, holder: str, count: int, held: int, now: float) -> None:
-        """Record a role's grant; what goes past its start grant is placed and announced."""
+        """Record a role's grant; what goes past its start grant is placed, then announced."""
         own = self.start_grants.get(holder, 0) if run_id == self.run_id else 0
         extra = held - max(own, held - count)
         self.role_held[holder] = held
         if extra > 0:
-            await self.role_groups.grow(holder, extra)
-            await self.publisher.publish(GPU_GRANTED, GpuGranted(
-                grant_id=f"{run_id}/{holder}/{held}", holder=holder, role=holder.split(".")[0], count=extra,
-                resource=self.resource, granted_at=now))
+            for grant_id in await self.role_groups.grow(holder, extra):
+                await self.publisher.publish(GPU_GRANTED, GpuGranted(
+                    grant_id=grant_id, holder=holder, role=holder.split("/")[-1].split(".")[0], count=1,
+                    resource=self.resource, granted_at=now))
 
     async def _reclaim(self, run_id: str, holder: str, count: int, held: int, now: float) -> None:
+        """Announce first (routers stop sending work to a lent worker), then take back."""
         own = self.start_grants.get(holder, 0) if run_id == self.run_id else 0
         extra = (held + count) - max(own, held)
         self.role_held[holder] = held
         if extra > 0:
-            self.role_groups.shrink(holder, extra)
-            await self.publisher.publish(GPU_RELEASED, GpuReleased(
-                grant_id=f"{run_id}/{holder}/{held + count}", holder=holder, count=extra, released_at=now))
+            picked = self.role_groups.pick(holder, extra)
+            for grant_id in picked:
+                await self.publisher.publish(GPU_RELEASED, GpuReleased(
+                    grant_id=grant_id, holder=holder, count=1, released_at=now))
+            await self.role_groups.release(holder, picked)
 
     async def _start(self, job_id: str, accelerators: int, now: float) -> None:
         number = self.attempt_counts.get(job_id, 0) + 1
@@ -359,7 +390,7 @@ class LendingService:
             jobs=jobs, allocated_utilization=totals.allocated_utilization,
             busy_utilization=totals.busy_utilization, preemptions=stats.preemptions, kills=stats.kills,
             lost_accelerator_s=totals.lost_s, rl_queueing_s=sum(stats.rl_queueing_s.values()),
-            reported_at=now)
+            reported_at=now, elastic_workers=self.role_groups.held(ELASTIC_DECODE_HOLDER))
 
     async def report(self) -> None:
         """Publish the accounting (``SCHED_UTILIZATION``); the actor calls it periodically."""
