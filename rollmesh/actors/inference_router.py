@@ -29,8 +29,21 @@ from opentelemetry import trace
 from rollmesh.bus.trace_headers import inject_trace_headers
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
 from rollmesh.messages.base import SamplingParams
+from rollmesh.telemetry import conventions
 
 _tracer = trace.get_tracer("rollmesh.inference")
+
+
+def generation_attributes(result: GenerationResult) -> dict[str, object]:
+    """``gen_ai.*`` usage and finish reason, and the first/last token's weight version."""
+    attributes: dict[str, object] = {
+        conventions.GEN_AI_USAGE_OUTPUT_TOKENS: len(result.token_ids),
+        conventions.GEN_AI_RESPONSE_FINISH_REASONS: (str(result.finish_reason),),
+    }
+    if result.versions:
+        attributes[conventions.RL_WEIGHT_VERSION_FIRST] = result.versions[0]
+        attributes[conventions.RL_WEIGHT_VERSION_LAST] = result.versions[-1]
+    return attributes
 
 DEFAULT_MAX_SESSIONS = 100_000
 
@@ -78,9 +91,14 @@ class InferenceRouter:
         index, returning = self.decode_worker_for(options.session_id)
         local_prefill = self.aggregated or returning
         with _tracer.start_as_current_span(
-            "generate", attributes={"request_id": request_id, "prompt_tokens": len(input_ids),
-                                    "decode_worker": index, "local_prefill": local_prefill},
-        ):
+            conventions.SPAN_GENERATE,
+            attributes={"request_id": request_id, "prompt_tokens": len(input_ids),
+                        "decode_worker": index, "local_prefill": local_prefill,
+                        conventions.GEN_AI_OPERATION_NAME: "text_completion",
+                        conventions.GEN_AI_USAGE_INPUT_TOKENS: len(input_ids),
+                        conventions.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_new_tokens,
+                        conventions.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature},
+        ) as span:
             headers = inject_trace_headers({})
             decode = self.decode_workers[index]
             self._decode_in_flight[index] += 1
@@ -93,7 +111,9 @@ class InferenceRouter:
                         decode, input_ids, sampling, request_id, headers, options)
             finally:
                 self._decode_in_flight[index] -= 1
-            return finished.as_generation_result()
+            result = finished.as_generation_result()
+            span.set_attributes(generation_attributes(result))
+            return result
 
     async def _prefill_then_decode(self, decode, input_ids, sampling, request_id, headers, options):
         # Prefill workers take prompts in turn: a prefill is one forward pass of known cost, and

@@ -47,6 +47,7 @@ class RoleActor:
         self.shell = ActorShell(
             name, mesh.namespace, mesh.nats_url, run_dir=Path(mesh.run_dir),
             telemetry_config=mesh.telemetry, nats_config=mesh.nats, drain_timeout_s=self.drain_timeout_s,
+            component=self.role,
         )
         self.logic: ActorLogic | None = None
 

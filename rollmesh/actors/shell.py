@@ -41,8 +41,12 @@ class ActorShell:
     def __init__(self, actor_name: str, namespace: str, nats_url: str,
                  logic: ActorLogic | None = None, *, run_dir: Path,
                  telemetry_config: TelemetryConfig = TelemetryConfig(),
-                 nats_config: NatsConfig = NatsConfig(), drain_timeout_s: float = 10.0) -> None:
+                 nats_config: NatsConfig = NatsConfig(), drain_timeout_s: float = 10.0,
+                 component: str | None = None) -> None:
         self.actor_name = actor_name
+        # The service this actor reports as ("decode" -> service.name "rollmesh.decode");
+        # without one the actor's name stands in.
+        self.component = component or actor_name
         self.namespace = namespace
         self.nats_url = nats_url
         self.run_dir = Path(run_dir)
@@ -65,7 +69,7 @@ class ActorShell:
         if self._publisher is not None:
             return self._publisher
         setup_logging(self.actor_name, self.telemetry_config.log_level)
-        setup_tracing(self.actor_name, self.telemetry_config, self.run_dir)
+        setup_tracing(self.component, self.telemetry_config, self.run_dir, instance=self.actor_name)
         nc = await connect_bus(self.nats_url, name=self.actor_name,
                                connect_timeout_s=self.nats_config.connect_timeout_s)
         js = nc.jetstream()

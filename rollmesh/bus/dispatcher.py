@@ -24,6 +24,7 @@ from rollmesh.ports import MessageContext, Subscription
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.trace_headers import extract_trace_context
 from rollmesh.messages import WireMessage
+from rollmesh.telemetry.conventions import message_attributes
 
 _log = structlog.get_logger("rollmesh.bus.dispatcher")
 _tracer = trace.get_tracer("rollmesh.bus")
@@ -78,7 +79,8 @@ class MessageDispatcher:
             sub.subject.template, context=extract_trace_context(headers),
             kind=trace.SpanKind.CONSUMER,
             attributes={"messaging.system": "nats", "messaging.destination.name": msg.subject,
-                        "messaging.operation.type": "process",
+                        "messaging.destination.template": sub.subject.template,
+                        "messaging.operation.type": "process", "messaging.operation.name": "process",
                         "messaging.nats.delivery_attempt": attempt, "actor": self.actor_name},
         ) as span:
             span_context = span.get_span_context()
@@ -95,6 +97,7 @@ class MessageDispatcher:
                     return
                 fields = log_fields(message)
                 span.set_attributes(fields)  # type: ignore[arg-type]
+                span.set_attributes(message_attributes(fields.get("rollout_id"), fields.get("weight_version")))
                 with structlog.contextvars.bound_contextvars(**fields):
                     context = MessageContext(
                         subject=msg.subject, headers=headers, delivery_attempt=attempt,

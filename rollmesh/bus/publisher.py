@@ -31,6 +31,7 @@ from rollmesh.bus.message_keys import dedup_id, log_fields
 from rollmesh.bus.outage import retry_through_outage
 from rollmesh.bus.streams import stream_for
 from rollmesh.bus.trace_headers import inject_trace_headers
+from rollmesh.telemetry import conventions
 from rollmesh.messages import DeadLettered, Subject, WireMessage
 from rollmesh.messages.subjects import DEAD_LETTERED
 
@@ -62,7 +63,7 @@ class BusPublisher:
         stream = stream_for(subject, self.namespace)
         with _tracer.start_as_current_span(
             f"publish {subject.template}", kind=trace.SpanKind.PRODUCER,
-            attributes=_span_attributes(concrete, "publish", message),
+            attributes=_span_attributes(subject, concrete, "publish", message, len(data)),
         ):
             headers = inject_trace_headers({})
             if stream is None:
@@ -88,7 +89,7 @@ class BusPublisher:
         data = subject.encode(message)
         with _tracer.start_as_current_span(
             f"request {subject.template}", kind=trace.SpanKind.CLIENT,
-            attributes=_span_attributes(concrete, "request", message),
+            attributes=_span_attributes(subject, concrete, "request", message, len(data)),
         ):
             try:
                 reply = await self._nc.request(concrete, data, timeout=timeout_s,
@@ -124,11 +125,20 @@ class BusPublisher:
             raise PublishError(f"core publish failed: {exc!r}", subject=concrete) from exc
 
 
-def _span_attributes(concrete: str, operation: str, message: WireMessage) -> dict[str, object]:
+def _span_attributes(subject: Subject, concrete: str, operation: str, message: WireMessage,
+                     size: int) -> dict[str, object]:
+    """``messaging.*`` and ``rl.*`` attributes (docs/tracing.md); the bare ``rollout_id`` /
+    ``weight_version`` keys are kept for readers of older trace files."""
     attributes: dict[str, object] = {
-        "messaging.system": "nats",
-        "messaging.destination.name": concrete,
-        "messaging.operation.type": operation,
+        conventions.MESSAGING_SYSTEM: conventions.MESSAGING_SYSTEM_NATS,
+        conventions.MESSAGING_DESTINATION_NAME: concrete,
+        conventions.MESSAGING_DESTINATION_TEMPLATE: subject.template,
+        conventions.MESSAGING_OPERATION_TYPE: "send",
+        conventions.MESSAGING_OPERATION_NAME: operation,
+        conventions.MESSAGING_MESSAGE_BODY_SIZE: size,
     }
-    attributes.update(log_fields(message))
+    fields = log_fields(message)
+    attributes.update(fields)
+    attributes.update(conventions.message_attributes(
+        fields.get("rollout_id"), fields.get("weight_version")))  # type: ignore[arg-type]
     return attributes

@@ -72,6 +72,7 @@ from rollmesh.rollout.tool_syntax import format_tool_output, parse_tool_call, st
 from rollmesh.rollout.trajectory import Trajectory
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
 from rollmesh.sandbox.errors import SandboxRequestError
+from rollmesh.telemetry import conventions
 
 _log = structlog.get_logger("rollmesh.rollout")
 _tracer = trace.get_tracer("rollmesh.rollout")
@@ -183,9 +184,14 @@ class RolloutRunner:
         # Saved at once: a worker that takes this request over sees it was started before.
         await self._save(state)
         with _tracer.start_as_current_span(
-            "rollout", attributes={"rollout_id": request.rollout_id, "task": request.task,
-                                   "purpose": request.purpose, "rollout.attempt": state.attempts,
-                                   "rollout.resumed_turn": state.turn},
+            conventions.SPAN_ROLLOUT,
+            attributes={"rollout_id": request.rollout_id, "task": request.task,
+                        "purpose": request.purpose, "rollout.attempt": state.attempts,
+                        "rollout.resumed_turn": state.turn,
+                        conventions.RL_ROLLOUT_ID: request.rollout_id,
+                        # The trajectory a rollout produces is known by the rollout's id.
+                        conventions.RL_TRAJECTORY_ID: request.rollout_id,
+                        conventions.RL_TASK: request.task},
         ) as rollout_span:
             run = _Run(request, state, rollout_span, ctx)
             keepalive = asyncio.create_task(self._keep_in_progress(ctx), name=f"keepalive-{request.rollout_id}")
@@ -293,15 +299,22 @@ class RolloutRunner:
             # Each turn is its own trace (hour-long rollouts would make one trace unreadable),
             # linked to the rollout's span so the whole story can be followed.
             with _tracer.start_as_current_span(
-                "turn", context=otel_context.Context(), links=[link],
-                attributes={"rollout_id": request.rollout_id, "turn": turn},
-            ):
+                conventions.SPAN_TURN, context=otel_context.Context(), links=[link],
+                attributes={"rollout_id": request.rollout_id, "turn": turn,
+                            conventions.RL_ROLLOUT_ID: request.rollout_id,
+                            conventions.RL_TURN_INDEX: turn,
+                            conventions.RL_SANDBOX_LEASE_ID: lease_id},
+            ) as turn_span:
                 sampling = SamplingParams(
                     temperature=request.sampling.temperature, top_p=request.sampling.top_p,
                     max_new_tokens=min(request.sampling.max_new_tokens, room), stop=stops,
                 )
                 generation = await self._generate(request, trajectory, sampling, turn,
                                                   experts_from=run.state.routed_experts_rows)
+                if generation.versions:
+                    turn_span.set_attributes({
+                        conventions.RL_WEIGHT_VERSION_FIRST: generation.versions[0],
+                        conventions.RL_WEIGHT_VERSION_LAST: generation.versions[-1]})
                 experts = await self._keep_routed_experts(run, turn, generation)
                 trajectory.append_generated(generation.token_ids, generation.logprobs, generation.versions)
                 text = self.tokenizer.decode(generation.token_ids)
@@ -400,8 +413,10 @@ class RolloutRunner:
 
     async def _run_tool(self, request: RolloutRequested, task: Task, call, lease_id: str,
                         turn: int) -> ToolOutput:
-        with _tracer.start_as_current_span("tool", attributes={"tool": call.name,
-                                                                "rollout_id": request.rollout_id}):
+        with _tracer.start_as_current_span(conventions.SPAN_TOOL, attributes={
+                "tool": call.name, "rollout_id": request.rollout_id,
+                conventions.RL_TOOL_NAME: call.name, conventions.RL_ROLLOUT_ID: request.rollout_id,
+                conventions.RL_TURN_INDEX: turn, conventions.RL_SANDBOX_LEASE_ID: lease_id}):
             try:
                 reply = await self.sandbox.exec(
                     lease_id, task.tool_argv(call, request.task_input), timeout_s=self.config.tool_timeout_s,

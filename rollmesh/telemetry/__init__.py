@@ -1,5 +1,8 @@
 """rollmesh.telemetry: OpenTelemetry tracing, structlog logging and secret redaction setup.
 
+The tracing conventions (service, span and attribute names) live in
+``rollmesh.telemetry.conventions``, which any layer may import.
+
 Knows opentelemetry and structlog; nothing of NATS or Ray. Names load lazily so that importing
 ``rollmesh.telemetry.redaction`` does not pull in the OpenTelemetry SDK.
 """
@@ -14,6 +17,7 @@ _EXPORTS = {
     "flush_tracing": "rollmesh.telemetry.tracing",
     "TRACES_FILE": "rollmesh.telemetry.tracing",
     "traces_path": "rollmesh.telemetry.tracing",
+    "service_name": "rollmesh.telemetry.tracing",
     "JsonlSpanExporter": "rollmesh.telemetry.jsonl_exporter",
     "setup_logging": "rollmesh.telemetry.logging",
     "redact_url": "rollmesh.telemetry.redaction",

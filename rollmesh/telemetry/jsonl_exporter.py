@@ -18,11 +18,14 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from rollmesh.telemetry.conventions import RESOURCE_ACTOR
+
 
 def span_to_record(span: ReadableSpan) -> dict[str, Any]:
     """The JSON shape of one span (ids as lowercase hex, times in ns since the epoch)."""
     context = span.get_span_context()
     parent = span.parent
+    resource = span.resource.attributes
     return {
         "name": span.name,
         "trace_id": f"{context.trace_id:032x}" if context else "",
@@ -33,7 +36,10 @@ def span_to_record(span: ReadableSpan) -> dict[str, Any]:
         "end_ns": span.end_time,
         "status": span.status.status_code.name,
         "status_description": span.status.description,
-        "service": span.resource.attributes.get("service.name", ""),
+        # "service" is the emitting actor ("decode-0"), as trace-file readers have always grouped
+        # by it; "service_name" is the OTel service ("rollmesh.decode").
+        "service": resource.get(RESOURCE_ACTOR) or resource.get("service.name", ""),
+        "service_name": resource.get("service.name", ""),
         "attributes": dict(span.attributes or {}),
         "events": [
             {"name": e.name, "timestamp_ns": e.timestamp, "attributes": dict(e.attributes or {})}

@@ -62,6 +62,7 @@ from rollmesh.training.admission import (
 from rollmesh.training.grpo import PolicySample
 from rollmesh.training.heap import return_freed_memory
 from rollmesh.training.ledger import LedgerEntry, TrainingLedger
+from rollmesh.telemetry import conventions
 from rollmesh.training.torch_backend import TrainerBackend
 from rollmesh.training.warm_start import demonstration_batch
 
@@ -257,8 +258,9 @@ class TrainerLogic:
         lags = summarize_lags(member.version_lag for member in admitted)
         keys = [member.rollout_id for group in groups for member in group.members]
         with _tracer.start_as_current_span(
-            "train_step", attributes={"step": self.step + 1, "samples": len(samples),
-                                      "groups": len(groups)},
+            conventions.SPAN_TRAIN_STEP,
+            attributes={"step": self.step + 1, "samples": len(samples), "groups": len(groups),
+                        conventions.RL_TRAINER_STEP: self.step + 1},
         ):
             stats: dict[str, float] = {"loss": 0.0}
             if samples:
@@ -302,7 +304,8 @@ class TrainerLogic:
 
     async def _write_weights(self, trainer_step: int) -> WeightsPublished:
         version = self.version + 1
-        with _tracer.start_as_current_span("weights_save", attributes={"weight_version": version}) as span:
+        with _tracer.start_as_current_span("weights_save", attributes={
+                "weight_version": version, conventions.RL_WEIGHT_VERSION: version}) as span:
             published = await asyncio.to_thread(write_buckets, self.backend.state_dict(), self.weights_dir,
                                                 version=version, bucket_bytes=self.config.weight_bucket_bytes)
             span.set_attributes({"gather_s": published.gather_s, "write_s": published.write_s})
@@ -311,7 +314,8 @@ class TrainerLogic:
                                 published_at=self.clock(), gather_s=published.gather_s, write_s=published.write_s)
 
     async def _announce(self, weights: WeightsPublished) -> None:
-        with _tracer.start_as_current_span("weights_publish", attributes={"weight_version": weights.version}):
+        with _tracer.start_as_current_span("weights_publish", attributes={
+                "weight_version": weights.version, conventions.RL_WEIGHT_VERSION: weights.version}):
             await self.publisher.publish(WEIGHTS_PUBLISHED, weights)
         self.version = weights.version
         self._last_weights = weights
