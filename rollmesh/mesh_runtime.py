@@ -83,7 +83,8 @@ class MeshRuntime:
             prefill_actor_names=prefill_names, decode_actor_names=decode_names,
             ray_namespace=self.ray_namespace, model_name=served.name,
             max_seq_len=served.max_seq_len, vocab_size=served.vocab_size, api_key=api_key,
-            routes_experts=served.routes_experts,
+            routes_experts=served.routes_experts, telemetry=self.config.telemetry,
+            run_dir=str(Path(self.run_dir).resolve()),
         )
         self.serve_url = deploy_inference_app(app, host=host, port=port)
         return self.serve_url

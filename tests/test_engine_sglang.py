@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from rollmesh.engine.errors import (
     InvalidRequestError,
@@ -84,6 +86,7 @@ class FakeSGLang:
         self.finish_reason: dict[str, Any] | None = None
         self.fail_status: int | None = None
         self.requests: list[tuple[str, Any]] = []
+        self.traceparents: list[tuple[str, str | None]] = []  # (path, traceparent header)
         self.hold = False
         self._released = asyncio.Event()
         self._aborted = False
@@ -94,7 +97,12 @@ class FakeSGLang:
         return [body for p, body in self.requests if p == path]
 
     async def start(self) -> str:
-        app = web.Application()
+        @web.middleware
+        async def record_traceparent(request: web.Request, handler: Any) -> web.StreamResponse:
+            self.traceparents.append((request.path, request.headers.get("traceparent")))
+            return await handler(request)
+
+        app = web.Application(middlewares=[record_traceparent])
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health_generate", self._health)
         app.router.add_get("/get_model_info", self._model_info)
@@ -223,6 +231,19 @@ async def test_generate_sends_token_ids_sampling_and_asks_for_logprobs(engine, f
         "sampling_params": {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 16, "stop": ["</tool>"]},
     }
     assert isinstance(engine, InferenceEngine)
+
+
+async def test_every_request_to_sglang_carries_the_callers_traceparent(engine, fake):
+    caller = SpanContext(trace_id=0x4BF92F3577B34DA6A3CE929D0E0E4736, span_id=0x00F067AA0BA902B7,
+                         is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    with trace.use_span(NonRecordingSpan(caller)):
+        await engine.generate(PROMPT, SamplingParams(max_new_tokens=2), request_id="r-trace")
+        await engine.flush_cache()
+
+    expected = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    sent = dict(fake.traceparents)
+    assert sent["/generate"] == expected
+    assert sent["/flush_cache"] == expected
 
 
 async def test_generate_maps_tokens_logprobs_finish_and_one_version_per_token(engine, fake):

@@ -3,6 +3,11 @@
 Knows the wire contract, the bus (JetStream publish through ``BusPublisher``, so a request is
 stored before it counts as submitted) and the task plugins (to sample inputs); not Ray. A bad
 JSONL line is reported with its number and skipped; the others are published.
+
+Traced as ``rollmesh.cli`` (``cli_tracer``): each request is published inside a ``submit`` span
+(``rl.rollout_id``), so its NATS headers carry a ``traceparent`` and the rollout joins the CLI's
+trace. Spans are exported only where the OTEL_* variables (or an ``otlp`` config) say; the
+default ``jsonl`` is off here, so no traces.jsonl lands in the working directory.
 """
 
 from __future__ import annotations
@@ -18,13 +23,25 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 
 from rollmesh.cli.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError
 from rollmesh.cli.events import weight_versions
 from rollmesh.cli.target import MeshTarget, add_target_options, find_mesh, load_cli_config, positive_float, positive_int
-from rollmesh.config import RollmeshConfig
+from rollmesh.config import RollmeshConfig, TelemetryConfig
 from rollmesh.messages import RolloutCompleted, RolloutFailed, RolloutRequested, SamplingParams
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_REQUESTED
+from rollmesh.telemetry.conventions import SPAN_SUBMIT, message_attributes
+from rollmesh.telemetry.tracing import (
+    exporter_kinds,
+    flush_tracing,
+    service_name,
+    setup_tracing,
+    without_run_dir,
+)
+
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -145,13 +162,35 @@ def run_submit(args: argparse.Namespace) -> int:
         print("nothing to publish", file=sys.stderr)
         return EXIT_FAILURE if parsed.bad_lines else EXIT_OK
     target = find_mesh(args, config)
-    outcome = asyncio.run(_submit(target, requests, wait=args.wait, timeout_s=args.timeout,
-                                  bad_lines=len(parsed.bad_lines)))
+    tracer = cli_tracer(config.telemetry)
+    try:
+        outcome = asyncio.run(_submit(target, requests, tracer, wait=args.wait,
+                                      timeout_s=args.timeout, bad_lines=len(parsed.bad_lines)))
+    finally:
+        flush_tracing()  # the batch processor would drop what is still queued at exit
     failed = bool(parsed.bad_lines)
     waited = [r for r in requests if r.rollout_id not in outcome.duplicates]
     if args.wait and waited:
         failed = _print_results(waited, outcome.results) or failed
     return EXIT_FAILURE if failed else EXIT_OK
+
+
+def cli_tracer(telemetry: TelemetryConfig) -> trace.Tracer:
+    """The tracer for ``submit`` spans, service ``rollmesh.cli``.
+
+    When something would be exported (OTEL_* set, or an ``otlp`` config) the process-wide
+    provider is set up. Otherwise it is left alone (a test calling ``main()`` in-process keeps
+    its own) and a private, non-exporting provider makes the spans, so every request still
+    carries a valid, sampled ``traceparent``.
+    """
+    telemetry = without_run_dir(telemetry)
+    if exporter_kinds(telemetry):
+        setup_tracing("cli", telemetry, Path.cwd())
+        return trace.get_tracer("rollmesh.cli")
+    if isinstance(trace.get_tracer_provider(), SdkTracerProvider):
+        return trace.get_tracer("rollmesh.cli")
+    private = SdkTracerProvider(resource=Resource.create({"service.name": service_name("cli")}))
+    return private.get_tracer("rollmesh.cli")
 
 
 def _report_published(subject: str, requests: list[RolloutRequested], duplicates: list[str],
@@ -172,8 +211,8 @@ def _read_file(path: Path) -> ParsedRequests:
     return parse_request_lines(text.splitlines())
 
 
-async def _submit(target: MeshTarget, requests: list[RolloutRequested], *, wait: bool,
-                  timeout_s: float, bad_lines: int) -> ResultCollector:
+async def _submit(target: MeshTarget, requests: list[RolloutRequested], tracer: trace.Tracer, *,
+                  wait: bool, timeout_s: float, bad_lines: int) -> ResultCollector:
     from rollmesh.bus.connection import connect_bus
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.bus.streams import StreamLimits, ensure_streams
@@ -190,7 +229,10 @@ async def _submit(target: MeshTarget, requests: list[RolloutRequested], *, wait:
         acks = _AckRecorder(js)
         publisher = BusPublisher(nc, acks, target.namespace)  # type: ignore[arg-type]
         for request in requests:
-            await publisher.publish(ROLLOUT_REQUESTED, request)
+            with tracer.start_as_current_span(
+                SPAN_SUBMIT, attributes=message_attributes(request.rollout_id, None)
+            ):
+                await publisher.publish(ROLLOUT_REQUESTED, request)
             if acks.last is not None and acks.last.duplicate:
                 collector.skip_duplicate(request.rollout_id)
         _report_published(ROLLOUT_REQUESTED.format(target.namespace), requests, collector.duplicates,

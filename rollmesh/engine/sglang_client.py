@@ -29,6 +29,9 @@ versions of each file; commits named where the index named them):
     ├── SGLangHTTPError(url, endpoint, status, message) SGLang refused an admin call, or a 5xx
     └── SGLangResponseError(url, endpoint, reason)    a 200 whose body does not fit the contract
 A 4xx on ``/generate`` is our ``InvalidRequestError``; a failed weight load is ``WeightsError``.
+
+Every request carries the current span's W3C ``traceparent`` header (none when no span is
+active), so a server that traces requests can join the caller's trace; others ignore it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any, Literal
 import httpx
 import numpy as np
 
+from rollmesh.bus.trace_headers import inject_trace_headers
 from rollmesh.engine.errors import EngineError, InvalidRequestError, WeightsError
 from rollmesh.engine.protocols import FinishReason, GenerateOptions, GenerationResult
 from rollmesh.messages.base import SamplingParams
@@ -349,7 +353,8 @@ class SGLangClient:
                     timeout_s: float | None, request_id: str | None = None) -> httpx.Response:
         try:
             response = await self._http.request(
-                method, self.base_url + endpoint, json=body, timeout=httpx.Timeout(timeout_s, connect=10.0)
+                method, self.base_url + endpoint, json=body, headers=inject_trace_headers({}),
+                timeout=httpx.Timeout(timeout_s, connect=10.0),
             )
         except httpx.TimeoutException as exc:
             raise SGLangUnavailableError(self.base_url, f"{endpoint} timed out ({type(exc).__name__})",

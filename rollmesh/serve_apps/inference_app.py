@@ -9,6 +9,11 @@ Knows Ray Serve, FastAPI and the InferenceRouter; finds the workers by actor nam
 spawned them), never spawns or stops them. Bad input is answered with a 4xx JSON error and never
 reaches the engine, so a client cannot take the replica down; Ray's wrapping of actor errors is
 undone here and nowhere else.
+
+Tracing: the replica reports as ``rollmesh.serve``. Each request's SERVER span
+(``POST /v1/completions``, ``http.*`` attributes, the child of the caller's ``traceparent``) is
+FastAPI's own telemetry, not ours; we add the ``gen_ai.*`` attributes of its generate call, and the
+router carries the context on to the workers in ``trace_headers``.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the route methods' annotations at
@@ -17,6 +22,7 @@ undone here and nowhere else.
 import time
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -24,12 +30,14 @@ import structlog
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import trace
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve import Application
 from ray.serve.exceptions import RayServeException
 
-from rollmesh.actors.inference_router import InferenceRouter
+from rollmesh.actors.inference_router import InferenceRouter, generation_attributes
+from rollmesh.config import TelemetryConfig
 from rollmesh.engine.errors import EngineError
 from rollmesh.engine.protocols import GenerateOptions, GenerationResult
 from rollmesh.messages.base import SamplingParams
@@ -75,14 +83,21 @@ from rollmesh.serve_apps.weight_admin import (
     update_weights_from_disk,
     weight_versions,
 )
+from rollmesh.telemetry import conventions
 from rollmesh.telemetry.logging import setup_logging
+from rollmesh.telemetry.tracing import setup_tracing, without_run_dir
 
 APP_NAME = "rollmesh-inference"
 # Requests a replica holds at once; each mostly waits on decode, which batches up to max_batch.
 MAX_ONGOING_REQUESTS = 512
 
 _log = structlog.get_logger("rollmesh.serve")
-_http = FastAPI(title="rollmesh inference", docs_url=None, redoc_url=None)
+# FastAPI's native telemetry makes the request's SERVER span from the global provider (set up in
+# the replica). Its per-operation child spans (dependencies, endpoint, serialization) are off: they
+# add three spans to every request, and the handler's current span must be the SERVER span so the
+# gen_ai.* attributes land there.
+HTTP_TELEMETRY = {"tracing": True, "operation_spans": False, "metrics": False, "logs": False}
+_http = FastAPI(title="rollmesh inference", docs_url=None, redoc_url=None, telemetry=HTTP_TELEMETRY)
 
 
 @_http.exception_handler(ApiError)
@@ -162,8 +177,13 @@ class InferenceServer:
         ray_namespace: str,
         served: ServedModel,
         api_key: str = "",
+        telemetry: TelemetryConfig | None = None,
+        run_dir: str = "",
     ) -> None:
         setup_logging("serve:inference")
+        telemetry = telemetry or TelemetryConfig()
+        setup_tracing("serve", telemetry if run_dir else without_run_dir(telemetry),
+                      Path(run_dir or "."), instance="serve:inference")
         self.served = served
         self._api_key = api_key  # never logged
         self.created = int(time.time())
@@ -208,7 +228,7 @@ class InferenceServer:
         options = generate_options(body, prompt_len=len(input_ids), served=self.served)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         result = await self._generate(input_ids, sampling, request_id, options,
-                                      chat_params(body))
+                                      chat_params(body), operation="chat")
         if body.stream:
             return _event_stream(chat_stream_events(
                 result, request_id=request_id, created=int(time.time()), served=self.served,
@@ -284,15 +304,28 @@ class InferenceServer:
     async def _generate(
         self, input_ids: list[int], sampling: SamplingParams, request_id: str,
         options: GenerateOptions, param_names: Mapping[str, str],
+        operation: str = "text_completion",
     ) -> GenerationResult:
+        # The request's SERVER span (FastAPI's telemetry) is current here.
+        span = trace.get_current_span()
+        span.set_attributes({
+            conventions.GEN_AI_OPERATION_NAME: operation,
+            conventions.GEN_AI_REQUEST_MODEL: self.served.name,
+            conventions.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_new_tokens,
+            conventions.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
+            conventions.GEN_AI_USAGE_INPUT_TOKENS: len(input_ids),
+            "request_id": request_id,
+        })
         try:
-            return await self.router.generate(
+            result = await self.router.generate(
                 input_ids, sampling, request_id=request_id, options=options)
         except (RayTaskError, RayActorError, EngineError) as exc:
             error = api_error_from_ray(exc, param_names)
             if error.status >= 500:
                 _log.warning("generate_failed", request_id=request_id, error=str(exc))
             raise error from exc
+        span.set_attributes(generation_attributes(result))
+        return result
 
 
 def build_inference_app(
@@ -305,11 +338,15 @@ def build_inference_app(
     vocab_size: int,
     api_key: str = "",
     routes_experts: bool | None = None,
+    telemetry: TelemetryConfig | None = None,
+    run_dir: str = "",
 ) -> Application:
     """The bound application; deploy it with ``deploy_inference_app``. A non-empty ``api_key``
     is required as ``Authorization: Bearer`` on every endpoint but ``/health``.
     ``routes_experts`` (MoE or dense, None: unknown) lets a dense model's server refuse
-    ``return_routed_experts`` before any worker runs; the engine refuses it either way."""
+    ``return_routed_experts`` before any worker runs; the engine refuses it either way.
+    ``telemetry`` and ``run_dir`` set up the replica's tracing (``traces.jsonl`` in ``run_dir``
+    by default); without ``run_dir`` only the OTEL_* variables turn an exporter on."""
     return InferenceServer.bind(
         prefill_actor_names=list(prefill_actor_names),
         decode_actor_names=list(decode_actor_names),
@@ -317,6 +354,8 @@ def build_inference_app(
         served=ServedModel(name=model_name, max_seq_len=max_seq_len, vocab_size=vocab_size,
                            routes_experts=routes_experts),
         api_key=api_key,
+        telemetry=telemetry,
+        run_dir=str(run_dir),
     )
 
 

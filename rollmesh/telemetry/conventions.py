@@ -34,6 +34,7 @@ SPAN_TURN = "turn"
 SPAN_GENERATE = "generate"
 SPAN_TOOL = "tool"
 SPAN_TRAIN_STEP = "train_step"
+SPAN_SUBMIT = "submit"  # the CLI publishing one rollout request
 
 # -- rl.* attributes -------------------------------------------------------------------------------
 RL_ROLLOUT_ID = "rl.rollout_id"

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+import msgspec
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -103,6 +104,15 @@ def _make_exporter(kind: str, config: TelemetryConfig, run_dir: Path,
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     return OTLPSpanExporter(endpoint=otlp_endpoint(config, env))
+
+
+def without_run_dir(config: TelemetryConfig) -> TelemetryConfig:
+    """``config`` for a process with no run directory (the CLI, a Serve app given none): the
+    default ``jsonl`` becomes ``none``, so only OTLP (configured, or by OTEL_*) exports anything
+    and no ``traces.jsonl`` lands in the working directory."""
+    if config.exporter != "jsonl":
+        return config
+    return msgspec.structs.replace(config, exporter="none")
 
 
 def setup_tracing(component: str, config: TelemetryConfig, run_dir: Path, *,
