@@ -226,24 +226,21 @@ class SandboxConfig(_Config):
 
 
 class MegatronConfig(_Config):
-    """The megatron-core trainer backend (``trainer.backend = "megatron"``): one process per rank,
-    started and driven by the trainer actor (training/megatron_ranks.py); the world is
-    tensor_parallel x pipeline_parallel x data_parallel ranks."""
+    """The megatron-core trainer backend (``trainer.backend = "megatron"``): one process per rank
+    (training/megatron_ranks.py), tensor_parallel x pipeline_parallel x data_parallel of them."""
 
     tensor_parallel: PositiveInt = 1
     pipeline_parallel: PositiveInt = 1
     # Experts are split over expert_parallel ranks, taken from the data-parallel ranks.
     expert_parallel: PositiveInt = 1
     data_parallel: PositiveInt = 1
-    # megatron's distributed optimizer: Adam moments and fp32 master weights sharded over the
-    # data-parallel ranks.
-    distributed_optimizer: bool = False
+    distributed_optimizer: bool = False  # Adam moments and fp32 masters sharded over DP ranks
     # Recompute every layer's activations in backward (MoE routing replay covers the recompute).
     recompute_activations: bool = False
     # torch.distributed backend: "auto" is nccl where CUDA is available, else gloo.
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    # How long starting the ranks (imports, model build) and one backend call may take: a rank
-    # that died inside a collective leaves the others waiting, and the trainer must fail, not hang.
+    # How long starting the ranks and one call may take: a rank that died inside a collective
+    # leaves the others waiting there, and the trainer must fail, not hang.
     start_timeout_s: PositiveFloat = 300.0
     call_timeout_s: PositiveFloat = 1800.0
 

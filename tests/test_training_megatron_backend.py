@@ -11,7 +11,6 @@ HF round trip and the saved checkpoint's export bit for bit.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from rollmesh.training.grpo import PolicySample  # noqa: E402
 from rollmesh.training.losses import token_logprobs  # noqa: E402
 from rollmesh.training.torch_backend import TorchTrainerBackend  # noqa: E402
 from tests.megatron_backend_worker import adam_step_diffs, record_step_grads, run_worker  # noqa: E402
+from tests.hf_llamas import save_random_llama  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -43,16 +43,6 @@ CASES = {"tied": ("tied", TRAINER), "untied": ("untied", TRAINER),
          "tied_all_terms": ("tied", dict(TRAINER, ppo_epochs=2, policy_loss="grpo", is_cap=2.0, kl_coef=0.1,
                                          entropy_coef=0.01))}
 PROBE = torch.tensor([[5, 17, 42, 99, 7, 250, 3, 11, 64, 128, 299, 0], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
-
-
-def _save_hf_model(config: dict, directory: Path) -> Path:
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.1)
-    model.save_pretrained(directory)
-    return directory
 
 
 def _samples(backend: TorchTrainerBackend) -> list[PolicySample]:
@@ -74,7 +64,7 @@ def _samples(backend: TorchTrainerBackend) -> list[PolicySample]:
 def runs(tmp_path_factory) -> dict[str, dict]:
     """{case: {"megatron": worker results, "hf_logits", "torch_stats", "torch_after", "original"}}."""
     root = tmp_path_factory.mktemp("megatron_backend")
-    directories = {name: _save_hf_model(config, root / name) for name, config in MODELS.items()}
+    directories = {name: save_random_llama(config, root / name) for name, config in MODELS.items()}
     job, local = {}, {}
     for name, (model, trainer) in CASES.items():
         directory = directories[model]

@@ -18,7 +18,6 @@ after two steps) and 2.1e-5 anywhere, tied embedding copies and DP replicas equa
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +32,7 @@ from rollmesh.training.grpo import PolicyBatch, PolicySample  # noqa: E402
 from rollmesh.training.losses import token_logprobs  # noqa: E402
 from rollmesh.training.torch_backend import TorchTrainerBackend  # noqa: E402
 from tests.megatron_backend_worker import adam_step_diffs, record_step_grads, run_worker  # noqa: E402
+from tests.hf_llamas import save_random_llama  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -60,16 +60,6 @@ def _trainer(name: str) -> dict:
         tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp, distributed_optimizer=distributed))
 
 
-def _save_hf_model(config: dict, directory: Path) -> Path:
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.1)
-    model.save_pretrained(directory)
-    return directory
-
-
 def _samples(backend: TorchTrainerBackend) -> list[PolicySample]:
     """Right-padded samples, behaviour logprobs off the model's by noise (ratio != 1), mixed-sign
     advantages, a prompt masked out; the fourth has no trained token in its first half."""
@@ -90,7 +80,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     """{case: {"megatron": worker results, "torch_logits", "torch_stats", "torch_after", "torch_grads",
     "original"}}."""
     root = tmp_path_factory.mktemp("megatron_parallel")
-    directories = {name: _save_hf_model(config, root / name) for name, config in MODELS.items()}
+    directories = {name: save_random_llama(config, root / name) for name, config in MODELS.items()}
     jobs: dict[int, dict] = {}
     local = {}
     for name, (model, tp, pp, dp, _, trainer) in CASES.items():
