@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,9 +164,11 @@ class JobLedger:
         return list(specs.values())
 
     def append(self, record: dict[str, Any]) -> None:
+        """Durable on return (written and fsynced): a submission is acked only after this."""
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
+            os.fsync(f.fileno())
 
 
 class LendingService:
