@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 from pathlib import Path
 
 import msgspec
 import pytest
 from fakes import FakeSandboxBackend, ManualClock, RecordingPublisher
+from opentelemetry import trace
 
 from rollmesh.config import SandboxConfig, SandboxProfileConfig
 from rollmesh.messages.sandbox import (
@@ -31,6 +33,7 @@ from rollmesh.sandbox.errors import BackendFailedError, SandboxDiedError
 from rollmesh.sandbox.in_process import InProcessRequester
 from rollmesh.sandbox.sandbox_protocol import ExecOutcome
 from rollmesh.sandbox.warm_pool import WarmPool
+from rollmesh.telemetry.tracing import flush_tracing
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -299,6 +302,25 @@ async def test_exec_runs_argv_or_shell_with_stdin_env_and_cwd(tmp_path):
     assert (failed.result, failed.exit_code) == ("exit", 3)
     call = backend.created[0].execs[0]
     assert (call["env"], call["cwd"], call["timeout_s"]) == ({"A": "1"}, "sub", 600.0)
+
+
+async def test_an_exec_is_a_broker_span_whose_traceparent_reaches_the_tool_process(tmp_path, trace_file):
+    broker, backend, _ = make_broker(tmp_path)
+    client = client_of(broker)
+    lease = (await client.lease("r")).lease_id
+    with trace.get_tracer("test").start_as_current_span("turn") as turn:
+        failed = await client.exec(lease, shell="exit 3", env={"A": "1"})
+    assert flush_tracing()
+    trace_id = f"{turn.get_span_context().trace_id:032x}"
+    (span,) = [r for r in map(json.loads, trace_file.read_text().splitlines())
+               if r["trace_id"] == trace_id and r["name"] == "sandbox.exec"]
+    assert span["parent_span_id"] == f"{turn.get_span_context().span_id:016x}"
+    assert span["attributes"]["rl.sandbox.lease_id"] == lease
+    assert span["attributes"]["rl.sandbox.exec_id"] == failed.exec_id
+    assert (span["attributes"]["rl.sandbox.result"], span["attributes"]["rl.sandbox.exit_code"]) == ("exit", 3)
+    env = backend.created[0].execs[0]["env"]
+    # W3C traceparent: version-traceid-spanid-flags; the tool process continues the broker's span.
+    assert env["A"] == "1" and env["TRACEPARENT"].startswith(f"00-{trace_id}-{span['span_id']}-")
 
 
 @pytest.mark.parametrize("request_fields, named", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -15,6 +16,7 @@ from rollmesh.actors.shell import ActorShell
 from rollmesh.ports import MessageContext, Publisher, Subscription
 from rollmesh.bus.streams import rollout_requests_stream
 from rollmesh.config import NatsConfig, TelemetryConfig
+from rollmesh.telemetry.logging import setup_logging
 from rollmesh.messages import (
     DeadLettered,
     RolloutProgressed,
@@ -217,6 +219,41 @@ async def test_malformed_bytes_on_every_subject_are_dead_lettered_and_serving_go
     assert subjects[ROLLOUT_REQUESTED.template]["dead_lettered"] == 2
     assert subjects[ROLLOUT_PROGRESSED.template]["dead_lettered"] == 1
     assert subjects[SANDBOX_EXEC.template]["dead_lettered"] == 1
+
+
+async def test_every_handled_message_ends_in_one_canonical_log_line(nats_server, namespace, tmp_path, trace_file):
+    buffer = io.StringIO()
+    setup_logging("toy-0", "info", stream=buffer, force=True)
+    shell, logic = await _serve(nats_server, namespace, tmp_path)
+    try:
+        await shell.publisher.request(SANDBOX_EXEC, SandboxExecRequest(lease_id="l", argv=["ok"]), timeout_s=WAIT_S)
+        await shell.publisher.request(SANDBOX_EXEC, SandboxExecRequest(lease_id="l", argv=["boom"]), timeout_s=WAIT_S)
+        await shell.publisher.publish(ROLLOUT_REQUESTED, RolloutRequested(rollout_id="c1", task="fail-once"))
+        await _get(logic.requested)
+        await shell.nats_client.publish(ROLLOUT_PROGRESSED.format(namespace), b"\xff not a message")
+
+        def canonical() -> list[dict]:
+            return [line for line in map(json.loads, buffer.getvalue().splitlines())
+                    if line["event"] == "message_handled"]
+
+        async def all_logged() -> bool:
+            return len(canonical()) == 5
+        await _eventually(all_logged)
+    finally:
+        await shell.stop()
+        setup_logging("pytest", "info", force=True)
+    lines = canonical()
+    by_template = {}
+    for line in lines:
+        by_template.setdefault(line["subject_template"], []).append(line)
+    assert [line["outcome"] for line in by_template[SANDBOX_EXEC.template]] == ["handled", "failed"]
+    requested = by_template[ROLLOUT_REQUESTED.template]
+    assert [(line["outcome"], line["attempt"]) for line in requested] == [("retrying", 1), ("handled", 2)]
+    assert all(line["rollout_id"] == "c1" and line["message_type"] == "rollout.requested" for line in requested)
+    assert [line["outcome"] for line in by_template[ROLLOUT_PROGRESSED.template]] == ["dead_lettered"]
+    for line in lines:  # one line carries what a reader needs to find the message's trace
+        assert line["actor"] == "toy-0" and line["duration_ms"] >= 0
+        assert len(line["trace_id"]) == 32 and len(line["span_id"]) == 16
 
 
 async def test_trace_context_flows_from_publisher_to_handler_span(served, trace_file):

@@ -21,6 +21,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from rollmesh.telemetry import conventions
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 ROLLMESH = [sys.executable, "-m", "rollmesh.cli"]
@@ -126,6 +128,9 @@ def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receive
         assert turn["trace_id"] != rollout["trace_id"]
         assert "rl.weight_version.first" in turn["attributes"]
     assert all(rollout_id not in s["name"] for s in spans)  # ids in attributes, never in names
+    generates = [s for s in spans if s["name"] == conventions.SPAN_GENERATE]
+    assert generates and all(s["attributes"]["gen_ai.request.model"] == "rollmesh-tiny"
+                             and s["attributes"]["gen_ai.usage.output_tokens"] > 0 for s in generates)
 
     # Across NATS: every consumer span whose parent is in another process is a publish's child.
     by_id = {s["span_id"]: s for s in spans}

@@ -52,7 +52,8 @@ class InferenceRouter:
     """Implements ``rollmesh.engine.protocols.InferenceEngine`` over Ray actor handles."""
 
     def __init__(self, prefill_workers: list[Any], decode_workers: list[Any], *,
-                 max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+                 max_sessions: int = DEFAULT_MAX_SESSIONS, model_name: str = "") -> None:
+        """``model_name``: the served model, for the ``gen_ai.request.model`` span attribute."""
         if not decode_workers:
             raise ValueError("the router needs at least one decode worker")
         self.prefill_workers = list(prefill_workers)
@@ -62,6 +63,7 @@ class InferenceRouter:
         self._decode_in_flight = [0] * len(self.decode_workers)
         self._session_worker: OrderedDict[str, int] = OrderedDict()
         self._max_sessions = max_sessions
+        self.model_name = model_name
 
     @property
     def aggregated(self) -> bool:
@@ -95,6 +97,7 @@ class InferenceRouter:
             attributes={"request_id": request_id, "prompt_tokens": len(input_ids),
                         "decode_worker": index, "local_prefill": local_prefill,
                         conventions.GEN_AI_OPERATION_NAME: "text_completion",
+                        conventions.GEN_AI_REQUEST_MODEL: self.model_name,
                         conventions.GEN_AI_USAGE_INPUT_TOKENS: len(input_ids),
                         conventions.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_new_tokens,
                         conventions.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature},

@@ -96,7 +96,8 @@ class RolloutWorkerActor(RoleActor):
         super().__init__(name, mesh)
         self.config = config
         self.model_config = model_config
-        self.router = InferenceRouter(prefill_workers, decode_workers)
+        self.router = InferenceRouter(prefill_workers, decode_workers,
+                                      model_name=describe_served_model(model_config).name)
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         assert isinstance(publisher, BusPublisher), "the shell's publisher is a BusPublisher"

@@ -5,12 +5,15 @@ role's logic. Per message: extract the trace context, open a span named after th
 *template*, bind log context, decode; a message that does not decode goes to the dead-letter
 subject and is settled (JetStream: term; request: an error reply when the reply type has
 ``error_kind``/``error``) so it never blocks the consumer. Handler exceptions are logged and
-counted, and never escape: the consumer goes on.
+counted, and never escape: the consumer goes on. Every message ends in one canonical
+``message_handled`` log line (outcome, duration, attempt, ids, trace ids): grep one line per
+message instead of stitching several.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,7 +22,7 @@ import structlog
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from rollmesh.bus.message_keys import log_fields
+from rollmesh.bus.message_keys import log_fields, message_tag
 from rollmesh.ports import MessageContext, Subscription
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.trace_headers import extract_trace_context
@@ -33,6 +36,9 @@ ACK_TIMEOUT_S = 5.0
 # error_kind values tried, in order, for an error reply; the reply type's Literal decides.
 _INVALID_KINDS = ("invalid_request",)
 _FAILURE_KINDS = ("internal_error", "backend_error")
+
+# How a message ended, in its canonical log line.
+HANDLED, FAILED, RETRYING, DEAD_LETTERED = "handled", "failed", "retrying", "dead_lettered"
 
 
 @dataclass
@@ -89,11 +95,13 @@ class MessageDispatcher:
             with structlog.contextvars.bound_contextvars(
                 actor=self.actor_name, subject=msg.subject, trace_id=trace_id
             ):
+                started = time.perf_counter()
                 try:
                     message = sub.subject.decode(msg.data)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     span.set_status(trace.StatusCode.ERROR, "undecodable message")
-                    await self._reject(msg, f"undecodable {sub.subject.type.__name__}: {exc}")
+                    outcome = await self._reject(msg, f"undecodable {sub.subject.type.__name__}: {exc}")
+                    self._log_canonical(outcome, started, attempt, message_type="")
                     return
                 fields = log_fields(message)
                 span.set_attributes(fields)  # type: ignore[arg-type]
@@ -104,10 +112,17 @@ class MessageDispatcher:
                         trace_id=trace_id, trace_context=trace.set_span_in_context(span),
                         _progress=msg.in_progress if sub.mode == "jetstream" else None,
                     )
-                    await self._handle(msg, message, context, span)
+                    outcome = await self._handle(msg, message, context, span)
+                    self._log_canonical(outcome, started, attempt, message_type=message_tag(message))
+
+    def _log_canonical(self, outcome: str, started: float, attempt: int, *, message_type: str) -> None:
+        """The one line per message (inside the span, so it carries the trace and span ids)."""
+        _log.info("message_handled", outcome=outcome, subject_template=self.subscription.subject.template,
+                  message_type=message_type, mode=self.subscription.mode, attempt=attempt,
+                  duration_ms=round((time.perf_counter() - started) * 1000, 3))
 
     async def _handle(self, msg: Msg, message: WireMessage, context: MessageContext,
-                      span: trace.Span) -> None:
+                      span: trace.Span) -> str:
         sub = self.subscription
         try:
             result = await sub.handler(message, context)
@@ -118,8 +133,7 @@ class MessageDispatcher:
             span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
             _log.error("handler_failed", attempt=context.delivery_attempt,
                        error=repr(exc), exc_info=exc)
-            await self._after_failure(msg, exc, context.delivery_attempt)
-            return
+            return await self._after_failure(msg, exc, context.delivery_attempt)
         if sub.mode == "jetstream":
             # Acked only now that the handler returned (its effects are durable), and
             # synchronously, so "acked" means the server recorded it.
@@ -127,19 +141,21 @@ class MessageDispatcher:
         self.counters.handled += 1  # before replying: a caller that got the reply sees the count
         if reply is not None:
             await self._respond(msg, reply)
+        return HANDLED
 
-    async def _after_failure(self, msg: Msg, exc: Exception, attempt: int) -> None:
+    async def _after_failure(self, msg: Msg, exc: Exception, attempt: int) -> str:
         sub = self.subscription
         if sub.mode == "request":
             await self._respond_error(msg, _FAILURE_KINDS, f"{type(exc).__name__}: {exc}")
         elif sub.mode == "jetstream":
             if attempt >= self.max_deliver:
                 reason = f"handler failed on delivery {attempt}/{self.max_deliver}: {exc!r}"
-                await self._reject(msg, reason)
-            else:
-                await msg.nak(delay=sub.retry_delay_s)
+                return await self._reject(msg, reason)
+            await msg.nak(delay=sub.retry_delay_s)
+            return RETRYING
+        return FAILED
 
-    async def _reject(self, msg: Msg, reason: str) -> None:
+    async def _reject(self, msg: Msg, reason: str) -> str:
         """Dead-letter ``msg`` and settle it so it is not redelivered forever."""
         mode = self.subscription.mode
         _log.warning("message_dead_lettered", reason=reason, payload_size=len(msg.data))
@@ -152,12 +168,13 @@ class MessageDispatcher:
             if mode == "jetstream":
                 # Not recorded anywhere yet: let JetStream redeliver rather than lose it.
                 await msg.nak(delay=self.subscription.retry_delay_s)
-                return
+                return RETRYING
         self.counters.dead_lettered += 1
         if mode == "jetstream":
             await msg.term()
         elif mode == "request":
             await self._respond_error(msg, _INVALID_KINDS, reason)
+        return DEAD_LETTERED
 
     def _encode_reply(self, result: WireMessage | None) -> bytes:
         if result is None:

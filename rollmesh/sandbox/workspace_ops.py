@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import structlog
+from opentelemetry import propagate, trace
 
 from rollmesh.config import SandboxConfig
 from rollmesh.messages.sandbox import (
@@ -31,6 +32,7 @@ from rollmesh.messages.sandbox import (
 )
 from rollmesh.messages.subjects import SANDBOX_OUTPUT
 from rollmesh.ports import Publisher
+from rollmesh.telemetry import conventions
 from rollmesh.sandbox.errors import (
     CapacityError,
     ChecksumMismatchError,
@@ -46,6 +48,7 @@ from rollmesh.sandbox.snapshots import SnapshotStore
 from rollmesh.sandbox.transfers import Download
 
 log = structlog.get_logger(__name__)
+_tracer = trace.get_tracer("rollmesh.sandbox")
 
 # An output chunk on the bus is at most this long (a chatty tool must not make huge messages).
 OUTPUT_CHUNK_BYTES = 256 * 1024
@@ -67,6 +70,16 @@ def failure_of(exc: BaseException) -> tuple[SandboxErrorKind, str]:
     if isinstance(exc, TransferError):
         return "transfer_error", str(exc)
     return "infra_error", text
+
+
+def with_trace_context(env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus the current span's ``TRACEPARENT``/``TRACESTATE`` (the OpenTelemetry carrier
+    for child processes), unless the caller set them; unchanged when nothing is being traced."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    for key, value in carrier.items():
+        env.setdefault(key.upper(), value)
+    return env
 
 
 def exec_reply(outcome: ExecOutcome, exec_id: str) -> SandboxExecReply:
@@ -104,30 +117,45 @@ class WorkspaceOps:
         self.running_execs += 1
         lease.running_execs += 1
         lease.extend(now())
+        # The broker's own span: its parent is the exec request's process span, and the tool
+        # process gets its traceparent (TRACEPARENT in its environment) to continue the trace.
+        with _tracer.start_as_current_span(conventions.SPAN_SANDBOX_EXEC, attributes={
+                conventions.RL_SANDBOX_LEASE_ID: lease.lease_id, conventions.RL_SANDBOX_EXEC_ID: exec_id}) as span:
+            try:
+                reply = await self._run_exec(lease, req, exec_id)
+            finally:
+                self.running_execs -= 1
+                lease.running_execs -= 1
+                lease.extend(now())
+            span.set_attribute(conventions.RL_SANDBOX_RESULT, reply.result or reply.error_kind)
+            if reply.exit_code is not None:
+                span.set_attribute(conventions.RL_SANDBOX_EXIT_CODE, reply.exit_code)
+            if reply.result != "exit":
+                span.set_status(trace.StatusCode.ERROR, reply.result or reply.error_kind)
+        if reply.error_kind:
+            return reply
+        if reply.result == "sandbox_died":
+            lease.died = True
+        self._counts["execs"] += 1
+        self._counts[f"exec_{reply.result}"] += 1
+        return reply
+
+    async def _run_exec(self, lease: Lease, req: SandboxExecRequest, exec_id: str) -> SandboxExecReply:
         try:
             outcome = await lease.sandbox.exec(
                 list(req.argv) or None, shell=req.shell or None, stdin=req.stdin,
-                timeout_s=req.timeout_s or lease.terms.limits.exec_timeout_s, env=dict(req.env) or None,
-                cwd=req.cwd or None,
+                timeout_s=req.timeout_s or lease.terms.limits.exec_timeout_s,
+                env=with_trace_context(dict(req.env)) or None, cwd=req.cwd or None,
                 on_output=self._streamer(lease, exec_id) if req.stream_output else None,
             )
-            reply = exec_reply(outcome, exec_id)
+            return exec_reply(outcome, exec_id)
         except Exception as exc:  # noqa: BLE001 - the runtime's failures are results, by contract
             kind, text = failure_of(exc)
             if kind == "path_error":  # a cwd outside the workspace: the caller's mistake
                 return SandboxExecReply(error_kind=kind, error=text, exec_id=exec_id)
             result = "sandbox_died" if kind == "sandbox_died" else "infra_error"
             log.warning("sandbox exec failed", lease_id=lease.lease_id, result=result, error=text)
-            reply = SandboxExecReply(result=result, detail=text, exec_id=exec_id)
-        finally:
-            self.running_execs -= 1
-            lease.running_execs -= 1
-            lease.extend(now())
-        if reply.result == "sandbox_died":
-            lease.died = True
-        self._counts["execs"] += 1
-        self._counts[f"exec_{reply.result}"] += 1
-        return reply
+            return SandboxExecReply(result=result, detail=text, exec_id=exec_id)
 
     def _exec_refusal(self, lease: Lease, req: SandboxExecRequest) -> str | None:
         if bool(req.argv) == bool(req.shell):

@@ -35,6 +35,7 @@ SPAN_GENERATE = "generate"
 SPAN_TOOL = "tool"
 SPAN_TRAIN_STEP = "train_step"
 SPAN_SUBMIT = "submit"  # the CLI publishing one rollout request
+SPAN_SANDBOX_EXEC = "sandbox.exec"  # the broker running one exec in a leased sandbox
 
 # -- rl.* attributes -------------------------------------------------------------------------------
 RL_ROLLOUT_ID = "rl.rollout_id"
@@ -43,6 +44,9 @@ RL_WEIGHT_VERSION = "rl.weight_version"              # the version a message or 
 RL_WEIGHT_VERSION_FIRST = "rl.weight_version.first"  # first generated token's version (generate)
 RL_WEIGHT_VERSION_LAST = "rl.weight_version.last"    # last generated token's version (generate)
 RL_SANDBOX_LEASE_ID = "rl.sandbox.lease_id"
+RL_SANDBOX_EXEC_ID = "rl.sandbox.exec_id"
+RL_SANDBOX_RESULT = "rl.sandbox.result"    # exit, timeout, oom_killed, sandbox_died... (typed)
+RL_SANDBOX_EXIT_CODE = "rl.sandbox.exit_code"
 RL_TOOL_NAME = "rl.tool.name"
 RL_TRAJECTORY_ID = "rl.trajectory_id"
 RL_TRAINER_STEP = "rl.trainer.step"
