@@ -11,7 +11,7 @@ TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: demo test schemas install sandbox-tools
+.PHONY: demo test schemas install sandbox-tools browser-tools
 
 demo: install
 	RAY_AUTH_MODE=disabled $(BIN)/rollmesh demo $(DEMO_ARGS)
@@ -22,7 +22,7 @@ test: install
 schemas: install
 	$(BIN)/python scripts/generate_schemas.py
 
-install: $(STAMP) sandbox-tools
+install: $(STAMP) sandbox-tools browser-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,5 +42,19 @@ sandbox-tools:
 				|| echo "warning: could not install bubblewrap; sandboxes will not isolate tool code"; \
 		else \
 			echo "warning: bwrap not found (install bubblewrap); sandboxes will not isolate tool code"; \
+		fi; \
+	fi
+
+# The dashboard's browser test drives the system Chromium through playwright (never
+# `playwright install`). Installed only when we are root and apt-get exists; never fails the build
+# (the test then fails saying what is missing).
+browser-tools:
+	@if ! command -v chromium >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing chromium"; \
+			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+				|| echo "warning: could not install chromium; the dashboard's browser test will fail"; \
+		else \
+			echo "warning: chromium not found (install it); the dashboard's browser test will fail"; \
 		fi; \
 	fi

@@ -45,6 +45,27 @@ class RayConfig(_Config):
     # How often the mesh checks for role actors that crashed, and starts them again once Ray
     # re-created them.
     supervise_interval_s: PositiveFloat = 2.0
+    # Custom Ray resources each actor of a role needs, on top of its accelerator grant: a cluster's
+    # nodes say which roles they host by declaring these (``ray start --resources``, KubeRay's
+    # rayStartParams), e.g. rollout = {rollmesh_rollout = 1}. Roles: ``PLACED_ROLES``. A role left
+    # out is placed anywhere (one machine: every role, so the defaults set none).
+    role_resources: dict[str, dict[str, PositiveFloat]] = {}
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.role_resources) - set(PLACED_ROLES))
+        if unknown:
+            raise ValueError(f"ray.role_resources: unknown roles {unknown}; roles are {list(PLACED_ROLES)}")
+        for role, resources in self.role_resources.items():
+            # Ray takes these as keyword arguments (num_cpus, num_gpus, memory), never in resources.
+            builtin = sorted(set(resources) & RAY_BUILTIN_RESOURCES)
+            if builtin:
+                raise ValueError(f"ray.role_resources.{role}: {builtin} are Ray's own resources; "
+                                 "name custom ones (accelerators are granted by [scheduler])")
+
+
+# The roles ``ray.role_resources`` may place, named as the launcher spawns them.
+PLACED_ROLES = ("scheduler", "sandbox", "prefill", "decode", "trainer", "resharder", "rollout")
+RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 
 
 class TelemetryConfig(_Config):
@@ -52,6 +73,14 @@ class TelemetryConfig(_Config):
     exporter: Literal["jsonl", "otlp", "none"] = "jsonl"
     otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Prometheus metrics of the whole mesh, served by `rollmesh up` (docs/metrics.md): 0 picks a
+    # free port; a busy port falls back to a free one (mesh.json has the real URL).
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 9464
+    metrics_host: str = "127.0.0.1"
+    # How often every process sends its metric snapshot to the hub.
+    metrics_report_s: PositiveFloat = 2.0
+    # How often the hub appends the aggregate to <run_dir>/tensorboard/ as scalars.
+    tensorboard_every_s: PositiveFloat = 10.0
 
 
 class ModelConfig(_Config):
@@ -352,8 +381,97 @@ class ServeConfig(_Config):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
-    # A file holding the API key (``ROLLMESH_API_KEY`` wins when set); empty: no key required.
+    # A file holding the API key (``ROLLMESH_API_KEY`` wins when set). Required (startup fails
+    # without one) when host is not loopback or security.enabled; on loopback without security
+    # no key is needed unless one is configured.
     api_key_file: str = ""
+    # HTTPS: a PEM certificate (chain) and its private key; both or neither.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("serve.tls_cert_file and serve.tls_key_file go together")
+
+
+class DashboardConfig(_Config):
+    """The live dashboard at ``/dashboard`` on the Serve app's port (``rollmesh dashboard``)."""
+
+    enabled: bool = True
+    # Where a rollout's trace link goes: a URL with ``{trace_id}`` in it, e.g. Jaeger's
+    # "http://127.0.0.1:16686/trace/{trace_id}". Empty: the dashboard's own view of the run's
+    # traces.jsonl (/dashboard/traces/<trace_id>).
+    trace_url: str = ""
+    # How often the page refreshes, and how often the Serve app asks the scheduler and the sandbox
+    # broker for their numbers (events arrive as they happen either way).
+    refresh_s: Annotated[float, Meta(ge=0.2)] = 1.0
+    poll_s: Annotated[float, Meta(ge=0.2)] = 2.0
+    # Bounds of what the dashboard keeps: rollouts in flight (the least recently heard of go
+    # first), recent failures, and points of the reward curve and accelerator timeline.
+    max_rollouts: PositiveInt = 200
+    max_failures: PositiveInt = 50
+    max_points: PositiveInt = 500
+
+    def __post_init__(self) -> None:
+        if self.trace_url and "{trace_id}" not in self.trace_url:
+            raise ValueError("dashboard.trace_url must contain {trace_id}")
+
+
+class NatsCredentialsConfig(_Config):
+    """Where one role's NATS credentials come from: a ``.creds`` file (JWT + nkey), an nkey seed
+    (file or environment variable), or a user name with a password (file or environment
+    variable). Paths and variable names only: secrets never sit in config or on a command line."""
+
+    creds_file: str = ""
+    nkey_seed_file: str = ""
+    nkey_seed_env: str = ""
+    user: str = ""
+    password_file: str = ""
+    password_env: str = ""
+
+    def __post_init__(self) -> None:
+        kinds = [bool(self.creds_file), bool(self.nkey_seed_file or self.nkey_seed_env), bool(self.user)]
+        if sum(kinds) > 1:
+            raise ValueError("give one of creds_file, an nkey seed, or user + password")
+        if self.nkey_seed_file and self.nkey_seed_env:
+            raise ValueError("nkey_seed_file and nkey_seed_env are alternatives")
+        if self.user and bool(self.password_file) == bool(self.password_env):
+            raise ValueError("a user needs exactly one of password_file and password_env")
+        if not self.user and (self.password_file or self.password_env):
+            raise ValueError("a password needs its user")
+
+
+class NatsTlsConfig(_Config):
+    """TLS to NATS. Clients verify the server against ``ca_file`` and present ``cert_file`` /
+    ``key_file`` for mutual TLS. The embedded server uses ``server_cert_file`` /
+    ``server_key_file`` and, with ``verify``, requires client certificates signed by ``ca_file``."""
+
+    enabled: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    verify: bool = False
+    server_cert_file: str = ""
+    server_key_file: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("security.nats_tls.cert_file and key_file go together")
+        if bool(self.server_cert_file) != bool(self.server_key_file):
+            raise ValueError("security.nats_tls.server_cert_file and server_key_file go together")
+        if self.verify and not self.ca_file:
+            raise ValueError("security.nats_tls.verify (mutual TLS) needs ca_file")
+
+
+class SecurityConfig(_Config):
+    """Least-privilege NATS (one user per role, rollmesh/bus/permissions.py), TLS, API keys.
+    With the embedded server, per-role nkeys are generated into the run directory; with
+    ``nats.url``, ``credentials`` names each role's (roles: mesh, rollout_worker, trainer,
+    inference, sandbox_broker, scheduler, resharder, client)."""
+
+    enabled: bool = False
+    credentials: dict[str, NatsCredentialsConfig] = {}
+    nats_tls: NatsTlsConfig = NatsTlsConfig()
 
 
 class DemoConfig(_Config):
@@ -385,6 +503,8 @@ class RollmeshConfig(_Config):
     scheduler: SchedulerConfig = SchedulerConfig()
     serve: ServeConfig = ServeConfig()
     demo: DemoConfig = DemoConfig()
+    dashboard: DashboardConfig = DashboardConfig()
+    security: SecurityConfig = SecurityConfig()
 
     def __post_init__(self) -> None:
         if self.rollout.work_heartbeat_s >= self.nats.rollout_ack_wait_s:

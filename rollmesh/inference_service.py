@@ -51,10 +51,13 @@ class InferenceService:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         runtime = self.runtime
         nats_url = runtime.start_bus()
+        await runtime.prepare_streams(nats_url)  # security.enabled: as "mesh", before the workers
         runtime.start_ray()
         mesh = MeshContext(namespace=self.config.namespace, nats_url=nats_url,
                            run_dir=str(self.run_dir.resolve()),
-                           telemetry=self.config.telemetry, nats=self.config.nats)
+                           telemetry=self.config.telemetry, nats=self.config.nats,
+                           credentials=runtime.bus_credentials,
+                           nats_tls=self.config.security.nats_tls).only("inference")
         model, inference = self.config.model, self.config.inference
         prefill_names = [PREFILL_NAME] if inference.prefill_worker_count else []
         for name in prefill_names:

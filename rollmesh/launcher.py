@@ -1,10 +1,10 @@
 """Starts the mesh in order and stops it in reverse.
 
 Knows the role actor classes and the order they come up in; the bus, Ray and Serve mechanics are
-``MeshRuntime``'s. The story: make the run directory, start or join the bus, start or join Ray,
+``MeshRuntime``'s. The story: make the run directory, start or join the bus, start the metrics hub, start or join Ray,
 spawn the GPU scheduler (which grants accelerators first), sandbox broker, prefill and decode
-workers, trainer, resharder and rollout workers, deploy the Serve app, write ``mesh.json``.
-``stop`` undoes it backwards.
+workers, trainer, resharder and rollout workers, deploy the Serve app (with the live
+dashboard), write ``mesh.json``. ``stop`` undoes it backwards.
 """
 
 from __future__ import annotations
@@ -61,50 +61,81 @@ class Mesh:
     async def _start(self) -> MeshInfo:
         config, runtime, spawn = self.config, self.runtime, self.runtime.spawn
         save_run_config(self.run_dir, config)  # what `rollmesh up --resume` starts again
+        # Checked before anything starts: an API reachable beyond loopback needs a key.
+        api_key = self._api_key() if config.serve.enabled else ""
         nats_url = runtime.start_bus()
+        await runtime.prepare_streams(nats_url)  # security.enabled: as "mesh", before any role
+        # Before the actors, so the hub hears every snapshot they send (docs/metrics.md).
+        metrics_url = await runtime.start_metrics(nats_url)
         # Declared accelerators as a custom resource, so grants schedule with zero real GPUs
         # (joining a cluster, its nodes must declare them instead).
         runtime.start_ray(resources=GpuScheduler(config.scheduler, clock=time.time,
                                                  new_id=lambda: "").ray_resources())
         mesh = MeshContext(namespace=config.namespace, nats_url=nats_url,
                            run_dir=str(self.run_dir.resolve()),
-                           telemetry=config.telemetry, nats=config.nats)
-        # The model and inference settings are what a decode worker lent idle accelerators serves.
-        scheduler = await spawn("gpu-scheduler", GpuSchedulerActor, mesh, config.scheduler, config.model,
-                                config.inference)
+                           telemetry=config.telemetry, nats=config.nats,
+                           credentials=runtime.bus_credentials, nats_tls=config.security.nats_tls)
+        # The model and inference settings are what a decode worker lent idle accelerators serves
+        # (so the scheduler also holds the inference role's credentials, to hand them on).
+        scheduler = await spawn("gpu-scheduler", GpuSchedulerActor, mesh.only("scheduler", "inference"),
+                                config.scheduler, config.model, config.inference,
+                                options=self._placed("scheduler"))
         # Grants first: each role's actor is then placed with the Ray resources it was granted.
         await scheduler.grant.remote(GRANT_HOLDERS)
-        await spawn("sandbox-broker", SandboxBrokerActor, mesh, config.sandbox)
+        await spawn("sandbox-broker", SandboxBrokerActor, mesh.only("sandbox_broker"), config.sandbox,
+                    options=self._placed("sandbox"))
         inference = config.inference
         for index in range(inference.prefill_worker_count):
             self.prefill_workers.append(await spawn(
-                f"prefill-{index}", PrefillWorkerActor, mesh, config.model, inference,
-                options=await scheduler.actor_options.remote("prefill")))
+                f"prefill-{index}", PrefillWorkerActor, mesh.only("inference"), config.model, inference,
+                options=self._placed("prefill", await scheduler.actor_options.remote("prefill"))))
         for index in range(inference.num_decode_workers):
             self.decode_workers.append(await spawn(
-                f"decode-{index}", DecodeWorkerActor, mesh, config.model, inference, index,
-                options=await scheduler.actor_options.remote("decode")))
-        self.trainer = await spawn("trainer", TrainerActor, mesh, config.trainer, config.model,
-                                   options=await scheduler.actor_options.remote("trainer"))
-        await spawn("resharder", ResharderActor, mesh, config.resharder)
+                f"decode-{index}", DecodeWorkerActor, mesh.only("inference"), config.model, inference, index,
+                options=self._placed("decode", await scheduler.actor_options.remote("decode"))))
+        self.trainer = await spawn("trainer", TrainerActor, mesh.only("trainer"), config.trainer, config.model,
+                                   options=self._placed("trainer", await scheduler.actor_options.remote("trainer")))
+        await spawn("resharder", ResharderActor, mesh.only("resharder"), config.resharder,
+                    options=self._placed("resharder"))
         for index in range(config.rollout.num_workers):
-            await spawn(f"rollout-worker-{index}", RolloutWorkerActor, mesh, config.rollout,
-                        config.model, self.prefill_workers, self.decode_workers)
+            await spawn(f"rollout-worker-{index}", RolloutWorkerActor, mesh.only("rollout_worker"),
+                        config.rollout, config.model, self.prefill_workers, self.decode_workers,
+                        options=self._placed("rollout"))
         if config.serve.enabled:
             runtime.deploy_serve(
                 prefill_names=[f"prefill-{i}" for i in range(inference.prefill_worker_count)],
                 decode_names=[f"decode-{i}" for i in range(inference.num_decode_workers)],
-                host=config.serve.host, port=config.serve.port)
+                host=config.serve.host, port=config.serve.port, api_key=api_key,
+                dashboard_nats_url=nats_url)
         self.info = MeshInfo(
             nats_url=nats_url, namespace=config.namespace, run_dir=str(self.run_dir.resolve()),
             serve_url=runtime.serve_url, ray_namespace=self.ray_namespace,
             ray_address=config.ray.address or "", pid=os.getpid(), started_at=time.time(),
+            dashboard_url=runtime.dashboard_url, metrics_url=metrics_url,
         )
         write_mesh_info(self.info)
         runtime.supervisor.start()
         _log.info("mesh_ready", run_dir=str(self.run_dir), nats_url=nats_url, serve_url=runtime.serve_url)
         return self.info
 
+    def _api_key(self) -> str:
+        from rollmesh.serve_apps import required_api_key
+
+        serve = self.config.serve
+        return required_api_key(serve.api_key_file, os.environ, host=serve.host,
+                                security_enabled=self.config.security.enabled)
+
+    def _placed(self, role: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Ray options for ``role``'s actors: its accelerator grant plus ``ray.role_resources``."""
+        return with_role_resources(options or {}, self.config.ray.role_resources.get(role, {}))
+
     async def stop(self) -> None:
         await self.runtime.stop()
         (self.run_dir / "mesh.json").unlink(missing_ok=True)
+
+
+def with_role_resources(options: dict[str, Any], extra: dict[str, float]) -> dict[str, Any]:
+    """``options`` (a grant's ``num_gpus`` or ``resources``) with ``extra`` custom resources added."""
+    if not extra:
+        return options
+    return {**options, "resources": {**options.get("resources", {}), **extra}}

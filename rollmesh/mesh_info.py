@@ -25,6 +25,10 @@ class MeshInfo(msgspec.Struct, frozen=True, kw_only=True):
     ray_address: str = ""
     pid: int = 0
     started_at: float = 0.0
+    # Prometheus metrics of the whole mesh (docs/metrics.md); "" when not served.
+    metrics_url: str = ""
+    # The live dashboard (``rollmesh dashboard``); "" when Serve or the dashboard is off.
+    dashboard_url: str = ""
 
 
 class MeshNotFoundError(LookupError):

@@ -18,6 +18,7 @@ import structlog
 
 from rollmesh.actor_supervisor import ActorSupervisor
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
+from rollmesh.bus.security import BusCredentials, configured_credentials, generate_role_nkeys
 from rollmesh.config import RollmeshConfig
 
 _log = structlog.get_logger("rollmesh.mesh_runtime")
@@ -37,15 +38,63 @@ class MeshRuntime:
         self.nats_server: EmbeddedNatsServer | None = None
         self.actors: dict[str, Any] = {}
         self.serve_url = ""
+        self.dashboard_url = ""
+        # security.enabled: each NATS role's credentials (paths, no secrets), set by start_bus.
+        self.bus_credentials: dict[str, BusCredentials] = {}
         self._started_ray = False
+        self.metrics_hub: Any = None  # MetricsHubService, once start_metrics ran
         self.supervisor = ActorSupervisor(lambda: self.actors, interval_s=config.ray.supervise_interval_s)
 
     def start_bus(self) -> str:
-        """The configured NATS URL, or an embedded nats-server with JetStream in the run dir."""
+        """The configured NATS URL, or an embedded nats-server with JetStream in the run dir.
+        With security.enabled, each role's credentials come from config (a cluster) or are made
+        here, and the embedded server gets one user per role with its permissions."""
+        from rollmesh.bus.permissions import render_authorization
+        from rollmesh.bus.tls import server_tls_block
+
+        security, namespace = self.config.security, self.config.namespace
         if self.config.nats.url:
+            if security.enabled:
+                self.bus_credentials = configured_credentials(security, namespace)
             return self.config.nats.url
-        self.nats_server = EmbeddedNatsServer(self.run_dir / "nats")
+        auth = ""
+        if security.enabled:
+            generated = generate_role_nkeys(self.run_dir, namespace)
+            self.bus_credentials = generated.credentials
+            auth = render_authorization(generated.users, namespace)
+        self.nats_server = EmbeddedNatsServer(self.run_dir / "nats", auth_config=auth,
+                                              tls_config=server_tls_block(security.nats_tls))
         return self.nats_server.start()
+
+    async def prepare_streams(self, nats_url: str) -> None:
+        """With security.enabled, create the streams as the "mesh" user before any actor starts
+        (roles may not create them); an open NATS leaves it to every actor, as before."""
+        if not self.bus_credentials:
+            return
+        from rollmesh.bus.connection import connect_bus
+        from rollmesh.bus.streams import StreamLimits, ensure_streams
+        from rollmesh.bus.tls import client_tls_context
+
+        nc = await connect_bus(nats_url, name="rollmesh-mesh", connect_timeout_s=self.config.nats.connect_timeout_s,
+                               credentials=self.bus_credentials["mesh"],
+                               tls=client_tls_context(self.config.security.nats_tls))
+        try:
+            await ensure_streams(nc.jetstream(), self.config.namespace,
+                                 StreamLimits(replicas=self.config.nats.replicas))
+        finally:
+            await nc.close()
+
+    async def start_metrics(self, nats_url: str) -> str:
+        """Serve the mesh's Prometheus metrics and write its TensorBoard scalars (the hub takes
+        every actor's snapshots from NATS, as the "mesh" user); returns the metrics URL."""
+        from rollmesh.actors.metrics_hub import MetricsHubService
+        from rollmesh.bus.tls import client_tls_context
+
+        self.metrics_hub = MetricsHubService(
+            self.config.namespace, nats_url, self.run_dir, telemetry=self.config.telemetry,
+            nats_config=self.config.nats, credentials=self.bus_credentials.get("mesh"),
+            tls=client_tls_context(self.config.security.nats_tls))
+        return await self.metrics_hub.start()
 
     def start_ray(self, *, resources: dict[str, float] | None = None) -> None:
         """Join ``ray.address`` or start a local Ray (``resources`` only apply to a local one)."""
@@ -74,9 +123,20 @@ class MeshRuntime:
         return actor
 
     def deploy_serve(self, *, prefill_names: list[str], decode_names: list[str], host: str, port: int,
-                     api_key: str = "") -> str:
+                     api_key: str = "", dashboard_nats_url: str = "") -> str:
+        """Deploy the Serve app (HTTPS with serve.tls_cert_file/tls_key_file). With
+        ``dashboard_nats_url`` (the mesh's bus) and dashboard.enabled, it serves the live
+        dashboard too, at ``dashboard_url``."""
+        from rollmesh.dashboard import DASHBOARD_PATH, DashboardSource
         from rollmesh.engine.paged_model import describe_served_model
         from rollmesh.serve_apps import build_inference_app, deploy_inference_app
+
+        dashboard = None
+        if dashboard_nats_url and self.config.dashboard.enabled:
+            dashboard = DashboardSource(
+                nats_url=dashboard_nats_url, namespace=self.config.namespace,
+                run_dir=str(Path(self.run_dir).resolve()), ray_namespace=self.ray_namespace,
+                config=self.config.dashboard, connect_timeout_s=self.config.nats.connect_timeout_s)
 
         served = describe_served_model(self.config.model)
         app = build_inference_app(
@@ -84,9 +144,12 @@ class MeshRuntime:
             ray_namespace=self.ray_namespace, model_name=served.name,
             max_seq_len=served.max_seq_len, vocab_size=served.vocab_size, api_key=api_key,
             routes_experts=served.routes_experts, telemetry=self.config.telemetry,
-            run_dir=str(Path(self.run_dir).resolve()),
+            run_dir=str(Path(self.run_dir).resolve()), dashboard=dashboard,
         )
-        self.serve_url = deploy_inference_app(app, host=host, port=port)
+        self.serve_url = deploy_inference_app(app, host=host, port=port,
+                                              tls_cert_file=self.config.serve.tls_cert_file,
+                                              tls_key_file=self.config.serve.tls_key_file)
+        self.dashboard_url = self.serve_url + DASHBOARD_PATH if dashboard else ""
         return self.serve_url
 
     async def stop(self) -> None:
@@ -95,7 +158,7 @@ class MeshRuntime:
             from rollmesh.serve_apps import shutdown_inference_app
 
             shutdown_inference_app()
-            self.serve_url = ""
+            self.serve_url = self.dashboard_url = ""
         for name, actor in reversed(list(self.actors.items())):
             try:
                 await asyncio.wait_for(actor.stop.remote(), timeout=ACTOR_STOP_TIMEOUT_S)
@@ -103,6 +166,9 @@ class MeshRuntime:
                 _log.warning("actor_stop_failed", actor=name, error=repr(exc))
             ray.kill(actor)
         self.actors.clear()
+        if self.metrics_hub is not None:  # after the actors: their last snapshots count
+            await self.metrics_hub.stop()
+            self.metrics_hub = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

@@ -24,6 +24,7 @@ from rollmesh.messages.subjects import (
     ROLLOUT_REQUESTED,
     TRAINER_STEPPED,
 )
+from rollmesh.telemetry.logging import setup_logging
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -177,8 +178,13 @@ async def test_watch_count_exits_1_when_the_timeout_passes_first(nats_server, na
 
 async def test_submit_to_an_unreachable_nats_is_one_line(monkeypatch, capsys):
     monkeypatch.setenv("ROLLMESH_NATS__CONNECT_TIMEOUT_S", "0.5")
-    code = await asyncio.to_thread(main, ["submit", "--task", "molar_mass", "--count", "1", "--purpose", "eval",
-                                          "--nats-url", "nats://127.0.0.1:1", "--namespace", "nowhere"])
+    # As a fresh `rollmesh` process has it: the CLI's own logging setup, not an earlier test's.
+    setup_logging("rollmesh-submit", "warning", force=True)
+    try:
+        code = await asyncio.to_thread(main, ["submit", "--task", "molar_mass", "--count", "1", "--purpose", "eval",
+                                              "--nats-url", "nats://127.0.0.1:1", "--namespace", "nowhere"])
+    finally:
+        setup_logging("pytest", "info", force=True)
     err = capsys.readouterr().err
     assert code == 1
     assert err.startswith("rollmesh: error: ") and "Traceback" not in err

@@ -15,6 +15,9 @@ from rollmesh.messages import (
     CheckpointSaved,
     DeadLettered,
     ForkedLease,
+    MetricPoint,
+    MetricSeries,
+    MetricsReported,
     GpuGranted,
     GpuReleased,
     PreemptionAcknowledged,
@@ -123,6 +126,9 @@ EXAMPLES: dict[type, WireMessage] = {type(m): m for m in [
                     busy_utilization=0.85, preemptions=1, kills=0, lost_accelerator_s=12.0, rl_queueing_s=0.0,
                     reported_at=3.0),
     DeadLettered(subject="rl.ns.rollout.requested", consumer="rollout_requested", reason="bad json"),
+    MetricsReported(source="decode-0/41/ab12cd34", component="decode", actor="decode-0", reported_at=4.0,
+                    metrics=[MetricSeries(name="rollmesh_generated_tokens", kind="counter",
+                                          points=[MetricPoint(labels={"worker": "decode-0"}, value=12.0)])]),
 ]}
 CLIENT_FACING = (ROLLOUT_REQUESTED, ROLLOUT_PROGRESSED, ROLLOUT_COMPLETED, ROLLOUT_FAILED)
 

@@ -7,9 +7,12 @@ from pathlib import Path
 import pytest
 
 from rollmesh.serve_apps import (
+    ApiKeyRequiredError,
     AuthenticationError,
     InvalidApiKeyFileError,
     check_authorization,
+    is_loopback,
+    required_api_key,
     resolve_api_key,
 )
 
@@ -57,3 +60,34 @@ def test_an_unreadable_or_empty_key_file_is_an_error(tmp_path: Path, contents: s
         key_file.write_text(contents)
     with pytest.raises(InvalidApiKeyFileError):
         resolve_api_key(str(key_file), {})
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_on_loopback_without_security_no_key_is_needed(host: str) -> None:
+    assert is_loopback(host)
+    assert required_api_key("", {}, host=host, security_enabled=False) == ""
+
+
+@pytest.mark.parametrize("host, security", [("0.0.0.0", False), ("::", False), ("10.1.2.3", False),
+                                            ("head-node", False), ("127.0.0.1", True)])
+def test_beyond_loopback_or_with_security_a_missing_key_stops_startup(host: str, security: bool) -> None:
+    with pytest.raises(ApiKeyRequiredError, match="ROLLMESH_API_KEY"):
+        required_api_key("", {}, host=host, security_enabled=security)
+    assert required_api_key("", {"ROLLMESH_API_KEY": KEY}, host=host, security_enabled=security) == KEY
+
+
+def test_keys_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hmac
+
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def recording(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", recording)
+    check_authorization(f"Bearer {KEY}", KEY)
+    with pytest.raises(AuthenticationError):
+        check_authorization("Bearer sk-wrong", KEY)
+    assert compared == [(KEY.encode(), KEY.encode()), (b"sk-wrong", KEY.encode())]

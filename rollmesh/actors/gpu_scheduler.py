@@ -35,6 +35,7 @@ from rollmesh.scheduling.grants import GpuScheduler
 from rollmesh.scheduling.lending import LendingScheduler
 from rollmesh.scheduling.lending_service import JobLedger, LendingService, whole_start_grants
 from rollmesh.scheduling.workload import RoleShare
+from rollmesh.telemetry import metrics, metrics_catalog
 
 RL_ROLES = ("trainer", "prefill", "decode", "resharder")
 
@@ -173,6 +174,7 @@ class SchedulerLogic:
         self.lending = lending
         self.config = config
         self._timer: asyncio.Task | None = None
+        _observe_accelerators(self)
 
     def subscriptions(self) -> list[Subscription]:
         return self.lending.subscriptions()
@@ -276,3 +278,15 @@ class GpuSchedulerActor(RoleActor):
 
         return msgspec.to_builtins(self.logic_.lending.status())
 
+
+def _observe_accelerators(logic: SchedulerLogic) -> None:
+    """Capacity, grants by holder and the utilization figures, read at every metrics collection."""
+    metrics.observe(metrics_catalog.ACCELERATORS_CAPACITY, logic,
+                    lambda lg: [(lg.lending.status().capacity, {})])
+    metrics.observe(metrics_catalog.ACCELERATORS_ALLOCATED, logic, lambda lg: [  # every RL role, 0 too
+        (count, {"holder": holder})
+        for holder, count in ({role: 0 for role in RL_ROLES} | lg.lending.status().roles).items()])
+    metrics.observe(metrics_catalog.ACCELERATOR_ALLOCATED_FRACTION, logic,
+                    lambda lg: [(lg.lending.status().allocated_utilization, {})])
+    metrics.observe(metrics_catalog.ACCELERATOR_BUSY_FRACTION, logic,
+                    lambda lg: [(lg.lending.status().busy_utilization, {})])

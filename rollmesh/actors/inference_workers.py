@@ -31,6 +31,7 @@ from rollmesh.engine.weight_follower import LatestWeights, StagesWeights, Weight
 from rollmesh.engine.weight_buckets import load_published
 from rollmesh.messages.base import SamplingParams
 from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
+from rollmesh.telemetry import metrics, metrics_catalog
 
 _tracer = trace.get_tracer("rollmesh.inference")
 
@@ -133,6 +134,8 @@ class DecodeWorkerActor(RoleActor):
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         self.loop.start()
+        metrics.observe(metrics_catalog.QUEUE_DEPTH, self, lambda actor: [
+            (actor.loop.num_waiting(), {"queue": "decode", "worker": actor.name})])
         return WeightFollower(_DecodeWeights(self.loop), publisher, worker=self.name, role=self.role,
                               latest=_latest_weights(publisher))
 
@@ -144,7 +147,9 @@ class DecodeWorkerActor(RoleActor):
             "decode", context=extract_trace_context(trace_headers or {}),
             attributes={"request_id": request_id, "prompt_tokens": prefill.num_tokens},
         ):
-            return await self.loop.submit(request_id, prefill, sampling, options)
+            finished = await self.loop.submit(request_id, prefill, sampling, options)
+            metrics.add(metrics_catalog.GENERATED_TOKENS, len(finished.token_ids), {"worker": self.name})
+            return finished
 
     async def generate_prompt(self, input_ids: list[int], sampling: SamplingParams,
                               request_id: str, trace_headers: dict[str, str] | None = None,
@@ -155,6 +160,7 @@ class DecodeWorkerActor(RoleActor):
             attributes={"request_id": request_id, "prompt_tokens": len(input_ids)},
         ) as span:
             finished = await self.loop.submit(request_id, input_ids, sampling, options)
+            metrics.add(metrics_catalog.GENERATED_TOKENS, len(finished.token_ids), {"worker": self.name})
             span.set_attribute("cached_tokens", finished.cached_tokens)
             return finished
 

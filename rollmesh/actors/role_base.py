@@ -7,13 +7,17 @@ spawn time, so role classes stay plain classes that tests can also run in-proces
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from rollmesh.actors.shell import ActorShell
+from rollmesh.bus.errors import BusSecurityError
+from rollmesh.bus.permissions import ACTOR_ROLES
+from rollmesh.bus.security import BusCredentials
 from rollmesh.ports import ActorLogic, Publisher
-from rollmesh.config import NatsConfig, TelemetryConfig
+from rollmesh.config import NatsConfig, NatsTlsConfig, TelemetryConfig
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,24 @@ class MeshContext:
     run_dir: str
     telemetry: TelemetryConfig = TelemetryConfig()
     nats: NatsConfig = NatsConfig()
+    # security.enabled: NATS role -> credentials (paths and variable names, no secrets); each
+    # actor is handed only the roles it connects as (``only``). Empty: an open NATS.
+    credentials: Mapping[str, BusCredentials] = field(default_factory=dict)
+    nats_tls: NatsTlsConfig = NatsTlsConfig()
+
+    def only(self, *roles: str) -> MeshContext:
+        """This context with the credentials of ``roles`` only."""
+        return replace(self, credentials={r: c for r, c in self.credentials.items() if r in roles})
+
+    def credentials_for(self, actor_role: str) -> BusCredentials | None:
+        """The credentials an actor of ``actor_role`` connects with (None: an open NATS)."""
+        if not self.credentials:
+            return None
+        role = ACTOR_ROLES.get(actor_role, actor_role)
+        found = self.credentials.get(role)
+        if found is None:
+            raise BusSecurityError("no NATS credentials handed to this actor", role=role)
+        return found
 
 
 class RoleActor:
@@ -47,7 +69,7 @@ class RoleActor:
         self.shell = ActorShell(
             name, mesh.namespace, mesh.nats_url, run_dir=Path(mesh.run_dir),
             telemetry_config=mesh.telemetry, nats_config=mesh.nats, drain_timeout_s=self.drain_timeout_s,
-            component=self.role,
+            component=self.role, credentials=mesh.credentials_for(self.role), tls_config=mesh.nats_tls,
         )
         self.logic: ActorLogic | None = None
 

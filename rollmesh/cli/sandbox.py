@@ -229,7 +229,7 @@ async def _run(args: argparse.Namespace, config: RollmeshConfig, cmd: list[str])
 
     printer = _Printer(uuid.uuid4().hex, {"stdout": 0, "stderr": 0})
     try:
-        mesh = find_mesh(args, config)
+        mesh = find_mesh(args, config, role="mesh")
     except CliError:
         if args.lease:
             raise
@@ -267,7 +267,7 @@ async def _with_mesh_client(args: argparse.Namespace, action: Callable[[Any], An
     from rollmesh.sandbox.errors import SandboxRequestError
 
     config = load_cli_config(args)
-    mesh = find_mesh(args, config)
+    mesh = find_mesh(args, config, role="mesh")
     try:
         async with _mesh_client(mesh, None) as client:
             return await action(client)
@@ -282,7 +282,8 @@ async def _mesh_client(mesh: Any, printer: _Printer | None) -> AsyncIterator[Any
     from rollmesh.messages.subjects import SANDBOX_OUTPUT
     from rollmesh.sandbox.broker_client import DEFAULT_CHUNK_BYTES, SandboxBrokerClient
 
-    nc = await connect_bus(mesh.nats_url, name="rollmesh-sandbox", connect_timeout_s=mesh.connect_timeout_s)
+    nc = await connect_bus(mesh.nats_url, name="rollmesh-sandbox", connect_timeout_s=mesh.connect_timeout_s,
+                           **mesh.bus_options())
     try:
         if printer is not None:
             async def on_chunk(msg: Any) -> None:

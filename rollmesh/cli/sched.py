@@ -166,7 +166,7 @@ def run_submit_sim(args: argparse.Namespace) -> int:
     except msgspec.ValidationError as exc:
         raise CliError(f"bad job: {exc}", exit_code=EXIT_USAGE) from exc
     config = load_cli_config(args)
-    target = find_mesh(args, config)
+    target = find_mesh(args, config, role="mesh")
     subject = asyncio.run(_publish_job(target, job))
     print(f"submitted {job.job_id} ({job.accelerators} accelerator(s)) to {subject}")
     return EXIT_OK
@@ -178,7 +178,8 @@ async def _publish_job(target: Any, job: Any) -> str:
     from rollmesh.bus.streams import StreamLimits, ensure_streams
     from rollmesh.messages.subjects import SIM_SUBMITTED
 
-    nc = await connect_bus(target.nats_url, name="rollmesh-sched", connect_timeout_s=target.connect_timeout_s)
+    nc = await connect_bus(target.nats_url, name="rollmesh-sched", connect_timeout_s=target.connect_timeout_s,
+                           **target.bus_options())
     try:
         js = nc.jetstream()
         # Idempotent: the job is kept even when no scheduler has created the streams yet.
@@ -195,7 +196,7 @@ def run_status(args: argparse.Namespace) -> int:
     import msgspec
 
     config = load_cli_config(args)
-    target = find_mesh(args, config)
+    target = find_mesh(args, config, role="mesh")
     status = asyncio.run(_ask_status(target, args.timeout))
     if args.json:
         print(json.dumps(msgspec.to_builtins(status)))
@@ -224,7 +225,8 @@ async def _ask_status(target: Any, timeout_s: float) -> Any:
     from rollmesh.messages import SchedulerStatusRequest
     from rollmesh.messages.subjects import SCHED_STATUS
 
-    nc = await connect_bus(target.nats_url, name="rollmesh-sched", connect_timeout_s=target.connect_timeout_s)
+    nc = await connect_bus(target.nats_url, name="rollmesh-sched", connect_timeout_s=target.connect_timeout_s,
+                           **target.bus_options())
     try:
         return await BusPublisher(nc, nc.jetstream(), target.namespace).request(
             SCHED_STATUS, SchedulerStatusRequest(), timeout_s)

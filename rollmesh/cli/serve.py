@@ -37,11 +37,13 @@ def _port(text: str) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from rollmesh.serve_apps import InvalidApiKeyFileError, resolve_api_key
+    from rollmesh.serve_apps import InvalidApiKeyFileError, required_api_key
 
     config = load_cli_config(args)
     try:
-        api_key = resolve_api_key(config.serve.api_key_file, os.environ)
+        # Required beyond loopback or with security.enabled (ApiKeyRequiredError otherwise).
+        api_key = required_api_key(config.serve.api_key_file, os.environ, host=args.host,
+                                   security_enabled=config.security.enabled)
     except InvalidApiKeyFileError as exc:
         raise CliError(str(exc), exit_code=EXIT_USAGE) from exc
     return asyncio.run(_serve_until_stopped(config, args.host, args.port, api_key))

@@ -217,11 +217,14 @@ async def _submit(target: MeshTarget, requests: list[RolloutRequested], tracer: 
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.bus.streams import StreamLimits, ensure_streams
 
-    nc = await connect_bus(target.nats_url, name="rollmesh-submit", connect_timeout_s=target.connect_timeout_s)
+    nc = await connect_bus(target.nats_url, name="rollmesh-submit", connect_timeout_s=target.connect_timeout_s,
+                           **target.bus_options())
     try:
         js = nc.jetstream()
-        # Idempotent: requests are stored even when no mesh has created the streams yet.
-        await ensure_streams(js, target.namespace, StreamLimits(replicas=target.replicas))
+        # Idempotent: requests are stored even when no mesh has created the streams yet. A
+        # secured client may not create streams; its mesh made them before it was ready.
+        if not target.secured:
+            await ensure_streams(js, target.namespace, StreamLimits(replicas=target.replicas))
         collector = ResultCollector({r.rollout_id for r in requests})
         if wait:  # subscribe before publishing, so no result can slip past
             for subject in (ROLLOUT_COMPLETED, ROLLOUT_FAILED):

@@ -3,6 +3,8 @@
 Knows the config loader, ``mesh.json`` and argparse; never imports Ray or nats-py, so finding a
 mesh stays cheap. A command finds its mesh, in this order: ``--nats-url`` (+ ``--namespace``),
 ``--run-dir``, the config's ``nats.url`` (a cluster deployment), the latest run under the run root.
+With security it connects as a NATS role ("client" for submit and watch): the config's
+``security.credentials`` for it, else the key the mesh generated in its run directory.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rollmesh.cli.errors import EXIT_USAGE, CliError
-from rollmesh.config import ConfigError, RollmeshConfig, load_config
+from rollmesh.config import ConfigError, NatsCredentialsConfig, NatsTlsConfig, RollmeshConfig, load_config
 from rollmesh.mesh_info import MeshInfo, MeshNotFoundError, read_mesh_info
 from rollmesh.messages import check_namespace
 
@@ -28,6 +30,23 @@ class MeshTarget:
     connect_timeout_s: float = 5.0
     # JetStream replicas the streams are ensured with (the config's nats.replicas).
     replicas: int = 1
+    # The NATS role to connect as and where its credentials are (None: an open NATS), and TLS.
+    role: str = "client"
+    credentials: NatsCredentialsConfig | None = None
+    nats_tls: NatsTlsConfig = NatsTlsConfig()
+
+    @property
+    def secured(self) -> bool:
+        return self.credentials is not None
+
+    def bus_options(self) -> dict[str, Any]:
+        """``connect_bus`` keyword arguments: the role's credentials and the TLS context."""
+        from rollmesh.bus.security import BusCredentials
+        from rollmesh.bus.tls import client_tls_context
+
+        credentials = (BusCredentials(self.role, self.namespace, self.credentials)
+                       if self.credentials is not None else None)
+        return {"credentials": credentials, "tls": client_tls_context(self.nats_tls)}
 
 
 def namespace_arg(text: str) -> str:
@@ -76,19 +95,29 @@ def load_cli_config(args: argparse.Namespace, overrides: dict[str, Any] | None =
         raise CliError(f"bad config: {exc}", exit_code=EXIT_USAGE) from exc
 
 
-def find_mesh(args: argparse.Namespace, config: RollmeshConfig) -> MeshTarget:
+def find_mesh(args: argparse.Namespace, config: RollmeshConfig, *, role: str = "client") -> MeshTarget:
     namespace = getattr(args, "namespace", None)
     nats_url = getattr(args, "nats_url", None)
     timeout_s, replicas = config.nats.connect_timeout_s, config.nats.replicas
+    access = dict(role=role, credentials=_configured_credentials(config, role),
+                  nats_tls=config.security.nats_tls)
     if nats_url:
         return MeshTarget(nats_url, namespace or config.namespace, connect_timeout_s=timeout_s,
-                          replicas=replicas)
+                          replicas=replicas, **access)
     if args.run_dir is None and config.nats.url:
         return MeshTarget(config.nats.url, namespace or config.namespace,
-                          connect_timeout_s=timeout_s, replicas=replicas)
+                          connect_timeout_s=timeout_s, replicas=replicas, **access)
     try:
         info = read_mesh_info(args.run_dir, run_root=config.run_root)
     except MeshNotFoundError as exc:
         raise CliError(str(exc)) from exc
+    # A mesh with security on an embedded server keeps each role's generated key in its run dir.
+    generated = Path(info.run_dir) / "security" / f"{role}.nk"
+    if access["credentials"] is None and generated.is_file():
+        access["credentials"] = NatsCredentialsConfig(nkey_seed_file=str(generated))
     return MeshTarget(info.nats_url, namespace or info.namespace, Path(info.run_dir), info,
-                      connect_timeout_s=timeout_s, replicas=replicas)
+                      connect_timeout_s=timeout_s, replicas=replicas, **access)
+
+
+def _configured_credentials(config: RollmeshConfig, role: str) -> NatsCredentialsConfig | None:
+    return config.security.credentials.get(role) if config.security.enabled else None

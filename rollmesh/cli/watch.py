@@ -103,7 +103,8 @@ async def _watch(target: MeshTarget, tally: WatchTally, *, count: int | None, ti
     """Follow events until ``count`` finished (True) or ``timeout_s`` passed (False when counting)."""
     from rollmesh.bus.connection import connect_bus
 
-    nc = await connect_bus(target.nats_url, name="rollmesh-watch", connect_timeout_s=target.connect_timeout_s)
+    nc = await connect_bus(target.nats_url, name="rollmesh-watch", connect_timeout_s=target.connect_timeout_s,
+                           **target.bus_options())
     finished = asyncio.Event()
     view = _TerminalView(count) if terminal else None
 

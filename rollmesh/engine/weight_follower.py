@@ -21,6 +21,7 @@ from rollmesh.ports import MessageContext, Publisher, Subscription
 from rollmesh.engine.weight_buckets import load_published
 from rollmesh.messages import WeightsActivated, WeightsPublished
 from rollmesh.messages.subjects import WEIGHTS_ACTIVATED, WEIGHTS_PUBLISHED
+from rollmesh.telemetry import metrics, metrics_catalog
 
 _log = structlog.get_logger("rollmesh.engine.weight_follower")
 
@@ -60,6 +61,8 @@ class WeightFollower:
         self.clock = clock
         self.latest = latest
         self._lock = asyncio.Lock()
+        metrics.observe(metrics_catalog.WEIGHT_VERSION_ACTIVE, self, lambda follower: [
+            (follower.engine.current_version, {"role": follower.role, "worker": follower.worker})])
 
     async def start(self) -> None:
         if self.latest is None:

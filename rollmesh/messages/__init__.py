@@ -8,6 +8,7 @@ from rollmesh.messages.checkpoint import (
     CheckpointSaved,
 )
 from rollmesh.messages.dead_letter import DeadLettered
+from rollmesh.messages.metrics import MetricKind, MetricPoint, MetricSeries, MetricsReported
 from rollmesh.messages.rollout import (
     INFRA_FAILURE_KINDS,
     FailureKind,
@@ -72,6 +73,10 @@ __all__ = [
     "ForkedLease",
     "FailureKind",
     "INFRA_FAILURE_KINDS",
+    "MetricKind",
+    "MetricPoint",
+    "MetricSeries",
+    "MetricsReported",
     "GpuGranted",
     "GpuReleased",
     "PreemptionAcknowledged",

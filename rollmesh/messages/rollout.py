@@ -41,6 +41,9 @@ class RolloutProgressed(WireMessage, frozen=True, tag="rollout.progressed"):
     num_tokens: int
     weight_version: int
     status: str = "running"
+    # The rollout's trace (32 hex digits; its turns are traces of their own linking to it); ""
+    # when tracing is off or the sender predates it.
+    trace_id: str = ""
 
 
 class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed"):
@@ -74,6 +77,8 @@ class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed"):
     # Attempts this rollout took, and the infrastructure failures it survived on the way.
     attempts: int = 1
     infra_failures: int = 0
+    # The trace of the attempt that finished it (as in RolloutProgressed).
+    trace_id: str = ""
 
 
 FailureKind = Literal[
@@ -98,6 +103,8 @@ class RolloutFailed(WireMessage, frozen=True, tag="rollout.failed"):
     idempotency_key: str = ""
     attempts: int = 1
     infra_failures: int = 0
+    # The trace of the attempt that failed ("" when it failed before one began).
+    trace_id: str = ""
 
 
 # Failure kinds that are the infrastructure's fault, not the task's: retried up to a budget, and

@@ -17,6 +17,7 @@ import msgspec
 from rollmesh.messages.base import WireMessage
 from rollmesh.messages.checkpoint import CheckpointConversionFailed, CheckpointConverted, CheckpointSaved
 from rollmesh.messages.dead_letter import DeadLettered
+from rollmesh.messages.metrics import MetricsReported
 from rollmesh.messages.rollout import (
     RolloutCompleted,
     RolloutFailed,
@@ -167,6 +168,9 @@ SCHED_STATUS = Subject("rl.{ns}.sched.status", SchedulerStatusRequest, "json", r
 # The scheduler's accounting, every scheduler.report_every_s (core NATS: the latest one matters).
 SCHED_UTILIZATION = Subject("rl.{ns}.sched.utilization", SchedulerStatus, "json")
 DEAD_LETTERED = Subject("rl.{ns}.dlq", DeadLettered, "json")
+# Every process's metric snapshot, every telemetry.metrics_report_s, to the hub in `rollmesh up`
+# (core NATS: the next snapshot makes good a lost one).
+METRICS_REPORTED = Subject("rl.{ns}.metrics.reported", MetricsReported)
 
 ALL_SUBJECTS: tuple[Subject, ...] = (
     ROLLOUT_REQUESTED,
@@ -200,4 +204,5 @@ ALL_SUBJECTS: tuple[Subject, ...] = (
     SCHED_STATUS,
     SCHED_UTILIZATION,
     DEAD_LETTERED,
+    METRICS_REPORTED,
 )

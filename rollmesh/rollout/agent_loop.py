@@ -72,12 +72,18 @@ from rollmesh.rollout.tool_syntax import format_tool_output, parse_tool_call, st
 from rollmesh.rollout.trajectory import Trajectory
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
 from rollmesh.sandbox.errors import SandboxRequestError
-from rollmesh.telemetry import conventions
+from rollmesh.telemetry import conventions, metrics, metrics_catalog
 
 _log = structlog.get_logger("rollmesh.rollout")
 _tracer = trace.get_tracer("rollmesh.rollout")
 T = TypeVar("T")
 MAX_RETRY_DELAY_S = 30.0
+
+
+def _trace_id(span: trace.Span) -> str:
+    """The span's trace id as 32 hex digits ("" when tracing is off: an invalid context)."""
+    context = span.get_span_context()
+    return f"{context.trace_id:032x}" if context.is_valid else ""
 
 
 @dataclass
@@ -122,6 +128,8 @@ class RolloutRunner:
         self.counts = {"completed": 0, "failed": 0, "resumed": 0, "republished": 0, "infra_retries": 0,
                        "joined": 0}
         self._running: dict[str, asyncio.Future[None]] = {}
+        metrics.observe(metrics_catalog.ROLLOUTS_IN_FLIGHT, self,
+                        lambda runner: [(len(runner._running), {"worker": runner.worker})])
 
     def subscriptions(self) -> list[Subscription]:
         return [
@@ -200,6 +208,8 @@ class RolloutRunner:
             finally:
                 keepalive.cancel()
                 await asyncio.gather(keepalive, return_exceptions=True)
+            # The outcome names this attempt's trace, so a dashboard can link the rollout to it.
+            outcome = msgspec.structs.replace(outcome, trace_id=_trace_id(rollout_span))
             if isinstance(outcome, RolloutCompleted):
                 rollout_span.set_attribute("rollout.reward", outcome.reward)
             else:
@@ -214,9 +224,11 @@ class RolloutRunner:
         if isinstance(outcome, RolloutCompleted):
             await self.publisher.publish(ROLLOUT_COMPLETED, outcome)
             self.counts["completed"] += 1
+            metrics.add(metrics_catalog.ROLLOUTS_COMPLETED, 1)
         else:
             await self.publisher.publish(ROLLOUT_FAILED, outcome)
             self.counts["failed"] += 1
+            metrics.add(metrics_catalog.ROLLOUTS_FAILED, 1, {"kind": outcome.kind})
 
     async def _run_with_retries(self, run: _Run) -> RolloutCompleted | RolloutFailed:
         request = run.request
@@ -344,6 +356,7 @@ class RolloutRunner:
                     rollout_id=request.rollout_id, turn=turn, num_tokens=len(trajectory),
                     weight_version=max(generation.versions, default=-1),
                     status="running" if call is not None else "answered",
+                    trace_id=_trace_id(run.span),
                 ))
             if call is None:
                 break

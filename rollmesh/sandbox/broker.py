@@ -49,6 +49,7 @@ from rollmesh.messages.sandbox import (
 )
 from rollmesh.ports import Publisher
 from rollmesh.sandbox.errors import CapacityError, RequestRefusedError
+from rollmesh.telemetry import metrics, metrics_catalog
 from rollmesh.sandbox.lease_terms import LeaseTerms, limits_spec, profile_limits, resolve_terms
 from rollmesh.sandbox.leases import Lease, LeaseTable
 from rollmesh.sandbox.sandbox_protocol import Sandbox, SandboxBackend, SandboxLimits
@@ -103,6 +104,7 @@ class SandboxBroker:
         self._pending: dict[str, asyncio.Future[SandboxLeaseReply]] = {}
         self._pools_wanted = asyncio.Event()
         self._closed = False
+        _observe_broker(self)
 
     # -- leases ----------------------------------------------------------------------------
 
@@ -205,10 +207,15 @@ class SandboxBroker:
     # -- what runs in a leased sandbox ------------------------------------------------------
 
     async def exec(self, req: SandboxExecRequest) -> SandboxExecReply:
+        started = time.monotonic()
         lease, kind, text = await self._live(req.lease_id)
         if lease is None:
-            return SandboxExecReply(error_kind=kind, error=text, exec_id=req.exec_id)
-        return await self._ops.exec(lease, req, now=self._clock)
+            reply = SandboxExecReply(error_kind=kind, error=text, exec_id=req.exec_id)
+        else:
+            reply = await self._ops.exec(lease, req, now=self._clock)
+        metrics.record(metrics_catalog.SANDBOX_EXEC_DURATION, time.monotonic() - started,
+                       {"result": reply.error_kind or reply.result})
+        return reply
 
     async def upload(self, req: SandboxUploadRequest) -> SandboxUploadReply:
         lease, kind, text = await self._live(req.lease_id)
@@ -421,3 +428,13 @@ class SandboxBroker:
         log.info("sandbox lease refused", error_kind=kind, error=text)
         retry = self.config.capacity_retry_after_s if kind in ("capacity", "infra_error") else 0.0
         return SandboxLeaseReply(error_kind=kind, error=text, retry_after_s=retry)
+
+
+def _observe_broker(broker: SandboxBroker) -> None:
+    """The broker's pool, leases and grants, read at every metrics collection."""
+    metrics.observe(metrics_catalog.SANDBOX_POOL_SIZE, broker, lambda b: [  # every configured profile
+        (b._pool.ready(profile) if profile in b._pool.profiles() else 0, {"profile": profile})
+        for profile in b.config.profiles])
+    metrics.observe(metrics_catalog.SANDBOX_LEASES_ACTIVE, broker, lambda b: [(len(b._leases), {})])
+    metrics.observe(metrics_catalog.SANDBOX_LEASES_GRANTED, broker,
+                    lambda b: [(b.counts["leases_granted"], {})])

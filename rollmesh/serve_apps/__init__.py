@@ -8,11 +8,18 @@ experts) are checked in ``generate_extensions``. The HTTP shapes (``http_shapes`
 HTTP API, separate from the NATS wire contract.
 """
 
-from rollmesh.serve_apps.api_keys import API_KEY_ENV, check_authorization, resolve_api_key
+from rollmesh.serve_apps.api_keys import (
+    API_KEY_ENV,
+    check_authorization,
+    is_loopback,
+    required_api_key,
+    resolve_api_key,
+)
 from rollmesh.serve_apps.chat_requests import render_chat
 from rollmesh.serve_apps.errors import (
     RETRY_AFTER_S,
     ApiError,
+    ApiKeyRequiredError,
     AuthenticationError,
     InvalidApiKeyFileError,
     EngineUnavailableError,
@@ -32,6 +39,7 @@ __all__ = [
     "API_KEY_ENV",
     "APP_NAME",
     "ApiError",
+    "ApiKeyRequiredError",
     "AuthenticationError",
     "InvalidApiKeyFileError",
     "EngineUnavailableError",
@@ -44,7 +52,9 @@ __all__ = [
     "deploy_inference_app",
     "encode_routed_experts",
     "generate_options",
+    "is_loopback",
     "render_chat",
+    "required_api_key",
     "resolve_api_key",
     "shutdown_inference_app",
 ]

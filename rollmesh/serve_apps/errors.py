@@ -12,6 +12,8 @@ error tree (to map it), not Ray or FastAPI.
                                          retrying will help: ``version_unavailable``
 
     InvalidApiKeyFileError(ValueError)   at startup: the configured key file is unreadable or empty
+    └── ApiKeyRequiredError              at startup: bound beyond loopback or security enabled,
+                                         and no key configured
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ class AuthenticationError(ApiError):
 
 class InvalidApiKeyFileError(ValueError):
     """The configured API key file cannot be read or is empty (raised at startup, not per request)."""
+
+
+class ApiKeyRequiredError(InvalidApiKeyFileError):
+    """The HTTP API would be reachable beyond this machine (or security is on) without a key."""
 
 
 class ModelNotFoundError(ApiError):

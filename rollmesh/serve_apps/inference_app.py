@@ -3,7 +3,8 @@
 prefill and decode actors, and the admin endpoints ``GET /v1/admin/weights``, SGLang's
 ``POST /update_weights_from_disk`` and ``POST /flush_cache``. With an API key (given at
 construction, never read here from the environment) every endpoint but ``/health`` requires
-``Authorization: Bearer KEY``.
+``Authorization: Bearer KEY``; so does the live dashboard's data (``rollmesh.dashboard``: its two
+static pages at ``/dashboard`` and ``/dashboard/traces/<id>`` hold none and ask for the key).
 
 Knows Ray Serve, FastAPI and the InferenceRouter; finds the workers by actor name (the launcher
 spawned them), never spawns or stops them. Bad input is answered with a 4xx JSON error and never
@@ -27,7 +28,7 @@ from typing import Any
 
 import ray
 import structlog
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Header, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
@@ -38,6 +39,8 @@ from ray.serve.exceptions import RayServeException
 
 from rollmesh.actors.inference_router import InferenceRouter, generation_attributes
 from rollmesh.config import TelemetryConfig
+from rollmesh.dashboard.feed import DashboardSource, WorkerHandle
+from rollmesh.dashboard.routes import DashboardRoutes, is_dashboard_request
 from rollmesh.engine.errors import EngineError
 from rollmesh.engine.protocols import GenerateOptions, GenerationResult
 from rollmesh.messages.base import SamplingParams
@@ -96,7 +99,9 @@ _log = structlog.get_logger("rollmesh.serve")
 # the replica). Its per-operation child spans (dependencies, endpoint, serialization) are off: they
 # add three spans to every request, and the handler's current span must be the SERVER span so the
 # gen_ai.* attributes land there.
-HTTP_TELEMETRY = {"tracing": True, "operation_spans": False, "metrics": False, "logs": False}
+# The dashboard's requests (its page polls every second) are left out of the traces.
+HTTP_TELEMETRY = {"tracing": True, "operation_spans": False, "metrics": False, "logs": False,
+                  "exclude": is_dashboard_request}
 _http = FastAPI(title="rollmesh inference", docs_url=None, redoc_url=None, telemetry=HTTP_TELEMETRY)
 
 
@@ -139,6 +144,11 @@ GENERATE_PARAMS = {"input_ids": "input_ids", "request_id": "rid",
                    "max_new_tokens": "sampling_params.max_new_tokens"}
 
 
+def find_named_actor(name: str, namespace: str) -> Any:
+    """How the dashboard finds the sandbox broker (by the name the launcher gave it)."""
+    return ray.get_actor(name, namespace=namespace)
+
+
 def chat_params(body: ChatCompletionRequest) -> dict[str, str]:
     tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     return {"input_ids": "messages", "max_new_tokens": tokens}
@@ -179,6 +189,7 @@ class InferenceServer:
         api_key: str = "",
         telemetry: TelemetryConfig | None = None,
         run_dir: str = "",
+        dashboard: DashboardSource | None = None,
     ) -> None:
         setup_logging("serve:inference")
         telemetry = telemetry or TelemetryConfig()
@@ -195,7 +206,12 @@ class InferenceServer:
         self.router = InferenceRouter(
             [w.actor for w in self.workers if w.role == "prefill"],
             [w.actor for w in self.workers if w.role == "decode"],
+            model_name=self.served.name,
         )
+        # The constructor runs on the replica's event loop, where the dashboard's feed then lives.
+        self.dashboard = DashboardRoutes.start(
+            dashboard, [WorkerHandle(w.name, w.role, w.actor) for w in self.workers],
+            find_actor=find_named_actor)
 
     # A body that fails validation is answered 400 before the key is checked (FastAPI validates
     # before the handler runs); nothing reaches the engine either way.
@@ -262,6 +278,28 @@ class InferenceServer:
     @_http.get("/health")
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
+
+    # -- the live dashboard (rollmesh.dashboard): its two pages hold no data; the data needs the key
+
+    @_http.get("/dashboard", response_model=None)
+    async def dashboard_page(self) -> Response:
+        return self.dashboard.page()
+
+    @_http.get("/dashboard/state", response_model=None)
+    async def dashboard_state(self, authorization: str | None = Header(default=None)) -> Response:
+        check_authorization(authorization, self._api_key)
+        return self.dashboard.state_answer()
+
+    @_http.get("/dashboard/traces/{trace_id}", response_model=None)
+    async def dashboard_trace_page(self, trace_id: str) -> Response:
+        return self.dashboard.trace_page(trace_id)
+
+    @_http.get("/dashboard/traces/{trace_id}/spans", response_model=None)
+    async def dashboard_trace_spans(
+        self, trace_id: str, authorization: str | None = Header(default=None)
+    ) -> Response:
+        check_authorization(authorization, self._api_key)
+        return await self.dashboard.trace_answer(trace_id)
 
     # -- admin ----------------------------------------------------------------------------
 
@@ -340,13 +378,15 @@ def build_inference_app(
     routes_experts: bool | None = None,
     telemetry: TelemetryConfig | None = None,
     run_dir: str = "",
+    dashboard: DashboardSource | None = None,
 ) -> Application:
     """The bound application; deploy it with ``deploy_inference_app``. A non-empty ``api_key``
     is required as ``Authorization: Bearer`` on every endpoint but ``/health``.
     ``routes_experts`` (MoE or dense, None: unknown) lets a dense model's server refuse
     ``return_routed_experts`` before any worker runs; the engine refuses it either way.
     ``telemetry`` and ``run_dir`` set up the replica's tracing (``traces.jsonl`` in ``run_dir``
-    by default); without ``run_dir`` only the OTEL_* variables turn an exporter on."""
+    by default); without ``run_dir`` only the OTEL_* variables turn an exporter on.
+    ``dashboard``: the mesh ``/dashboard`` follows (None: those routes answer 404)."""
     return InferenceServer.bind(
         prefill_actor_names=list(prefill_actor_names),
         decode_actor_names=list(decode_actor_names),
@@ -356,18 +396,25 @@ def build_inference_app(
         api_key=api_key,
         telemetry=telemetry,
         run_dir=str(run_dir),
+        dashboard=dashboard,
     )
 
 
 def deploy_inference_app(
-    app: Application, *, host: str, port: int, route_prefix: str = "/"
+    app: Application, *, host: str, port: int, route_prefix: str = "/",
+    tls_cert_file: str = "", tls_key_file: str = "",
 ) -> str:
-    """Start Serve's HTTP proxy on host:port, deploy ``app``, return its base URL."""
-    serve.start(http_options={"host": host, "port": port})
+    """Start Serve's HTTP proxy on host:port (HTTPS with a certificate and key), deploy ``app``,
+    return its base URL."""
+    http_options: dict[str, object] = {"host": host, "port": port}
+    if tls_cert_file:
+        http_options.update(ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file)
+    serve.start(http_options=http_options)
     serve.run(app, name=APP_NAME, route_prefix=route_prefix, blocking=False)
     # A wildcard bind address is not one a client can connect to.
     reachable = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return f"http://{reachable}:{port}{route_prefix.rstrip('/')}"
+    scheme = "https" if tls_cert_file else "http"
+    return f"{scheme}://{reachable}:{port}{route_prefix.rstrip('/')}"
 
 
 def shutdown_inference_app() -> None:

@@ -1,7 +1,8 @@
-"""rollmesh.telemetry: OpenTelemetry tracing, structlog logging and secret redaction setup.
+"""rollmesh.telemetry: OpenTelemetry tracing and metrics, structlog logging and secret redaction.
 
 The tracing conventions (service, span and attribute names) live in
-``rollmesh.telemetry.conventions``, which any layer may import.
+``rollmesh.telemetry.conventions``, the metric names in ``rollmesh.telemetry.metrics_catalog``;
+any layer may import either.
 
 Knows opentelemetry and structlog; nothing of NATS or Ray. Names load lazily so that importing
 ``rollmesh.telemetry.redaction`` does not pull in the OpenTelemetry SDK.
@@ -22,6 +23,9 @@ _EXPORTS = {
     "setup_logging": "rollmesh.telemetry.logging",
     "redact_url": "rollmesh.telemetry.redaction",
     "redact_value": "rollmesh.telemetry.redaction",
+    "setup_metrics": "rollmesh.telemetry.metrics",
+    "collect_report": "rollmesh.telemetry.metrics",
+    "MetricsHub": "rollmesh.telemetry.metrics_hub",
 }
 
 __all__ = sorted(_EXPORTS)

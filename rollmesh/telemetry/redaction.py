@@ -1,7 +1,8 @@
 """Secret redaction for logs and anything else that prints URLs or config.
 
 Knows the standard library only. Values under keys that look secret (token, password, secret,
-api_key, authorization) are replaced, and ``user:pass@`` in URLs becomes ``[REDACTED]@``.
+api_key, authorization, nkey, private_key) are replaced, ``user:pass@`` in URLs becomes
+``[REDACTED]@``, and NATS nkey seeds ("SU..." and kin) are replaced wherever they appear.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ import re
 from typing import Any
 
 REDACTED = "[REDACTED]"
-_SECRET_KEY = re.compile(r"token|password|passwd|secret|api_?key|authorization", re.IGNORECASE)
+_SECRET_KEY = re.compile(r"token|password|passwd|secret|api_?key|authorization|nkey|private_?key",
+                         re.IGNORECASE)
+# An nkey seed: "S", the key type (User, Operator, Account, Cluster, Node), 56 base32 characters.
+_NKEY_SEED = re.compile(r"\bS[UOACN][A-Z2-7]{56}\b")
 # scheme://user:pass@host or scheme://token@host: everything between // and @ is a credential.
 _URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
 _MAX_DEPTH = 4
@@ -28,6 +32,7 @@ def is_secret_key(key: str) -> bool:
 def redact_value(value: Any, depth: int = 0) -> Any:
     """Redact secrets inside strings, dicts, lists and tuples (bounded depth, new objects)."""
     if isinstance(value, str):
+        value = _NKEY_SEED.sub(REDACTED, value) if "S" in value else value
         return redact_url(value) if "@" in value else value
     if depth >= _MAX_DEPTH:
         return value

@@ -62,7 +62,7 @@ from rollmesh.training.admission import (
 from rollmesh.training.grpo import PolicySample
 from rollmesh.training.heap import return_freed_memory
 from rollmesh.training.ledger import LedgerEntry, TrainingLedger
-from rollmesh.telemetry import conventions
+from rollmesh.telemetry import conventions, metrics, metrics_catalog
 from rollmesh.training.torch_backend import TrainerBackend
 from rollmesh.training.warm_start import demonstration_batch
 
@@ -112,6 +112,9 @@ class TrainerLogic:
         self.ungrouped = 0
         self.duplicates = 0
         self.resumed_from_step: int | None = None
+        # Trajectories admitted and waiting for the step that trains them.
+        metrics.observe(metrics_catalog.QUEUE_DEPTH, self,
+                        lambda trainer: [(len(trainer._consumed), {"queue": "trainer", "worker": ""})])
 
     async def start(self) -> None:
         """Resume from the ledger: the last durable step's weights, version and consumed keys."""
@@ -163,6 +166,8 @@ class TrainerLogic:
             self.ungrouped += 1
             return
         lag = generation_lag(message.versions, self.version)
+        metrics.record(metrics_catalog.VERSION_LAG, lag,
+                       {"admitted": "true" if lag <= self.config.max_staleness else "false"})
         sample = None
         if lag <= self.config.max_staleness:
             # Never infra_failed: a RolloutCompleted's infra_failures are failures it survived
@@ -277,6 +282,8 @@ class TrainerLogic:
             max_raw_version_lag=max((member.raw_version_lag for member in admitted), default=0),
         )
         await self.publisher.publish(TRAINER_STEPPED, message)
+        metrics.record(metrics_catalog.TRAINER_STEP_DURATION, message.duration_s)
+        metrics.record(metrics_catalog.TRAINER_STEP_TOKENS, sum(len(sample.tokens) for sample in samples))
         _log.info("trainer_stepped", step=self.step, weight_version=self.version,
                   reward_mean=round(message.reward_mean, 4), samples=len(samples))
         if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:

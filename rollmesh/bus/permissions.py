@@ -1,0 +1,285 @@
+"""Least-privilege NATS: what each role may publish and subscribe to, and the server config for it.
+
+Knows the subject templates, the stream and bucket names and nats-server's config syntax; knows
+nothing of nats-py, Ray or where credentials come from (``rollmesh.bus.security``). This table is
+the one source for the embedded server (``security.enabled``) and for cluster manifests
+(``deploy/nats/``), so a role's rights are written down once.
+
+A role reads a JetStream stream through a durable pull consumer (``consume``): consumer info and
+create, fetch (``MSG.NEXT``) and acks (``$JS.ACK``). Each role's request/reply inbox is its own
+(``_INBOX.<ns>.<role>.>``, set with nats-py's ``inbox_prefix``), so no role reads another's
+replies; responders (sandbox broker, scheduler) answer through ``allow_responses``, which lets
+them publish only to the reply subject of a request they received. Only ``mesh`` (the launcher
+and operator tools) may create or change streams.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from rollmesh.bus.streams import (
+    checkpoints_stream,
+    rollout_requests_stream,
+    rollout_results_stream,
+    rollout_state_bucket,
+    scheduling_stream,
+    weights_stream,
+)
+from rollmesh.messages import Subject, check_namespace
+from rollmesh.messages.subjects import (
+    CHECKPOINT_CONVERTED,
+    CHECKPOINT_FAILED,
+    CHECKPOINT_SAVED,
+    DEAD_LETTERED,
+    GPU_GRANTED,
+    GPU_RELEASED,
+    METRICS_REPORTED,
+    PREEMPTION_ACKNOWLEDGED,
+    PREEMPTION_REQUESTED,
+    ROLE_DEMAND,
+    ROLLOUT_COMPLETED,
+    ROLLOUT_FAILED,
+    ROLLOUT_PROGRESSED,
+    ROLLOUT_REQUESTED,
+    RUN_REGISTERED,
+    SANDBOX_DOWNLOAD,
+    SANDBOX_EXEC,
+    SANDBOX_FORK,
+    SANDBOX_HEARTBEAT,
+    SANDBOX_LEASE,
+    SANDBOX_OUTPUT,
+    SANDBOX_RELEASE,
+    SANDBOX_SNAPSHOT,
+    SANDBOX_UPLOAD,
+    SCHED_STATUS,
+    SCHED_UTILIZATION,
+    SIM_ENDED,
+    SIM_STARTED,
+    SIM_SUBMITTED,
+    TRAINER_STEPPED,
+    WEIGHTS_ACTIVATED,
+    WEIGHTS_PUBLISHED,
+)
+
+# "mesh": the launcher and operator tools (stream setup, `rollmesh sched`, `rollmesh sandbox`).
+ROLES = ("mesh", "rollout_worker", "trainer", "inference", "sandbox_broker", "scheduler",
+         "resharder", "client")
+
+# An actor's ``RoleActor.role`` -> the permission role it connects as.
+ACTOR_ROLES = {
+    "rollout_worker": "rollout_worker",
+    "trainer": "trainer",
+    "prefill": "inference",
+    "decode": "inference",
+    "sandbox_broker": "sandbox_broker",
+    "gpu_scheduler": "scheduler",
+    "resharder": "resharder",
+}
+
+SANDBOX_REQUESTS = (SANDBOX_LEASE, SANDBOX_EXEC, SANDBOX_UPLOAD, SANDBOX_DOWNLOAD, SANDBOX_SNAPSHOT,
+                    SANDBOX_FORK, SANDBOX_HEARTBEAT, SANDBOX_RELEASE)
+
+
+def routed_experts_bucket(namespace: str) -> str:
+    # Mirrors rollmesh.bus.routed_experts_store (which imports numpy; this table must not).
+    return f"RL_{check_namespace(namespace)}_ROUTED_EXPERTS"
+
+
+@dataclass(frozen=True)
+class RolePermissions:
+    """One role's allow lists (concrete subjects, wildcards allowed) for one namespace."""
+
+    role: str
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    # Publish to the reply subject of a request it received (request/reply responders).
+    allow_responses: bool = False
+
+    def as_server_block(self) -> dict[str, object]:
+        """The ``permissions`` value of a nats-server user entry."""
+        block: dict[str, object] = {"publish": {"allow": list(self.publish)},
+                                    "subscribe": {"allow": list(self.subscribe)}}
+        if self.allow_responses:
+            block["allow_responses"] = True
+        return block
+
+
+def inbox_prefix(role: str, namespace: str) -> str:
+    """The reply-inbox prefix a role's connections use (nats-py ``inbox_prefix``)."""
+    return f"_INBOX.{check_namespace(namespace)}.{_check_role(role)}"
+
+
+def role_permissions(role: str, namespace: str) -> RolePermissions:
+    """What ``role`` may publish and subscribe to in ``namespace``."""
+    ns = check_namespace(namespace)
+    builder = _ROLE_BUILDERS[_check_role(role)]
+    publish, subscribe, responds = builder(ns)
+    subscribe = [*subscribe, f"{inbox_prefix(role, ns)}.>"]
+    return RolePermissions(role, _unique(publish), _unique(subscribe), responds)
+
+
+def all_role_permissions(namespace: str) -> dict[str, RolePermissions]:
+    return {role: role_permissions(role, namespace) for role in ROLES}
+
+
+@dataclass(frozen=True)
+class ServerUser:
+    """One user entry of the server config: a role and how it authenticates (an nkey public key,
+    or a user name and password). Passwords may be bcrypt hashes ("$2a$...")."""
+
+    role: str
+    nkey: str = ""
+    user: str = ""
+    password: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.nkey) == bool(self.user):
+            raise ValueError(f"user of role {self.role!r}: give either an nkey or a user name")
+
+
+def render_authorization(users: Sequence[ServerUser], namespace: str) -> str:
+    """A nats-server ``authorization { users = [...] }`` block giving each user its role's rights
+    (users of the global account, where JetStream is enabled by ``-js``)."""
+    return "authorization {\n  users = [\n" + "".join(
+        f"    {_user_entry(user, namespace)}\n" for user in users) + "  ]\n}\n"
+
+
+def render_account(name: str, users: Sequence[ServerUser], namespace: str, *,
+                   jetstream: bool = True) -> str:
+    """One entry of a nats-server ``accounts { ... }`` block: ``name`` with these users, and
+    JetStream enabled for it (a clustered deployment keeps the mesh in its own account)."""
+    body = "".join(f"      {_user_entry(user, namespace)}\n" for user in users)
+    js = "    jetstream: enabled\n" if jetstream else ""
+    return f"  {name}: {{\n{js}    users = [\n{body}    ]\n  }}\n"
+
+
+def _user_entry(user: ServerUser, namespace: str) -> str:
+    entry: dict[str, object] = {"nkey": user.nkey} if user.nkey else {
+        "user": user.user, "password": user.password}
+    entry["permissions"] = role_permissions(user.role, namespace).as_server_block()
+    # JSON is valid nats-server config, and quoting keeps "$JS..." from reading as a variable.
+    return json.dumps(entry)
+
+
+# -- the table -------------------------------------------------------------------------------
+
+_Lists = tuple[list[str], list[str], bool]
+
+
+def _subjects(ns: str, *bound: Subject) -> list[str]:
+    return [s.format(ns) for s in bound]
+
+
+def _consume(stream: str) -> list[str]:
+    """Publish rights to read ``stream`` through durable pull consumers (create, fetch, ack)."""
+    return [f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
+            f"$JS.ACK.{stream}.>"]
+
+
+def _read_stream(stream: str) -> list[str]:
+    """Publish rights to look a stream up and get single messages from it."""
+    return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>"]
+
+
+def _rollout_state(ns: str) -> list[str]:
+    bucket = rollout_state_bucket(ns)
+    return [*_read_stream(f"KV_{bucket}"), f"$KV.{bucket}.>"]
+
+
+def _routed_experts(ns: str, *, write: bool) -> list[str]:
+    bucket = routed_experts_bucket(ns)
+    stream = f"OBJ_{bucket}"
+    # An object is read through an ordered push consumer (flow-control replies go to $JS.FC).
+    rights = [*_read_stream(stream), f"$JS.API.CONSUMER.CREATE.{stream}.>",
+              f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.FC.{stream}.>"]
+    if write:
+        # The bucket is made by its first writer; a put replaces chunks (purge) under $O.
+        rights += [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.PURGE.{stream}",
+                   f"$O.{bucket}.>"]
+    return rights
+
+
+def _shell(ns: str) -> list[str]:
+    """What every actor's shell publishes: dead letters and its metric snapshots."""
+    return _subjects(ns, DEAD_LETTERED, METRICS_REPORTED)
+
+
+def _mesh(ns: str) -> _Lists:
+    # Stream setup and operator tools: everything in the namespace and the whole JetStream API.
+    return [f"rl.{ns}.>", "$JS.API.>", "$JS.ACK.>", "$JS.FC.>", "$KV.>", "$O.>"], \
+        [f"rl.{ns}.>"], True
+
+
+def _rollout_worker(ns: str) -> _Lists:
+    publish = [
+        *_subjects(ns, ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_PROGRESSED, SCHED_STATUS,
+                   *SANDBOX_REQUESTS),
+        *_shell(ns), *_consume(rollout_requests_stream(ns)), *_rollout_state(ns),
+        *_routed_experts(ns, write=True),
+    ]
+    subscribe = _subjects(ns, GPU_GRANTED, GPU_RELEASED, SANDBOX_OUTPUT)
+    return publish, subscribe, False
+
+
+def _trainer(ns: str) -> _Lists:
+    publish = [
+        *_subjects(ns, WEIGHTS_PUBLISHED, TRAINER_STEPPED, CHECKPOINT_SAVED),
+        *_shell(ns), *_consume(rollout_results_stream(ns)),
+        *_routed_experts(ns, write=False),
+    ]
+    return publish, [], False
+
+
+def _inference(ns: str) -> _Lists:
+    publish = [*_subjects(ns, WEIGHTS_ACTIVATED), *_shell(ns),
+               *_read_stream(weights_stream(ns))]
+    return publish, _subjects(ns, WEIGHTS_PUBLISHED), False
+
+
+def _sandbox_broker(ns: str) -> _Lists:
+    return [*_subjects(ns, SANDBOX_OUTPUT), *_shell(ns)], \
+        _subjects(ns, *SANDBOX_REQUESTS), True
+
+
+def _scheduler(ns: str) -> _Lists:
+    publish = [
+        *_subjects(ns, GPU_GRANTED, GPU_RELEASED, PREEMPTION_REQUESTED, PREEMPTION_ACKNOWLEDGED,
+                   SIM_STARTED, SIM_ENDED, SCHED_UTILIZATION),
+        *_shell(ns), *_consume(scheduling_stream(ns)),
+    ]
+    subscribe = _subjects(ns, SCHED_STATUS, SIM_SUBMITTED, ROLE_DEMAND, RUN_REGISTERED)
+    return publish, subscribe, True
+
+
+def _resharder(ns: str) -> _Lists:
+    publish = [*_subjects(ns, CHECKPOINT_CONVERTED, CHECKPOINT_FAILED), *_shell(ns),
+               *_consume(checkpoints_stream(ns))]
+    return publish, [], False
+
+
+def _client(ns: str) -> _Lists:
+    # Publish rollout requests, read progress and results (trainer steps are training progress).
+    return _subjects(ns, ROLLOUT_REQUESTED), \
+        _subjects(ns, ROLLOUT_PROGRESSED, ROLLOUT_COMPLETED, ROLLOUT_FAILED, TRAINER_STEPPED), False
+
+
+_ROLE_BUILDERS = {
+    "mesh": _mesh, "rollout_worker": _rollout_worker, "trainer": _trainer, "inference": _inference,
+    "sandbox_broker": _sandbox_broker, "scheduler": _scheduler, "resharder": _resharder,
+    "client": _client,
+}
+
+
+def _check_role(role: str) -> str:
+    if role not in _ROLE_BUILDERS:
+        raise ValueError(f"unknown NATS role {role!r}; roles: {', '.join(ROLES)}")
+    return role
+
+
+def _unique(items: Iterable[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(items))
+

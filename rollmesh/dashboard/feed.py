@@ -1,0 +1,155 @@
+"""DashboardFeed: what keeps a ``DashboardState`` live, inside the Serve app's replica.
+
+Knows nats-py (core subscriptions only: watching must never take work off a queue or hold an
+ack), the wire contract and Ray actor handles (duck-typed ``.method.remote()``); not HTTP. Events
+arrive as they are published; what nobody publishes is asked for every ``dashboard.poll_s``: the
+GPU scheduler's status (NATS request), the sandbox broker's numbers and the inference workers'
+weight versions (their actors). A message that does not decode is counted and dropped (the mesh's
+own consumers dead-letter it); a poll that fails is skipped until the next one. With several
+replicas each follows the bus itself, so any replica answers the page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+
+from rollmesh.bus.task_set import TaskSet
+from rollmesh.config import DashboardConfig
+from rollmesh.dashboard.state import DashboardState
+from rollmesh.dashboard.views import SandboxPoolView
+from rollmesh.messages import SchedulerStatusRequest, Subject
+from rollmesh.messages.subjects import (
+    ROLLOUT_COMPLETED,
+    ROLLOUT_FAILED,
+    ROLLOUT_PROGRESSED,
+    ROLLOUT_REQUESTED,
+    SCHED_STATUS,
+    SCHED_UTILIZATION,
+    TRAINER_STEPPED,
+    WEIGHTS_ACTIVATED,
+    WEIGHTS_PUBLISHED,
+)
+from rollmesh.telemetry.redaction import redact_url
+
+_log = structlog.get_logger("rollmesh.dashboard")
+
+FOLLOWED: tuple[Subject, ...] = (
+    ROLLOUT_REQUESTED, ROLLOUT_PROGRESSED, ROLLOUT_COMPLETED, ROLLOUT_FAILED, TRAINER_STEPPED,
+    WEIGHTS_ACTIVATED, WEIGHTS_PUBLISHED, SCHED_UTILIZATION,
+)
+SANDBOX_BROKER = "sandbox-broker"
+# One poll's answers must come within this; a busy mesh answers on the next poll instead.
+POLL_TIMEOUT_S = 5.0
+RECONNECT_DELAY_S = 2.0
+
+
+@dataclass(frozen=True)
+class DashboardSource:
+    """Where a dashboard finds its mesh: handed to the Serve app by the mesh that deploys it."""
+
+    nats_url: str
+    namespace: str
+    run_dir: str
+    ray_namespace: str = ""
+    config: DashboardConfig = DashboardConfig()
+    connect_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class WorkerHandle:
+    """An inference worker whose weight versions the feed asks for."""
+
+    name: str
+    role: str
+    actor: Any
+
+
+class DashboardFeed:
+    def __init__(self, source: DashboardSource, state: DashboardState, *,
+                 workers: Sequence[WorkerHandle] = (),
+                 find_actor: Callable[[str, str], Any] | None = None) -> None:
+        self.source = source
+        self.state = state
+        self.workers = list(workers)
+        # (name, ray namespace) -> actor handle; raises when there is none (ray.get_actor).
+        self.find_actor = find_actor
+        self._tasks = TaskSet("dashboard")
+        self._nc: Any = None
+
+    def start(self) -> None:
+        """Follow the bus and poll, in tasks of this feed (call from a running event loop)."""
+        self._tasks.spawn(self._run(), name="feed")
+
+    async def close(self) -> None:
+        await self._tasks.close()
+        if self._nc is not None:
+            await self._nc.close()
+
+    async def _run(self) -> None:
+        from rollmesh.bus.connection import connect_bus
+        from rollmesh.bus.errors import BusConnectError
+
+        while self._nc is None:
+            try:
+                self._nc = await connect_bus(self.source.nats_url, name="rollmesh-dashboard",
+                                             connect_timeout_s=self.source.connect_timeout_s)
+            except BusConnectError as exc:
+                # The mesh may still be starting; the page shows why it has no data.
+                self.state.feed = f"error: {exc}"
+                _log.warning("dashboard_bus_unreachable", url=redact_url(self.source.nats_url))
+                await asyncio.sleep(RECONNECT_DELAY_S)
+        for subject in FOLLOWED:
+            await self._nc.subscribe(subject.format(self.source.namespace),
+                                     cb=self._on_message(subject))
+        self.state.feed = "connected"
+        while True:
+            await asyncio.gather(self._poll_scheduler(), self._poll_sandbox_pool(),
+                                 self._poll_weights())
+            await asyncio.sleep(self.source.config.poll_s)
+
+    def _on_message(self, subject: Subject) -> Callable[[Any], Any]:
+        async def fold(msg: Any) -> None:
+            try:
+                event = subject.decode(msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.state.record_malformed(subject.template)
+                return
+            self.state.record(event)
+
+        return fold
+
+    async def _poll_scheduler(self) -> None:
+        try:
+            reply = await self._nc.request(
+                SCHED_STATUS.format(self.source.namespace),
+                SCHED_STATUS.encode(SchedulerStatusRequest()), timeout=POLL_TIMEOUT_S)
+            self.state.record(SCHED_STATUS.decode_reply(reply.data))
+        except Exception as exc:  # no scheduler (rollmesh serve), a timeout, a bad reply
+            _log.debug("dashboard_poll_failed", source="scheduler", error=repr(exc))
+
+    async def _poll_sandbox_pool(self) -> None:
+        if self.find_actor is None:
+            return
+        try:
+            broker = self.find_actor(SANDBOX_BROKER, self.source.ray_namespace)
+            stats = await asyncio.wait_for(broker.stats.remote(), timeout=POLL_TIMEOUT_S)
+            self.state.record_sandbox_pool(msgspec.convert(stats.get("logic", {}), SandboxPoolView,
+                                                           strict=False))
+        except Exception as exc:  # no broker (rollmesh serve), one restarting, a timeout
+            _log.debug("dashboard_poll_failed", source="sandbox_broker", error=repr(exc))
+
+    async def _poll_weights(self) -> None:
+        for worker in self.workers:
+            try:
+                answer = await asyncio.wait_for(worker.actor.weight_versions.remote(),
+                                                timeout=POLL_TIMEOUT_S)
+                self.state.record_worker_version(worker.name, worker.role, answer["current"],
+                                                 answer.get("staged"))
+            except Exception as exc:  # a worker restarting: its row keeps its last version
+                _log.debug("dashboard_poll_failed", source=worker.name, error=repr(exc))
