@@ -136,7 +136,8 @@ class MeshRuntime:
             dashboard = DashboardSource(
                 nats_url=dashboard_nats_url, namespace=self.config.namespace,
                 run_dir=str(Path(self.run_dir).resolve()), ray_namespace=self.ray_namespace,
-                config=self.config.dashboard, connect_timeout_s=self.config.nats.connect_timeout_s)
+                config=self.config.dashboard, connect_timeout_s=self.config.nats.connect_timeout_s,
+                credentials=self.bus_credentials.get("dashboard"), nats_tls=self.config.security.nats_tls)
 
         served = describe_served_model(self.config.model)
         app = build_inference_app(

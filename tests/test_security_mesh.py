@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -150,3 +151,17 @@ def test_the_official_openai_client_works_with_the_key_over_https(secured_mesh: 
             openai.OpenAI(base_url=f"{secured_mesh.info.serve_url}/v1", api_key="sk-wrong",
                           http_client=http, max_retries=0).models.list()
     assert completion.choices[0].message.content is not None
+
+
+def test_the_dashboard_follows_the_secured_bus_on_its_own_watch_only_role(secured_mesh: SecuredMesh) -> None:
+    assert secured_mesh.info.dashboard_url.startswith(secured_mesh.info.serve_url)
+    deadline = time.monotonic() + 60
+    with httpx.Client(base_url=secured_mesh.info.serve_url, timeout=30,
+                      verify=ssl.create_default_context(cafile=secured_mesh.ca_file)) as http:
+        while True:
+            state = http.get("/dashboard/state", headers={"Authorization": f"Bearer {API_KEY}"})
+            assert state.status_code == 200, state.text
+            if state.json()["feed"] == "connected":
+                break
+            assert time.monotonic() < deadline, f"the dashboard's feed is {state.json()['feed']!r}"
+            time.sleep(0.5)

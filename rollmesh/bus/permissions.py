@@ -64,8 +64,9 @@ from rollmesh.messages.subjects import (
 )
 
 # "mesh": the launcher and operator tools (stream setup, `rollmesh sched`, `rollmesh sandbox`).
+# "dashboard": the live dashboard in the Serve app, which only watches.
 ROLES = ("mesh", "rollout_worker", "trainer", "inference", "sandbox_broker", "scheduler",
-         "resharder", "client")
+         "resharder", "client", "dashboard")
 
 # An actor's ``RoleActor.role`` -> the permission role it connects as.
 ACTOR_ROLES = {
@@ -267,10 +268,17 @@ def _client(ns: str) -> _Lists:
         _subjects(ns, ROLLOUT_PROGRESSED, ROLLOUT_COMPLETED, ROLLOUT_FAILED, TRAINER_STEPPED), False
 
 
+def _dashboard(ns: str) -> _Lists:
+    # Watches with core subscriptions (never a queue's consumer) and asks the scheduler its status.
+    watched = _subjects(ns, ROLLOUT_REQUESTED, ROLLOUT_PROGRESSED, ROLLOUT_COMPLETED, ROLLOUT_FAILED,
+                        TRAINER_STEPPED, WEIGHTS_ACTIVATED, WEIGHTS_PUBLISHED, SCHED_UTILIZATION)
+    return _subjects(ns, SCHED_STATUS), watched, False
+
+
 _ROLE_BUILDERS = {
     "mesh": _mesh, "rollout_worker": _rollout_worker, "trainer": _trainer, "inference": _inference,
     "sandbox_broker": _sandbox_broker, "scheduler": _scheduler, "resharder": _resharder,
-    "client": _client,
+    "client": _client, "dashboard": _dashboard,
 }
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
 
 from rollmesh.bus.task_set import TaskSet
-from rollmesh.config import DashboardConfig
+from rollmesh.config import DashboardConfig, NatsTlsConfig
 from rollmesh.dashboard.state import DashboardState
 from rollmesh.dashboard.views import SandboxPoolView
 from rollmesh.messages import SchedulerStatusRequest, Subject
@@ -36,6 +36,9 @@ from rollmesh.messages.subjects import (
     WEIGHTS_PUBLISHED,
 )
 from rollmesh.telemetry.redaction import redact_url
+
+if TYPE_CHECKING:
+    from rollmesh.bus.security import BusCredentials
 
 _log = structlog.get_logger("rollmesh.dashboard")
 
@@ -59,6 +62,10 @@ class DashboardSource:
     ray_namespace: str = ""
     config: DashboardConfig = DashboardConfig()
     connect_timeout_s: float = 5.0
+    # security.enabled: the "dashboard" role's credentials (paths and variable names, no secret)
+    # and the bus's TLS; it may only watch its subjects and ask the scheduler's status.
+    credentials: BusCredentials | None = None
+    nats_tls: NatsTlsConfig = NatsTlsConfig()
 
 
 @dataclass(frozen=True)
@@ -93,13 +100,16 @@ class DashboardFeed:
 
     async def _run(self) -> None:
         from rollmesh.bus.connection import connect_bus
-        from rollmesh.bus.errors import BusConnectError
+        from rollmesh.bus.errors import BusConnectError, BusSecurityError
+        from rollmesh.bus.tls import client_tls_context
 
         while self._nc is None:
             try:
                 self._nc = await connect_bus(self.source.nats_url, name="rollmesh-dashboard",
-                                             connect_timeout_s=self.source.connect_timeout_s)
-            except BusConnectError as exc:
+                                             connect_timeout_s=self.source.connect_timeout_s,
+                                             credentials=self.source.credentials,
+                                             tls=client_tls_context(self.source.nats_tls))
+            except (BusConnectError, BusSecurityError) as exc:
                 # The mesh may still be starting; the page shows why it has no data.
                 self.state.feed = f"error: {exc}"
                 _log.warning("dashboard_bus_unreachable", url=redact_url(self.source.nats_url))
