@@ -36,7 +36,9 @@ MUST_MOVE = [catalog.ROLLOUTS_COMPLETED, catalog.ROLLOUTS_FAILED, catalog.GENERA
 MUST_EXIST = [catalog.ROLLOUTS_IN_FLIGHT, catalog.QUEUE_DEPTH, catalog.WEIGHT_VERSION_ACTIVE,
               catalog.SANDBOX_POOL_SIZE, catalog.SANDBOX_LEASES_ACTIVE, catalog.ACCELERATORS_CAPACITY,
               catalog.ACCELERATORS_ALLOCATED, catalog.ACCELERATOR_ALLOCATED_FRACTION,
-              catalog.ACCELERATOR_BUSY_FRACTION, catalog.METRICS_SOURCES]
+              catalog.ACCELERATOR_BUSY_FRACTION, catalog.METRICS_SOURCES,
+              # The scheduler's accounting: counters that stay at 0 without simulation jobs.
+              catalog.PREEMPTIONS, catalog.PREEMPTION_KILLS, catalog.PREEMPTION_LOST, catalog.RL_QUEUEING]
 
 
 def scrape(url: str) -> dict[str, list]:

@@ -290,3 +290,8 @@ def _observe_accelerators(logic: SchedulerLogic) -> None:
                     lambda lg: [(lg.lending.status().allocated_utilization, {})])
     metrics.observe(metrics_catalog.ACCELERATOR_BUSY_FRACTION, logic,
                     lambda lg: [(lg.lending.status().busy_utilization, {})])
+    # Cumulative totals of the scheduler's accounting (observable counters).
+    for spec, field in ((metrics_catalog.PREEMPTIONS, "preemptions"), (metrics_catalog.PREEMPTION_KILLS, "kills"),
+                        (metrics_catalog.PREEMPTION_LOST, "lost_accelerator_s"),
+                        (metrics_catalog.RL_QUEUEING, "rl_queueing_s")):
+        metrics.observe(spec, logic, lambda lg, field=field: [(getattr(lg.lending.status(), field), {})])

@@ -18,6 +18,8 @@ from typing import Any
 import structlog
 
 from rollmesh.bus.connection import connect_bus
+from rollmesh.bus.security import BusCredentials
+from rollmesh.bus.tls import client_tls_context
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.config import RollmeshConfig
 from rollmesh.demo.curve import RewardCurve
@@ -46,10 +48,13 @@ MAX_NEW_TOKENS = 40
 
 class DemoDriver:
     def __init__(self, config: RollmeshConfig, *, nats_url: str, trainer: Any, run_dir: Path,
-                 report: Callable[[str], None] = print) -> None:
+                 report: Callable[[str], None] = print, credentials: BusCredentials | None = None) -> None:
+        """``credentials``: with security.enabled, the mesh's own (the demo runs in the process
+        that launched the mesh, and also follows checkpoint conversions, which clients may not)."""
         self.config = config
         self.demo = config.demo
         self.nats_url = nats_url
+        self.credentials = credentials
         self.trainer = trainer
         self.run_dir = Path(run_dir)
         self.report = report
@@ -69,7 +74,9 @@ class DemoDriver:
         self._last_version = 0
 
     async def run(self) -> dict[str, Any]:
-        nc = await connect_bus(self.nats_url, name="rollmesh-demo", connect_timeout_s=10)
+        nc = await connect_bus(self.nats_url, name="rollmesh-demo", connect_timeout_s=10,
+                               credentials=self.credentials,
+                               tls=client_tls_context(self.config.security.nats_tls))
         publisher = BusPublisher(nc, nc.jetstream(), self.config.namespace)
         subscriptions = [
             await nc.subscribe(ROLLOUT_COMPLETED.format(self.config.namespace), cb=self._on_completed),
@@ -202,7 +209,8 @@ async def run_demo(config: RollmeshConfig, *, run_dir: Path | None = None,
     report(f"mesh up: run directory {info.run_dir}, NATS {info.nats_url}")
     try:
         driver = DemoDriver(config, nats_url=info.nats_url, trainer=mesh.trainer,
-                            run_dir=Path(info.run_dir), report=report)
+                            run_dir=Path(info.run_dir), report=report,
+                            credentials=mesh.runtime.bus_credentials.get("mesh"))
         return await driver.run()
     finally:
         await mesh.stop()

@@ -88,6 +88,19 @@ ACCELERATOR_ALLOCATED_FRACTION = MetricSpec(
 ACCELERATOR_BUSY_FRACTION = MetricSpec(
     "rollmesh_accelerator_busy_fraction", "gauge",
     "Busy accelerator-time over capacity since the scheduler started.", (), "1")
+PREEMPTIONS = MetricSpec(
+    "rollmesh_sched_preemptions", "counter", "PreemptionRequested sent to simulation jobs.", (),
+    "{preemption}")
+PREEMPTION_KILLS = MetricSpec(
+    "rollmesh_sched_preemption_kills", "counter",
+    "Simulation jobs force-killed for not releasing by their preemption deadline.", (), "{job}")
+PREEMPTION_LOST = MetricSpec(
+    "rollmesh_sched_preemption_lost_accelerator_seconds", "counter",
+    "Accelerator-seconds of simulation work lost to preemption (progress since the last checkpoint).",
+    (), "s")
+RL_QUEUEING = MetricSpec(
+    "rollmesh_sched_rl_queueing_seconds", "counter",
+    "Seconds RL roles waited for accelerators they demanded, summed over roles.", (), "s")
 # -- the hub itself -----------------------------------------------------------------------------
 METRICS_SOURCES = MetricSpec(
     "rollmesh_metrics_sources", "gauge", "Processes whose snapshots reached the hub recently.",
@@ -99,7 +112,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     VERSION_LAG, TRAINER_STEP_DURATION, TRAINER_STEP_TOKENS,
     SANDBOX_POOL_SIZE, SANDBOX_LEASES_ACTIVE, SANDBOX_LEASES_GRANTED, SANDBOX_EXEC_DURATION,
     ACCELERATORS_CAPACITY, ACCELERATORS_ALLOCATED, ACCELERATOR_ALLOCATED_FRACTION,
-    ACCELERATOR_BUSY_FRACTION,
+    ACCELERATOR_BUSY_FRACTION, PREEMPTIONS, PREEMPTION_KILLS, PREEMPTION_LOST, RL_QUEUEING,
     METRICS_SOURCES,
 )
 
