@@ -165,3 +165,26 @@ def test_the_dashboard_follows_the_secured_bus_on_its_own_watch_only_role(secure
                 break
             assert time.monotonic() < deadline, f"the dashboard's feed is {state.json()['feed']!r}"
             time.sleep(0.5)
+
+
+def test_no_secret_reaches_a_log_trace_or_file_of_the_run(secured_mesh: SecuredMesh) -> None:
+    """Every NATS seed, the API key and the TLS private keys, searched for in everything the run
+    wrote (logs, traces, config, nats-server's files) and in the Ray workers' logs, after the
+    tests above ran rollouts, refused clients and answered 401s."""
+    import ray
+
+    run_dir = secured_mesh.run_dir
+    secrets = {API_KEY} | {path.read_text().strip() for path in (run_dir / "security").glob("*.nk")}
+    secrets |= {"".join(path.read_text().splitlines()[1:-1]) for path in (run_dir / "pki").glob("*.key")}
+    secrets |= {line for path in (run_dir / "pki").glob("*.key") for line in path.read_text().splitlines()[1:-1]}
+    assert len([s for s in secrets if s.startswith("SU")]) >= 9  # a user seed per NATS role
+    holders = {run_dir / "security", run_dir / "pki", run_dir / "api-key"}  # where they are kept
+    searched = [path for path in run_dir.rglob("*") if path.is_file()
+                and not any(path == holder or holder in path.parents for holder in holders)]
+    logs_dir = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    searched += [path for path in logs_dir.rglob("*") if path.is_file() and path.suffix in (".log", ".out", ".err")]
+    assert any(path.name.startswith("worker-") for path in searched)  # the actors' own output
+    for path in searched:
+        text = path.read_bytes().decode("utf-8", "replace")
+        for secret in secrets:
+            assert secret not in text, f"a secret appears in {path}"
