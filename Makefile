@@ -32,29 +32,25 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e '.[test]'
 	touch $@
 
-# bubblewrap isolates tool code; without it the sandbox falls back to the process backend, which
-# isolates nothing. Installed only when we are root and apt-get exists; never fails the build.
-sandbox-tools:
-	@if ! command -v bwrap >/dev/null 2>&1; then \
+# System tools, installed only where missing, when we are root and apt-get exists; never fails the
+# build. bubblewrap isolates tool code (without it the sandbox falls back to the process backend,
+# which isolates nothing); chromium runs the dashboard's browser test through playwright (never
+# `playwright install`; without it that test fails saying what is missing).
+# $(call apt_install_missing,COMMAND,PACKAGE,WHAT GOES WRONG WITHOUT IT)
+define apt_install_missing
+	@if ! command -v $(1) >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-			echo "installing bubblewrap"; \
-			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) \
-				|| echo "warning: could not install bubblewrap; sandboxes will not isolate tool code"; \
+			echo "installing $(2)"; \
+			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2)) \
+				|| echo "warning: could not install $(2); $(3)"; \
 		else \
-			echo "warning: bwrap not found (install bubblewrap); sandboxes will not isolate tool code"; \
+			echo "warning: $(1) not found (install $(2)); $(3)"; \
 		fi; \
 	fi
+endef
 
-# The dashboard's browser test drives the system Chromium through playwright (never
-# `playwright install`). Installed only when we are root and apt-get exists; never fails the build
-# (the test then fails saying what is missing).
+sandbox-tools:
+	$(call apt_install_missing,bwrap,bubblewrap,sandboxes will not isolate tool code)
+
 browser-tools:
-	@if ! command -v chromium >/dev/null 2>&1; then \
-		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-			echo "installing chromium"; \
-			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
-				|| echo "warning: could not install chromium; the dashboard's browser test will fail"; \
-		else \
-			echo "warning: chromium not found (install it); the dashboard's browser test will fail"; \
-		fi; \
-	fi
+	$(call apt_install_missing,chromium,chromium,the dashboard's browser test will fail)

@@ -83,7 +83,7 @@ class LocalNatsCluster:
             raise NatsServerStartError("cluster already started")
         binary = find_nats_server_binary()
         fixed = [port for node_ports in SHIPPED_PORTS for port in node_ports]
-        new_port = dict(zip(fixed, _free_ports(len(fixed))))
+        new_port = dict(zip(fixed, free_ports(len(fixed))))
         self.nodes = [self._write_node(i, new_port) for i in range(NODE_COUNT)]
         for node in self.nodes:
             # A config error is printed to stderr before the log file is opened.
@@ -221,7 +221,7 @@ class LocalNatsCluster:
                                    binary=str(find_nats_server_binary()), log_tail=tails)
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
     """Ports the kernel calls free right now (all held open together, so they are distinct)."""
     sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
     try:

@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import nats.errors
 import pytest
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from nats_cluster import LocalNatsCluster
+from nats_cluster import LocalNatsCluster, free_ports
 from cluster_test_tasks import HOLD_DIR_ENV
 from rollmesh.bus.streams import rollout_results_stream
 from rollmesh.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
@@ -171,17 +170,6 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def _node_ports(*, head: bool, worker_ports: tuple[int, int]) -> list[str]:
     """Every port a node listens on, free ones, so this cluster never meets another Ray here."""
     names = ["node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
@@ -189,7 +177,7 @@ def _node_ports(*, head: bool, worker_ports: tuple[int, int]) -> list[str]:
     if head:
         names += ["ray-client-server-port", "dashboard-port"]
     low, high = worker_ports
-    return ([f"--{name}={port}" for name, port in zip(names, _free_ports(len(names)))]
+    return ([f"--{name}={port}" for name, port in zip(names, free_ports(len(names)))]
             + [f"--min-worker-port={low}", f"--max-worker-port={high}"])
 
 
@@ -211,7 +199,7 @@ class TwoNodeCluster:
 
     def start(self) -> None:
         self.nats.start()
-        (gcs_port,) = _free_ports(1)
+        (gcs_port,) = free_ports(1)
         self.address = f"127.0.0.1:{gcs_port}"
         self.head = self._node("head", ["--head", f"--port={gcs_port}", "--num-cpus=2",
                                         "--include-dashboard=false",
