@@ -301,7 +301,9 @@ async def test_exec_runs_argv_or_shell_with_stdin_env_and_cwd(tmp_path):
     failed = await client.exec(lease, shell="exit 3")
     assert (failed.result, failed.exit_code) == ("exit", 3)
     call = backend.created[0].execs[0]
-    assert (call["env"], call["cwd"], call["timeout_s"]) == ({"A": "1"}, "sub", 600.0)
+    # The caller's env as given (plus the trace context's TRACEPARENT when a span is current).
+    env = {key: value for key, value in call["env"].items() if key not in ("TRACEPARENT", "TRACESTATE")}
+    assert (env, call["cwd"], call["timeout_s"]) == ({"A": "1"}, "sub", 600.0)
 
 
 async def test_an_exec_is_a_broker_span_whose_traceparent_reaches_the_tool_process(tmp_path, trace_file):

@@ -174,6 +174,7 @@ async def test_a_client_reads_results_with_user_and_password_from_the_environmen
         await client.subscribe(f"rl.{NAMESPACE}.rollout.progressed", cb=_setter(got))
         await client.flush()
         await worker.publish(f"rl.{NAMESPACE}.rollout.progressed", b"{}")
+        await worker.flush()
         await asyncio.wait_for(got.wait(), 10)
     finally:
         await client.close()

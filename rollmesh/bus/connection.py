@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Awaitable
 
 import nats
 import structlog
@@ -36,6 +37,8 @@ async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0,
     safe_url = redact_url(url)
     connected = False
     last_error: list[str] = []
+    # The server refused the credentials: retrying cannot help, so the first connect stops at once.
+    refused = asyncio.Event()
     auth = credentials.connect_options() if credentials is not None else {}
     if tls is not None:
         auth["tls"] = tls
@@ -47,7 +50,10 @@ async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0,
     async def on_error(exc: Exception) -> None:
         # Before the first connection every refused attempt would log; the final error says it.
         text = redact_url(str(exc)) or type(exc).__name__
-        last_error[:] = [text]
+        if not refused.is_set():  # a refusal stays the reason, whatever the retries meet after it
+            last_error[:] = [text]
+        if not connected and _is_refusal(text):
+            refused.set()
         log("warning" if connected else "debug", "nats_error", error=text,
             error_type=type(exc).__name__)
 
@@ -66,7 +72,7 @@ async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0,
     try:
         # max_reconnect_attempts=-1 also makes nats-py retry the *first* connect forever, so the
         # startup deadline is enforced here.
-        await asyncio.wait_for(nc.connect(
+        await _first_connect(nc.connect(
             servers=[part.strip() for part in url.split(",") if part.strip()],
             name=name,
             connect_timeout=connect_timeout_s,
@@ -78,13 +84,44 @@ async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0,
             reconnected_cb=on_reconnected,
             closed_cb=on_closed,
             **auth,
-        ), timeout=connect_timeout_s)
+        ), refused, timeout_s=connect_timeout_s)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         await nc.close()
-        reason = redact_url(str(exc)) or f"not connected within {connect_timeout_s}s"
-        if last_error and last_error[0] not in reason:
-            reason = f"{reason} (last error: {last_error[0]})"
+        if refused.is_set():
+            reason = f"the server refused the credentials ({last_error[0]})"
+        else:
+            reason = redact_url(str(exc)) or f"not connected within {connect_timeout_s}s"
+            if last_error and last_error[0] not in reason:
+                reason = f"{reason} (last error: {last_error[0]})"
         raise BusConnectError(f"cannot connect: {reason}", url=safe_url) from exc
     connected = True
     log("debug", "nats_connected")
     return nc
+
+
+# What nats-server says when it refuses a connection's credentials or its TLS identity.
+_REFUSALS = ("authorization violation", "authentication", "user authentication expired")
+
+
+def _is_refusal(text: str) -> bool:
+    lowered = text.lower()
+    return any(refusal in lowered for refusal in _REFUSALS)
+
+
+async def _first_connect(connecting: Awaitable[None], refused: asyncio.Event, *, timeout_s: float) -> None:
+    """Await ``connecting`` for at most ``timeout_s``; a refusal ends it at once (TimeoutError,
+    whose reason the caller takes from the refusal it recorded)."""
+    connect = asyncio.ensure_future(connecting)
+    refusal = asyncio.ensure_future(refused.wait())
+    try:
+        done, _ = await asyncio.wait({connect, refusal}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if connect in done:
+            connect.result()
+            return
+        raise TimeoutError()
+    finally:
+        for task in (connect, refusal):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(connect, refusal, return_exceptions=True)
