@@ -17,6 +17,7 @@ from pathlib import Path
 import nats
 import pytest
 import pytest_asyncio
+from nats_jwt import OperatorMode
 
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
@@ -250,3 +251,34 @@ def test_logged_credentials_are_redacted(secured: SecuredBus) -> None:
     assert seed not in str(logged) and PASSWORD not in str(logged)
     assert logged["nkey_seed"] == logged["password"] == REDACTED
     assert repr(secured.credentials("trainer")).count(seed) == 0  # what travels: a path, no secret
+
+
+async def test_a_role_connects_with_a_creds_file_to_an_operator_mode_server_and_keeps_to_its_rights(tmp_path):
+    operator = OperatorMode()
+    server = EmbeddedNatsServer(tmp_path / "nats", auth_config=operator.server_config())
+    server.start()
+    creds = operator.write_creds(tmp_path / "client.creds", "client",
+                                 role_permissions("client", NAMESPACE).as_jwt_permissions())
+    watcher_creds = operator.write_creds(tmp_path / "watcher.creds", "watcher", {})  # no limits
+    violations = Violations()
+    try:
+        credentials = BusCredentials("client", NAMESPACE, NatsCredentialsConfig(creds_file=str(creds)))
+        client = await nats.connect(server.url, error_cb=violations.record, allow_reconnect=False,
+                                    **credentials.connect_options())
+        watcher = await nats.connect(server.url, user_credentials=str(watcher_creds), allow_reconnect=False)
+        try:
+            seen = await watch_everything(watcher, f"rl.{NAMESPACE}.rollout.requested")
+            await client.publish(f"rl.{NAMESPACE}.weights.published", b"forged weights")
+            await client.publish(f"rl.{NAMESPACE}.rollout.requested", b"{}")
+            await client.flush()
+            await asyncio.wait_for(seen.sentinel.wait(), 10)
+            await asyncio.wait_for(violations.arrived.wait(), 10)
+        finally:
+            await client.close()
+            await watcher.close()
+        with pytest.raises(BusConnectError):  # no .creds: an operator-mode server knows no one
+            await connect_bus(server.url, name="anonymous", connect_timeout_s=2)
+    finally:
+        server.stop()
+    assert f"rl.{NAMESPACE}.weights.published" not in seen.subjects
+    assert any("permissions violation" in error.lower() for error in violations.errors), violations.errors

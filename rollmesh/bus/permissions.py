@@ -106,6 +106,15 @@ class RolePermissions:
             block["allow_responses"] = True
         return block
 
+    def as_jwt_permissions(self) -> dict[str, object]:
+        """The same rights as the ``nats`` claims of a user JWT, for a server in operator (JWT)
+        mode whose users connect with ``.creds`` files (nsc: ``--allow-pub``/``--allow-sub``)."""
+        claims: dict[str, object] = {"pub": {"allow": list(self.publish)},
+                                     "sub": {"allow": list(self.subscribe)}}
+        if self.allow_responses:
+            claims["resp"] = {"max": 1, "ttl": 0}  # one reply per request, the server's default window
+        return claims
+
 
 def inbox_prefix(role: str, namespace: str) -> str:
     """The reply-inbox prefix a role's connections use (nats-py ``inbox_prefix``)."""
