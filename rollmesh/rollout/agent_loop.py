@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import msgspec
 
@@ -65,6 +64,7 @@ from rollmesh.messages.subjects import (
     ROLLOUT_REQUESTED,
 )
 from rollmesh.rollout.errors import RolloutError
+from rollmesh.rollout.rollout_sandbox import RolloutSandbox
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates, trajectory_of, transcript_of, with_progress
 from rollmesh.rollout.tasks import Task, TaskInputError, TaskRegistry, ToolOutput, Transcript, UnknownTaskError
 from rollmesh.rollout.tool_results import failure_kind, tool_text
@@ -76,7 +76,6 @@ from rollmesh.telemetry import conventions, metrics, metrics_catalog
 
 _log = structlog.get_logger("rollmesh.rollout")
 _tracer = trace.get_tracer("rollmesh.rollout")
-T = TypeVar("T")
 MAX_RETRY_DELAY_S = 30.0
 
 
@@ -120,6 +119,7 @@ class RolloutRunner:
         self.engine = engine
         self.publisher = publisher
         self.sandbox = sandbox or SandboxBrokerClient(publisher)
+        self.leases = RolloutSandbox(self.sandbox, config)
         self.states: RolloutStateStore = states if states is not None else InMemoryRolloutStates()
         # Set for MoE models: every turn's routed-expert rows are kept for routing replay.
         self.routed_experts = routed_experts
@@ -261,11 +261,14 @@ class RolloutRunner:
         if not run.state.tokens:
             run.state = self._started(run.state, task)
         trajectory = trajectory_of(run.state)
-        lease_id = await self._lease(run)
+        saved = run.state
+        lease_id = await self.leases.lease(request.rollout_id, held=saved.lease_id,
+                                           snapshot_id=saved.snapshot_id, turn=saved.turn)
+        run.state = msgspec.structs.replace(run.state, lease_id=lease_id)
         try:
-            transcript = await self._while_leased(lease_id, self._turns(run, task, trajectory, lease_id))
+            transcript = await self.leases.while_leased(lease_id, self._turns(run, task, trajectory, lease_id))
         finally:
-            await self._release(lease_id, request.rollout_id)
+            await self.leases.release(lease_id, request.rollout_id)
         reward = task.reward(request.task_input, transcript)
         return RolloutCompleted(
             rollout_id=request.rollout_id, task=request.task, group_id=request.group_id,
@@ -344,7 +347,7 @@ class RolloutRunner:
                     trajectory.append_forced(self.tokenizer.encode(format_tool_output(output.text))[:room])
             snapshot_id = run.state.snapshot_id
             if call is not None and self.config.snapshot_workspace:
-                snapshot_id = await self._snapshot(lease_id, request.rollout_id) or snapshot_id
+                snapshot_id = await self.leases.snapshot(lease_id, request.rollout_id) or snapshot_id
             transcript = Transcript(calls, outputs, final_text, finished_with_eos)
             run.state = with_progress(run.state, trajectory=trajectory, transcript=transcript, turn=turn,
                                       now=self.clock(), tool_wait_s=run.state.tool_wait_s + tool_wait_s,
@@ -441,71 +444,3 @@ class RolloutRunner:
                                turns=turn)
         # The tool's own failures are the model's business: it sees them and may try again.
         return ToolOutput(ok=reply.result == "exit" and reply.exit_code == 0, text=tool_text(reply)[:200])
-
-    async def _lease(self, run: _Run) -> str:
-        """The rollout's sandbox: the one its earlier attempt held, while that lease lives (the
-        rollout id is the idempotency token); else a fork of its last workspace snapshot; else a
-        fresh one."""
-        rollout_id, saved = run.request.rollout_id, run.state
-        try:
-            reply = await self.sandbox.lease(
-                rollout_id, profile=self.config.sandbox_profile,
-                ttl_s=self.config.sandbox_lease_ttl_s, capacity_retries=self.config.sandbox_capacity_retries)
-        except SandboxRequestError as exc:
-            raise RolloutError("sandbox_error", f"no sandbox lease: {exc}", turns=saved.turn) from exc
-        lease_id = reply.lease_id
-        if saved.lease_id and lease_id != saved.lease_id and saved.snapshot_id:
-            lease_id = await self._restore(rollout_id, saved.snapshot_id, fresh_lease=lease_id)
-        run.state = msgspec.structs.replace(run.state, lease_id=lease_id)
-        return lease_id
-
-    async def _restore(self, rollout_id: str, snapshot_id: str, *, fresh_lease: str) -> str:
-        """A lease on a fork of ``snapshot_id``, the fresh lease given back; the fresh lease
-        itself when the snapshot is gone (the rollout goes on with an empty workspace)."""
-        try:
-            (forked,) = await self.sandbox.fork(snapshot_id, rollout_id, 1, ttl_s=self.config.sandbox_lease_ttl_s)
-        except (SandboxRequestError, ValueError) as exc:
-            _log.warning("workspace_snapshot_lost", rollout_id=rollout_id, snapshot_id=snapshot_id, error=str(exc))
-            return fresh_lease
-        await self._release(fresh_lease, rollout_id)
-        return forked.lease_id
-
-    async def _snapshot(self, lease_id: str, rollout_id: str) -> str:
-        """A snapshot of the workspace now, or "" when the broker could not take one (the rollout
-        goes on; only a lost sandbox would then lose its files)."""
-        try:
-            return (await self.sandbox.snapshot(lease_id)).snapshot_id
-        except SandboxRequestError as exc:
-            _log.warning("workspace_snapshot_failed", rollout_id=rollout_id, error=str(exc))
-            return ""
-
-    async def _while_leased(self, lease_id: str, work: Awaitable[T]) -> T:
-        """Run ``work`` while heartbeating the lease; a lost lease ends the work (RolloutError)."""
-        working = asyncio.ensure_future(work)
-        heartbeat = asyncio.create_task(self._heartbeat(lease_id), name=f"heartbeat-{lease_id}")
-        try:
-            await asyncio.wait({working, heartbeat}, return_when=asyncio.FIRST_COMPLETED)
-            if not working.done():
-                heartbeat.result()  # it only ends by raising: the lease is lost
-            return working.result()
-        finally:
-            for task in (working, heartbeat):
-                task.cancel()
-            await asyncio.gather(working, heartbeat, return_exceptions=True)
-
-    async def _heartbeat(self, lease_id: str) -> None:
-        while True:
-            await asyncio.sleep(self.config.sandbox_heartbeat_s)
-            try:
-                await self.sandbox.heartbeat(lease_id)
-            except SandboxRequestError as exc:
-                if exc.kind == "unreachable":  # the TTL outlasts a missed beat or two
-                    _log.warning("sandbox_heartbeat_missed", lease_id=lease_id, error=str(exc))
-                    continue
-                raise RolloutError(failure_kind(exc), f"sandbox lease lost: {exc}") from exc
-
-    async def _release(self, lease_id: str, rollout_id: str) -> None:
-        try:
-            await self.sandbox.release(lease_id)
-        except SandboxRequestError as exc:  # the broker reaps expired leases; losing a release loses nothing
-            _log.warning("sandbox_release_failed", rollout_id=rollout_id, lease_id=lease_id, error=str(exc))
