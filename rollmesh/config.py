@@ -16,17 +16,25 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegInt = Annotated[int, Meta(ge=0)]
-PositiveFloat = Annotated[float, Meta(gt=0)]
-NonNegFloat = Annotated[float, Meta(ge=0)]
+from rollmesh.config_types import ConfigSection, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt
+from rollmesh.sandbox_config import (
+    MAX_OUTPUT_CAP,
+    SandboxConfig,
+    SandboxLimitsConfig,
+    SandboxMaximaConfig,
+    SandboxProfileConfig,
+)
+from rollmesh.security_config import NatsCredentialsConfig, NatsTlsConfig, SecurityConfig
+
+# Sections that live in their own modules, named here too: ``rollmesh.config`` is where every
+# part of the config tree is imported from.
+__all__ = [
+    "MAX_OUTPUT_CAP", "NatsCredentialsConfig", "NatsTlsConfig", "SandboxConfig", "SandboxLimitsConfig",
+    "SandboxMaximaConfig", "SandboxProfileConfig", "SecurityConfig",
+]
 
 
-class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
-
-
-class NatsConfig(_Config):
+class NatsConfig(ConfigSection):
     # None: start an embedded nats-server (loopback, JetStream in the run directory).
     url: str | None = None
     connect_timeout_s: PositiveFloat = 5.0
@@ -37,7 +45,7 @@ class NatsConfig(_Config):
     replicas: PositiveInt = 1
 
 
-class RayConfig(_Config):
+class RayConfig(ConfigSection):
     # None: start a local Ray in this process.
     address: str | None = None
     num_cpus: PositiveInt | None = None
@@ -68,7 +76,7 @@ PLACED_ROLES = ("scheduler", "sandbox", "prefill", "decode", "trainer", "reshard
 RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 
 
-class TelemetryConfig(_Config):
+class TelemetryConfig(ConfigSection):
     # "jsonl": spans to <run_dir>/traces.jsonl; "otlp": OTLP over HTTP to otlp_endpoint.
     exporter: Literal["jsonl", "otlp", "none"] = "jsonl"
     otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
@@ -83,7 +91,7 @@ class TelemetryConfig(_Config):
     tensorboard_every_s: PositiveFloat = 10.0
 
 
-class ModelConfig(_Config):
+class ModelConfig(ConfigSection):
     """The served (and, for "tiny", trained) model. "tiny": the demo's decoder over a byte
     tokenizer (256 bytes + specials), built from the fields below. "hf": a Hugging Face
     checkpoint directory (config.json + safetensors) of a Llama, Qwen2, Qwen3-MoE or Mixtral
@@ -101,7 +109,7 @@ class ModelConfig(_Config):
     seed: int = 0
 
 
-class InferenceConfig(_Config):
+class InferenceConfig(ConfigSection):
     num_prefill_workers: PositiveInt = 1
     num_decode_workers: PositiveInt = 1
     # "disaggregated": prefill workers hand KV pages to decode workers through the object store.
@@ -121,7 +129,7 @@ class InferenceConfig(_Config):
         return self.num_prefill_workers if self.mode == "disaggregated" else 0
 
 
-class RolloutConfig(_Config):
+class RolloutConfig(ConfigSection):
     num_workers: PositiveInt = 1
     # Rollouts one worker runs concurrently (each mostly waits on inference or a tool).
     max_concurrent: PositiveInt = 256
@@ -156,105 +164,7 @@ class RolloutConfig(_Config):
             raise ValueError("sandbox_heartbeat_s must be at most half of sandbox_lease_ttl_s")
 
 
-MiB = 1024 * 1024
-# An exec reply carries its output whole, so the largest output cap must leave room in one NATS
-# message (the embedded server allows 8 MiB).
-MAX_OUTPUT_CAP = 6 * MiB
-
-
-class SandboxLimitsConfig(_Config):
-    """Limits of one sandbox. As a profile: what a lease gets; as ``maxima``: the most a lease
-    may ask for. Defaults: the documented "default" profile."""
-
-    memory_mb: Annotated[int, Meta(ge=16)] = 2048
-    pids: Annotated[int, Meta(ge=8)] = 256
-    workspace_mb: PositiveInt = 2048
-    exec_timeout_s: PositiveFloat = 600.0  # default and maximum wall-clock time of one exec
-    cpu_s: PositiveInt = 600  # CPU seconds of each exec'd process
-    file_size_mb: PositiveInt = 1024
-    max_output_bytes: Annotated[int, Meta(ge=1024, le=MAX_OUTPUT_CAP)] = MiB  # stdout + stderr
-
-
-class SandboxProfileConfig(SandboxLimitsConfig):
-    """A named limit set (``[sandbox.profiles.<name>]``) and its warm pool: between ``warm_min``
-    and ``warm_max`` fresh sandboxes are kept ready, as many as the recent lease rate times the
-    creation latency asks for."""
-
-    network: bool = False  # leases of this profile may ask for network
-    warm_min: NonNegInt = 1
-    warm_max: NonNegInt = 8
-
-    def __post_init__(self) -> None:
-        if self.warm_min > self.warm_max:
-            raise ValueError(f"warm_min {self.warm_min} is above warm_max {self.warm_max}")
-
-
-class SandboxMaximaConfig(SandboxLimitsConfig):
-    """The most any lease may ask for, profile or override alike (``[sandbox.maxima]``); a key
-    left out keeps these defaults, not the default profile's."""
-
-    memory_mb: Annotated[int, Meta(ge=16)] = 16384
-    pids: Annotated[int, Meta(ge=8)] = 4096
-    workspace_mb: PositiveInt = 65536
-    exec_timeout_s: PositiveFloat = 24 * 3600.0
-    cpu_s: PositiveInt = 24 * 3600
-    file_size_mb: PositiveInt = 65536
-    max_output_bytes: Annotated[int, Meta(ge=1024, le=MAX_OUTPUT_CAP)] = MAX_OUTPUT_CAP
-
-
-def _default_profiles() -> dict[str, SandboxProfileConfig]:
-    return {"default": SandboxProfileConfig()}
-
-
-class SandboxConfig(_Config):
-    # "auto": bubblewrap when available, else the process backend (which isolates nothing).
-    # "runsc": gVisor, where installed. A named backend never falls back.
-    backend: Literal["auto", "bwrap", "runsc", "process"] = "auto"
-    # Named limit sets; "default" (2 GiB memory, 2 GiB workspace, 256 pids, 10 min per exec)
-    # exists even when a config file names only others.
-    profiles: dict[str, SandboxProfileConfig] = msgspec.field(default_factory=_default_profiles)
-    maxima: SandboxMaximaConfig = SandboxMaximaConfig()
-    # Admission: live sandboxes (leased, warm and being created) and execs running at once.
-    max_sandboxes: PositiveInt = 1024
-    max_concurrent_execs: PositiveInt = 256
-    max_concurrent_creates: PositiveInt = 4
-    capacity_retry_after_s: PositiveFloat = 1.0  # the retry hint of a "capacity" refusal
-    default_lease_ttl_s: PositiveFloat = 600.0
-    max_lease_ttl_s: PositiveFloat = 7 * 24 * 3600.0
-    # Timers: expired leases are reaped, and warm pools resized, this often.
-    reap_interval_s: PositiveFloat = 5.0
-    pool_interval_s: PositiveFloat = 1.0
-    demand_window_s: PositiveFloat = 60.0  # the lease rate that sizes warm pools is over this
-    # Transfers: the largest file (or tar) moved, and the largest download chunk.
-    max_transfer_bytes: PositiveInt = 1024 * MiB
-    transfer_chunk_bytes: Annotated[int, Meta(ge=1024, le=6 * MiB)] = 4 * MiB
-    # Snapshots kept by the broker (tars of workspaces): the least recently used go first.
-    max_snapshots: PositiveInt = 64
-    max_snapshot_bytes: PositiveInt = 4096 * MiB
-    snapshot_ttl_s: PositiveFloat = 3600.0
-    # Host paths shown read-only inside sandboxes even where the sandbox's own mounts (its
-    # private /tmp) would hide them: datasets, a task's files. rollmesh's tools are always shown.
-    readonly_paths: list[str] = []
-
-    def __post_init__(self) -> None:
-        for name, profile in self.profiles.items():
-            over = [field for field in SandboxLimitsConfig.__struct_fields__
-                    if getattr(profile, field) > getattr(self.maxima, field)]
-            if over:
-                raise ValueError(f"profile {name!r} asks for more than sandbox.maxima: {', '.join(over)}")
-
-    def profile(self, name: str) -> SandboxProfileConfig | None:
-        """The named profile; "default" always exists."""
-        found = self.profiles.get(name)
-        if found is None and name == "default":
-            return SandboxProfileConfig()
-        return found
-
-    def profile_names(self) -> list[str]:
-        return sorted({"default", *self.profiles})
-
-
-class MegatronConfig(_Config):
+class MegatronConfig(ConfigSection):
     """The megatron-core trainer backend (``trainer.backend = "megatron"``): one process per rank
     (training/megatron_ranks.py), tensor_parallel x pipeline_parallel x data_parallel of them."""
 
@@ -283,7 +193,7 @@ class MegatronConfig(_Config):
                              "(expert-parallel ranks are data-parallel ranks)")
 
 
-class TrainerConfig(_Config):
+class TrainerConfig(ConfigSection):
     lr: PositiveFloat = 3e-4
     weight_decay: float = 0.0
     group_size: PositiveInt = 8
@@ -340,7 +250,7 @@ class TrainerConfig(_Config):
                              'the megatron backend trains in fp32')
 
 
-class ResharderConfig(_Config):
+class ResharderConfig(ConfigSection):
     max_shard_bytes: PositiveInt = 1 << 20
     # Megatron checkpoints: shards converted at once, and the memory they may hold together.
     convert_workers: PositiveInt = 2
@@ -350,7 +260,7 @@ class ResharderConfig(_Config):
     convert_backend: Literal["threads", "ray"] = "threads"
 
 
-class SchedulerConfig(_Config):
+class SchedulerConfig(ConfigSection):
     # Declared accelerators, so grants work with zero real GPUs.
     total_gpus: NonNegInt = 0
     # Ray resource the grants are expressed in ("GPU" on a GPU cluster).
@@ -377,7 +287,7 @@ class SchedulerConfig(_Config):
     elastic_drain_s: NonNegFloat = 2.0
 
 
-class ServeConfig(_Config):
+class ServeConfig(ConfigSection):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
@@ -394,7 +304,7 @@ class ServeConfig(_Config):
             raise ValueError("serve.tls_cert_file and serve.tls_key_file go together")
 
 
-class DashboardConfig(_Config):
+class DashboardConfig(ConfigSection):
     """The live dashboard at ``/dashboard`` on the Serve app's port (``rollmesh dashboard``)."""
 
     enabled: bool = True
@@ -417,64 +327,7 @@ class DashboardConfig(_Config):
             raise ValueError("dashboard.trace_url must contain {trace_id}")
 
 
-class NatsCredentialsConfig(_Config):
-    """Where one role's NATS credentials come from: a ``.creds`` file (JWT + nkey), an nkey seed
-    (file or environment variable), or a user name with a password (file or environment
-    variable). Paths and variable names only: secrets never sit in config or on a command line."""
-
-    creds_file: str = ""
-    nkey_seed_file: str = ""
-    nkey_seed_env: str = ""
-    user: str = ""
-    password_file: str = ""
-    password_env: str = ""
-
-    def __post_init__(self) -> None:
-        kinds = [bool(self.creds_file), bool(self.nkey_seed_file or self.nkey_seed_env), bool(self.user)]
-        if sum(kinds) > 1:
-            raise ValueError("give one of creds_file, an nkey seed, or user + password")
-        if self.nkey_seed_file and self.nkey_seed_env:
-            raise ValueError("nkey_seed_file and nkey_seed_env are alternatives")
-        if self.user and bool(self.password_file) == bool(self.password_env):
-            raise ValueError("a user needs exactly one of password_file and password_env")
-        if not self.user and (self.password_file or self.password_env):
-            raise ValueError("a password needs its user")
-
-
-class NatsTlsConfig(_Config):
-    """TLS to NATS. Clients verify the server against ``ca_file`` and present ``cert_file`` /
-    ``key_file`` for mutual TLS. The embedded server uses ``server_cert_file`` /
-    ``server_key_file`` and, with ``verify``, requires client certificates signed by ``ca_file``."""
-
-    enabled: bool = False
-    ca_file: str = ""
-    cert_file: str = ""
-    key_file: str = ""
-    verify: bool = False
-    server_cert_file: str = ""
-    server_key_file: str = ""
-
-    def __post_init__(self) -> None:
-        if bool(self.cert_file) != bool(self.key_file):
-            raise ValueError("security.nats_tls.cert_file and key_file go together")
-        if bool(self.server_cert_file) != bool(self.server_key_file):
-            raise ValueError("security.nats_tls.server_cert_file and server_key_file go together")
-        if self.verify and not self.ca_file:
-            raise ValueError("security.nats_tls.verify (mutual TLS) needs ca_file")
-
-
-class SecurityConfig(_Config):
-    """Least-privilege NATS (one user per role, rollmesh/bus/permissions.py), TLS, API keys.
-    With the embedded server, per-role nkeys are generated into the run directory; with
-    ``nats.url``, ``credentials`` names each role's (roles: mesh, rollout_worker, trainer,
-    inference, sandbox_broker, scheduler, resharder, client)."""
-
-    enabled: bool = False
-    credentials: dict[str, NatsCredentialsConfig] = {}
-    nats_tls: NatsTlsConfig = NatsTlsConfig()
-
-
-class DemoConfig(_Config):
+class DemoConfig(ConfigSection):
     sft_steps: NonNegInt = 300
     sft_batch: PositiveInt = 64
     sft_lr: PositiveFloat = 3e-3
@@ -488,7 +341,7 @@ class DemoConfig(_Config):
     seed: int = 0
 
 
-class RollmeshConfig(_Config):
+class RollmeshConfig(ConfigSection):
     namespace: str = "default"
     run_root: str = ".rollmesh/runs"
     nats: NatsConfig = NatsConfig()

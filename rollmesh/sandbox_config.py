@@ -1,0 +1,110 @@
+"""The sandbox broker's config section: backends, named limit profiles with warm pools, maxima,
+admission, transfers and snapshots (``[sandbox]``).
+
+Knows msgspec only; part of the config tree ``rollmesh.config`` loads.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from rollmesh.config_types import ConfigSection, MiB, NonNegInt, PositiveFloat, PositiveInt
+
+# An exec reply carries its output whole, so the largest output cap must leave room in one NATS
+# message (the embedded server allows 8 MiB).
+MAX_OUTPUT_CAP = 6 * MiB
+
+
+class SandboxLimitsConfig(ConfigSection):
+    """Limits of one sandbox. As a profile: what a lease gets; as ``maxima``: the most a lease
+    may ask for. Defaults: the documented "default" profile."""
+
+    memory_mb: Annotated[int, Meta(ge=16)] = 2048
+    pids: Annotated[int, Meta(ge=8)] = 256
+    workspace_mb: PositiveInt = 2048
+    exec_timeout_s: PositiveFloat = 600.0  # default and maximum wall-clock time of one exec
+    cpu_s: PositiveInt = 600  # CPU seconds of each exec'd process
+    file_size_mb: PositiveInt = 1024
+    max_output_bytes: Annotated[int, Meta(ge=1024, le=MAX_OUTPUT_CAP)] = MiB  # stdout + stderr
+
+
+class SandboxProfileConfig(SandboxLimitsConfig):
+    """A named limit set (``[sandbox.profiles.<name>]``) and its warm pool: between ``warm_min``
+    and ``warm_max`` fresh sandboxes are kept ready, as many as the recent lease rate times the
+    creation latency asks for."""
+
+    network: bool = False  # leases of this profile may ask for network
+    warm_min: NonNegInt = 1
+    warm_max: NonNegInt = 8
+
+    def __post_init__(self) -> None:
+        if self.warm_min > self.warm_max:
+            raise ValueError(f"warm_min {self.warm_min} is above warm_max {self.warm_max}")
+
+
+class SandboxMaximaConfig(SandboxLimitsConfig):
+    """The most any lease may ask for, profile or override alike (``[sandbox.maxima]``); a key
+    left out keeps these defaults, not the default profile's."""
+
+    memory_mb: Annotated[int, Meta(ge=16)] = 16384
+    pids: Annotated[int, Meta(ge=8)] = 4096
+    workspace_mb: PositiveInt = 65536
+    exec_timeout_s: PositiveFloat = 24 * 3600.0
+    cpu_s: PositiveInt = 24 * 3600
+    file_size_mb: PositiveInt = 65536
+    max_output_bytes: Annotated[int, Meta(ge=1024, le=MAX_OUTPUT_CAP)] = MAX_OUTPUT_CAP
+
+
+def _default_profiles() -> dict[str, SandboxProfileConfig]:
+    return {"default": SandboxProfileConfig()}
+
+
+class SandboxConfig(ConfigSection):
+    # "auto": bubblewrap when available, else the process backend (which isolates nothing).
+    # "runsc": gVisor, where installed. A named backend never falls back.
+    backend: Literal["auto", "bwrap", "runsc", "process"] = "auto"
+    # Named limit sets; "default" (2 GiB memory, 2 GiB workspace, 256 pids, 10 min per exec)
+    # exists even when a config file names only others.
+    profiles: dict[str, SandboxProfileConfig] = msgspec.field(default_factory=_default_profiles)
+    maxima: SandboxMaximaConfig = SandboxMaximaConfig()
+    # Admission: live sandboxes (leased, warm and being created) and execs running at once.
+    max_sandboxes: PositiveInt = 1024
+    max_concurrent_execs: PositiveInt = 256
+    max_concurrent_creates: PositiveInt = 4
+    capacity_retry_after_s: PositiveFloat = 1.0  # the retry hint of a "capacity" refusal
+    default_lease_ttl_s: PositiveFloat = 600.0
+    max_lease_ttl_s: PositiveFloat = 7 * 24 * 3600.0
+    # Timers: expired leases are reaped, and warm pools resized, this often.
+    reap_interval_s: PositiveFloat = 5.0
+    pool_interval_s: PositiveFloat = 1.0
+    demand_window_s: PositiveFloat = 60.0  # the lease rate that sizes warm pools is over this
+    # Transfers: the largest file (or tar) moved, and the largest download chunk.
+    max_transfer_bytes: PositiveInt = 1024 * MiB
+    transfer_chunk_bytes: Annotated[int, Meta(ge=1024, le=6 * MiB)] = 4 * MiB
+    # Snapshots kept by the broker (tars of workspaces): the least recently used go first.
+    max_snapshots: PositiveInt = 64
+    max_snapshot_bytes: PositiveInt = 4096 * MiB
+    snapshot_ttl_s: PositiveFloat = 3600.0
+    # Host paths shown read-only inside sandboxes even where the sandbox's own mounts (its
+    # private /tmp) would hide them: datasets, a task's files. rollmesh's tools are always shown.
+    readonly_paths: list[str] = []
+
+    def __post_init__(self) -> None:
+        for name, profile in self.profiles.items():
+            over = [field for field in SandboxLimitsConfig.__struct_fields__
+                    if getattr(profile, field) > getattr(self.maxima, field)]
+            if over:
+                raise ValueError(f"profile {name!r} asks for more than sandbox.maxima: {', '.join(over)}")
+
+    def profile(self, name: str) -> SandboxProfileConfig | None:
+        """The named profile; "default" always exists."""
+        found = self.profiles.get(name)
+        if found is None and name == "default":
+            return SandboxProfileConfig()
+        return found
+
+    def profile_names(self) -> list[str]:
+        return sorted({"default", *self.profiles})
