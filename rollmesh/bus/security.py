@@ -95,6 +95,11 @@ class GeneratedCredentials:
     credentials: dict[str, BusCredentials]
 
 
+def role_seed_path(run_dir: str | Path, role: str) -> Path:
+    """Where a run with generated credentials keeps ``role``'s nkey seed."""
+    return Path(run_dir) / CREDENTIALS_DIR / f"{role}.nk"
+
+
 def generate_role_nkeys(run_dir: Path, namespace: str) -> GeneratedCredentials:
     """A fresh user nkey per role, seeds written to ``<run_dir>/security/<role>.nk`` (0600).
     A restarted run gets new keys: the server config is written anew with them."""
@@ -107,7 +112,7 @@ def generate_role_nkeys(run_dir: Path, namespace: str) -> GeneratedCredentials:
     for role in ROLES:
         seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
         public_key = nkeys.from_seed(bytearray(seed)).public_key.decode()
-        seed_path = directory / f"{role}.nk"
+        seed_path = role_seed_path(run_dir, role)
         write_secret_file(seed_path, seed.decode())
         users.append(ServerUser(role, nkey=public_key))
         credentials[role] = BusCredentials(

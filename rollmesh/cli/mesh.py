@@ -28,7 +28,13 @@ import msgspec
 
 from rollmesh.cli.errors import EXIT_OK, EXIT_USAGE, CliError
 from rollmesh.cli.foreground import run_until_signalled
-from rollmesh.cli.target import add_target_options, load_cli_config, namespace_arg, positive_float
+from rollmesh.cli.target import (
+    add_target_options,
+    load_cli_config,
+    namespace_arg,
+    positive_float,
+    read_cli_mesh_info,
+)
 from rollmesh.config import RUN_CONFIG_FILE, ConfigError, load_run_config
 from rollmesh.mesh_info import MESH_FILE, MeshInfo, MeshNotFoundError, new_run_dir, read_mesh_info
 
@@ -226,10 +232,7 @@ async def _run_foreground(config: Any, run_dir: Path) -> int:
 
 def run_down(args: argparse.Namespace) -> int:
     config = load_cli_config(args)
-    try:
-        info = read_mesh_info(args.run_dir, run_root=config.run_root)
-    except MeshNotFoundError as exc:
-        raise CliError(str(exc)) from exc
+    info = read_cli_mesh_info(args, config)
     mesh_file = Path(info.run_dir) / MESH_FILE
     if not _is_alive(info.pid) or not _looks_like_rollmesh(info.pid):
         mesh_file.unlink(missing_ok=True)

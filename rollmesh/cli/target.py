@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollmesh.bus.security import role_seed_path
 from rollmesh.cli.errors import EXIT_USAGE, CliError
 from rollmesh.config import ConfigError, NatsCredentialsConfig, NatsTlsConfig, RollmeshConfig, load_config
 from rollmesh.mesh_info import MeshInfo, MeshNotFoundError, read_mesh_info
@@ -107,16 +108,21 @@ def find_mesh(args: argparse.Namespace, config: RollmeshConfig, *, role: str = "
     if args.run_dir is None and config.nats.url:
         return MeshTarget(config.nats.url, namespace or config.namespace,
                           connect_timeout_s=timeout_s, replicas=replicas, **access)
-    try:
-        info = read_mesh_info(args.run_dir, run_root=config.run_root)
-    except MeshNotFoundError as exc:
-        raise CliError(str(exc)) from exc
+    info = read_cli_mesh_info(args, config)
     # A mesh with security on an embedded server keeps each role's generated key in its run dir.
-    generated = Path(info.run_dir) / "security" / f"{role}.nk"
+    generated = role_seed_path(info.run_dir, role)
     if access["credentials"] is None and generated.is_file():
         access["credentials"] = NatsCredentialsConfig(nkey_seed_file=str(generated))
     return MeshTarget(info.nats_url, namespace or info.namespace, Path(info.run_dir), info,
                       connect_timeout_s=timeout_s, replicas=replicas, **access)
+
+
+def read_cli_mesh_info(args: argparse.Namespace, config: RollmeshConfig) -> MeshInfo:
+    """The mesh of ``--run-dir``, else the latest under the run root; a CliError when none is up."""
+    try:
+        return read_mesh_info(args.run_dir, run_root=config.run_root)
+    except MeshNotFoundError as exc:
+        raise CliError(str(exc)) from exc
 
 
 def _configured_credentials(config: RollmeshConfig, role: str) -> NatsCredentialsConfig | None:
