@@ -26,7 +26,7 @@ from typing import Any
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.actors.sim_job_runner import SimJobRunner
 from rollmesh.config import InferenceConfig, ModelConfig, SchedulerConfig
-from rollmesh.messages import GpuGranted, SimJobSubmitted
+from rollmesh.messages import GpuGranted, SchedulerStatus, SimJobSubmitted
 from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
 from rollmesh.messages.subjects import GPU_GRANTED
 from rollmesh.ports import ActorLogic, Publisher, Subscription
@@ -279,19 +279,34 @@ class GpuSchedulerActor(RoleActor):
         return msgspec.to_builtins(self.logic_.lending.status())
 
 
+class _StatusPerCollection:
+    """The scheduler's status, made once per metrics collection rather than once per metric: a
+    collection runs the observers back to back, so a status younger than ``FRESH_S`` is reused."""
+
+    FRESH_S = 0.5
+
+    def __init__(self) -> None:
+        self._status: SchedulerStatus | None = None
+        self._made_at = -math.inf
+
+    def __call__(self, logic: SchedulerLogic) -> SchedulerStatus:
+        now = time.monotonic()
+        if self._status is None or now - self._made_at > self.FRESH_S:
+            self._status, self._made_at = logic.lending.status(), now
+        return self._status
+
+
 def _observe_accelerators(logic: SchedulerLogic) -> None:
     """Capacity, grants by holder and the utilization figures, read at every metrics collection."""
-    metrics.observe(metrics_catalog.ACCELERATORS_CAPACITY, logic,
-                    lambda lg: [(lg.lending.status().capacity, {})])
+    status = _StatusPerCollection()
+    metrics.observe(metrics_catalog.ACCELERATORS_CAPACITY, logic, lambda lg: [(status(lg).capacity, {})])
     metrics.observe(metrics_catalog.ACCELERATORS_ALLOCATED, logic, lambda lg: [  # every RL role, 0 too
         (count, {"holder": holder})
-        for holder, count in ({role: 0 for role in RL_ROLES} | lg.lending.status().roles).items()])
-    metrics.observe(metrics_catalog.ACCELERATOR_ALLOCATED_FRACTION, logic,
-                    lambda lg: [(lg.lending.status().allocated_utilization, {})])
-    metrics.observe(metrics_catalog.ACCELERATOR_BUSY_FRACTION, logic,
-                    lambda lg: [(lg.lending.status().busy_utilization, {})])
-    # Cumulative totals of the scheduler's accounting (observable counters).
-    for spec, field in ((metrics_catalog.PREEMPTIONS, "preemptions"), (metrics_catalog.PREEMPTION_KILLS, "kills"),
+        for holder, count in ({role: 0 for role in RL_ROLES} | status(lg).roles).items()])
+    # Fractions, and the cumulative totals of the scheduler's accounting (observable counters).
+    for spec, field in ((metrics_catalog.ACCELERATOR_ALLOCATED_FRACTION, "allocated_utilization"),
+                        (metrics_catalog.ACCELERATOR_BUSY_FRACTION, "busy_utilization"),
+                        (metrics_catalog.PREEMPTIONS, "preemptions"), (metrics_catalog.PREEMPTION_KILLS, "kills"),
                         (metrics_catalog.PREEMPTION_LOST, "lost_accelerator_s"),
                         (metrics_catalog.RL_QUEUEING, "rl_queueing_s")):
-        metrics.observe(spec, logic, lambda lg, field=field: [(getattr(lg.lending.status(), field), {})])
+        metrics.observe(spec, logic, lambda lg, field=field: [(getattr(status(lg), field), {})])
