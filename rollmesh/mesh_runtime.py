@@ -125,14 +125,15 @@ class MeshRuntime:
     def deploy_serve(self, *, prefill_names: list[str], decode_names: list[str], host: str, port: int,
                      api_key: str = "", dashboard_nats_url: str = "") -> str:
         """Deploy the Serve app (HTTPS with serve.tls_cert_file/tls_key_file). With
-        ``dashboard_nats_url`` (the mesh's bus) and dashboard.enabled, it serves the live
-        dashboard too, at ``dashboard_url``."""
+        ``dashboard_nats_url`` (the mesh's bus) it follows the mesh: its router uses the decode
+        workers the GPU scheduler lends, and with dashboard.enabled it serves the live dashboard
+        too, at ``dashboard_url``."""
         from rollmesh.dashboard import DASHBOARD_PATH, DashboardSource
         from rollmesh.engine.paged_model import describe_served_model
         from rollmesh.serve_apps import build_inference_app, deploy_inference_app
 
         dashboard = None
-        if dashboard_nats_url and self.config.dashboard.enabled:
+        if dashboard_nats_url:
             dashboard = DashboardSource(
                 nats_url=dashboard_nats_url, namespace=self.config.namespace,
                 run_dir=str(Path(self.run_dir).resolve()), ray_namespace=self.ray_namespace,
@@ -150,7 +151,7 @@ class MeshRuntime:
         self.serve_url = deploy_inference_app(app, host=host, port=port,
                                               tls_cert_file=self.config.serve.tls_cert_file,
                                               tls_key_file=self.config.serve.tls_key_file)
-        self.dashboard_url = self.serve_url + DASHBOARD_PATH if dashboard else ""
+        self.dashboard_url = self.serve_url + DASHBOARD_PATH if dashboard and self.config.dashboard.enabled else ""
         return self.serve_url
 
     async def stop(self) -> None:

@@ -72,6 +72,14 @@ def steps_of(log: Path) -> tuple[int, int]:
     return numbers[0], numbers[-1]
 
 
+async def wait_until(condition, timeout_s: float = 30.0) -> None:
+    """What another connection's subscription changes: checked every 50 ms until true."""
+    async def wait() -> None:
+        while not condition():
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(wait(), timeout_s)
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rollmesh.cli", *args], capture_output=True, text=True,
                           timeout=60, cwd=REPO)
@@ -146,12 +154,16 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
     """Elastic decode: with nothing else to run, the scheduler lends 2 idle accelerators to
     decode as 2 real decode workers (the tiny model) that a rollout worker's router picks up and
     generates on; a job that needs them gets them once their release was announced and they
-    were stopped."""
+    were stopped. The Serve app's router, following the loans on its own connection, routes to
+    them as well and drops them at their release."""
+    from rollmesh.actors.decode_loans import DecodeLoanRoster
     from rollmesh.actors.inference_router import InferenceRouter
     from rollmesh.actors.rollout_worker import ElasticDecodeFollower
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.config import InferenceConfig, ModelConfig
+    from rollmesh.dashboard import DashboardSource
     from rollmesh.messages.base import SamplingParams
+    from rollmesh.serve_apps.decode_loan_follower import DecodeLoanFollower
 
     namespace = "t" + uuid.uuid4().hex[:10]
     mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(tmp_path / "run"))
@@ -165,6 +177,7 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
     events = Events()
     for subject in WATCHED:
         await nc.subscribe(subject.format(namespace), cb=events.on_message)
+    serve_follower = None
     try:
         await actor.start.remote()
         await events.until(lambda: len(events.of(GPU_GRANTED)) == 2)
@@ -176,6 +189,22 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
         follower = ElasticDecodeFollower(router, BusPublisher(nc, nc.jetstream(), namespace))
         await follower.start()
         assert router.lent_decode_workers() == lent
+        # The lent workers live in the Ray job's namespace (the mesh's, in a launched mesh), not
+        # the one this test gave the scheduler actor.
+        workers_namespace = ray.get_runtime_context().namespace
+        assert ray.get_actor(lent[0], namespace=workers_namespace)
+        # The Serve app's router follows the loans too, on its own connection, as its replica does.
+        # Its own decode worker is marked gone (None, as a worker that left), so all it serves
+        # goes to the lent ones.
+        serve_router = InferenceRouter([], [None])
+        serve_follower = DecodeLoanFollower(
+            DashboardSource(nats_url=nats_server.url, namespace=namespace, run_dir=mesh.run_dir),
+            DecodeLoanRoster(serve_router, lambda name: ray.get_actor(name, namespace=workers_namespace)), poll_s=0.2)
+        serve_follower.start()
+        await wait_until(lambda: serve_router.lent_decode_workers() == lent)
+        served = await serve_router.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4),
+                                             request_id="s1")
+        assert len(served.token_ids) == 4
         finished = await router.decode_workers[1].generate_prompt.remote(
             [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4), "r1")
         assert len(finished.token_ids) == 4
@@ -191,7 +220,11 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
         assert router.lent_decode_workers() == []
         for name in lent:  # stopped before the job was placed on their accelerators
             with pytest.raises(ValueError):
-                ray.get_actor(name, namespace=namespace)
+                ray.get_actor(name, namespace=workers_namespace)
+        # The Serve router dropped them from its own subscription to the releases.
+        await wait_until(lambda: serve_router.lent_decode_workers() == [])
     finally:
+        if serve_follower is not None:
+            await serve_follower.close()
         await nc.close()
         stop_and_kill(actor)

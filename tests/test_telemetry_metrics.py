@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tensorboardX.proto import event_pb2
 
 from rollmesh.bus.publisher import BusPublisher
-from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, TRAINER_STEPPED
+from rollmesh.messages import SchedulerStatus, SchedulerStatusRequest
+from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, SCHED_STATUS, TRAINER_STEPPED
 from rollmesh.sandbox import SandboxBrokerClient
 from rollmesh.telemetry import metrics_catalog as catalog
 
@@ -32,7 +33,7 @@ WAIT_S = 120.0
 # Counters and histograms that this test's work must move; gauges it only needs to see.
 MUST_MOVE = [catalog.ROLLOUTS_COMPLETED, catalog.ROLLOUTS_FAILED, catalog.GENERATED_TOKENS,
              catalog.VERSION_LAG, catalog.TRAINER_STEP_DURATION, catalog.TRAINER_STEP_TOKENS,
-             catalog.SANDBOX_LEASES_GRANTED, catalog.SANDBOX_EXEC_DURATION]
+             catalog.SANDBOX_LEASES_GRANTED, catalog.SANDBOX_EXEC_DURATION, catalog.ROLE_BUSY]
 MUST_EXIST = [catalog.ROLLOUTS_IN_FLIGHT, catalog.QUEUE_DEPTH, catalog.WEIGHT_VERSION_ACTIVE,
               catalog.SANDBOX_POOL_SIZE, catalog.SANDBOX_LEASES_ACTIVE, catalog.ACCELERATORS_CAPACITY,
               catalog.ACCELERATORS_ALLOCATED, catalog.ACCELERATOR_ALLOCATED_FRACTION,
@@ -56,6 +57,16 @@ def moved_amount(families: dict[str, list], spec: catalog.MetricSpec) -> float:
     """A counter's total over its label sets, or a histogram's total count."""
     wanted = f"{spec.name}_count" if spec.kind == "histogram" else spec.exposed_name
     return sum(sample.value for sample in families.get(spec.name, []) if sample.name == wanted)
+
+
+async def scheduler_status(mesh) -> SchedulerStatus:
+    nc = await nats.connect(mesh.info.nats_url)
+    try:
+        reply = await nc.request(SCHED_STATUS.format(mesh.namespace),
+                                 SCHED_STATUS.encode(SchedulerStatusRequest()), timeout=10)
+        return SCHED_STATUS.decode_reply(reply.data)
+    finally:
+        await nc.close()
 
 
 def tensorboard_scalars(directory: Path) -> dict[str, float]:
@@ -161,6 +172,15 @@ async def test_mesh_metrics_exist_move_and_reach_tensorboard(mesh) -> None:
     assert {"rollout_requests", "decode", "trainer"} <= queues
     results = {s.labels["result"] for s in after[catalog.SANDBOX_EXEC_DURATION.name]}
     assert "exit" in results
+    # The roles that computed in this work report it; the scheduler counts what they hold as
+    # busy only in that proportion, so its busy time falls below its allocated time.
+    busy_roles = {s.labels["role"] for s in after[catalog.ROLE_BUSY.name] if s.value > 0}
+    assert {"prefill", "decode", "trainer"} <= busy_roles, busy_roles
+    status = await scheduler_status(mesh)
+    # Every role holding accelerators reports (a shared accelerator's fractions are held by one).
+    assert set(status.roles) <= set(status.roles_busy), (status.roles, status.roles_busy)
+    assert all(0.0 <= fraction <= 1.0 for fraction in status.roles_busy.values())
+    assert status.busy_utilization < status.allocated_utilization, status
     # No unbounded ids in labels: no rollout id, lease id or group id anywhere.
     for samples in after.values():
         for sample in samples:

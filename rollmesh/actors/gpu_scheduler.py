@@ -23,17 +23,20 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.actors.sim_job_runner import SimJobRunner
 from rollmesh.config import InferenceConfig, ModelConfig, SchedulerConfig
 from rollmesh.messages import GpuGranted, SchedulerStatus, SimJobSubmitted
 from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
-from rollmesh.messages.subjects import GPU_GRANTED
+from rollmesh.messages.subjects import GPU_GRANTED, METRICS_REPORTED
 from rollmesh.ports import ActorLogic, Publisher, Subscription
 from rollmesh.scheduling.accounting import UtilizationAccount
 from rollmesh.scheduling.grants import GpuScheduler
 from rollmesh.scheduling.lending import LendingScheduler
 from rollmesh.scheduling.lending_service import JobLedger, LendingService, whole_start_grants
+from rollmesh.scheduling.role_busy import RoleBusyRates
 from rollmesh.scheduling.workload import RoleShare
 from rollmesh.telemetry import metrics, metrics_catalog
 
@@ -240,10 +243,25 @@ class GpuSchedulerActor(RoleActor):
             run_id=self.mesh.namespace, roles=roles, start_grants=start_grants, launcher=launcher,
             role_groups=self.role_groups, publisher=publisher, clock=time.time,
             ledger=JobLedger(run_dir / "scheduler" / "jobs.jsonl"), resource=self.config.resource,
-            account=UtilizationAccount(self.config.total_gpus, start=now))
+            account=UtilizationAccount(self.config.total_gpus, start=now),
+            # A process unheard of for three snapshot intervals no longer says how busy its role is.
+            busy_rates=RoleBusyRates(stale_s=3 * self.mesh.telemetry.metrics_report_s))
         self.logic_ = SchedulerLogic(self.scheduler, publisher, lending, self.config)
         await self.logic_.start_lending()
+        # The processes' metric snapshots (how long RL roles compute): telemetry, read like the
+        # metrics hub reads it, on the shell's connection but outside its per-message spans and
+        # log lines (several processes report every few seconds).
+        await self.shell.nats_client.subscribe(METRICS_REPORTED.format(self.mesh.namespace),
+                                               cb=self._on_metrics_reported)
         return self.logic_
+
+    async def _on_metrics_reported(self, msg: Any) -> None:
+        try:
+            report = METRICS_REPORTED.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # the hub counts malformed snapshots; one is no reason to stop reading them
+        if self.logic_ is not None:
+            self.logic_.lending.record_busy(report)
 
     async def _start_decode_worker(self, name: str, group: Any) -> Any:
         """A decode worker in ``group``, named ``name``, started (it loads the latest weights)."""

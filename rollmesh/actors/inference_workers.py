@@ -88,6 +88,7 @@ def _latest_weights(publisher: Publisher) -> LatestWeights:
 
 class PrefillWorkerActor(RoleActor):
     role = "prefill"
+    holds_accelerators = True
 
     def __init__(self, name: str, mesh: MeshContext, model_config: ModelConfig,
                  inference_config: InferenceConfig) -> None:
@@ -106,7 +107,8 @@ class PrefillWorkerActor(RoleActor):
             attributes={"request_id": request_id, "num_tokens": len(input_ids)},
         ):
             self.engine.apply_staged_weights()
-            return self.engine.prefill(input_ids, request_id=request_id or None)
+            with self.busy.busy():
+                return self.engine.prefill(input_ids, request_id=request_id or None)
 
     async def current_version(self) -> int:
         return self.engine.current_version
@@ -124,13 +126,14 @@ class PrefillWorkerActor(RoleActor):
 
 class DecodeWorkerActor(RoleActor):
     role = "decode"
+    holds_accelerators = True
 
     def __init__(self, name: str, mesh: MeshContext, model_config: ModelConfig,
                  inference_config: InferenceConfig, seed: int = 0) -> None:
         super().__init__(name, mesh, torch_threads=inference_config.torch_threads)
         engine = build_decode_engine(build_inference_model(model_config), inference_config,
                                      seed=seed)
-        self.loop = DecodeLoop(engine)
+        self.loop = DecodeLoop(engine, self.busy)
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         self.loop.start()

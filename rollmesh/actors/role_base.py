@@ -18,6 +18,7 @@ from rollmesh.bus.permissions import ACTOR_ROLES
 from rollmesh.bus.security import BusCredentials
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import NatsConfig, NatsTlsConfig, TelemetryConfig
+from rollmesh.telemetry.busy_clock import BusyClock
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class RoleActor:
     """Base for role actors: builds the shell, lets the subclass build its logic, serves it."""
 
     role = "actor"
+    # Roles that hold accelerators (trainer, prefill, decode, resharder) report how long they
+    # compute (``self.busy``): the GPU scheduler's busy time for what RL holds.
+    holds_accelerators = False
     # How long in-flight handlers may finish at stop before they are cancelled (and their
     # JetStream messages handed back).
     drain_timeout_s = 10.0
@@ -72,9 +76,12 @@ class RoleActor:
             component=self.role, credentials=mesh.credentials_for(self.role), tls_config=mesh.nats_tls,
         )
         self.logic: ActorLogic | None = None
+        self.busy = BusyClock()
 
     async def start(self) -> str:
         publisher = await self.shell.connect()
+        if self.holds_accelerators:
+            self.busy.report_as(self.role)
         self.logic = await self.build_logic(publisher)
         await self.shell.serve(self.logic)
         return self.name

@@ -3,14 +3,15 @@
 Knows the rollout package, the inference router, the shell and the rollout-state KV store. It
 receives the mesh's prefill/decode actor handles from the launcher; decode workers the GPU
 scheduler lends idle accelerators (elastic decode) it looks up by name as their grants arrive
-(``ElasticDecodeFollower``), the one place it asks Ray for a handle.
+(``ElasticDecodeFollower``, with ``decode_loans.DecodeLoanRoster``), the one place it asks Ray
+for a handle.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
+from rollmesh.actors.decode_loans import DecodeLoanRoster
 from rollmesh.actors.inference_router import InferenceRouter
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.bus.publisher import BusPublisher
@@ -19,7 +20,6 @@ from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
 from rollmesh.engine.paged_model import describe_served_model
 from rollmesh.bus.errors import BusRequestError
 from rollmesh.messages import GpuGranted, GpuReleased, SchedulerStatusRequest
-from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
 from rollmesh.messages.subjects import GPU_GRANTED, GPU_RELEASED, SCHED_STATUS
 from rollmesh.ports import ActorLogic, MessageContext, Publisher, Subscription
 from rollmesh.config import ModelConfig, RolloutConfig
@@ -29,14 +29,14 @@ from rollmesh.sandbox.broker_client import SandboxBrokerClient
 
 
 class ElasticDecodeFollower:
-    """Keeps the router's lent decode workers in step with the GPU scheduler's loans: a
-    ``GpuGranted`` to "decode.elastic" adds the worker its grant id names, a ``GpuReleased``
-    removes it (announced before the worker stops). At start, the scheduler's status lists the
-    loans made before this worker existed."""
+    """Keeps a rollout worker's router in step with the GPU scheduler's decode loans: the loan
+    events arrive through the shell; at start, the scheduler's status lists the loans made
+    before this worker existed."""
 
     def __init__(self, router: InferenceRouter, publisher: Publisher) -> None:
         self.router = router
         self.publisher = publisher
+        self.roster = DecodeLoanRoster(router, ray_actor_by_name)
 
     def subscriptions(self) -> list[Subscription]:
         return [Subscription(GPU_GRANTED, self.handle_granted, "core"),
@@ -47,25 +47,20 @@ class ElasticDecodeFollower:
             status = await self.publisher.request(SCHED_STATUS, SchedulerStatusRequest(), 5.0)
         except BusRequestError:
             return  # no scheduler answering: nothing lent
-        for name in status.elastic_workers:
-            await self._add(name)
+        await self.roster.reconcile(status.elastic_workers)
 
     async def handle_granted(self, message: GpuGranted, context: MessageContext) -> None:
-        if message.holder == ELASTIC_DECODE_HOLDER:
-            await self._add(message.grant_id)
+        await self.roster.granted(message)
 
     async def handle_released(self, message: GpuReleased, context: MessageContext) -> None:
-        if message.holder == ELASTIC_DECODE_HOLDER:
-            self.router.remove_decode_worker(message.grant_id)
+        self.roster.released(message)
 
-    async def _add(self, name: str) -> None:
-        import ray
 
-        try:
-            worker = await asyncio.to_thread(ray.get_actor, name)
-        except ValueError:
-            return  # already taken back and gone
-        self.router.add_decode_worker(name, worker)
+def ray_actor_by_name(name: str) -> Any:
+    """A named actor of the caller's own Ray namespace (the mesh's); ValueError when none."""
+    import ray
+
+    return ray.get_actor(name)
 
 
 class RolloutWorkerLogic:

@@ -20,6 +20,7 @@ from rollmesh.training.trainer_logic import TrainerLogic
 
 class TrainerActor(RoleActor):
     role = "trainer"
+    holds_accelerators = True
 
     def __init__(self, name: str, mesh: MeshContext, config: TrainerConfig, model_config: ModelConfig) -> None:
         super().__init__(name, mesh, torch_threads=config.torch_threads)
@@ -37,7 +38,7 @@ class TrainerActor(RoleActor):
         assert isinstance(publisher, BusPublisher), "the shell's publisher is a BusPublisher"
         self.trainer = TrainerLogic(self.config, self.model_config, backend, publisher,
                                     run_dir=Path(self.mesh.run_dir),
-                                    in_progress_every_s=self.mesh.nats.rollout_ack_wait_s / 3,
+                                    in_progress_every_s=self.mesh.nats.rollout_ack_wait_s / 3, busy=self.busy,
                                     # Only MoE rollouts carry a reference into it.
                                     routed_experts=ObjectStoreRoutedExperts(publisher.jetstream, publisher.namespace,
                                                                             replicas=self.mesh.nats.replicas))

@@ -64,7 +64,8 @@ from rollmesh.messages.subjects import (
 )
 
 # "mesh": the launcher and operator tools (stream setup, `rollmesh sched`, `rollmesh sandbox`).
-# "dashboard": the live dashboard in the Serve app, which only watches.
+# "dashboard": the Serve app's follower of the mesh (its live dashboard, its decode loans), which
+# only watches.
 ROLES = ("mesh", "rollout_worker", "trainer", "inference", "sandbox_broker", "scheduler",
          "resharder", "client", "dashboard")
 
@@ -261,7 +262,8 @@ def _scheduler(ns: str) -> _Lists:
                    SIM_STARTED, SIM_ENDED, SCHED_UTILIZATION),
         *_shell(ns), *_consume(scheduling_stream(ns)),
     ]
-    subscribe = _subjects(ns, SCHED_STATUS, SIM_SUBMITTED, ROLE_DEMAND, RUN_REGISTERED)
+    # Metric snapshots too: how long the RL roles' workers compute is the busy time it accounts.
+    subscribe = _subjects(ns, SCHED_STATUS, SIM_SUBMITTED, ROLE_DEMAND, RUN_REGISTERED, METRICS_REPORTED)
     return publish, subscribe, True
 
 
@@ -278,9 +280,11 @@ def _client(ns: str) -> _Lists:
 
 
 def _dashboard(ns: str) -> _Lists:
-    # Watches with core subscriptions (never a queue's consumer) and asks the scheduler its status.
+    # The Serve replica's follower of the mesh: watches with core subscriptions (never a queue's
+    # consumer; the decode loans its router uses among them) and asks the scheduler its status.
     watched = _subjects(ns, ROLLOUT_REQUESTED, ROLLOUT_PROGRESSED, ROLLOUT_COMPLETED, ROLLOUT_FAILED,
-                        TRAINER_STEPPED, WEIGHTS_ACTIVATED, WEIGHTS_PUBLISHED, SCHED_UTILIZATION)
+                        TRAINER_STEPPED, WEIGHTS_ACTIVATED, WEIGHTS_PUBLISHED, SCHED_UTILIZATION,
+                        GPU_GRANTED, GPU_RELEASED)
     return _subjects(ns, SCHED_STATUS), watched, False
 
 

@@ -208,7 +208,8 @@ def run_status(args: argparse.Namespace) -> int:
     table.add_column("holder")
     table.add_column("state / accelerators", justify="right")
     for role, count in sorted(status.roles.items()):
-        table.add_row(f"role {role}", str(count))
+        busy = status.roles_busy.get(role.split(".")[0])
+        table.add_row(f"role {role}", str(count) if busy is None else f"{count} ({busy:.0%} busy)")
     for job_id, state in sorted(status.jobs.items()):
         table.add_row(f"job {job_id}", state)
     Console(width=100).print(table)

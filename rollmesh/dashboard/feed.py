@@ -54,7 +54,9 @@ RECONNECT_DELAY_S = 2.0
 
 @dataclass(frozen=True)
 class DashboardSource:
-    """Where a dashboard finds its mesh: handed to the Serve app by the mesh that deploys it."""
+    """Where the Serve app's replica finds its mesh, handed to it by the mesh that deploys it:
+    its dashboard follows the mesh from here (with ``config.enabled``), and so does its router's
+    follower of decode loans (``serve_apps.decode_loan_follower``)."""
 
     nats_url: str
     namespace: str
@@ -63,9 +65,28 @@ class DashboardSource:
     config: DashboardConfig = DashboardConfig()
     connect_timeout_s: float = 5.0
     # security.enabled: the "dashboard" role's credentials (paths and variable names, no secret)
-    # and the bus's TLS; it may only watch its subjects and ask the scheduler's status.
+    # and the bus's TLS; it may only watch its subjects (decode loans among them) and ask the
+    # scheduler's status.
     credentials: BusCredentials | None = None
     nats_tls: NatsTlsConfig = NatsTlsConfig()
+
+
+async def connect_to_mesh(source: DashboardSource, *, name: str,
+                          on_unreachable: Callable[[Exception], None] = lambda exc: None) -> Any:
+    """A NATS connection to ``source``'s bus, retried every ``RECONNECT_DELAY_S`` until one is
+    made: the mesh may still be starting when the Serve replica does."""
+    from rollmesh.bus.connection import connect_bus
+    from rollmesh.bus.errors import BusConnectError, BusSecurityError
+    from rollmesh.bus.tls import client_tls_context
+
+    while True:
+        try:
+            return await connect_bus(source.nats_url, name=name, connect_timeout_s=source.connect_timeout_s,
+                                     credentials=source.credentials, tls=client_tls_context(source.nats_tls))
+        except (BusConnectError, BusSecurityError) as exc:
+            on_unreachable(exc)
+            _log.warning("mesh_bus_unreachable", client=name, url=redact_url(source.nats_url))
+            await asyncio.sleep(RECONNECT_DELAY_S)
 
 
 @dataclass(frozen=True)
@@ -99,21 +120,10 @@ class DashboardFeed:
             await self._nc.close()
 
     async def _run(self) -> None:
-        from rollmesh.bus.connection import connect_bus
-        from rollmesh.bus.errors import BusConnectError, BusSecurityError
-        from rollmesh.bus.tls import client_tls_context
+        def unreachable(exc: Exception) -> None:
+            self.state.feed = f"error: {exc}"  # the page shows why it has no data
 
-        while self._nc is None:
-            try:
-                self._nc = await connect_bus(self.source.nats_url, name="rollmesh-dashboard",
-                                             connect_timeout_s=self.source.connect_timeout_s,
-                                             credentials=self.source.credentials,
-                                             tls=client_tls_context(self.source.nats_tls))
-            except (BusConnectError, BusSecurityError) as exc:
-                # The mesh may still be starting; the page shows why it has no data.
-                self.state.feed = f"error: {exc}"
-                _log.warning("dashboard_bus_unreachable", url=redact_url(self.source.nats_url))
-                await asyncio.sleep(RECONNECT_DELAY_S)
+        self._nc = await connect_to_mesh(self.source, name="rollmesh-dashboard", on_unreachable=unreachable)
         for subject in FOLLOWED:
             await self._nc.subscribe(subject.format(self.source.namespace),
                                      cb=self._on_message(subject))

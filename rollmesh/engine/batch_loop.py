@@ -28,6 +28,7 @@ from rollmesh.engine.prefill import PrefillResult
 from rollmesh.engine.request_checks import validate_prompt
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions
 from rollmesh.messages.base import SamplingParams
+from rollmesh.telemetry.busy_clock import BusyClock
 
 # What a request brings: its prompt's token ids, or the prefill a prefill worker made of it.
 Work = list[int] | PrefillResult
@@ -48,8 +49,10 @@ class _Waiting:
 class DecodeLoop:
     """Continuous batching over ``engine``: ``submit`` returns when the sequence finishes."""
 
-    def __init__(self, engine: DecodeEngine) -> None:
+    def __init__(self, engine: DecodeEngine, busy: BusyClock | None = None) -> None:
         self.engine = engine
+        # Steps are the worker's compute (the GPU scheduler's busy time for decode).
+        self.busy = busy or BusyClock()
         self._futures: dict[str, asyncio.Future[FinishedSequence]] = {}
         self._waiting: deque[_Waiting] = deque()
         self._weight_waiters: list[tuple[int, asyncio.Future[int]]] = []
@@ -156,7 +159,8 @@ class DecodeLoop:
                 self._admit_waiting()
                 if self.engine.has_work():
                     try:
-                        finished = self.engine.step()
+                        with self.busy.busy():
+                            finished = self.engine.step()
                     except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
                         self._fail_batch(exc)
                     else:

@@ -104,3 +104,6 @@ class SchedulerStatus(WireMessage, frozen=True, tag="sched.status"):
     reported_at: float
     # The decode workers lent idle accelerators now (elastic decode), by name.
     elastic_workers: list[str] = []
+    # Each RL role's busy fraction now, from its workers' reported compute time (a role that has
+    # not reported recently is absent: what it holds counts as busy).
+    roles_busy: dict[str, float] = {}

@@ -16,6 +16,9 @@ Events in: ``SimJobSubmitted`` (durable: acked once written to the job ledger), 
   accelerator beyond its start grant. Loans to decode (``GrowDecode`` / ``ShrinkDecode``) are
   announced the same way with holder "decode.elastic", each grant id naming the decode worker
   placed there; a release is announced before the worker is stopped, so routers drop it first.
+Busy time: ``record_busy`` takes each process's metric snapshot (the actor subscribes to them as
+the metrics hub does), whose ``rollmesh_role_busy_seconds`` says how long an RL role's worker
+computed; what a role holds counts as busy in that proportion (``role_busy.RoleBusyRates``).
 A job that exits on its own is finished (exit 0) or failed. ``tick`` runs the core's timers
 (deadlines, planned reclaims), which the actor calls at ``next_wakeup``. ``close`` (the mesh
 going down) preempts every running job the same way and leaves it unfinished in the ledger.
@@ -41,6 +44,7 @@ from typing import Any, Protocol
 import msgspec
 
 from rollmesh.messages import GpuGranted, GpuReleased, PreemptionAcknowledged, PreemptionRequested
+from rollmesh.messages.metrics import MetricsReported
 from rollmesh.messages.sim_jobs import (
     ELASTIC_DECODE_HOLDER,
     RoleDemandChanged,
@@ -78,7 +82,9 @@ from rollmesh.scheduling.commands import (
 )
 from rollmesh.scheduling.errors import SchedulingError
 from rollmesh.scheduling.lending import LendingScheduler
+from rollmesh.scheduling.role_busy import RoleBusyRates
 from rollmesh.scheduling.workload import RoleShare, SimJob
+from rollmesh.telemetry import metrics_catalog
 
 
 class JobHandle(Protocol):
@@ -175,7 +181,7 @@ class LendingService:
     def __init__(self, core: LendingScheduler, *, run_id: str, roles: dict[str, RoleShare],
                  start_grants: dict[str, int], launcher: JobLauncher, role_groups: RoleGroups, publisher: Publisher,
                  clock: Callable[[], float], ledger: JobLedger, resource: str,
-                 account: UtilizationAccount) -> None:
+                 account: UtilizationAccount, busy_rates: RoleBusyRates | None = None) -> None:
         self.core = core
         self.run_id = run_id
         self.launcher = launcher
@@ -184,6 +190,8 @@ class LendingService:
         self.ledger = ledger
         self.resource = resource
         self.account = account
+        # How busy each role's workers are (their metric snapshots); without reports, held = busy.
+        self.busy_rates = busy_rates or RoleBusyRates(stale_s=10.0)
         self.specs: dict[str, SimJobSubmitted] = {}
         self.attempts: dict[str, _Attempt] = {}
         self.attempt_counts: dict[str, int] = {}
@@ -375,12 +383,33 @@ class LendingService:
 
     # --- accounting ------------------------------------------------------------------------
 
+    def record_busy(self, report: MetricsReported) -> None:
+        """A process's metric snapshot: its role's busy seconds so far, if it holds accelerators."""
+        now = self.clock()
+        for series in report.metrics:
+            if series.name == metrics_catalog.ROLE_BUSY.name:
+                for point in series.points:
+                    self.busy_rates.record(report.source, point.labels.get("role", ""), point.value,
+                                           reported_at=report.reported_at, now=now)
+        self.busy_rates.forget_stale(now)
+        self._account(now)
+
+    def _busy_share(self, holder: str, now: float) -> float:
+        """The busy fraction of what ``holder`` holds: its role's workers' reported rate; 1 when
+        they have not reported (another run's roles report on their own bus)."""
+        if "/" in holder:
+            return 1.0
+        fraction = self.busy_rates.fraction(holder.split(".")[0], now)  # decode.elastic: decode
+        return 1.0 if fraction is None else fraction
+
     def _account(self, now: float) -> None:
+        # Jobs count as busy while they run (the scheduler cannot tell their saving and reloading
+        # apart); RL roles as busy as their workers report computing.
         jobs = sum(self.specs[job_id].accelerators for job_id in self.attempts)
-        rl = sum(max(count, 0) for count in self.role_held.values())
-        # Live, an RL role's accelerators count as busy while held: the scheduler cannot see
-        # inside them (the simulator's phases file says how busy each role is).
-        self.account.set_rates(now, allocated=jobs + rl, busy=jobs + rl, rl_held=rl)
+        held = {holder: count for holder, count in self.role_held.items() if count > 0}
+        rl = sum(held.values())
+        rl_busy = sum(count * self._busy_share(holder, now) for holder, count in held.items())
+        self.account.set_rates(now, allocated=jobs + rl, busy=jobs + rl_busy, rl_held=rl)
 
     def status(self) -> SchedulerStatus:
         now = self.clock()
@@ -393,7 +422,9 @@ class LendingService:
             jobs=jobs, allocated_utilization=totals.allocated_utilization,
             busy_utilization=totals.busy_utilization, preemptions=stats.preemptions, kills=stats.kills,
             lost_accelerator_s=totals.lost_s, rl_queueing_s=sum(stats.rl_queueing_s.values()),
-            reported_at=now, elastic_workers=self.role_groups.held(ELASTIC_DECODE_HOLDER))
+            reported_at=now, elastic_workers=self.role_groups.held(ELASTIC_DECODE_HOLDER),
+            roles_busy={role: fraction for role in {holder.split(".")[0] for holder in self.role_held if "/" not in holder}
+                        if (fraction := self.busy_rates.fraction(role, now)) is not None})
 
     async def report(self) -> None:
         """Publish the accounting (``SCHED_UTILIZATION``); the actor calls it periodically."""

@@ -7,7 +7,8 @@ construction, never read here from the environment) every endpoint but ``/health
 static pages at ``/dashboard`` and ``/dashboard/traces/<id>`` hold none and ask for the key).
 
 Knows Ray Serve, FastAPI and the InferenceRouter; finds the workers by actor name (the launcher
-spawned them), never spawns or stops them. Bad input is answered with a 4xx JSON error and never
+spawned them; the GPU scheduler, for the decode workers it lends idle accelerators to:
+``decode_loan_follower``), never spawns or stops them. Bad input is answered with a 4xx JSON error and never
 reaches the engine, so a client cannot take the replica down; Ray's wrapping of actor errors is
 undone here and nowhere else.
 
@@ -37,6 +38,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve import Application
 from ray.serve.exceptions import RayServeException
 
+from rollmesh.actors.decode_loans import DecodeLoanRoster
 from rollmesh.actors.inference_router import InferenceRouter, generation_attributes
 from rollmesh.config import TelemetryConfig
 from rollmesh.dashboard.feed import DashboardSource, WorkerHandle
@@ -51,6 +53,7 @@ from rollmesh.serve_apps.chat_requests import (
     chat_stream_events,
     completion_stream_events,
 )
+from rollmesh.serve_apps.decode_loan_follower import DecodeLoanFollower
 from rollmesh.serve_apps.errors import (
     ApiError,
     EngineUnavailableError,
@@ -145,7 +148,8 @@ GENERATE_PARAMS = {"input_ids": "input_ids", "request_id": "rid",
 
 
 def find_named_actor(name: str, namespace: str) -> Any:
-    """How the dashboard finds the sandbox broker (by the name the launcher gave it)."""
+    """How the dashboard finds the sandbox broker (by the name the launcher gave it), and the
+    router a lent decode worker (by its grant id); ValueError when there is none."""
     return ray.get_actor(name, namespace=namespace)
 
 
@@ -208,10 +212,16 @@ class InferenceServer:
             [w.actor for w in self.workers if w.role == "decode"],
             model_name=self.served.name,
         )
-        # The constructor runs on the replica's event loop, where the dashboard's feed then lives.
+        # The constructor runs on the replica's event loop, where the dashboard's feed and the
+        # follower of decode loans then live.
         self.dashboard = DashboardRoutes.start(
             dashboard, [WorkerHandle(w.name, w.role, w.actor) for w in self.workers],
             find_actor=find_named_actor)
+        self.decode_loans = None
+        if dashboard is not None:
+            roster = DecodeLoanRoster(self.router, lambda name: find_named_actor(name, ray_namespace))
+            self.decode_loans = DecodeLoanFollower(dashboard, roster, poll_s=dashboard.config.poll_s)
+            self.decode_loans.start()
 
     # A body that fails validation is answered 400 before the key is checked (FastAPI validates
     # before the handler runs); nothing reaches the engine either way.
@@ -386,7 +396,9 @@ def build_inference_app(
     ``return_routed_experts`` before any worker runs; the engine refuses it either way.
     ``telemetry`` and ``run_dir`` set up the replica's tracing (``traces.jsonl`` in ``run_dir``
     by default); without ``run_dir`` only the OTEL_* variables turn an exporter on.
-    ``dashboard``: the mesh ``/dashboard`` follows (None: those routes answer 404)."""
+    ``dashboard``: the mesh the replica follows: ``/dashboard`` shows it (with
+    ``dashboard.enabled``; otherwise, or with None, those routes answer 404), and the router also
+    sends requests to the decode workers its GPU scheduler lends idle accelerators to."""
     return InferenceServer.bind(
         prefill_actor_names=list(prefill_actor_names),
         decode_actor_names=list(decode_actor_names),

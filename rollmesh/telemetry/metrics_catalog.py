@@ -88,6 +88,10 @@ ACCELERATOR_ALLOCATED_FRACTION = MetricSpec(
 ACCELERATOR_BUSY_FRACTION = MetricSpec(
     "rollmesh_accelerator_busy_fraction", "gauge",
     "Busy accelerator-time over capacity since the scheduler started.", (), "1")
+ROLE_BUSY = MetricSpec(
+    "rollmesh_role_busy_seconds", "counter",
+    "Seconds the workers of an accelerator-holding role spent computing (the scheduler's busy "
+    "time for what RL holds), by role.", ("role",), "s")
 PREEMPTIONS = MetricSpec(
     "rollmesh_sched_preemptions", "counter", "PreemptionRequested sent to simulation jobs.", (),
     "{preemption}")
@@ -112,7 +116,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     VERSION_LAG, TRAINER_STEP_DURATION, TRAINER_STEP_TOKENS,
     SANDBOX_POOL_SIZE, SANDBOX_LEASES_ACTIVE, SANDBOX_LEASES_GRANTED, SANDBOX_EXEC_DURATION,
     ACCELERATORS_CAPACITY, ACCELERATORS_ALLOCATED, ACCELERATOR_ALLOCATED_FRACTION,
-    ACCELERATOR_BUSY_FRACTION, PREEMPTIONS, PREEMPTION_KILLS, PREEMPTION_LOST, RL_QUEUEING,
+    ACCELERATOR_BUSY_FRACTION, ROLE_BUSY, PREEMPTIONS, PREEMPTION_KILLS, PREEMPTION_LOST, RL_QUEUEING,
     METRICS_SOURCES,
 )
 

@@ -65,6 +65,7 @@ from rollmesh.training.ledger import LedgerEntry, TrainingLedger
 from rollmesh.telemetry import conventions, metrics, metrics_catalog
 from rollmesh.training.torch_backend import TrainerBackend
 from rollmesh.training.warm_start import demonstration_batch
+from rollmesh.telemetry.busy_clock import BusyClock
 
 _log = structlog.get_logger("rollmesh.trainer")
 _tracer = trace.get_tracer("rollmesh.trainer")
@@ -88,8 +89,12 @@ class TrainerLogic:
         clock: Callable[[], float] = time.time,
         in_progress_every_s: float = IN_PROGRESS_EVERY_S,
         routed_experts: RoutedExpertsStore | None = None,
+        busy: BusyClock | None = None,
     ) -> None:
         self.config = config
+        # Train steps (the policy step and writing its weights) are the trainer's compute: the
+        # GPU scheduler's busy time for what the trainer holds.
+        self.busy = busy or BusyClock()
         self.in_progress_every_s = in_progress_every_s
         # MoE rollouts' routed-expert rows, for routing replay in the policy step.
         self.routed_experts = routed_experts
@@ -262,7 +267,7 @@ class TrainerLogic:
         admitted = [member for group in groups for member in group.members if member.sample]
         lags = summarize_lags(member.version_lag for member in admitted)
         keys = [member.rollout_id for group in groups for member in group.members]
-        with _tracer.start_as_current_span(
+        with self.busy.busy(), _tracer.start_as_current_span(
             conventions.SPAN_TRAIN_STEP,
             attributes={"step": self.step + 1, "samples": len(samples), "groups": len(groups),
                         conventions.RL_TRAINER_STEP: self.step + 1},
