@@ -199,7 +199,7 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
         serve_router = InferenceRouter([], [None])
         serve_follower = DecodeLoanFollower(
             DashboardSource(nats_url=nats_server.url, namespace=namespace, run_dir=mesh.run_dir),
-            DecodeLoanRoster(serve_router, lambda name: ray.get_actor(name, namespace=workers_namespace)), poll_s=0.2)
+            DecodeLoanRoster(serve_router, lambda name: ray.get_actor(name, namespace=workers_namespace)))
         serve_follower.start()
         await wait_until(lambda: serve_router.lent_decode_workers() == lent)
         served = await serve_router.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4),

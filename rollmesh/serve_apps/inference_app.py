@@ -220,7 +220,7 @@ class InferenceServer:
         self.decode_loans = None
         if dashboard is not None:
             roster = DecodeLoanRoster(self.router, lambda name: find_named_actor(name, ray_namespace))
-            self.decode_loans = DecodeLoanFollower(dashboard, roster, poll_s=dashboard.config.poll_s)
+            self.decode_loans = DecodeLoanFollower(dashboard, roster)
             self.decode_loans.start()
 
     # A body that fails validation is answered 400 before the key is checked (FastAPI validates
