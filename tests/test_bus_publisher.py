@@ -8,6 +8,7 @@ import base64
 import pytest
 from opentelemetry import trace
 
+from rollmesh.bus.connection import flush_to_server
 from rollmesh.bus.errors import NoRespondersError, RequestTimeoutError
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.streams import dead_letter_stream, ensure_streams, rollout_requests_stream
@@ -62,7 +63,7 @@ async def test_request_errors_are_typed(publisher, nats_client, namespace):
     with pytest.raises(NoRespondersError):
         await publisher.request(SANDBOX_EXEC, request, timeout_s=5)
     silent = await nats_client.subscribe(SANDBOX_EXEC.format(namespace))  # never answers
-    await nats_client.flush()
+    await flush_to_server(nats_client)
     with pytest.raises(RequestTimeoutError) as info:
         await publisher.request(SANDBOX_EXEC, request, timeout_s=0.2)
     assert info.value.subject == SANDBOX_EXEC.format(namespace)

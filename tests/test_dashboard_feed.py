@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rollmesh.bus.connection import flush_to_server
 from rollmesh.config import DashboardConfig
 from rollmesh.dashboard import DashboardFeed, DashboardSource, DashboardState
 from rollmesh.messages import RolloutProgressed, RolloutRequested, SchedulerStatus
@@ -56,7 +57,7 @@ async def test_the_feed_folds_published_events_and_survives_malformed_ones(
         await publish(SCHED_UTILIZATION.format(namespace), SCHED_UTILIZATION.encode(SchedulerStatus(
             capacity=2, roles={"decode": 1}, jobs={}, allocated_utilization=0.5, busy_utilization=0.25,
             preemptions=0, kills=0, lost_accelerator_s=0.0, rl_queueing_s=0.0, reported_at=123.0)))
-        await nats_client.flush()
+        await flush_to_server(nats_client)
 
         await wait_until(lambda: state.snapshot().counts.failed == 1
                          and state.snapshot().accelerators != []

@@ -14,7 +14,7 @@ from fakes import FakeSandboxBackend
 
 from rollmesh.actors.sandbox_broker import SandboxBrokerService
 from rollmesh.actors.shell import ActorShell
-from rollmesh.bus.connection import connect_bus
+from rollmesh.bus.connection import connect_bus, flush_to_server
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.config import SandboxConfig, SandboxProfileConfig, TelemetryConfig
 from rollmesh.messages.subjects import SANDBOX_EXEC, SANDBOX_LEASE, SANDBOX_OUTPUT
@@ -67,7 +67,7 @@ async def test_lease_exec_streamed_transfer_heartbeat_and_release_over_nats(serv
     subscription = await nc.subscribe(SANDBOX_OUTPUT.format(namespace), cb=on_chunk)
     backend.outcomes.append(ExecOutcome("exit", 3, None, False, b"line 1\nline 2\n", b"oops\n", 0.2))
     reply = await client.exec(lease.lease_id, shell="make", exec_id="e-7", stream_output=True)
-    await nc.flush()
+    await flush_to_server(nc)
     await subscription.unsubscribe()
     assert (reply.result, reply.exit_code, reply.stdout, reply.stderr) == ("exit", 3, b"line 1\nline 2\n", b"oops\n")
     assert [(c.exec_id, c.stream, c.data) for c in chunks] == [

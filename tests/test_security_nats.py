@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 from nats_jwt import OperatorMode
 
-from rollmesh.bus.connection import connect_bus
+from rollmesh.bus.connection import connect_bus, flush_to_server
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.bus.errors import BusConnectError, BusSecurityError
 from rollmesh.bus.permissions import ROLES, ServerUser, render_authorization, role_permissions
@@ -96,7 +96,7 @@ async def watch_everything(nc: nats.NATS, sentinel_subject: str) -> Seen:
             seen.sentinel.set()
 
     await nc.subscribe(f"rl.{NAMESPACE}.>", cb=on_message)
-    await nc.flush()
+    await flush_to_server(nc)
     return seen
 
 
@@ -114,7 +114,7 @@ async def test_a_role_publishing_outside_its_permissions_gets_a_violation_and_no
         # Messages of one publisher arrive in order: once the allowed one is in, the forbidden one
         # would have been too.
         await inference.publish(allowed, b"x")
-        await inference.flush()
+        await flush_to_server(inference)
         await asyncio.wait_for(seen.sentinel.wait(), 10)
         await asyncio.wait_for(violations.arrived.wait(), 10)
     finally:
@@ -130,7 +130,7 @@ async def test_a_role_cannot_subscribe_to_another_roles_subjects(secured: Secure
     resharder = await connect_as(secured, "resharder", violations)
     try:
         await resharder.subscribe(f"rl.{NAMESPACE}.sandbox.exec")
-        await resharder.flush()
+        await flush_to_server(resharder)
         await asyncio.wait_for(violations.arrived.wait(), 10)
     finally:
         await resharder.close()
@@ -150,7 +150,7 @@ async def test_a_client_publishes_rollout_requests_and_nothing_else(secured: Sec
         await asyncio.wait_for(seen.sentinel.wait(), 10)
         await client.publish(f"rl.{NAMESPACE}.weights.published", b"forged weights")
         await client.subscribe(f"rl.{NAMESPACE}.sandbox.exec")
-        await client.flush()
+        await flush_to_server(client)
         while len(violations.errors) < 2:
             violations.arrived.clear()
             await asyncio.wait_for(violations.arrived.wait(), 10)
@@ -173,9 +173,9 @@ async def test_a_client_reads_results_with_user_and_password_from_the_environmen
     got = asyncio.Event()
     try:
         await client.subscribe(f"rl.{NAMESPACE}.rollout.progressed", cb=_setter(got))
-        await client.flush()
+        await flush_to_server(client)
         await worker.publish(f"rl.{NAMESPACE}.rollout.progressed", b"{}")
-        await worker.flush()
+        await flush_to_server(worker)
         await asyncio.wait_for(got.wait(), 10)
     finally:
         await client.close()
@@ -270,7 +270,7 @@ async def test_a_role_connects_with_a_creds_file_to_an_operator_mode_server_and_
             seen = await watch_everything(watcher, f"rl.{NAMESPACE}.rollout.requested")
             await client.publish(f"rl.{NAMESPACE}.weights.published", b"forged weights")
             await client.publish(f"rl.{NAMESPACE}.rollout.requested", b"{}")
-            await client.flush()
+            await flush_to_server(client)
             await asyncio.wait_for(seen.sentinel.wait(), 10)
             await asyncio.wait_for(violations.arrived.wait(), 10)
         finally:

@@ -21,7 +21,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from rollmesh.bus.connection import connect_bus
+from rollmesh.bus.connection import connect_bus, flush_to_server
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.security import BusCredentials
 from rollmesh.bus.streams import rollout_requests_stream
@@ -62,7 +62,7 @@ class MetricsHubService:
             self._nc = nc
             self._publisher = BusPublisher(nc, nc.jetstream(), self.namespace)
             await nc.subscribe(METRICS_REPORTED.format(self.namespace), cb=self._on_report)
-            await nc.flush()
+            await flush_to_server(nc)
         except BaseException:
             await self.stop()
             raise

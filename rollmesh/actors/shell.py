@@ -23,7 +23,7 @@ import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from rollmesh.bus.connection import connect_bus
+from rollmesh.bus.connection import connect_bus, flush_to_server
 from rollmesh.bus.consumers import Consumer, open_consumer
 from rollmesh.bus.dispatcher import MessageDispatcher
 from rollmesh.ports import ActorLogic
@@ -127,8 +127,8 @@ class ActorShell:
                 self._nc, self._js, self.namespace, dispatcher, self._tasks,
                 default_ack_wait_s=self.nats_config.rollout_ack_wait_s,
             ))
-        # A round trip, so every SUB has reached the server before serve() returns.
-        await self._nc.flush()
+        # Every SUB is active at the server before serve() returns.
+        await flush_to_server(self._nc)
         self._log.info("shell_serving", subjects=templates)
 
     async def start(self) -> None:

@@ -18,6 +18,7 @@ _EXPORTS = {
     "BusPublisher": "rollmesh.bus.publisher",
     "EmbeddedNatsServer": "rollmesh.bus.embedded_server",
     "connect_bus": "rollmesh.bus.connection",
+    "flush_to_server": "rollmesh.bus.connection",
     "ensure_streams": "rollmesh.bus.streams",
     "stream_for": "rollmesh.bus.streams",
     "rollout_requests_stream": "rollmesh.bus.streams",

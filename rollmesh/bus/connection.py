@@ -99,6 +99,17 @@ async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0,
     return nc
 
 
+async def flush_to_server(nc: Client) -> None:
+    """Return once the server has processed every command given to ``nc`` so far (a SUB is
+    active, a PUB delivered). nats-py's ``flush()`` alone is no such barrier: it writes its PING
+    straight to the socket, ahead of the commands still waiting in its pending buffer for the
+    flusher task. Under CPU load the PONG came back before the SUB was even sent, and the first
+    message published after it never reached the new subscription. So the pending buffer is
+    written out first (nats-py has no public call for that), and the PING follows it."""
+    await nc._flush_pending(force_flush=True)
+    await nc.flush()
+
+
 # What nats-server says when it refuses a connection's credentials or its TLS identity.
 _REFUSALS = ("authorization violation", "authentication", "user authentication expired")
 

@@ -277,7 +277,7 @@ async def _with_mesh_client(args: argparse.Namespace, action: Callable[[Any], An
 
 @asynccontextmanager
 async def _mesh_client(mesh: Any, printer: _Printer | None) -> AsyncIterator[Any]:
-    from rollmesh.bus.connection import connect_bus
+    from rollmesh.bus.connection import connect_bus, flush_to_server
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.messages.subjects import SANDBOX_OUTPUT
     from rollmesh.sandbox.broker_client import DEFAULT_CHUNK_BYTES, SandboxBrokerClient
@@ -293,10 +293,10 @@ async def _mesh_client(mesh: Any, printer: _Printer | None) -> AsyncIterator[Any
                     pass
 
             await nc.subscribe(SANDBOX_OUTPUT.format(mesh.namespace), cb=on_chunk)
-            await nc.flush()
+            await flush_to_server(nc)
         chunk = max(1024, min(DEFAULT_CHUNK_BYTES, nc.max_payload - CHUNK_HEADROOM_BYTES))
         yield SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), mesh.namespace), chunk_bytes=chunk)
-        await nc.flush()  # the last output chunks are in before the reply is printed
+        await flush_to_server(nc)  # the last output chunks are in before the reply is printed
     finally:
         await nc.close()
 
