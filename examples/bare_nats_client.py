@@ -5,23 +5,49 @@ This is what a client in any language does: publish a hand-written JSON object o
 comes back, so it survives restarts), then read ``rl.<ns>.rollout.completed`` /
 ``rl.<ns>.rollout.failed`` for the same ``rollout_id``. No rollmesh import anywhere.
 
-    python examples/bare_nats_client.py --nats-url nats://127.0.0.1:4222 --namespace default
+    python examples/bare_nats_client.py                      # the latest run's mesh
+    python examples/bare_nats_client.py --run-dir .rollmesh/runs/<run>
+    python examples/bare_nats_client.py --nats-url nats://HOST:PORT --namespace NS
 
-The mesh's NATS URL and namespace are in ``.rollmesh/runs/<run>/mesh.json`` (``rollmesh up``
-prints them too).
+The embedded nats-server of ``rollmesh up`` takes a free port, so the URL is read from the
+run's ``mesh.json`` (``nats_url``, ``namespace``), found the way ``rollmesh`` finds it: the
+``--run-dir`` given, else the latest run (the last name in sort order; names start with the UTC
+start time) under the run root (``$ROLLMESH_RUN_ROOT``, else ``.rollmesh/runs``). The URL is
+used as written there (``tls://`` for a TLS mesh; a mesh with security on also wants
+credentials, see docs/security.md).
 """
 
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoStreamResponseError
+
+
+DEFAULT_RUN_ROOT = ".rollmesh/runs"
+
+
+def read_mesh_json(run_dir: str | None, run_root: str) -> dict:
+    """The ``mesh.json`` of ``run_dir``, else of the latest run under ``run_root``."""
+    if run_dir is None:
+        root = Path(run_root)
+        runs = sorted(path for path in root.iterdir() if path.is_dir()) if root.is_dir() else []
+        if not runs:
+            raise LookupError(f"no runs under {run_root}; start one with `rollmesh up`, "
+                              "or pass --run-dir or --nats-url")
+        run_dir = str(runs[-1])
+    path = Path(run_dir) / "mesh.json"
+    if not path.is_file():
+        raise LookupError(f"{path} does not exist: is the mesh up?")
+    return json.loads(path.read_text())
 
 
 async def request_rollout(nats_url: str, namespace: str, formula: str, timeout_s: float) -> int:
@@ -82,12 +108,24 @@ async def request_rollout(nats_url: str, namespace: str, formula: str, timeout_s
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="Request one molar_mass rollout over plain NATS.")
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    parser.add_argument("--namespace", default="default")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--nats-url", help="the mesh's NATS URL (default: nats_url in mesh.json)")
+    where.add_argument("--run-dir", help="the run whose mesh.json to read (default: the latest run)")
+    parser.add_argument("--run-root", default=os.environ.get("ROLLMESH_RUN_ROOT", DEFAULT_RUN_ROOT),
+                        help="where runs live (default: $ROLLMESH_RUN_ROOT, else %(default)s)")
+    parser.add_argument("--namespace", help="subject namespace (default: mesh.json's, else 'default')")
     parser.add_argument("--formula", default="H2O", help="the molecule to ask about (default: H2O)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the result")
     args = parser.parse_args()
-    return asyncio.run(request_rollout(args.nats_url, args.namespace, args.formula, args.timeout))
+    nats_url, namespace = args.nats_url, args.namespace or "default"
+    if nats_url is None:
+        try:
+            mesh = read_mesh_json(args.run_dir, args.run_root)
+        except (LookupError, OSError, ValueError) as exc:  # ValueError: not JSON
+            print(f"cannot find the mesh: {exc}", file=sys.stderr)
+            return 1
+        nats_url, namespace = mesh["nats_url"], args.namespace or mesh["namespace"]
+    return asyncio.run(request_rollout(nats_url, namespace, args.formula, args.timeout))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """The examples and deploy files the README points at work as it says.
 
 examples/bare_nats_client.py runs as a subprocess against the session's nats-server; the test plays
-the mesh's rollout worker (reads the stored request, publishes its completion).
+the mesh's rollout worker (reads the stored request, publishes its completion). Its default, the
+latest run's mesh.json, is also run against a real mesh in test_readme_commands.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,22 +62,21 @@ def test_bare_client_imports_nothing_of_rollmesh():
     assert "rollmesh" not in "".join(line for line in source.splitlines() if line.startswith(("import", "from")))
 
 
-async def run_bare_client(nats_url: str, namespace: str, *extra: str) -> subprocess.CompletedProcess:
+async def run_bare_client(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "ROLLMESH_RUN_ROOT"}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, str(BARE_CLIENT), "--nats-url", nats_url, "--namespace", namespace, *extra,
+        sys.executable, str(BARE_CLIENT), *args, cwd=cwd, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
     return subprocess.CompletedProcess([], process.returncode, stdout.decode(), stderr.decode())
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(90)
-async def test_bare_client_gets_its_reward_from_a_mesh(nats_server, nats_client, namespace):
+async def with_rollout_worker(nats_client, namespace: str, client_run, seen: list) -> subprocess.CompletedProcess:
+    """Run the client while playing the mesh's rollout worker: each request comes back completed."""
     js = nats_client.jetstream()
     await ensure_streams(js, namespace)  # as the mesh does when it starts
     publisher = BusPublisher(nats_client, js, namespace)
     requests = await nats_client.subscribe(ROLLOUT_REQUESTED.format(namespace))
-    seen = []
 
     async def rollout_worker() -> None:
         async for msg in requests.messages:
@@ -88,9 +89,27 @@ async def test_bare_client_gets_its_reward_from_a_mesh(nats_server, nats_client,
 
     worker = asyncio.create_task(rollout_worker())
     try:
-        done = await run_bare_client(nats_server.url, namespace, "--formula", "H2O", "--timeout", "30")
+        return await client_run
     finally:
         worker.cancel()
+        await requests.unsubscribe()
+
+
+def write_run(run_root: Path, name: str, nats_url: str, namespace: str) -> Path:
+    """A run directory as ``rollmesh up`` leaves it, as far as a client is concerned."""
+    run_dir = run_root / name
+    run_dir.mkdir(parents=True)
+    (run_dir / "mesh.json").write_text(json.dumps({"nats_url": nats_url, "namespace": namespace,
+                                                   "run_dir": str(run_dir)}))
+    return run_dir
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+async def test_bare_client_gets_its_reward_from_a_mesh(nats_server, nats_client, namespace):
+    seen: list = []
+    done = await with_rollout_worker(nats_client, namespace, run_bare_client(
+        "--nats-url", nats_server.url, "--namespace", namespace, "--formula", "H2O", "--timeout", "30"), seen)
     assert done.returncode == 0, done.stderr
     assert "reward 1.0 after 2 turn(s), 1 tool call(s)" in done.stdout
     (request, headers), = seen
@@ -100,7 +119,48 @@ async def test_bare_client_gets_its_reward_from_a_mesh(nats_server, nats_client,
 
 @pytest.mark.integration
 @pytest.mark.timeout(90)
+async def test_bare_client_reaches_the_mesh_of_the_latest_run_by_default(nats_server, nats_client, namespace,
+                                                                        tmp_path):
+    # Run names sort by start time: the older run names a port nothing listens on.
+    run_root = tmp_path / ".rollmesh" / "runs"
+    write_run(run_root, "20260101-000000-aaaaaa", "nats://127.0.0.1:1", "older")
+    write_run(run_root, "20260101-000001-bbbbbb", nats_server.url, namespace)
+    seen: list = []
+    done = await with_rollout_worker(nats_client, namespace,
+                                     run_bare_client("--timeout", "30", cwd=tmp_path), seen)
+    assert done.returncode == 0, done.stderr
+    assert "reward 1.0" in done.stdout
+    assert len(seen) == 1
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+async def test_bare_client_reads_the_run_dir_it_is_given(nats_server, nats_client, namespace, tmp_path):
+    chosen = write_run(tmp_path, "20260101-000000-aaaaaa", nats_server.url, namespace)
+    write_run(tmp_path, "20260101-000001-bbbbbb", "nats://127.0.0.1:1", "newer")
+    seen: list = []
+    done = await with_rollout_worker(nats_client, namespace, run_bare_client(
+        "--run-dir", str(chosen), "--timeout", "30", cwd=tmp_path), seen)
+    assert done.returncode == 0, done.stderr
+    assert len(seen) == 1
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(90)
+async def test_bare_client_says_where_it_looked_when_there_is_no_mesh(tmp_path):
+    done = await run_bare_client("--timeout", "5", cwd=tmp_path)
+    assert done.returncode == 1
+    assert "no runs under .rollmesh/runs" in done.stderr
+    stopped = tmp_path / ".rollmesh" / "runs" / "20260101-000000-aaaaaa"
+    stopped.mkdir(parents=True)  # `rollmesh down` removes mesh.json
+    done = await run_bare_client("--timeout", "5", cwd=tmp_path)
+    assert done.returncode == 1
+    assert f"{Path('.rollmesh/runs/20260101-000000-aaaaaa/mesh.json')} does not exist" in done.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
 async def test_bare_client_says_so_when_no_mesh_made_the_streams(nats_server, namespace):
-    done = await run_bare_client(nats_server.url, namespace, "--timeout", "5")
+    done = await run_bare_client("--nats-url", nats_server.url, "--namespace", namespace, "--timeout", "5")
     assert done.returncode == 1
     assert "is the mesh up" in done.stderr

@@ -18,6 +18,7 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 ROLLMESH = [sys.executable, "-m", "rollmesh.cli"]
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(args: list[str], *, timeout: float, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -26,8 +27,16 @@ def run(args: list[str], *, timeout: float, cwd: Path) -> subprocess.CompletedPr
                           env=env, cwd=cwd)
 
 
+def readme_shell_lines(*variables: str) -> list[str]:
+    """The README's console lines that set these shell variables, comments dropped."""
+    lines = (REPO_ROOT / "README.md").read_text().splitlines()
+    return [line.split("  #")[0] for line in lines if line.startswith(tuple(f"{v}=" for v in variables))]
+
+
 def test_quickstart_up_submit_down(tmp_path: Path) -> None:
-    run_root = tmp_path / "runs"
+    # The default run root, under the working directory: the README's lines and the bare client
+    # find the run the way a user's shell would.
+    run_root = tmp_path / ".rollmesh" / "runs"
     up = run(["--run-root", str(run_root), "up", "--no-serve", "--timeout", "180"], timeout=240, cwd=tmp_path)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
@@ -38,6 +47,18 @@ def test_quickstart_up_submit_down(tmp_path: Path) -> None:
                       "--wait", "--timeout", "120"], timeout=180, cwd=tmp_path)
         assert submit.returncode == 0, submit.stdout + submit.stderr
         assert submit.stdout.count("completed") >= 8
+        # How the README gets the NATS URL, and the bare client's default: the latest run's mesh.json.
+        shown = readme_shell_lines("RUN", "NATS_URL")
+        assert len(shown) == 2
+        url = subprocess.run(["bash", "-c", "\n".join([*shown, 'echo "$NATS_URL"'])], capture_output=True,
+                             text=True, timeout=60, cwd=tmp_path)
+        assert url.stdout.strip() == mesh["nats_url"], url.stderr
+        env = {key: value for key, value in os.environ.items() if key != "ROLLMESH_RUN_ROOT"}
+        bare = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / "bare_nats_client.py"),
+                               "--timeout", "120"], capture_output=True, text=True, timeout=180,
+                              cwd=tmp_path, env=env)
+        assert bare.returncode == 0, bare.stdout + bare.stderr
+        assert "completed bare-" in bare.stdout
     finally:
         down = run(["--run-root", str(run_root), "down", "--timeout", "60"], timeout=120, cwd=tmp_path)
     assert down.returncode == 0, down.stdout + down.stderr
