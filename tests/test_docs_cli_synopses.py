@@ -89,9 +89,17 @@ def prose_items(text: str) -> list[str]:
 
 
 def command_of(words: list[str]) -> tuple[str, ...]:
+    """The subcommand path of ``rollmesh WORDS...``, global options before it skipped."""
     parser, path = build_parser(), []
-    for word in words:
+    takes_value = {flag for action in parser._actions if action.nargs != 0 for flag in action.option_strings}
+    words = list(words)
+    while words:
+        word = words.pop(0)
         names = subcommands(parser)
+        if not path and word in global_flags():
+            if word in takes_value and words:
+                words.pop(0)
+            continue
         if word not in names:
             break
         parser = names[word]
