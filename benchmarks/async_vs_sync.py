@@ -122,13 +122,13 @@ class EnvironmentTimeClient(SandboxBrokerClient):
         self._called.add(lease_id)
         return await super().exec(lease_id, argv, **options)
 
-    async def release(self, lease_id: str) -> None:
+    async def release(self, lease_id: str, **options: Any) -> None:
         holder = self._holders.pop(lease_id, None)
         cancelled = asyncio.current_task().cancelling()  # the window closed: no more waiting
         if lease_id not in self._called and holder in self.delays and not cancelled:
             await asyncio.sleep(self.delays[holder])
         self._called.discard(lease_id)
-        await super().release(lease_id)
+        await super().release(lease_id, **options)
 
 
 class InProcessBus:

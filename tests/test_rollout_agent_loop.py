@@ -15,14 +15,17 @@ from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.engine.protocols import GenerationResult
 from rollmesh.engine.tokenizer import EOS_ID, ByteTokenizer
 from rollmesh.messages import (
+    ForkedLease,
     RolloutCompleted,
     RolloutFailed,
     RolloutRequested,
     SamplingParams,
     SandboxExecReply,
+    SandboxForkReply,
     SandboxHeartbeatReply,
     SandboxLeaseReply,
     SandboxReleaseReply,
+    SandboxSnapshotReply,
 )
 from rollmesh.messages.subjects import (
     ROLLOUT_COMPLETED,
@@ -30,9 +33,11 @@ from rollmesh.messages.subjects import (
     ROLLOUT_PROGRESSED,
     ROLLOUT_REQUESTED,
     SANDBOX_EXEC,
+    SANDBOX_FORK,
     SANDBOX_HEARTBEAT,
     SANDBOX_LEASE,
     SANDBOX_RELEASE,
+    SANDBOX_SNAPSHOT,
 )
 from rollmesh.rollout.agent_loop import RolloutRunner
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates
@@ -416,6 +421,37 @@ async def test_a_redelivered_request_resumes_from_the_last_saved_turn_in_the_sam
     (lease,) = bus.requested(SANDBOX_LEASE)
     assert lease.holder == "r-1", "the same idempotency token: the earlier attempt's sandbox while it lives"
     assert completed.attempts == 2 and second.stats()["resumed"] == 1
+
+
+async def test_every_sandbox_request_of_a_rollout_names_it_through_a_resume_in_a_forked_sandbox():
+    states = InMemoryRolloutStates()
+    first_bus = sandbox_bus()
+    first_bus.default_replies[SANDBOX_SNAPSHOT] = SandboxSnapshotReply(snapshot_id="snap-1")
+
+    class HeartbeatFirstEngine(ScriptedEngine):
+        async def generate(self, *args, **kwargs):
+            while not first_bus.requested(SANDBOX_HEARTBEAT):  # the model thinks for a beat
+                await asyncio.sleep(0.005)
+            return await super().generate(*args, **kwargs)
+
+    # The first worker runs turn 1 (a tool call, then a workspace snapshot) and dies in turn 2.
+    first = runner(HeartbeatFirstEngine([tool_call(), asyncio.CancelledError()]), first_bus, states=states,
+                   snapshot_workspace=True, sandbox_heartbeat_s=0.01)
+    with pytest.raises(asyncio.CancelledError):
+        await first.handle_requested(request(), context())
+    # Its sandbox is gone: the second worker gets a fresh lease, forks the snapshot, releases the fresh one.
+    second_bus = sandbox_bus(lease=SandboxLeaseReply(lease_id="lease-2", backend="fake"))
+    second_bus.default_replies[SANDBOX_FORK] = SandboxForkReply(
+        leases=[ForkedLease(lease_id="lease-3", holder="r-1/0", expires_at=1e9)])
+    await runner(ScriptedEngine([answer()]), second_bus, states=states).handle_requested(request(), context())
+
+    assert len(second_bus.messages(ROLLOUT_COMPLETED)) == 1
+    assert [r.lease_id for r in second_bus.requested(SANDBOX_RELEASE)] == ["lease-2", "lease-3"]
+    sent = first_bus.requests + second_bus.requests
+    assert {subject.template for subject, _ in sent} == {
+        s.template for s in (SANDBOX_LEASE, SANDBOX_HEARTBEAT, SANDBOX_EXEC, SANDBOX_SNAPSHOT, SANDBOX_FORK,
+                             SANDBOX_RELEASE)}
+    assert {message.rollout_id for _, message in sent} == {"r-1"}
 
 
 async def test_a_request_redelivered_after_its_outcome_was_saved_republishes_it_and_runs_nothing():

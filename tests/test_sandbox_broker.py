@@ -515,6 +515,35 @@ async def test_snapshots_past_the_cap_drop_the_least_recently_used(tmp_path):
     assert kept.error_kind == ""
 
 
+async def test_every_request_the_client_makes_for_a_rollout_names_it(tmp_path):
+    broker, _, _ = make_broker(tmp_path)
+
+    class RecordingRequester(InProcessRequester):
+        def __init__(self, broker: SandboxBroker) -> None:
+            super().__init__(broker)
+            self.sent: list = []
+
+        async def request(self, subject, message, timeout_s):
+            self.sent.append(message)
+            return await super().request(subject, message, timeout_s)
+
+    requester = RecordingRequester(broker)
+    client = SandboxBrokerClient(requester, chunk_bytes=1024)
+    lease = (await client.lease("r-7", rollout_id="r-7")).lease_id
+    await client.heartbeat(lease, rollout_id="r-7")
+    await client.exec(lease, ["true"], rollout_id="r-7")
+    await client.upload(lease, "big", b"x" * 3000, rollout_id="r-7")  # three chunks
+    assert await client.download(lease, "big", rollout_id="r-7") == b"x" * 3000
+    snapshot = (await client.snapshot(lease, rollout_id="r-7")).snapshot_id
+    (forked,) = await client.fork(snapshot, "r-7", 1, rollout_id="r-7")
+    for held in (forked.lease_id, lease):
+        await client.release(held, rollout_id="r-7")
+    assert {type(m).__name__ for m in requester.sent} == {
+        "SandboxLeaseRequest", "SandboxHeartbeatRequest", "SandboxExecRequest", "SandboxUploadRequest",
+        "SandboxDownloadRequest", "SandboxSnapshotRequest", "SandboxForkRequest", "SandboxReleaseRequest"}
+    assert len(requester.sent) >= 12 and {m.rollout_id for m in requester.sent} == {"r-7"}
+
+
 # -- every reply is typed --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("operation, request_", [

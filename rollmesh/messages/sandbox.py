@@ -9,6 +9,9 @@ say the sandbox failed, not the tool. Bytes (stdin, output, file data) travel as
 Files larger than one NATS message travel in chunks: uploads carry ``upload_id``, ``offset`` and
 the size and sha256 of the whole file; downloads are read at ``offset`` until ``eof``. The
 sandbox side computes the sha256 of what it stored or read; a mismatch is "checksum_mismatch".
+
+Every request made for a rollout carries its ``rollout_id`` ("" otherwise, e.g. from the CLI).
+The broker only logs and traces it: the request's spans and log lines name the rollout.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ LeaseId = Annotated[str, Meta(min_length=1, max_length=200)]
 WorkspacePath = Annotated[str, Meta(min_length=1, max_length=4096)]
 TtlSeconds = Annotated[float, Meta(gt=0, le=30 * 24 * 3600)]
 Sha256Hex = Annotated[str, Meta(pattern="^([0-9a-f]{64})?$")]
+RolloutRef = Annotated[str, Meta(max_length=200)]  # the rollout a request is made for, or ""
 
 
 class SandboxLimitsSpec(Struct, frozen=True, kw_only=True):
@@ -65,6 +69,7 @@ class SandboxLeaseRequest(WireMessage, frozen=True, tag="sandbox.lease_request")
     network: bool = False  # refused unless the profile allows network
     profile: str = "default"
     limits: SandboxLimitsSpec = SandboxLimitsSpec()
+    rollout_id: RolloutRef = ""
 
 
 class SandboxLeaseReply(WireMessage, frozen=True, tag="sandbox.lease_reply"):
@@ -95,6 +100,7 @@ class SandboxExecRequest(WireMessage, frozen=True, tag="sandbox.exec_request"):
     # tagged with exec_id (the caller's, or one the broker picks).
     exec_id: Annotated[str, Meta(max_length=200)] = ""
     stream_output: bool = False
+    rollout_id: RolloutRef = ""
 
 
 class SandboxExecReply(WireMessage, frozen=True, tag="sandbox.exec_reply"):
@@ -138,6 +144,7 @@ class SandboxUploadRequest(WireMessage, frozen=True, tag="sandbox.upload_request
     upload_id: Annotated[str, Meta(max_length=200)] = ""  # "" for a single-chunk upload
     offset: Annotated[int, Meta(ge=0)] = 0
     mode: Annotated[int, Meta(ge=0, le=0o7777)] = 0o644
+    rollout_id: RolloutRef = ""
 
 
 class SandboxUploadReply(WireMessage, frozen=True, tag="sandbox.upload_reply"):
@@ -157,6 +164,7 @@ class SandboxDownloadRequest(WireMessage, frozen=True, tag="sandbox.download_req
     download_id: Annotated[str, Meta(max_length=200)] = ""
     offset: Annotated[int, Meta(ge=0)] = 0
     max_bytes: Annotated[int, Meta(ge=1)] = 4 * 1024 * 1024
+    rollout_id: RolloutRef = ""
 
 
 class SandboxDownloadReply(WireMessage, frozen=True, tag="sandbox.download_reply"):
@@ -173,6 +181,7 @@ class SandboxSnapshotRequest(WireMessage, frozen=True, tag="sandbox.snapshot_req
     """Keep a tar of the lease's workspace in the broker, to fork new leases from."""
 
     lease_id: LeaseId
+    rollout_id: RolloutRef = ""
 
 
 class SandboxSnapshotReply(WireMessage, frozen=True, tag="sandbox.snapshot_reply"):
@@ -192,6 +201,7 @@ class SandboxForkRequest(WireMessage, frozen=True, tag="sandbox.fork_request"):
     holder: Token
     count: Annotated[int, Meta(ge=1, le=256)] = 1
     ttl_s: TtlSeconds | None = None
+    rollout_id: RolloutRef = ""
 
 
 class ForkedLease(Struct, frozen=True, kw_only=True):
@@ -211,6 +221,7 @@ class SandboxHeartbeatRequest(WireMessage, frozen=True, tag="sandbox.heartbeat_r
     """Extend the lease by its TTL from now: the holder is alive."""
 
     lease_id: LeaseId
+    rollout_id: RolloutRef = ""
 
 
 class SandboxHeartbeatReply(WireMessage, frozen=True, tag="sandbox.heartbeat_reply"):
@@ -221,6 +232,7 @@ class SandboxHeartbeatReply(WireMessage, frozen=True, tag="sandbox.heartbeat_rep
 
 class SandboxReleaseRequest(WireMessage, frozen=True, tag="sandbox.release_request"):
     lease_id: LeaseId
+    rollout_id: RolloutRef = ""
 
 
 class SandboxReleaseReply(WireMessage, frozen=True, tag="sandbox.release_reply"):

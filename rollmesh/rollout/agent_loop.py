@@ -266,7 +266,8 @@ class RolloutRunner:
                                            snapshot_id=saved.snapshot_id, turn=saved.turn)
         run.state = msgspec.structs.replace(run.state, lease_id=lease_id)
         try:
-            transcript = await self.leases.while_leased(lease_id, self._turns(run, task, trajectory, lease_id))
+            transcript = await self.leases.while_leased(lease_id, request.rollout_id,
+                                                        self._turns(run, task, trajectory, lease_id))
         finally:
             await self.leases.release(lease_id, request.rollout_id)
         reward = task.reward(request.task_input, transcript)
@@ -436,7 +437,7 @@ class RolloutRunner:
             try:
                 reply = await self.sandbox.exec(
                     lease_id, task.tool_argv(call, request.task_input), timeout_s=self.config.tool_timeout_s,
-                    capacity_retries=self.config.sandbox_capacity_retries)
+                    capacity_retries=self.config.sandbox_capacity_retries, rollout_id=request.rollout_id)
             except SandboxRequestError as exc:
                 raise RolloutError(failure_kind(exc), f"turn {turn}: {exc}", turns=turn) from exc
         if reply.result in ("sandbox_died", "infra_error"):

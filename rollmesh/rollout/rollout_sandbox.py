@@ -3,7 +3,8 @@
 Knows the sandbox broker's client and the rollout config; nothing of NATS, Ray or the agent
 loop's turns. The rollout id is the lease's idempotency token, so a redelivered rollout gets the
 sandbox its earlier attempt held while that lease lives; once it is gone, a fork of the rollout's
-last workspace snapshot; else a fresh one.
+last workspace snapshot; else a fresh one. Every request names the rollout (``rollout_id``), so
+its spans and log lines do.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class RolloutSandbox:
         try:
             reply = await self.sandbox.lease(
                 rollout_id, profile=self.config.sandbox_profile,
-                ttl_s=self.config.sandbox_lease_ttl_s, capacity_retries=self.config.sandbox_capacity_retries)
+                ttl_s=self.config.sandbox_lease_ttl_s, capacity_retries=self.config.sandbox_capacity_retries,
+                rollout_id=rollout_id)
         except SandboxRequestError as exc:
             raise RolloutError("sandbox_error", f"no sandbox lease: {exc}", turns=turn) from exc
         if held and reply.lease_id != held and snapshot_id:
@@ -47,7 +49,8 @@ class RolloutSandbox:
         """A lease on a fork of ``snapshot_id``, the fresh lease given back; the fresh lease
         itself when the snapshot is gone (the rollout goes on with an empty workspace)."""
         try:
-            (forked,) = await self.sandbox.fork(snapshot_id, rollout_id, 1, ttl_s=self.config.sandbox_lease_ttl_s)
+            (forked,) = await self.sandbox.fork(snapshot_id, rollout_id, 1, ttl_s=self.config.sandbox_lease_ttl_s,
+                                                rollout_id=rollout_id)
         except (SandboxRequestError, ValueError) as exc:
             _log.warning("workspace_snapshot_lost", rollout_id=rollout_id, snapshot_id=snapshot_id, error=str(exc))
             return fresh_lease
@@ -58,15 +61,15 @@ class RolloutSandbox:
         """A snapshot of the workspace now, or "" when the broker could not take one (the rollout
         goes on; only a lost sandbox would then lose its files)."""
         try:
-            return (await self.sandbox.snapshot(lease_id)).snapshot_id
+            return (await self.sandbox.snapshot(lease_id, rollout_id=rollout_id)).snapshot_id
         except SandboxRequestError as exc:
             _log.warning("workspace_snapshot_failed", rollout_id=rollout_id, error=str(exc))
             return ""
 
-    async def while_leased(self, lease_id: str, work: Awaitable[T]) -> T:
+    async def while_leased(self, lease_id: str, rollout_id: str, work: Awaitable[T]) -> T:
         """Run ``work`` while heartbeating the lease; a lost lease ends the work (RolloutError)."""
         working = asyncio.ensure_future(work)
-        heartbeat = asyncio.create_task(self._heartbeat(lease_id), name=f"heartbeat-{lease_id}")
+        heartbeat = asyncio.create_task(self._heartbeat(lease_id, rollout_id), name=f"heartbeat-{lease_id}")
         try:
             await asyncio.wait({working, heartbeat}, return_when=asyncio.FIRST_COMPLETED)
             if not working.done():
@@ -77,11 +80,11 @@ class RolloutSandbox:
                 task.cancel()
             await asyncio.gather(working, heartbeat, return_exceptions=True)
 
-    async def _heartbeat(self, lease_id: str) -> None:
+    async def _heartbeat(self, lease_id: str, rollout_id: str) -> None:
         while True:
             await asyncio.sleep(self.config.sandbox_heartbeat_s)
             try:
-                await self.sandbox.heartbeat(lease_id)
+                await self.sandbox.heartbeat(lease_id, rollout_id=rollout_id)
             except SandboxRequestError as exc:
                 if exc.kind == "unreachable":  # the TTL outlasts a missed beat or two
                     _log.warning("sandbox_heartbeat_missed", lease_id=lease_id, error=str(exc))
@@ -90,6 +93,6 @@ class RolloutSandbox:
 
     async def release(self, lease_id: str, rollout_id: str) -> None:
         try:
-            await self.sandbox.release(lease_id)
+            await self.sandbox.release(lease_id, rollout_id=rollout_id)
         except SandboxRequestError as exc:  # the broker reaps expired leases; losing a release loses nothing
             _log.warning("sandbox_release_failed", rollout_id=rollout_id, lease_id=lease_id, error=str(exc))

@@ -5,7 +5,8 @@ so the same client runs over the bus or, in tests and the CLI's in-process mode,
 broker. A reply with ``error_kind`` set, or no reply at all, raises ``SandboxRequestError``
 (kind "unreachable" when the broker could not be reached); an exec that ran returns its reply,
 whatever its ``result``. Files larger than one chunk move in chunks and are verified by sha256
-end to end.
+end to end. A call made for a rollout names it (``rollout_id``): the request carries it, so the
+request's span, the broker's span and both sides' log lines name the rollout.
 """
 
 from __future__ import annotations
@@ -81,30 +82,30 @@ class SandboxBrokerClient:
 
     async def lease(self, holder: str, *, profile: str = "default", ttl_s: float | None = None,
                     network: bool = False, limits: SandboxLimitsSpec = SandboxLimitsSpec(),
-                    capacity_retries: int = 0) -> SandboxLeaseReply:
+                    capacity_retries: int = 0, rollout_id: str = "") -> SandboxLeaseReply:
         request = SandboxLeaseRequest(holder=holder, profile=profile, ttl_s=ttl_s, network=network,
-                                      limits=limits)
+                                      limits=limits, rollout_id=rollout_id)
         return await self._retrying(capacity_retries, lambda: self._call(SANDBOX_LEASE, request, "lease"))
 
     async def exec(self, lease_id: str, argv: list[str] | None = None, *, shell: str = "",
                    stdin: bytes = b"", timeout_s: float | None = None, env: dict[str, str] | None = None,
                    cwd: str = "", exec_id: str = "", stream_output: bool = False,
-                   capacity_retries: int = 0) -> SandboxExecReply:
+                   capacity_retries: int = 0, rollout_id: str = "") -> SandboxExecReply:
         """Run a command; the reply's ``result`` says how it ended. Raises only when it could
         not run at all."""
         request = SandboxExecRequest(lease_id=lease_id, argv=list(argv or []), shell=shell, stdin=stdin,
                                      timeout_s=timeout_s, env=dict(env or {}), cwd=cwd, exec_id=exec_id,
-                                     stream_output=stream_output)
+                                     stream_output=stream_output, rollout_id=rollout_id)
         wait_s = (timeout_s or DEFAULT_EXEC_WAIT_S) + self.timeout_s
         return await self._retrying(capacity_retries,
                                     lambda: self._call(SANDBOX_EXEC, request, "exec", wait_s=wait_s))
 
     async def upload(self, lease_id: str, path: str, data: bytes, *, kind: TransferKind = "file",
-                     mode: int = 0o644) -> SandboxUploadReply:
+                     mode: int = 0o644, rollout_id: str = "") -> SandboxUploadReply:
         """Store ``data`` at ``path`` (kind "tar": extract it into the directory ``path``),
         verified by sha256 end to end (ours of ``data`` against the sandbox's of what it stored)."""
         if len(data) <= self.chunk_bytes:
-            return await self._upload_one(lease_id, path, data, kind=kind, mode=mode)
+            return await self._upload_one(lease_id, path, data, kind=kind, mode=mode, rollout_id=rollout_id)
         sha256 = hashlib.sha256(data).hexdigest()
         upload_id = self._new_id()
         offset = 0
@@ -112,7 +113,7 @@ class SandboxBrokerClient:
             piece = data[offset:offset + self.chunk_bytes]
             reply = await self._call(SANDBOX_UPLOAD, SandboxUploadRequest(
                 lease_id=lease_id, path=path, data=piece, size=len(data), sha256=sha256, kind=kind,
-                upload_id=upload_id, offset=offset, mode=mode), "upload")
+                upload_id=upload_id, offset=offset, mode=mode, rollout_id=rollout_id), "upload")
             if reply.complete:
                 return reply
             offset += len(piece)
@@ -121,13 +122,13 @@ class SandboxBrokerClient:
                                           f"after offset {offset}", kind="transfer_error", operation="upload")
 
     async def _upload_one(self, lease_id: str, path: str, data: bytes, *, kind: TransferKind,
-                          mode: int) -> SandboxUploadReply:
+                          mode: int, rollout_id: str) -> SandboxUploadReply:
         """One message: sent before we hash it, so hashing overlaps the transfer and the store.
         If the sandbox's digest differs, it is sent again with ours, which the sandbox checks
         before it stores anything."""
         sent = asyncio.ensure_future(self._call(SANDBOX_UPLOAD, SandboxUploadRequest(
-            lease_id=lease_id, path=path, data=data, size=len(data), sha256="", kind=kind, mode=mode),
-            "upload"))
+            lease_id=lease_id, path=path, data=data, size=len(data), sha256="", kind=kind, mode=mode,
+            rollout_id=rollout_id), "upload"))
         try:
             sha256 = await _sha256_hex(data)
         finally:
@@ -135,16 +136,17 @@ class SandboxBrokerClient:
         if reply.sha256 == sha256:
             return reply
         return await self._call(SANDBOX_UPLOAD, SandboxUploadRequest(
-            lease_id=lease_id, path=path, data=data, size=len(data), sha256=sha256, kind=kind, mode=mode),
-            "upload")
+            lease_id=lease_id, path=path, data=data, size=len(data), sha256=sha256, kind=kind, mode=mode,
+            rollout_id=rollout_id), "upload")
 
-    async def download(self, lease_id: str, path: str, *, kind: TransferKind = "file") -> bytes:
+    async def download(self, lease_id: str, path: str, *, kind: TransferKind = "file",
+                       rollout_id: str = "") -> bytes:
         """The file at ``path`` (kind "tar": a tar of the directory), verified by sha256."""
         download_id, parts, offset = self._new_id(), [], 0
         while True:
             reply = await self._call(SANDBOX_DOWNLOAD, SandboxDownloadRequest(
                 lease_id=lease_id, path=path, kind=kind, download_id=download_id, offset=offset,
-                max_bytes=self.chunk_bytes), "download")
+                max_bytes=self.chunk_bytes, rollout_id=rollout_id), "download")
             parts.append(reply.data)
             offset += len(reply.data)
             if reply.eof:
@@ -159,23 +161,26 @@ class SandboxBrokerClient:
                                       kind="checksum_mismatch", operation="download")
         return data
 
-    async def snapshot(self, lease_id: str) -> SandboxSnapshotReply:
-        return await self._call(SANDBOX_SNAPSHOT, SandboxSnapshotRequest(lease_id=lease_id), "snapshot",
-                                wait_s=self.timeout_s * 4)
+    async def snapshot(self, lease_id: str, *, rollout_id: str = "") -> SandboxSnapshotReply:
+        request = SandboxSnapshotRequest(lease_id=lease_id, rollout_id=rollout_id)
+        return await self._call(SANDBOX_SNAPSHOT, request, "snapshot", wait_s=self.timeout_s * 4)
 
     async def fork(self, snapshot_id: str, holder: str, count: int, *,
-                   ttl_s: float | None = None) -> list[ForkedLease]:
+                   ttl_s: float | None = None, rollout_id: str = "") -> list[ForkedLease]:
         reply = await self._call(SANDBOX_FORK, SandboxForkRequest(
-            snapshot_id=snapshot_id, holder=holder, count=count, ttl_s=ttl_s), "fork", wait_s=self.timeout_s * 4)
+            snapshot_id=snapshot_id, holder=holder, count=count, ttl_s=ttl_s, rollout_id=rollout_id),
+            "fork", wait_s=self.timeout_s * 4)
         return list(reply.leases)
 
-    async def heartbeat(self, lease_id: str) -> float:
+    async def heartbeat(self, lease_id: str, *, rollout_id: str = "") -> float:
         """Extend the lease by its TTL; returns its new expiry."""
-        reply = await self._call(SANDBOX_HEARTBEAT, SandboxHeartbeatRequest(lease_id=lease_id), "heartbeat")
+        request = SandboxHeartbeatRequest(lease_id=lease_id, rollout_id=rollout_id)
+        reply = await self._call(SANDBOX_HEARTBEAT, request, "heartbeat")
         return reply.expires_at
 
-    async def release(self, lease_id: str) -> None:
-        await self._call(SANDBOX_RELEASE, SandboxReleaseRequest(lease_id=lease_id), "release")
+    async def release(self, lease_id: str, *, rollout_id: str = "") -> None:
+        await self._call(SANDBOX_RELEASE, SandboxReleaseRequest(lease_id=lease_id, rollout_id=rollout_id),
+                         "release")
 
     # -- internals -------------------------------------------------------------------------
 
