@@ -18,11 +18,22 @@ def rollout_id_of(message: WireMessage) -> str | None:
 
 
 def weight_version_of(message: WireMessage) -> int | None:
-    """``weight_version`` when the message has one; ``version`` for weight events."""
+    """``weight_version`` when the message has one; ``version`` for weight events; for a
+    trajectory (per-token ``versions``, -1 where no weights generated the token), the version of
+    its last generated token (None when it has none)."""
     value = getattr(message, "weight_version", None)
     if value is None and message_tag(message).startswith("weights."):
         value = getattr(message, "version", None)
+    if value is None:
+        value = _last_generated_version(getattr(message, "versions", None))
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _last_generated_version(versions: object) -> int | None:
+    """The last entry >= 0 of per-token weight versions (prompt and tool tokens carry -1)."""
+    if not isinstance(versions, list):
+        return None
+    return next((v for v in reversed(versions) if isinstance(v, int) and v >= 0), None)
 
 
 def dedup_id(message: WireMessage) -> str | None:
