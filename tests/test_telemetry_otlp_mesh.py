@@ -1,11 +1,14 @@
 """One real rollout through a mesh configured only by OTEL_* variables, received over OTLP/HTTP.
 
 An OTLP/HTTP receiver runs in the test process and decodes what the exporters send with
-opentelemetry-proto; the mesh runs as ``rollmesh up`` / ``submit`` / ``down`` subprocesses.
+opentelemetry-proto; the mesh runs as ``rollmesh up`` / ``submit`` / ``sandbox run`` / ``down``
+subprocesses (one mesh for all of them: starting one is the slow part).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +24,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from rollmesh.bus.connection import connect_bus
+from rollmesh.bus.streams import rollout_results_stream
+from rollmesh.messages import RolloutCompleted
+from rollmesh.messages.subjects import ROLLOUT_COMPLETED
 from rollmesh.telemetry import conventions
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -86,6 +93,18 @@ def _run(args: list[str], env: dict[str, str], *, timeout: float, cwd: Path) -> 
                           env=env, cwd=cwd)
 
 
+async def _last_completion(run_dir: Path) -> RolloutCompleted:
+    """The mesh's last ``RolloutCompleted``, as stored in its results stream."""
+    mesh = json.loads((run_dir / "mesh.json").read_text())
+    nc = await connect_bus(mesh["nats_url"], name="otlp-test", connect_timeout_s=10.0)
+    try:
+        stored = await nc.jetstream().get_last_msg(rollout_results_stream(mesh["namespace"]),
+                                                   ROLLOUT_COMPLETED.format(mesh["namespace"]))
+    finally:
+        await nc.close()
+    return ROLLOUT_COMPLETED.decode(stored.data)
+
+
 def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receiver: _Receiver) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(RAY_AUTH_MODE="disabled",
@@ -99,10 +118,14 @@ def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receive
         submit = _run(["--run-root", str(run_root), "submit", "--task", "molar_mass", "--count", "1",
                        "--wait", "--timeout", "120"], env, timeout=180, cwd=tmp_path)
         assert submit.returncode == 0, submit.stdout + submit.stderr
+        (run_dir,) = list(run_root.iterdir())
+        completion = asyncio.run(_last_completion(run_dir))
+        sandbox_run = _run(["--run-root", str(run_root), "sandbox", "run", "--", "echo", "traced"], env,
+                           timeout=120, cwd=tmp_path)
+        assert sandbox_run.returncode == 0, sandbox_run.stdout + sandbox_run.stderr
     finally:
         down = _run(["--run-root", str(run_root), "down", "--timeout", "60"], env, timeout=120, cwd=tmp_path)
     assert down.returncode == 0, down.stdout + down.stderr
-    (run_dir,) = list(run_root.iterdir())
     assert not (run_dir / "traces.jsonl").exists()  # the endpoint alone switched to OTLP
 
     deadline = time.monotonic() + 20
@@ -111,9 +134,11 @@ def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receive
             spans = list(receiver.spans)
         rollouts = [s for s in spans if s["name"] == "rollout"]
         turns = [s for s in spans if s["name"] == "turn"]
-        if rollouts and turns:
+        completed_publishes = [s for s in spans if s["name"] == "publish rl.{ns}.rollout.completed"]
+        sandbox_runs = [s for s in spans if s["name"] == conventions.SPAN_SANDBOX_RUN]
+        if rollouts and turns and completed_publishes and sandbox_runs:
             break
-        assert time.monotonic() < deadline, f"no rollout/turn spans among {len(spans)}"
+        assert time.monotonic() < deadline, f"no rollout/turn/completed/sandbox run spans among {len(spans)}"
         time.sleep(0.2)
 
     services = {s["service"] for s in spans}
@@ -142,3 +167,27 @@ def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receive
     assert crossed, "no span is the child of a publish in another service"
     for child in crossed:
         assert child["trace_id"] == by_id[child["parent_span_id"]]["trace_id"]
+
+    # Every request and publish the rollout made names it: the sandbox lease, exec and release too.
+    assert completion.rollout_id == rollout_id
+    for name in ("request rl.{ns}.sandbox.lease", "request rl.{ns}.sandbox.release"):
+        assert [s for s in spans if s["name"] == name and s["service"] == "rollmesh.rollout"], name
+    made_for_rollout = [s for s in publishes if s["service"] == "rollmesh.rollout" and s["attributes"][
+        "messaging.destination.template"].startswith(("rl.{ns}.sandbox.", "rl.{ns}.rollout."))]
+    assert {s["attributes"].get("rl.rollout_id") for s in made_for_rollout} == {rollout_id}
+    # Its completion carries the version of the last token the model generated (loss mask 1).
+    generated_versions = [v for v, mask in zip(completion.versions, completion.loss_mask) if mask]
+    assert generated_versions, "the rollout generated no token"
+    (completed_publish,) = completed_publishes
+    assert completed_publish["attributes"]["rl.rollout_id"] == rollout_id
+    assert completed_publish["attributes"]["rl.weight_version"] == generated_versions[-1]
+
+    # `rollmesh sandbox run` is its own trace's root, and its exec request is the root's child.
+    (run_span,) = sandbox_runs
+    assert run_span["service"] == "rollmesh.cli" and run_span["parent_span_id"] == ""
+    assert run_span["attributes"][conventions.RL_SANDBOX_RESULT] == "exit"
+    (cli_exec,) = [s for s in spans if s["name"] == "request rl.{ns}.sandbox.exec"
+                   and s["service"] == "rollmesh.cli"]
+    assert cli_exec["trace_id"] == run_span["trace_id"]
+    assert cli_exec["parent_span_id"] == run_span["span_id"]
+    assert "rl.rollout_id" not in cli_exec["attributes"]  # no rollout asked for it

@@ -10,6 +10,10 @@ command's output, then prints one JSON line with the typed result and exits like
 
 A request the broker refuses (no such lease, capacity) is an infra_error: the JSON line says so
 and the exit code is 125.
+
+``run`` is traced as ``rollmesh.cli`` (``cli_tracer``, as ``submit``): one ``sandbox run`` span
+holds its lease, exec and release requests, so the exec joins the command's trace instead of
+starting one of its own. Spans are exported only where the OTEL_* variables say.
 """
 
 from __future__ import annotations
@@ -29,10 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opentelemetry import trace
+
+from rollmesh.cli.cli_tracing import cli_tracer
 from rollmesh.cli.errors import EXIT_OK, CliError
 from rollmesh.cli.target import add_target_options, find_mesh, load_cli_config, positive_float
 from rollmesh.config import RollmeshConfig
 from rollmesh.messages import SandboxExecReply, SandboxOutputProduced
+from rollmesh.telemetry import conventions
+from rollmesh.telemetry.tracing import flush_tracing
 
 EXIT_TIMEOUT = 124
 EXIT_SANDBOX_FAILED = 125
@@ -130,7 +139,11 @@ def run_sandbox_run(args: argparse.Namespace) -> int:
     if not cmd:
         raise CliError("no command given: rollmesh sandbox run [options] -- CMD...", exit_code=2)
     config = load_cli_config(args)
-    reply = asyncio.run(_run(args, config, cmd))
+    tracer = cli_tracer(config.telemetry)
+    try:
+        reply = asyncio.run(_traced_run(args, config, cmd, tracer))
+    finally:
+        flush_tracing()  # the batch processor would drop what is still queued at exit
     if reply.truncated:  # after the streamed output, where a reader notices what is missing
         sys.stderr.write("\n[rollmesh: output truncated at the profile's cap]\n")
         sys.stderr.flush()
@@ -224,10 +237,26 @@ class _Printer:
             sys.stdout.buffer.write(b"\n")
 
 
-async def _run(args: argparse.Namespace, config: RollmeshConfig, cmd: list[str]) -> SandboxExecReply:
+async def _traced_run(args: argparse.Namespace, config: RollmeshConfig, cmd: list[str],
+                      tracer: trace.Tracer) -> SandboxExecReply:
+    """``_run`` inside the command's ``sandbox run`` span, which ends with the exec's result."""
+    exec_id = uuid.uuid4().hex
+    with tracer.start_as_current_span(conventions.SPAN_SANDBOX_RUN, attributes={
+            conventions.RL_SANDBOX_EXEC_ID: exec_id}) as span:
+        reply = await _run(args, config, cmd, exec_id)
+        span.set_attribute(conventions.RL_SANDBOX_RESULT, reply.result or "infra_error")
+        if reply.exit_code is not None:
+            span.set_attribute(conventions.RL_SANDBOX_EXIT_CODE, reply.exit_code)
+        if reply.result in ("", "sandbox_died", "infra_error"):
+            span.set_status(trace.StatusCode.ERROR, reply.detail or reply.result or "infra_error")
+    return reply
+
+
+async def _run(args: argparse.Namespace, config: RollmeshConfig, cmd: list[str],
+               exec_id: str) -> SandboxExecReply:
     from rollmesh.sandbox.errors import SandboxRequestError
 
-    printer = _Printer(uuid.uuid4().hex, {"stdout": 0, "stderr": 0})
+    printer = _Printer(exec_id, {"stdout": 0, "stderr": 0})
     try:
         mesh = find_mesh(args, config, role="mesh")
     except CliError:
@@ -240,6 +269,7 @@ async def _run(args: argparse.Namespace, config: RollmeshConfig, cmd: list[str])
             if not lease_id:
                 lease_id = (await client.lease(f"cli-{printer.exec_id[:12]}", profile=args.profile,
                                                ttl_s=args.ttl)).lease_id
+            trace.get_current_span().set_attribute(conventions.RL_SANDBOX_LEASE_ID, lease_id)
             try:
                 reply = await client.exec(
                     lease_id, [] if args.shell else cmd, shell=" ".join(cmd) if args.shell else "",

@@ -24,23 +24,16 @@ from typing import Any
 
 import msgspec
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 
+from rollmesh.cli.cli_tracing import cli_tracer
 from rollmesh.cli.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError
 from rollmesh.cli.events import weight_versions
 from rollmesh.cli.target import MeshTarget, add_target_options, find_mesh, load_cli_config, positive_float, positive_int
-from rollmesh.config import RollmeshConfig, TelemetryConfig
+from rollmesh.config import RollmeshConfig
 from rollmesh.messages import RolloutCompleted, RolloutFailed, RolloutRequested, SamplingParams
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_REQUESTED
 from rollmesh.telemetry.conventions import SPAN_SUBMIT, message_attributes
-from rollmesh.telemetry.tracing import (
-    exporter_kinds,
-    flush_tracing,
-    service_name,
-    setup_tracing,
-    without_run_dir,
-)
+from rollmesh.telemetry.tracing import flush_tracing
 
 
 
@@ -173,24 +166,6 @@ def run_submit(args: argparse.Namespace) -> int:
     if args.wait and waited:
         failed = _print_results(waited, outcome.results) or failed
     return EXIT_FAILURE if failed else EXIT_OK
-
-
-def cli_tracer(telemetry: TelemetryConfig) -> trace.Tracer:
-    """The tracer for ``submit`` spans, service ``rollmesh.cli``.
-
-    When something would be exported (OTEL_* set, or an ``otlp`` config) the process-wide
-    provider is set up. Otherwise it is left alone (a test calling ``main()`` in-process keeps
-    its own) and a private, non-exporting provider makes the spans, so every request still
-    carries a valid, sampled ``traceparent``.
-    """
-    telemetry = without_run_dir(telemetry)
-    if exporter_kinds(telemetry):
-        setup_tracing("cli", telemetry, Path.cwd())
-        return trace.get_tracer("rollmesh.cli")
-    if isinstance(trace.get_tracer_provider(), SdkTracerProvider):
-        return trace.get_tracer("rollmesh.cli")
-    private = SdkTracerProvider(resource=Resource.create({"service.name": service_name("cli")}))
-    return private.get_tracer("rollmesh.cli")
 
 
 def _report_published(subject: str, requests: list[RolloutRequested], duplicates: list[str],

@@ -36,6 +36,7 @@ SPAN_TOOL = "tool"
 SPAN_TRAIN_STEP = "train_step"
 SPAN_SUBMIT = "submit"  # the CLI publishing one rollout request
 SPAN_SANDBOX_EXEC = "sandbox.exec"  # the broker running one exec in a leased sandbox
+SPAN_SANDBOX_RUN = "sandbox run"  # `rollmesh sandbox run`: its lease, exec and release
 
 # -- rl.* attributes -------------------------------------------------------------------------------
 RL_ROLLOUT_ID = "rl.rollout_id"
@@ -45,7 +46,7 @@ RL_WEIGHT_VERSION_FIRST = "rl.weight_version.first"  # first generated token's v
 RL_WEIGHT_VERSION_LAST = "rl.weight_version.last"    # last generated token's version (generate)
 RL_SANDBOX_LEASE_ID = "rl.sandbox.lease_id"
 RL_SANDBOX_EXEC_ID = "rl.sandbox.exec_id"
-RL_SANDBOX_RESULT = "rl.sandbox.result"    # exit, timeout, oom_killed, sandbox_died... (typed)
+RL_SANDBOX_RESULT = "rl.sandbox.result"    # exit, timeout, oom, sandbox_died... (typed)
 RL_SANDBOX_EXIT_CODE = "rl.sandbox.exit_code"
 RL_TOOL_NAME = "rl.tool.name"
 RL_TRAJECTORY_ID = "rl.trajectory_id"
