@@ -75,10 +75,15 @@ class RayConfig(ConfigSection):
 PLACED_ROLES = ("scheduler", "sandbox", "prefill", "decode", "trainer", "resharder", "rollout")
 RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 
+TRACE_EXPORTER_KINDS = ("otlp", "jsonl", "console", "none")
+TRACE_EXPORTERS_PATTERN = r"^\s*({0})\s*(,\s*({0})\s*)*$".format("|".join(TRACE_EXPORTER_KINDS))
+
 
 class TelemetryConfig(ConfigSection):
-    # "jsonl": spans to <run_dir>/traces.jsonl; "otlp": OTLP over HTTP to otlp_endpoint.
-    exporter: Literal["jsonl", "otlp", "none"] = "jsonl"
+    # "jsonl": spans to <run_dir>/traces.jsonl; "otlp": OTLP over HTTP to otlp_endpoint;
+    # "console"; "none"; or several comma-separated, as OTEL_TRACES_EXPORTER takes them (a run's
+    # config.json records the exporters the OTEL_* variables put in effect, so a resume keeps them).
+    exporter: Annotated[str, Meta(pattern=TRACE_EXPORTERS_PATTERN)] = "jsonl"
     otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Prometheus metrics of the whole mesh, served by `rollmesh up` (docs/metrics.md): 0 picks a

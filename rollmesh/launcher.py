@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 
 from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
@@ -27,6 +28,7 @@ from rollmesh.config import RollmeshConfig, save_run_config
 from rollmesh.mesh_info import MeshInfo, new_run_dir, write_mesh_info
 from rollmesh.mesh_runtime import MeshRuntime
 from rollmesh.scheduling.grants import GpuScheduler
+from rollmesh.telemetry.tracing import effective_telemetry
 
 _log = structlog.get_logger("rollmesh.launcher")
 
@@ -36,6 +38,9 @@ GRANT_HOLDERS = {"prefill": "prefill-0", "decode": "decode-0", "trainer": "train
 
 class Mesh:
     def __init__(self, config: RollmeshConfig, *, run_dir: Path | None = None) -> None:
+        # The exporters the OTEL_* variables put in effect become the run's config (and so its
+        # config.json): a resume without them keeps exporting where this run did.
+        config = msgspec.structs.replace(config, telemetry=effective_telemetry(config.telemetry))
         self.config = config
         self.run_dir = Path(run_dir) if run_dir else new_run_dir(config.run_root)
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ _EXPORTS = {
     "TRACES_FILE": "rollmesh.telemetry.tracing",
     "traces_path": "rollmesh.telemetry.tracing",
     "service_name": "rollmesh.telemetry.tracing",
+    "effective_telemetry": "rollmesh.telemetry.tracing",
     "JsonlSpanExporter": "rollmesh.telemetry.jsonl_exporter",
     "setup_logging": "rollmesh.telemetry.logging",
     "redact_url": "rollmesh.telemetry.redaction",

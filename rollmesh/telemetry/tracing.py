@@ -18,6 +18,11 @@ Ray workers inherit them from the process that started Ray. They win over ``tele
 - ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``: head sampling, by the SDK.
 - ``OTEL_RESOURCE_ATTRIBUTES``: merged into the resource by the SDK (``service.name`` and
   ``rollmesh.actor`` are ours).
+
+A mesh records the exporters and endpoint in effect in its config (``effective_telemetry``), so
+the run's ``config.json`` exports the same way on ``rollmesh up --resume`` without the variables;
+the variables set at resume still win. Headers (``OTEL_EXPORTER_OTLP_HEADERS``, which may hold
+tokens) and the other variables are never recorded: they stay the environment's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 from opentelemetry import trace
@@ -33,13 +39,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
-from rollmesh.config import TelemetryConfig
+from rollmesh.config import TRACE_EXPORTER_KINDS, TelemetryConfig
 from rollmesh.telemetry.conventions import DEFAULT_SERVICE_PREFIX, RESOURCE_ACTOR, component_of
 from rollmesh.telemetry.jsonl_exporter import JsonlSpanExporter
 
 TRACES_FILE = "traces.jsonl"
 _SCHEDULE_DELAY_MS = 200
-_EXPORTER_KINDS = ("otlp", "jsonl", "console", "none")
 
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
@@ -58,14 +63,18 @@ def exporter_kinds(config: TelemetryConfig, env: Mapping[str, str] | None = None
     env = os.environ if env is None else env
     listed = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
     if listed:
-        kinds = [kind.strip() for kind in listed.split(",") if kind.strip()]
-        unknown = [kind for kind in kinds if kind not in _EXPORTER_KINDS]
+        kinds = _split_kinds(listed)
+        unknown = [kind for kind in kinds if kind not in TRACE_EXPORTER_KINDS]
         if unknown:
-            raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported {unknown}; use {list(_EXPORTER_KINDS)}")
+            raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported {unknown}; use {list(TRACE_EXPORTER_KINDS)}")
         return [kind for kind in kinds if kind != "none"]
     if _otlp_endpoint_from_env(env) is not None:
         return ["otlp"]
-    return [] if config.exporter == "none" else [config.exporter]
+    return [kind for kind in _split_kinds(config.exporter) if kind != "none"]
+
+
+def _split_kinds(listed: str) -> list[str]:
+    return [kind.strip() for kind in listed.split(",") if kind.strip()]
 
 
 def otlp_endpoint(config: TelemetryConfig, env: Mapping[str, str] | None = None) -> str:
@@ -80,6 +89,23 @@ def _otlp_endpoint_from_env(env: Mapping[str, str]) -> str | None:
         return traces
     base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
     return f"{base.rstrip('/')}/v1/traces" if base else None
+
+
+def effective_telemetry(config: TelemetryConfig, env: Mapping[str, str] | None = None) -> TelemetryConfig:
+    """``config`` with the exporters and OTLP endpoint the OTEL_* variables put in effect, for a
+    run's saved config. An endpoint from the variables is recorded without any ``user:password@``."""
+    env = os.environ if env is None else env
+    kinds = exporter_kinds(config, env)
+    from_env = _otlp_endpoint_from_env(env)
+    endpoint = _without_userinfo(from_env) if "otlp" in kinds and from_env else config.otlp_endpoint
+    return msgspec.structs.replace(config, exporter=",".join(kinds) or "none", otlp_endpoint=endpoint)
+
+
+def _without_userinfo(url: str) -> str:
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def make_exporters(config: TelemetryConfig, run_dir: Path,
@@ -108,11 +134,13 @@ def _make_exporter(kind: str, config: TelemetryConfig, run_dir: Path,
 
 def without_run_dir(config: TelemetryConfig) -> TelemetryConfig:
     """``config`` for a process with no run directory (the CLI, a Serve app given none): the
-    default ``jsonl`` becomes ``none``, so only OTLP (configured, or by OTEL_*) exports anything
-    and no ``traces.jsonl`` lands in the working directory."""
-    if config.exporter != "jsonl":
+    ``jsonl`` exporter is dropped (``none`` when it was the only one), so only OTLP (configured,
+    or by OTEL_*) or the console exports anything and no ``traces.jsonl`` lands in the working
+    directory."""
+    kinds = _split_kinds(config.exporter)
+    if "jsonl" not in kinds:
         return config
-    return msgspec.structs.replace(config, exporter="none")
+    return msgspec.structs.replace(config, exporter=",".join(k for k in kinds if k != "jsonl") or "none")
 
 
 def setup_tracing(component: str, config: TelemetryConfig, run_dir: Path, *,
