@@ -7,6 +7,7 @@ in behind ``read_checkpoint`` and ``CheckpointResharder`` later.
 """
 
 from rollmesh.checkpoint.errors import (
+    CheckpointArgumentError,
     CheckpointError,
     CheckpointReadError,
     CheckpointWriteError,
@@ -25,6 +26,7 @@ from rollmesh.checkpoint.resharder import CheckpointResharder
 from rollmesh.checkpoint.torch_format import load_torch_checkpoint, save_torch_checkpoint
 
 __all__ = [
+    "CheckpointArgumentError",
     "CheckpointError",
     "CheckpointMeta",
     "CheckpointReadError",

@@ -2,7 +2,8 @@
 
     CheckpointError
     ├── CheckpointReadError                a source is missing, corrupt or unreadable
-    │   └── UnsupportedCheckpointFormatError   no reader for this format (yet)
+    │   ├── UnsupportedCheckpointFormatError   no reader for this format (yet)
+    │   └── CheckpointArgumentError            a saved training argument the model needs is unreadable
     └── CheckpointWriteError               a checkpoint or export was not written or published
 """
 
@@ -39,6 +40,19 @@ class UnsupportedCheckpointFormatError(CheckpointReadError):
     def __init__(self, *, format: str, path: str) -> None:  # noqa: A002 - the wire field's name
         super().__init__(f"no reader for format {format!r}", path=path)
         self.format = format
+
+
+class CheckpointArgumentError(CheckpointReadError):
+    """A training argument saved with the checkpoint (Megatron-LM's ``args``) that applies to the
+    model but is absent, None, of the wrong type or out of range: ``argument`` names it, ``value``
+    is what was saved (None also when it was absent)."""
+
+    def __init__(self, *, argument: str, value: object, reason: str, path: str) -> None:
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        super().__init__(f"saved argument {argument} = {shown}: {reason}", path=path)
+        self.argument = argument
+        self.value = value
 
 
 class CheckpointWriteError(CheckpointError):

@@ -28,6 +28,7 @@ import torch
 from rollmesh.checkpoint.arch_maps import canonical_megatron_name
 from rollmesh.checkpoint.errors import CheckpointReadError, UnsupportedCheckpointFormatError
 from rollmesh.checkpoint.layout_transforms import join_gate_up, split_gate_up
+from rollmesh.checkpoint.saved_arguments import SavedArguments
 
 RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -58,7 +59,8 @@ class LegacyCheckpoint:
                    for e in range(self.ep) if (t, p, e) not in self.files]
         if missing:
             raise CheckpointReadError(f"rank folders missing: {', '.join(missing)}", path=str(self.folder))
-        expert_tp = getattr(self.args(), "expert_tensor_parallel_size", None) if self.ep > 1 else None
+        saved = SavedArguments(self.args(), path=str(self.folder))
+        expert_tp = saved.optional_int("expert_tensor_parallel_size") if self.ep > 1 else None
         if expert_tp not in (None, self.tp):
             raise UnsupportedCheckpointFormatError(
                 format=f"megatron_legacy with expert tensor parallel {expert_tp} != tensor parallel {self.tp}",
@@ -71,10 +73,12 @@ class LegacyCheckpoint:
         if len(numbers) == 1:
             return numbers[0], 0, 0
         # mp_rank_TT_NNN: pipeline or expert rank; only the saved args tell (Megatron-LM's own
-        # loader asks its args too).
-        args = self._first_args(named[min(named)])
-        expert_only = (getattr(args, "expert_model_parallel_size", 1) or 1) > 1 and (
-            getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1
+        # loader asks its args too). A dense model's are pipeline ranks, whatever its (unused,
+        # perhaps None) expert options say.
+        saved = SavedArguments(self._first_args(named[min(named)]), path=str(self.folder))
+        expert_only = (bool(saved.optional_int("num_experts", minimum=0))
+                       and saved.required_int("expert_model_parallel_size", default=1) > 1
+                       and (saved.optional_int("pipeline_model_parallel_size") or 1) == 1)
         return (numbers[0], 0, numbers[1]) if expert_only else (numbers[0], numbers[1], 0)
 
     def _folder_name(self, tp: int, pp: int, ep: int) -> str:

@@ -43,7 +43,7 @@ class MegatronSource:
 def inspect_source(src: str | Path, *, arch: Family | None = None) -> MegatronSource:
     folder = resolve_iteration_dir(src)
     layout: Layout = detect_format(folder)  # type: ignore[assignment]
-    return MegatronSource(folder, layout, describe_model(saved_args(folder), family=arch))
+    return MegatronSource(folder, layout, describe_model(saved_args(folder), family=arch, path=str(folder)))
 
 
 def export_to_hf(src: str | Path, dst: str | Path, options: ExportOptions = ExportOptions(),

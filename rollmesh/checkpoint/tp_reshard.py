@@ -13,6 +13,7 @@ half and of the up half), and everything else replicated.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,8 @@ def reshard_torch_dist(src: str | Path, dst: str | Path, spec: ArchSpec, *, tp: 
 
 def _with_tp(args: Any, tp: int) -> Any:
     """The saved arguments, saying the new tensor-parallel degree (a copy; None stays None)."""
+    if isinstance(args, Mapping):  # a front end that saves a plain dict
+        return {**args, "tensor_model_parallel_size": tp}
     if args is None or not hasattr(args, "__dict__"):
         return args
     copied = copy.copy(args)
