@@ -32,7 +32,7 @@ from rollmesh.checkpoint.arch_maps import ArchSpec, build_arch_map
 from rollmesh.checkpoint.chunk_geometry import Box
 from rollmesh.checkpoint.convert_planner import ConvertTask, PlannedTensor, plan_tasks
 from rollmesh.checkpoint.convert_staging import ResumableStaging, ShardDone
-from rollmesh.checkpoint.megatron_to_hf import check_names_fit
+from rollmesh.checkpoint.megatron_to_hf import check_tensors_fit
 from rollmesh.checkpoint.hf_writer import CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, shard_file_name
 from rollmesh.checkpoint.row_pieces import write_from_pages
 from rollmesh.checkpoint.safetensors_stream import StreamedShard, TensorSlot
@@ -85,7 +85,7 @@ def plan_conversion(src: str | Path, spec: ArchSpec, *, dtype: torch.dtype | Non
     checkpoint.check()
     sources = layer_sources(checkpoint)
     arch = build_arch_map(spec)
-    check_names_fit(arch, set(sources), src)
+    check_tensors_fit(arch, {name: _canonical_shape(source) for name, source in sources.items()}, src)
     names = arch.megatron_names()
     planned, outputs = [], {}
     for name in names:

@@ -2,21 +2,21 @@
 
 Knows the architecture maps, the legacy reader and the HF writer. ``hf_config`` is the
 ``config.json`` carrying every hyperparameter that changes the numbers (norm epsilon, RoPE base,
-GQA groups, experts, top-k); ``check_names_fit`` refuses a checkpoint whose tensors are not
-those of the architecture. ``convert_legacy_to_hf`` loads and merges every rank file, since the
-legacy format has no index to read parts by; torch_dist checkpoints go through the planned,
-bounded converter (``convert_executor``).
+GQA groups, experts, top-k); ``check_tensors_fit`` refuses a checkpoint whose tensors are not
+those of the architecture, by name and shape. ``convert_legacy_to_hf`` loads and merges every
+rank file, since the legacy format has no index to read parts by; torch_dist checkpoints go
+through the planned, bounded converter (``convert_executor``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rollmesh.checkpoint.arch_maps import ArchMap, ArchSpec, build_arch_map
+from rollmesh.checkpoint.arch_maps import ArchMap, ArchSpec, build_arch_map, megatron_shapes
 from rollmesh.checkpoint.errors import CheckpointReadError
 from rollmesh.checkpoint.hf_writer import write_hf_checkpoint
 
@@ -59,7 +59,7 @@ def convert_legacy_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *, co
 
     megatron = LegacyCheckpoint(src).global_state()
     arch = build_arch_map(spec)
-    check_names_fit(arch, set(megatron), src)
+    check_tensors_fit(arch, {name: tuple(tensor.shape) for name, tensor in megatron.items()}, src)
     total, done = sum(t.numel() * t.element_size() for t in megatron.values()), 0
     state: dict[str, torch.Tensor] = {}
     for name in arch.megatron_names():
@@ -72,10 +72,20 @@ def convert_legacy_to_hf(src: str | Path, dst: str | Path, spec: ArchSpec, *, co
     return write_hf_checkpoint(state, Path(dst), max_shard_bytes=max_shard_bytes, config=config)
 
 
-def check_names_fit(arch: ArchMap, available: set[str], src: str | Path) -> None:
-    """Raise unless the checkpoint holds exactly the Megatron tensors of ``arch``."""
+def check_tensors_fit(arch: ArchMap, shapes: Mapping[str, tuple[int, ...]], src: str | Path) -> None:
+    """Raise unless the checkpoint holds exactly the Megatron tensors of ``arch``, each of the
+    shape the saved arguments give it (``shapes``: canonical name -> global shape). A shape that
+    differs means an argument saved wrong, or unset and derived otherwise than the model was
+    built (``kv_channels``, ``ffn_hidden_size``...): refused here rather than met as a reshape
+    error halfway through the conversion, or as a config.json transformers cannot load."""
     names = set(arch.megatron_names())
-    missing, unknown = sorted(names - available), sorted(available - names)
+    missing, unknown = sorted(names - set(shapes)), sorted(set(shapes) - names)
     if missing or unknown:
         raise CheckpointReadError(f"the checkpoint does not fit a {arch.spec.family} model: missing {missing[:5]}, "
                                   f"unexpected {unknown[:5]}", path=str(src))
+    expected = megatron_shapes(arch.spec)
+    wrong = [f"{name} is {list(shapes[name])}, not {list(expected[name])}" for name in arch.megatron_names()
+             if tuple(shapes[name]) != expected[name]]
+    if wrong:
+        raise CheckpointReadError(f"tensor shapes differ from those the saved arguments give a {arch.spec.family} "
+                                  f"model: {'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}", path=str(src))
