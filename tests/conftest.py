@@ -168,3 +168,25 @@ def dense_tp2(dense_checkpoints: tuple[Path, Path]) -> Path:
 @pytest.fixture(scope="session")
 def legacy_tp2(dense_checkpoints: tuple[Path, Path]) -> Path:
     return dense_checkpoints[1]
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny Qwen3-MoE-like model (4 experts, top 2) written by megatron-core at tensor parallel
+    2 x expert parallel 2 (four gloo processes), as torch_dist and as legacy per-rank files, in
+    one run (a run costs 15-20 s on 2 cores)."""
+    from megatron_checkpoints import write_checkpoint
+
+    root = tmp_path_factory.mktemp("megatron")
+    write_checkpoint(root / "moe_tp2_ep2", tp=2, ep=2, moe=True, legacy_out=root / "moe_legacy_tp2_ep2")
+    return root / "moe_tp2_ep2", root / "moe_legacy_tp2_ep2"
+
+
+@pytest.fixture(scope="session")
+def moe_torch_dist(moe_checkpoints: tuple[Path, Path]) -> Path:
+    return moe_checkpoints[0]
+
+
+@pytest.fixture(scope="session")
+def moe_legacy(moe_checkpoints: tuple[Path, Path]) -> Path:
+    return moe_checkpoints[1]

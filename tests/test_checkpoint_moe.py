@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from megatron_checkpoints import PROBE_IDS, TINY_MOE, logits_path, write_checkpoint
+from megatron_checkpoints import PROBE_IDS, TINY_MOE, logits_path
 from rollmesh.checkpoint.arch_maps import build_arch_map, megatron_shapes
 from rollmesh.checkpoint.chunk_geometry import check_tiling
 from rollmesh.checkpoint.errors import CheckpointReadError
@@ -28,24 +28,6 @@ HIDDEN = TINY_MOE["hidden_size"]
 # float32 on CPU: the converted model's logits were measured 4.6e-7 from megatron-core's (logits up
 # to 0.59); swapping two experts moves them by 0.9, so the bound tells a misplaced expert apart.
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="session")
-def moe_checkpoints(tmp_path_factory):
-    """The same model in both formats, from one run of four processes (a run costs 15-20 s on 2 cores)."""
-    root = tmp_path_factory.mktemp("megatron")
-    write_checkpoint(root / "moe_tp2_ep2", tp=2, ep=2, moe=True, legacy_out=root / "moe_legacy_tp2_ep2")
-    return root / "moe_tp2_ep2", root / "moe_legacy_tp2_ep2"
-
-
-@pytest.fixture(scope="session")
-def moe_torch_dist(moe_checkpoints):
-    return moe_checkpoints[0]
-
-
-@pytest.fixture(scope="session")
-def moe_legacy(moe_checkpoints):
-    return moe_checkpoints[1]
 
 
 def describe(folder) -> tuple[ModelDescription, dict]:
