@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from rollmesh.config_paths import resolve_config_paths
 from rollmesh.config_types import ConfigSection, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt
 from rollmesh.sandbox_config import (
     MAX_OUTPUT_CAP,
@@ -391,17 +392,21 @@ def load_config(
     environ: dict[str, str] | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> RollmeshConfig:
-    """Read TOML (the embedded defaults when ``path`` is None), apply env overrides, validate."""
+    """Read TOML (the embedded defaults when ``path`` is None), apply env overrides, validate.
+    Security file paths come out absolute: the file's relative to its directory, the env's and
+    ``overrides``' relative to the working directory (rollmesh/config_paths.py)."""
     source = Path(path) if path else DEFAULT_CONFIG_PATH
     try:
         raw = tomllib.loads(source.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(str(exc), source=str(source)) from exc
+    resolve_config_paths(raw, source.absolute().parent)
     env = _env_overrides(os.environ if environ is None else environ)
     for dotted, (variable, value) in env.items():
         _set_dotted(raw, dotted, value, source=variable)
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value, source="overrides")
+    resolve_config_paths(raw, Path.cwd())
     try:
         return msgspec.convert(raw, RollmeshConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -431,6 +436,7 @@ def load_run_config(run_dir: str | Path, *, overrides: dict[str, Any] | None = N
         raise ConfigError(f"no config of an earlier run here: {exc}", source=str(source)) from exc
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value, source="overrides")
+    resolve_config_paths(raw, Path.cwd())  # the saved ones are absolute already
     try:
         return msgspec.convert(raw, RollmeshConfig, strict=False)
     except msgspec.ValidationError as exc:
