@@ -33,6 +33,7 @@ _EXPORTS = {
     "BusError": "rollmesh.bus.errors",
     "BusConnectError": "rollmesh.bus.errors",
     "BusSecurityError": "rollmesh.bus.errors",
+    "BusTlsError": "rollmesh.bus.errors",
     "BusCredentials": "rollmesh.bus.security",
     "role_permissions": "rollmesh.bus.permissions",
     "render_authorization": "rollmesh.bus.permissions",

@@ -9,6 +9,7 @@ are read here, never logged) and uses the role's reply inbox; with ``tls`` it sp
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from collections.abc import Awaitable
 
@@ -16,7 +17,7 @@ import nats
 import structlog
 from nats.aio.client import Client
 
-from rollmesh.bus.errors import BusConnectError
+from rollmesh.bus.errors import BusConnectError, BusTlsError
 from rollmesh.bus.security import BusCredentials
 from rollmesh.telemetry.redaction import redact_url
 
@@ -37,8 +38,10 @@ async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0,
     safe_url = redact_url(url)
     connected = False
     last_error: list[str] = []
-    # The server refused the credentials: retrying cannot help, so the first connect stops at once.
+    # The server refused the credentials, or the TLS handshake failed: retrying cannot help, so
+    # the first connect stops at once.
     refused = asyncio.Event()
+    tls_failure: list[ssl.SSLError] = []
     auth = credentials.connect_options() if credentials is not None else {}
     if tls is not None:
         auth["tls"] = tls
@@ -52,6 +55,9 @@ async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0,
         text = redact_url(str(exc)) or type(exc).__name__
         if not refused.is_set():  # a refusal stays the reason, whatever the retries meet after it
             last_error[:] = [text]
+        if not connected and _is_tls_failure(exc) and not refused.is_set():
+            tls_failure.append(exc)
+            refused.set()
         if not connected and _is_refusal(text):
             refused.set()
         log("warning" if connected else "debug", "nats_error", error=text,
@@ -87,6 +93,8 @@ async def connect_bus(url: str, *, name: str, connect_timeout_s: float = 5.0,
         ), refused, timeout_s=connect_timeout_s)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         await nc.close()
+        if tls_failure:
+            raise _tls_error(tls_failure[0], safe_url) from tls_failure[0]
         if refused.is_set():
             reason = f"the server refused the credentials ({last_error[0]})"
         else:
@@ -117,6 +125,26 @@ _REFUSALS = ("authorization violation", "authentication", "user authentication e
 def _is_refusal(text: str) -> bool:
     lowered = text.lower()
     return any(refusal in lowered for refusal in _REFUSALS)
+
+
+def _is_tls_failure(exc: BaseException) -> bool:
+    """A handshake that failed for good: the server's certificate was not verified, or the
+    server refused ours. A TLS connection cut short (EOF) may be a server going away; that is
+    retried like any lost connection."""
+    return isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError))
+
+
+def _tls_error(failure: ssl.SSLError, url: str) -> BusTlsError:
+    """The ssl module's error in a few words: "certificate verify failed: unable to get local
+    issuer certificate" (ours), or the server's alert ("tlsv13 alert certificate required")."""
+    verify_failed = isinstance(failure, ssl.SSLCertVerificationError)
+    if verify_failed and failure.verify_message:
+        reason = f"certificate verify failed: {failure.verify_message}"
+    else:
+        text = str(failure.args[-1]) if failure.args else str(failure)
+        reason = re.sub(r"^\[SSL: \w+\]\s*|\s*\(_ssl\.c:\d+\)$", "", text)
+    return BusTlsError(f"cannot connect: TLS handshake failed ({reason})", url=url, reason=reason,
+                       verify_failed=verify_failed)
 
 
 async def _first_connect(connecting: Awaitable[None], refused: asyncio.Event, *, timeout_s: float) -> None:

@@ -155,7 +155,8 @@ class EmbeddedNatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        """``tls://`` when the server has a ``tls { }`` block: it then requires TLS of every client."""
+        return f"{'tls' if self.tls_config else 'nats'}://{self.host}:{self.port}"
 
     @property
     def running(self) -> bool:

@@ -9,6 +9,7 @@ subprocess) are wrapped at the boundary with ``raise X(...) from exc`` so caller
     |   +-- NatsServerNotFoundError    no nats-server binary next to python or on PATH
     |   +-- NatsServerStartError       exited or not ready in time
     +-- BusConnectError            could not connect (url is redacted)
+    |   +-- BusTlsError                the TLS handshake failed before connecting (reason, verify_failed)
     +-- BusSecurityError           credentials or TLS files missing or unusable (role, path)
     +-- StreamSetupError           a JetStream stream or KV bucket could not be created/updated
     +-- PublishError               a publish failed (subject)
@@ -49,6 +50,18 @@ class BusConnectError(BusError):
     def __init__(self, message: str, *, url: str) -> None:
         super().__init__(f"{message} (url={url})")
         self.url = url
+
+
+class BusTlsError(BusConnectError):
+    """The TLS handshake failed before the first connection: retrying cannot help.
+    ``verify_failed``: this side did not verify the server's certificate (wrong or missing CA,
+    a name not in its SAN); else the server refused this side (no or an untrusted client
+    certificate). ``reason`` is the ssl module's."""
+
+    def __init__(self, message: str, *, url: str, reason: str, verify_failed: bool) -> None:
+        super().__init__(message, url=url)
+        self.reason = reason
+        self.verify_failed = verify_failed
 
 
 class BusSecurityError(BusError):
