@@ -25,7 +25,7 @@ from rollmesh.actors.rollout_worker import RolloutWorkerActor
 from rollmesh.actors.sandbox_broker import SandboxBrokerActor
 from rollmesh.actors.trainer import TrainerActor
 from rollmesh.config import RollmeshConfig, save_run_config
-from rollmesh.mesh_info import MeshInfo, new_run_dir, write_mesh_info
+from rollmesh.mesh_info import MeshInfo, nats_url_for_clients, new_run_dir, write_mesh_info
 from rollmesh.mesh_runtime import MeshRuntime
 from rollmesh.scheduling.grants import GpuScheduler
 from rollmesh.telemetry.tracing import effective_telemetry
@@ -113,7 +113,8 @@ class Mesh:
                 host=config.serve.host, port=config.serve.port, api_key=api_key,
                 dashboard_nats_url=nats_url)
         self.info = MeshInfo(
-            nats_url=nats_url, namespace=config.namespace, run_dir=str(self.run_dir.resolve()),
+            nats_url=nats_url_for_clients(nats_url, tls=config.security.nats_tls.enabled),
+            namespace=config.namespace, run_dir=str(self.run_dir.resolve()),
             serve_url=runtime.serve_url, ray_namespace=self.ray_namespace,
             ray_address=config.ray.address or "", pid=os.getpid(), started_at=time.time(),
             dashboard_url=runtime.dashboard_url, metrics_url=metrics_url,

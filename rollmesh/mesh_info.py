@@ -7,6 +7,7 @@ mesh without importing Ray.
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -17,6 +18,7 @@ MESH_FILE = "mesh.json"
 
 
 class MeshInfo(msgspec.Struct, frozen=True, kw_only=True):
+    # As clients must dial it: tls:// when the mesh speaks TLS to NATS (nats_url_for_clients).
     nats_url: str
     namespace: str
     run_dir: str
@@ -35,6 +37,15 @@ class MeshNotFoundError(LookupError):
     def __init__(self, reason: str, *, run_dir: str = "") -> None:
         super().__init__(reason)
         self.run_dir = run_dir
+
+
+def nats_url_for_clients(url: str, *, tls: bool) -> str:
+    """``url`` (comma-separated for a cluster) with the scheme clients need: ``tls://`` for each
+    ``nats://`` server when the mesh speaks TLS to NATS, so a client reading mesh.json knows it
+    must bring a CA (and, for mutual TLS, a certificate) before it dials."""
+    if not tls:
+        return url
+    return ",".join(re.sub(r"^nats://", "tls://", part.strip()) for part in url.split(","))
 
 
 def new_run_dir(run_root: str | Path) -> Path:

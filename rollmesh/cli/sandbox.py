@@ -307,13 +307,12 @@ async def _with_mesh_client(args: argparse.Namespace, action: Callable[[Any], An
 
 @asynccontextmanager
 async def _mesh_client(mesh: Any, printer: _Printer | None) -> AsyncIterator[Any]:
-    from rollmesh.bus.connection import connect_bus, flush_to_server
+    from rollmesh.bus.connection import flush_to_server
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.messages.subjects import SANDBOX_OUTPUT
     from rollmesh.sandbox.broker_client import DEFAULT_CHUNK_BYTES, SandboxBrokerClient
 
-    nc = await connect_bus(mesh.nats_url, name="rollmesh-sandbox", connect_timeout_s=mesh.connect_timeout_s,
-                           **mesh.bus_options())
+    nc = await mesh.connect("rollmesh-sandbox")
     try:
         if printer is not None:
             async def on_chunk(msg: Any) -> None:

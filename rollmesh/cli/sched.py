@@ -173,13 +173,11 @@ def run_submit_sim(args: argparse.Namespace) -> int:
 
 
 async def _publish_job(target: Any, job: Any) -> str:
-    from rollmesh.bus.connection import connect_bus
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.bus.streams import StreamLimits, ensure_streams
     from rollmesh.messages.subjects import SIM_SUBMITTED
 
-    nc = await connect_bus(target.nats_url, name="rollmesh-sched", connect_timeout_s=target.connect_timeout_s,
-                           **target.bus_options())
+    nc = await target.connect("rollmesh-sched")
     try:
         js = nc.jetstream()
         # Idempotent: the job is kept even when no scheduler has created the streams yet.
@@ -220,14 +218,12 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 async def _ask_status(target: Any, timeout_s: float) -> Any:
-    from rollmesh.bus.connection import connect_bus
     from rollmesh.bus.errors import NoRespondersError, RequestTimeoutError
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.messages import SchedulerStatusRequest
     from rollmesh.messages.subjects import SCHED_STATUS
 
-    nc = await connect_bus(target.nats_url, name="rollmesh-sched", connect_timeout_s=target.connect_timeout_s,
-                           **target.bus_options())
+    nc = await target.connect("rollmesh-sched")
     try:
         return await BusPublisher(nc, nc.jetstream(), target.namespace).request(
             SCHED_STATUS, SchedulerStatusRequest(), timeout_s)

@@ -188,12 +188,10 @@ def _read_file(path: Path) -> ParsedRequests:
 
 async def _submit(target: MeshTarget, requests: list[RolloutRequested], tracer: trace.Tracer, *,
                   wait: bool, timeout_s: float, bad_lines: int) -> ResultCollector:
-    from rollmesh.bus.connection import connect_bus
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.bus.streams import StreamLimits, ensure_streams
 
-    nc = await connect_bus(target.nats_url, name="rollmesh-submit", connect_timeout_s=target.connect_timeout_s,
-                           **target.bus_options())
+    nc = await target.connect("rollmesh-submit")
     try:
         js = nc.jetstream()
         # Idempotent: requests are stored even when no mesh has created the streams yet. A

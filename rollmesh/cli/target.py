@@ -1,22 +1,51 @@
 """What every CLI command shares: the config it runs with and the mesh it talks to.
 
-Knows the config loader, ``mesh.json`` and argparse; never imports Ray or nats-py, so finding a
-mesh stays cheap. A command finds its mesh, in this order: ``--nats-url`` (+ ``--namespace``),
-``--run-dir``, the config's ``nats.url`` (a cluster deployment), the latest run under the run root.
-With security it connects as a NATS role ("client" for submit and watch): the config's
-``security.credentials`` for it, else the key the mesh generated in its run directory.
+Knows the config loader, ``mesh.json`` and argparse; never imports Ray or nats-py at import time,
+so finding a mesh stays cheap. A command finds its mesh, in this order: ``--nats-url`` (+
+``--namespace``), ``--run-dir``, the config's ``nats.url`` (a cluster deployment), the latest run
+under the run root. With security it connects as a NATS role ("client" for submit and watch,
+"mesh" for sched and sandbox).
+
+A mesh found through its run directory (``--run-dir`` or the latest run) brings its own access,
+so ``rollmesh submit --run-dir R`` works from any directory without ``--config``:
+
+- TLS: the ``[security.nats_tls]`` the mesh was started with, from the run's ``config.json``
+  (where every path is absolute), unless ``--config`` (or a ``ROLLMESH_SECURITY__NATS_TLS__*``
+  variable) sets any of ``[security.nats_tls]``: then that whole section, as given, wins (a user's
+  own client certificate, another CA bundle).
+- Credentials for the role: ``--config``'s ``[security.credentials.<role>]`` when it has one,
+  else the run's, else the key the mesh generated in its run directory
+  (``security/<role>.nk``).
+- JetStream replicas are always the run's (its streams were made with them).
+
+``--nats-url`` and a configured ``nats.url`` name no run: there the config (``--config``, else
+the embedded defaults) is all there is. A TLS handshake that fails is one ``CliError`` line that
+names the setting to fix; asyncio's "returning true from eof_received() has no effect when using
+ssl" warning (nats-py upgrades a plain socket to TLS in place, see ``quiet_asyncio_ssl_warning``)
+is silenced in the CLI.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollmesh.bus.errors import BusSecurityError, BusTlsError
 from rollmesh.bus.security import role_seed_path
 from rollmesh.cli.errors import EXIT_USAGE, CliError
-from rollmesh.config import ConfigError, NatsCredentialsConfig, NatsTlsConfig, RollmeshConfig, load_config
+from rollmesh.config import (
+    RUN_CONFIG_FILE,
+    ConfigError,
+    NatsCredentialsConfig,
+    NatsTlsConfig,
+    RollmeshConfig,
+    SecurityConfig,
+    load_config,
+    load_run_config,
+)
 from rollmesh.mesh_info import MeshInfo, MeshNotFoundError, read_mesh_info
 from rollmesh.messages import check_namespace
 
@@ -48,6 +77,20 @@ class MeshTarget:
         credentials = (BusCredentials(self.role, self.namespace, self.credentials)
                        if self.credentials is not None else None)
         return {"credentials": credentials, "tls": client_tls_context(self.nats_tls)}
+
+    async def connect(self, name: str) -> Any:
+        """``connect_bus`` to the mesh as ``self.role``; a refused TLS handshake or unusable TLS
+        material is one ``CliError`` naming the setting to fix."""
+        from rollmesh.bus.connection import connect_bus
+
+        quiet_asyncio_ssl_warning()
+        try:
+            return await connect_bus(self.nats_url, name=name, connect_timeout_s=self.connect_timeout_s,
+                                     **self.bus_options())
+        except BusTlsError as exc:
+            raise CliError(tls_failure_message(exc, self.nats_tls, self.nats_url)) from exc
+        except BusSecurityError as exc:
+            raise CliError(f"cannot use the NATS credentials or TLS files: {exc}") from exc
 
 
 def namespace_arg(text: str) -> str:
@@ -97,24 +140,42 @@ def load_cli_config(args: argparse.Namespace, overrides: dict[str, Any] | None =
 
 
 def find_mesh(args: argparse.Namespace, config: RollmeshConfig, *, role: str = "client") -> MeshTarget:
+    """The mesh this command talks to and how (the module docstring says in which order)."""
     namespace = getattr(args, "namespace", None)
-    nats_url = getattr(args, "nats_url", None)
-    timeout_s, replicas = config.nats.connect_timeout_s, config.nats.replicas
-    access = dict(role=role, credentials=_configured_credentials(config, role),
-                  nats_tls=config.security.nats_tls)
+    nats_url = getattr(args, "nats_url", None) or (config.nats.url if args.run_dir is None else None)
+    timeout_s = config.nats.connect_timeout_s
     if nats_url:
         return MeshTarget(nats_url, namespace or config.namespace, connect_timeout_s=timeout_s,
-                          replicas=replicas, **access)
-    if args.run_dir is None and config.nats.url:
-        return MeshTarget(config.nats.url, namespace or config.namespace,
-                          connect_timeout_s=timeout_s, replicas=replicas, **access)
+                          replicas=config.nats.replicas, role=role,
+                          credentials=_configured_credentials(config.security, role),
+                          nats_tls=config.security.nats_tls)
     info = read_cli_mesh_info(args, config)
+    run = run_config_of(info)
+    credentials = _configured_credentials(config.security, role)
+    if credentials is None and run is not None:
+        credentials = _configured_credentials(run.security, role)
     # A mesh with security on an embedded server keeps each role's generated key in its run dir.
     generated = role_seed_path(info.run_dir, role)
-    if access["credentials"] is None and generated.is_file():
-        access["credentials"] = NatsCredentialsConfig(nkey_seed_file=str(generated))
+    if credentials is None and generated.is_file():
+        credentials = NatsCredentialsConfig(nkey_seed_file=str(generated))
+    nats_tls = config.security.nats_tls
+    if run is not None and nats_tls == NatsTlsConfig():  # --config left TLS alone: the mesh's own
+        nats_tls = run.security.nats_tls
     return MeshTarget(info.nats_url, namespace or info.namespace, Path(info.run_dir), info,
-                      connect_timeout_s=timeout_s, replicas=replicas, **access)
+                      connect_timeout_s=timeout_s,
+                      replicas=run.nats.replicas if run is not None else config.nats.replicas,
+                      role=role, credentials=credentials, nats_tls=nats_tls)
+
+
+def run_config_of(info: MeshInfo) -> RollmeshConfig | None:
+    """The config the mesh was started with (its run's ``config.json``); None for a run directory
+    without one (a mesh of an older rollmesh)."""
+    if not (Path(info.run_dir) / RUN_CONFIG_FILE).is_file():
+        return None
+    try:
+        return load_run_config(info.run_dir)
+    except ConfigError as exc:
+        raise CliError(f"the mesh's own config is unreadable: {exc}") from exc
 
 
 def read_cli_mesh_info(args: argparse.Namespace, config: RollmeshConfig) -> MeshInfo:
@@ -125,5 +186,40 @@ def read_cli_mesh_info(args: argparse.Namespace, config: RollmeshConfig) -> Mesh
         raise CliError(str(exc)) from exc
 
 
-def _configured_credentials(config: RollmeshConfig, role: str) -> NatsCredentialsConfig | None:
-    return config.security.credentials.get(role) if config.security.enabled else None
+def _configured_credentials(security: SecurityConfig, role: str) -> NatsCredentialsConfig | None:
+    return security.credentials.get(role) if security.enabled else None
+
+
+def tls_failure_message(exc: BusTlsError, tls: NatsTlsConfig, url: str) -> str:
+    """One line for a failed TLS handshake: what failed and which setting to fix."""
+    where = f"TLS to the NATS server at {url} failed ({exc.reason})"
+    if not exc.verify_failed:
+        return (f"{where}: it refused this client; mutual TLS needs security.nats_tls.cert_file and "
+                "key_file, a certificate signed by the CA the server trusts")
+    if "mismatch" in exc.reason or "not valid for" in exc.reason:
+        return (f"{where}: the server's certificate does not name the address dialled; its "
+                "subjectAltName must hold it (e.g. IP:127.0.0.1), see docs/security.md")
+    if tls.enabled and tls.ca_file:
+        return f"{where}: security.nats_tls.ca_file ({tls.ca_file}) is not the CA that signed the server's certificate"
+    return (f"{where}: security.nats_tls.ca_file is not set, so the system's CA store was used; "
+            "set it to the CA that signed the server's certificate")
+
+
+class _AsyncioSslEofFilter(logging.Filter):
+    """Drops asyncio's "returning true from eof_received() has no effect when using ssl". nats-py
+    upgrades its plain socket to TLS in place (``loop.start_tls``), which never calls the new
+    stream protocol's ``connection_made``, so that protocol does not know it is on TLS, answers
+    EOF as a plain one would, and asyncio warns whenever the TLS peer hangs up (a refused
+    handshake, the server closing). Harmless; every other asyncio record passes."""
+
+    MESSAGE = "returning true from eof_received() has no effect when using ssl"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.MESSAGE
+
+
+def quiet_asyncio_ssl_warning() -> None:
+    """Install ``_AsyncioSslEofFilter`` on the asyncio logger, once per process."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(existing, _AsyncioSslEofFilter) for existing in logger.filters):
+        logger.addFilter(_AsyncioSslEofFilter())

@@ -101,10 +101,9 @@ def run_watch(args: argparse.Namespace) -> int:
 async def _watch(target: MeshTarget, tally: WatchTally, *, count: int | None, timeout_s: float | None,
                  terminal: bool) -> bool:
     """Follow events until ``count`` finished (True) or ``timeout_s`` passed (False when counting)."""
-    from rollmesh.bus.connection import connect_bus
+    from rollmesh.bus.connection import flush_to_server
 
-    nc = await connect_bus(target.nats_url, name="rollmesh-watch", connect_timeout_s=target.connect_timeout_s,
-                           **target.bus_options())
+    nc = await target.connect("rollmesh-watch")
     finished = asyncio.Event()
     view = _TerminalView(count) if terminal else None
 
@@ -120,6 +119,7 @@ async def _watch(target: MeshTarget, tally: WatchTally, *, count: int | None, ti
     try:
         for subject in WATCHED:
             await nc.subscribe(subject.format(target.namespace), cb=_decoding(subject, show))
+        await flush_to_server(nc)  # the subscriptions are active before "watching" is said
         if not terminal:
             print(f"watching rl.{target.namespace}.* on {target.nats_url}", flush=True)
         try:
