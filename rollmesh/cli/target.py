@@ -58,7 +58,7 @@ class MeshTarget:
     run_dir: Path | None = None
     info: MeshInfo | None = None
     connect_timeout_s: float = 5.0
-    # JetStream replicas the streams are ensured with (the config's nats.replicas).
+    # JetStream replicas the streams are ensured with: the run's nats.replicas, else the config's.
     replicas: int = 1
     # The NATS role to connect as and where its credentials are (None: an open NATS), and TLS.
     role: str = "client"
