@@ -1,7 +1,8 @@
 """The security config section: NATS credentials per role and TLS (``[security]``).
 
 Knows msgspec only; part of the config tree ``rollmesh.config`` loads. Holds paths and variable
-names, never a secret.
+names, never a secret. A relative path in a config file is relative to that file's directory; the
+loader makes every one absolute (rollmesh/config_paths.py).
 """
 
 from __future__ import annotations
