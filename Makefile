@@ -14,7 +14,7 @@ DEMO_ARGS ?=
 .PHONY: demo test schemas install sandbox-tools browser-tools
 
 demo: install
-	RAY_AUTH_MODE=disabled $(BIN)/rollmesh demo $(DEMO_ARGS)
+	$(BIN)/rollmesh demo $(DEMO_ARGS)
 
 test: install
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest --durations=20 -p no:cacheprovider $(PYTEST_ARGS)

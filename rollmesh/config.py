@@ -8,6 +8,7 @@ config (the Structs are frozen).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from pathlib import Path
@@ -59,8 +60,19 @@ class RayConfig(ConfigSection):
     # rayStartParams), e.g. rollout = {rollmesh_rollout = 1}. Roles: ``PLACED_ROLES``. A role left
     # out is placed anywhere (one machine: every role, so the defaults set none).
     role_resources: dict[str, dict[str, PositiveFloat]] = {}
+    # The node IP of a local Ray that rollmesh starts (not of a joined cluster, whose nodes have
+    # their own). On loopback every Ray port (GCS, raylet, object manager, agents, workers) listens
+    # on 127.0.0.1 only; with any other address Ray listens on all interfaces, guarded by its token
+    # alone. "": Ray picks the host's address. Token auth is on either way (docs/security.md).
+    node_ip_address: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        if self.node_ip_address:
+            try:
+                ipaddress.ip_address(self.node_ip_address)
+            except ValueError:
+                raise ValueError(f"ray.node_ip_address: {self.node_ip_address!r} is not an IP address "
+                                 "(127.0.0.1 keeps a local Ray on loopback)") from None
         unknown = sorted(set(self.role_resources) - set(PLACED_ROLES))
         if unknown:
             raise ValueError(f"ray.role_resources: unknown roles {unknown}; roles are {list(PLACED_ROLES)}")

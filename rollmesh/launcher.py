@@ -116,8 +116,10 @@ class Mesh:
             nats_url=nats_url_for_clients(nats_url, tls=config.security.nats_tls.enabled),
             namespace=config.namespace, run_dir=str(self.run_dir.resolve()),
             serve_url=runtime.serve_url, ray_namespace=self.ray_namespace,
-            ray_address=config.ray.address or "", pid=os.getpid(), started_at=time.time(),
+            ray_address=config.ray.address or runtime.ray_address,
+            pid=os.getpid(), started_at=time.time(),
             dashboard_url=runtime.dashboard_url, metrics_url=metrics_url,
+            ray_auth_token_file=str(runtime.ray_auth_token_file or ""),
         )
         write_mesh_info(self.info)
         runtime.supervisor.start()

@@ -31,6 +31,9 @@ class MeshInfo(msgspec.Struct, frozen=True, kw_only=True):
     metrics_url: str = ""
     # The live dashboard (``rollmesh dashboard``); "" when Serve or the dashboard is off.
     dashboard_url: str = ""
+    # A local Ray's token (mode 0600), for commands that join that Ray (``convert --backend ray
+    # --run-dir``); "" when the mesh joined a cluster (``ray.address``), whose auth is its own.
+    ray_auth_token_file: str = ""
 
 
 class MeshNotFoundError(LookupError):

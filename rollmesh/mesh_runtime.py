@@ -9,7 +9,6 @@ call after a half-finished start.
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from rollmesh.actor_supervisor import ActorSupervisor
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.bus.security import BusCredentials, configured_credentials, generate_role_nkeys
 from rollmesh.config import RollmeshConfig
+from rollmesh.local_ray import LocalRayEnvironment, write_ray_auth_token
 
 _log = structlog.get_logger("rollmesh.mesh_runtime")
 
@@ -42,6 +42,10 @@ class MeshRuntime:
         # security.enabled: each NATS role's credentials (paths, no secrets), set by start_bus.
         self.bus_credentials: dict[str, BusCredentials] = {}
         self._started_ray = False
+        # The GCS address of the Ray started or joined, and a local Ray's token file (mesh.json).
+        self.ray_address = ""
+        self.ray_auth_token_file: Path | None = None
+        self._local_ray_env: LocalRayEnvironment | None = None
         self.metrics_hub: Any = None  # MetricsHubService, once start_metrics ran
         self.supervisor = ActorSupervisor(lambda: self.actors, interval_s=config.ray.supervise_interval_s)
 
@@ -97,10 +101,18 @@ class MeshRuntime:
         return await self.metrics_hub.start()
 
     def start_ray(self, *, resources: dict[str, float] | None = None) -> None:
-        """Join ``ray.address`` or start a local Ray (``resources`` only apply to a local one)."""
+        """Join ``ray.address`` (its auth is the cluster's), or start a local Ray on
+        ``ray.node_ip_address`` with token auth, its token in the run directory (``resources``
+        only apply to a local one)."""
         if ray.is_initialized():
             return
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        options: dict[str, Any] = {}
+        if not self.config.ray.address:
+            self.ray_auth_token_file = write_ray_auth_token(self.run_dir).resolve()
+            self._local_ray_env = LocalRayEnvironment(token_file=self.ray_auth_token_file,
+                                                      node_ip_address=self.config.ray.node_ip_address)
+            self._local_ray_env.apply()
+            options = self._local_ray_env.init_options()
         ray.init(
             address=self.config.ray.address,
             num_cpus=self.config.ray.num_cpus,
@@ -109,8 +121,10 @@ class MeshRuntime:
             include_dashboard=False,
             logging_level="warning",
             log_to_driver=False,
+            **options,
         )
         self._started_ray = True
+        self.ray_address = ray.get_runtime_context().gcs_address
 
     async def spawn(self, name: str, cls: type, *args: Any, options: dict[str, Any] | None = None) -> Any:
         """``cls(name, *args)`` as a named actor, started; recorded first so a failed start is
@@ -174,6 +188,9 @@ class MeshRuntime:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        if self._local_ray_env is not None:
+            self._local_ray_env.restore()
+            self._local_ray_env = None
         if self.nats_server is not None:
             self.nats_server.stop()
             self.nats_server = None

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import os
 
+# Auth off for the Rays the tests start themselves (ray_session; test_cluster_two_nodes.py's
+# `ray start` nodes), never for a Ray that rollmesh starts: that one has token auth whatever this
+# says (tests/test_ray_loopback.py). Why: left unset, Ray 2.60 turns auth on for a new local Ray
+# and writes a token into ~/.ray/auth_token, outside the tests' files, which every test process
+# joining that Ray would then need.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import uuid  # noqa: E402

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +64,7 @@ async def rollmesh(nats_server, namespace: str, *args: str) -> subprocess.Comple
     target = [args[0], args[1], "--nats-url", nats_server.url, "--namespace", namespace, *args[2:]]
     return await asyncio.to_thread(
         subprocess.run, [sys.executable, "-m", "rollmesh.cli", *target], capture_output=True, text=True,
-        timeout=60, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        timeout=60)
 
 
 @pytest.mark.integration
@@ -126,7 +125,7 @@ def test_run_without_a_mesh_uses_a_broker_in_its_own_process(tmp_path: Path):
     ran = subprocess.run(
         [sys.executable, "-m", "rollmesh.cli", "--run-root", str(tmp_path / "no-runs"), "sandbox", "run",
          "--", "sh", "-c", "echo streamed; kill -TERM $$"],
-        capture_output=True, text=True, timeout=50, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        capture_output=True, text=True, timeout=50)
     assert "broker in this process" in ran.stderr
     *output, last = ran.stdout.splitlines()
     assert output == ["streamed"]

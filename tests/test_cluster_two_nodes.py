@@ -193,6 +193,8 @@ class TwoNodeCluster:
         self.head: RayNode | None = None
         self.address = ""
         self.namespace = "two" + uuid.uuid4().hex[:8]
+        # Auth off on this test's own cluster (`ray start`), which the mesh joins: a joined
+        # cluster's auth is its operator's (docs/security.md), not what this test is about.
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled",
                     "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT)])}
         self.mesh_up = False

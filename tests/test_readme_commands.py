@@ -22,9 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(args: list[str], *, timeout: float, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run([*ROLLMESH, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=cwd)
+    return subprocess.run([*ROLLMESH, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def readme_shell_lines(*variables: str) -> list[str]:

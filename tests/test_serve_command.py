@@ -36,7 +36,7 @@ def serve_process(tmp_path: Path, extra_env: dict[str, str] | None = None
                   ) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
     """A running ``rollmesh serve``, its base URL once ready, and its output lines so far."""
     port = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(extra_env or {})}
+    env = {**os.environ, **(extra_env or {})}
     env.pop("RAY_ADDRESS", None)  # its own local Ray, never the test session's
     process = subprocess.Popen(
         [sys.executable, "-m", "rollmesh.cli", "--run-root", str(tmp_path / "runs"),

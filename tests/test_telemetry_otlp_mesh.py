@@ -107,8 +107,7 @@ async def _last_completion(run_dir: Path) -> RolloutCompleted:
 
 def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receiver: _Receiver) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env.update(RAY_AUTH_MODE="disabled",
-               OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.server_address[1]}",
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.server_address[1]}",
                OTEL_TRACES_SAMPLER="parentbased_always_on")
     run_root = tmp_path / "runs"
     up = _run(["--run-root", str(run_root), "up", "--no-serve", "--timeout", "180"], env,

@@ -4,8 +4,10 @@ Knows the checkpoint package and argparse. SRC is a Megatron save root (with
 ``latest_checkpointed_iteration.txt``) or one iteration folder; the format is detected and the
 architecture read from the arguments saved with the checkpoint (``--arch`` only overrides the
 detection). ``--dry-run`` prints the model and the conversion plan and writes nothing. Works
-without a mesh or NATS; ``--backend ray`` spreads the shards over a Ray cluster (``RAY_ADDRESS``,
-or a local Ray started for the run).
+without a mesh or NATS; ``--backend ray`` spreads the shards over Ray: the Ray of the mesh in
+``--run-dir`` (its address and token from ``mesh.json``), else the cluster at ``RAY_ADDRESS`` (its
+token, if it wants one, from the cluster's own ``RAY_AUTH_*`` variables), else a local Ray started
+for the run (on loopback, token auth on, the token in a private temporary directory).
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from rollmesh.cli.errors import EXIT_OK, EXIT_USAGE, CliError
-from rollmesh.cli.target import positive_float
+from rollmesh.cli.target import load_cli_config, positive_float, read_cli_mesh_info
 
 # Named here rather than imported, so `rollmesh --help` never imports torch (the checkpoint
 # package checks the name again: rollmesh.checkpoint.arch_maps.FAMILIES).
@@ -45,8 +50,12 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                          help="memory the workers may hold together; a tensor that cannot fit is refused by "
                               "name before anything is written (default: %(default)s)")
     convert.add_argument("--backend", choices=("threads", "ray"), default="threads",
-                         help="worker threads in this process, or Ray tasks on the cluster at RAY_ADDRESS "
-                              "(one node or many, sharing the file system; default: %(default)s)")
+                         help="worker threads in this process, or Ray tasks: on the Ray of --run-dir's mesh, "
+                              "the cluster at RAY_ADDRESS, or a local Ray of its own (one node or many, "
+                              "sharing the file system; default: %(default)s)")
+    convert.add_argument("--run-dir", type=Path, metavar="DIR",
+                         help="with --backend ray: use the Ray of the mesh running in DIR (mesh.json names "
+                              "its address and token)")
     convert.add_argument("--dry-run", action="store_true", help="print the model and the plan, write nothing")
     convert.set_defaults(handler=run_convert)
 
@@ -56,6 +65,9 @@ def run_convert(args: argparse.Namespace) -> int:
         raise CliError("--target-tp must be at least 1", exit_code=EXIT_USAGE)
     if args.workers < 1:
         raise CliError("--workers must be at least 1", exit_code=EXIT_USAGE)
+    if args.run_dir is not None and args.backend != "ray":
+        raise CliError("--run-dir names the mesh whose Ray --backend ray uses; add --backend ray",
+                       exit_code=EXIT_USAGE)
     import torch
 
     from rollmesh.checkpoint.errors import CheckpointError
@@ -81,7 +93,8 @@ def run_convert(args: argparse.Namespace) -> int:
                                        args=saved_args(source.folder))
             print(f"resharded {source.folder} -> {args.dst}: tensor parallel {args.target_tp}, {len(files)} files")
             return EXIT_OK
-        files = _export_with_progress(args, options)
+        with _ray_for_convert(args) if args.backend == "ray" else nullcontext():
+            files = _export_with_progress(args, options)
     except CheckpointError as exc:
         raise CliError(str(exc)) from exc
     except ValueError as exc:
@@ -94,10 +107,6 @@ def _export_with_progress(args: argparse.Namespace, options: Any) -> list[str]:
     """The export, with a progress bar on a terminal and a line per finished shard otherwise."""
     from rollmesh.checkpoint.megatron_export import export_to_hf
 
-    if args.backend == "ray":
-        import ray
-
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
     if not sys.stderr.isatty():
         return export_to_hf(args.src, args.dst, options, progress=_progress_lines())
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
@@ -108,6 +117,40 @@ def _export_with_progress(args: argparse.Namespace, options: Any) -> list[str]:
         task = bar.add_task("converting", total=None)
         return export_to_hf(args.src, args.dst, options,
                             progress=lambda done, total: bar.update(task, completed=done, total=total))
+
+
+@contextmanager
+def _ray_for_convert(args: argparse.Namespace) -> Iterator[None]:
+    """Ray for the shards: the mesh's of --run-dir, RAY_ADDRESS's, or a local one of its own."""
+    import ray
+
+    from rollmesh.local_ray import LocalRayEnvironment, write_ray_auth_token
+
+    config = load_cli_config(args)
+    with ExitStack() as stack:
+        if args.run_dir is not None:
+            info = read_cli_mesh_info(args, config)
+            if not info.ray_address:
+                raise CliError(f"the mesh in {info.run_dir} names no Ray address in its mesh.json")
+            address, options = info.ray_address, {}
+            if info.ray_auth_token_file:  # a Ray the mesh started: loopback, its token
+                host = address.rsplit(":", 1)[0].strip("[]")
+                environment = LocalRayEnvironment(token_file=info.ray_auth_token_file, node_ip_address=host)
+                environment.apply()
+                stack.callback(environment.restore)
+            print(f"Ray: the mesh's, at {address} (run dir {info.run_dir})", file=sys.stderr, flush=True)
+        elif os.environ.get("RAY_ADDRESS"):
+            address, options = os.environ["RAY_ADDRESS"], {}
+        else:  # a Ray of its own, kept to this machine like a mesh's
+            token_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="rollmesh-convert-ray-"))
+            environment = LocalRayEnvironment(token_file=write_ray_auth_token(token_dir),
+                                              node_ip_address=config.ray.node_ip_address)
+            environment.apply()
+            stack.callback(environment.restore)
+            address, options = None, environment.init_options()
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, **options)
+        stack.callback(ray.shutdown)
+        yield
 
 
 def _progress_lines() -> Any:

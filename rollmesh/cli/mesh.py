@@ -94,11 +94,10 @@ def run_up(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     _refuse_live_mesh(run_dir)
     log_path = run_dir / LOG_FILE
-    env = {"RAY_AUTH_MODE": "disabled", **os.environ}
     with log_path.open("ab") as log:
         # A new session: the mesh outlives this command and the terminal's Ctrl-C.
         child = subprocess.Popen(child_command(args, run_dir), stdin=subprocess.DEVNULL, stdout=log,
-                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)
+                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         info = _wait_with_status(child, run_dir, args.timeout)
     except BaseException:

@@ -83,6 +83,7 @@ from rollmesh.serve_apps.http_shapes import (
     UpdateWeightsFromDiskResponse,
     WeightVersionsResponse,
 )
+from rollmesh.serve_apps.replica_loopback import keep_replica_grpc_on_loopback
 from rollmesh.serve_apps.weight_admin import (
     Worker,
     flush_cache,
@@ -195,6 +196,7 @@ class InferenceServer:
         run_dir: str = "",
         dashboard: DashboardSource | None = None,
     ) -> None:
+        keep_replica_grpc_on_loopback()  # Serve binds that server once this constructor returns
         setup_logging("serve:inference")
         telemetry = telemetry or TelemetryConfig()
         setup_tracing("serve", telemetry if run_dir else without_run_dir(telemetry),
