@@ -17,7 +17,7 @@ demo: install
 	$(BIN)/rollmesh demo $(DEMO_ARGS)
 
 test: install
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest --durations=20 -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=20 -p no:cacheprovider $(PYTEST_ARGS)
 
 schemas: install
 	$(BIN)/python scripts/generate_schemas.py

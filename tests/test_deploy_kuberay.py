@@ -33,12 +33,15 @@ KUBERAY_DIR = REPO_ROOT / "deploy" / "kuberay"
 SCHEMAS_DIR = REPO_ROOT.parent / "shared" / "schemas" / "kuberay"
 # hostUsers, procMount and appArmorProfile, which the CPU group uses, are all in 1.30+.
 KUBERNETES_VERSION = "1.33.0"
-CORE_FILES = ["common.yaml", "runtimeclass-gvisor.yaml"]
+CORE_FILES = ["common.yaml", "runtimeclass-gvisor.yaml", "networkpolicy.yaml"]
 # ray.role_resources role -> the NATS user (deploy/nats/accounts.conf) its actors connect as.
 NATS_USER_OF_ROLE = {"scheduler": "scheduler", "sandbox": "sandbox_broker", "prefill": "inference",
                      "decode": "inference", "trainer": "trainer", "resharder": "resharder",
                      "rollout": "rollout_worker"}
-SECRET_ENV = {"ROLLMESH_API_KEY"}
+SECRET_ENV = {"ROLLMESH_API_KEY", "RAY_AUTH_TOKEN"}
+RAY_AUTH_ENV = {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
+RAY_AUTH_SECRET = {"name": "rollmesh-ray-auth", "key": "auth_token"}
+RAY_POD = {"ray.io/is-ray-node": "yes"}  # the label KubeRay gives every pod of a Ray cluster
 
 
 def documents(name: str) -> list[dict[str, Any]]:
@@ -247,7 +250,7 @@ def test_each_pod_holds_the_nats_passwords_of_the_roles_it_hosts_and_no_others(t
         hosted = {NATS_USER_OF_ROLE[role] for role, resources in config.ray.role_resources.items()
                   if set(resources) & set(group.get("resources", {}))}
         (container,) = group["template"]["spec"]["containers"]
-        held = {env["name"] for env in container.get("env", [])}
+        held = {env["name"] for env in container.get("env", [])} - RAY_AUTH_ENV
         assert held == {password_env[user] for user in hosted}, group["groupName"]
     driver = _driver(ray_cluster()["spec"])
     assert password_env["mesh"] in {env["name"] for env in driver["env"]}
@@ -262,6 +265,35 @@ def test_secrets_come_from_kubernetes_secrets_never_from_the_manifest(manifest):
             for env in container.get("env", []):
                 if env["name"].endswith("_PASSWORD") or env["name"] in SECRET_ENV:
                     assert "value" not in env and "secretKeyRef" in env["valueFrom"], env
+
+
+@pytest.mark.parametrize("manifest", ["raycluster.yaml", "rayservice.yaml"])
+def test_every_container_of_the_cluster_has_ray_token_auth_from_the_secret(manifest):
+    (doc,) = documents(manifest)
+    spec = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterConfig"]
+    assert spec["authOptions"] == {"mode": "token", "secretName": RAY_AUTH_SECRET["name"]}
+    containers = [c for template in all_pod_templates(spec).values() for c in template["spec"]["containers"]]
+    assert len(containers) == 6  # ray-head and the mesh's driver, one per worker group
+    for container in containers:
+        env = {e["name"]: e for e in container["env"]}
+        assert env["RAY_AUTH_MODE"] == {"name": "RAY_AUTH_MODE", "value": "token"}, container["name"]
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"] == {"secretKeyRef": RAY_AUTH_SECRET}, container["name"]
+
+
+def test_the_network_policy_opens_ray_ports_to_the_clusters_pods_only():
+    (policy,) = documents("networkpolicy.yaml")
+    assert policy["metadata"]["namespace"] == ray_cluster()["metadata"]["namespace"]
+    assert policy["spec"]["podSelector"] == {"matchLabels": RAY_POD}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    any_port_from = [rule["from"] for rule in policy["spec"]["ingress"] if "ports" not in rule]
+    assert any_port_from == [[{"podSelector": {"matchLabels": RAY_POD}}]]
+    opened = {(port["port"], bool(rule.get("from"))) for rule in policy["spec"]["ingress"] if "ports" in rule
+              for port in rule["ports"]}
+    # The API to anyone (it wants a key); the dashboard to the KubeRay operator only.
+    assert opened == {(8000, False), (8265, True)}
+    head_ports = {p["containerPort"] for c in all_pod_templates(ray_cluster()["spec"])["head"]["spec"]["containers"]
+                  for p in c.get("ports", [])}
+    assert {8000, 8265} <= head_ports
 
 
 def test_sandbox_group_is_confined_but_not_privileged():

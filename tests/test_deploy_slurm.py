@@ -12,6 +12,7 @@ import json
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,9 @@ FAKE_TOOL = r"""#!/bin/bash
 name=$(basename "$0")
 line="$name ${FAKE_NODE:-batch}$(printf ' %q' "$@")"
 echo "$line" >> "$FAKE_LOG"  # one write: the fakes run at once, and lines must not interleave
+if [[ $name == ray || $name == rollmesh ]]; then
+    echo "$name ${RAY_AUTH_MODE:-unset} ${RAY_AUTH_TOKEN_PATH:-unset}" >> "$FAKE_LOG.ray_auth"
+fi
 if [[ $name == rollmesh ]]; then
     env | grep '^ROLLMESH_' | sort > "$FAKE_LOG.env"
     # As the mesh waits for its actors' nodes: until every worker node's ray start has run (30 s).
@@ -133,6 +137,13 @@ def test_sbatch_script_starts_nats_ray_head_and_workers_then_the_mesh(fake_slurm
     assert _option(mesh, "--config") == "deploy/two-node.toml" and "--foreground" in mesh
     environment = set(Path(fake_slurm["FAKE_LOG"] + ".env").read_text().splitlines())
     assert {"ROLLMESH_NATS__REPLICAS=3", "ROLLMESH_ROLLOUT__NUM_WORKERS=16"} <= environment
+
+    # Ray's token auth on every ray command and the mesh, with the job's token (0600, run dir).
+    token = tmp_path / "runs" / "slurm-42" / "ray_auth_token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64
+    auth = Path(fake_slurm["FAKE_LOG"] + ".ray_auth").read_text().splitlines()
+    assert len(auth) == len(ray_starts) + 2  # the starts, the head's status check, the mesh
+    assert set(auth) == {f"{name} token {token}" for name in ("ray", "rollmesh")}
 
 
 def _option(call: list[str], name: str) -> str:
