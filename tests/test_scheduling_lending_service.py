@@ -252,3 +252,18 @@ async def test_a_second_run_shares_the_accelerators_beyond_the_guarantees_by_wei
 ])
 def test_start_grants_count_whole_accelerators_once(grants, capacity, expected):
     assert whole_start_grants(grants, capacity) == expected
+
+
+
+async def test_a_scheduler_with_no_accelerators_reports_zero_utilization_instead_of_failing(tmp_path):
+    # scheduler.total_gpus = 0 is the default of a config file without [scheduler]: its status
+    # must still be answered (it once raised ZeroDivisionError, so `rollmesh sched status` timed out).
+    clock = Clock()
+    logic = LendingService(LendingScheduler(0), run_id="ns", roles={}, start_grants={},
+                           launcher=FakeLauncher(), role_groups=FakeRoleGroups(), publisher=RecordingPublisher(),
+                           clock=clock, ledger=JobLedger(tmp_path / "jobs.jsonl"), resource="rollmesh_gpu",
+                           account=UtilizationAccount(0, start=clock.now))
+    await logic.start()
+    clock.now += 60
+    status = logic.status()
+    assert (status.allocated_utilization, status.busy_utilization) == (0.0, 0.0)

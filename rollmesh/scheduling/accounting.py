@@ -36,11 +36,17 @@ class UtilizationTotals:
 
     @property
     def busy_utilization(self) -> float:
-        return self.busy_s / (self.capacity * self.window_s) if self.window_s > 0 else 0.0
+        return self._fraction_of_capacity(self.busy_s)
 
     @property
     def allocated_utilization(self) -> float:
-        return self.allocated_s / (self.capacity * self.window_s) if self.window_s > 0 else 0.0
+        return self._fraction_of_capacity(self.allocated_s)
+
+    def _fraction_of_capacity(self, accelerator_s: float) -> float:
+        # A scheduler with no accelerators (scheduler.total_gpus = 0, the default) has nothing to
+        # utilize: 0, not a ZeroDivisionError that would leave its status requests unanswered.
+        available_s = self.capacity * self.window_s
+        return accelerator_s / available_s if available_s > 0 else 0.0
 
 
 class UtilizationAccount:
