@@ -29,6 +29,7 @@ import json
 import os
 import resource
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -42,9 +43,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "tests"), str(REPO)]
 
 from common import print_result  # noqa: E402
+from rollmesh.local_ray import LocalRayEnvironment, write_ray_auth_token  # noqa: E402
 
 # About 1.2 GB in bf16: 10 layers of hidden 2048 and SwiGLU 5632, a 32k vocabulary, untied.
 BIG = dict(layers=10, hidden=2048, ffn=5632, vocab=32000)
+LOOPBACK = "127.0.0.1"
 
 
 def main() -> None:
@@ -58,13 +61,20 @@ def main() -> None:
     size = sum(f.stat().st_size for f in big.iterdir())
     _read_all(big)
     scratch = Path(tempfile.mkdtemp(prefix="rollmesh-bench-convert-out-", dir=args.cache))
-    ray_address = _start_ray(args.workers) if args.backend == "ray" else None
+    # A Ray kept to this machine as rollmesh keeps its own: loopback, token auth (docs/security.md);
+    # its token in a directory of this user's only (mkdtemp: 0700), removed at the end.
+    ray_dir = Path(tempfile.mkdtemp(prefix="rollmesh-bench-ray-")) if args.backend == "ray" else None
+    ray_env = None if ray_dir is None else LocalRayEnvironment(
+        token_file=write_ray_auth_token(ray_dir), node_ip_address=LOOPBACK).subprocess_env()
+    ray_address = None
     try:
+        if ray_env is not None:
+            ray_address = _start_ray(args.workers, ray_env)
         ours_s, cp_s, naive_s, ours_rss, naive_rss = [], [], [], [], []
         for repeat in range(args.repeats):
             cp_s.append(_cp(big, scratch / "cp"))
             seconds, rss = _child("ours", big, scratch / "ours", budget=4 << 30, workers=args.workers,
-                                  backend=args.backend, ray_address=ray_address)
+                                  backend=args.backend, ray_address=ray_address, env=ray_env)
             ours_s.append(seconds)
             ours_rss.append(rss)
             seconds, rss = _child("naive", big, scratch / "naive")
@@ -78,8 +88,9 @@ def main() -> None:
         print(f"budget {size // 4 / 2**20:.0f} MiB: {budget_s:.2f} s, peak {budget_peak / 2**20:.0f} MiB; "
               f"fixed overhead (empty checkpoint) {overhead / 2**20:.0f} MiB", flush=True)
     finally:
-        if ray_address is not None:
-            subprocess.run(["ray", "stop", "--force"], capture_output=True)
+        if ray_dir is not None:
+            subprocess.run(["ray", "stop", "--force"], capture_output=True, env=ray_env)
+            shutil.rmtree(ray_dir, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
     ours, cp, naive = statistics.median(ours_s), statistics.median(cp_s), statistics.median(naive_s)
     print_result(
@@ -129,13 +140,14 @@ def _cp(src: Path, dst: Path) -> float:
 
 
 def _child(mode: str, src: Path, dst: Path, *, budget: int = 0, workers: int = 1, backend: str = "threads",
-           ray_address: str | None = None) -> tuple[float, int]:
-    """(conversion seconds, as the child timed it; peak RSS of the converter's processes)."""
+           ray_address: str | None = None, env: dict[str, str] | None = None) -> tuple[float, int]:
+    """(conversion seconds, as the child timed it; peak RSS of the converter's processes);
+    ``env``: the child's environment (with ``ray_address``, what joining that Ray needs)."""
     shutil.rmtree(dst, ignore_errors=True)
     os.sync()
     command = [sys.executable, __file__, "--child", mode, str(src), str(dst), str(budget), str(workers), backend,
                ray_address or ""]
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
     sampled = _sample_tree_rss(child) if backend == "ray" else None
     out, _ = child.communicate()
     if child.returncode != 0:
@@ -176,11 +188,20 @@ def _sample_tree_rss(child: subprocess.Popen) -> Any:
     return stop
 
 
-def _start_ray(workers: int) -> str:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    subprocess.run(["ray", "start", "--head", f"--num-cpus={workers}", "--include-dashboard=false",
-                    "--disable-usage-stats"], check=True, capture_output=True, env=env)
-    return "auto"
+def _start_ray(workers: int, env: dict[str, str]) -> str:
+    """``ray start --head`` on loopback and a free port with ``env`` (token auth); its GCS address,
+    for the children to join (named, not "auto", which finds whichever Ray here started last)."""
+    port = _free_port(LOOPBACK)
+    subprocess.run(["ray", "start", "--head", f"--node-ip-address={LOOPBACK}", f"--port={port}",
+                    f"--num-cpus={workers}", "--include-dashboard=false", "--disable-usage-stats"],
+                   check=True, capture_output=True, env=env)
+    return f"{LOOPBACK}:{port}"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def run_child(mode: str, src: str, dst: str, budget: int, workers: int, backend: str, ray_address: str) -> None:

@@ -17,12 +17,14 @@ import argparse
 import os
 import random
 import statistics
+import tempfile
 import time
 
 import ray
 import torch
 
 from common import build_hf_llama, print_result, random_prompt, setup_threads
+from rollmesh.local_ray import LocalRayEnvironment, write_ray_auth_token
 
 
 class PrefillSide:
@@ -64,11 +66,15 @@ def main() -> None:
     args = parser.parse_args()
     setup_threads()
     _, directory = build_hf_llama()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                 [os.path.dirname(os.path.abspath(__file__)), os.getcwd()])}})
+    # A Ray kept to this machine as rollmesh keeps its own: loopback, token auth (docs/security.md).
+    token_dir = tempfile.TemporaryDirectory(prefix="rollmesh-bench-ray-")  # 0700, removed at the end
+    local_ray = LocalRayEnvironment(token_file=write_ray_auth_token(token_dir.name), node_ip_address="127.0.0.1")
+    local_ray.apply()
     try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                     [os.path.dirname(os.path.abspath(__file__)), os.getcwd()])}},
+                 **local_ray.init_options())
         prefill = ray.remote(PrefillSide).options(num_cpus=0).remote(str(directory))
         decode = ray.remote(DecodeSide).options(num_cpus=0).remote(str(directory))
         rng = random.Random(3)
@@ -97,6 +103,8 @@ def main() -> None:
                   f"{figures[tokens][3] * 1e3:.2f} ms), memory copy {copy * 1e3:.3f} ms", flush=True)
     finally:
         ray.shutdown()
+        local_ray.restore()
+        token_dir.cleanup()
     largest = max(figures)
     handoff, copy, nbytes, store = figures[largest]
     print_result(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import secrets
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +71,19 @@ class LocalRayEnvironment:
         keys = (*_AUTH_VARIABLES, _LOOPBACK_SWITCH)
         self._saved = {key: os.environ.get(key) for key in keys}
         self._saved_switch = ray_constants.ENABLE_RAY_CLUSTER
-        # Forced, whatever the environment said: a Ray that rollmesh starts is never open. Only
-        # tests disable auth, on Rays of their own (tests/conftest.py).
-        os.environ["RAY_AUTH_MODE"] = "token"
-        os.environ["RAY_AUTH_TOKEN_PATH"] = str(self.token_file.resolve())
-        os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over the file
+        _update(os.environ, self._variables())  # for Ray's processes, which import Ray afresh
         if is_loopback(self.node_ip_address):
-            os.environ[_LOOPBACK_SWITCH] = "0"  # for Ray's processes, which import it afresh
             ray_constants.ENABLE_RAY_CLUSTER = False  # this process imported Ray already
         _refresh_ray_auth()
+
+    def subprocess_env(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment for another process that starts or joins this Ray (``ray start
+        --head --node-ip-address=...``, a driver calling ``ray.init(address=...)``, ``ray
+        stop``): a copy of ``environ`` (this process's by default) with what ``apply`` sets.
+        Neither ``environ`` nor this process's Ray is changed."""
+        env = dict(os.environ if environ is None else environ)
+        _update(env, self._variables())
+        return env
 
     def restore(self) -> None:
         if self._saved is None:
@@ -94,9 +99,30 @@ class LocalRayEnvironment:
         self._saved = None
         _refresh_ray_auth()
 
+    def _variables(self) -> dict[str, str | None]:
+        """What the environment must say (None: must not say at all)."""
+        # Forced, whatever the environment said: a Ray that rollmesh starts is never open. Only
+        # tests disable auth, on Rays of their own (tests/conftest.py).
+        variables: dict[str, str | None] = {
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(self.token_file.resolve()),
+            "RAY_AUTH_TOKEN": None,  # it would win over the file
+        }
+        if is_loopback(self.node_ip_address):
+            variables[_LOOPBACK_SWITCH] = "0"
+        return variables
+
     def init_options(self) -> dict[str, Any]:
         """``ray.init`` keyword arguments that start the local Ray on ``node_ip_address``."""
         return {"_node_ip_address": self.node_ip_address} if self.node_ip_address else {}
+
+
+def _update(environ: MutableMapping[str, str], variables: Mapping[str, str | None]) -> None:
+    for key, value in variables.items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
 
 
 def _refresh_ray_auth() -> None:

@@ -1,9 +1,11 @@
 """What a local Ray that rollmesh starts is given, without starting one: its token file (new,
-random, this user's only), the ``ray.node_ip_address`` key, and the ``ray.init`` options.
+random, this user's only), the ``ray.node_ip_address`` key, the ``ray.init`` options, and the
+environment for a process that starts or joins it (``ray start``, the benchmarks' children).
 tests/test_ray_loopback.py starts a real one."""
 
 from __future__ import annotations
 
+import os
 import stat
 
 import pytest
@@ -41,6 +43,32 @@ def test_ray_init_is_given_the_node_ip_only_when_one_is_set(tmp_path):
     assert LocalRayEnvironment(token_file=token, node_ip_address="127.0.0.1").init_options() == {
         "_node_ip_address": "127.0.0.1"}
     assert LocalRayEnvironment(token_file=token, node_ip_address="").init_options() == {}
+
+
+def test_a_subprocess_env_turns_token_auth_on_with_the_file_whatever_the_environment_said(tmp_path, monkeypatch):
+    token = write_ray_auth_token(tmp_path)
+    monkeypatch.chdir(tmp_path)  # a relative token path is given to Ray absolute
+    environ = {"PATH": "/usr/bin", "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": "another"}
+    env = LocalRayEnvironment(token_file=RAY_AUTH_TOKEN_FILE, node_ip_address="127.0.0.1").subprocess_env(environ)
+    assert env == {"PATH": "/usr/bin", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token.resolve()),
+                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    assert environ == {"PATH": "/usr/bin", "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": "another"}
+
+
+def test_a_subprocess_env_starts_from_this_process_environment_and_leaves_it_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("ROLLMESH_TEST_MARK", "kept")
+    env = LocalRayEnvironment(token_file=tmp_path / RAY_AUTH_TOKEN_FILE, node_ip_address="::1").subprocess_env()
+    assert env["ROLLMESH_TEST_MARK"] == "kept" and env["RAY_AUTH_MODE"] == "token"
+    assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"
+
+
+def test_a_subprocess_env_leaves_the_loopback_switch_alone_for_another_node_ip(tmp_path):
+    token = tmp_path / RAY_AUTH_TOKEN_FILE
+    for node_ip in ("192.0.2.2", ""):
+        env = LocalRayEnvironment(token_file=token, node_ip_address=node_ip).subprocess_env({})
+        assert env == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
 
 
 @pytest.mark.parametrize(("node_ip", "bound"), [("127.0.0.1", "127.0.0.1:0"), ("::1", "[::1]:0"),
