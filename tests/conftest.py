@@ -195,3 +195,22 @@ def moe_torch_dist(moe_checkpoints: tuple[Path, Path]) -> Path:
 @pytest.fixture(scope="session")
 def moe_legacy(moe_checkpoints: tuple[Path, Path]) -> Path:
     return moe_checkpoints[1]
+
+
+@pytest.fixture(scope="session")
+def chat_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Family name -> a model directory with that family's tokenizer and real chat template
+    (tests/chat_models.py; no weights), built once per session: a few milliseconds each."""
+    from chat_models import FAMILIES, build_model_dir
+
+    root = tmp_path_factory.mktemp("chat-models")
+    return {family: build_model_dir(family, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir_with_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A qwen3 model directory with a tiny random Qwen2ForCausalLM (config.json, model.safetensors)
+    whose embedding has more rows than the tokenizer has tokens, as real Qwen's does."""
+    from chat_models import build_model_dir
+
+    return build_model_dir("qwen3", tmp_path_factory.mktemp("chat-model-weights") / "qwen3", with_weights=True)
