@@ -8,6 +8,12 @@ tokenizer's) are wrapped at the boundary with ``raise X(...) from exc``::
     +-- TemplateRenderError        the chat template failed to render (reason, template_message:
                                    the vendor template's own raise_exception text, "" when the
                                    failure was not one the template raised itself)
+    +-- AppendError                a conversation's tokens cannot be extended (turn)
+        +-- TruncatedTurnError     the last generated turn has no end-of-turn id (last_id): the
+                                   rollout ends, nothing is appended after a broken turn
+        +-- AppendOrderError       generated turns and appended messages out of order (reason)
+    +-- JoinDerivationError        the template's text after a generated turn cannot be found in
+                                   a stand-in render (reason, end_texts): the family needs a join rule
 """
 
 from __future__ import annotations
@@ -41,3 +47,39 @@ class TemplateRenderError(ChatError):
         super().__init__(reason)
         self.reason = reason
         self.template_message = template_message
+
+
+class AppendError(ChatError):
+    """A conversation's tokens cannot be extended at ``turn`` (generated turns so far)."""
+
+    def __init__(self, message: str, *, turn: int) -> None:
+        super().__init__(message)
+        self.turn = turn
+
+
+class TruncatedTurnError(AppendError):
+    """Appending after a generated turn that ended without an end-of-turn id (cut by
+    max_new_tokens): the rollout ends, no more turns run on a broken turn."""
+
+    def __init__(self, *, turn: int, last_id: int | None) -> None:
+        super().__init__(f"turn {turn} ended without an end-of-turn id (last id {last_id}); "
+                         "nothing can be appended after a truncated turn", turn=turn)
+        self.last_id = last_id
+
+
+class AppendOrderError(AppendError):
+    """Generated turns and appended messages must alternate, starting after the first prompt."""
+
+    def __init__(self, *, turn: int, reason: str) -> None:
+        super().__init__(f"turn {turn}: {reason}", turn=turn)
+        self.reason = reason
+
+
+class JoinDerivationError(ChatError):
+    """What the template writes after a generated turn could not be derived from a stand-in render."""
+
+    def __init__(self, *, reason: str, end_texts: tuple[str, ...]) -> None:
+        super().__init__(f"cannot derive the template's text after a generated turn: {reason} "
+                         f"(end-of-turn texts {list(end_texts)})")
+        self.reason = reason
+        self.end_texts = end_texts

@@ -1,0 +1,185 @@
+"""Verification of a token-exact trajectory against a fresh whole render of its conversation.
+
+The trajectory's ids (as sampled and appended) are compared with the template's rendering of the
+whole conversation, tokenized at once, and every difference is classified:
+
+- ``special``: a special token differs (a missing or extra end-of-turn, a rewritten marker);
+- ``non_assistant``: text the model did not generate differs: a bug in appending or joining;
+- ``assistant``: a difference inside generated text, expected: the sampled ids of the same text
+  are not the tokenizer's canonical encoding (" 4" as one id or two), or the conversation's
+  parsed assistant message renders differently from what was generated (JSON spacing, earlier
+  reasoning dropped by a template that rewrites history).
+
+A difference that a family's documented history rewrite explains (Qwen3 dropping earlier
+``<think>`` blocks, gpt-oss writing ``<|end|>`` where the model sampled ``<|return|>``) keeps its
+kind and names the rewrite in ``TokenDifference.rewrite``; ``TokenCheckReport.bugs`` counts only
+``non_assistant`` differences that no rewrite explains.
+
+Knows token ids, loss masks and the ``ChatTemplateTokenizer`` protocol; nothing of engines or the bus.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollmesh.chat.turn_append import ChatTemplateTokenizer, ChatTrajectory, TemplateJoin
+
+MISMATCH_KINDS: tuple[str, ...] = ("special", "non_assistant", "assistant")
+
+
+@dataclass(frozen=True)
+class TokenDifference:
+    """One differing region: trajectory ids[trace_start:trace_end] vs render ids[render_start:render_end]."""
+
+    kind: str
+    trace_start: int
+    trace_end: int
+    render_start: int
+    render_end: int
+    rewrite: str = ""   # the documented history rewrite that explains it, if any
+
+
+@dataclass
+class TokenCheckReport:
+    """Differences between a trajectory and the whole render, by kind and position."""
+
+    trace_tokens: int
+    render_tokens: int
+    differences: list[TokenDifference] = field(default_factory=list)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(MISMATCH_KINDS, 0)
+        for difference in self.differences:
+            counts[difference.kind] += 1
+        return counts
+
+    @property
+    def exact(self) -> bool:
+        return not self.differences
+
+    @property
+    def bugs(self) -> int:
+        """Differences in text the model did not generate that no documented rewrite explains."""
+        return sum(1 for d in self.differences if d.kind == "non_assistant" and not d.rewrite)
+
+
+@dataclass(frozen=True)
+class DocumentedRewrite:
+    """A family's history rewrite: the render drops or replaces trajectory text in a known way."""
+
+    name: str
+    dropped_block: tuple[str, str] = ("", "")      # (open, close): the trajectory side is one such block
+    replaced: tuple[str, str] = ("", "")           # (sampled, rendered): one text rendered as another
+
+    def explains(self, trace_text: str, render_text: str) -> bool:
+        if self.dropped_block[0]:
+            opener, closer = self.dropped_block
+            block = trace_text.strip()
+            return (not render_text.strip() and block.startswith(opener) and block.endswith(closer)
+                    and block.count(opener) == 1 and block.count(closer) == 1)
+        return (trace_text, render_text) == self.replaced
+
+
+_DROPS_EARLIER_REASONING = DocumentedRewrite("drops earlier reasoning", dropped_block=("<think>", "</think>"))
+DOCUMENTED_REWRITES: dict[str, tuple[DocumentedRewrite, ...]] = {
+    # Qwen3 renders <think> only for assistant turns after the last user query (and an empty one
+    # only for the last turn); DeepSeek V3.1 keeps reasoning only in the last turn.
+    "qwen3": (_DROPS_EARLIER_REASONING,),
+    "deepseek_v3": (_DROPS_EARLIER_REASONING,),
+    # gpt-oss samples <|return|> to end a final answer; its template writes an earlier one with <|end|>.
+    "gpt_oss": (DocumentedRewrite("<|return|> rendered as <|end|>", replaced=("<|return|>", "<|end|>")),),
+}
+
+
+def compare_tokens(trace_ids: Sequence[int], loss_mask: Sequence[int], render_ids: Sequence[int],
+                   special_ids: Collection[int], *, decode: Callable[[Sequence[int]], str] | None = None,
+                   rewrites: Sequence[DocumentedRewrite] = ()) -> TokenCheckReport:
+    """Classify every difference between the trajectory's ids (with their loss mask: 1 = generated)
+    and the render's ids; ``rewrites`` (with ``decode``) name the differences they explain."""
+    if len(loss_mask) != len(trace_ids):
+        raise ValueError(f"{len(trace_ids)} ids but {len(loss_mask)} loss-mask entries")
+    special = frozenset(special_ids)
+    # autojunk off: its heuristic drops frequent ids (newlines, spaces) from matching on long inputs.
+    matcher = difflib.SequenceMatcher(a=list(trace_ids), b=list(render_ids), autojunk=False)
+    report = TokenCheckReport(trace_tokens=len(trace_ids), render_tokens=len(render_ids))
+    opcodes = matcher.get_opcodes()
+    for index, (tag, i1, i2, j1, j2) in enumerate(opcodes):
+        if tag == "equal":
+            continue
+        if tag == "delete":
+            i1, i2 = _slide_into_generated(trace_ids, loss_mask, i1, i2, opcodes, index)
+        if any(t in special for t in trace_ids[i1:i2]) or any(t in special for t in render_ids[j1:j2]):
+            kind = "special"
+        elif _inside_generated(loss_mask, i1, i2):
+            kind = "assistant"
+        else:
+            kind = "non_assistant"
+        rewrite = ""
+        if rewrites and decode is not None:
+            trace_text, render_text = decode(trace_ids[i1:i2]), decode(render_ids[j1:j2])
+            rewrite = next((r.name for r in rewrites if r.explains(trace_text, render_text)), "")
+        report.differences.append(TokenDifference(kind, i1, i2, j1, j2, rewrite))
+    return report
+
+
+def _slide_into_generated(ids: Sequence[int], loss_mask: Sequence[int], start: int, end: int,
+                          opcodes: list, index: int) -> tuple[int, int]:
+    """A deletion among repeated ids has several equally good places ("assistant\\n" + "\\n..."):
+    slide it, within the matched blocks around it, to a place inside generated text if there is one."""
+    before = opcodes[index - 1][2] - opcodes[index - 1][1] if index > 0 and opcodes[index - 1][0] == "equal" else 0
+    after = (opcodes[index + 1][2] - opcodes[index + 1][1]
+             if index + 1 < len(opcodes) and opcodes[index + 1][0] == "equal" else 0)
+    candidates = [(start, end)]
+    s, e = start, end
+    while start - s < before and ids[s - 1] == ids[e - 1]:
+        s, e = s - 1, e - 1
+        candidates.append((s, e))
+    s, e = start, end
+    while e - end < after and ids[s] == ids[e]:
+        s, e = s + 1, e + 1
+        candidates.append((s, e))
+    return next((c for c in candidates if _inside_generated(loss_mask, *c)), (start, end))
+
+
+def _inside_generated(loss_mask: Sequence[int], start: int, end: int) -> bool:
+    """Whether trajectory positions [start, end) lie inside generated text. An insertion
+    (start == end) is inside when the ids on both sides of it were generated."""
+    if start < end:
+        return all(loss_mask[start:end])
+    return 0 < start < len(loss_mask) and bool(loss_mask[start - 1]) and bool(loss_mask[start])
+
+
+def render_conversation_ids(chat: ChatTemplateTokenizer, messages: Sequence[Mapping[str, Any]],
+                            join: TemplateJoin) -> list[int]:
+    """The whole conversation rendered and tokenized at once, shaped like a trajectory: with the
+    generation prompt when it waits for the model, without the join text after a final generated turn."""
+    ends_generated = bool(messages) and messages[-1].get("role") == "assistant"
+    text = chat.render(messages, tools=join.tools, add_generation_prompt=not ends_generated,
+                       template_kwargs=join.template_kwargs)
+    if ends_generated and join.join_text and text.endswith(join.join_text):
+        text = text[: -len(join.join_text)]
+    return chat.encode(text)
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids a transformers tokenizer marks special (its named ones and added tokens flagged
+    special); plain added tokens such as Qwen's <think> or <tool_call> are text, not special."""
+    ids = set(tokenizer.all_special_ids)
+    ids.update(token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special)
+    return frozenset(ids)
+
+
+def check_trajectory(trajectory: ChatTrajectory, special_ids: Collection[int]) -> list[TokenCheckReport]:
+    """One report per training sample: each sample against the render of the messages it covers."""
+    chat, join = trajectory.chat, trajectory.join
+    rewrites = DOCUMENTED_REWRITES.get(join.family or "", ())
+    return [
+        compare_tokens(sample.ids, sample.loss_mask,
+                       render_conversation_ids(chat, trajectory.messages[: sample.message_count], join),
+                       special_ids, decode=chat.decode, rewrites=rewrites)
+        for sample in trajectory.samples
+    ]
