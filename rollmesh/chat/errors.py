@@ -14,6 +14,9 @@ tokenizer's) are wrapped at the boundary with ``raise X(...) from exc``::
         +-- AppendOrderError       generated turns and appended messages out of order (reason)
     +-- JoinDerivationError        the template's text after a generated turn cannot be found in
                                    a stand-in render (reason, end_texts): the family needs a join rule
+    +-- UnknownParserError         a tool or reasoning parser name not registered (kind, name, known)
+    +-- InvalidToolDeclarationError  a declared tool that is no OpenAI function schema (tool_index,
+                                   name, reason)
 """
 
 from __future__ import annotations
@@ -83,3 +86,25 @@ class JoinDerivationError(ChatError):
                          f"(end-of-turn texts {list(end_texts)})")
         self.reason = reason
         self.end_texts = end_texts
+
+
+class UnknownParserError(ChatError):
+    """A tool (``kind="tool"``) or reasoning parser name that is not registered; ``known`` lists
+    the names that are."""
+
+    def __init__(self, *, kind: str, name: str, known: tuple[str, ...]) -> None:
+        super().__init__(f"unknown {kind} parser {name!r}; known: {', '.join(known)}")
+        self.kind = kind
+        self.name = name
+        self.known = known
+
+
+class InvalidToolDeclarationError(ChatError):
+    """A declared tool (number ``tool_index`` in the list) is not an OpenAI function schema, or its
+    ``parameters`` are not a JSON Schema."""
+
+    def __init__(self, *, tool_index: int, name: str | None, reason: str) -> None:
+        super().__init__(f"tool {tool_index} ({name or 'unnamed'}): {reason}")
+        self.tool_index = tool_index
+        self.name = name
+        self.reason = reason

@@ -1,0 +1,70 @@
+"""DeepSeek V3 / V3.1 tool calls, between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``.
+
+Two call forms, told apart by what follows ``<｜tool▁sep｜>``:
+- V3 / R1: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>``
+- V3.1: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``
+The markers use U+FF5C (｜) and U+2581 (▁). Upstream references read, not copied:
+sgl-project/sglang python/sglang/srt/function_call/deepseekv3_detector.py and
+deepseekv31_detector.py, vllm-project/vllm vllm/tool_parsers/deepseekv3_tool_parser.py and
+deepseekv31_tool_parser.py; the V3.1 rendering in ggml-org/llama.cpp
+models/templates/deepseek-ai-DeepSeek-V3.1.jinja. Knows the text format only.
+"""
+
+from __future__ import annotations
+
+import json
+
+from rollmesh.chat.tool_syntax import CallCandidate, TurnSyntax, decode_json_at, join_content, skip_whitespace
+
+CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+CALLS_END = "<｜tool▁calls▁end｜>"
+CALL_BEGIN = "<｜tool▁call▁begin｜>"
+CALL_END = "<｜tool▁call▁end｜>"
+SEP = "<｜tool▁sep｜>"
+_FENCE_OPEN = "\n```json\n"
+_FENCE_CLOSE = "\n```"
+
+
+def split_deepseek_v3(text: str) -> TurnSyntax:
+    first = text.find(CALLS_BEGIN)
+    if first == -1:
+        first = text.find(CALL_BEGIN)  # a model that skips the section marker still calls
+    if first == -1:
+        return TurnSyntax(content=text.strip())
+    content_parts = [text[:first]]
+    candidates: list[CallCandidate] = []
+    pos = first
+    while (start := text.find(CALL_BEGIN, pos)) != -1:
+        end = text.find(CALL_END, start)
+        if end == -1:
+            reason = "the turn ended inside a tool call"
+            candidates.append(CallCandidate(raw=text[start:], syntax_error=reason, truncated=True))
+            pos = len(text)
+            break
+        candidates.append(_one_call(text[start : end + len(CALL_END)], text[start + len(CALL_BEGIN) : end]))
+        pos = end + len(CALL_END)
+    content_parts.append(text[pos:].replace(CALLS_BEGIN, "").replace(CALLS_END, ""))
+    return TurnSyntax(content=join_content(content_parts), candidates=candidates)
+
+
+def _one_call(raw: str, body: str) -> CallCandidate:
+    if SEP not in body:
+        return CallCandidate(raw=raw, syntax_error="a tool call without <｜tool▁sep｜>")
+    before, _, after = body.partition(SEP)
+    if _FENCE_OPEN in after:
+        name, _, fenced = after.partition(_FENCE_OPEN)
+        if not fenced.rstrip().endswith(_FENCE_CLOSE.strip()):
+            return CallCandidate(raw=raw, name=name.strip() or None, syntax_error="arguments not closed by ```")
+        arguments_text = fenced.rstrip()[: -len(_FENCE_CLOSE.strip())]
+    else:
+        name, arguments_text = before, after
+    name = name.strip()
+    if not name:
+        return CallCandidate(raw=raw, syntax_error="a tool call without a name")
+    try:
+        arguments, end = decode_json_at(arguments_text, 0)
+    except json.JSONDecodeError as exc:
+        return CallCandidate(raw=raw, name=name, syntax_error=f"invalid JSON arguments: {exc.msg}")
+    if skip_whitespace(arguments_text, end) != len(arguments_text):
+        return CallCandidate(raw=raw, name=name, syntax_error="text after the JSON arguments")
+    return CallCandidate(raw=raw, name=name, arguments=arguments)
