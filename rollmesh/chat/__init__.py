@@ -2,11 +2,27 @@
 
 Plain logic: imports neither ray nor nats, and knows no actor, bus or Serve app. ``model_dir``
 loads a Hugging Face model directory (fast tokenizer, chat template rendering, end-of-turn ids,
-valid token ids); ``errors`` holds the package's typed errors.
+valid token ids); ``tool_calls`` and ``reasoning`` parse tool calls and reasoning out of a
+generated turn in the family's own format (one ``tool_format_*`` module per format, ``harmony`` for
+gpt-oss); ``errors`` holds the package's typed errors.
 """
 
 from rollmesh.chat.errors import ChatError, ModelDirectoryError, TemplateRenderError
+from rollmesh.chat.errors import InvalidToolDeclarationError, UnknownParserError
 from rollmesh.chat.model_dir import KNOWN_END_OF_TURN_TOKENS, ModelDirectory
+from rollmesh.chat.reasoning import REASONING_PARSERS, detect_reasoning_parser, prompt_opens_reasoning
+from rollmesh.chat.tool_calls import (
+    TOOL_PARSERS,
+    MalformedToolCall,
+    ParsedTurn,
+    ToolCall,
+    conform_call_id,
+    detect_tool_parser,
+    make_call_id,
+    parse_assistant_turn,
+    parse_tool_calls,
+)
+from rollmesh.chat.tool_schemas import ToolSet
 
 __all__ = [
     "KNOWN_END_OF_TURN_TOKENS",
@@ -14,4 +30,20 @@ __all__ = [
     "ModelDirectory",
     "ModelDirectoryError",
     "TemplateRenderError",
+    # tool calls and reasoning
+    "REASONING_PARSERS",
+    "TOOL_PARSERS",
+    "InvalidToolDeclarationError",
+    "MalformedToolCall",
+    "ParsedTurn",
+    "ToolCall",
+    "ToolSet",
+    "UnknownParserError",
+    "conform_call_id",
+    "detect_reasoning_parser",
+    "detect_tool_parser",
+    "make_call_id",
+    "parse_assistant_turn",
+    "parse_tool_calls",
+    "prompt_opens_reasoning",
 ]
