@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from jinja2.exceptions import TemplateError
+from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from rollmesh.chat.errors import InvalidToolDeclarationError, UnknownParserError
@@ -113,6 +114,43 @@ def test_template_rendered_tool_calls_parse_back_to_the_same_calls(
     ]
     assert [call.id for call in parsed.tool_calls] == ids
     assert parsed.content == ""
+
+
+@pytest.mark.parametrize(
+    ("family", "parser", "reasoning_parser", "cities", "as_string", "kwargs"), RENDERED, ids=[r[0] for r in RENDERED]
+)
+def test_turn_decoded_from_its_ids_with_special_tokens_kept_parses_to_the_same_calls(
+    chat_model_dirs, family, parser, reasoning_parser, cities, as_string, kwargs
+):
+    # The family's tokenizer (tests/chat_models.py): the turn's ids as if sampled, decoded as the
+    # rollout will decode them, special tokens kept.
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dirs[family])
+    style = TOOL_PARSERS[parser].call_id_style
+    ids = [make_call_id(style, index, name="get_weather") for index in range(len(cities))]
+    turn = rendered_assistant_turn(family, openai_calls(cities, arguments_as_string=as_string, ids=ids), **kwargs)
+    sampled = tokenizer.encode(turn, add_special_tokens=False)
+
+    text = tokenizer.decode(sampled, skip_special_tokens=False)
+    parsed = parse_assistant_turn(
+        text, tool_parser=parser, reasoning_parser=reasoning_parser, tools=TOOLS, starts_in_reasoning=False
+    )
+
+    assert [(call.id, call.name, call.arguments) for call in parsed.tool_calls] == [
+        (call_id, "get_weather", {"city": city}) for call_id, city in zip(ids, cities, strict=True)
+    ]
+    assert parsed.malformed == []
+
+
+def test_kimi_calls_are_lost_when_special_tokens_are_skipped_in_decoding(chat_model_dirs):
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dirs["kimi_k2"])
+    turn = rendered_assistant_turn("kimi_k2", openai_calls(["Paris"], arguments_as_string=False, ids=["x"]))
+    sampled = tokenizer.encode(turn, add_special_tokens=False)
+
+    kept = parse_tool_calls(tokenizer.decode(sampled, skip_special_tokens=False), "kimi_k2", TOOLS)
+    skipped = parse_tool_calls(tokenizer.decode(sampled, skip_special_tokens=True), "kimi_k2", TOOLS)
+
+    assert [call.id for call in kept.tool_calls] == ["functions.get_weather:0"]
+    assert skipped.tool_calls == [] and skipped.malformed == []
 
 
 def test_qwen2_5_template_writes_string_arguments_that_are_decoded_once_and_recorded():
