@@ -8,11 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jinja2.exceptions import TemplateError
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from rollmesh.chat.errors import InvalidToolDeclarationError, UnknownParserError
+from rollmesh.chat.reasoning import REASONING_PARSERS
 from rollmesh.chat.tool_calls import (
     TOOL_PARSERS,
     ToolCall,
@@ -434,3 +437,36 @@ def test_tool_parser_is_detected_from_the_real_template(family, expected):
 
 def test_template_without_tool_markers_has_no_tool_parser():
     assert detect_tool_parser("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+
+
+# Pieces of every format, shuffled into turns no model should write but a sampler can.
+FORMAT_PIECES = [
+    *("<tool_call>", "</tool_call>", "<|python_tag|>", ";", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    *("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "\n```json\n"),
+    *("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+    *("functions.get_weather:0", "<|start|>", "assistant", " to=functions.get_weather", "<|channel|>"),
+    *("analysis", "commentary", "final", "<|constrain|>", "json", "<|message|>", "<|end|>", "<|call|>"),
+    *("<think>", "</think>", '{"name": "get_weather", "arguments": {"city": "P"}}', '"{\\"city\\": 1}"'),
+    *('{"name": "get_time", "parameters": ', '{"city": "x"}', "[", "]", "{", "}", '"', "\\", " ", "\n"),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.lists(st.sampled_from(FORMAT_PIECES), max_size=25).map("".join),
+    tool_parser=st.sampled_from([*TOOL_PARSERS, None]),
+    reasoning_parser=st.sampled_from([*REASONING_PARSERS, None]),
+    starts_in_reasoning=st.sampled_from([None, True, False]),
+)
+def test_any_text_parses_without_raising_and_every_call_keeps_its_place(
+    text, tool_parser, reasoning_parser, starts_in_reasoning
+):
+    parsed = parse_assistant_turn(
+        text,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
+        tools=TOOLS,
+        starts_in_reasoning=starts_in_reasoning,
+    )
+    places = sorted([call.index for call in parsed.tool_calls] + [bad.index for bad in parsed.malformed])
+    assert places == list(range(len(places)))
