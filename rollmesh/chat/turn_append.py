@@ -34,6 +34,7 @@ to do then:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -179,6 +180,15 @@ class ChatTrajectory:
 
     def prompt_ids(self) -> list[int]:
         return list(self.sample.ids)
+
+    def fork(self) -> ChatTrajectory:
+        """An independent copy (same model and join): to branch a rollout, or to measure an append."""
+        twin = copy.copy(self)
+        twin.messages = list(self.messages)
+        twin.samples = [TokenSample(list(s.ids), list(s.loss_mask), list(s.logprobs), s.message_count)
+                        for s in self.samples]
+        twin._sample_text = list(self._sample_text)
+        return twin
 
     def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], message: Mapping[str, Any]) -> None:
         """Record a generated turn exactly as sampled and the assistant message parsed from it."""
