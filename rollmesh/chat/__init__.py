@@ -4,7 +4,8 @@ Plain logic: imports neither ray nor nats, and knows no actor, bus or Serve app.
 loads a Hugging Face model directory (fast tokenizer, chat template rendering, end-of-turn ids,
 valid token ids); ``tool_calls`` and ``reasoning`` parse tool calls and reasoning out of a
 generated turn in the family's own format (one ``tool_format_*`` module per format, ``harmony`` for
-gpt-oss); ``errors`` holds the package's typed errors.
+gpt-oss); ``turn_append`` grows a conversation's tokens turn by turn, token-exact, and
+``token_check`` compares them with a whole render; ``errors`` holds the package's typed errors.
 """
 
 from rollmesh.chat.errors import ChatError, ModelDirectoryError, TemplateRenderError
@@ -23,6 +24,16 @@ from rollmesh.chat.tool_calls import (
     parse_tool_calls,
 )
 from rollmesh.chat.tool_schemas import ToolSet
+from rollmesh.chat.errors import AppendError, AppendOrderError, JoinDerivationError, TruncatedTurnError
+from rollmesh.chat.token_check import MISMATCH_KINDS, TokenCheckReport, TokenDifference, check_trajectory
+from rollmesh.chat.turn_append import (
+    HISTORY_REWRITES,
+    JOIN_RULES,
+    ChatTemplateTokenizer,
+    ChatTrajectory,
+    TemplateJoin,
+    TokenSample,
+)
 
 __all__ = [
     "KNOWN_END_OF_TURN_TOKENS",
@@ -46,4 +57,19 @@ __all__ = [
     "parse_assistant_turn",
     "parse_tool_calls",
     "prompt_opens_reasoning",
+    # token-exact appending and its check
+    "HISTORY_REWRITES",
+    "JOIN_RULES",
+    "MISMATCH_KINDS",
+    "AppendError",
+    "AppendOrderError",
+    "ChatTemplateTokenizer",
+    "ChatTrajectory",
+    "JoinDerivationError",
+    "TemplateJoin",
+    "TokenCheckReport",
+    "TokenDifference",
+    "TokenSample",
+    "TruncatedTurnError",
+    "check_trajectory",
 ]
