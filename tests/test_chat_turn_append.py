@@ -10,7 +10,7 @@ import pytest
 
 from chat_models import FAMILIES
 from rollmesh.chat import ModelDirectory
-from rollmesh.chat.errors import AppendOrderError, JoinDerivationError, TruncatedTurnError
+from rollmesh.chat.errors import AppendError, AppendOrderError, JoinDerivationError, TruncatedTurnError
 from rollmesh.chat.token_check import check_trajectory, special_token_ids
 from rollmesh.chat.turn_append import STAND_IN_MARKER, ChatTrajectory, TemplateJoin
 
@@ -22,7 +22,8 @@ TOOLS = [{"type": "function",
           "function": {"name": "get_weather", "description": "Get the weather", "parameters": WEATHER_PARAMETERS}}]
 # The model's own end of a turn, per family, to simulate what it samples.
 END_OF_TURN = {"qwen2_5": "<|im_end|>", "qwen3": "<|im_end|>", "llama3": "<|eot_id|>", "mistral": "</s>",
-               "deepseek_v3": "<\uff5cend\u2581of\u2581sentence\uff5c>", "kimi_k2": "<|im_end|>", "gpt_oss": "<|return|>"}
+               "deepseek_v3": "<\uff5cend\u2581of\u2581sentence\uff5c>", "kimi_k2": "<|im_end|>",
+               "gpt_oss": "<|return|>"}
 
 
 class RecordingChat:
@@ -164,6 +165,12 @@ def test_arguments_given_as_a_string(chats, family):
         assert by_string.counts["non_assistant"] == 0 and by_string.counts["special"] == 0
 
 
+def test_logprobs_must_match_the_generated_ids(chats):
+    trajectory = ChatTrajectory(chats["qwen2_5"], SYSTEM_USER)
+    with pytest.raises(AppendError, match="3 generated ids but 2 logprobs"):
+        trajectory.add_generated([1, 2, 3], [-0.1, -0.2], {"role": "assistant", "content": "x"})
+
+
 def test_length_truncated_turn_refuses_appending(chats):
     chat = chats["qwen2_5"]
     trajectory = ChatTrajectory(chat, SYSTEM_USER)
@@ -274,6 +281,34 @@ def test_every_family_joins_exactly_after_a_plain_turn(chats, family):
         assert [d.rewrite for d in report.differences] == ["drops earlier reasoning"]
     else:
         assert report.exact, report.differences
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_joins_exactly_after_a_tool_call(chats, family):
+    """Llama 3 and Mistral write no content beside a call, DeepSeek wants arguments as a string,
+    Mistral 9-character call ids: the stand-in carries the call and the marker in its arguments."""
+    chat = chats[family]
+    kwargs = FAMILIES[family].template_kwargs
+    arguments = '{"city": "Paris"}' if family == "deepseek_v3" else {"city": "Paris"}
+    call = {"id": "abcDEF123", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+    result = {"role": "tool", "tool_call_id": "abcDEF123", "name": "get_weather", "content": "sunny"}
+    question = SYSTEM_USER[1:]
+    # The sampled turn is the template's own writing of the call, up to its end of turn: what is
+    # under test here is the join after it, not the family's call syntax.
+    prompt = chat.render(question, tools=TOOLS, add_generation_prompt=True, template_kwargs=kwargs)
+    whole = chat.render([*question, turn, result], tools=TOOLS, add_generation_prompt=True, template_kwargs=kwargs)
+    assert whole.startswith(prompt)
+    rest = whole[len(prompt):]
+    ends = [rest.find(text) + len(text) for text in map(chat.decode, ([i] for i in chat.end_of_turn_ids))
+            if text in rest]
+    trajectory = ChatTrajectory(chat, question, tools=TOOLS, template_kwargs=kwargs, family=family)
+    sample(trajectory, rest[:min(ends)], turn)
+    trajectory.append([result])
+
+    assert trajectory.prompt_ids() == chat.encode(whole)
+    [report] = check_trajectory(trajectory, special_token_ids(chat.tokenizer))
+    assert report.exact, report.differences
 
 
 def test_gpt_oss_needs_its_join_rule(chats):

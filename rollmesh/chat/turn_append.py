@@ -35,11 +35,12 @@ to do then:
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from rollmesh.chat.errors import AppendOrderError, JoinDerivationError, TruncatedTurnError
+from rollmesh.chat.errors import AppendError, AppendOrderError, JoinDerivationError, TruncatedTurnError
 
 HistoryRewrite = Literal["keep_sampled", "split"]
 HISTORY_REWRITES: tuple[str, ...] = ("keep_sampled", "split")
@@ -133,11 +134,12 @@ class TemplateJoin:
                              previous_assistant: Mapping[str, Any] | None = None) -> str:
         stand_in: dict[str, Any] = {"role": "assistant", "content": STAND_IN_MARKER}
         if previous_assistant and previous_assistant.get("tool_calls"):
-            # Some templates pair tool results with the calls before them (ids, counts).
-            stand_in["tool_calls"] = previous_assistant["tool_calls"]
+            # Some templates pair tool results with the calls before them (ids, names, counts), and
+            # some write no content beside calls (Llama 3, Mistral): the marker goes in the arguments too.
+            stand_in["tool_calls"] = [_stand_in_call(call) for call in previous_assistant["tool_calls"]]
         rendered = self.chat.render([STAND_IN_USER, stand_in, *new_messages], tools=self.tools,
                                     add_generation_prompt=add_generation_prompt, template_kwargs=self.template_kwargs)
-        marker_at = rendered.find(STAND_IN_MARKER)
+        marker_at = rendered.rfind(STAND_IN_MARKER)
         if marker_at < 0:
             raise JoinDerivationError(reason="the template did not render the stand-in assistant's content",
                                       end_texts=self.end_texts)
@@ -150,6 +152,15 @@ class TemplateJoin:
                                       end_texts=self.end_texts)
         at, text = min(found)
         return rendered[at + len(text):]
+
+
+def _stand_in_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool call like ``call`` (id, name, arguments held as a string or an object, as the
+    template expects them) whose arguments carry the marker instead of the call's own."""
+    function = dict(call.get("function") or call)
+    marked = {"marker": STAND_IN_MARKER}
+    function["arguments"] = json.dumps(marked) if isinstance(function.get("arguments"), str) else marked
+    return {**call, "function": function} if "function" in call else function
 
 
 class ChatTrajectory:
@@ -195,8 +206,8 @@ class ChatTrajectory:
         if self._last_turn_ended is not None:
             raise AppendOrderError(turn=self._turns, reason="a generated turn must follow a prompt")
         if len(logprobs) != len(ids):
-            raise AppendOrderError(turn=self._turns,
-                                   reason=f"{len(ids)} generated ids but {len(logprobs)} logprobs")
+            raise AppendError(f"turn {self._turns}: {len(ids)} generated ids but {len(logprobs)} logprobs",
+                              turn=self._turns)
         self.sample.extend(list(ids), 1, list(logprobs))
         self.messages.append(message)
         self.sample.message_count = len(self.messages)
