@@ -75,7 +75,8 @@ class SandboxBrokerActor(RoleActor):
         run_dir = Path(self.mesh.run_dir)
         # Choosing a backend runs its self-test (a sandbox start): off the event loop.
         backend = await asyncio.to_thread(select_backend, self.config.backend,
-                                          readonly_paths=self.config.readonly_paths)
+                                          readonly_paths=self.config.readonly_paths,
+                                          start_timeout_s=self.config.start_timeout_s)
         _log.info("sandbox_backend", backend=backend.name, isolated=backend.isolated)
         broker = SandboxBroker(self.config, backend, snapshot_dir=run_dir / "sandbox-snapshots",
                                publisher=publisher)

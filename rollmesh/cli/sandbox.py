@@ -337,7 +337,8 @@ async def _in_process_client(config: RollmeshConfig, printer: _Printer) -> Async
 
     print("rollmesh: no running mesh found; using a sandbox broker in this process", file=sys.stderr)
     sandbox_config = config.sandbox
-    backend = select_backend(sandbox_config.backend, readonly_paths=sandbox_config.readonly_paths)
+    backend = select_backend(sandbox_config.backend, readonly_paths=sandbox_config.readonly_paths,
+                             start_timeout_s=sandbox_config.start_timeout_s)
     with tempfile.TemporaryDirectory(prefix="rollmesh-sandbox-") as scratch:
         broker = SandboxBroker(sandbox_config, backend, snapshot_dir=Path(scratch) / "snapshots",
                                publisher=OutputCallbackPublisher(printer.write))

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from rollmesh.sandbox import agent_wire as wire
 from rollmesh.sandbox.agent_calls import Call, error_from_frame
+from rollmesh.sandbox.agent_start import bounded_tail, exit_reason, silence_reason
 from rollmesh.sandbox.errors import (
     BackendFailedError,
     ChecksumMismatchError,
@@ -39,7 +40,10 @@ PIPE_SIZE = 1024 * 1024
 HIGH_WATER = 2 * wire.CHUNK  # a chunked upload waits while this much is still unwritten
 MAX_REPLY_PAYLOAD = wire.CHUNK + 64 * 1024  # the agent never sends more in one frame
 ANSWER_GRACE_S = 30.0  # past an exec's timeout: how long the agent may take to report it
-STDERR_TAIL = 4096
+# How long a new agent may take to say it is ready: the default of sandbox.start_timeout_s.
+# Generous, because a start on a loaded host (namespaces, a Python, page faults) is slow.
+START_TIMEOUT_S = 60.0
+STDERR_TAIL = 4096  # bytes of the agent's stderr kept (an error quotes less: agent_start)
 EXIT_WAIT_S = 5.0
 _DIED = object()  # pushed to every open call when the sandbox dies
 
@@ -67,12 +71,14 @@ class AgentSandbox:
         self._reader = wire.FrameReader(MAX_REPLY_PAYLOAD, reuse=True)
         assert process.stdin is not None and process.stdout is not None and process.stderr is not None
         self._in_fd, self._out_fd, self._err_fd = process.stdin.fileno(), process.stdout.fileno(), process.stderr.fileno()
+        self._out_inode = os.fstat(self._out_fd).st_ino  # to tell if the fd was closed under us
         self._writer = wire.FrameWriter(self._in_fd)
         self._calls: dict[int, Call] = {0: Call()}  # id 0: the agent's "ready" hello
         self._next_id = 1
         self._drain_waiters: list[tuple[int, asyncio.Future]] = []
         self._stderr_tail = bytearray()
-        self._dead_reason = ""
+        self._dead_cause = ""  # why the agent is gone, without its stderr
+        self._dead_reason = ""  # the same with the tail of its stderr
         self._destroyed = False
         for fd in (self._in_fd, self._out_fd, self._err_fd):
             os.set_blocking(fd, False)
@@ -93,13 +99,15 @@ class AgentSandbox:
         env: dict[str, str],
         cwd: str | None = None,
         pass_fds: Sequence[int] = (),
-        start_timeout_s: float = 20.0,
+        start_timeout_s: float = START_TIMEOUT_S,
         kill_tree: Callable[[], None] | None = None,
         cleanup: Callable[[], None] | None = None,
         oom_kills: Callable[[], int] | None = None,
         graceful_exit_s: float = 0.0,
     ) -> AgentSandbox:
-        """Spawn the agent (``argv``, which already holds every wrapper) and wait for its hello.
+        """Spawn the agent (``argv``, which already holds every wrapper) and wait up to
+        ``start_timeout_s`` for its hello; BackendFailedError (with the tail of what it said on
+        stderr) when it exits or stays silent.
 
         No ``preexec_fn``: the broker runs inside a Ray actor, which has threads. The agent gets
         a session of its own so no signal meant for the broker's group reaches it.
@@ -125,11 +133,20 @@ class AgentSandbox:
             raise
         del sandbox._calls[0]
         if hello is _DIED or not isinstance(hello, tuple) or hello[0].get("t") != "ready":
-            reason = sandbox._dead_reason or "the agent did not start in time"
-            await sandbox.destroy()
+            if hello is _DIED:
+                reason = await exit_reason(process, sandbox._dead_cause, wait_s=EXIT_WAIT_S)
+            elif isinstance(hello, tuple):
+                reason = "the agent's first message was not its hello"
+            else:
+                reason = silence_reason(process, sandbox._out_fd, sandbox._out_inode, start_timeout_s)
+            await sandbox.destroy()  # reads what is left of its stderr
             raise BackendFailedError("the sandbox did not start", backend=info.backend, reason=reason,
-                                     argv0=str(argv[0]))
+                                     argv0=str(argv[0]), stderr_tail=sandbox.stderr_tail())
         return sandbox
+
+    def stderr_tail(self) -> str:
+        """The last lines the agent (or bwrap, runsc) wrote on stderr, bounded."""
+        return bounded_tail(bytes(self._stderr_tail))
 
     # ---- pipes -------------------------------------------------------------------------------
 
@@ -214,8 +231,9 @@ class AgentSandbox:
         for _ in range(16):  # what it said last (why it died) may still be in the pipe
             if not self._on_stderr():
                 break
-        tail = self._stderr_tail.decode(errors="replace").strip()
-        self._dead_reason = f"{reason}: {tail[-500:]}" if tail else reason
+        tail = self.stderr_tail()
+        self._dead_cause = reason
+        self._dead_reason = f"{reason}: {tail}" if tail else reason
         for fd in (self._out_fd, self._err_fd):
             self._loop.remove_reader(fd)
         self._loop.remove_writer(self._in_fd)

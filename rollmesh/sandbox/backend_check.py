@@ -25,8 +25,10 @@ def check_backend(backend: SandboxBackend) -> None:
 
     async def probe() -> None:
         limits = SandboxLimits(memory_mb=256, pids=64, workspace_mb=16, exec_timeout_s=SELF_TEST_TIMEOUT_S)
+        # The start has its own bound (the backend's start timeout); this one covers the rest.
+        start_s = getattr(backend, "start_timeout_s", 0.0)
         sandbox = await asyncio.wait_for(
-            backend.create(f"selftest-{uuid.uuid4().hex[:8]}", limits), SELF_TEST_TIMEOUT_S)
+            backend.create(f"selftest-{uuid.uuid4().hex[:8]}", limits), start_s + SELF_TEST_TIMEOUT_S)
         try:
             done = await sandbox.exec(["/bin/sh", "-c", f"true && test -r {TOOLS_DIR}/molar_mass.py"])
         finally:

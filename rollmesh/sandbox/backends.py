@@ -13,6 +13,7 @@ from typing import Literal
 
 import structlog
 
+from rollmesh.sandbox.agent_client import START_TIMEOUT_S
 from rollmesh.sandbox.bwrap_backend import BwrapBackend
 from rollmesh.sandbox.errors import BackendUnavailableError
 from rollmesh.sandbox.process_backend import ProcessBackend
@@ -24,23 +25,25 @@ BackendKind = Literal["auto", "bwrap", "runsc", "process"]
 log = structlog.get_logger(__name__)
 
 
-def select_backend(kind: BackendKind, *, readonly_paths: Sequence[str] = ()) -> SandboxBackend:
+def select_backend(kind: BackendKind, *, readonly_paths: Sequence[str] = (),
+                   start_timeout_s: float = START_TIMEOUT_S) -> SandboxBackend:
     """``readonly_paths``: host paths an isolating backend shows read-only at the same place
-    (datasets, a checkout the tools need); the tool scripts always are."""
+    (datasets, a checkout the tools need); the tool scripts always are. ``start_timeout_s``: how
+    long a new sandbox's agent may take to say it is ready (``sandbox.start_timeout_s``)."""
     if kind == "process":
-        return ProcessBackend()
+        return ProcessBackend(start_timeout_s=start_timeout_s)
     if kind == "bwrap":
-        return _checked(BwrapBackend(readonly_paths=readonly_paths))
+        return _checked(BwrapBackend(readonly_paths=readonly_paths, start_timeout_s=start_timeout_s))
     if kind == "runsc":
-        return _checked(RunscBackend(readonly_paths=readonly_paths))
+        return _checked(RunscBackend(readonly_paths=readonly_paths, start_timeout_s=start_timeout_s))
     if kind != "auto":
         raise BackendUnavailableError("unknown sandbox backend kind", backend=str(kind))
     try:
-        return _checked(BwrapBackend(readonly_paths=readonly_paths))
+        return _checked(BwrapBackend(readonly_paths=readonly_paths, start_timeout_s=start_timeout_s))
     except BackendUnavailableError as exc:
         log.warning("bubblewrap unusable; falling back to the process backend, which isolates NOTHING",
                     reason=str(exc))
-        return ProcessBackend()
+        return ProcessBackend(start_timeout_s=start_timeout_s)
 
 
 def _checked(backend: BwrapBackend | RunscBackend) -> SandboxBackend:

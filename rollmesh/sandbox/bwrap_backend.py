@@ -37,7 +37,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollmesh.sandbox.agent_client import AgentSandbox
+from rollmesh.sandbox.agent_client import START_TIMEOUT_S, AgentSandbox
 from rollmesh.sandbox.backend_check import check_backend
 from rollmesh.sandbox.errors import BackendFailedError, BackendUnavailableError, SandboxError
 from rollmesh.sandbox.limits import (
@@ -64,12 +64,14 @@ class BwrapBackend:
     isolated = True
 
     def __init__(self, *, bwrap: str | None = None, readonly_paths: Sequence[str] = (),
-                 python: str = SYSTEM_PYTHON, use_cgroups: bool = True, uid_pool: UidPool | None = None) -> None:
+                 python: str = SYSTEM_PYTHON, use_cgroups: bool = True, uid_pool: UidPool | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
         found = bwrap or shutil.which("bwrap")
         if not found:
             raise BackendUnavailableError("bubblewrap is not installed", backend=self.name, reason="no bwrap on PATH")
         self.bwrap = found
         self.python = python
+        self.start_timeout_s = start_timeout_s
         self.readonly_paths = [str(TOOLS_DIR), *(str(Path(p).resolve()) for p in readonly_paths)]
         self.cgroups: CgroupManager | None = None
         self.cgroup_reason = "disabled"
@@ -107,7 +109,7 @@ class BwrapBackend:
             # Without a cgroup, killing bwrap's session is enough: its pid-namespace init dies
             # with it (--die-with-parent) and takes every process in the namespace along.
             sandbox = await AgentSandbox.launch(
-                info, argv, env={"PATH": SANDBOX_PATH}, pass_fds=data_fds,
+                info, argv, env={"PATH": SANDBOX_PATH}, pass_fds=data_fds, start_timeout_s=self.start_timeout_s,
                 kill_tree=cgroup.kill_all if cgroup is not None else None,
                 cleanup=lambda: _release(cgroup, uid),
                 oom_kills=cgroup.oom_kills if cgroup is not None else None,

@@ -6,7 +6,8 @@ the boundary with ``raise X(...) from exc``::
 
     SandboxError                   backend
     +-- BackendUnavailableError    this backend cannot run on this host (reason)
-    +-- BackendFailedError         the backend could not run one command (reason, argv0):
+    +-- BackendFailedError         the backend could not run one command (reason, argv0,
+    |                              stderr_tail: what the agent, bwrap or runsc said last):
     |                              the sandbox failed, not the tool, so it is an infra failure
     +-- ToolNotFoundError          no tool script of that name ships with rollmesh (tool)
     +-- SandboxDiedError           the sandbox's agent is gone (sandbox_id, reason): infra
@@ -39,10 +40,15 @@ class BackendUnavailableError(SandboxError):
 
 
 class BackendFailedError(SandboxError):
-    def __init__(self, message: str, *, backend: str, reason: str = "", argv0: str = "") -> None:
-        super().__init__(f"{message}: {reason}" if reason else message, backend=backend)
+    def __init__(self, message: str, *, backend: str, reason: str = "", argv0: str = "",
+                 stderr_tail: str = "") -> None:
+        text = f"{message}: {reason}" if reason else message
+        if stderr_tail:
+            text += f"\n--- its stderr, last lines ---\n{stderr_tail}"
+        super().__init__(text, backend=backend)
         self.reason = reason
         self.argv0 = argv0
+        self.stderr_tail = stderr_tail
 
 
 class ToolNotFoundError(SandboxError):

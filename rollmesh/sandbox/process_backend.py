@@ -19,7 +19,7 @@ from pathlib import Path
 
 import structlog
 
-from rollmesh.sandbox.agent_client import AgentSandbox
+from rollmesh.sandbox.agent_client import START_TIMEOUT_S, AgentSandbox
 from rollmesh.sandbox.limits import exec_rlimits
 from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
 from rollmesh.sandbox.tool_paths import AGENT_DIR, AGENT_ENV, SANDBOX_PATH, python_for_sandbox
@@ -42,8 +42,9 @@ class ProcessBackend:
     name = "process"
     isolated = False
 
-    def __init__(self, *, root_dir: str | Path | None = None) -> None:
+    def __init__(self, *, root_dir: str | Path | None = None, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.root_dir = str(root_dir) if root_dir is not None else None
+        self.start_timeout_s = start_timeout_s
         log.warning("process sandbox backend isolates NOTHING: development only", backend=self.name)
 
     async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False) -> AgentSandbox:
@@ -67,7 +68,8 @@ class ProcessBackend:
                            enforcement=dict(ENFORCEMENT))
         argv = [python_for_sandbox(), "-I", "-S", str(AGENT_DIR / "agent.py"), json.dumps(config)]
         return await AgentSandbox.launch(info, argv, env=dict(AGENT_ENV), cwd=workspace,
-                                         cleanup=lambda: remove_tree(home), graceful_exit_s=1.0)
+                                         cleanup=lambda: remove_tree(home), graceful_exit_s=1.0,
+                                         start_timeout_s=self.start_timeout_s)
 
     def self_test(self) -> None:
         """Nothing to check: a plain subprocess always works."""

@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollmesh.sandbox.agent_client import AgentSandbox
+from rollmesh.sandbox.agent_client import START_TIMEOUT_S, AgentSandbox
 from rollmesh.sandbox.backend_check import check_backend
 from rollmesh.sandbox.errors import BackendFailedError, BackendUnavailableError
 from rollmesh.sandbox.limits import exec_rlimits, remove_if_empty
@@ -55,7 +55,8 @@ class RunscBackend:
     isolated = True
 
     def __init__(self, *, runsc: str | None = None, readonly_paths: Sequence[str] = (),
-                 python: str = SYSTEM_PYTHON, state_dir: str | Path | None = None) -> None:
+                 python: str = SYSTEM_PYTHON, state_dir: str | Path | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
         found = runsc or shutil.which("runsc")
         if not found:
             raise BackendUnavailableError("gVisor is not installed", backend=self.name, reason="no runsc on PATH")
@@ -64,6 +65,7 @@ class RunscBackend:
                                           reason="not running as root")
         self.runsc = found
         self.python = python
+        self.start_timeout_s = start_timeout_s
         self.readonly_paths = [str(TOOLS_DIR), *(str(Path(p).resolve()) for p in readonly_paths)]
         # Shared by every backend on the host: runsc's state dir holds many containers, the
         # rootfs is the same for all (made again, idempotently), bundles are per container.
@@ -106,7 +108,8 @@ class RunscBackend:
 
         return await AgentSandbox.launch(
             info, argv, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, kill_tree=kill_tree, cleanup=cleanup,
-            oom_kills=oom_kills if memory_dir.parent.parent.exists() else None, start_timeout_s=30.0,
+            oom_kills=oom_kills if memory_dir.parent.parent.exists() else None,
+            start_timeout_s=self.start_timeout_s,
         )
 
     def spec(self, limits: SandboxLimits, cgroup_path: str) -> dict:
