@@ -410,3 +410,21 @@ async def test_a_dead_agent_fails_pending_and_later_calls(tmp_path: Path) -> Non
     await box.destroy()
     await box.destroy()  # idempotent
     assert list(tmp_path.iterdir()) == []
+
+
+@integration
+async def test_destroying_a_reaped_sandbox_signals_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once the agent has been reaped its pid, and so its process group id, may be handed to any
+    # new process (another sandbox's): destroy must not send SIGKILL there.
+    box = await ProcessBackend(root_dir=tmp_path).create("reaped", LIMITS)
+    pid = box._process.pid
+    os.kill(pid, signal.SIGKILL)
+    give_up = time.monotonic() + 10
+    while box._process.poll() is None and time.monotonic() < give_up:  # reaped once it has died
+        await asyncio.sleep(0.01)
+    assert box._process.returncode is not None
+    signalled: list[int] = []
+    real_killpg = os.killpg
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: (signalled.append(pgid), real_killpg(pgid, sig)))
+    await box.destroy()
+    assert pid not in signalled

@@ -206,6 +206,8 @@ class AgentSandbox:
             self._drain_waiters = waiting
 
     def _send(self, header: dict[str, object], payload: bytes | memoryview = b"") -> None:
+        if self._dead_reason:
+            return  # the agent is gone; after destroy its fd number may belong to another pipe
         self._writer.send(header, payload)
         self._flush()
 
@@ -234,14 +236,20 @@ class AgentSandbox:
         tail = self.stderr_tail()
         self._dead_cause = reason
         self._dead_reason = f"{reason}: {tail}" if tail else reason
-        for fd in (self._out_fd, self._err_fd):
-            self._loop.remove_reader(fd)
-        self._loop.remove_writer(self._in_fd)
+        self._unwatch_pipes()
         for call in self._calls.values():
             call.push(_DIED)
         for _, waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _unwatch_pipes(self) -> None:
+        """Take the pipes off the event loop. Before they are closed, always: a closed fd left
+        registered makes the loop ignore whatever pipe reuses its number next (another
+        sandbox's, whose hello would then never be read)."""
+        for fd in (self._out_fd, self._err_fd):
+            self._loop.remove_reader(fd)
+        self._loop.remove_writer(self._in_fd)
 
     def _open(self) -> tuple[int, Call]:
         if self._dead_reason:
@@ -465,6 +473,7 @@ class AgentSandbox:
             return
         self._destroyed = True
         self._mark_dead("the sandbox was destroyed")
+        self._unwatch_pipes()
         try:
             self._process.stdin.close()  # type: ignore[union-attr]  # the agent kills its commands and exits
         except OSError:
@@ -474,7 +483,8 @@ class AgentSandbox:
             await asyncio.sleep(0.002)
         if self._kill_tree is not None:
             self._kill_tree()
-        else:
+        elif self._process.poll() is None:
+            # Only while it is unreaped: a reaped pid (and group id) may already be another's.
             try:
                 os.killpg(self._process.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

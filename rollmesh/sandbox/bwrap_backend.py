@@ -126,7 +126,9 @@ class BwrapBackend:
         fds: list[int] = []
 
         def data(name: str, text: str) -> str:
-            fd = os.memfd_create(f"rollmesh-{name}", 0)
+            # Close-on-exec like every fd we open: pass_fds hands it to this sandbox's bwrap
+            # only, never to a process another thread starts meanwhile.
+            fd = os.memfd_create(f"rollmesh-{name}")
             os.write(fd, text.encode())
             os.lseek(fd, 0, os.SEEK_SET)
             fds.append(fd)
