@@ -94,9 +94,11 @@ async def test_burning_past_the_cpu_limit_kills_the_command(backend: BwrapBacken
     box = await backend.create("cpu", SandboxLimits(cpu_s=1, exec_timeout_s=20.0, memory_mb=128, pids=32))
     try:
         done = await box.exec(["/bin/sh", "-c", "while :; do :; done"])
-        # SIGXCPU, not the 20 s timeout: the CPU limit ended it, after about 1 CPU-second.
+        # SIGXCPU, not the 20 s timeout: the CPU limit ended it, after about 1 CPU-second. The
+        # reported CPU time is the kernel's rusage, which can read a little under the limit that
+        # fired (0.8999 s was seen under load): the bound only tells "about 1 s" from "none".
         assert (done.result, done.signal) == ("signal", signal.SIGXCPU), done
-        assert 0.9 < done.cpu_s < 3
+        assert 0.5 < done.cpu_s < 3
     finally:
         await box.destroy()
 
