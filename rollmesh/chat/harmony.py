@@ -16,9 +16,21 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rollmesh.chat.tool_syntax import CallCandidate, TurnSyntax, decode_json_at, join_content, skip_whitespace
+from rollmesh.chat.tool_syntax import (
+    CallCandidate,
+    TurnSyntax,
+    arguments_json,
+    decode_json_at,
+    join_content,
+    skip_whitespace,
+)
+
+if TYPE_CHECKING:
+    from rollmesh.chat.tool_calls import ToolCall
 
 START = "<|start|>"
 CHANNEL = "<|channel|>"
@@ -113,6 +125,25 @@ def split_gpt_oss(text: str) -> TurnSyntax:
             content.append(message.body)
     joined_reasoning = "\n".join(reasoning) if reasoning else None
     return TurnSyntax(content=join_content(content), candidates=candidates, reasoning=joined_reasoning)
+
+
+def write_gpt_oss(content: str, calls: Sequence[ToolCall]) -> str:
+    """A turn after the generation prompt's ``<|start|>assistant``, up to its last message's end
+    marker (the caller adds <|call|> or <|return|>): a final answer, or a preamble (commentary)
+    and a call. A call ends the turn, so harmony has one call per turn (split_gpt_oss reads it back)."""
+    if not calls:
+        return f"{CHANNEL}final{MESSAGE}{content}"
+    if len(calls) > 1:
+        raise ValueError(f"harmony ends a turn at each call's <|call|>: {len(calls)} calls cannot be one turn")
+    [call] = calls
+    preamble = f"{CHANNEL}commentary{MESSAGE}{content}<|end|>{START}assistant" if content else ""
+    arguments = arguments_json(call.arguments, as_string=call.arguments_were_string)
+    return f"{preamble}{CHANNEL}commentary to={FUNCTIONS_PREFIX}{call.name} <|constrain|>json{MESSAGE}{arguments}"
+
+
+def write_analysis(reasoning: str) -> str:
+    """Reasoning as an analysis message, then the header of the turn's next message."""
+    return f"{CHANNEL}analysis{MESSAGE}{reasoning}<|end|>{START}assistant"
 
 
 def _call(message: HarmonyMessage) -> CallCandidate:

@@ -77,6 +77,20 @@ def split_reasoning(text: str, parser: str, *, starts_in_reasoning: bool | None 
     return spec.split(text, inside)
 
 
+def write_reasoning(parser: str, reasoning: str, *, prompt_opened: bool = False) -> str:
+    """Reasoning as the model writes it before the rest of its turn (``split_reasoning`` reads it
+    back): Qwen3's ``<think>\n...\n</think>\n\n``, DeepSeek-R1's ``<think>...</think>``, without the
+    opening tag when the prompt already opened it; gpt-oss's analysis message."""
+    if parser not in REASONING_PARSERS:
+        raise UnknownParserError(kind="reasoning", name=parser, known=tuple(REASONING_PARSERS))
+    if parser == "gpt_oss":
+        return harmony.write_analysis(reasoning)
+    opener = "" if prompt_opened else THINK_OPEN
+    if parser == "qwen3":
+        return f"{opener}\n{reasoning}\n{THINK_CLOSE}\n\n"
+    return f"{opener}{reasoning}{THINK_CLOSE}"
+
+
 def prompt_opens_reasoning(prompt_text: str) -> bool:
     """Whether a rendered prompt ends inside an open ``<think>`` block (the turn starts reasoning)."""
     tail = prompt_text.rstrip()

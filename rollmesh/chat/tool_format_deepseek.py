@@ -13,8 +13,20 @@ models/templates/deepseek-ai-DeepSeek-V3.1.jinja. Knows the text format only.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from rollmesh.chat.tool_syntax import CallCandidate, TurnSyntax, decode_json_at, join_content, skip_whitespace
+from rollmesh.chat.tool_syntax import (
+    CallCandidate,
+    TurnSyntax,
+    arguments_json,
+    decode_json_at,
+    join_content,
+    skip_whitespace,
+)
+
+if TYPE_CHECKING:
+    from rollmesh.chat.tool_calls import ToolCall
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -45,6 +57,16 @@ def split_deepseek_v3(text: str) -> TurnSyntax:
         pos = end + len(CALL_END)
     content_parts.append(text[pos:].replace(CALLS_BEGIN, "").replace(CALLS_END, ""))
     return TurnSyntax(content=join_content(content_parts), candidates=candidates)
+
+
+def write_deepseek_v3(content: str, calls: Sequence[ToolCall]) -> str:
+    """A turn in the V3.1 form, as its template renders calls (split_deepseek_v3 reads it back)."""
+    if not calls:
+        return content
+    written = "".join(f"{CALL_BEGIN}{call.name}{SEP}"
+                      f"{arguments_json(call.arguments, as_string=call.arguments_were_string)}{CALL_END}"
+                      for call in calls)
+    return f"{content}{CALLS_BEGIN}{written}{CALLS_END}"
 
 
 def _one_call(raw: str, body: str) -> CallCandidate:

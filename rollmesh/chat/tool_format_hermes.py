@@ -10,15 +10,21 @@ Knows the text format only.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rollmesh.chat.tool_syntax import (
     CallCandidate,
     TurnSyntax,
+    arguments_json,
     call_from_object,
     decode_json_at,
     join_content,
     skip_whitespace,
 )
+
+if TYPE_CHECKING:
+    from rollmesh.chat.tool_calls import ToolCall
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -35,6 +41,13 @@ def split_hermes(text: str) -> TurnSyntax:
         candidates.append(candidate)
     content_parts.append(text[pos:].replace(CLOSE, ""))
     return TurnSyntax(content=join_content(content_parts), candidates=candidates)
+
+
+def write_hermes(content: str, calls: Sequence[ToolCall]) -> str:
+    """A turn as Qwen writes it: content, then each call on its own lines (split_hermes reads it back)."""
+    written = [f'{OPEN}\n{{"name": {json.dumps(call.name, ensure_ascii=False)}, "arguments": '
+               f"{arguments_json(call.arguments, as_string=call.arguments_were_string)}}}\n{CLOSE}" for call in calls]
+    return "\n".join(([content] if content else []) + written)
 
 
 def _one_call(text: str, start: int, body_start: int) -> tuple[CallCandidate, int]:

@@ -12,8 +12,20 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from rollmesh.chat.tool_syntax import CallCandidate, TurnSyntax, decode_json_at, join_content, skip_whitespace
+from rollmesh.chat.tool_syntax import (
+    CallCandidate,
+    TurnSyntax,
+    arguments_json,
+    decode_json_at,
+    join_content,
+    skip_whitespace,
+)
+
+if TYPE_CHECKING:
+    from rollmesh.chat.tool_calls import ToolCall
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -42,6 +54,16 @@ def split_kimi_k2(text: str) -> TurnSyntax:
         pos = end + len(CALL_END)
     content_parts.append(text[pos:].replace(SECTION_BEGIN, "").replace(SECTION_END, ""))
     return TurnSyntax(content=join_content(content_parts), candidates=candidates)
+
+
+def write_kimi_k2(content: str, calls: Sequence[ToolCall]) -> str:
+    """A turn as Kimi K2 writes it, each call under its id (functions.NAME:IDX; split_kimi_k2 reads it back)."""
+    if not calls:
+        return content
+    written = "".join(f"{CALL_BEGIN}{call.id}{ARGUMENT_BEGIN}"
+                      f"{arguments_json(call.arguments, as_string=call.arguments_were_string)}{CALL_END}"
+                      for call in calls)
+    return f"{content}{SECTION_BEGIN}{written}{SECTION_END}"
 
 
 def name_from_call_id(call_id: str) -> str | None:

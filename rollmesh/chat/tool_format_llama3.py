@@ -12,16 +12,22 @@ Knows the text format only.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rollmesh.chat.tool_syntax import (
     CallCandidate,
     TurnSyntax,
+    arguments_json,
     call_from_object,
     decode_json_at,
     join_content,
     json_was_cut,
     skip_whitespace,
 )
+
+if TYPE_CHECKING:
+    from rollmesh.chat.tool_calls import ToolCall
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = ";"
@@ -39,6 +45,16 @@ def split_llama3_json(text: str) -> TurnSyntax:
         return TurnSyntax(content=text.strip())
     candidates, trailing = _calls(calls_text)
     return TurnSyntax(content=join_content([content, trailing]), candidates=candidates)
+
+
+def write_llama3_json(content: str, calls: Sequence[ToolCall]) -> str:
+    """A turn as Llama writes it: calls as the template renders them, separated by "; "; after
+    content, the calls follow <|python_tag|> (split_llama3_json reads it back)."""
+    written = "; ".join(f'{{"name": {json.dumps(call.name, ensure_ascii=False)}, "parameters": '
+                        f"{arguments_json(call.arguments, as_string=call.arguments_were_string)}}}" for call in calls)
+    if content and written:
+        return f"{content}{PYTHON_TAG}{written}"
+    return content or written
 
 
 def _looks_like_call(text: str) -> bool:

@@ -14,16 +14,22 @@ and sgl-project/sglang python/sglang/srt/function_call/mistral_detector.py. Text
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rollmesh.chat.tool_syntax import (
     CallCandidate,
     TurnSyntax,
+    arguments_json,
     call_from_object,
     decode_json_at,
     join_content,
     json_was_cut,
     skip_whitespace,
 )
+
+if TYPE_CHECKING:
+    from rollmesh.chat.tool_calls import ToolCall
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -41,6 +47,17 @@ def split_mistral(text: str) -> TurnSyntax:
     else:
         candidates, trailing = _named_form(text[first:])
     return TurnSyntax(content=join_content([content, trailing]), candidates=candidates)
+
+
+def write_mistral(content: str, calls: Sequence[ToolCall]) -> str:
+    """A turn in the array form (Mistral 7B v0.3, Nemo), each call with its 9-character id, in the
+    key order the Nemo template renders (split_mistral reads it back)."""
+    if not calls:
+        return content
+    written = ", ".join(f'{{"name": {json.dumps(call.name, ensure_ascii=False)}, "arguments": '
+                        f"{arguments_json(call.arguments, as_string=call.arguments_were_string)}, "
+                        f'"id": {json.dumps(call.id)}}}' for call in calls)
+    return f"{content}{TOOL_CALLS}[{written}]"
 
 
 def _array_form(text: str, start: int, array_start: int) -> tuple[list[CallCandidate], str]:

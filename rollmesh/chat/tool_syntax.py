@@ -102,3 +102,10 @@ def json_was_cut(fragment: str) -> bool:
             if not expected:
                 return False  # a whole value ended: what went wrong is not the cut
     return in_string or bool(expected)
+
+
+def arguments_json(arguments: Any, *, as_string: bool = False) -> str:
+    """A call's arguments as a model writes them: JSON, or (``as_string``) that JSON inside a
+    JSON string, as models sometimes write them and as OpenAI's wire form carries them."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    return json.dumps(text, ensure_ascii=False) if as_string else text
