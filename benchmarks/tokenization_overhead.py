@@ -10,7 +10,8 @@ tokens. At each size the appended turn is a 200-token tool result plus the gener
 - ours: ``ChatTrajectory.append`` (the template's text after a stand-in turn, tokenized alone);
 - baseline: the whole conversation rendered with the template and tokenized again.
 
-Each is timed ``--repeats`` times, alternating, on a fresh copy of the same trajectory; medians.
+Each is timed ``--repeats`` times, alternating, on a fresh copy of the same trajectory, with the
+garbage collector off while timing (as timeit does); medians.
 Before timing, the trajectory is checked token for token against the baseline's ids (``exact``).
 ``ratio`` = baseline / ours at 32K.
 
@@ -20,6 +21,7 @@ Before timing, the trajectory is checked token for token against the baseline's 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -130,6 +132,18 @@ def rerender(model: ModelDirectory, trajectory: ChatTrajectory, result: dict) ->
     return model.encode(text)
 
 
+def timed_without_gc(call) -> float:
+    """Seconds ``call`` takes with the garbage collector off, as timeit measures: otherwise a
+    collection may traverse the fresh copy's lists (128K entries) inside the timed call."""
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
+
+
 def measure(model: ModelDirectory, trajectory: ChatTrajectory, result: dict, repeats: int) -> dict:
     check = trajectory.fork()
     appended = check.append([result])
@@ -142,12 +156,8 @@ def measure(model: ModelDirectory, trajectory: ChatTrajectory, result: dict, rep
             # first extend would copy the whole history, which a real append does not.
             column.append(0)
             column.pop()
-        start = time.perf_counter()
-        fresh.append([result])
-        ours.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        rerender(model, trajectory, result)
-        baseline.append(time.perf_counter() - start)
+        ours.append(timed_without_gc(lambda: fresh.append([result])))
+        baseline.append(timed_without_gc(lambda: rerender(model, trajectory, result)))
     return {"context_tokens": len(check.prompt_ids()), "appended_tokens": len(appended), "exact": exact,
             "append_ms": statistics.median(ours) * 1e3, "rerender_ms": statistics.median(baseline) * 1e3}
 
