@@ -117,3 +117,55 @@ def _contiguous(length, opcodes):
         at += i2 - i1
     assert at == length
     return spans
+
+
+# Rewrites of the other families (rollmesh check-template's verdicts rest on them).
+FAMILY_TEXT = {**TEXT, 40: "[AVAILABLE_TOOLS]", 41: "[/AVAILABLE_TOOLS]", 42: "[INST]", 43: "[/INST]",
+               44: "Be brief.", 45: " to=functions.get_weather", 46: "<|channel|>", 47: "<|start|>assistant",
+               48: " to=rm -rf"}
+
+
+def decode_family(ids) -> str:
+    return "".join(FAMILY_TEXT[i] for i in ids)
+
+
+def test_mistral_tools_and_system_prompt_that_left_earlier_user_messages_are_documented():
+    rewrites = DOCUMENTED_REWRITES["mistral"]
+    # [AVAILABLE_TOOLS]..[/AVAILABLE_TOOLS][INST]Be brief.\n\nThe[/INST] answer</s> vs a render
+    # without the tools block and the system prompt in that (no longer last) user message.
+    trace = [40, 2, 41, 42, 44, 22, 1, 43, 2, EOT]
+    mask = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]
+    render = [42, 1, 43, 2, EOT]
+    report = compare_tokens(trace, mask, render, {EOT, 40, 41, 42, 43}, decode=decode_family, rewrites=rewrites,
+                            system_prompt="Be brief.")
+    assert [d.rewrite for d in report.differences] == ["tools ride with the last user message",
+                                                       "system prompt rides with the last user message"]
+    assert report.bugs == 0
+    # Other text dropped there, or no system prompt to drop, is not the rewrite.
+    other = compare_tokens(trace, mask, render, {EOT, 40, 41, 42, 43}, decode=decode_family, rewrites=rewrites,
+                           system_prompt="Be kind.")
+    assert other.bugs == 1
+
+
+def test_gpt_oss_call_recipient_rendered_after_the_role_is_documented():
+    # <|start|>assistant | <|channel|> ... (generated) vs <|start|>assistant to=functions.get_weather<|channel|> ...
+    trace, mask = [47, 46, 2, EOT], [0, 1, 1, 1]
+    report = compare_tokens(trace, mask, [47, 45, 46, 2, EOT], {EOT, 46, 47}, decode=decode_family,
+                            rewrites=DOCUMENTED_REWRITES["gpt_oss"])
+    assert [(d.kind, d.rewrite) for d in report.differences] == [("non_assistant", "call recipient rendered after the role")]
+    assert report.bugs == 0
+    # Any other inserted text is no recipient.
+    other = compare_tokens(trace, mask, [47, 48, 46, 2, EOT], {EOT, 46, 47}, decode=decode_family,
+                           rewrites=DOCUMENTED_REWRITES["gpt_oss"])
+    assert other.bugs == 1
+
+
+def test_deepseek_reasoning_after_the_prompts_think_is_documented():
+    # <think> (the generation prompt's) + generated "hmm</think> answer" vs the render's "</think> answer".
+    trace, mask = [20, 23, 21, 2, EOT], [0, 1, 1, 1, 1]
+    report = compare_tokens(trace, mask, [21, 2, EOT], {EOT}, decode=decode_family,
+                            rewrites=DOCUMENTED_REWRITES["deepseek_v3"])
+    assert [d.rewrite for d in report.differences] == ["drops reasoning after the prompt's <think>"]
+    assert report.bugs == 0
+    # Without the family's rules the same difference is a bug.
+    assert compare_tokens(trace, mask, [21, 2, EOT], {EOT}, decode=decode_family).bugs == 1

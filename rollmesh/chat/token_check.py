@@ -21,6 +21,7 @@ Knows token ids, loss masks and the ``ChatTemplateTokenizer`` protocol; nothing 
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,19 +70,33 @@ class TokenCheckReport:
 
 @dataclass(frozen=True)
 class DocumentedRewrite:
-    """A family's history rewrite: the render drops or replaces trajectory text in a known way."""
+    """A family's history rewrite: the render drops, replaces or adds trajectory text in a known way.
+    One of the shapes below is set."""
 
     name: str
     dropped_block: tuple[str, str] = ("", "")      # (open, close): the trajectory side is one such block
     replaced: tuple[str, str] = ("", "")           # (sampled, rendered): one text rendered as another
     added_empty_block: tuple[str, str] = ("", "")  # (open, close): the render adds an empty such block
+    dropped_opened_block: tuple[str, str] = ("", "")  # (open, close): the trajectory side is open + text, no close
+    inserted: str = ""                             # a pattern the render side matches where the trajectory has nothing
+    dropped_system_prompt: bool = False            # the trajectory side is the conversation's system prompt
 
-    def explains(self, trace_text: str, render_text: str) -> bool:
+    def explains(self, trace_text: str, render_text: str, *, system_prompt: str = "") -> bool:
         if self.dropped_block[0]:
             return not render_text.strip() and _is_one_block(trace_text.strip(), *self.dropped_block)
         if self.added_empty_block[0]:
             opener, closer = self.added_empty_block
             return not trace_text.strip() and render_text.split() == [opener, closer]
+        if self.dropped_opened_block[0]:
+            opener, closer = self.dropped_opened_block
+            dropped = trace_text.strip()
+            return (not render_text.strip() and dropped.startswith(opener) and dropped.count(opener) == 1
+                    and closer not in dropped)
+        if self.inserted:
+            return not trace_text and re.fullmatch(self.inserted, render_text) is not None
+        if self.dropped_system_prompt:
+            return (bool(system_prompt.strip()) and not render_text.strip()
+                    and trace_text.strip() == system_prompt.strip())
         return (trace_text, render_text) == self.replaced
 
 
@@ -92,20 +107,35 @@ def _is_one_block(text: str, opener: str, closer: str) -> bool:
 _DROPS_EARLIER_REASONING = DocumentedRewrite("drops earlier reasoning", dropped_block=("<think>", "</think>"))
 DOCUMENTED_REWRITES: dict[str, tuple[DocumentedRewrite, ...]] = {
     # Qwen3 renders <think> only for assistant turns after the last user query, and always one,
-    # empty if need be, for the last turn; DeepSeek V3.1 keeps reasoning only in the last turn.
+    # empty if need be, for the last turn.
     "qwen3": (_DROPS_EARLIER_REASONING,
               DocumentedRewrite("writes an empty reasoning block", added_empty_block=("<think>", "</think>"))),
-    "deepseek_v3": (_DROPS_EARLIER_REASONING,),
-    # gpt-oss samples <|return|> to end a final answer; its template writes an earlier one with <|end|>.
-    "gpt_oss": (DocumentedRewrite("<|return|> rendered as <|end|>", replaced=("<|return|>", "<|end|>")),),
+    # DeepSeek V3.1 renders no reasoning in any assistant turn: a thinking turn's "<think>" (the
+    # generation prompt's) and its reasoning are dropped, its "</think>" kept.
+    "deepseek_v3": (_DROPS_EARLIER_REASONING,
+                    DocumentedRewrite("drops reasoning after the prompt's <think>",
+                                      dropped_opened_block=("<think>", "</think>"))),
+    # gpt-oss samples <|return|> to end a final answer; its template writes an earlier one with
+    # <|end|>. It samples a call's recipient after the channel ("<|channel|>commentary
+    # to=functions.f"), since the generation prompt "<|start|>assistant" ends the role part, and its
+    # template renders the recipient after the role ("<|start|>assistant to=functions.f<|channel|>...").
+    "gpt_oss": (DocumentedRewrite("<|return|> rendered as <|end|>", replaced=("<|return|>", "<|end|>")),
+                DocumentedRewrite("call recipient rendered after the role", inserted=r" to=functions\.[^\s<]+")),
+    # Mistral's template writes the tools ([AVAILABLE_TOOLS]) only before the last user message and
+    # the system prompt only into the last user message while it ends the conversation: earlier
+    # copies, which the model saw, are dropped from a whole render.
+    "mistral": (DocumentedRewrite("tools ride with the last user message",
+                                  dropped_block=("[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]")),
+                DocumentedRewrite("system prompt rides with the last user message", dropped_system_prompt=True)),
 }
 
 
 def compare_tokens(trace_ids: Sequence[int], loss_mask: Sequence[int], render_ids: Sequence[int],
                    special_ids: Collection[int], *, decode: Callable[[Sequence[int]], str] | None = None,
-                   rewrites: Sequence[DocumentedRewrite] = ()) -> TokenCheckReport:
+                   rewrites: Sequence[DocumentedRewrite] = (), system_prompt: str = "") -> TokenCheckReport:
     """Classify every difference between the trajectory's ids (with their loss mask: 1 = generated)
-    and the render's ids; ``rewrites`` (with ``decode``) name the differences they explain."""
+    and the render's ids; ``rewrites`` (with ``decode``) name the differences they explain
+    (``system_prompt``: the conversation's, for a rewrite that drops it)."""
     if len(loss_mask) != len(trace_ids):
         raise ValueError(f"{len(trace_ids)} ids but {len(loss_mask)} loss-mask entries")
     special = frozenset(special_ids)
@@ -125,7 +155,8 @@ def compare_tokens(trace_ids: Sequence[int], loss_mask: Sequence[int], render_id
         rewrite = ""
         if rewrites and decode is not None:
             trace_text, render_text = decode(trace_ids[i1:i2]), decode(render_ids[j1:j2])
-            rewrite = next((r.name for r in rewrites if r.explains(trace_text, render_text)), "")
+            rewrite = next((r.name for r in rewrites
+                            if r.explains(trace_text, render_text, system_prompt=system_prompt)), "")
         report.differences.append(TokenDifference(kind, i1, i2, j1, j2, rewrite))
     return report
 
@@ -227,9 +258,12 @@ def check_trajectory(trajectory: ChatTrajectory, special_ids: Collection[int]) -
     """One report per training sample: each sample against the render of the messages it covers."""
     chat, join = trajectory.chat, trajectory.join
     rewrites = DOCUMENTED_REWRITES.get(join.family or "", ())
+    first = trajectory.messages[0] if trajectory.messages else {}
+    system_prompt = first.get("content") if first.get("role") == "system" else ""
     return [
         compare_tokens(sample.ids, sample.loss_mask,
                        render_conversation_ids(chat, trajectory.messages[: sample.message_count], join),
-                       special_ids, decode=chat.decode, rewrites=rewrites)
+                       special_ids, decode=chat.decode, rewrites=rewrites,
+                       system_prompt=system_prompt if isinstance(system_prompt, str) else "")
         for sample in trajectory.samples
     ]
