@@ -1,5 +1,5 @@
 """The ``rollmesh`` command: ``up``, ``down``, ``submit``, ``watch``, ``demo``, ``serve``, ``sandbox``,
-``convert``, ``sched``, ``dashboard``.
+``convert``, ``sched``, ``dashboard``, ``check-template``.
 
 Knows argparse and the modules of this package, one per subcommand family, each of which registers its
 own options and handler. Nothing heavy is imported until a handler needs it, so ``--help`` is
@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 
 from rollmesh.cli import (
+    check_template as cli_check_template,
     convert as cli_convert,
     dashboard as cli_dashboard,
     demo as cli_demo,
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_global_options(common, suppress=True)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in (cli_mesh, cli_submit, cli_watch, cli_demo, cli_serve, cli_sandbox, cli_convert, cli_sched,
-                   cli_dashboard):
+                   cli_dashboard, cli_check_template):
         module.register(subparsers, common)
     return parser
 
