@@ -31,11 +31,11 @@ def test_every_tool_parser_has_a_writer():
 
 @pytest.mark.parametrize("as_string", [False, True], ids=["object", "string"])
 @pytest.mark.parametrize("content", ["", "Let me check."], ids=["no-content", "content"])
-@pytest.mark.parametrize("count", [0, 1, 2])
-@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+@pytest.mark.parametrize(("parser", "count"), [
+    (parser, count) for parser in sorted(TOOL_PARSERS) for count in (0, 1, 2)
+    if count < 2 or parser not in ONE_CALL_PER_TURN   # harmony ends a turn at each call
+])
 def test_written_turn_parses_back(parser, count, content, as_string):
-    if count > 1 and parser in ONE_CALL_PER_TURN:
-        pytest.skip("harmony ends a turn at each call")
     if count == 0 and not content:
         content = "Sunny."
     calls = calls_for(parser, count, as_string=as_string)
@@ -59,12 +59,12 @@ def test_harmony_call_ends_with_call_token():
     assert text == '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
 
 
-@pytest.mark.parametrize("prompt_opened", [False, True])
-@pytest.mark.parametrize("parser", sorted(REASONING))
+@pytest.mark.parametrize(("parser", "prompt_opened"), [
+    (parser, opened) for parser in sorted(REASONING) for opened in (False, True)
+    if not (opened and parser == "gpt_oss")   # harmony's prompt never opens reasoning
+])
 def test_reasoning_and_calls_parse_back(parser, prompt_opened):
     reasoning_parser = REASONING[parser]
-    if prompt_opened and reasoning_parser == "gpt_oss":
-        pytest.skip("harmony's prompt never opens reasoning")
     calls = calls_for(parser, 1, as_string=False)
     text = write_assistant_turn(tool_parser=parser, reasoning_parser=reasoning_parser, content="",
                                 calls=calls, reasoning="Two cities.\nParis first.",

@@ -5,7 +5,9 @@ loads a Hugging Face model directory (fast tokenizer, chat template rendering, e
 valid token ids); ``tool_calls`` and ``reasoning`` parse tool calls and reasoning out of a
 generated turn in the family's own format (one ``tool_format_*`` module per format, ``harmony`` for
 gpt-oss); ``turn_append`` grows a conversation's tokens turn by turn, token-exact, and
-``token_check`` compares them with a whole render; ``errors`` holds the package's typed errors.
+``token_check`` compares them with a whole render; ``turn_writer`` writes a turn as the family's
+model would (to simulate generation) and ``template_check`` runs ``rollmesh check-template``'s
+conversations; ``errors`` holds the package's typed errors.
 """
 
 from rollmesh.chat.errors import ChatError, ModelDirectoryError, TemplateRenderError
@@ -26,6 +28,8 @@ from rollmesh.chat.tool_calls import (
 from rollmesh.chat.tool_schemas import ToolSet
 from rollmesh.chat.errors import AppendError, AppendOrderError, JoinDerivationError, TruncatedTurnError
 from rollmesh.chat.token_check import MISMATCH_KINDS, TokenCheckReport, TokenDifference, check_trajectory
+from rollmesh.chat.template_check import CaseResult, TemplateCheckReport, check_template
+from rollmesh.chat.turn_writer import write_assistant_turn
 from rollmesh.chat.turn_append import (
     HISTORY_REWRITES,
     JOIN_RULES,
@@ -72,4 +76,9 @@ __all__ = [
     "TokenSample",
     "TruncatedTurnError",
     "check_trajectory",
+    # simulated turns and rollmesh check-template
+    "CaseResult",
+    "TemplateCheckReport",
+    "check_template",
+    "write_assistant_turn",
 ]
