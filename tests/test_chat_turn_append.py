@@ -256,8 +256,8 @@ def test_appending_renders_no_history(chats):
     for turn in range(6):
         sample(trajectory, f"<think>\nt{turn}\n</think>\n\nok<|im_end|>", {"role": "assistant", "content": "ok"})
         trajectory.append([{"role": "user", "content": f"next {turn}"}])
-    # Each append renders the stand-in user and assistant plus the one new message.
-    assert chat.rendered_lengths == [3] * 6
+    # Each append renders the system message, the stand-in user and assistant, and the one new message.
+    assert chat.rendered_lengths == [4] * 6
     assert len(trajectory.messages) == 2 + 12
 
 
@@ -323,3 +323,16 @@ def test_gpt_oss_needs_its_join_rule(chats):
 
 def _contains(haystack: list[int], needle: list[int]) -> bool:
     return any(haystack[i:i + len(needle)] == needle for i in range(len(haystack) - len(needle) + 1))
+
+
+def test_an_appended_user_turn_carries_the_system_prompt_where_the_template_writes_it(chats):
+    # Mistral's template writes the system prompt into the last user message only: the new user
+    # turn is appended as a render of the conversation so far would write it.
+    chat = chats["mistral"]
+    trajectory = ChatTrajectory(chat, SYSTEM_USER, family="mistral")
+    sample(trajectory, "Sunny in both.</s>", {"role": "assistant", "content": "Sunny in both."})
+    appended = chat.decode(trajectory.append([{"role": "user", "content": "And Rome?"}]))
+
+    assert appended == "[INST]Be brief.\n\nAnd Rome?[/INST]"
+    whole = chat.render(trajectory.messages, add_generation_prompt=True)
+    assert whole.endswith(appended) and "Be brief." not in whole[: -len(appended)]

@@ -7,8 +7,10 @@ prompt, tokenized on its own (loss mask 0, no logprob). Knows chat templates and
 the small ``ChatTemplateTokenizer`` protocol; knows nothing of engines, the bus or Ray.
 
 How a later turn is rendered without rendering the history. The template is asked for a fixed
-stand-in conversation, ``[user, assistant(STAND_IN_MARKER, the real turn's tool calls)]``, followed
-by the new messages, with the generation prompt. Everything the template writes after the
+stand-in conversation, ``[user, assistant(STAND_IN_MARKER, the real turn's tool calls)]``, after the
+conversation's system message if it has one (Mistral's template writes the system prompt into the
+last user message, so a new user turn carries it), followed by the new messages, with the
+generation prompt. Everything the template writes after the
 stand-in assistant's end-of-turn token is the text to append: the join text (what the template
 writes after an assistant's end of turn, "\\n" for Qwen), the new messages and the generation
 prompt. Its cost depends on the new messages only, never on the history. It is tokenized on its
@@ -110,9 +112,11 @@ class TemplateJoin:
     """The template's text after a generated turn, derived once per (template, tools, kwargs)."""
 
     def __init__(self, chat: ChatTemplateTokenizer, *, tools: Sequence[Mapping[str, Any]] | None = None,
-                 template_kwargs: Mapping[str, Any] | None = None, family: str | None = None) -> None:
+                 template_kwargs: Mapping[str, Any] | None = None, family: str | None = None,
+                 system_message: Mapping[str, Any] | None = None) -> None:
         self.chat = chat
         self.tools = list(tools) if tools else None
+        self.system_message = dict(system_message) if system_message else None
         self.template_kwargs = dict(template_kwargs or {})
         self.family = family
         self.rule = JOIN_RULES.get(family) if family else None
@@ -137,7 +141,8 @@ class TemplateJoin:
             # Some templates pair tool results with the calls before them (ids, names, counts), and
             # some write no content beside calls (Llama 3, Mistral): the marker goes in the arguments too.
             stand_in["tool_calls"] = [_stand_in_call(call) for call in previous_assistant["tool_calls"]]
-        rendered = self.chat.render([STAND_IN_USER, stand_in, *new_messages], tools=self.tools,
+        lead = [self.system_message] if self.system_message else []
+        rendered = self.chat.render([*lead, STAND_IN_USER, stand_in, *new_messages], tools=self.tools,
                                     add_generation_prompt=add_generation_prompt, template_kwargs=self.template_kwargs)
         marker_at = rendered.rfind(STAND_IN_MARKER)
         if marker_at < 0:
@@ -174,7 +179,9 @@ class ChatTrajectory:
             raise ValueError(f"history_rewrite must be one of {HISTORY_REWRITES}, not {history_rewrite!r}")
         self.chat = chat
         self.history_rewrite = history_rewrite
-        self.join = join or TemplateJoin(chat, tools=tools, template_kwargs=template_kwargs, family=family)
+        system_message = messages[0] if messages and messages[0].get("role") == "system" else None
+        self.join = join or TemplateJoin(chat, tools=tools, template_kwargs=template_kwargs, family=family,
+                                         system_message=system_message)
         self.messages: list[Mapping[str, Any]] = list(messages)
         # The first prompt: rendered once, tokenized once.
         prompt_text = self._render_whole(self.messages)
