@@ -179,3 +179,23 @@ def test_a_directory_that_is_not_a_readable_model_exits_2_without_json(chat_mode
     assert captured.out == ""
     [line] = captured.err.strip().splitlines()
     assert line.startswith("rollmesh: error: not a readable model") and str(target) in line
+
+
+def test_a_later_prompt_the_template_would_not_write_is_a_bug(chats, monkeypatch):
+    # Mistral's render of a finished conversation has its system prompt nowhere, so only the prompt
+    # of the turn after a new user message shows an appender that leaves the system prompt out of it.
+    import rollmesh.chat.template_check as template_check
+    from rollmesh.chat.turn_append import ChatTrajectory, TemplateJoin
+
+    class JoinWithoutSystem(ChatTrajectory):
+        def __init__(self, chat, messages, **kwargs):
+            join = TemplateJoin(chat, tools=kwargs.get("tools"), template_kwargs=kwargs.get("template_kwargs"),
+                                family=kwargs.get("family"))
+            super().__init__(chat, messages, join=join, **kwargs)
+
+    monkeypatch.setattr(template_check, "ChatTrajectory", JoinWithoutSystem)
+    chat = chats["mistral"]
+    three_turns = next(case for case in CASES if case.name == "three_turns")
+    result = run_case(chat, profile_template(chat), three_turns, special_token_ids(chat.tokenizer))
+    assert result.verdict == "bug"
+    assert "prompt of message" in result.note and "You are a concise weather assistant." in result.note

@@ -27,9 +27,12 @@ from rollmesh.chat.model_dir import ModelDirectory
 from rollmesh.chat.reasoning import detect_reasoning_parser, prompt_opens_reasoning
 from rollmesh.chat.template_cases import CASES, SYSTEM_PROMPT, TOOLS, CheckCase, ModelTurn, ToolResults, UserTurn
 from rollmesh.chat.token_check import (
+    DOCUMENTED_REWRITES,
     MISMATCH_KINDS,
     TokenCheckReport,
+    TokenDifference,
     check_trajectory,
+    compare_tokens,
     render_conversation_ids,
     special_token_ids,
 )
@@ -150,17 +153,29 @@ class _UnreadTurnError(Exception):
 def run_case(chat: ModelDirectory, profile: TemplateProfile, case: CheckCase,
              special_ids: frozenset[int]) -> CaseResult:
     try:
-        trajectory = _run_conversation(chat, profile, case)
+        trajectory, prompts = _run_conversation(chat, profile, case)
         reports = check_trajectory(trajectory, special_ids)
+        prompt_bugs = [bug for prompt in prompts for bug in _check_prompt(chat, trajectory, prompt, special_ids)]
     except TemplateRenderError as exc:
         said = exc.template_message or exc.reason
         return CaseResult(case.name, "unsupported", 0, note=f"the template refuses it: {_one_line(said)}")
     except (ChatError, _UnreadTurnError) as exc:
         return CaseResult(case.name, "bug", 0, note=f"rollmesh failed: {_one_line(str(exc))}")
-    return classify(chat, trajectory, reports, case.name)
+    return classify(chat, trajectory, reports, case.name, prompt_bugs)
 
 
-def _run_conversation(chat: ModelDirectory, profile: TemplateProfile, case: CheckCase) -> ChatTrajectory:
+@dataclass(frozen=True)
+class _Prompt:
+    """A prompt the model generated from: the first ``tokens`` ids of sample ``sample``, for the
+    conversation's first ``messages`` messages."""
+
+    sample: int
+    tokens: int
+    messages: int
+
+
+def _run_conversation(chat: ModelDirectory, profile: TemplateProfile,
+                      case: CheckCase) -> tuple[ChatTrajectory, list[_Prompt]]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}] if case.system else []
     messages.append({"role": "user", "content": case.user})
     kwargs = {profile.thinking_switch: case.thinking} if profile.thinking_switch else {}
@@ -169,8 +184,10 @@ def _run_conversation(chat: ModelDirectory, profile: TemplateProfile, case: Chec
                                 family=profile.family)
     calls_made = 0
     last_calls: list[ToolCall] = []
+    prompts: list[_Prompt] = []
     for step in case.steps:
         if isinstance(step, ModelTurn):
+            prompts.append(_Prompt(len(trajectory.samples) - 1, len(trajectory.sample.ids), len(trajectory.messages)))
             last_calls = _generate(chat, profile, trajectory, step, calls_made)
             calls_made += len(last_calls)
         elif isinstance(step, ToolResults):
@@ -178,7 +195,27 @@ def _run_conversation(chat: ModelDirectory, profile: TemplateProfile, case: Chec
                                for call, content in zip(last_calls, step.contents, strict=True)])
         elif isinstance(step, UserTurn):
             trajectory.append([{"role": "user", "content": step.content}])
-    return trajectory
+    return trajectory, prompts
+
+
+def _check_prompt(chat: ModelDirectory, trajectory: ChatTrajectory, prompt: _Prompt,
+                  special_ids: frozenset[int]) -> list[str]:
+    """A later turn's prompt against the template's render of the conversation so far with the
+    generation prompt: a finished conversation's render can hide an appended turn that differs
+    from what the template writes for it (Mistral's system prompt rides only with a last user
+    message), the render at that turn cannot."""
+    join = trajectory.join
+    sample = trajectory.samples[prompt.sample]
+    ids, mask = sample.ids[: prompt.tokens], sample.loss_mask[: prompt.tokens]
+    messages = trajectory.messages[: prompt.messages]
+    render_ids = chat.encode(chat.render(messages, tools=join.tools, add_generation_prompt=True,
+                                         template_kwargs=join.template_kwargs))
+    first = messages[0] if messages else {}
+    system_prompt = first.get("content") if first.get("role") == "system" else ""
+    report = compare_tokens(ids, mask, render_ids, special_ids, decode=chat.decode,
+                            rewrites=DOCUMENTED_REWRITES.get(join.family or "", ()),
+                            system_prompt=system_prompt if isinstance(system_prompt, str) else "")
+    return [f"prompt of message {prompt.messages}, {bug}" for bug in _unexplained(chat, ids, mask, render_ids, report)]
 
 
 def _generate(chat: ModelDirectory, profile: TemplateProfile, trajectory: ChatTrajectory, turn: ModelTurn,
@@ -225,22 +262,20 @@ def assistant_message(parsed: ParsedTurn, arguments_as: ArgumentsForm) -> dict[s
 
 
 def classify(chat: ModelDirectory, trajectory: ChatTrajectory, reports: Sequence[TokenCheckReport],
-             case: str) -> CaseResult:
+             case: str, prompt_bugs: Sequence[str] = ()) -> CaseResult:
+    """The verdict from the final check of each sample (whose differences are counted) and the
+    unexplained differences found in the prompts of later turns."""
     counts = dict.fromkeys(MISMATCH_KINDS, 0)
     rewrites: list[str] = []
     bugs: list[str] = []
     for sample, report in zip(trajectory.samples, reports, strict=True):
         for kind, number in report.counts.items():
             counts[kind] += number
-        for difference in report.differences:
-            if difference.rewrite:
-                rewrites.append(difference.rewrite)
-            elif not _only_generated(sample.loss_mask, difference.trace_start, difference.trace_end):
-                render_ids = render_conversation_ids(chat, trajectory.messages[: sample.message_count],
-                                                     trajectory.join)
-                ours = chat.decode(sample.ids[difference.trace_start:difference.trace_end])
-                theirs = chat.decode(render_ids[difference.render_start:difference.render_end])
-                bugs.append(f"token {difference.trace_start}: trajectory {ours!r}, render {theirs!r}")
+        rewrites.extend(difference.rewrite for difference in report.differences if difference.rewrite)
+        if any(_is_bug(sample.loss_mask, difference) for difference in report.differences):
+            render_ids = render_conversation_ids(chat, trajectory.messages[: sample.message_count], trajectory.join)
+            bugs.extend(_unexplained(chat, sample.ids, sample.loss_mask, render_ids, report))
+    bugs.extend(prompt_bugs)
     tokens = sum(len(sample.ids) for sample in trajectory.samples)
     if bugs:
         return CaseResult(case, "bug", tokens, counts, _one_line("; ".join(bugs)))
@@ -248,6 +283,18 @@ def classify(chat: ModelDirectory, trajectory: ChatTrajectory, reports: Sequence
         return CaseResult(case, "exact", tokens, counts)
     note = ", ".join(dict.fromkeys(rewrites)) or "re-rendered assistant text"
     return CaseResult(case, "expected", tokens, counts, note)
+
+
+def _is_bug(loss_mask: Sequence[int], difference: TokenDifference) -> bool:
+    return not difference.rewrite and not _only_generated(loss_mask, difference.trace_start, difference.trace_end)
+
+
+def _unexplained(chat: ModelDirectory, ids: Sequence[int], loss_mask: Sequence[int], render_ids: Sequence[int],
+                 report: TokenCheckReport) -> list[str]:
+    """Each bug-class difference, both sides as text."""
+    return [f"token {d.trace_start}: trajectory {chat.decode(ids[d.trace_start:d.trace_end])!r}, "
+            f"render {chat.decode(render_ids[d.render_start:d.render_end])!r}"
+            for d in report.differences if _is_bug(loss_mask, d)]
 
 
 def _only_generated(loss_mask: Sequence[int], start: int, end: int) -> bool:
