@@ -46,6 +46,7 @@ from rollmesh.messages import (
     SandboxSnapshotRequest,
     SandboxUploadReply,
     SandboxUploadRequest,
+    TokenTrace,
     RunRegistered,
     SchedulerStatus,
     SchedulerStatusRequest,
@@ -73,8 +74,8 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 COMPLETED = RolloutCompleted(
     rollout_id="r-1", task="molar_mass", group_id="g", purpose="train", reward=1.0, turns=2,
-    tool_calls=1, prompt_len=2, tokens=[256, 65, 66], loss_mask=[0, 0, 1], logprobs=[0.0, 0.0, -0.5],
-    versions=[-1, -1, 3], text="AB",
+    tool_calls=1, prompt_len=2, text="AB", num_tokens=3, weight_version=3,
+    trajectory=TokenTrace(ids=[256, 65, 66], loss_mask=[0, 0, 1], logprobs=[0.0, 0.0, -0.5], versions=[-1, -1, 3]),
 )
 
 # One valid message per wire type; a new type without an example here fails the tests below.

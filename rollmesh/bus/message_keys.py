@@ -20,13 +20,24 @@ def rollout_id_of(message: WireMessage) -> str | None:
 def weight_version_of(message: WireMessage) -> int | None:
     """``weight_version`` when the message has one; ``version`` for weight events; for a
     trajectory (per-token ``versions``, -1 where no weights generated the token), the version of
-    its last generated token (None when it has none)."""
+    its last generated token (None when it has none): its ``weight_version``, or, from a sender
+    that predates that field, its inline TokenTrace's."""
     value = getattr(message, "weight_version", None)
     if value is None and message_tag(message).startswith("weights."):
         value = getattr(message, "version", None)
-    if value is None:
-        value = _last_generated_version(getattr(message, "versions", None))
+    if value is None or (value == -1 and hasattr(message, "token_trace")):
+        value = _last_generated_version(_versions_of(message))
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _versions_of(message: WireMessage) -> object:
+    token_trace = getattr(message, "token_trace", None)
+    if token_trace is None:
+        return getattr(message, "versions", None)
+    try:
+        return token_trace().versions
+    except (LookupError, ValueError):  # stored elsewhere, or broken: no version to log
+        return None
 
 
 def _last_generated_version(versions: object) -> int | None:

@@ -18,6 +18,7 @@ from rollmesh.messages.rollout import (
     RolloutRequested,
     RolloutState,
     SavedToolCall,
+    TraceNotInlineError,
 )
 from rollmesh.messages.sandbox import (
     ExecResultKind,
@@ -59,6 +60,7 @@ from rollmesh.messages.sim_jobs import (
     SimJobSubmitted,
 )
 from rollmesh.messages.subjects import ALL_SUBJECTS, Subject, check_namespace
+from rollmesh.messages.token_trace import NO_VERSION, TokenTrace, TokenTraceError
 from rollmesh.messages.trainer import TrainerStepped
 from rollmesh.messages.weights import WeightsActivated, WeightsPublished
 
@@ -116,6 +118,10 @@ __all__ = [
     "SandboxUploadRequest",
     "TransferKind",
     "Subject",
+    "NO_VERSION",
+    "TokenTrace",
+    "TokenTraceError",
+    "TraceNotInlineError",
     "TrainerStepped",
     "WeightsActivated",
     "WeightsPublished",

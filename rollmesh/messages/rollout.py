@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from rollmesh.messages.base import SamplingParams, WireMessage
+from rollmesh.messages.token_trace import TokenTrace, TokenTraceError
 
 NonEmptyId = Annotated[str, Meta(min_length=1, max_length=200)]
 Purpose = Literal["train", "eval"]
@@ -46,11 +47,33 @@ class RolloutProgressed(WireMessage, frozen=True, tag="rollout.progressed"):
     trace_id: str = ""
 
 
-class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed"):
+class TraceNotInlineError(LookupError):
+    """The message's TokenTrace is in the object store (``ref``): fetch it, don't read it inline."""
+
+    def __init__(self, rollout_id: str, ref: str) -> None:
+        super().__init__(f"the trajectory of {rollout_id!r} is stored at {ref!r}, not inline")
+        self.rollout_id = rollout_id
+        self.ref = ref
+
+
+def _legacy_trace(rollout_id: str, tokens: list[int], loss_mask: list[int], logprobs: list[float],
+                  versions: list[int]) -> TokenTrace:
+    try:
+        return TokenTrace(ids=list(tokens), loss_mask=list(loss_mask), logprobs=list(logprobs),
+                          versions=list(versions))
+    except TokenTraceError as exc:
+        raise TokenTraceError(f"{rollout_id!r}: {exc.reason}", position=exc.position) from exc
+
+
+class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed", omit_defaults=True):
     """A finished rollout with the exact tokens the model saw and produced.
 
-    ``tokens``, ``loss_mask``, ``logprobs`` and ``versions`` have one entry per token. Prompt and
-    tool-output tokens have loss_mask 0, logprob 0.0 and version -1.
+    Its tokens are one ``TokenTrace``, read with ``token_trace()``: inline in ``trajectory`` when
+    its JSON is at most ``rollout.inline_trajectory_bytes``, else in the JetStream object store at
+    ``trajectory_ref`` (stored before this message is published). ``tokens``, ``loss_mask``,
+    ``logprobs`` and ``versions`` are the flat fields of senders that predate TokenTrace: still
+    read, never written. Defaults are omitted on the wire, so a reader that predates TokenTrace
+    rejects a new message (its required ``tokens`` is missing) instead of training on nothing.
     """
 
     rollout_id: str
@@ -61,13 +84,15 @@ class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed"):
     turns: int
     tool_calls: int
     prompt_len: int
-    tokens: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
-    versions: list[int]
+    # Deprecated: the flat token fields of older senders (read through token_trace()).
+    tokens: list[int] = []
+    loss_mask: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
     text: str = ""
     duration_s: float = 0.0
-    # Where the trajectory blob lives when it is too large to inline (later issues); "" = inline.
+    # Where the trajectory (a TokenTrace, msgpack) lives when it is too large to inline:
+    # "<object-store bucket>/<object name>"; "" = inline.
     trajectory_ref: str = ""
     # MoE models: where the routed-expert rows of every position but the last are stored (one
     # object per turn, for routing replay); "" for dense models.
@@ -79,6 +104,21 @@ class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed"):
     infra_failures: int = 0
     # The trace of the attempt that finished it (as in RolloutProgressed).
     trace_id: str = ""
+    # The rollout's tokens, when inline (see trajectory_ref).
+    trajectory: TokenTrace | None = None
+    # Its length and the weight version of its last generated token (-1: none), known without
+    # fetching a stored trajectory.
+    num_tokens: int = 0
+    weight_version: int = -1
+
+    def token_trace(self) -> TokenTrace:
+        """The rollout's tokens, from ``trajectory`` or an older sender's flat fields; raises
+        ``TraceNotInlineError`` when they are in the object store (``trajectory_ref``)."""
+        if self.trajectory is not None:
+            return self.trajectory
+        if self.trajectory_ref:
+            raise TraceNotInlineError(self.rollout_id, self.trajectory_ref)
+        return _legacy_trace(self.rollout_id, self.tokens, self.loss_mask, self.logprobs, self.versions)
 
 
 FailureKind = Literal[
@@ -127,12 +167,15 @@ class RolloutState(WireMessage, frozen=True, tag="rollout.state"):
     Written after every turn (and when the rollout ends), before the work queue is told the
     rollout is still in progress, so a worker that takes over resumes from the last saved turn.
     ``outcome`` is set once the rollout ended: a redelivered request then re-publishes it instead
-    of running the rollout again. Token arrays have one entry per token, as in RolloutCompleted.
+    of running the rollout again. Its tokens are one ``TokenTrace``, read with ``token_trace()``:
+    inline in ``trajectory``, or (a long rollout) in the object store at ``trajectory_ref``. The
+    flat ``tokens`` ... ``versions`` are those of states saved before TokenTrace: read, not written.
     """
 
     rollout_id: str
     request: RolloutRequested
     turn: int = 0  # turns completed
+    # Deprecated: the flat token fields of states saved before TokenTrace.
     tokens: list[int] = []
     loss_mask: list[int] = []
     logprobs: list[float] = []
@@ -154,3 +197,14 @@ class RolloutState(WireMessage, frozen=True, tag="rollout.state"):
     started_at: float = 0.0
     updated_at: float = 0.0
     outcome: RolloutCompleted | RolloutFailed | None = None
+    trajectory: TokenTrace | None = None
+    # "<object-store bucket>/<object name>" of the trajectory when too large for the KV value.
+    trajectory_ref: str = ""
+
+    def token_trace(self) -> TokenTrace:
+        """As ``RolloutCompleted.token_trace``: inline, legacy flat fields, or ``TraceNotInlineError``."""
+        if self.trajectory is not None:
+            return self.trajectory
+        if self.trajectory_ref:
+            raise TraceNotInlineError(self.rollout_id, self.trajectory_ref)
+        return _legacy_trace(self.rollout_id, self.tokens, self.loss_mask, self.logprobs, self.versions)
