@@ -176,6 +176,13 @@ class RolloutConfig(ConfigSection):
     # Snapshot the workspace after every tool call, so a rollout whose sandbox was lost resumes
     # with its files. Off by default: the demo's tools keep no state in the workspace.
     snapshot_workspace: bool = False
+    # A rollout's TokenTrace travels inline in RolloutCompleted (and in its saved state) up to
+    # this many bytes of JSON; above, it goes to the JetStream object store and the message
+    # carries trajectory_ref (docs/long-trajectories.md). 256 KiB: about 8K tokens inline.
+    inline_trajectory_bytes: PositiveInt = 262_144
+    # Stored trajectories older than this are removed by the object store (the trainer must have
+    # admitted them by then; a RolloutCompleted whose trajectory expired is counted as lost).
+    trajectory_ttl_s: PositiveFloat = 7 * 24 * 3600.0
 
     def __post_init__(self) -> None:
         if self.sandbox_heartbeat_s * 2 > self.sandbox_lease_ttl_s:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from rollmesh.messages import RolloutState, Subject, WireMessage
+from rollmesh.messages import RolloutState, Subject, TokenTrace, WireMessage
 
 SubscriptionMode = Literal["core", "jetstream", "request"]
 _CONSUMER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
@@ -162,3 +162,31 @@ class RoutedExpertsStore(Protocol):
 
     async def load(self, ref: str) -> object:
         """Every row of the rollout, joined in position order."""
+
+
+class TrajectoryLostError(LookupError):
+    """The trajectory at ``ref`` is gone (expired, deleted) or does not decode (``reason``).
+    Retrying cannot help, unlike a ``StateStoreError``."""
+
+    def __init__(self, ref: str, reason: str = "no stored trajectory") -> None:
+        super().__init__(f"{reason} at {ref!r}")
+        self.ref = ref
+        self.reason = reason
+
+
+@runtime_checkable
+class TrajectoryStore(Protocol):
+    """Where long rollouts keep their TokenTrace when it is too large to travel inline (see
+    ``rollmesh.rollout.trajectory_offload``); a reference is "<bucket>/<object name>"."""
+
+    async def save(self, rollout_id: str, name: str, trace: TokenTrace) -> str:
+        """Durably store ``trace`` as the rollout's object ``name`` (replacing one of that name);
+        returns its reference."""
+
+    async def load(self, ref: str) -> TokenTrace:
+        """The stored trace; ``TrajectoryLostError`` when there is none (or it is unreadable),
+        ``StateStoreError`` when the store cannot be read now."""
+
+    async def delete(self, ref: str) -> None:
+        """Forget a stored trace (a missing one is fine)."""
+

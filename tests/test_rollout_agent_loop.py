@@ -123,28 +123,28 @@ async def test_tool_call_runs_the_task_argv_in_the_leased_sandbox_and_appends_th
     start = len(TOKENIZER.encode(PROMPT, bos=True)) + len(tool_call().token_ids)
     forced = TOKENIZER.encode(f"<result>{MASS}</result>\n")
     end = start + len(forced)
-    assert result.tokens[start:end] == forced
-    assert result.loss_mask[start:end] == [0] * len(forced)
-    assert result.versions[start:end] == [-1] * len(forced)
-    assert result.logprobs[start:end] == [0.0] * len(forced)
+    assert result.token_trace().ids[start:end] == forced
+    assert result.token_trace().loss_mask[start:end] == [0] * len(forced)
+    assert result.token_trace().versions[start:end] == [-1] * len(forced)
+    assert result.token_trace().logprobs[start:end] == [0.0] * len(forced)
     # The second turn's prompt is everything so far, tool result included.
-    assert engine.calls[1]["input_ids"] == result.tokens[:end]
+    assert engine.calls[1]["input_ids"] == result.token_trace().ids[:end]
 
 
 async def test_completed_trajectory_has_equal_lengths_and_generated_tokens_keep_engine_versions():
     engine = ScriptedEngine([tool_call(version=3, logprob=-0.5), answer(version=4, logprob=-0.125)])
     result = await run(engine, sandbox_bus())
 
-    assert len(result.tokens) == len(result.loss_mask) == len(result.logprobs) == len(result.versions)
-    generated_positions = [i for i, mask in enumerate(result.loss_mask) if mask == 1]
+    assert len(result.token_trace().ids) == len(result.token_trace().loss_mask) == len(result.token_trace().logprobs) == len(result.token_trace().versions)
+    generated_positions = [i for i, mask in enumerate(result.token_trace().loss_mask) if mask == 1]
     call_ids, answer_ids = tool_call().token_ids, answer().token_ids
-    assert [result.tokens[i] for i in generated_positions] == call_ids + answer_ids
-    assert [result.versions[i] for i in generated_positions] == [3] * len(call_ids) + [4] * len(answer_ids)
-    assert [result.logprobs[i] for i in generated_positions] == [-0.5] * len(call_ids) + [-0.125] * len(answer_ids)
-    assert result.tokens[:result.prompt_len] == TOKENIZER.encode(PROMPT, bos=True)
-    assert result.loss_mask[:result.prompt_len] == [0] * result.prompt_len
+    assert [result.token_trace().ids[i] for i in generated_positions] == call_ids + answer_ids
+    assert [result.token_trace().versions[i] for i in generated_positions] == [3] * len(call_ids) + [4] * len(answer_ids)
+    assert [result.token_trace().logprobs[i] for i in generated_positions] == [-0.5] * len(call_ids) + [-0.125] * len(answer_ids)
+    assert result.token_trace().ids[:result.prompt_len] == TOKENIZER.encode(PROMPT, bos=True)
+    assert result.token_trace().loss_mask[:result.prompt_len] == [0] * result.prompt_len
     assert (result.turns, result.tool_calls, result.group_id) == (2, 1, "g-1")
-    assert result.text == TOKENIZER.decode(result.tokens)
+    assert result.text == TOKENIZER.decode(result.token_trace().ids)
 
 
 @pytest.mark.parametrize(("final", "argument", "reward"), [
@@ -315,7 +315,7 @@ async def test_trajectory_is_cut_at_the_model_context_and_generation_is_told_the
     assert engine.calls[0]["sampling"].max_new_tokens == min(40, max_seq_len - prompt_len)
     assert len(engine.calls) == 1  # the tool output filled the context; no room for a second turn
     assert isinstance(result, RolloutCompleted)
-    assert len(result.tokens) == max_seq_len
+    assert len(result.token_trace().ids) == max_seq_len
     assert result.reward == 0.0
     assert result.turns == 1  # a turn that had no room to run is not counted
 
@@ -340,7 +340,7 @@ async def test_progress_event_is_published_and_delivery_kept_alive_per_turn():
     assert [(event.turn, event.weight_version) for event in events] == [(1, 5), (2, 6)], (
         "the turn that ends without a tool call publishes no RolloutProgressed")
     (completed,) = bus.messages(ROLLOUT_COMPLETED)
-    assert events[-1].num_tokens == len(completed.tokens)
+    assert events[-1].num_tokens == len(completed.token_trace().ids)
     assert progress.calls == 2, "the turn that ends without a tool call skips ctx.in_progress()"
 
 
@@ -392,7 +392,7 @@ async def test_state_is_saved_after_every_turn_and_the_outcome_before_it_is_publ
     saved = states.states["r-1"]
     (completed,) = bus.messages(ROLLOUT_COMPLETED)
     assert saved.outcome == completed, "the published outcome is the saved one"
-    assert saved.turn == 2 and saved.tokens == completed.tokens and saved.versions == completed.versions
+    assert saved.turn == 2 and saved.token_trace() == completed.token_trace()
     assert [(c.name, c.argument, c.output) for c in saved.tool_calls] == [("calc", FORMULA, MASS)]
     assert saved.lease_id == LEASE and saved.attempts == 1
     assert states.saves == 4, "one save when it starts, one per turn, then one with the outcome"
@@ -415,9 +415,9 @@ async def test_a_redelivered_request_resumes_from_the_last_saved_turn_in_the_sam
     assert completed.turns == 2 and completed.tool_calls == 1 and completed.reward == 1.0
     assert bus.requested(SANDBOX_EXEC) == [], "the tool of the saved turn is not run again"
     assert len(engine.calls) == 1 and engine.calls[0]["request_id"] == "r-1/2"
-    assert engine.calls[0]["input_ids"] == states.states["r-1"].tokens[:len(engine.calls[0]["input_ids"])]
+    assert engine.calls[0]["input_ids"] == states.states["r-1"].token_trace().ids[:len(engine.calls[0]["input_ids"])]
     # Both versions survive: turn 1's tokens were made by version 3, turn 2's by version 4.
-    assert {v for v in completed.versions if v >= 0} == {3, 4}
+    assert {v for v in completed.token_trace().versions if v >= 0} == {3, 4}
     (lease,) = bus.requested(SANDBOX_LEASE)
     assert lease.holder == "r-1", "the same idempotency token: the earlier attempt's sandbox while it lives"
     assert completed.attempts == 2 and second.stats()["resumed"] == 1
@@ -569,5 +569,5 @@ async def test_an_moe_rollout_keeps_each_turns_routed_experts_and_resumes_them()
     assert engine.calls[0]["options"].routed_experts_start_len == after_call - 1
     (completed,) = bus.messages(ROLLOUT_COMPLETED)
     rows = await experts.load(completed.routed_experts_ref)
-    assert len(rows) == len(completed.tokens) - 1, "one row per position but the last"
+    assert len(rows) == len(completed.token_trace().ids) - 1, "one row per position but the last"
     assert rows[:, 0, 0].tolist() == list(range(len(rows)))

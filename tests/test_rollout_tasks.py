@@ -31,7 +31,8 @@ from rollmesh.rollout.tool_syntax import (
     parse_tool_call,
     stop_strings,
 )
-from rollmesh.rollout.trajectory import FORCED_VERSION, Trajectory
+from rollmesh.messages import NO_VERSION, TokenTrace
+from rollmesh.rollout.trajectory import Trajectory
 from rollmesh.sandbox.tool_paths import tool_script_path
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -189,17 +190,18 @@ def test_trajectory_marks_forced_tokens_and_keeps_generated_logprobs_and_version
     trajectory = Trajectory()
     trajectory.append_forced([1, 2])
     trajectory.append_generated([3, 4], [-0.5, -1.5], [7, 8])
-    assert trajectory.tokens == [1, 2, 3, 4]
-    assert trajectory.loss_mask == [0, 0, 1, 1]
-    assert trajectory.logprobs == [0.0, 0.0, -0.5, -1.5]
-    assert trajectory.versions == [FORCED_VERSION, FORCED_VERSION, 7, 8]
+    assert trajectory.trace() == TokenTrace(ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1],
+                                            logprobs=[0.0, 0.0, -0.5, -1.5], versions=[NO_VERSION, NO_VERSION, 7, 8])
     assert trajectory.generated_versions() == [7, 8]
     assert len(trajectory) == 4
+    assert Trajectory.from_trace(trajectory.trace()) == trajectory
 
 
-def test_trajectory_refuses_generated_tokens_of_unequal_lengths():
-    with pytest.raises(ValueError):
+def test_trajectory_refuses_generated_tokens_of_unequal_lengths_or_without_a_version():
+    with pytest.raises(ValueError, match="differ in length"):
         Trajectory().append_generated([1, 2], [-0.1], [0, 0])
+    with pytest.raises(ValueError, match="no weight version"):
+        Trajectory().append_generated([1, 2], [-0.1, -0.2], [0, NO_VERSION])
 
 
 def test_rollout_error_carries_its_failure_kind_and_turns():

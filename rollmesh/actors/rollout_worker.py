@@ -17,6 +17,7 @@ from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.rollout_states import KvRolloutStates
 from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
+from rollmesh.bus.trajectory_store import ObjectStoreTrajectories
 from rollmesh.engine.paged_model import describe_served_model
 from rollmesh.bus.errors import BusRequestError
 from rollmesh.messages import GpuGranted, GpuReleased, SchedulerStatusRequest
@@ -107,5 +108,10 @@ class RolloutWorkerActor(RoleActor):
             # MoE models: each turn's routed-expert rows, kept for routing replay in training.
             routed_experts=ObjectStoreRoutedExperts(publisher.jetstream, publisher.namespace,
                                                     replicas=self.mesh.nats.replicas) if routes_experts else None,
+            # Long rollouts: traces past rollout.inline_trajectory_bytes, for the completed
+            # message and the saved state.
+            trajectories=ObjectStoreTrajectories(publisher.jetstream, publisher.namespace,
+                                                 replicas=self.mesh.nats.replicas,
+                                                 ttl_s=self.config.trajectory_ttl_s),
         )
         return RolloutWorkerLogic(runner, ElasticDecodeFollower(self.router, publisher))

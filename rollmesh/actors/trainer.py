@@ -11,6 +11,7 @@ from pathlib import Path
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
+from rollmesh.bus.trajectory_store import ObjectStoreTrajectories
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
@@ -41,7 +42,11 @@ class TrainerActor(RoleActor):
                                     in_progress_every_s=self.mesh.nats.rollout_ack_wait_s / 3, busy=self.busy,
                                     # Only MoE rollouts carry a reference into it.
                                     routed_experts=ObjectStoreRoutedExperts(publisher.jetstream, publisher.namespace,
-                                                                            replicas=self.mesh.nats.replicas))
+                                                                            replicas=self.mesh.nats.replicas),
+                                    # Only long rollouts carry a reference into it (the
+                                    # rollout workers create it, with its TTL).
+                                    trajectories=ObjectStoreTrajectories(publisher.jetstream, publisher.namespace,
+                                                                         replicas=self.mesh.nats.replicas))
         return self.trainer
 
     async def stop(self) -> None:

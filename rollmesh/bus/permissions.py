@@ -89,6 +89,11 @@ def routed_experts_bucket(namespace: str) -> str:
     return f"RL_{check_namespace(namespace)}_ROUTED_EXPERTS"
 
 
+def trajectories_bucket(namespace: str) -> str:
+    # Mirrors rollmesh.bus.trajectory_store, like routed_experts_bucket.
+    return f"RL_{check_namespace(namespace)}_TRAJECTORIES"
+
+
 @dataclass(frozen=True)
 class RolePermissions:
     """One role's allow lists (concrete subjects, wildcards allowed) for one namespace."""
@@ -201,8 +206,7 @@ def _rollout_state(ns: str) -> list[str]:
     return [*_read_stream(f"KV_{bucket}"), f"$KV.{bucket}.>"]
 
 
-def _routed_experts(ns: str, *, write: bool) -> list[str]:
-    bucket = routed_experts_bucket(ns)
+def _object_bucket(bucket: str, *, write: bool) -> list[str]:
     stream = f"OBJ_{bucket}"
     # An object is read through an ordered push consumer (flow-control replies go to $JS.FC).
     rights = [*_read_stream(stream), f"$JS.API.CONSUMER.CREATE.{stream}.>",
@@ -230,7 +234,8 @@ def _rollout_worker(ns: str) -> _Lists:
         *_subjects(ns, ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_PROGRESSED, SCHED_STATUS,
                    *SANDBOX_REQUESTS),
         *_shell(ns), *_consume(rollout_requests_stream(ns)), *_rollout_state(ns),
-        *_routed_experts(ns, write=True),
+        *_object_bucket(routed_experts_bucket(ns), write=True),
+        *_object_bucket(trajectories_bucket(ns), write=True),
     ]
     subscribe = _subjects(ns, GPU_GRANTED, GPU_RELEASED, SANDBOX_OUTPUT)
     return publish, subscribe, False
@@ -240,7 +245,8 @@ def _trainer(ns: str) -> _Lists:
     publish = [
         *_subjects(ns, WEIGHTS_PUBLISHED, TRAINER_STEPPED, CHECKPOINT_SAVED),
         *_shell(ns), *_consume(rollout_results_stream(ns)),
-        *_routed_experts(ns, write=False),
+        *_object_bucket(routed_experts_bucket(ns), write=False),
+        *_object_bucket(trajectories_bucket(ns), write=False),
     ]
     return publish, [], False
 

@@ -29,6 +29,13 @@ def weight_versions(versions: list[int]) -> str:
     return ",".join(runs)
 
 
+def completed_versions(event: RolloutCompleted) -> str:
+    """``weight_versions`` of a completed rollout; ``..N`` (newest N) when its trace is stored."""
+    if event.trajectory is None and event.trajectory_ref:
+        return f"..{event.weight_version}" if event.weight_version >= 0 else "-"
+    return weight_versions(event.token_trace().versions)
+
+
 def progressed_line(event: RolloutProgressed) -> str:
     return (f"progressed {event.rollout_id} turn={event.turn} tokens={event.num_tokens} "
             f"weights=v{event.weight_version} status={event.status}")
@@ -36,7 +43,7 @@ def progressed_line(event: RolloutProgressed) -> str:
 
 def completed_line(event: RolloutCompleted) -> str:
     return (f"completed  {event.rollout_id} reward={event.reward:.3f} turns={event.turns} "
-            f"tool_calls={event.tool_calls} versions={weight_versions(event.versions)}")
+            f"tool_calls={event.tool_calls} versions={completed_versions(event)}")
 
 
 def failed_line(event: RolloutFailed) -> str:

@@ -27,7 +27,7 @@ from opentelemetry import trace
 
 from rollmesh.cli.cli_tracing import cli_tracer
 from rollmesh.cli.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError
-from rollmesh.cli.events import weight_versions
+from rollmesh.cli.events import completed_versions
 from rollmesh.cli.target import MeshTarget, add_target_options, find_mesh, load_cli_config, positive_float, positive_int
 from rollmesh.config import RollmeshConfig
 from rollmesh.messages import RolloutCompleted, RolloutFailed, RolloutRequested, SamplingParams
@@ -298,7 +298,7 @@ def _print_results(requests: list[RolloutRequested], results: dict[str, Any]) ->
         result = results.get(request.rollout_id)
         if isinstance(result, RolloutCompleted):
             table.add_row(request.rollout_id, "completed", f"{result.reward:.3f}", str(result.turns),
-                          str(result.tool_calls), weight_versions(result.versions))
+                          str(result.tool_calls), completed_versions(result))
             continue
         failed += 1
         if isinstance(result, RolloutFailed):

@@ -144,8 +144,7 @@ class DashboardState:
         trace_id = event.trace_id or known.trace_id
         self._completed.append(msgspec.structs.replace(
             known, task=event.task, purpose=event.purpose, group_id=event.group_id,
-            status="completed", turn=event.turns, progress=1.0, num_tokens=len(event.tokens),
-            weight_version=max(event.versions, default=-1), reward=event.reward,
+            status="completed", turn=event.turns, progress=1.0, **_size_and_version(event), reward=event.reward,
             trace_id=trace_id, trace_url=trace_link(trace_id, self.config.trace_url),
             updated_at=now))
         self._rewards.append(RewardPoint(at=now, reward=event.reward, purpose=event.purpose))
@@ -201,3 +200,12 @@ class DashboardState:
             weights=sorted(self._weights.values(), key=lambda w: (w.role, w.worker)),
             published_version=self._published_version, sandbox_pool=self._sandbox_pool,
             accelerators=list(self._accelerators), feed=self.feed)
+
+
+def _size_and_version(event: RolloutCompleted) -> dict[str, int]:
+    """Its length and newest weight version, without fetching a stored trace."""
+    if event.trajectory is None and event.trajectory_ref:
+        return {"num_tokens": event.num_tokens, "weight_version": event.weight_version}
+    trace = event.token_trace()
+    return {"num_tokens": len(trace), "weight_version": max(trace.versions, default=-1)}
+

@@ -44,6 +44,7 @@ from rollmesh.ports import (
     RoutedExpertsStore,
     StateStoreError,
     Subscription,
+    TrajectoryStore,
 )
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.engine.protocols import GenerateOptions, InferenceEngine
@@ -56,6 +57,7 @@ from rollmesh.messages import (
     RolloutRequested,
     RolloutState,
     SamplingParams,
+    TokenTrace,
 )
 from rollmesh.messages.subjects import (
     ROLLOUT_COMPLETED,
@@ -70,6 +72,7 @@ from rollmesh.rollout.tasks import Task, TaskInputError, TaskRegistry, ToolOutpu
 from rollmesh.rollout.tool_results import failure_kind, tool_text
 from rollmesh.rollout.tool_syntax import format_tool_output, parse_tool_call, stop_strings
 from rollmesh.rollout.trajectory import Trajectory
+from rollmesh.rollout.trajectory_offload import COMPLETED_OBJECT, OffloadingRolloutStates, place_trace
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
 from rollmesh.sandbox.errors import SandboxRequestError
 from rollmesh.telemetry import conventions, metrics, metrics_catalog
@@ -111,6 +114,7 @@ class RolloutRunner:
         sandbox: SandboxBrokerClient | None = None,
         states: RolloutStateStore | None = None,
         routed_experts: RoutedExpertsStore | None = None,
+        trajectories: TrajectoryStore | None = None,
     ) -> None:
         self.config = config
         self.max_seq_len = model_config.max_seq_len
@@ -121,6 +125,12 @@ class RolloutRunner:
         self.sandbox = sandbox or SandboxBrokerClient(publisher)
         self.leases = RolloutSandbox(self.sandbox, config)
         self.states: RolloutStateStore = states if states is not None else InMemoryRolloutStates()
+        # Where a trace too large to travel inline (rollout.inline_trajectory_bytes) is stored,
+        # for the completed message and the saved state alike; None: always inline.
+        self.trajectories = trajectories
+        if trajectories is not None:
+            self.states = OffloadingRolloutStates(self.states, trajectories,
+                                                  inline_bytes=config.inline_trajectory_bytes)
         # Set for MoE models: every turn's routed-expert rows are kept for routing replay.
         self.routed_experts = routed_experts
         self.worker = worker
@@ -258,7 +268,7 @@ class RolloutRunner:
     async def _attempt(self, run: _Run) -> RolloutCompleted:
         request = run.request
         task = self._task(request)
-        if not run.state.tokens:
+        if not len(run.state.token_trace()):
             run.state = self._started(run.state, task)
         trajectory = trajectory_of(run.state)
         saved = run.state
@@ -271,15 +281,24 @@ class RolloutRunner:
         finally:
             await self.leases.release(lease_id, request.rollout_id)
         reward = task.reward(request.task_input, transcript)
+        token_trace = trajectory.trace()
+        # A long trace goes to the object store here, before the message naming it is published.
+        try:
+            carried = await place_trace(request.rollout_id, COMPLETED_OBJECT, token_trace,
+                                        inline_bytes=self.config.inline_trajectory_bytes, store=self.trajectories)
+        except StateStoreError as exc:
+            raise RolloutError("internal_error", f"trajectory not stored: {exc}", turns=run.state.turn) from exc
         return RolloutCompleted(
             rollout_id=request.rollout_id, task=request.task, group_id=request.group_id,
             purpose=request.purpose, reward=reward, turns=run.state.turn,
             tool_calls=len(transcript.tool_calls), prompt_len=run.state.prompt_len,
-            tokens=trajectory.tokens, loss_mask=trajectory.loss_mask, logprobs=trajectory.logprobs,
-            versions=trajectory.versions, text=self.tokenizer.decode(trajectory.tokens),
+            # The text of a stored trace is left out too (it is as long): decode its ids.
+            text=self.tokenizer.decode(token_trace.ids) if carried["trajectory"] is not None else "",
             duration_s=self.clock() - run.state.started_at, idempotency_key=request.rollout_id,
             routed_experts_ref=run.state.routed_experts_ref,
             attempts=run.state.attempts, infra_failures=run.state.infra_failures,
+            num_tokens=len(token_trace), weight_version=token_trace.last_version(),
+            **carried,  # type: ignore[arg-type]
         )
 
     def _started(self, state: RolloutState, task: Task) -> RolloutState:
@@ -293,10 +312,7 @@ class RolloutRunner:
         if len(prompt_ids) >= self.max_seq_len:
             raise RolloutError("invalid_request", f"prompt of {len(prompt_ids)} tokens does not fit "
                                f"the model's context of {self.max_seq_len}")
-        return msgspec.structs.replace(
-            state, tokens=prompt_ids, loss_mask=[0] * len(prompt_ids), logprobs=[0.0] * len(prompt_ids),
-            versions=[-1] * len(prompt_ids), prompt_len=len(prompt_ids),
-        )
+        return msgspec.structs.replace(state, trajectory=TokenTrace.forced(prompt_ids), prompt_len=len(prompt_ids))
 
     async def _turns(self, run: _Run, task: Task, trajectory: Trajectory, lease_id: str) -> Transcript:
         request = run.request
@@ -410,7 +426,7 @@ class RolloutRunner:
                                   routed_experts_start_len=experts_from)
         try:
             return await self.engine.generate(
-                list(trajectory.tokens), sampling, request_id=f"{request.rollout_id}/{turn}", options=options)
+                list(trajectory.ids), sampling, request_id=f"{request.rollout_id}/{turn}", options=options)
         except Exception as exc:  # the engine's and Ray's errors alike: a typed failure, not a crash
             raise RolloutError("inference_error", f"turn {turn}: {exc}", turns=turn) from exc
 

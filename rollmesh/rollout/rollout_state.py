@@ -15,7 +15,8 @@ from rollmesh.rollout.trajectory import Trajectory
 
 
 def trajectory_of(state: RolloutState) -> Trajectory:
-    return Trajectory(list(state.tokens), list(state.loss_mask), list(state.logprobs), list(state.versions))
+    """The state's trace to grow (its trace must be inline: ``OffloadingRolloutStates`` loads it)."""
+    return Trajectory.from_trace(state.token_trace())
 
 
 def transcript_of(state: RolloutState) -> Transcript:
@@ -32,8 +33,9 @@ def with_progress(state: RolloutState, *, trajectory: Trajectory, transcript: Tr
     calls = [SavedToolCall(name=call.name, argument=call.argument, ok=output.ok, output=output.text)
              for call, output in zip(transcript.tool_calls, transcript.tool_outputs)]
     return msgspec.structs.replace(
-        state, turn=turn, tokens=list(trajectory.tokens), loss_mask=list(trajectory.loss_mask),
-        logprobs=list(trajectory.logprobs), versions=list(trajectory.versions), tool_calls=calls,
+        state, turn=turn, trajectory=trajectory.trace(), trajectory_ref="",
+        # A state saved before TokenTrace keeps its flat fields no longer.
+        tokens=[], loss_mask=[], logprobs=[], versions=[], tool_calls=calls,
         final_text=transcript.final_text, finished_with_eos=transcript.finished_with_eos,
         updated_at=now, **changes,
     )

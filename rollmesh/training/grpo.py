@@ -1,6 +1,6 @@
 """GRPO's data side: trajectories as policy samples, group-relative advantages, padded batches.
 
-Knows torch only; the losses that consume a batch live in ``losses.py``. Each sample is one
+Knows torch and the wire's TokenTrace; the losses that consume a batch live in ``losses.py``. Each sample is one
 trajectory with its exact tokens, a loss mask (1 where the policy produced the token), the
 behaviour logprob of every token (from the inference engine) and the weight version that produced
 it, so the loss can correct, or mask, tokens made by older weights.
@@ -16,19 +16,22 @@ import torch
 if TYPE_CHECKING:
     import numpy as np
 
+from rollmesh.messages import NO_VERSION, TokenTrace
+
 ADVANTAGE_EPS = 1e-6
-# The version of a forced token (prompt, tool output) or of a token whose version is unknown; the
-# wire uses the same value (RolloutCompleted.versions).
-NO_VERSION = -1
 
 
 @dataclass(frozen=True)
 class PolicySample:
+    """One trajectory to train on: a TokenTrace's four lists (``from_trace``) and an advantage.
+    ``logprobs`` are the behaviour logprobs (of the policy that sampled each token)."""
+
     tokens: list[int]
     loss_mask: list[int]
-    behaviour_logprobs: list[float]
+    logprobs: list[float]
     advantage: float
-    # One weight version per token (NO_VERSION for forced tokens); None: unknown, never stale.
+    # One weight version per token (NO_VERSION for tokens the policy did not generate); None:
+    # unknown (demonstrations, tests), never stale.
     versions: list[int] | None = None
     # An infrastructure failure: the sample trains nothing and counts in no normalisation.
     infra_failed: bool = False
@@ -37,6 +40,12 @@ class PolicySample:
     # them (uint8/uint16); None for a dense model or when none were recorded. Left out of ==
     # (an array has no single truth value).
     routed_experts: np.ndarray | None = field(default=None, compare=False)
+
+    @classmethod
+    def from_trace(cls, trace: TokenTrace, advantage: float, *,
+                   routed_experts: np.ndarray | None = None) -> PolicySample:
+        return cls(trace.ids, trace.loss_mask, trace.logprobs, advantage, versions=trace.versions,
+                   routed_experts=routed_experts)
 
 
 def group_advantages(rewards: list[float]) -> list[float] | None:
@@ -73,7 +82,7 @@ class PolicyBatch:
             size = len(sample.tokens)
             tokens[row, :size] = torch.tensor(sample.tokens)
             mask[row, :size] = torch.tensor(sample.loss_mask, dtype=torch.float32)
-            old[row, :size] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+            old[row, :size] = torch.tensor(sample.logprobs, dtype=torch.float32)
             if sample.versions is not None:
                 versions[row, :size] = torch.tensor(sample.versions, dtype=torch.long)
         return cls(

@@ -25,7 +25,14 @@ import structlog
 import torch
 from opentelemetry import trace
 
-from rollmesh.ports import MessageContext, Publisher, RoutedExpertsStore, Subscription
+from rollmesh.ports import (
+    MessageContext,
+    Publisher,
+    RoutedExpertsStore,
+    Subscription,
+    TrajectoryLostError,
+    TrajectoryStore,
+)
 from rollmesh.checkpoint.atomic_dir import write_file_atomically
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.tokenizer import ByteTokenizer
@@ -40,6 +47,8 @@ from rollmesh.messages import (
     CheckpointSaved,
     RolloutCompleted,
     RolloutFailed,
+    TokenTrace,
+    TokenTraceError,
     TrainerStepped,
     WeightsPublished,
 )
@@ -51,6 +60,7 @@ from rollmesh.messages.subjects import (
     WEIGHTS_PUBLISHED,
 )
 from rollmesh.rollout.tasks import DemonstrableTask
+from rollmesh.rollout.trajectory_offload import load_trace
 from rollmesh.training.admission import (
     Group,
     GroupBuffer,
@@ -90,6 +100,7 @@ class TrainerLogic:
         in_progress_every_s: float = IN_PROGRESS_EVERY_S,
         routed_experts: RoutedExpertsStore | None = None,
         busy: BusyClock | None = None,
+        trajectories: TrajectoryStore | None = None,
     ) -> None:
         self.config = config
         # Train steps (the policy step and writing its weights) are the trainer's compute: the
@@ -98,6 +109,8 @@ class TrainerLogic:
         self.in_progress_every_s = in_progress_every_s
         # MoE rollouts' routed-expert rows, for routing replay in the policy step.
         self.routed_experts = routed_experts
+        # Long rollouts' traces, fetched at admission when a RolloutCompleted carries a reference.
+        self.trajectories = trajectories
         self.model_config = model_config
         self.backend = backend
         self.publisher = publisher
@@ -116,6 +129,7 @@ class TrainerLogic:
         self.dropped_stale = 0
         self.ungrouped = 0
         self.duplicates = 0
+        self.lost_trajectories = 0
         self.resumed_from_step: int | None = None
         # Trajectories admitted and waiting for the step that trains them.
         metrics.observe(metrics_catalog.QUEUE_DEPTH, self,
@@ -160,6 +174,7 @@ class TrainerLogic:
     def stats(self) -> dict[str, Any]:
         return {"step": self.step, "version": self.version, "dropped_stale": self.dropped_stale,
                 "ungrouped": self.ungrouped, "duplicates": self.duplicates,
+                "lost_trajectories": self.lost_trajectories,
                 "resumed_from_step": self.resumed_from_step, "consumed": len(self._seen),
                 "open_groups": self.buffer.open_groups(), "ready_groups": len(self.buffer.ready)}
 
@@ -170,7 +185,17 @@ class TrainerLogic:
             # GRPO needs a group; an ungrouped trajectory would wait forever for its peers.
             self.ungrouped += 1
             return
-        lag = generation_lag(message.versions, self.version)
+        try:
+            trace = await self._trace(message)
+        except (TrajectoryLostError, TokenTraceError) as exc:
+            # Gone (its blob expired) or broken: retrying cannot help. Counted in its group, so
+            # the group completes, but masked like a failure.
+            self.lost_trajectories += 1
+            _log.warning("trajectory_lost", rollout_id=message.rollout_id, error=str(exc))
+            await self._admit(message.group_id or message.rollout_id,
+                              GroupMember(_key(message), 0.0, None), ctx)
+            return
+        lag = generation_lag(trace.versions, self.version)
         metrics.record(metrics_catalog.VERSION_LAG, lag,
                        {"admitted": "true" if lag <= self.config.max_staleness else "false"})
         sample = None
@@ -178,20 +203,35 @@ class TrainerLogic:
             # Never infra_failed: a RolloutCompleted's infra_failures are failures it survived
             # (resumed from its last saved turn, its tokens whole); one that did not survive is
             # a RolloutFailed, counted in its group with no sample (handle_failed).
-            sample = PolicySample(message.tokens, message.loss_mask, message.logprobs, 0.0,
-                                  versions=message.versions, routed_experts=await self._routed_rows(message))
+            sample = PolicySample.from_trace(trace, 0.0, routed_experts=await self._routed_rows(message))
         else:
             self.dropped_stale += 1
         member = GroupMember(_key(message), message.reward, sample, lag,
-                             raw_version_lag=version_lag(message.versions, self.version))
+                             raw_version_lag=version_lag(trace.versions, self.version))
         await self._admit(message.group_id or message.rollout_id, member, ctx)
+
+    async def _trace(self, message: RolloutCompleted) -> TokenTrace:
+        """The rollout's TokenTrace: inline, or fetched from the trajectory store. A store that
+        cannot give it now raises, and the message is redelivered (its key forgotten, so the
+        redelivery is admitted rather than taken for a duplicate)."""
+        try:
+            return await load_trace(message, self.trajectories)
+        except (TrajectoryLostError, TokenTraceError):
+            raise
+        except Exception:
+            self._seen.discard(_key(message))
+            raise
 
     async def _routed_rows(self, message: RolloutCompleted) -> Any:
         """The rollout's recorded expert rows (MoE models), or None. A store that cannot give
         them now raises, and the trajectory is redelivered rather than trained without replay."""
         if not message.routed_experts_ref or self.routed_experts is None:
             return None
-        return await self.routed_experts.load(message.routed_experts_ref)
+        try:
+            return await self.routed_experts.load(message.routed_experts_ref)
+        except Exception:
+            self._seen.discard(_key(message))  # as in _trace: the redelivery must be admitted
+            raise
 
     async def handle_failed(self, message: RolloutFailed, ctx: MessageContext) -> None:
         if message.purpose != "train" or await self._seen_before(_key(message), ctx):
