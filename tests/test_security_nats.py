@@ -25,8 +25,11 @@ from rollmesh.bus.errors import BusConnectError, BusSecurityError
 from rollmesh.bus.permissions import ROLES, ServerUser, render_authorization, role_permissions
 from rollmesh.bus.security import BusCredentials, GeneratedCredentials, generate_role_nkeys
 from rollmesh.bus.streams import ensure_streams
+from rollmesh.bus.trajectory_store import ObjectStoreTrajectories
 from rollmesh.config import NatsCredentialsConfig
+from rollmesh.messages import TokenTrace
 from rollmesh.messages.subjects import ALL_SUBJECTS
+from rollmesh.ports import StateStoreError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -162,6 +165,26 @@ async def test_a_client_publishes_rollout_requests_and_nothing_else(secured: Sec
     assert len(violations.errors) == 2
 
 
+async def test_a_long_trajectory_is_stored_by_a_rollout_worker_and_read_not_written_by_the_trainer_and_a_client(
+    secured: SecuredBus, streams: None,
+) -> None:
+    roles = ("rollout_worker", "trainer", "client")
+    connections = {role: await connect_bus(secured.server.url, name=role, credentials=secured.credentials(role))
+                   for role in roles}
+    trace = TokenTrace.forced([index % 250 for index in range(50_000)])  # several object-store chunks
+    try:
+        ref = await ObjectStoreTrajectories(connections["rollout_worker"].jetstream(), NAMESPACE).save(
+            "r-long", "completed", trace)
+        for reader in ("trainer", "client"):
+            assert await ObjectStoreTrajectories(connections[reader].jetstream(), NAMESPACE).load(ref) == trace
+        trainer_store = ObjectStoreTrajectories(connections["trainer"].jetstream(), NAMESPACE, outage_retry_s=0.0)
+        with pytest.raises(StateStoreError):
+            await trainer_store.save("r-forged", "completed", trace)
+    finally:
+        for nc in connections.values():
+            await nc.close()
+
+
 async def test_a_client_reads_results_with_user_and_password_from_the_environment(
     secured: SecuredBus, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -238,7 +261,9 @@ def test_every_subject_has_a_publisher_and_each_role_its_own_inbox() -> None:
             assert subject.format(NAMESPACE) in actor_publish, subject.template
     inboxes = [next(s for s in t.subscribe if s.startswith("_INBOX.")) for t in tables.values()]
     assert len(set(inboxes)) == len(ROLES)
-    assert tables["client"].publish == (f"rl.{NAMESPACE}.rollout.requested",)
+    # Of the mesh's subjects a client publishes rollout requests only (the rest is reading the
+    # trajectories object store: JetStream API requests).
+    assert [s for s in tables["client"].publish if s.startswith("rl.")] == [f"rl.{NAMESPACE}.rollout.requested"]
 
 
 @pytest.mark.unit

@@ -208,8 +208,9 @@ def _rollout_state(ns: str) -> list[str]:
 
 def _object_bucket(bucket: str, *, write: bool) -> list[str]:
     stream = f"OBJ_{bucket}"
-    # An object is read through an ordered push consumer (flow-control replies go to $JS.FC).
-    rights = [*_read_stream(stream), f"$JS.API.CONSUMER.CREATE.{stream}.>",
+    # An object is read through an ordered push consumer (flow-control replies go to $JS.FC);
+    # nats-py finds that consumer's stream by its subject first ($JS.API.STREAM.NAMES).
+    rights = [*_read_stream(stream), "$JS.API.STREAM.NAMES", f"$JS.API.CONSUMER.CREATE.{stream}.>",
               f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.FC.{stream}.>"]
     if write:
         # The bucket is made by its first writer; a put replaces chunks (purge) under $O.
@@ -280,8 +281,9 @@ def _resharder(ns: str) -> _Lists:
 
 
 def _client(ns: str) -> _Lists:
-    # Publish rollout requests, read progress and results (trainer steps are training progress).
-    return _subjects(ns, ROLLOUT_REQUESTED), \
+    # Publish rollout requests, read progress and results (trainer steps are training progress),
+    # with the stored trajectories of long results.
+    return [*_subjects(ns, ROLLOUT_REQUESTED), *_object_bucket(trajectories_bucket(ns), write=False)], \
         _subjects(ns, ROLLOUT_PROGRESSED, ROLLOUT_COMPLETED, ROLLOUT_FAILED, TRAINER_STEPPED), False
 
 
