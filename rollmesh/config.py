@@ -178,7 +178,7 @@ class RolloutConfig(ConfigSection):
     snapshot_workspace: bool = False
     # A rollout's TokenTrace travels inline in RolloutCompleted (and in its saved state) up to
     # this many bytes of JSON; above, it goes to the JetStream object store and the message
-    # carries trajectory_ref (docs/long-trajectories.md). 256 KiB: about 8K tokens inline.
+    # carries trajectory_ref (docs/long-trajectories.md). 256 KiB: about 11K tokens inline.
     inline_trajectory_bytes: PositiveInt = 262_144
     # Stored trajectories older than this are removed by the object store (the trainer must have
     # admitted them by then; a RolloutCompleted whose trajectory expired is counted as lost).
