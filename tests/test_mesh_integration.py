@@ -73,10 +73,11 @@ async def test_bare_nats_client_request_comes_back_completed(mesh) -> None:
     finally:
         await nc.close()
     assert result["type"] == "rollout.completed", result
-    assert len(result["tokens"]) == len(result["loss_mask"]) == len(result["versions"]) == len(result["logprobs"])
-    assert result["tokens"][: result["prompt_len"]][1:] == list(b"Q: molar mass of H2O?\n")
-    assert all(v == -1 for v in result["versions"][: result["prompt_len"]])
-    assert any(result["loss_mask"]) and result["reward"] in (0.0, 1.0)
+    tokens = result["trajectory"]  # a TokenTrace: short rollouts carry it inline
+    assert len(tokens["ids"]) == len(tokens["loss_mask"]) == len(tokens["versions"]) == len(tokens["logprobs"])
+    assert tokens["ids"][: result["prompt_len"]][1:] == list(b"Q: molar mass of H2O?\n")
+    assert all(v == -1 for v in tokens["versions"][: result["prompt_len"]])
+    assert any(tokens["loss_mask"]) and result["reward"] in (0.0, 1.0)
 
 
 async def test_unknown_task_gets_a_typed_failure(mesh) -> None:
@@ -180,7 +181,7 @@ async def test_weight_update_mid_rollout_keeps_the_rollout_and_both_versions(too
     finally:
         await nc.close()
     assert result["type"] == "rollout.completed", result
-    generated = [v for v in result["versions"] if v != -1]
+    generated = [v for v in result["trajectory"]["versions"] if v != -1]
     assert result["turns"] == 2 and result["tool_calls"] >= 1
     assert generated == sorted(generated)
     assert {old_version, new_version} <= set(generated)

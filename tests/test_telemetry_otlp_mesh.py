@@ -175,7 +175,8 @@ def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receive
         "messaging.destination.template"].startswith(("rl.{ns}.sandbox.", "rl.{ns}.rollout."))]
     assert {s["attributes"].get("rl.rollout_id") for s in made_for_rollout} == {rollout_id}
     # Its completion carries the version of the last token the model generated (loss mask 1).
-    generated_versions = [v for v, mask in zip(completion.versions, completion.loss_mask) if mask]
+    trace = completion.token_trace()
+    generated_versions = [v for v, mask in zip(trace.versions, trace.loss_mask) if mask]
     assert generated_versions, "the rollout generated no token"
     (completed_publish,) = completed_publishes
     assert completed_publish["attributes"]["rl.rollout_id"] == rollout_id
