@@ -22,7 +22,7 @@ from rollmesh.bus.trajectory_store import ObjectStoreTrajectories, trajectories_
 from rollmesh.config import ModelConfig, RolloutConfig, TrainerConfig
 from rollmesh.messages import RolloutCompleted, TokenTrace
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, TRAINER_STEPPED, WEIGHTS_PUBLISHED
-from rollmesh.ports import MessageContext, TrajectoryLostError
+from rollmesh.ports import MessageContext, StateStoreError, TrajectoryLostError
 from rollmesh.rollout.trajectory import Trajectory
 from rollmesh.rollout.trajectory_offload import COMPLETED_OBJECT, place_trace, trace_bytes
 from rollmesh.training.grpo import PolicySample
@@ -181,6 +181,43 @@ async def test_a_completed_rollout_whose_stored_trace_is_gone_is_counted_lost_an
     assert logic.stats()["lost_trajectories"] == 1
     (step,) = bus.messages(TRAINER_STEPPED)
     assert step.num_samples == 0, "a group of one usable member teaches nothing"
+
+
+class FlakyStore:
+    """A trajectory store that cannot answer until ``recover()`` (NATS away past its retries)."""
+
+    def __init__(self, traces: dict[str, TokenTrace]) -> None:
+        self.traces, self.up = traces, False
+
+    def recover(self) -> None:
+        self.up = True
+
+    async def load(self, ref: str) -> TokenTrace:
+        if not self.up:
+            raise StateStoreError(f"cannot read {ref!r}: no responders")
+        return self.traces[ref]
+
+
+async def test_a_trajectory_the_store_cannot_give_now_fails_the_delivery_and_its_redelivery_is_admitted(
+        tmp_path: Path):
+    short = long_trace(7, length=2048, turns=2)
+    refs = {"memory/a/completed": short, "memory/b/completed": short}
+    store = FlakyStore(refs)
+    model = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=WINDOW)
+    config = TrainerConfig(lr=1e-3, group_size=2, groups_per_step=1, ppo_epochs=1)
+    bus = RecordingPublisher()
+    logic = TrainerLogic(config, model, TorchTrainerBackend(model, config), bus, run_dir=tmp_path,
+                         clock=lambda: 500.0, trajectories=store)  # type: ignore[arg-type]
+    first, second = (completed(name, reward, {"trajectory_ref": f"memory/{name}/completed"}, short)
+                     for name, reward in (("a", 1.0), ("b", 0.0)))
+    with pytest.raises(StateStoreError):
+        await logic.handle_completed(first, context())  # nak'ed: redelivered later
+    store.recover()
+    results = await asyncio.wait_for(asyncio.gather(logic.handle_completed(first, context()),
+                                                    logic.handle_completed(second, context())), STEP_TIMEOUT_S)
+    assert results == [None, None] and logic.stats()["duplicates"] == 0
+    (step,) = bus.messages(TRAINER_STEPPED)
+    assert step.num_samples == 2, "the redelivery was admitted, not taken for a duplicate"
 
 
 @pytest.mark.gpu
