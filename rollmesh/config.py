@@ -19,6 +19,12 @@ from msgspec import Meta
 
 from rollmesh.config_paths import resolve_config_paths
 from rollmesh.config_types import ConfigSection, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt
+from rollmesh.observability_config import (
+    TRACE_EXPORTER_KINDS,
+    TRACE_EXPORTERS_PATTERN,
+    DashboardConfig,
+    TelemetryConfig,
+)
 from rollmesh.sandbox_config import (
     MAX_OUTPUT_CAP,
     SandboxConfig,
@@ -27,12 +33,14 @@ from rollmesh.sandbox_config import (
     SandboxProfileConfig,
 )
 from rollmesh.security_config import NatsCredentialsConfig, NatsTlsConfig, SecurityConfig
+from rollmesh.trainer_config import MegatronConfig, TrainerConfig
 
 # Sections that live in their own modules, named here too: ``rollmesh.config`` is where every
 # part of the config tree is imported from.
 __all__ = [
-    "MAX_OUTPUT_CAP", "NatsCredentialsConfig", "NatsTlsConfig", "SandboxConfig", "SandboxLimitsConfig",
-    "SandboxMaximaConfig", "SandboxProfileConfig", "SecurityConfig",
+    "MAX_OUTPUT_CAP", "TRACE_EXPORTER_KINDS", "TRACE_EXPORTERS_PATTERN", "DashboardConfig", "MegatronConfig",
+    "NatsCredentialsConfig", "NatsTlsConfig", "SandboxConfig", "SandboxLimitsConfig", "SandboxMaximaConfig",
+    "SandboxProfileConfig", "SecurityConfig", "TelemetryConfig", "TrainerConfig",
 ]
 
 
@@ -87,26 +95,6 @@ class RayConfig(ConfigSection):
 # The roles ``ray.role_resources`` may place, named as the launcher spawns them.
 PLACED_ROLES = ("scheduler", "sandbox", "prefill", "decode", "trainer", "resharder", "rollout")
 RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
-
-TRACE_EXPORTER_KINDS = ("otlp", "jsonl", "console", "none")
-TRACE_EXPORTERS_PATTERN = r"^\s*({0})\s*(,\s*({0})\s*)*$".format("|".join(TRACE_EXPORTER_KINDS))
-
-
-class TelemetryConfig(ConfigSection):
-    # "jsonl": spans to <run_dir>/traces.jsonl; "otlp": OTLP over HTTP to otlp_endpoint;
-    # "console"; "none"; or several comma-separated, as OTEL_TRACES_EXPORTER takes them (a run's
-    # config.json records the exporters the OTEL_* variables put in effect, so a resume keeps them).
-    exporter: Annotated[str, Meta(pattern=TRACE_EXPORTERS_PATTERN)] = "jsonl"
-    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # Prometheus metrics of the whole mesh, served by `rollmesh up` (docs/metrics.md): 0 picks a
-    # free port; a busy port falls back to a free one (mesh.json has the real URL).
-    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 9464
-    metrics_host: str = "127.0.0.1"
-    # How often every process sends its metric snapshot to the hub.
-    metrics_report_s: PositiveFloat = 2.0
-    # How often the hub appends the aggregate to <run_dir>/tensorboard/ as scalars.
-    tensorboard_every_s: PositiveFloat = 10.0
 
 
 class ModelConfig(ConfigSection):
@@ -189,92 +177,6 @@ class RolloutConfig(ConfigSection):
             raise ValueError("sandbox_heartbeat_s must be at most half of sandbox_lease_ttl_s")
 
 
-class MegatronConfig(ConfigSection):
-    """The megatron-core trainer backend (``trainer.backend = "megatron"``): one process per rank
-    (training/megatron_ranks.py), tensor_parallel x pipeline_parallel x data_parallel of them."""
-
-    tensor_parallel: PositiveInt = 1
-    pipeline_parallel: PositiveInt = 1
-    # Experts are split over expert_parallel ranks, taken from the data-parallel ranks.
-    expert_parallel: PositiveInt = 1
-    data_parallel: PositiveInt = 1
-    distributed_optimizer: bool = False  # Adam moments and fp32 masters sharded over DP ranks
-    # Recompute every layer's activations in backward (MoE routing replay covers the recompute).
-    recompute_activations: bool = False
-    # torch.distributed backend: "auto" is nccl where CUDA is available, else gloo.
-    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    # How long starting the ranks and one call may take: a rank that died inside a collective
-    # leaves the others waiting there, and the trainer must fail, not hang.
-    start_timeout_s: PositiveFloat = 300.0
-    call_timeout_s: PositiveFloat = 1800.0
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
-
-    def __post_init__(self) -> None:
-        if self.data_parallel % self.expert_parallel:
-            raise ValueError("megatron.expert_parallel must divide megatron.data_parallel "
-                             "(expert-parallel ranks are data-parallel ranks)")
-
-
-class TrainerConfig(ConfigSection):
-    lr: PositiveFloat = 3e-4
-    weight_decay: float = 0.0
-    group_size: PositiveInt = 8
-    groups_per_step: PositiveInt = 16
-    # Two passes per batch: with four the trainer took most of a 2-core machine and learned no faster.
-    ppo_epochs: PositiveInt = 2
-    clip_eps: PositiveFloat = 0.2
-    # Dual-clip PPO: with a negative advantage, a token's objective is floored at dual_clip x the
-    # advantage, so tokens from much older versions (long rollouts) cannot blow up the loss.
-    dual_clip: Annotated[float, Meta(gt=1.0)] = 3.0
-    grad_clip: PositiveFloat = 1.0
-    # Admission: the largest version lag of generated tokens a trajectory may have.
-    max_staleness: NonNegInt = 2
-    checkpoint_every: NonNegInt = 0
-    torch_threads: PositiveInt = 1
-    seed: int = 0
-    # The policy loss (training/losses.py): "ppo_clip" averages over every trained token of the
-    # batch (today's loss); "grpo" averages within each sample, then over samples (DeepSeekMath).
-    policy_loss: Literal["grpo", "ppo_clip"] = "ppo_clip"
-    # Decoupled PPO: clip against the trainer's own logprobs before the update and weight each
-    # token by min(exp(proximal - behaviour), is_cap), e.g. 2.0. None or 0: off, the ratio is
-    # taken against the behaviour logprobs (today's loss; identical when behaviour == proximal).
-    is_cap: NonNegFloat | None = None
-    # Tokens generated more than this many versions before the trainer's weights are masked out
-    # of the loss. Not max_staleness: that bound excludes tool waits, so an admitted long
-    # rollout's first turns may be older; this one counts raw versions. None: no bound.
-    max_token_lag: NonNegInt | None = None
-    # k3 KL to the weights RL started from (a frozen copy: one more model's weights in memory).
-    kl_coef: NonNegFloat = 0.0
-    entropy_coef: NonNegFloat = 0.0  # entropy bonus over the trained tokens' full distributions
-    # Each weight version is published as safetensors buckets of at most this many bytes plus a
-    # manifest of their sha256 (engine/weight_buckets.py).
-    weight_bucket_bytes: PositiveInt = 512 << 20
-    # Rollout routing replay (MoE "hf" models): when every trained sample carries the experts
-    # the inference engine chose, the trainer's forwards route to those (training/router_replay.py).
-    router_replay: bool = True
-    # The torch backend's arithmetic. "fp32": float32 weights and torch's AdamW. "bf16": bf16
-    # weights and gradients with fp32 master weights and Adam moments (training/optimizer_adamw.py),
-    # the precision of large-scale training; with optimizer_offload the fp32 state lives in host
-    # memory and visits the device in chunks (training/optimizer_offload.py).
-    precision: Literal["fp32", "bf16"] = "fp32"
-    optimizer_offload: bool = False
-    # "torch": this process, CPU or one GPU. "megatron": megatron-core GPTModel on the ranks of
-    # ``megatron`` (HF models of the dense Llama family, Qwen2 and the MoE families).
-    backend: Literal["torch", "megatron"] = "torch"
-    megatron: MegatronConfig = MegatronConfig()
-
-    def __post_init__(self) -> None:
-        if self.optimizer_offload and self.precision != "bf16":
-            raise ValueError('trainer.optimizer_offload needs trainer.precision = "bf16" (the offloaded '
-                             "state is the fp32 master weights and moments of bf16 weights)")
-        if self.backend == "megatron" and (self.precision != "fp32" or self.optimizer_offload):
-            raise ValueError('trainer.precision and trainer.optimizer_offload are the torch backend\'s; '
-                             'the megatron backend trains in fp32')
-
-
 class ResharderConfig(ConfigSection):
     max_shard_bytes: PositiveInt = 1 << 20
     # Megatron checkpoints: shards converted at once, and the memory they may hold together.
@@ -327,29 +229,6 @@ class ServeConfig(ConfigSection):
     def __post_init__(self) -> None:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("serve.tls_cert_file and serve.tls_key_file go together")
-
-
-class DashboardConfig(ConfigSection):
-    """The live dashboard at ``/dashboard`` on the Serve app's port (``rollmesh dashboard``)."""
-
-    enabled: bool = True
-    # Where a rollout's trace link goes: a URL with ``{trace_id}`` in it, e.g. Jaeger's
-    # "http://127.0.0.1:16686/trace/{trace_id}". Empty: the dashboard's own view of the run's
-    # traces.jsonl (/dashboard/traces/<trace_id>).
-    trace_url: str = ""
-    # How often the page refreshes, and how often the Serve app asks the scheduler and the sandbox
-    # broker for their numbers (events arrive as they happen either way).
-    refresh_s: Annotated[float, Meta(ge=0.2)] = 1.0
-    poll_s: Annotated[float, Meta(ge=0.2)] = 2.0
-    # Bounds of what the dashboard keeps: rollouts in flight (the least recently heard of go
-    # first), recent failures, and points of the reward curve and accelerator timeline.
-    max_rollouts: PositiveInt = 200
-    max_failures: PositiveInt = 50
-    max_points: PositiveInt = 500
-
-    def __post_init__(self) -> None:
-        if self.trace_url and "{trace_id}" not in self.trace_url:
-            raise ValueError("dashboard.trace_url must contain {trace_id}")
 
 
 class DemoConfig(ConfigSection):
