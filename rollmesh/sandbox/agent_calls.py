@@ -1,8 +1,8 @@
 """Answers from a sandbox's agent: the frames that arrive for one request id, and what an error
 frame means as a typed error.
 
-Knows asyncio and the sandbox errors; the agent client (``agent_client``) owns the pipes and
-hands each frame to the ``Call`` of its request id.
+Knows asyncio and the sandbox errors; the host's end of the agent's pipes (``agent_pipes``) hands
+each frame to the ``Call`` of its request id.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
-"""The host's end of a sandbox: spawns the agent process a backend describes, multiplexes
-concurrent calls over its pipes by request id, and implements the ``Sandbox`` protocol.
+"""The host's end of a sandbox: spawns the agent process a backend describes, implements the
+``Sandbox`` protocol (exec, transfers, ping) over its pipes (``agent_pipes``), and tears it down.
 
 Knows asyncio, the frame codec and the sandbox protocol; nothing of bubblewrap, cgroups or
 leases (a backend hands in the argv and its own ``kill_tree`` / ``cleanup`` / ``oom_kills``).
-Everything read from the agent is untrusted: code in the sandbox runs as the agent's uid, so the
-reader bounds every frame, and a pipe that stops making sense counts as a dead sandbox.
-
-Latency matters (a tool call is one exec round trip): the pipes are plain non-blocking fds on
-the event loop (``add_reader``), no asyncio transports or threads, and 1 MiB large so a 1 MiB
-upload is one write.
+What the agent answers is untrusted (``agent_pipes`` bounds every frame); sizes and digests of
+transfers are checked here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import hashlib
 import inspect
 import os
@@ -24,31 +19,25 @@ import time
 from collections.abc import Callable, Sequence
 
 from rollmesh.sandbox import agent_wire as wire
-from rollmesh.sandbox.agent_calls import Call, error_from_frame
-from rollmesh.sandbox.agent_start import bounded_tail, exit_reason, silence_reason
+from rollmesh.sandbox.agent_pipes import DIED, AgentPipes
+from rollmesh.sandbox.agent_start import exit_reason, silence_reason
 from rollmesh.sandbox.errors import (
     BackendFailedError,
     ChecksumMismatchError,
-    SandboxDiedError,
     TransferError,
     WorkspacePathError,
 )
 from rollmesh.sandbox.sandbox_protocol import ExecOutcome, FileTransfer, OutputCallback, SandboxInfo
 
-F_SETPIPE_SZ = 1031
-PIPE_SIZE = 1024 * 1024
 HIGH_WATER = 2 * wire.CHUNK  # a chunked upload waits while this much is still unwritten
-MAX_REPLY_PAYLOAD = wire.CHUNK + 64 * 1024  # the agent never sends more in one frame
 ANSWER_GRACE_S = 30.0  # past an exec's timeout: how long the agent may take to report it
 # How long a new agent may take to say it is ready: the default of sandbox.start_timeout_s.
 # Generous, because a start on a loaded host (namespaces, a Python, page faults) is slow.
 START_TIMEOUT_S = 60.0
-STDERR_TAIL = 4096  # bytes of the agent's stderr kept (an error quotes less: agent_start)
 EXIT_WAIT_S = 5.0
-_DIED = object()  # pushed to every open call when the sandbox dies
 
 
-class AgentSandbox:
+class AgentSandbox(AgentPipes):
     """A live sandbox whose agent this object spawned and owns. Use ``launch``."""
 
     def __init__(
@@ -61,34 +50,10 @@ class AgentSandbox:
         oom_kills: Callable[[], int] | None = None,
         graceful_exit_s: float = 0.0,
     ) -> None:
-        self.info = info
+        super().__init__(info, process, oom_kills=oom_kills)
         self._graceful_exit_s = graceful_exit_s
-        self._process = process
         self._kill_tree = kill_tree
         self._cleanup = cleanup
-        self._oom_kills = oom_kills
-        self._loop = asyncio.get_running_loop()
-        self._reader = wire.FrameReader(MAX_REPLY_PAYLOAD, reuse=True)
-        assert process.stdin is not None and process.stdout is not None and process.stderr is not None
-        self._in_fd, self._out_fd, self._err_fd = process.stdin.fileno(), process.stdout.fileno(), process.stderr.fileno()
-        self._out_inode = os.fstat(self._out_fd).st_ino  # to tell if the fd was closed under us
-        self._writer = wire.FrameWriter(self._in_fd)
-        self._calls: dict[int, Call] = {0: Call()}  # id 0: the agent's "ready" hello
-        self._next_id = 1
-        self._drain_waiters: list[tuple[int, asyncio.Future]] = []
-        self._stderr_tail = bytearray()
-        self._dead_cause = ""  # why the agent is gone, without its stderr
-        self._dead_reason = ""  # the same with the tail of its stderr
-        self._destroyed = False
-        for fd in (self._in_fd, self._out_fd, self._err_fd):
-            os.set_blocking(fd, False)
-        for fd in (self._in_fd, self._out_fd):
-            try:
-                fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)
-            except OSError:
-                pass  # over the per-user pipe budget: still correct, only slower
-        self._loop.add_reader(self._out_fd, self._on_readable)
-        self._loop.add_reader(self._err_fd, self._on_stderr)
 
     @classmethod
     async def launch(
@@ -132,8 +97,8 @@ class AgentSandbox:
             await sandbox.destroy()
             raise
         del sandbox._calls[0]
-        if hello is _DIED or not isinstance(hello, tuple) or hello[0].get("t") != "ready":
-            if hello is _DIED:
+        if hello is DIED or not isinstance(hello, tuple) or hello[0].get("t") != "ready":
+            if hello is DIED:
                 reason = await exit_reason(process, sandbox._dead_cause, wait_s=EXIT_WAIT_S)
             elif isinstance(hello, tuple):
                 reason = "the agent's first message was not its hello"
@@ -143,135 +108,6 @@ class AgentSandbox:
             raise BackendFailedError("the sandbox did not start", backend=info.backend, reason=reason,
                                      argv0=str(argv[0]), stderr_tail=sandbox.stderr_tail())
         return sandbox
-
-    def stderr_tail(self) -> str:
-        """The last lines the agent (or bwrap, runsc) wrote on stderr, bounded."""
-        return bounded_tail(bytes(self._stderr_tail))
-
-    # ---- pipes -------------------------------------------------------------------------------
-
-    def _on_readable(self) -> None:
-        try:
-            frames = self._reader.read(self._out_fd)
-        except BlockingIOError:
-            return
-        except EOFError:
-            self._mark_dead("the agent exited")
-            return
-        except (wire.WireError, OSError) as exc:
-            self._mark_dead(f"the agent's pipe broke: {exc}")
-            return
-        for header, payload in frames:
-            call = self._calls.get(header.get("id", 0) if header.get("t") != "ready" else 0)
-            if call is not None:  # else: a call cancelled while its reply was on the way
-                # A large payload is a view of the reader's scratch buffer: the one copy it gets
-                # (the bytes the caller receives) is made here, before the next read.
-                call.push((header, payload if isinstance(payload, bytes) else bytes(payload)))
-
-    def _on_stderr(self) -> bool:
-        """Keep the tail of what the agent (or bwrap, runsc) says on stderr; False at its end."""
-        try:
-            data = os.read(self._err_fd, 65536)
-        except (BlockingIOError, InterruptedError):
-            return True
-        except OSError:
-            data = b""
-        if not data:
-            self._loop.remove_reader(self._err_fd)
-            return False
-        self._stderr_tail += data
-        del self._stderr_tail[:-STDERR_TAIL]
-        return True
-
-    def _on_writable(self) -> None:
-        self._flush()
-
-    def _flush(self) -> None:
-        try:
-            done = self._writer.flush()
-        except OSError as exc:  # BrokenPipeError: the agent is gone
-            self._mark_dead(f"cannot write to the agent: {exc}")
-            return
-        if done:
-            self._loop.remove_writer(self._in_fd)
-        else:
-            self._loop.add_writer(self._in_fd, self._on_writable)
-        if self._drain_waiters:
-            waiting = []
-            for level, waiter in self._drain_waiters:
-                if self._writer.pending > level:
-                    waiting.append((level, waiter))
-                elif not waiter.done():
-                    waiter.set_result(None)
-            self._drain_waiters = waiting
-
-    def _send(self, header: dict[str, object], payload: bytes | memoryview = b"") -> None:
-        if self._dead_reason:
-            return  # the agent is gone; after destroy its fd number may belong to another pipe
-        self._writer.send(header, payload)
-        self._flush()
-
-    async def _wait_drained(self, level: int) -> None:
-        """Until at most ``level`` bytes are still waiting for the pipe."""
-        while self._writer.pending > level and not self._dead_reason:
-            waiter = self._loop.create_future()
-            self._drain_waiters.append((level, waiter))
-            await waiter
-
-    def _mark_dead(self, reason: str) -> None:
-        if self._dead_reason:
-            return
-        if self._oom_kills is not None and not self._destroyed:
-            try:
-                if self._oom_kills() > 0:
-                    reason += " (the memory limit killed a process in this sandbox)"
-            except OSError:
-                pass
-        code = self._process.poll()
-        if code is not None:
-            reason += f"; exit status {code}"
-        for _ in range(16):  # what it said last (why it died) may still be in the pipe
-            if not self._on_stderr():
-                break
-        tail = self.stderr_tail()
-        self._dead_cause = reason
-        self._dead_reason = f"{reason}: {tail}" if tail else reason
-        self._unwatch_pipes()
-        for call in self._calls.values():
-            call.push(_DIED)
-        for _, waiter in self._drain_waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def _unwatch_pipes(self) -> None:
-        """Take the pipes off the event loop. Before they are closed, always: a closed fd left
-        registered makes the loop ignore whatever pipe reuses its number next (another
-        sandbox's, whose hello would then never be read)."""
-        for fd in (self._out_fd, self._err_fd):
-            self._loop.remove_reader(fd)
-        self._loop.remove_writer(self._in_fd)
-
-    def _open(self) -> tuple[int, Call]:
-        if self._dead_reason:
-            raise SandboxDiedError("the sandbox is gone", backend=self.info.backend,
-                                   sandbox_id=self.info.sandbox_id, reason=self._dead_reason)
-        rid = self._next_id
-        self._next_id += 1
-        call = self._calls[rid] = Call()
-        return rid, call
-
-    def _died(self) -> SandboxDiedError:
-        return SandboxDiedError("the sandbox died", backend=self.info.backend,
-                                sandbox_id=self.info.sandbox_id, reason=self._dead_reason)
-
-    def _raise_for(self, frame: object) -> dict:
-        """The header of an answer frame; raises what an error frame (or death) means."""
-        if frame is _DIED:
-            raise self._died()
-        header = frame[0]  # type: ignore[index]
-        if header.get("t") != "error":
-            return header
-        raise error_from_frame(header, backend=self.info.backend)
 
     # ---- Sandbox protocol --------------------------------------------------------------------
 
@@ -314,7 +150,7 @@ class AgentSandbox:
                     frame = await call.next(timeout + ANSWER_GRACE_S)
                 except asyncio.TimeoutError:
                     return _outcome("infra_error", out, err, started, detail="the agent did not report the exec")
-                if frame is _DIED:
+                if frame is DIED:
                     return _outcome("sandbox_died", out, err, started, detail=self._dead_reason)
                 fields = self._raise_for(frame)
                 payload = frame[1]  # type: ignore[index]
