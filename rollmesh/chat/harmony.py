@@ -14,7 +14,6 @@ vllm/tool_parsers/openai_tool_parser.py. Knows the text format only.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,9 +23,8 @@ from rollmesh.chat.tool_syntax import (
     CallCandidate,
     TurnSyntax,
     arguments_json,
-    decode_json_at,
+    call_with_json_arguments,
     join_content,
-    skip_whitespace,
 )
 
 if TYPE_CHECKING:
@@ -155,10 +153,4 @@ def _call(message: HarmonyMessage) -> CallCandidate:
         return CallCandidate(raw=message.raw, name=name, syntax_error=cut, truncated=True)
     if not message.body.strip():
         return CallCandidate(raw=message.raw, name=name, arguments={})
-    try:
-        arguments, end = decode_json_at(message.body, 0)
-    except json.JSONDecodeError as exc:
-        return CallCandidate(raw=message.raw, name=name, syntax_error=f"invalid JSON arguments: {exc.msg}")
-    if skip_whitespace(message.body, end) != len(message.body):
-        return CallCandidate(raw=message.raw, name=name, syntax_error="text after the JSON arguments")
-    return CallCandidate(raw=message.raw, name=name, arguments=arguments)
+    return call_with_json_arguments(message.raw, name, message.body)

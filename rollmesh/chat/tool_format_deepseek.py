@@ -12,7 +12,6 @@ models/templates/deepseek-ai-DeepSeek-V3.1.jinja. Knows the text format only.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -20,9 +19,8 @@ from rollmesh.chat.tool_syntax import (
     CallCandidate,
     TurnSyntax,
     arguments_json,
-    decode_json_at,
-    join_content,
-    skip_whitespace,
+    call_with_json_arguments,
+    split_marked_calls,
 )
 
 if TYPE_CHECKING:
@@ -43,20 +41,8 @@ def split_deepseek_v3(text: str) -> TurnSyntax:
         first = text.find(CALL_BEGIN)  # a model that skips the section marker still calls
     if first == -1:
         return TurnSyntax(content=text.strip())
-    content_parts = [text[:first]]
-    candidates: list[CallCandidate] = []
-    pos = first
-    while (start := text.find(CALL_BEGIN, pos)) != -1:
-        end = text.find(CALL_END, start)
-        if end == -1:
-            reason = "the turn ended inside a tool call"
-            candidates.append(CallCandidate(raw=text[start:], syntax_error=reason, truncated=True))
-            pos = len(text)
-            break
-        candidates.append(_one_call(text[start : end + len(CALL_END)], text[start + len(CALL_BEGIN) : end]))
-        pos = end + len(CALL_END)
-    content_parts.append(text[pos:].replace(CALLS_BEGIN, "").replace(CALLS_END, ""))
-    return TurnSyntax(content=join_content(content_parts), candidates=candidates)
+    return split_marked_calls(text, first, call_begin=CALL_BEGIN, call_end=CALL_END, read_call=_one_call,
+                              section_markers=(CALLS_BEGIN, CALLS_END))
 
 
 def write_deepseek_v3(content: str, calls: Sequence[ToolCall]) -> str:
@@ -83,10 +69,4 @@ def _one_call(raw: str, body: str) -> CallCandidate:
     name = name.strip()
     if not name:
         return CallCandidate(raw=raw, syntax_error="a tool call without a name")
-    try:
-        arguments, end = decode_json_at(arguments_text, 0)
-    except json.JSONDecodeError as exc:
-        return CallCandidate(raw=raw, name=name, syntax_error=f"invalid JSON arguments: {exc.msg}")
-    if skip_whitespace(arguments_text, end) != len(arguments_text):
-        return CallCandidate(raw=raw, name=name, syntax_error="text after the JSON arguments")
-    return CallCandidate(raw=raw, name=name, arguments=arguments)
+    return call_with_json_arguments(raw, name, arguments_text)

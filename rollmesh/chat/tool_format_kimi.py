@@ -10,7 +10,6 @@ vllm/tool_parsers/kimi_k2_tool_parser.py. Knows the text format only.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -19,9 +18,8 @@ from rollmesh.chat.tool_syntax import (
     CallCandidate,
     TurnSyntax,
     arguments_json,
-    decode_json_at,
-    join_content,
-    skip_whitespace,
+    call_with_json_arguments,
+    split_marked_calls,
 )
 
 if TYPE_CHECKING:
@@ -40,20 +38,8 @@ def split_kimi_k2(text: str) -> TurnSyntax:
     first = text.find(SECTION_BEGIN)
     if first == -1:
         return TurnSyntax(content=text.strip())
-    content_parts = [text[:first]]
-    candidates: list[CallCandidate] = []
-    pos = first
-    while (start := text.find(CALL_BEGIN, pos)) != -1:
-        end = text.find(CALL_END, start)
-        if end == -1:
-            reason = "the turn ended inside a tool call"
-            candidates.append(CallCandidate(raw=text[start:], syntax_error=reason, truncated=True))
-            pos = len(text)
-            break
-        candidates.append(_one_call(text[start : end + len(CALL_END)], text[start + len(CALL_BEGIN) : end]))
-        pos = end + len(CALL_END)
-    content_parts.append(text[pos:].replace(SECTION_BEGIN, "").replace(SECTION_END, ""))
-    return TurnSyntax(content=join_content(content_parts), candidates=candidates)
+    return split_marked_calls(text, first, call_begin=CALL_BEGIN, call_end=CALL_END, read_call=_one_call,
+                              section_markers=(SECTION_BEGIN, SECTION_END))
 
 
 def write_kimi_k2(content: str, calls: Sequence[ToolCall]) -> str:
@@ -80,12 +66,4 @@ def _one_call(raw: str, body: str) -> CallCandidate:
     if name is None:
         reason = f"call id {call_id!r} is not functions.NAME:INDEX"
         return CallCandidate(raw=raw, call_id=call_id or None, syntax_error=reason)
-    try:
-        arguments, end = decode_json_at(arguments_text, 0)
-    except json.JSONDecodeError as exc:
-        reason = f"invalid JSON arguments: {exc.msg}"
-        return CallCandidate(raw=raw, name=name, call_id=call_id, syntax_error=reason)
-    if skip_whitespace(arguments_text, end) != len(arguments_text):
-        reason = "text after the JSON arguments"
-        return CallCandidate(raw=raw, name=name, call_id=call_id, syntax_error=reason)
-    return CallCandidate(raw=raw, name=name, arguments=arguments, call_id=call_id)
+    return call_with_json_arguments(raw, name, arguments_text, call_id=call_id)

@@ -9,6 +9,7 @@ a call gets are decided once for every format in ``tool_calls.py``. Knows text, 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,49 @@ def decode_json_at(text: str, pos: int) -> tuple[Any, int]:
 def join_content(parts: list[str]) -> str:
     """Content pieces around the calls, each stripped, empty ones dropped, joined by a newline."""
     return "\n".join(piece.strip() for piece in parts if piece.strip())
+
+
+def split_marked_calls(
+    text: str,
+    first: int,
+    *,
+    call_begin: str,
+    call_end: str,
+    read_call: Callable[[str, str], CallCandidate],
+    section_markers: tuple[str, ...] = (),
+) -> TurnSyntax:
+    """A turn whose calls, from ``first`` on, each sit between ``call_begin`` and ``call_end``
+    (DeepSeek V3, Kimi K2). ``read_call(raw, body)`` reads one call; a call the turn ended inside
+    is a truncated candidate. Content: the text before ``first`` and after the last call, without
+    the ``section_markers`` that enclose the calls."""
+    candidates: list[CallCandidate] = []
+    pos = first
+    while (start := text.find(call_begin, pos)) != -1:
+        end = text.find(call_end, start)
+        if end == -1:
+            reason = "the turn ended inside a tool call"
+            candidates.append(CallCandidate(raw=text[start:], syntax_error=reason, truncated=True))
+            pos = len(text)
+            break
+        candidates.append(read_call(text[start : end + len(call_end)], text[start + len(call_begin) : end]))
+        pos = end + len(call_end)
+    after = text[pos:]
+    for marker in section_markers:
+        after = after.replace(marker, "")
+    return TurnSyntax(content=join_content([text[:first], after]), candidates=candidates)
+
+
+def call_with_json_arguments(raw: str, name: str, arguments_text: str, *, call_id: str | None = None) -> CallCandidate:
+    """A call whose arguments text is exactly one JSON value (whitespace around it allowed)."""
+    try:
+        arguments, end = decode_json_at(arguments_text, 0)
+    except json.JSONDecodeError as exc:
+        reason = f"invalid JSON arguments: {exc.msg}"
+        return CallCandidate(raw=raw, name=name, call_id=call_id, syntax_error=reason)
+    if skip_whitespace(arguments_text, end) != len(arguments_text):
+        reason = "text after the JSON arguments"
+        return CallCandidate(raw=raw, name=name, call_id=call_id, syntax_error=reason)
+    return CallCandidate(raw=raw, name=name, arguments=arguments, call_id=call_id)
 
 
 def call_from_object(raw: str, obj: Any, *, arguments_keys: tuple[str, ...]) -> CallCandidate:
