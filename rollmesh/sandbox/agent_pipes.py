@@ -73,7 +73,6 @@ class AgentPipes:
         """The last lines the agent (or bwrap, runsc) wrote on stderr, bounded."""
         return bounded_tail(bytes(self._stderr_tail))
 
-
     def _on_readable(self) -> None:
         try:
             frames = self._reader.read(self._out_fd)
