@@ -98,21 +98,30 @@ RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"
 
 
 class ModelConfig(ConfigSection):
-    """The served (and, for "tiny", trained) model. "tiny": the demo's decoder over a byte
-    tokenizer (256 bytes + specials), built from the fields below. "hf": a Hugging Face
-    checkpoint directory (config.json + safetensors) of a Llama, Qwen2, Qwen3-MoE or Mixtral
-    model at ``hf_path``; its text endpoints use the byte tokenizer, so its vocabulary must hold
-    at least 259 ids for them (``/generate`` takes token ids and works with any vocabulary)."""
+    """The model: a Hugging Face model directory (config.json, safetensors, the tokenizer files and
+    a chat template; generation_config.json when present) of a Llama, Qwen2, Qwen3-MoE or Mixtral
+    model. Its own tokenizer and chat template are used on every text path (docs/models.md)."""
 
-    family: Literal["tiny", "hf"] = "tiny"
-    hf_path: str = ""
+    # The model directory. "": the demo's model (rollmesh.demo.demo_model), built into the run
+    # directory when the mesh starts, so the embedded defaults need no download.
+    path: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    vocab_size: PositiveInt = 260
-    d_model: PositiveInt = 128
-    n_layers: PositiveInt = 2
-    n_heads: PositiveInt = 4
-    max_seq_len: PositiveInt = 128
-    seed: int = 0
+    # How tool calls and reasoning are read out of a generated turn (rollmesh.chat.TOOL_PARSERS,
+    # REASONING_PARSERS). "": detected from the chat template, and the choice is logged.
+    tool_parser: str = ""
+    reasoning_parser: str = ""
+    # The chat template's own extra arguments, passed to every render (e.g. enable_thinking).
+    chat_template_kwargs: dict[str, Any] = {}
+
+
+# Keys ``[model]`` had before every model became a directory, and what replaced each.
+RETIRED_MODEL_KEYS = {
+    "hf_path": "model.path",
+    "family": "model.path (every model is a Hugging Face directory now; the demo's too)",
+    **{key: "the model directory's config.json (model.path)"
+       for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")},
+    "seed": "demo.seed (the demo model's random weights)",
+}
 
 
 class InferenceConfig(ConfigSection):
@@ -267,8 +276,6 @@ class RollmeshConfig(ConfigSection):
         if self.rollout.work_heartbeat_s >= self.nats.rollout_ack_wait_s:
             # Else a live rollout's request would be redelivered to a second worker.
             raise ValueError("rollout.work_heartbeat_s must be below nats.rollout_ack_wait_s")
-        if self.trainer.backend == "megatron" and self.model.family != "hf":
-            raise ValueError('trainer.backend "megatron" trains Hugging Face models only (model.family = "hf")')
 
 
 class ConfigError(ValueError):
@@ -305,6 +312,7 @@ def load_config(
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value, source="overrides")
     resolve_config_paths(raw, Path.cwd())
+    _refuse_retired_keys(raw, source=str(source), env=env)
     try:
         return msgspec.convert(raw, RollmeshConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -335,6 +343,7 @@ def load_run_config(run_dir: str | Path, *, overrides: dict[str, Any] | None = N
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value, source="overrides")
     resolve_config_paths(raw, Path.cwd())  # the saved ones are absolute already
+    _refuse_retired_keys(raw, source=str(source))
     try:
         return msgspec.convert(raw, RollmeshConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -342,6 +351,20 @@ def load_run_config(run_dir: str | Path, *, overrides: dict[str, Any] | None = N
 
 
 _TOP_LEVEL_VALUES = frozenset({"namespace", "run_root"})
+
+
+def _refuse_retired_keys(raw: dict[str, Any], *, source: str,
+                         env: dict[str, tuple[str, Any]] | None = None) -> None:
+    """A key that no longer exists gets an error naming what replaced it (not msgspec's plain
+    "unknown field")."""
+    model = raw.get("model")
+    if not isinstance(model, dict):
+        return
+    for key, replacement in RETIRED_MODEL_KEYS.items():
+        if key in model:
+            variable = (env or {}).get(f"model.{key}", (None,))[0]
+            raise ConfigError(f"model.{key} is gone: use {replacement}", source=variable or source,
+                              path=f"model.{key}")
 
 
 def _error_path(message: str) -> str:

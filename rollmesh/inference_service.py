@@ -17,6 +17,7 @@ from rollmesh.actors.role_base import MeshContext
 from rollmesh.config import RollmeshConfig
 from rollmesh.mesh_info import new_run_dir
 from rollmesh.mesh_runtime import MeshRuntime
+from rollmesh.model_source import resolve_model
 
 _log = structlog.get_logger("rollmesh.inference_service")
 
@@ -27,11 +28,13 @@ DECODE_NAME = "decode-0"
 class InferenceService:
     def __init__(self, config: RollmeshConfig, *, host: str, port: int, api_key: str = "",
                  run_dir: Path | None = None) -> None:
-        self.config = config
         self.host = host
         self.port = port
         self._api_key = api_key  # never logged
         self.run_dir = Path(run_dir) if run_dir else new_run_dir(config.run_root)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # An empty model.path serves the demo model, built into the run directory.
+        self.config = config = resolve_model(config, self.run_dir)
         self.ray_namespace = f"rollmesh-serve-{config.namespace}"
         self.runtime = MeshRuntime(config, run_dir=self.run_dir, ray_namespace=self.ray_namespace)
 

@@ -27,6 +27,7 @@ from rollmesh.actors.trainer import TrainerActor
 from rollmesh.config import RollmeshConfig, save_run_config
 from rollmesh.mesh_info import MeshInfo, nats_url_for_clients, new_run_dir, write_mesh_info
 from rollmesh.mesh_runtime import MeshRuntime
+from rollmesh.model_source import resolve_model
 from rollmesh.scheduling.grants import GpuScheduler
 from rollmesh.telemetry.tracing import effective_telemetry
 
@@ -41,9 +42,10 @@ class Mesh:
         # The exporters the OTEL_* variables put in effect become the run's config (and so its
         # config.json): a resume without them keeps exporting where this run did.
         config = msgspec.structs.replace(config, telemetry=effective_telemetry(config.telemetry))
-        self.config = config
         self.run_dir = Path(run_dir) if run_dir else new_run_dir(config.run_root)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Every actor gets an absolute model.path; an empty one becomes the demo model, built here.
+        self.config = config = resolve_model(config, self.run_dir)
         self.ray_namespace = f"rollmesh-{config.namespace}"
         self.runtime = MeshRuntime(config, run_dir=self.run_dir, ray_namespace=self.ray_namespace)
         self.prefill_workers: list[Any] = []

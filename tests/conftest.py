@@ -39,6 +39,29 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNa
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's model directory (rollmesh.demo.demo_model: a 2-layer Qwen2 with a BPE trained on
+    the demo's text and a ChatML/Hermes template), built once per session."""
+    from rollmesh.model_source import ensure_demo_model
+
+    return ensure_demo_model(tmp_path_factory.mktemp("demo-model") / "demo-model", seed=0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _meshes_run_the_demo_model(demo_model_dir: Path) -> Iterator[None]:
+    """Every config loaded in this session (load_config, and the `rollmesh` commands the tests
+    run) names the session's demo model through ROLLMESH_MODEL__PATH, instead of building the same
+    directory again in each run directory. Tests of the empty model.path pass their own environ."""
+    previous = os.environ.get("ROLLMESH_MODEL__PATH")
+    os.environ["ROLLMESH_MODEL__PATH"] = str(demo_model_dir)
+    yield
+    if previous is None:
+        os.environ.pop("ROLLMESH_MODEL__PATH", None)
+    else:
+        os.environ["ROLLMESH_MODEL__PATH"] = previous
+
+
 @pytest.fixture
 def namespace() -> str:
     """A fresh subject namespace, so tests sharing the server never see each other's messages."""

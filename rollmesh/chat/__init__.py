@@ -1,6 +1,7 @@
 """rollmesh.chat: each model's own tokenizer, chat template and tool-call format, token-exact.
 
-Plain logic: imports neither ray nor nats, and knows no actor, bus or Serve app. ``model_dir``
+Plain logic: imports neither ray nor nats, and knows no actor, bus or Serve app. ``chat_model`` is
+a model as the product uses it (its directory and formats, trajectories, turns); ``model_dir``
 loads a Hugging Face model directory (fast tokenizer, chat template rendering, end-of-turn ids,
 valid token ids); ``tool_calls`` and ``reasoning`` parse tool calls and reasoning out of a
 generated turn in the family's own format (one ``tool_format_*`` module per format, ``harmony`` for
@@ -11,6 +12,7 @@ conversations; ``errors`` holds the package's typed errors.
 """
 
 from rollmesh.chat.errors import ChatError, ModelDirectoryError, TemplateRenderError
+from rollmesh.chat.chat_model import ChatModel
 from rollmesh.chat.errors import InvalidToolDeclarationError, UnknownParserError
 from rollmesh.chat.model_dir import KNOWN_END_OF_TURN_TOKENS, ModelDirectory
 from rollmesh.chat.reasoning import REASONING_PARSERS, detect_reasoning_parser, prompt_opens_reasoning
@@ -42,6 +44,7 @@ from rollmesh.chat.turn_append import (
 __all__ = [
     "KNOWN_END_OF_TURN_TOKENS",
     "ChatError",
+    "ChatModel",
     "ModelDirectory",
     "ModelDirectoryError",
     "TemplateRenderError",

@@ -39,35 +39,26 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def build_inference_model(config) -> nn.Module:
-    """The model ``ModelConfig`` names: the tiny demo decoder (random init from its seed) or a
-    Hugging Face checkpoint directory (config.json + safetensors) for ``family = "hf"``."""
-    if config.family == "hf":
-        from rollmesh.engine.models import load_hf_model  # imports safetensors only when used
+    """The model of the Hugging Face directory ``model.path`` (config.json + safetensors)."""
+    from rollmesh.engine.models import load_hf_model  # imports safetensors only when used
 
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-        return load_hf_model(config.hf_path, dtype=dtype)
-    from rollmesh.engine.model import build_model
-
-    return build_model(config)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+    return load_hf_model(config.path, dtype=dtype)
 
 
 @dataclass(frozen=True, slots=True)
 class ServedModelFacts:
     """What the HTTP API needs to know of the configured model, read without building it."""
 
-    name: str  # "rollmesh-tiny", or the checkpoint directory's name
+    name: str  # the model directory's name
     max_seq_len: int
     vocab_size: int
     routes_experts: bool  # a mixture of experts, with routed experts to report
 
 
 def describe_served_model(config) -> ServedModelFacts:
-    if config.family == "hf":
-        from rollmesh.engine.models import read_hf_config
+    from rollmesh.engine.models import read_hf_config
 
-        hf = read_hf_config(config.hf_path)  # config.json only, read once
-        return ServedModelFacts(name=Path(config.hf_path).resolve().name,
-                                max_seq_len=hf.max_position_embeddings, vocab_size=hf.vocab_size,
-                                routes_experts=hf.moe is not None)
-    return ServedModelFacts(name="rollmesh-tiny", max_seq_len=config.max_seq_len,
-                            vocab_size=config.vocab_size, routes_experts=False)
+    hf = read_hf_config(config.path)  # config.json only, read once
+    return ServedModelFacts(name=Path(config.path).resolve().name, max_seq_len=hf.max_position_embeddings,
+                            vocab_size=hf.vocab_size, routes_experts=hf.moe is not None)

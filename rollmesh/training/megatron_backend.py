@@ -91,17 +91,14 @@ class MegatronTrainerBackend:
 
         if recompute is None:
             recompute = trainer_config.megatron.recompute_activations
-        if model_config.family != "hf":
-            raise UnsupportedMegatronModelError("the megatron backend trains HF models only",
-                                                field="family", path=str(model_config.hf_path))
         self.config = trainer_config
         self.model_config = model_config
         self.loss_settings = LossSettings.from_config(trainer_config)
         self.distributed_optimizer = trainer_config.megatron.distributed_optimizer
         self.dp, self.dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         torch.manual_seed(trainer_config.seed)
-        self.net = MegatronLlama(model_config.hf_path, recompute=recompute)
-        self.net.load_hf_state_dict(read_safetensors(model_config.hf_path, dtype=torch.float32))
+        self.net = MegatronLlama(model_config.path, recompute=recompute)
+        self.net.load_hf_state_dict(read_safetensors(model_config.path, dtype=torch.float32))
         # This stage in megatron's DDP: what forward_backward runs and the optimizers step.
         self.model = wrap_data_parallel(self.net.model, distributed_optimizer=self.distributed_optimizer)
         self.model.train()
@@ -278,10 +275,10 @@ class MegatronTrainerBackend:
             if saved != (here[f"{field}_rank"], here[field]):
                 raise UnsupportedMegatronModelError(
                     f"training state of {field.upper()} rank {saved[0]}/{saved[1]} loaded on "
-                    f"{here[f'{field}_rank']}/{here[field]}", field=field, path=str(self.model_config.hf_path))
+                    f"{here[f'{field}_rank']}/{here[field]}", field=field, path=str(self.model_config.path))
         if state.get("distributed_optimizer", False) != self.distributed_optimizer:
             raise UnsupportedMegatronModelError("training state of the other optimizer (distributed or not)",
-                                                field="distributed_optimizer", path=str(self.model_config.hf_path))
+                                                field="distributed_optimizer", path=str(self.model_config.path))
         load_optimizer_state(self.optimizer, state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self._reference = state.get("reference")

@@ -5,8 +5,8 @@ itself is ``losses.py``; this module runs the forward passes it needs (new, prox
 logprobs). The megatron-core backend offers the same methods (``TrainerBackend`` Protocol) from
 its rank processes (``megatron_ranks``); ``build_trainer_backend`` picks by ``trainer.backend``.
 
-Models: the demo's tiny decoder (``model.family = "tiny"``), or for ``"hf"`` the inference
-engine's own ``CausalLM`` (Llama, Qwen2, Qwen3-MoE, Mixtral) loaded from ``model.hf_path``, so
+Models: the inference engine's own ``CausalLM`` (Llama, Qwen2, Qwen3-MoE, Mixtral) loaded from
+the model directory ``model.path``, so
 the weights keep the HF names the inference workers load and published versions stage there
 as they are. HF models train in float32 whatever ``model.dtype`` says: that is the serving
 dtype (the workers' ``WeightStager`` casts on staging), and AdamW updates in bf16 would round
@@ -16,9 +16,8 @@ and moments instead (``optimizer_adamw``), the precision of large-scale training
 when every trained sample carries them.
 
 Padding: batches are right-padded, and a padded position is never a target (mask 0) nor, in a
-causal model, seen by a real one, so the pad id only has to be a valid embedding row: the byte
-tokenizer's PAD_ID for "tiny", the checkpoint's ``eos_token_id`` (else 0) for "hf", whose
-vocabulary need not hold the byte tokenizer's ids.
+causal model, seen by a real one, so the pad id only has to be a valid embedding row: the
+checkpoint's ``eos_token_id``, else 0.
 """
 
 from __future__ import annotations
@@ -32,9 +31,7 @@ import torch
 from torch import nn
 
 from rollmesh.checkpoint.torch_format import save_torch_checkpoint
-from rollmesh.engine.model import build_model
 from rollmesh.engine.models import CausalLM, CheckpointKeysError, load_hf_model
-from rollmesh.engine.tokenizer import PAD_ID
 from rollmesh.training.grpo import PolicyBatch, PolicySample
 from rollmesh.training.losses import LossSettings, policy_epochs, token_logprobs
 from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
@@ -79,17 +76,13 @@ def build_trainer_backend(model_config, trainer_config, *, log_dir: Path | None 
 
 def build_trainable_model(model_config) -> nn.Module:
     """The model ``model_config`` names, with trainable float32 weights (module docstring)."""
-    if model_config.family == "hf":
-        return load_hf_model(model_config.hf_path, dtype=torch.float32).requires_grad_(True)
-    return build_model(model_config)
+    return load_hf_model(model_config.path, dtype=torch.float32).requires_grad_(True)
 
 
-def training_pad_id(model: nn.Module) -> int:
+def training_pad_id(model: CausalLM) -> int:
     """The id right-padding is filled with (module docstring): any valid embedding row."""
-    if isinstance(model, CausalLM):
-        eos = model.config.eos_token_id
-        return eos if eos is not None and 0 <= eos < model.config.vocab_size else 0
-    return PAD_ID
+    eos = model.config.eos_token_id
+    return eos if eos is not None and 0 <= eos < model.config.vocab_size else 0
 
 
 def load_hf_weights_in_place(model: CausalLM, weights: Mapping[str, torch.Tensor]) -> None:
@@ -220,33 +213,23 @@ class TorchTrainerBackend:
     def load_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Resume from saved weights. The optimizer starts afresh: its moments are not in the
         weights file (a restarted trainer loses them, and only them). So does the KL reference:
-        it is not saved either, and is taken again from the resumed weights. An "hf" model takes
-        HF names (what ``state_dict`` gives and the inference workers load)."""
-        if isinstance(self.model, CausalLM):
-            load_hf_weights_in_place(self.model, weights)
-        else:
-            self.model.load_state_dict(weights)
+        it is not saved either, and is taken again from the resumed weights. The weights have HF
+        names (what ``state_dict`` gives and the inference workers load)."""
+        load_hf_weights_in_place(self.model, weights)
         self.optimizer = self._new_optimizer(self.config.lr)
         self._reference = None
 
     def save_checkpoint(self, out_dir: Path, *, iteration: int, weight_version: int = 0) -> tuple[Path, str]:
         """Save the weights under ``out_dir`` for the resharder; (the path for ``CheckpointSaved``,
-        its format). An "hf" model: a Megatron-LM save root (``iter_NNNNNNN``, torch_dist,
-        format "megatron_torch_dist"; ``megatron_checkpoint``). The tiny model, not an HF family:
-        the trainer's torch format at ``step_NNNNNNNN`` with the model config, format "torch".
-        Reads the live weights: call it between steps, never during one."""
-        if isinstance(self.model, CausalLM):
-            weights = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
-            run_args = {"lr": self.config.lr, "weight_decay": self.config.weight_decay,
-                        "clip_grad": self.config.grad_clip, "seed": self.config.seed}
-            path = save_megatron_checkpoint(weights, self.model.config, out_dir, iteration=iteration,
-                                            extra_args=run_args)
-            return path, MEGATRON_FORMAT
-        path = Path(out_dir) / f"step_{iteration:08d}"
-        model_config = {name: getattr(self.model_config, name) for name in self.model_config.__struct_fields__}
-        save_torch_checkpoint(path, self.state_dict(), model_config=model_config, step=iteration,
-                              weight_version=weight_version)
-        return path, TORCH_FORMAT
+        its format): a Megatron-LM save root (``iter_NNNNNNN``, torch_dist, format
+        "megatron_torch_dist"; ``megatron_checkpoint``). Reads the live weights: call it between
+        steps, never during one. ``weight_version`` is the megatron backend's concern."""
+        weights = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+        run_args = {"lr": self.config.lr, "weight_decay": self.config.weight_decay,
+                    "clip_grad": self.config.grad_clip, "seed": self.config.seed}
+        path = save_megatron_checkpoint(weights, self.model.config, out_dir, iteration=iteration,
+                                        extra_args=run_args)
+        return path, MEGATRON_FORMAT
 
     def _pin_threads(self) -> None:
         # Steps run on whichever executor thread asyncio.to_thread picks, and OpenMP keeps a
