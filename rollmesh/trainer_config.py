@@ -55,6 +55,9 @@ class TrainerConfig(ConfigSection):
     grad_clip: PositiveFloat = 1.0
     # Admission: the largest version lag of generated tokens a trajectory may have.
     max_staleness: NonNegInt = 2
+    # Whether rollouts whose last turn was cut by max_new_tokens (RolloutCompleted.finish_reason
+    # "truncated") are trained; false: each is counted in its group and masked out, like a failure.
+    train_truncated: bool = True
     checkpoint_every: NonNegInt = 0
     torch_threads: PositiveInt = 1
     seed: int = 0

@@ -1,4 +1,4 @@
-"""The trainer's plain logic (``TrainerLogic``) with the real torch backend on a tiny model and a
+"""The trainer's plain logic (``TrainerLogic``) with the real torch backend on the demo model and a
 recording bus: handlers run concurrently, as the shell runs them, until a step is reached."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import hashlib
 import math
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from fakes import RecordingPublisher
 from rollmesh.ports import MessageContext
-from rollmesh.checkpoint.torch_format import load_torch_checkpoint
-from rollmesh.config import ModelConfig, TrainerConfig
-from rollmesh.engine.tokenizer import BOS_ID, EOS_ID
+from rollmesh.checkpoint import CheckpointResharder, read_hf_checkpoint
+from rollmesh.config import ModelConfig, ResharderConfig, TrainerConfig
 from rollmesh.engine.weight_buckets import load_published, read_manifest
 from rollmesh.messages import RolloutCompleted, RolloutFailed
 from rollmesh.messages.subjects import (
@@ -30,22 +30,30 @@ from rollmesh.training.trainer_logic import TrainerLogic
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
-TINY_MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
 STEP_TIMEOUT_S = 30.0  # a guard against a hang, never a timing assertion
+# Ids of the demo model's vocabulary (a prompt of three, a turn of four); what they spell is
+# irrelevant to the trainer.
+TOKENS = [5, 81, 58, 32, 65, 58, 7]
 
 
-def trainer(tmp_path: Path, bus: RecordingPublisher, *, model: ModelConfig = TINY_MODEL,
-            **config) -> TrainerLogic:
-    torch.set_num_threads(1)
-    trainer_config = TrainerConfig(**{"lr": 1e-3, "group_size": 2, "groups_per_step": 1,
-                                      "ppo_epochs": 1, **config})
-    return TrainerLogic(trainer_config, model, TorchTrainerBackend(model, trainer_config), bus,
-                        run_dir=tmp_path, clock=lambda: 500.0)
+@pytest.fixture
+def trainer(tmp_path: Path, demo_model_dir: Path):
+    """``trainer(bus, **trainer_config)``: a TrainerLogic on the demo model, run dir ``tmp_path``."""
+
+    def build(bus: RecordingPublisher, **config) -> TrainerLogic:
+        torch.set_num_threads(1)
+        model = ModelConfig(path=str(demo_model_dir))
+        trainer_config = TrainerConfig(**{"lr": 1e-3, "group_size": 2, "groups_per_step": 1,
+                                          "ppo_epochs": 1, **config})
+        return TrainerLogic(trainer_config, model, TorchTrainerBackend(model, trainer_config), bus,
+                            run_dir=tmp_path, clock=lambda: 500.0)
+
+    return build
 
 
 def completed(rollout_id: str, group_id: str, reward: float, *, version: int = 0,
               purpose: str = "train") -> RolloutCompleted:
-    tokens = [BOS_ID, 81, 58, 32, 65, 58, EOS_ID]
+    tokens = list(TOKENS)
     return RolloutCompleted(
         rollout_id=rollout_id, task="molar_mass", group_id=group_id, purpose=purpose, reward=reward,
         turns=1, tool_calls=0, prompt_len=3, tokens=tokens, loss_mask=[0, 0, 0, 1, 1, 1, 1],
@@ -68,9 +76,9 @@ async def deliver(logic: TrainerLogic, *messages: RolloutCompleted | RolloutFail
     return await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), STEP_TIMEOUT_S)
 
 
-async def test_trajectories_are_acked_only_after_the_step_that_consumed_them_published_its_weights(tmp_path):
+async def test_trajectories_are_acked_only_after_the_step_that_consumed_them_published_its_weights(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus)
+    logic = trainer(bus)
     bus.hold(WEIGHTS_PUBLISHED)
     handlers = [asyncio.create_task(logic.handle_completed(m, context()))
                 for m in (completed("a", "g", 1.0), completed("b", "g", 0.0))]
@@ -83,9 +91,9 @@ async def test_trajectories_are_acked_only_after_the_step_that_consumed_them_pub
     assert await asyncio.wait_for(asyncio.gather(*handlers), STEP_TIMEOUT_S) == [None, None]
 
 
-async def test_a_redelivered_rollout_is_not_trained_twice(tmp_path):
+async def test_a_redelivered_rollout_is_not_trained_twice(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus)
+    logic = trainer(bus)
     await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0))
 
     # The redelivery returns (is acked) at once and joins no group (re-admitted, it would open a
@@ -95,26 +103,26 @@ async def test_a_redelivered_rollout_is_not_trained_twice(tmp_path):
     assert len(bus.messages(TRAINER_STEPPED)) == 1
 
 
-async def test_eval_completions_are_ignored(tmp_path):
+async def test_eval_completions_are_ignored(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus)
+    logic = trainer(bus)
     assert await deliver(logic, completed("e1", "g", 1.0, purpose="eval"),
                          completed("e2", "g", 0.0, purpose="eval")) == [None, None]
     assert bus.published == []
     assert logic.stats()["open_groups"] == 0 and logic.step == 0
 
 
-async def test_eval_failures_are_ignored(tmp_path):
+async def test_eval_failures_are_ignored(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus, group_size=1)
+    logic = trainer(bus, group_size=1)
     eval_failure = RolloutFailed(rollout_id="e", kind="inference_error", reason="x", purpose="eval")
     assert await deliver(logic, eval_failure) == [None]
     assert bus.published == []
 
 
-async def test_trajectories_beyond_max_staleness_are_counted_as_dropped_and_not_trained(tmp_path):
+async def test_trajectories_beyond_max_staleness_are_counted_as_dropped_and_not_trained(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus, group_size=3, max_staleness=0)
+    logic = trainer(bus, group_size=3, max_staleness=0)
     await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0), completed("c", "g1", 0.0))
     assert logic.version == 1
 
@@ -127,18 +135,18 @@ async def test_trajectories_beyond_max_staleness_are_counted_as_dropped_and_not_
     assert logic.stats()["dropped_stale"] == 1
 
 
-async def test_version_lag_within_max_staleness_is_trained_and_reported(tmp_path):
+async def test_version_lag_within_max_staleness_is_trained_and_reported(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus, max_staleness=1)
+    logic = trainer(bus, max_staleness=1)
     await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
     await deliver(logic, completed("c", "g2", 1.0, version=0), completed("d", "g2", 0.0, version=1))
     step = bus.messages(TRAINER_STEPPED)[-1]
     assert (step.num_samples, step.max_version_lag, step.dropped_stale) == (2, 1, 0)
 
 
-async def test_a_failed_member_is_masked_out_of_the_group_statistics(tmp_path):
+async def test_a_failed_member_is_masked_out_of_the_group_statistics(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus, group_size=3)
+    logic = trainer(bus, group_size=3)
     assert await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0), failed("x", "g")) == [None] * 3
 
     (step,) = bus.messages(TRAINER_STEPPED)
@@ -146,9 +154,31 @@ async def test_a_failed_member_is_masked_out_of_the_group_statistics(tmp_path):
     assert step.reward_mean == pytest.approx(0.5)  # not 1/3: a failure is not a zero reward
 
 
-async def test_a_group_whose_rewards_are_all_equal_contributes_no_samples_and_publishes_no_weights(tmp_path):
+async def test_truncated_rollouts_are_masked_and_counted_when_train_truncated_is_false(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus)
+    logic = trainer(bus, group_size=3, train_truncated=False)
+    cut = msgspec.structs.replace(completed("t", "g", 1.0), finish_reason="truncated")
+    assert await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0), cut) == [None] * 3
+
+    (step,) = bus.messages(TRAINER_STEPPED)
+    assert step.num_samples == 2
+    assert step.reward_mean == pytest.approx(0.5)  # its reward of 1.0 is masked out, as a failure's
+    assert logic.stats()["skipped_truncated"] == 1
+
+
+async def test_truncated_rollouts_are_trained_by_default(trainer):
+    bus = RecordingPublisher()
+    logic = trainer(bus)
+    cut = msgspec.structs.replace(completed("t", "g", 1.0), finish_reason="truncated")
+    assert await deliver(logic, cut, completed("b", "g", 0.0)) == [None, None]
+
+    (step,) = bus.messages(TRAINER_STEPPED)
+    assert (step.num_samples, logic.stats()["skipped_truncated"]) == (2, 0)
+
+
+async def test_a_group_whose_rewards_are_all_equal_contributes_no_samples_and_publishes_no_weights(trainer):
+    bus = RecordingPublisher()
+    logic = trainer(bus)
     assert await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 1.0)) == [None, None]
 
     (step,) = bus.messages(TRAINER_STEPPED)
@@ -156,9 +186,9 @@ async def test_a_group_whose_rewards_are_all_equal_contributes_no_samples_and_pu
     assert bus.messages(WEIGHTS_PUBLISHED) == []
 
 
-async def test_weights_published_versions_increase_by_one_per_step_and_the_file_matches_its_sha256(tmp_path):
+async def test_weights_published_versions_increase_by_one_per_step_and_the_file_matches_its_sha256(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus)
+    logic = trainer(bus)
     await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
     await deliver(logic, completed("c", "g2", 0.0), completed("d", "g2", 1.0))
 
@@ -177,9 +207,9 @@ async def test_weights_published_versions_increase_by_one_per_step_and_the_file_
         assert torch.equal(newest[name], tensor)
 
 
-async def test_weights_published_by_a_step_name_that_step(tmp_path):
+async def test_weights_published_by_a_step_name_that_step(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus)
+    logic = trainer(bus)
     await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
 
     (weights,), (step,) = bus.messages(WEIGHTS_PUBLISHED), bus.messages(TRAINER_STEPPED)
@@ -189,9 +219,9 @@ async def test_weights_published_by_a_step_name_that_step(tmp_path):
         f"trainer_step={weights.trainer_step}")
 
 
-async def test_trainer_stepped_reward_mean_averages_all_admitted_members_of_the_step(tmp_path):
+async def test_trainer_stepped_reward_mean_averages_all_admitted_members_of_the_step(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus, groups_per_step=2)
+    logic = trainer(bus, groups_per_step=2)
     await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0),
                   completed("c", "g2", 1.0), completed("d", "g2", 1.0))
 
@@ -201,9 +231,9 @@ async def test_trainer_stepped_reward_mean_averages_all_admitted_members_of_the_
     assert math.isfinite(step.loss)
 
 
-async def test_a_step_whose_weights_cannot_be_written_naks_its_trajectories_and_trains_their_redelivery(tmp_path):
+async def test_a_step_whose_weights_cannot_be_written_naks_its_trajectories_and_trains_their_redelivery(tmp_path, trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus)
+    logic = trainer(bus)
     (tmp_path / "weights").write_text("not a directory")  # the weights folder cannot be created
 
     outcomes = await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0))
@@ -219,55 +249,86 @@ async def test_a_step_whose_weights_cannot_be_written_naks_its_trajectories_and_
         f"so the redelivered trajectories (made by v0) count a version lag of {step.max_version_lag}")
 
 
-async def test_save_checkpoint_publishes_a_torch_format_checkpoint(tmp_path):
+async def test_save_checkpoint_publishes_a_megatron_checkpoint_of_the_trained_weights(tmp_path, trainer, demo_model_dir):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus)
+    logic = trainer(bus)
     await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0))
     saved = await logic.save_checkpoint()
 
     assert bus.messages(CHECKPOINT_SAVED) == [saved]
-    assert (saved.format, saved.step, saved.weight_version) == ("torch", 1, 1)
-    assert saved.model_config["d_model"] == TINY_MODEL.d_model
-    tensors, meta = load_torch_checkpoint(Path(saved.path))
-    assert set(tensors) == set(logic.backend.state_dict())
-    assert (meta.step, meta.weight_version) == (1, 1)
+    assert (saved.format, saved.step, saved.weight_version) == ("megatron_torch_dist", 1, 1)
+    # The model directory rides along (the resharder copies its tokenizer into the export); only
+    # scalar settings do: the wire field holds no nested values.
+    assert saved.model_config["path"] == str(demo_model_dir)
+    assert "chat_template_kwargs" not in saved.model_config
+    converted = CheckpointResharder(ResharderConfig(), export_root=tmp_path / "hf").convert(saved)
+    exported, trained = read_hf_checkpoint(Path(converted.hf_path)), logic.backend.state_dict()
+    trained.pop("lm_head.weight", None)  # tied to the embeddings: HF leaves it out
+    assert exported.keys() == trained.keys()
+    assert all(torch.equal(exported[name], trained[name]) for name in trained)
 
 
-async def test_checkpoint_every_saves_after_that_many_steps(tmp_path):
+async def test_checkpoint_every_saves_after_that_many_steps(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus, checkpoint_every=2)
+    logic = trainer(bus, checkpoint_every=2)
     await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
     assert bus.messages(CHECKPOINT_SAVED) == []
     await deliver(logic, completed("c", "g2", 1.0), completed("d", "g2", 0.0))
     assert [saved.step for saved in bus.messages(CHECKPOINT_SAVED)] == [2]
 
 
-async def test_warm_start_trains_on_demonstrations_and_publishes_a_version(tmp_path):
+async def test_warm_start_trains_on_demonstrations_and_publishes_a_version(trainer):
     bus = RecordingPublisher()
-    # Demonstrations are up to ~90 tokens long.
-    logic = trainer(tmp_path, bus, model=ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=128))
+    logic = trainer(bus)
+    before = logic.backend.state_dict()
     result = await logic.warm_start(MolarMassTask(), steps=2, batch_size=4, lr=1e-3, tool_fraction=0.5, seed=0)
 
     (weights,) = bus.messages(WEIGHTS_PUBLISHED)
     assert result["weight_version"] == weights.version == 1 == logic.version
     assert math.isfinite(result["loss"])
+    published = load_published(weights.path, weights.sha256)
+    assert any(not torch.equal(published[name], before[name]) for name in before)
 
 
-async def test_warm_start_of_zero_steps_publishes_nothing(tmp_path):
+async def test_sft_step_trains_whole_chat_conversations_with_the_models_tokens(trainer):
+    logic = trainer(RecordingPublisher())
+    task = MolarMassTask()
+    conversation = [*task.messages({"formula": "H2O"}),
+                    {"role": "assistant", "content": "",
+                     "tool_calls": [{"id": "c1", "type": "function",
+                                     "function": {"name": "calc", "arguments": '{"formula": "H2O"}'}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "18.015"},
+                    {"role": "assistant", "content": "18.015"}]
+    trained: list = []
+    sft_step = logic.backend.sft_step
+
+    def recording(sequences, **kwargs):
+        trained.extend(sequences)
+        return sft_step(sequences, **kwargs)
+
+    logic.backend.sft_step = recording
+    losses = [await logic.sft_step([(conversation, task.tools())], lr=1e-2) for _ in range(3)]
+    assert losses[-1] < losses[0]  # the same conversation, learnt
+    ids, mask = trained[0]
+    chat = await logic._chat_model()
+    assert chat.decode([i for i, m in zip(ids, mask) if m]) == (
+        '<tool_call>\n{"name": "calc", "arguments": {"formula": "H2O"}}\n</tool_call><|im_end|>18.015<|im_end|>')
+
+
+async def test_warm_start_of_zero_steps_publishes_nothing(trainer):
     bus = RecordingPublisher()
-    logic = trainer(tmp_path, bus)
+    logic = trainer(bus)
     result = await logic.warm_start(MolarMassTask(), steps=0, batch_size=4, lr=1e-3, tool_fraction=0.5, seed=0)
     assert bus.published == [] and result["weight_version"] == 0
 
 
-async def test_a_moe_rollouts_recorded_expert_rows_reach_the_policy_step(tmp_path):
+async def test_a_moe_rollouts_recorded_expert_rows_reach_the_policy_step(trainer):
     import numpy as np
-    import msgspec
 
     from rollmesh.rollout.routed_experts import InMemoryRoutedExperts
 
     store = InMemoryRoutedExperts()
-    logic = trainer(tmp_path, RecordingPublisher())
+    logic = trainer(RecordingPublisher())
     logic.routed_experts = store
     rows = {rid: np.full((6, 1, 2), index, dtype=np.uint16) for index, rid in enumerate("ab")}
     refs = {rid: await store.save_turn(rid, 0, 0, rows[rid]) for rid in "ab"}

@@ -30,7 +30,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from rollmesh.checkpoint.torch_format import save_torch_checkpoint
 from rollmesh.engine.models import CausalLM, CheckpointKeysError, load_hf_model
 from rollmesh.training.grpo import PolicyBatch, PolicySample
 from rollmesh.training.losses import LossSettings, policy_epochs, token_logprobs
@@ -40,7 +39,6 @@ from rollmesh.training.optimizer_adamw import AdamWConfig, MixedPrecisionAdamW
 from rollmesh.training.optimizer_offload import ChunkedOffloadAdamW
 from rollmesh.training.router_replay import batch_rows, forward_with_replay, replay_tensor
 
-TORCH_FORMAT = "torch"
 # What ``trainer.precision`` picks (``TorchTrainerBackend._new_optimizer``).
 Optimizer = torch.optim.AdamW | MixedPrecisionAdamW | ChunkedOffloadAdamW
 

@@ -1,6 +1,7 @@
 """The trainer's plain logic: admit trajectories, train GRPO steps, publish weight versions.
 
-Knows the training backend, the mesh ports (rollmesh.ports) and the wire contract; not Ray, not
+Knows the training backend, the chat model (supervised sequences), the mesh ports (rollmesh.ports)
+and the wire contract; not Ray, not
 nats-py. Exactly-once: a step's order is weights file written -> ledger line (its trajectories'
 idempotency keys; ``ledger.py``) -> trajectories acknowledged -> weights announced. A trainer
 killed mid-step loses nothing (its trajectories were never acknowledged; they are redelivered and
@@ -8,7 +9,8 @@ trained once by the restarted trainer, which resumes from the ledger's last weig
 after the ledger line acknowledges the redelivered trajectories without training them again.
 Checkpoints (every ``checkpoint_every`` steps) also keep the optimizer, RNG and step position, so
 a restart at a checkpointed step is exact: it trains on as if never stopped. Admission: the generation lag of a trajectory's tokens (tool waits excluded; ``admission.py``) must
-be at most ``max_staleness``; the PPO ratio corrects the older tokens.
+be at most ``max_staleness``; the PPO ratio corrects the older tokens. A rollout cut by
+``max_new_tokens`` is trained unless ``train_truncated`` is false (then masked in its group).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from rollmesh.ports import (
     TrajectoryLostError,
     TrajectoryStore,
 )
+from rollmesh.chat import ChatModel
 from rollmesh.checkpoint.atomic_dir import write_file_atomically
 from rollmesh.config import ModelConfig, TrainerConfig
-from rollmesh.engine.tokenizer import ByteTokenizer
 from rollmesh.engine.weight_buckets import (
     MANIFEST_FILE,
     load_published,
@@ -74,7 +76,7 @@ from rollmesh.training.heap import return_freed_memory
 from rollmesh.training.ledger import LedgerEntry, TrainingLedger
 from rollmesh.telemetry import conventions, metrics, metrics_catalog
 from rollmesh.training.torch_backend import TrainerBackend
-from rollmesh.training.warm_start import demonstration_batch
+from rollmesh.training.warm_start import conversation_sequence, demonstration_batch
 from rollmesh.telemetry.busy_clock import BusyClock
 
 _log = structlog.get_logger("rollmesh.trainer")
@@ -82,6 +84,8 @@ _tracer = trace.get_tracer("rollmesh.trainer")
 
 # Weight files older than this many versions behind the newest are deleted.
 KEEP_WEIGHT_FILES = 8
+# A chat conversation for ``sft_step``: its messages and the tools it declares (or None).
+Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]] | None]
 # How often a waiting trajectory tells JetStream it is still being worked on (well inside the
 # consumer's ack wait; the actor derives it from nats.rollout_ack_wait_s).
 IN_PROGRESS_EVERY_S = 10.0
@@ -126,10 +130,12 @@ class TrainerLogic:
         self._consumed: dict[str, asyncio.Future[None]] = {}
         self._train_lock = asyncio.Lock()
         self._last_weights: WeightsPublished | None = None
+        self._chat: ChatModel | None = None
         self.dropped_stale = 0
         self.ungrouped = 0
         self.duplicates = 0
         self.lost_trajectories = 0
+        self.skipped_truncated = 0
         self.resumed_from_step: int | None = None
         # Trajectories admitted and waiting for the step that trains them.
         metrics.observe(metrics_catalog.QUEUE_DEPTH, self,
@@ -174,7 +180,7 @@ class TrainerLogic:
     def stats(self) -> dict[str, Any]:
         return {"step": self.step, "version": self.version, "dropped_stale": self.dropped_stale,
                 "ungrouped": self.ungrouped, "duplicates": self.duplicates,
-                "lost_trajectories": self.lost_trajectories,
+                "lost_trajectories": self.lost_trajectories, "skipped_truncated": self.skipped_truncated,
                 "resumed_from_step": self.resumed_from_step, "consumed": len(self._seen),
                 "open_groups": self.buffer.open_groups(), "ready_groups": len(self.buffer.ready)}
 
@@ -184,6 +190,13 @@ class TrainerLogic:
         if not message.group_id and self.config.group_size > 1:
             # GRPO needs a group; an ungrouped trajectory would wait forever for its peers.
             self.ungrouped += 1
+            return
+        # finish_reason is read with a default: senders before it was added never truncated a turn.
+        if getattr(message, "finish_reason", "stop") == "truncated" and not self.config.train_truncated:
+            # Cut by max_new_tokens, and trainer.train_truncated says not to train such rollouts:
+            # counted in its group, so the group completes, but masked out like a failure.
+            self.skipped_truncated += 1
+            await self._admit(message.group_id or message.rollout_id, GroupMember(_key(message), 0.0, None), ctx)
             return
         try:
             trace = await self._trace(message)
@@ -376,22 +389,38 @@ class TrainerLogic:
     async def warm_start(self, task: DemonstrableTask, *, steps: int, batch_size: int, lr: float,
                          tool_fraction: float, seed: int) -> dict[str, float]:
         """Supervised warm start on the task's demonstrations, then publish the new version."""
-        tokenizer = ByteTokenizer(self.model_config.vocab_size)
+        chat = await self._chat_model()
         rng = random.Random(seed)
         loss = float("nan")
         with _tracer.start_as_current_span("warm_start", attributes={"steps": steps}):
             for _ in range(steps):
-                batch = demonstration_batch(task, tokenizer, rng, size=batch_size,
-                                            tool_fraction=tool_fraction)
+                batch = demonstration_batch(task, chat, rng, size=batch_size, tool_fraction=tool_fraction)
                 loss = await asyncio.to_thread(self.backend.sft_step, batch, lr=lr)
             if steps:
                 await self._commit_step(self.step, [], new_weights=True)
         return {"loss": loss, "weight_version": self.version}
 
+    async def sft_step(self, conversations: list[Conversation], *, lr: float) -> float:
+        """One supervised step on whole chat conversations, each (messages, tools) tokenized as a
+        rollout would (``warm_start.conversation_sequence``); weights are published by the next
+        ``warm_start`` commit or policy step, not here."""
+        chat = await self._chat_model()
+        batch = [conversation_sequence(chat, messages, tools=tools) for messages, tools in conversations]
+        return await asyncio.to_thread(self.backend.sft_step, batch, lr=lr)
+
+    async def _chat_model(self) -> ChatModel:
+        """The model directory's tokenizer and formats, loaded once (a tokenizer load: off the loop)."""
+        if self._chat is None:
+            self._chat = await asyncio.to_thread(ChatModel.from_config, self.model_config)
+        return self._chat
+
     async def save_checkpoint(self) -> CheckpointSaved:
-        """The backend's checkpoint (Megatron torch_dist for an HF family, which the resharder
-        converts; the trainer's torch format for the tiny model), then the training state."""
-        model_config = {field: getattr(self.model_config, field) for field in self.model_config.__struct_fields__}
+        """The backend's checkpoint (Megatron torch_dist, which the resharder converts to HF), then
+        the training state. The event names the model directory (``model_config["path"]``), whose
+        tokenizer files the resharder copies into the export."""
+        # The scalar settings only: the wire field holds no nested values (chat_template_kwargs).
+        model_config = {field: value for field in self.model_config.__struct_fields__
+                        if isinstance(value := getattr(self.model_config, field), (int, float, str, bool))}
         path, layout = await asyncio.to_thread(self.backend.save_checkpoint, self.checkpoint_dir,
                                                iteration=self.step, weight_version=self.version)
         # Written after the weights: a state file always has its step's weights beside it.
