@@ -1,4 +1,5 @@
-"""Checkpoint formats, the HF writer and the resharder, on the tiny model's real state dict."""
+"""Checkpoint formats, the HF writer and the resharder, on the demo model's real state dict; the
+resharder's export of a trained demo model, loaded by transformers with its tokenizer."""
 
 from __future__ import annotations
 
@@ -24,25 +25,27 @@ from rollmesh.checkpoint import (
     save_torch_checkpoint,
     write_hf_checkpoint,
 )
-from rollmesh.config import ModelConfig, ResharderConfig
-from rollmesh.engine.model import build_model
+from rollmesh.config import ModelConfig, ResharderConfig, TrainerConfig
 from rollmesh.messages import CheckpointConverted, CheckpointSaved
 
 pytestmark = pytest.mark.unit
 
-# Small enough to force several shards of the ~1.8 MB model, and below the largest tensors
-# (fc/out weights are 256 KiB) so the one-tensor-per-oversized-shard rule is exercised too.
+# Small enough to force several shards of the ~2.6 MB demo model, and below the largest tensors
+# (its MLP weights are 256 KiB) so the one-tensor-per-oversized-shard rule is exercised too.
 SMALL_SHARD_BYTES = 200_000
+# The torch format holds the tiny model of older runs: nothing writes it now, but their
+# checkpoints are still converted, with the model config they were saved with.
+OLD_RUN_MODEL_CONFIG = {"family": "tiny", "vocab_size": 260, "d_model": 128, "n_layers": 2, "n_heads": 4,
+                        "max_seq_len": 256, "seed": 0}
 
 
 @pytest.fixture(scope="module")
-def state_dict() -> dict[str, torch.Tensor]:
-    return build_model(ModelConfig()).state_dict()
+def state_dict(demo_model_dir: Path) -> dict[str, torch.Tensor]:
+    return read_hf_checkpoint(demo_model_dir)
 
 
 def model_config_dict() -> dict:
-    config = ModelConfig()
-    return {name: getattr(config, name) for name in config.__struct_fields__}
+    return dict(OLD_RUN_MODEL_CONFIG)
 
 
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -174,8 +177,9 @@ def test_hf_reader_names_the_missing_index(tmp_path: Path) -> None:
         read_hf_checkpoint(tmp_path)
 
 
-def saved_event(source: Path, *, step: int = 5, format: str = "torch") -> CheckpointSaved:
-    return CheckpointSaved(step=step, weight_version=2, path=str(source), format=format)
+def saved_event(source: Path, *, step: int = 5, format: str = "torch", model_config: dict | None = None) -> CheckpointSaved:
+    return CheckpointSaved(step=step, weight_version=2, path=str(source), format=format,
+                           model_config=model_config or {})
 
 
 async def test_resharder_converts_a_torch_checkpoint_to_hf(tmp_path: Path, state_dict) -> None:
@@ -197,7 +201,7 @@ async def test_resharder_converts_a_torch_checkpoint_to_hf(tmp_path: Path, state
 
 
 async def test_resharder_converting_the_same_step_twice_gives_the_same_result(
-    tmp_path: Path, state_dict
+    tmp_path: Path, state_dict, demo_model_dir: Path
 ) -> None:
     source = save_torch_checkpoint(
         tmp_path / "ckpt", state_dict, model_config={}, step=5, weight_version=2
@@ -205,9 +209,11 @@ async def test_resharder_converting_the_same_step_twice_gives_the_same_result(
     resharder = CheckpointResharder(
         ResharderConfig(max_shard_bytes=SMALL_SHARD_BYTES), export_root=tmp_path / "hf"
     )
-    first = await resharder.handle_checkpoint_saved(saved_event(source))
+    event = saved_event(source, model_config={"path": str(demo_model_dir)})
+    first = await resharder.handle_checkpoint_saved(event)
+    assert "tokenizer.json" in first.files  # the tokenizer files are part of the export
     mtimes = {name: (Path(first.hf_path) / name).stat().st_mtime_ns for name in first.files}
-    second = await resharder.handle_checkpoint_saved(saved_event(source))
+    second = await resharder.handle_checkpoint_saved(event)
     assert second == first
     # The redelivered event reused the export instead of writing it again.
     assert mtimes == {name: (Path(first.hf_path) / name).stat().st_mtime_ns for name in first.files}
@@ -215,7 +221,7 @@ async def test_resharder_converting_the_same_step_twice_gives_the_same_result(
     again = CheckpointResharder(
         ResharderConfig(max_shard_bytes=SMALL_SHARD_BYTES), export_root=tmp_path / "hf"
     )
-    assert await again.handle_checkpoint_saved(saved_event(source)) == first
+    assert await again.handle_checkpoint_saved(event) == first
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["step_00000005"]
 
 
@@ -232,6 +238,53 @@ async def test_resharder_redoes_an_export_of_the_same_step_from_another_source(
     await resharder.handle_checkpoint_saved(saved_event(old))
     converted = await resharder.handle_checkpoint_saved(saved_event(new))
     assert_same_tensors(read_hf_checkpoint(Path(converted.hf_path)), state_dict)
+
+
+def test_an_export_of_a_trained_demo_model_loads_in_transformers_with_its_tokenizer_and_chat_template(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    import transformers
+
+    from rollmesh.chat import ChatModel
+    from rollmesh.rollout.molar_mass import MolarMassTask
+    from rollmesh.training.torch_backend import TorchTrainerBackend
+    from rollmesh.training.warm_start import conversation_sequence
+
+    torch.manual_seed(0)
+    model_config = ModelConfig(path=str(demo_model_dir))
+    backend = TorchTrainerBackend(model_config, TrainerConfig(torch_threads=1))
+    task = MolarMassTask()
+    conversation = [*task.messages({"formula": "NaCl"}), {"role": "assistant", "content": "58.440"}]
+    chat = ChatModel.from_config(model_config)
+    backend.sft_step([conversation_sequence(chat, conversation, tools=task.tools())], lr=1e-2)  # trained
+    path, layout = backend.save_checkpoint(tmp_path / "checkpoints", iteration=3)
+    saved = CheckpointSaved(step=3, weight_version=1, path=str(path), format=layout,
+                            model_config={"path": model_config.path})
+    converted = CheckpointResharder(ResharderConfig(), export_root=tmp_path / "hf").convert(saved)
+    export = Path(converted.hf_path)
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert name in converted.files and (export / name).read_bytes() == (demo_model_dir / name).read_bytes()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export)
+    rendered = tokenizer.apply_chat_template(task.messages({"formula": "NaCl"}), tools=task.tools(),
+                                             add_generation_prompt=True, tokenize=False)
+    assert rendered == chat.render(task.messages({"formula": "NaCl"}), tools=task.tools(), add_generation_prompt=True)
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert ids == chat.encode(rendered)
+    model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits
+        ours = backend.model(torch.tensor([ids]))
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)  # the trained weights, not the seed's
+
+
+async def test_resharder_fails_the_export_when_the_model_directory_is_gone(tmp_path: Path, state_dict) -> None:
+    source = save_torch_checkpoint(tmp_path / "ckpt", state_dict, model_config={}, step=5, weight_version=2)
+    resharder = CheckpointResharder(ResharderConfig(), export_root=tmp_path / "hf")
+    event = saved_event(source, model_config={"path": str(tmp_path / "deleted-model")})
+    with pytest.raises(CheckpointReadError, match="tokenizer") as caught:
+        await resharder.handle_checkpoint_saved(event)
+    assert caught.value.path == str(tmp_path / "deleted-model")
 
 
 @pytest.mark.parametrize("format", ["megatron_torch_dist", "megatron_legacy"])

@@ -1,4 +1,5 @@
-"""Checkpoints: the torch format, readers by format, the Hugging Face writer and the resharder.
+"""Checkpoints: the torch format (older runs' checkpoints), readers by format, the Hugging Face
+writer and the resharder.
 
 Knows torch, safetensors and the filesystem; never Ray or NATS (the resharder's actor shell owns
 those). The Megatron <-> HF architecture maps (``arch_maps``, with their exact tensor transforms

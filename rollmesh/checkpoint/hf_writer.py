@@ -4,7 +4,9 @@ Knows torch, safetensors and the HF on-disk layout; not Megatron, not model arch
 maps and HF config keys come from the caller). Layout: ``model-00001-of-0000N.safetensors`` shards,
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {...}}``) and
 ``config.json``, always with the index, even for one shard. Shard limits count tensor bytes, as
-HF's own writer does; each file adds a small JSON header on top.
+HF's own writer does; each file adds a small JSON header on top. ``copy_tokenizer_files`` puts a
+model directory's tokenizer, chat template and generation config beside an export, so the export
+loads as a whole model (``AutoTokenizer`` and ``apply_chat_template`` included).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from rollmesh.checkpoint.atomic_dir import staged_directory
+from rollmesh.checkpoint.atomic_dir import staged_directory, write_file_atomically
 from rollmesh.checkpoint.errors import CheckpointReadError, CheckpointWriteError
 from rollmesh.checkpoint.meta import read_json_struct
 from rollmesh.checkpoint.safetensors_stream import SHARD_METADATA
@@ -29,6 +31,11 @@ CONFIG_FILE = "config.json"
 # sha256 of every shard, so a copy of the export can be checked without loading it.
 MANIFEST_FILE = "sha256_manifest.json"
 SINGLE_FILE = "model.safetensors"
+# What a model directory ships for its tokenizer, chat template and generation settings besides
+# the weights and config.json; transformers reads whichever of them exist.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                   "merges.txt", "tokenizer.model")
 
 
 class _HfIndex(msgspec.Struct, frozen=True):
@@ -100,6 +107,21 @@ def write_hf_checkpoint(
         (staging / CONFIG_FILE).write_bytes(config_bytes + b"\n")
         (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")  # last: it names the rest
     return [*names, MANIFEST_FILE, CONFIG_FILE, INDEX_FILE]
+
+
+def copy_tokenizer_files(model_dir: Path, out_dir: Path) -> list[str]:
+    """Copy the ``TOKENIZER_FILES`` that ``model_dir`` has into the export ``out_dir`` (each one
+    atomically); returns their names. A missing ``model_dir`` is a ``CheckpointReadError``: an
+    export without its tokenizer would look whole and fail only when someone loads it."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if not model_dir.is_dir():
+        raise CheckpointReadError("the model directory to take the tokenizer from is missing", path=str(model_dir))
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            write_file_atomically(out_dir / name, (model_dir / name).read_bytes())
+            copied.append(name)
+    return copied
 
 
 def _sha256_of(path: Path) -> str:

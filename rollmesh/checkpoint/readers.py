@@ -1,7 +1,8 @@
 """Checkpoint readers by format: the one place that maps a ``CheckpointFormat`` to code.
 
-Knows the reader functions, not what they read or who asks. Only ``"torch"`` (the trainer's own
-format) is read whole into a state dict here. The Megatron formats (``torch_dist`` DCP and
+Knows the reader functions, not what they read or who asks. Only ``"torch"`` (the format the
+trainer saved the tiny model of older runs in; nothing writes it now) is read whole into a state
+dict here. The Megatron formats (``torch_dist`` DCP and
 legacy ``mp_rank_XX``) are converted by ``megatron_export``, which never holds a whole model;
 asking this registry for them fails with a typed error instead of a KeyError.
 """

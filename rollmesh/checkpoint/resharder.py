@@ -3,8 +3,10 @@
 Knows the readers registry, the HF writer, the Megatron exporter and the checkpoint messages; not
 NATS (its actor shell subscribes and publishes), and Ray only through the exporter's "ray"
 backend. Megatron checkpoints (torch_dist or legacy) go through the planned, memory-bounded
-exporter (``megatron_export``), the trainer's own torch format through ``read_checkpoint``.
-Idempotent by step: a redelivered event finds the export already there and answers the same
+exporter (``megatron_export``); the torch format of older runs' tiny model through
+``read_checkpoint``. The event's ``model_config["path"]`` names the model directory whose
+tokenizer files (tokenizer, chat template, generation config) are copied into the export, so it
+loads in transformers as a whole model. Idempotent by step: a redelivered event finds the export already there and answers the same
 message without converting again, and a conversion cut off by a crash resumes from the shards
 it had finished.
 """
@@ -19,7 +21,7 @@ import msgspec
 from rollmesh.checkpoint.atomic_dir import write_file_atomically
 from rollmesh.checkpoint.convert_planner import TaskTooLargeError
 from rollmesh.checkpoint.errors import CheckpointReadError
-from rollmesh.checkpoint.hf_writer import list_hf_files, write_hf_checkpoint
+from rollmesh.checkpoint.hf_writer import copy_tokenizer_files, list_hf_files, write_hf_checkpoint
 from rollmesh.checkpoint.megatron_export import ExportOptions, export_to_hf
 from rollmesh.checkpoint.readers import read_checkpoint
 from rollmesh.config import ResharderConfig
@@ -40,12 +42,18 @@ def conversion_failed(msg: CheckpointSaved, error: Exception) -> CheckpointConve
 
 
 class ExportProvenance(msgspec.Struct, frozen=True, kw_only=True):
-    """Which source an export was made from, so a stale export of the same step is not reused."""
+    """Which source an export was made from, so a stale export of the same step is not reused,
+    and the tokenizer files copied into it (from ``tokenizer_source``, "" = none)."""
 
     step: int
     weight_version: int
     source_path: str
     format: str
+    tokenizer_source: str = ""
+    tokenizer_files: tuple[str, ...] = ()
+
+    def same_source(self, other: ExportProvenance) -> bool:
+        return msgspec.structs.replace(self, tokenizer_files=()) == msgspec.structs.replace(other, tokenizer_files=())
 
 
 class CheckpointResharder:
@@ -67,25 +75,18 @@ class CheckpointResharder:
     def convert(self, msg: CheckpointSaved) -> CheckpointConverted:
         """Blocking conversion; ``handle_checkpoint_saved`` runs it off the event loop."""
         out_dir = self.export_dir(msg.step)
-        provenance = ExportProvenance(
-            step=msg.step,
-            weight_version=msg.weight_version,
-            source_path=msg.path,
-            format=msg.format,
-        )
+        tokenizer_source = str(msg.model_config.get("path") or "")
+        provenance = ExportProvenance(step=msg.step, weight_version=msg.weight_version, source_path=msg.path,
+                                      format=msg.format, tokenizer_source=tokenizer_source)
         files = self._reusable_files(out_dir, provenance)
-        if files is None and msg.format in MEGATRON_FORMATS:
-            # The architecture and hyperparameters come from the arguments saved with the checkpoint.
-            files = export_to_hf(Path(msg.path), out_dir, self._export_options)
+        if files is None:
+            files = self._export(msg, out_dir)
+            # Copied after the weights' directory is published and before the provenance file: an
+            # export cut off in between has no provenance, so it is made again.
+            tokenizer_files = copy_tokenizer_files(Path(tokenizer_source), out_dir) if tokenizer_source else []
+            provenance = msgspec.structs.replace(provenance, tokenizer_files=tuple(tokenizer_files))
             write_file_atomically(out_dir / PROVENANCE_FILE, msgspec.json.encode(provenance))
-        elif files is None:
-            state_dict, meta = read_checkpoint(Path(msg.path), msg.format)
-            # The checkpoint's own config is the truth; the event's copy fills what it lacks.
-            config = {**msg.model_config, **meta.model_config}
-            files = write_hf_checkpoint(
-                state_dict, out_dir, max_shard_bytes=self._config.max_shard_bytes, config=config
-            )
-            write_file_atomically(out_dir / PROVENANCE_FILE, msgspec.json.encode(provenance))
+            files = [*files, *tokenizer_files]
         return CheckpointConverted(
             step=msg.step,
             weight_version=msg.weight_version,
@@ -94,6 +95,16 @@ class CheckpointResharder:
             files=files,
             num_bytes=sum((out_dir / name).stat().st_size for name in files),
         )
+
+    def _export(self, msg: CheckpointSaved, out_dir: Path) -> list[str]:
+        """The weights and config.json of ``msg``'s checkpoint as an HF directory at ``out_dir``."""
+        if msg.format in MEGATRON_FORMATS:
+            # The architecture and hyperparameters come from the arguments saved with the checkpoint.
+            return export_to_hf(Path(msg.path), out_dir, self._export_options)
+        state_dict, meta = read_checkpoint(Path(msg.path), msg.format)
+        # The checkpoint's own config is the truth; the event's copy fills what it lacks.
+        config = {**msg.model_config, **meta.model_config}
+        return write_hf_checkpoint(state_dict, out_dir, max_shard_bytes=self._config.max_shard_bytes, config=config)
 
     @staticmethod
     def _reusable_files(out_dir: Path, provenance: ExportProvenance) -> list[str] | None:
@@ -105,6 +116,7 @@ class CheckpointResharder:
             files = list_hf_files(out_dir)
         except (OSError, msgspec.DecodeError, CheckpointReadError):
             return None  # absent or damaged: convert again, which replaces the directory
-        if found != provenance or not all((out_dir / name).is_file() for name in files):
+        files = [*files, *found.tokenizer_files]
+        if not found.same_source(provenance) or not all((out_dir / name).is_file() for name in files):
             return None
         return files
