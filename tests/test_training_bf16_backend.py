@@ -1,9 +1,11 @@
 """The torch backend at ``trainer.precision = "bf16"``: bf16 weights and gradients against fp32
 master weights and Adam moments, on the device (``MixedPrecisionAdamW``) or offloaded to host
-memory in chunks (``trainer.optimizer_offload``: ``ChunkedOffloadAdamW``). On the demo's tiny
-model: both train the same bits, a warm start carries into RL, and a resume is exact."""
+memory in chunks (``trainer.optimizer_offload``: ``ChunkedOffloadAdamW``). On the demo model:
+both train the same bits, a warm start carries into RL, and a resume is exact."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,6 @@ from rollmesh.training.torch_backend import TorchTrainerBackend
 
 pytestmark = pytest.mark.unit
 
-TINY_MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
 # A small grad_clip, so that clipping (applied to the fp32 gradients) is active in every step.
 BF16 = dict(lr=1e-2, ppo_epochs=2, seed=0, precision="bf16", grad_clip=0.05, weight_decay=0.01)
 DEMONSTRATIONS = [([1, 40, 41, 42, 43, 2], [0, 0, 1, 1, 1, 1]), ([1, 50, 51, 52, 2], [0, 1, 1, 1, 1])]
@@ -27,13 +28,18 @@ def samples(shift: int) -> list[PolicySample]:
             PolicySample([1, 70 + shift, 71, 72, 2], [0, 1, 1, 1, 1], [0.0, -5.0, -5.4, -5.5, -5.6], -1.0)]
 
 
+@pytest.fixture
+def model(demo_model_dir: Path) -> ModelConfig:
+    return ModelConfig(path=str(demo_model_dir))
+
+
 def train(backend: TorchTrainerBackend, steps: range) -> list[dict[str, float]]:
     return [backend.policy_step(samples(step), current_version=step) for step in steps]
 
 
-def test_bf16_weights_train_against_fp32_state_on_the_device_or_offloaded_with_the_same_bits():
-    plain = TorchTrainerBackend(TINY_MODEL, TrainerConfig(**BF16))
-    offload = TorchTrainerBackend(TINY_MODEL, TrainerConfig(**BF16, optimizer_offload=True))
+def test_bf16_weights_train_against_fp32_state_on_the_device_or_offloaded_with_the_same_bits(model):
+    plain = TorchTrainerBackend(model, TrainerConfig(**BF16))
+    offload = TorchTrainerBackend(model, TrainerConfig(**BF16, optimizer_offload=True))
     assert isinstance(plain.optimizer, MixedPrecisionAdamW) and isinstance(offload.optimizer, ChunkedOffloadAdamW)
     assert all(p.dtype == torch.bfloat16 for p in offload.model.parameters())
     initial = plain.state_dict()
@@ -47,10 +53,10 @@ def test_bf16_weights_train_against_fp32_state_on_the_device_or_offloaded_with_t
     assert any(not torch.equal(after_plain[k], initial[k]) for k in initial)
 
 
-def test_rl_after_a_bf16_warm_start_starts_from_the_warm_started_weights():
+def test_rl_after_a_bf16_warm_start_starts_from_the_warm_started_weights(model):
     """The RL optimizer's fp32 masters are taken after the warm start: a stale copy of the
     initial weights would overwrite the warm start at the first RL step."""
-    backend = TorchTrainerBackend(TINY_MODEL, TrainerConfig(**{**BF16, "lr": 1e-5}))
+    backend = TorchTrainerBackend(model, TrainerConfig(**{**BF16, "lr": 1e-5}))
     initial = backend.state_dict()
     for _ in range(3):
         backend.sft_step(DEMONSTRATIONS, lr=3e-2)
@@ -61,13 +67,13 @@ def test_rl_after_a_bf16_warm_start_starts_from_the_warm_started_weights():
     assert distance(after, warm) < 0.1 * distance(warm, initial)
 
 
-def test_a_bf16_offload_backend_resumes_bit_for_bit_from_its_training_state():
+def test_a_bf16_offload_backend_resumes_bit_for_bit_from_its_training_state(model):
     config = TrainerConfig(**BF16, optimizer_offload=True)
-    original = TorchTrainerBackend(TINY_MODEL, config)
+    original = TorchTrainerBackend(model, config)
     train(original, range(2))
     weights, state = original.state_dict(), original.training_state()
     train(original, range(2, 4))
-    resumed = TorchTrainerBackend(TINY_MODEL, config)
+    resumed = TorchTrainerBackend(model, config)
     resumed.load_state_dict(weights)
     resumed.load_training_state(state)
     train(resumed, range(2, 4))

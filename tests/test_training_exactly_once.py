@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -17,9 +18,17 @@ from fakes import RecordingPublisher
 from rollmesh.engine.weight_buckets import load_published
 from rollmesh.messages.subjects import TRAINER_STEPPED, WEIGHTS_PUBLISHED
 from rollmesh.training.ledger import LedgerEntry, TrainingLedger
-from test_training_trainer_logic import STEP_TIMEOUT_S, completed, context, deliver, failed, trainer
+from rollmesh.config import ModelConfig
+from test_training_trainer_logic import STEP_TIMEOUT_S, build_trainer, completed, context, deliver, failed
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def trainer(demo_model_dir: Path):
+    """``trainer(run_dir, bus, **trainer_config)``: a TrainerLogic on the demo model; the same run
+    directory again is what a restarted trainer actor gets."""
+    return lambda run_dir, bus, **config: build_trainer(run_dir, bus, ModelConfig(path=str(demo_model_dir)), **config)
 
 
 def test_ledger_reads_back_every_consumed_key_and_ignores_a_line_torn_by_a_crash(tmp_path):
@@ -37,7 +46,7 @@ def test_ledger_reads_back_every_consumed_key_and_ignores_a_line_torn_by_a_crash
     assert state.last.step == 3 and state.consumed == frozenset("abcd") and state.entries == 3
 
 
-async def test_a_restarted_trainer_resumes_from_the_last_durable_step_and_never_retrains_its_trajectories(tmp_path):
+async def test_a_restarted_trainer_resumes_from_the_last_durable_step_and_never_retrains_its_trajectories(tmp_path, trainer):
     bus = RecordingPublisher()
     first = trainer(tmp_path, bus)
     await first.start()
@@ -72,7 +81,7 @@ async def test_a_restarted_trainer_resumes_from_the_last_durable_step_and_never_
     assert sorted(keys) == ["a", "b", "c", "d"], "each trajectory in exactly one durable step"
 
 
-async def test_trajectories_of_a_step_lost_with_the_trainer_are_trained_again_exactly_once(tmp_path):
+async def test_trajectories_of_a_step_lost_with_the_trainer_are_trained_again_exactly_once(tmp_path, trainer):
     bus = RecordingPublisher()
     first = trainer(tmp_path, bus, group_size=3)
     await first.start()
@@ -96,7 +105,7 @@ async def test_trajectories_of_a_step_lost_with_the_trainer_are_trained_again_ex
     assert TrainingLedger(tmp_path / "trainer" / "ledger.jsonl").read().consumed == {"a", "b", "c"}
 
 
-async def test_the_idempotency_key_not_the_rollout_id_decides_what_counts_as_a_repeat(tmp_path):
+async def test_the_idempotency_key_not_the_rollout_id_decides_what_counts_as_a_repeat(tmp_path, trainer):
     bus = RecordingPublisher()
     logic = trainer(tmp_path, bus)
     first = completed("a", "g", 1.0)
@@ -108,7 +117,7 @@ async def test_the_idempotency_key_not_the_rollout_id_decides_what_counts_as_a_r
 
 
 
-async def test_a_trainer_restarted_from_a_checkpointed_step_trains_the_next_step_bit_for_bit_as_if_never_stopped(tmp_path):
+async def test_a_trainer_restarted_from_a_checkpointed_step_trains_the_next_step_bit_for_bit_as_if_never_stopped(tmp_path, trainer):
     """Exact resume: weights, optimizer moments and step counts, RNG, version and the data cursor.
     The run directory is copied right after step 1 (the process dies there), the original trains
     on, and the copy is restarted: its step 2 must equal the original's bit for bit. Without the

@@ -1,25 +1,33 @@
 """GRPO's data side and what feeds it: group advantages, batches, admission by version lag,
-warm-start data, and the plain-torch backend on a tiny model. The losses: test_training_losses.py."""
+warm-start data in the demo model's own tokens, and the plain-torch backend on the demo model. The
+losses: test_training_losses.py."""
 
 from __future__ import annotations
 
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
+from rollmesh.chat import ChatModel, ToolCall
 from rollmesh.config import ModelConfig, TrainerConfig
-from rollmesh.engine.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
 from rollmesh.rollout.molar_mass import MolarMassTask, is_held_out
 from rollmesh.training.admission import Group, GroupBuffer, GroupMember, version_lag
 from rollmesh.training.grpo import PolicyBatch, PolicySample, group_advantages
 from rollmesh.training.losses import token_logprobs
 from rollmesh.training.torch_backend import TorchTrainerBackend
-from rollmesh.training.warm_start import demonstration_batch
+from rollmesh.training.warm_start import ConversationError, conversation_sequence, demonstration_batch
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
-TINY_MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
+PAD_ID = 0  # any valid embedding row pads (torch_backend.training_pad_id)
+
+
+@pytest.fixture(scope="module")
+def chat(demo_model_dir: Path) -> ChatModel:
+    return ChatModel.load(demo_model_dir)
 
 
 # --- group advantages --------------------------------------------------------------------------
@@ -97,38 +105,69 @@ def test_group_buffer_releases_a_group_once_group_size_members_arrived_failed_on
 
 # --- warm-start data ---------------------------------------------------------------------------
 
-def test_demonstration_batch_is_training_split_episodes_each_ending_in_a_trained_eos():
-    tokenizer = ByteTokenizer()
-    batch = demonstration_batch(MolarMassTask(), tokenizer, random.Random(0), size=12, tool_fraction=0.5)
+def test_demonstration_batch_is_training_split_episodes_each_ending_in_a_trained_end_of_turn(chat):
+    batch = demonstration_batch(MolarMassTask(), chat, random.Random(0), size=12, tool_fraction=0.5)
 
     assert len(batch) == 12
     with_tool = 0
     for tokens, mask in batch:
         assert len(tokens) == len(mask)
-        assert (tokens[0], mask[0]) == (tokenizer.bos_id, 0)
-        assert (tokens[-1], mask[-1]) == (EOS_ID, 1)
-        text = tokenizer.decode(tokens)
-        formula = text.removeprefix("Q: molar mass of ").split("?", 1)[0]
+        assert (chat.decode(tokens[:1]), mask[0]) == ("<|im_start|>", 0)
+        assert tokens[-1] in chat.end_of_turn_ids and mask[-1] == 1
+        text = chat.decode(tokens)
+        formula = re.search(r"molar mass of (\S+)\?", text).group(1)
         assert not is_held_out(formula)
-        trained = tokenizer.decode(t for t, m in zip(tokens, mask) if m)
-        assert "Q:" not in trained and "<result>" not in trained  # prompt and tool output are forced
-        with_tool += "<calc>" in text
+        trained = chat.decode([t for t, m in zip(tokens, mask) if m])
+        # The prompt, the tool's result and the template's joins are forced, never trained.
+        assert "molar mass" not in trained and "<tool_response>" not in trained and "<|im_start|>" not in trained
+        with_tool += "<tool_call>" in text
     assert 0 < with_tool < 12
 
 
 @pytest.mark.parametrize(("tool_fraction", "expected"), [(0.0, 0), (1.0, 8)])
-def test_demonstration_batch_tool_fraction_sets_the_share_using_the_tool(tool_fraction, expected):
-    tokenizer = ByteTokenizer()
-    batch = demonstration_batch(MolarMassTask(), tokenizer, random.Random(0), size=8, tool_fraction=tool_fraction)
-    assert sum("<calc>" in tokenizer.decode(tokens) for tokens, _ in batch) == expected
+def test_demonstration_batch_tool_fraction_sets_the_share_using_the_tool(chat, tool_fraction, expected):
+    batch = demonstration_batch(MolarMassTask(), chat, random.Random(0), size=8, tool_fraction=tool_fraction)
+    assert sum("<tool_call>" in chat.decode(tokens) for tokens, _ in batch) == expected
+
+
+def test_a_conversation_becomes_the_templates_render_with_loss_on_the_assistants_turns(chat):
+    task = MolarMassTask()
+    call = ToolCall(id="demo-call", name="calc", arguments={"formula": "H2O"})
+    messages = [*task.messages({"formula": "H2O"}), {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "demo-call", "content": "18.015"},
+                {"role": "assistant", "content": "18.015"}]
+    tokens, mask = conversation_sequence(chat, messages, tools=task.tools())
+
+    rendered = [*messages[:1], {"role": "assistant", "content": "", "tool_calls": [call.to_openai()]}, *messages[2:]]
+    # The whole render ends with the template's join after the last turn, which is not trained.
+    assert chat.decode(tokens) + "\n" == chat.render(rendered, tools=task.tools(), add_generation_prompt=False)
+    turns = chat.write_turn(content="", calls=[call]) + chat.write_turn(content="18.015")
+    assert chat.decode([t for t, m in zip(tokens, mask) if m]) == turns
+    # Each turn is its own written text encoded once, as a sampled turn is.
+    assert [t for t, m in zip(tokens, mask) if m] == (chat.encode(chat.write_turn(content="", calls=[call]))
+                                                       + chat.encode(chat.write_turn(content="18.015")))
+
+
+@pytest.mark.parametrize(("messages", "reason"), [
+    ([{"role": "user", "content": "molar mass of H2O?"}], "no assistant turn"),
+    ([{"role": "user", "content": "molar mass of H2O?"},
+      {"role": "assistant", "content": "", "tool_calls": [ToolCall(id="c", name="calc", arguments={"formula": "H2O"})]},
+      {"role": "tool", "tool_call_id": "c", "content": "18.015"}], "must end with an assistant turn"),
+    ([{"role": "user", "content": "molar mass of H2O?"},
+      {"role": "assistant", "content": "", "tool_calls": [ToolCall(id="c", name="weigh", arguments={"x": "H2O"})]}],
+     "parses back"),
+])
+def test_a_conversation_that_cannot_be_trained_as_written_is_a_conversation_error(chat, messages, reason):
+    with pytest.raises(ConversationError, match=reason):
+        conversation_sequence(chat, messages, tools=MolarMassTask().tools())
 
 
 # --- the plain-torch backend -------------------------------------------------------------------
 
 @pytest.fixture
-def backend() -> TorchTrainerBackend:
+def backend(demo_model_dir: Path) -> TorchTrainerBackend:
     torch.set_num_threads(1)
-    return TorchTrainerBackend(TINY_MODEL, TrainerConfig(lr=1e-2, ppo_epochs=1, seed=0))
+    return TorchTrainerBackend(ModelConfig(path=str(demo_model_dir)), TrainerConfig(lr=1e-2, ppo_epochs=1, seed=0))
 
 
 def trained_logprob(backend: TorchTrainerBackend, tokens: list[int], mask: list[int]) -> float:
@@ -165,8 +204,9 @@ def test_on_policy_samples_have_importance_ratio_one(backend):
     assert stats["clip_fraction"] == 0.0
 
 
-def test_sft_steps_lower_the_loss_on_the_trained_positions(backend):
-    sequences = [([1, 5, 6, 7, 8, EOS_ID], [0, 0, 1, 1, 1, 1]), ([1, 9, 8, 7, EOS_ID], [0, 1, 1, 1, 1])]
+def test_sft_steps_lower_the_loss_on_the_trained_positions(backend, chat):
+    end = min(chat.end_of_turn_ids)
+    sequences = [([1, 5, 6, 7, 8, end], [0, 0, 1, 1, 1, 1]), ([1, 9, 8, 7, end], [0, 1, 1, 1, 1])]
     losses = [backend.sft_step(sequences, lr=1e-2) for _ in range(5)]
     assert losses[-1] < losses[0]
 

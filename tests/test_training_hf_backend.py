@@ -26,7 +26,6 @@ from rollmesh.checkpoint.hf_writer import read_hf_checkpoint  # noqa: E402
 from rollmesh.checkpoint.megatron_export import ExportOptions, export_to_hf  # noqa: E402
 from rollmesh.checkpoint.resharder import CheckpointResharder  # noqa: E402
 from rollmesh.checkpoint.torch_dist_reader import TorchDistCheckpoint  # noqa: E402
-from rollmesh.checkpoint.torch_format import load_torch_checkpoint  # noqa: E402
 from rollmesh.config import ModelConfig, ResharderConfig, TrainerConfig  # noqa: E402
 from rollmesh.engine.models import SparseMoeBlock, load_hf_model, read_hf_config, read_safetensors  # noqa: E402
 from rollmesh.engine.weight_staging import WeightStager  # noqa: E402
@@ -79,7 +78,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 
 def backend_for(directory: Path, **trainer) -> TorchTrainerBackend:
     settings = dict(lr=1e-3, ppo_epochs=1, seed=0) | trainer
-    return TorchTrainerBackend(ModelConfig(family="hf", hf_path=str(directory)), TrainerConfig(**settings))
+    return TorchTrainerBackend(ModelConfig(path=str(directory)), TrainerConfig(**settings))
 
 
 def sequences(seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -324,13 +323,16 @@ async def test_the_resharder_converts_the_backends_checkpoint_into_a_model_the_e
         assert torch.equal(served(ids), backend.model(ids))
 
 
-def test_the_tiny_model_keeps_the_trainers_torch_checkpoint_format(tmp_path):
-    backend = TorchTrainerBackend(ModelConfig(), TrainerConfig())
-    path, fmt = backend.save_checkpoint(tmp_path, iteration=5, weight_version=2)
-    assert (path, fmt) == (tmp_path / "step_00000005", "torch")
-    weights, meta = load_torch_checkpoint(path)
-    assert (meta.step, meta.weight_version, meta.model_config["family"]) == (5, 2, "tiny")
-    assert all(torch.equal(weights[name], tensor) for name, tensor in backend.state_dict().items())
+def test_the_demo_model_saves_a_megatron_checkpoint_that_exports_back_to_its_weights(demo_model_dir, tmp_path):
+    # The demo model is a Qwen2 (q/k/v biases, tied embeddings); no torch-format branch is left.
+    backend = TorchTrainerBackend(ModelConfig(path=str(demo_model_dir)), TrainerConfig(lr=1e-2, seed=0))
+    backend.sft_step(sequences(), lr=1e-2)
+    path, fmt = backend.save_checkpoint(tmp_path / "checkpoints", iteration=5, weight_version=2)
+    assert (path, fmt) == (tmp_path / "checkpoints" / "iter_0000005", "megatron_torch_dist")
+    export_to_hf(path, tmp_path / "hf", ExportOptions(workers=1))
+    exported, expected = read_hf_checkpoint(tmp_path / "hf"), hf_tensors(backend)
+    assert exported.keys() == expected.keys()
+    assert all(torch.equal(exported[name], expected[name]) for name in expected)
 
 
 @pytest.mark.parametrize(("config", "field"), [

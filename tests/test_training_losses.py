@@ -6,12 +6,12 @@ configuration against the loss the trainer used before (a verbatim copy below). 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from rollmesh.config import ModelConfig, TrainerConfig
-from rollmesh.engine.tokenizer import PAD_ID
 from rollmesh.training.grpo import PolicyBatch, PolicySample
 from rollmesh.training.losses import (
     LossInputsError,
@@ -25,7 +25,7 @@ from rollmesh.training.torch_backend import TorchTrainerBackend
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
-TINY_MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
+PAD_ID = 0  # any valid embedding row pads (torch_backend.training_pad_id)
 PPO = LossSettings(loss="ppo_clip", clip_eps=0.2, dual_clip=3.0)
 GRPO = LossSettings(loss="grpo", clip_eps=0.2, dual_clip=3.0)
 
@@ -352,17 +352,18 @@ def legacy_policy_step(backend: TorchTrainerBackend, samples: list[PolicySample]
         backend.optimizer.step()
 
 
-def test_default_config_trains_the_same_weights_as_the_old_backend_bit_for_bit():
+def test_default_config_trains_the_same_weights_as_the_old_backend_bit_for_bit(demo_model_dir: Path):
     torch.set_num_threads(1)
     config = TrainerConfig(lr=1e-2)  # ppo_epochs 2, dual clip 3: the defaults
-    old, new = TorchTrainerBackend(TINY_MODEL, config), TorchTrainerBackend(TINY_MODEL, config)
+    model = ModelConfig(path=str(demo_model_dir))
+    old, new = TorchTrainerBackend(model, config), TorchTrainerBackend(model, config)
     for step in range(3):
         samples = random_samples(10 + step)
         legacy_policy_step(old, samples)
         new.policy_step(samples, current_version=step)
     old_weights, new_weights = old.state_dict(), new.state_dict()
     assert all(torch.equal(old_weights[name], new_weights[name]) for name in old_weights)
-    untrained = TorchTrainerBackend(TINY_MODEL, config).state_dict()
+    untrained = TorchTrainerBackend(model, config).state_dict()
     assert any(not torch.equal(untrained[name], new_weights[name]) for name in untrained)  # it trained
 
 
@@ -385,12 +386,19 @@ def on_policy(backend: TorchTrainerBackend, tokens: list[int], mask: list[int], 
     return PolicySample(tokens, mask, [0.0, *logprobs], advantage, versions=versions)
 
 
-def backend_with(**config) -> TorchTrainerBackend:
-    torch.set_num_threads(1)
-    return TorchTrainerBackend(TINY_MODEL, TrainerConfig(**{"lr": 1e-2, "ppo_epochs": 1, "seed": 0, **config}))
+@pytest.fixture
+def backend_with(demo_model_dir: Path):
+    """``backend_with(**trainer_config)``: a torch backend on the demo model."""
+
+    def build(**config) -> TorchTrainerBackend:
+        torch.set_num_threads(1)
+        return TorchTrainerBackend(ModelConfig(path=str(demo_model_dir)),
+                                   TrainerConfig(**{"lr": 1e-2, "ppo_epochs": 1, "seed": 0, **config}))
+
+    return build
 
 
-def test_kl_reference_is_the_weights_at_the_first_policy_step_after_the_warm_start():
+def test_kl_reference_is_the_weights_at_the_first_policy_step_after_the_warm_start(backend_with):
     backend = backend_with(kl_coef=0.1)
     backend.sft_step([([1, 5, 6, 7], [0, 1, 1, 1])], lr=1e-2)
 
@@ -406,7 +414,7 @@ def test_kl_reference_is_the_weights_at_the_first_policy_step_after_the_warm_sta
     assert backend.policy_step(samples())["kl"] == 0.0  # supervised steps move the reference on
 
 
-def test_backend_decoupled_ppo_on_on_policy_samples_has_unit_weights_and_ratios():
+def test_backend_decoupled_ppo_on_on_policy_samples_has_unit_weights_and_ratios(backend_with):
     backend = backend_with(is_cap=2.0, ppo_epochs=2, entropy_coef=0.01, policy_loss="grpo")
     stats = backend.policy_step([on_policy(backend, [1, 2, 3, 4], [0, 1, 1, 1], 1.0),
                                  on_policy(backend, [1, 5, 6], [0, 1, 1], -1.0)])
@@ -416,7 +424,7 @@ def test_backend_decoupled_ppo_on_on_policy_samples_has_unit_weights_and_ratios(
     assert set(stats) >= {"loss", "grad_norm", "clip_fraction", "mean_ratio"}
 
 
-def test_backend_stale_tokens_steer_nothing():
+def test_backend_stale_tokens_steer_nothing(backend_with):
     backend = backend_with(max_token_lag=1)
     stats = backend.policy_step([on_policy(backend, [1, 2, 3, 4], [0, 1, 1, 1], 1.0, versions=[-1, 3, 3, 3]),
                                  on_policy(backend, [1, 5, 6], [0, 1, 1], -1.0, versions=[-1, 2, 4])],

@@ -36,19 +36,17 @@ STEP_TIMEOUT_S = 30.0  # a guard against a hang, never a timing assertion
 TOKENS = [5, 81, 58, 32, 65, 58, 7]
 
 
+def build_trainer(run_dir: Path, bus: RecordingPublisher, model: ModelConfig, **config) -> TrainerLogic:
+    torch.set_num_threads(1)
+    trainer_config = TrainerConfig(**{"lr": 1e-3, "group_size": 2, "groups_per_step": 1, "ppo_epochs": 1, **config})
+    return TrainerLogic(trainer_config, model, TorchTrainerBackend(model, trainer_config), bus,
+                        run_dir=run_dir, clock=lambda: 500.0)
+
+
 @pytest.fixture
 def trainer(tmp_path: Path, demo_model_dir: Path):
     """``trainer(bus, **trainer_config)``: a TrainerLogic on the demo model, run dir ``tmp_path``."""
-
-    def build(bus: RecordingPublisher, **config) -> TrainerLogic:
-        torch.set_num_threads(1)
-        model = ModelConfig(path=str(demo_model_dir))
-        trainer_config = TrainerConfig(**{"lr": 1e-3, "group_size": 2, "groups_per_step": 1,
-                                          "ppo_epochs": 1, **config})
-        return TrainerLogic(trainer_config, model, TorchTrainerBackend(model, trainer_config), bus,
-                            run_dir=tmp_path, clock=lambda: 500.0)
-
-    return build
+    return lambda bus, **config: build_trainer(tmp_path, bus, ModelConfig(path=str(demo_model_dir)), **config)
 
 
 def completed(rollout_id: str, group_id: str, reward: float, *, version: int = 0,
