@@ -143,7 +143,6 @@ class MeshRuntime:
         workers the GPU scheduler lends, and with dashboard.enabled it serves the live dashboard
         too, at ``dashboard_url``."""
         from rollmesh.dashboard import DASHBOARD_PATH, DashboardSource
-        from rollmesh.engine.paged_model import describe_served_model
         from rollmesh.serve_apps import build_inference_app, deploy_inference_app
 
         dashboard = None
@@ -154,12 +153,12 @@ class MeshRuntime:
                 config=self.config.dashboard, connect_timeout_s=self.config.nats.connect_timeout_s,
                 credentials=self.bus_credentials.get("dashboard"), nats_tls=self.config.security.nats_tls)
 
-        served = describe_served_model(self.config.model)
+        # The workers' model (model.path made absolute by resolve_model): the app's text routes
+        # speak its tokenizer and chat template.
         app = build_inference_app(
             prefill_actor_names=prefill_names, decode_actor_names=decode_names,
-            ray_namespace=self.ray_namespace, model_name=served.name,
-            max_seq_len=served.max_seq_len, vocab_size=served.vocab_size, api_key=api_key,
-            routes_experts=served.routes_experts, telemetry=self.config.telemetry,
+            ray_namespace=self.ray_namespace, model=self.config.model, api_key=api_key,
+            telemetry=self.config.telemetry,
             run_dir=str(Path(self.run_dir).resolve()), dashboard=dashboard,
         )
         self.serve_url = deploy_inference_app(app, host=host, port=port,

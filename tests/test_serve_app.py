@@ -2,6 +2,8 @@
 (through the official ``openai`` client too, streaming included), /generate, /v1/models, /health,
 sessions, the minimum weight version, the weight and cache admin endpoints, and 4xx answers to
 bad input that leave the replica serving. (Routed experts need an MoE model: test_serve_moe.py.)
+The model is the demo's (a Hugging Face directory): the text routes speak its tokenizer and chat
+template, and a request with tools gets its Hermes calls back as OpenAI ``tool_calls``.
 
 One local Ray (reused if the session already started one), one prefill and one decode actor, and
 one deployment for the whole module, because Serve takes seconds to start on two shared cores.
@@ -14,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -24,8 +27,9 @@ from ray_actors import stop_and_kill
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
+from rollmesh.chat import ChatModel
 from rollmesh.config import InferenceConfig, ModelConfig
-from rollmesh.engine.tokenizer import BOS_ID, ByteTokenizer
+from rollmesh.demo.demo_model import DemoModelShape
 from rollmesh.messages.base import SamplingParams
 from rollmesh.serve_apps import (
     build_inference_app,
@@ -36,9 +40,12 @@ from rollmesh.serve_apps.inference_app import api_error_from_ray
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
-MODEL_NAME = "rollmesh-tiny"
-TOKENIZER = ByteTokenizer(MODEL.vocab_size)
+MODEL_NAME = "rollmesh-demo"
+MAX_SEQ_LEN = DemoModelShape().max_position_embeddings  # the demo model's context
+CALC = {"type": "function", "function": {
+    "name": "calc", "description": "molar mass of a formula",
+    "parameters": {"type": "object", "properties": {"formula": {"type": "string"}},
+                   "required": ["formula"]}}}
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class Deployed:
     url: str
     prefill: object
     decode: object
+    chat: ChatModel  # the served model's tokenizer and template, as the test reads them
 
 
 def free_port() -> int:
@@ -62,8 +70,10 @@ def local_ray(ray_session: None) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def deployed(
-    local_ray: None, nats_server: EmbeddedNatsServer, tmp_path_factory: pytest.TempPathFactory
+    local_ray: None, nats_server: EmbeddedNatsServer, tmp_path_factory: pytest.TempPathFactory,
+    demo_model_dir: Path,
 ) -> Iterator[Deployed]:
+    model = ModelConfig(path=str(demo_model_dir))
     namespace = "t" + uuid.uuid4().hex[:10]
     mesh = MeshContext(
         namespace=namespace, nats_url=nats_server.url,
@@ -72,20 +82,19 @@ def deployed(
     inference = InferenceConfig(max_batch=8)
     prefill = ray.remote(PrefillWorkerActor).options(
         name=f"prefill-{namespace}", namespace=namespace, num_cpus=0
-    ).remote(f"prefill-{namespace}", mesh, MODEL, inference)
+    ).remote(f"prefill-{namespace}", mesh, model, inference)
     decode = ray.remote(DecodeWorkerActor).options(
         name=f"decode-{namespace}", namespace=namespace, num_cpus=0
-    ).remote(f"decode-{namespace}", mesh, MODEL, inference)
+    ).remote(f"decode-{namespace}", mesh, model, inference)
     try:
         ray.get([prefill.start.remote(), decode.start.remote()], timeout=60)
         app = build_inference_app(
             prefill_actor_names=[f"prefill-{namespace}"],
             decode_actor_names=[f"decode-{namespace}"],
-            ray_namespace=namespace, model_name=MODEL_NAME,
-            max_seq_len=MODEL.max_seq_len, vocab_size=MODEL.vocab_size,
+            ray_namespace=namespace, model=model, model_name=MODEL_NAME,
         )
         url = deploy_inference_app(app, host="127.0.0.1", port=free_port())
-        yield Deployed(url=url, prefill=prefill, decode=decode)
+        yield Deployed(url=url, prefill=prefill, decode=decode, chat=ChatModel.from_config(model))
     finally:
         shutdown_inference_app()
         stop_and_kill(decode, prefill)
@@ -108,7 +117,9 @@ def greedy_generate(client: httpx.Client, input_ids: list[int], **sampling) -> d
 # -- good requests ----------------------------------------------------------------------------
 
 
-def test_completions_return_text_usage_and_weight_versions(client: httpx.Client) -> None:
+def test_completions_return_text_usage_and_weight_versions(
+    client: httpx.Client, deployed: Deployed,
+) -> None:
     response = client.post(
         "/v1/completions",
         json={"model": MODEL_NAME, "prompt": "hello", "max_tokens": 5, "temperature": 0},
@@ -125,7 +136,7 @@ def test_completions_return_text_usage_and_weight_versions(client: httpx.Client)
     assert choice["finish_reason"] in ("stop", "length")
     assert choice["logprobs"] is None
     usage = body["usage"]
-    assert usage["prompt_tokens"] == 1 + len("hello")  # BOS first
+    assert usage["prompt_tokens"] == len(deployed.chat.encode("hello"))  # the model's tokens, as given
     assert 1 <= usage["completion_tokens"] <= 5
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert choice["weight_versions"] == [0] * usage["completion_tokens"]
@@ -147,13 +158,15 @@ def test_completions_return_sampled_token_logprobs_when_asked(client: httpx.Clie
     assert all(lp is None or lp <= 0.0 for lp in logprobs["token_logprobs"])
 
 
-def test_generate_returns_output_ids_logprobs_and_versions(client: httpx.Client) -> None:
-    prompt = [BOS_ID, *b"hi there"]
+def test_generate_returns_output_ids_logprobs_and_versions(
+    client: httpx.Client, deployed: Deployed,
+) -> None:
+    prompt = deployed.chat.encode("hi there")
     body = greedy_generate(client, prompt, max_new_tokens=6)
     output_ids = body["output_ids"]
     meta = body["meta_info"]
     assert 1 <= len(output_ids) <= 6
-    assert body["text"] == TOKENIZER.decode(output_ids)
+    assert body["text"] == deployed.chat.decode(output_ids)  # every id, specials included
     assert meta["prompt_tokens"] == len(prompt)
     assert meta["completion_tokens"] == len(output_ids)
     assert meta["finish_reason"]["type"] in ("stop", "length")
@@ -166,28 +179,37 @@ def test_generate_returns_output_ids_logprobs_and_versions(client: httpx.Client)
 
 
 def test_generate_leaves_out_logprobs_unless_asked(client: httpx.Client) -> None:
-    response = client.post("/generate", json={"input_ids": [BOS_ID, 65],
+    response = client.post("/generate", json={"input_ids": [65, 66],
                                               "sampling_params": {"max_new_tokens": 2}})
     assert response.status_code == 200, response.text
     assert "output_token_logprobs" not in response.json()["meta_info"]
 
 
 def test_stop_string_ends_generation_and_is_cut_from_completion_text(
-    client: httpx.Client,
+    client: httpx.Client, deployed: Deployed,
 ) -> None:
-    prompt = "stop here"
-    free_run = greedy_generate(client, TOKENIZER.encode(prompt, bos=True), max_new_tokens=12)
-    # Greedy decoding is deterministic, so a byte the model is known to produce can be a stop.
-    ascii_after_first = [t for t in free_run["output_ids"][1:] if 32 <= t < 127]
-    if not ascii_after_first:
-        pytest.skip("the untrained model produced no printable ASCII byte to stop on")
-    stop = chr(ascii_after_first[0])
+    chat = deployed.chat
+    # Greedy decoding is deterministic, so a character the model is known to write can be a stop:
+    # a printable one that the first generated token does not hold (the untrained model often
+    # repeats one token, so a few prompts are tried).
+    for prompt in ("stop here", "hello", "molar mass of NaCl?", "Tools: calc(formula)"):
+        free_run = greedy_generate(client, chat.encode(prompt), max_new_tokens=12)
+        ids = [i for i in free_run["output_ids"] if i not in chat.end_of_turn_ids]
+        first_text = chat.decode(ids[:1])
+        printable = [c for c in chat.decode(ids[1:]) if c.isprintable() and not c.isspace()
+                     and c not in first_text and c != "\ufffd"]
+        if printable:
+            break
+    else:
+        pytest.skip("the untrained model wrote no printable character to stop on")
+    stop = printable[0]
 
-    stopped = greedy_generate(
-        client, TOKENIZER.encode(prompt, bos=True), max_new_tokens=12, stop=stop
-    )
+    stopped = greedy_generate(client, chat.encode(prompt), max_new_tokens=12, stop=stop)
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    assert stopped["text"].endswith(stop)  # /generate keeps text == decode(output_ids)
+    output_ids = stopped["output_ids"]
+    # /generate keeps text == decode(output_ids), and the last token is the one that wrote the stop.
+    assert stopped["text"] == chat.decode(output_ids)
+    assert stop in chat.decode(output_ids) and stop not in chat.decode(output_ids[:-1])
 
     response = client.post("/v1/completions", json={
         "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "stop": [stop]})
@@ -222,7 +244,10 @@ def test_health_is_ok(client: httpx.Client) -> None:
 
 # -- bad requests -----------------------------------------------------------------------------
 
-TOO_LONG = MODEL.max_seq_len  # one more than fits (a position is kept for generation)
+TOO_LONG = MAX_SEQ_LEN  # one more than fits (a position is kept for generation)
+# Digits are one token each in the demo's tokenizer (Qwen2's pre-tokenizer), so this is TOO_LONG tokens.
+TOO_LONG_TEXT = "7" * TOO_LONG
+USER_HI = [{"role": "user", "content": "hi"}]
 
 BAD_REQUESTS = [
     # (id, path, JSON body or raw bytes, status, code, param)
@@ -243,7 +268,7 @@ BAD_REQUESTS = [
     ("max-tokens-zero", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400,
      "invalid_value", "max_tokens"),
     ("max-tokens-over-context", "/v1/completions",
-     {"prompt": "a", "max_tokens": MODEL.max_seq_len + 1}, 400, "invalid_value", "max_tokens"),
+     {"prompt": "a", "max_tokens": MAX_SEQ_LEN + 1}, 400, "invalid_value", "max_tokens"),
     ("n-two", "/v1/completions", {"prompt": "a", "n": 2}, 400, "unsupported_value", "n"),
     ("chat-messages-empty", "/v1/chat/completions", {"messages": []}, 400, "invalid_value",
      "messages"),
@@ -261,13 +286,13 @@ BAD_REQUESTS = [
      "invalid_value", "stop"),
     ("too-many-stop-strings", "/v1/completions", {"prompt": "a", "stop": ["x"] * 17}, 400,
      "invalid_value", "stop"),
-    ("prompt-too-long", "/v1/completions", {"prompt": "x" * TOO_LONG}, 400, "prompt_too_long",
+    ("prompt-too-long", "/v1/completions", {"prompt": TOO_LONG_TEXT}, 400, "prompt_too_long",
      "prompt"),
     ("unknown-model", "/v1/completions", {"model": "gpt-5", "prompt": "a"}, 404,
      "model_not_found", "model"),
     ("input-ids-missing", "/generate", {"text": "hello"}, 400, "invalid_value", "input_ids"),
     ("input-ids-empty", "/generate", {"input_ids": []}, 400, "invalid_value", "input_ids"),
-    ("input-id-outside-vocab", "/generate", {"input_ids": [BOS_ID, MODEL.vocab_size]}, 400,
+    ("input-id-outside-vocab", "/generate", {"input_ids": [65, 10**6]}, 400,
      "invalid_token_id", "input_ids"),
     ("input-id-negative", "/generate", {"input_ids": [-1]}, 400, "invalid_token_id",
      "input_ids"),
@@ -278,7 +303,7 @@ BAD_REQUESTS = [
     ("input-ids-too-long", "/generate", {"input_ids": [65] * TOO_LONG}, 400, "prompt_too_long",
      "input_ids"),
     ("max-new-tokens-over-context", "/generate",
-     {"input_ids": [65], "sampling_params": {"max_new_tokens": MODEL.max_seq_len + 1}}, 400,
+     {"input_ids": [65], "sampling_params": {"max_new_tokens": MAX_SEQ_LEN + 1}}, 400,
      "invalid_value", "sampling_params.max_new_tokens"),
     ("negative-temperature", "/generate",
      {"input_ids": [65], "sampling_params": {"temperature": -1.0}}, 400, "invalid_value",
@@ -286,11 +311,32 @@ BAD_REQUESTS = [
     ("generate-stream", "/generate", {"input_ids": [65], "stream": True}, 400,
      "unsupported_value", "stream"),
     ("chat-prompt-too-long", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x" * TOO_LONG}]}, 400, "prompt_too_long",
+     {"messages": [{"role": "user", "content": TOO_LONG_TEXT}]}, 400, "prompt_too_long",
      "messages"),
+    ("chat-content-null-without-tool-calls", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": None}]}, 400, "invalid_value",
+     "messages.0.content"),
+    ("chat-tool-arguments-not-json", "/v1/chat/completions",
+     {"messages": [*USER_HI, {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "call_0", "type": "function",
+          "function": {"name": "calc", "arguments": "{formula: H2O"}}]}], "tools": [CALC]},
+     400, "invalid_value", "messages.1.tool_calls.0.function.arguments"),
+    ("chat-tool-without-a-name", "/v1/chat/completions",
+     {"messages": USER_HI, "tools": [{"type": "function", "function": {"parameters": {}}}]},
+     400, "invalid_value", "tools.0"),
+    ("chat-tool-parameters-not-a-schema", "/v1/chat/completions",
+     {"messages": USER_HI, "tools": [{"type": "function", "function": {
+         "name": "calc", "parameters": {"type": "object", "properties": 5}}}]},
+     400, "invalid_value", "tools.0"),
+    ("chat-tool-choice-required", "/v1/chat/completions",
+     {"messages": USER_HI, "tools": [CALC], "tool_choice": "required"}, 400,
+     "unsupported_value", "tool_choice"),
+    ("chat-template-kwargs-reserved", "/v1/chat/completions",
+     {"messages": USER_HI, "chat_template_kwargs": {"tools": []}}, 400, "invalid_value",
+     "chat_template_kwargs"),
     # rollmesh's extension fields
     ("routed-experts-of-a-dense-model", "/generate",
-     {"input_ids": [BOS_ID, 65], "return_routed_experts": True}, 400, "unsupported_value",
+     {"input_ids": [65, 66], "return_routed_experts": True}, 400, "unsupported_value",
      "return_routed_experts"),
     ("routed-experts-start-past-the-prompt", "/generate",
      {"input_ids": [65, 66], "routed_experts_start_len": 3}, 400, "invalid_value",
@@ -337,11 +383,11 @@ def test_bad_input_gets_a_4xx_error_and_the_next_request_succeeds(
     if param is not None:
         assert error["param"] == param
 
-    assert greedy_generate(client, [BOS_ID, 65], max_new_tokens=1)["output_ids"]
+    assert greedy_generate(client, [65, 66], max_new_tokens=1)["output_ids"]
 
 
 def test_min_weight_version_not_reached_is_a_retryable_503(client: httpx.Client) -> None:
-    body = {"input_ids": [BOS_ID, 65], "sampling_params": {"max_new_tokens": 2}}
+    body = {"input_ids": [65, 66], "sampling_params": {"max_new_tokens": 2}}
     response = client.post("/generate", json={**body, "min_weight_version": 10**6})
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"] == "1"
@@ -363,7 +409,9 @@ def test_admin_weights_lists_every_worker_and_its_version(client: httpx.Client) 
                                           ("decode", "decode", 0, None)]
 
 
-def test_session_turns_reuse_kv_until_the_cache_is_flushed(client: httpx.Client) -> None:
+def test_session_turns_reuse_kv_until_the_cache_is_flushed(
+    client: httpx.Client, deployed: Deployed,
+) -> None:
     session_id = "agent-" + uuid.uuid4().hex[:8]
 
     def generate(input_ids: list[int]) -> dict:
@@ -373,10 +421,11 @@ def test_session_turns_reuse_kv_until_the_cache_is_flushed(client: httpx.Client)
         assert response.status_code == 200, response.text
         return response.json()
 
-    first_prompt = TOKENIZER.encode("the first turn of a session", bos=True)
+    encode = deployed.chat.encode
+    first_prompt = encode("the first turn of a session")
     first = generate(first_prompt)
     assert first["meta_info"]["cached_tokens"] == 0
-    second_prompt = [*first_prompt, *first["output_ids"], *b" tool says 4"]
+    second_prompt = [*first_prompt, *first["output_ids"], *encode(" tool says 4")]
     second = generate(second_prompt)
     assert second["meta_info"]["cached_tokens"] > 0
 
@@ -384,7 +433,7 @@ def test_session_turns_reuse_kv_until_the_cache_is_flushed(client: httpx.Client)
     assert flushed.status_code == 200, flushed.text
     assert flushed.json()["success"] is True
     assert flushed.json()["kv_blocks_freed"] > 0
-    third = generate([*second_prompt, *second["output_ids"], *b" and 5"])
+    third = generate([*second_prompt, *second["output_ids"], *encode(" and 5")])
     assert third["meta_info"]["cached_tokens"] == 0
 
 
@@ -392,7 +441,7 @@ def test_chat_session_reports_cached_tokens_in_openai_usage(
     openai_client: openai.OpenAI,
 ) -> None:
     session = {"session_id": "chat-" + uuid.uuid4().hex[:8]}
-    messages = [{"role": "user", "content": "2+2?"}]  # short: the tiny context is 64 tokens
+    messages = [{"role": "user", "content": "2+2?"}]
     first = openai_client.chat.completions.create(
         model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0, extra_body=session)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -405,7 +454,7 @@ def test_chat_session_reports_cached_tokens_in_openai_usage(
 
 def test_generate_echoes_sglang_rid_as_the_request_id(client: httpx.Client) -> None:
     rid = "rid-" + uuid.uuid4().hex
-    response = client.post("/generate", json={"input_ids": [BOS_ID, 65], "rid": rid,
+    response = client.post("/generate", json={"input_ids": [65, 66], "rid": rid,
                                               "sampling_params": {"max_new_tokens": 1}})
     assert response.status_code == 200, response.text
     assert response.json()["meta_info"]["id"] == rid
@@ -427,11 +476,12 @@ def openai_client(deployed: Deployed) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def test_openai_client_gets_a_chat_completion(openai_client: openai.OpenAI) -> None:
+def test_openai_client_gets_a_chat_completion_of_the_templated_prompt(
+    openai_client: openai.OpenAI, deployed: Deployed,
+) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     completion = openai_client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "system", "content": "be brief"},
-                                    {"role": "user", "content": "hi"}],
-        max_tokens=5, temperature=0,
+        model=MODEL_NAME, messages=messages, max_tokens=5, temperature=0,
     )
     assert completion.id.startswith("chatcmpl-")
     assert completion.object == "chat.completion"
@@ -439,9 +489,48 @@ def test_openai_client_gets_a_chat_completion(openai_client: openai.OpenAI) -> N
     assert choice.message.role == "assistant"
     assert isinstance(choice.message.content, str)
     assert choice.finish_reason in ("stop", "length")
-    prompt = "system: be brief\nuser: hi\nassistant: "
-    assert completion.usage.prompt_tokens == 1 + len(prompt)  # BOS, then the template's bytes
+    rendered = deployed.chat.render(messages, add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    assert completion.usage.prompt_tokens == len(deployed.chat.encode(rendered))
     assert 1 <= completion.usage.completion_tokens <= 5
+    assert "<|im_end|>" not in choice.message.content  # the end of turn is not text
+
+
+def test_openai_client_sends_back_a_tool_call_turn_with_content_null(
+    openai_client: openai.OpenAI, deployed: Deployed,
+) -> None:
+    """The client's own message objects for a call and its result go back as the next request:
+    an assistant turn with ``content: null`` and JSON-string arguments, rendered as the template
+    writes a call (arguments as an object), then the tool result."""
+    question = {"role": "user", "content": "molar mass of H2O?"}
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0", "type": "function",
+         "function": {"name": "calc", "arguments": '{"formula": "H2O"}'}}]}
+    result = {"role": "tool", "tool_call_id": "call_0", "content": "18.015"}
+    request = {"model": MODEL_NAME, "messages": [question, call, result], "tools": [CALC],
+               "max_tokens": 6, "temperature": 0}
+    completion = openai_client.chat.completions.create(**request)
+
+    rendered = deployed.chat.render([question, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function",
+         "function": {"name": "calc", "arguments": {"formula": "H2O"}}}]}, result],
+        tools=[CALC], add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "calc", "arguments": {"formula": "H2O"}}\n</tool_call>' in rendered
+    assert "Tools: calc(formula)" in rendered
+    assert completion.usage.prompt_tokens == len(deployed.chat.encode(rendered))
+    (choice,) = completion.choices
+    # The untrained model writes what it writes; a call it made would be read as tool_calls.
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        assert all(c.function.name == "calc" for c in choice.message.tool_calls)
+    else:
+        assert choice.finish_reason in ("stop", "length")
+        assert isinstance(choice.message.content, str)
+
+    chunks = list(openai_client.chat.completions.create(**request, stream=True))
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert streamed == (choice.message.content or "")
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
 
 
 def test_openai_client_streams_a_chat_completion_with_the_same_text(

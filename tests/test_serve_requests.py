@@ -1,17 +1,20 @@
 """HTTP bodies -> engine inputs and GenerationResults -> HTTP bodies, rollmesh's extension fields
 (session, minimum weight version, routed experts), and error mapping, without Ray or Serve
-running."""
+running. The served model is the demo's (its tokenizer encodes prompts and decodes answers)."""
 
 from __future__ import annotations
 
 import base64
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
+from rollmesh.chat import ChatModel
+from rollmesh.config import ModelConfig
 from rollmesh.engine.errors import (
     CapacityError,
     InvalidRequestError,
@@ -23,14 +26,13 @@ from rollmesh.engine.errors import (
 )
 from rollmesh.engine.protocols import GenerateOptions, GenerationResult
 from rollmesh.engine.sglang_client import RoutedExpertsShape, decode_routed_experts
-from rollmesh.engine.tokenizer import BOS_ID, EOS_ID
 from rollmesh.messages.base import SamplingParams
 from rollmesh.serve_apps.errors import (
     EngineUnavailableError,
     InvalidApiRequestError,
     ModelNotFoundError,
 )
-from rollmesh.serve_apps.chat_requests import chat_response, chat_stream_events
+from rollmesh.serve_apps.chat_requests import chat_inputs, chat_response, chat_stream_events
 from rollmesh.serve_apps.generate_extensions import encode_routed_experts, generate_options
 from rollmesh.serve_apps.generation_requests import (
     ServedModel,
@@ -57,7 +59,28 @@ from rollmesh.serve_apps.weight_admin import requested_weight_version
 
 pytestmark = pytest.mark.unit
 
-SERVED = ServedModel(name="tiny", max_seq_len=16, vocab_size=260)
+# A context of 16 tokens, so that length limits are reached with short prompts.
+MAX_SEQ_LEN = 16
+
+
+@pytest.fixture(scope="module")
+def chat(demo_model_dir: Path) -> ChatModel:
+    return ChatModel.from_config(ModelConfig(path=str(demo_model_dir)))
+
+
+def served_model(chat: ChatModel, name: str = "tiny", routes_experts: bool | None = None) -> ServedModel:
+    return ServedModel(name=name, max_seq_len=MAX_SEQ_LEN, vocab_size=chat.vocab_size, chat=chat,
+                       routes_experts=routes_experts)
+
+
+@pytest.fixture(scope="module")
+def served(chat: ChatModel) -> ServedModel:
+    return served_model(chat)
+
+
+@pytest.fixture(scope="module")
+def moe(chat: ChatModel) -> ServedModel:
+    return served_model(chat, "moe", routes_experts=True)
 
 
 def result(token_ids: list[int], finish_reason: str = "length") -> GenerationResult:
@@ -67,53 +90,65 @@ def result(token_ids: list[int], finish_reason: str = "length") -> GenerationRes
     )
 
 
-def test_completion_prompt_is_bytes_after_bos_and_sampling_keeps_openai_defaults() -> None:
-    ids, sampling = completion_inputs(CompletionRequest(prompt="hé"), SERVED)
-    assert ids == [BOS_ID, *"hé".encode()]
+def test_completion_prompt_is_the_models_tokens_and_sampling_keeps_openai_defaults(
+    chat: ChatModel, served: ServedModel,
+) -> None:
+    ids, sampling = completion_inputs(CompletionRequest(prompt="molar mass of H2O?"), served)
+    assert ids == chat.encode("molar mass of H2O?")  # no special token added
+    assert len(ids) < len("molar mass of H2O?")  # BPE merges, not bytes
+    assert chat.decode(ids) == "molar mass of H2O?"
     assert sampling == SamplingParams(max_new_tokens=16, temperature=1.0, top_p=1.0, stop=[])
 
 
-def test_completion_single_stop_string_becomes_a_list() -> None:
-    _, sampling = completion_inputs(CompletionRequest(prompt="a", stop="\n"), SERVED)
+def test_completion_single_stop_string_becomes_a_list(served: ServedModel) -> None:
+    _, sampling = completion_inputs(CompletionRequest(prompt="a", stop="\n"), served)
     assert sampling.stop == ["\n"]
 
 
-def test_range_errors_name_the_http_parameter() -> None:
+def test_range_errors_name_the_http_parameter(served: ServedModel) -> None:
     with pytest.raises(InvalidApiRequestError) as raised:
-        completion_inputs(CompletionRequest(prompt="a", temperature=10.5), SERVED)
+        completion_inputs(CompletionRequest(prompt="a", temperature=10.5), served)
     assert raised.value.param == "temperature"
     assert "temperature" in raised.value.message and "10.0" in raised.value.message
 
     request = GenerateRequest(input_ids=[1], sampling_params=GenerateSamplingParams(top_p=2.0))
     with pytest.raises(InvalidApiRequestError) as raised:
-        generate_inputs(request, SERVED)
+        generate_inputs(request, served)
     assert raised.value.param == "sampling_params.top_p"
 
 
-def test_unknown_model_is_404_and_no_model_means_the_served_one() -> None:
+def test_unknown_model_is_404_and_no_model_means_the_served_one(served: ServedModel) -> None:
     with pytest.raises(ModelNotFoundError) as raised:
-        completion_inputs(CompletionRequest(model="other", prompt="a"), SERVED)
+        completion_inputs(CompletionRequest(model="other", prompt="a"), served)
     assert raised.value.status == 404
-    completion_inputs(CompletionRequest(prompt="a"), SERVED)
+    completion_inputs(CompletionRequest(prompt="a"), served)
 
 
-def test_prompt_that_leaves_no_room_to_generate_is_rejected() -> None:
-    completion_inputs(CompletionRequest(prompt="x" * 14), SERVED)  # BOS + 14 = 15 fits
+def test_prompt_that_leaves_no_room_to_generate_is_rejected(chat: ChatModel, served: ServedModel) -> None:
+    assert len(chat.encode("7" * 15)) == 15  # digits are one token each (Qwen2's pre-tokenizer)
+    completion_inputs(CompletionRequest(prompt="7" * 15), served)  # 15 fits in 16
     with pytest.raises(InvalidApiRequestError) as raised:
-        completion_inputs(CompletionRequest(prompt="x" * 15), SERVED)
+        completion_inputs(CompletionRequest(prompt="7" * 16), served)
     assert raised.value.code == "prompt_too_long"
+    with pytest.raises(InvalidApiRequestError) as raised:
+        completion_inputs(CompletionRequest(prompt=""), served)
+    assert (raised.value.code, raised.value.param) == ("invalid_value", "prompt")
 
 
-def test_generate_default_budget_is_clipped_to_the_context() -> None:
-    _, sampling = generate_inputs(GenerateRequest(input_ids=[BOS_ID]), SERVED)
-    assert sampling.max_new_tokens == SERVED.max_seq_len
+def test_generate_default_budget_is_clipped_to_the_context(served: ServedModel) -> None:
+    _, sampling = generate_inputs(GenerateRequest(input_ids=[1]), served)
+    assert sampling.max_new_tokens == served.max_seq_len
 
 
-def test_completion_text_drops_the_stop_string_but_generate_text_keeps_it() -> None:
-    finished = result(list(b"ab\ncd"[:3]), finish_reason="stop")
+def test_completion_text_drops_the_stop_string_but_generate_text_keeps_it(
+    chat: ChatModel, served: ServedModel,
+) -> None:
+    ids = chat.encode("ab\n")
+    assert len(ids) == 3
+    finished = result(ids, finish_reason="stop")
     sampling = SamplingParams(stop=["\n"])
     completion = completion_response(
-        finished, request_id="cmpl-1", created=1, served=SERVED, sampling=sampling,
+        finished, request_id="cmpl-1", created=1, served=served, sampling=sampling,
         with_logprobs=True,
     )
     (choice,) = completion.choices
@@ -124,37 +159,44 @@ def test_completion_text_drops_the_stop_string_but_generate_text_keeps_it() -> N
     assert completion.usage.total_tokens == 4 + 3
 
     generated = generate_response(
-        finished, request_id="1", served=SERVED, sampling=sampling, return_logprob=True
+        finished, request_id="1", served=served, sampling=sampling, return_logprob=True
     )
     assert generated.text == "ab\n"
     assert generated.meta_info.finish_reason.matched == "\n"
-    assert generated.meta_info.output_token_logprobs == [(-0.5, 97, None), (-0.5, 98, None),
-                                                         (-0.5, 10, None)]
+    assert generated.meta_info.output_token_logprobs == [(-0.5, i, None) for i in ids]
     assert generated.meta_info.weight_version == 3
 
 
-def test_eos_finishes_as_stop_with_the_eos_id_matched() -> None:
-    finished = result([65, EOS_ID], finish_reason="eos")
+def test_eos_finishes_as_stop_with_the_end_of_turn_id_matched(chat: ChatModel, served: ServedModel) -> None:
+    ids = chat.encode("A<|im_end|>")
+    end_of_turn = ids[-1]
+    assert end_of_turn in chat.end_of_turn_ids
+    finished = result(ids, finish_reason="eos")
     generated = generate_response(
-        finished, request_id="1", served=SERVED, sampling=SamplingParams(), return_logprob=False
+        finished, request_id="1", served=served, sampling=SamplingParams(), return_logprob=False
     )
     assert generated.meta_info.finish_reason.type == "stop"
-    assert generated.meta_info.finish_reason.matched == EOS_ID
+    assert generated.meta_info.finish_reason.matched == end_of_turn
     assert generated.meta_info.output_token_logprobs is None
-    assert generated.text == "A"
+    assert generated.text == "A<|im_end|>"  # /generate's text is output_ids decoded, every id
+    completion = completion_response(finished, request_id="c", created=1, served=served,
+                                     sampling=SamplingParams(), with_logprobs=False)
+    assert completion.choices[0].text == "A"  # the end of turn is no text
+    assert completion.choices[0].finish_reason == "stop"
 
 
-def test_non_finite_logprob_becomes_null() -> None:
+def test_non_finite_logprob_becomes_null(served: ServedModel) -> None:
     finished = GenerationResult([65], [-math.inf], [0], "length", 1)
     generated = generate_response(
-        finished, request_id="1", served=SERVED, sampling=SamplingParams(), return_logprob=True
+        finished, request_id="1", served=served, sampling=SamplingParams(), return_logprob=True
     )
     assert generated.meta_info.output_token_logprobs == [(None, 65, None)]
 
 
-def test_token_text_shows_non_ascii_bytes_and_specials() -> None:
-    assert [token_text(t) for t in (65, 0xC3, BOS_ID, EOS_ID)] == [
-        "A", "bytes:\\xc3", "<bos>", "<eos>"]
+def test_token_text_is_each_tokens_text_with_specials_spelled(chat: ChatModel) -> None:
+    ids = chat.encode("molar mass<|im_end|>")
+    assert [token_text(t, chat) for t in ids][-1] == "<|im_end|>"
+    assert "".join(token_text(t, chat) for t in ids) == "molar mass<|im_end|>"
 
 
 def test_engine_errors_from_actors_map_to_http_statuses() -> None:
@@ -220,53 +262,50 @@ def test_weights_that_cannot_be_loaded_are_400s() -> None:
 
 # -- rollmesh's extension fields ----------------------------------------------------------------
 
-MOE = ServedModel(name="moe", max_seq_len=16, vocab_size=260, routes_experts=True)
-DENSE = ServedModel(name="dense", max_seq_len=16, vocab_size=260, routes_experts=False)
-
-
-def test_extension_fields_become_the_engines_generate_options() -> None:
+def test_extension_fields_become_the_engines_generate_options(served: ServedModel, moe: ServedModel) -> None:
     request = GenerateRequest(input_ids=[1, 2, 3], session_id="agent-7", min_weight_version=4,
                               return_routed_experts=True, routed_experts_start_len=3)
-    assert generate_options(request, prompt_len=3, served=MOE) == GenerateOptions(
+    assert generate_options(request, prompt_len=3, served=moe) == GenerateOptions(
         session_id="agent-7", min_version=4, return_routed_experts=True,
         routed_experts_start_len=3)
     assert generate_options(GenerateRequest(input_ids=[1]), prompt_len=1,
-                            served=SERVED) == GenerateOptions()
+                            served=served) == GenerateOptions()
 
 
-def test_openai_requests_take_the_extension_fields_from_extra_body() -> None:
+def test_openai_requests_take_the_extension_fields_from_extra_body(moe: ServedModel) -> None:
     extra = {"session_id": "s", "min_weight_version": 2, "return_routed_experts": True,
              "routed_experts_start_len": 1, "routed_experts_dtype": "int32"}
-    chat = ChatCompletionRequest.model_validate(
+    chat_request = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "hi"}], **extra})
     completion = CompletionRequest.model_validate({"prompt": "hi", **extra})
-    for request in (chat, completion):
-        options = generate_options(request, prompt_len=5, served=MOE)
+    for request in (chat_request, completion):
+        options = generate_options(request, prompt_len=5, served=moe)
         assert options == GenerateOptions(session_id="s", min_version=2,
                                           return_routed_experts=True, routed_experts_start_len=1)
         assert request.routed_experts_dtype == "int32"
 
 
-@pytest.mark.parametrize(("fields", "served", "param", "code"), [
-    ({"routed_experts_start_len": 4}, MOE, "routed_experts_start_len", "invalid_value"),
-    ({"routed_experts_start_len": -1}, MOE, "routed_experts_start_len", "invalid_value"),
-    ({"return_routed_experts": True}, DENSE, "return_routed_experts", "unsupported_value"),
-    ({"session_id": ""}, MOE, "session_id", "invalid_value"),
-    ({"session_id": "s" * 257}, MOE, "session_id", "invalid_value"),
-    ({"min_weight_version": -1}, MOE, "min_weight_version", "invalid_value"),
+@pytest.mark.parametrize(("fields", "routes_experts", "param", "code"), [
+    ({"routed_experts_start_len": 4}, True, "routed_experts_start_len", "invalid_value"),
+    ({"routed_experts_start_len": -1}, True, "routed_experts_start_len", "invalid_value"),
+    ({"return_routed_experts": True}, False, "return_routed_experts", "unsupported_value"),
+    ({"session_id": ""}, True, "session_id", "invalid_value"),
+    ({"session_id": "s" * 257}, True, "session_id", "invalid_value"),
+    ({"min_weight_version": -1}, True, "min_weight_version", "invalid_value"),
 ])
 def test_bad_extension_fields_name_their_parameter(
-    fields: dict, served: ServedModel, param: str, code: str
+    chat: ChatModel, fields: dict, routes_experts: bool, param: str, code: str
 ) -> None:
     request = GenerateRequest(input_ids=[1, 2, 3], **fields)
+    served = served_model(chat, routes_experts=routes_experts)
     with pytest.raises(InvalidApiRequestError) as raised:
         generate_options(request, prompt_len=3, served=served)
     assert (raised.value.status, raised.value.param, raised.value.code) == (400, param, code)
 
 
-def test_a_server_not_told_the_model_kind_leaves_the_dense_check_to_the_engine() -> None:
+def test_a_server_not_told_the_model_kind_leaves_the_dense_check_to_the_engine(served: ServedModel) -> None:
     request = GenerateRequest(input_ids=[1], return_routed_experts=True)
-    assert generate_options(request, prompt_len=1, served=SERVED).return_routed_experts
+    assert generate_options(request, prompt_len=1, served=served).return_routed_experts
 
 
 def test_unknown_routed_experts_dtype_is_refused_by_the_body_schema() -> None:
@@ -319,14 +358,16 @@ def test_int32_routed_experts_are_what_an_sglang_client_decodes() -> None:
     assert not ignored_start
 
 
-def test_generate_meta_info_has_cached_tokens_and_routed_experts_only_when_present() -> None:
-    plain = generate_response(result([65]), request_id="1", served=SERVED,
+def test_generate_meta_info_has_cached_tokens_and_routed_experts_only_when_present(
+    served: ServedModel, moe: ServedModel,
+) -> None:
+    plain = generate_response(result([65]), request_id="1", served=served,
                               sampling=SamplingParams(), return_logprob=False)
     meta = json.loads(plain.model_dump_json(exclude_none=True))["meta_info"]
     assert meta["cached_tokens"] == 0
     assert not any(key.startswith("routed_experts") for key in meta)
 
-    routed = generate_response(routed_result(ROWS), request_id="2", served=MOE,
+    routed = generate_response(routed_result(ROWS), request_id="2", served=moe,
                                sampling=SamplingParams(), return_logprob=False,
                                routed_experts_dtype="int32")
     meta = routed.meta_info
@@ -336,22 +377,25 @@ def test_generate_meta_info_has_cached_tokens_and_routed_experts_only_when_prese
     assert len(base64.b64decode(meta.routed_experts)) == 5 * 2 * 2 * 4
 
 
-def test_openai_choices_carry_routed_experts_in_the_rollmesh_object() -> None:
+def test_openai_choices_carry_routed_experts_in_the_rollmesh_object(
+    served: ServedModel, moe: ServedModel,
+) -> None:
     finished = routed_result(ROWS, cached=3)
-    completion = completion_response(finished, request_id="cmpl-1", created=1, served=MOE,
+    completion = completion_response(finished, request_id="cmpl-1", created=1, served=moe,
                                      sampling=SamplingParams(), with_logprobs=False)
-    chat = chat_response(finished, request_id="chatcmpl-1", created=1, served=MOE,
-                         sampling=SamplingParams())
+    prompt = chat_inputs(ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}]}), moe)
+    chat = chat_response(finished, prompt, request_id="chatcmpl-1", created=1, served=moe)
     for response in (completion, chat):
         (choice,) = response.choices
         assert choice.rollmesh.routed_experts_shape == [5, 2, 2]
         assert response.usage.prompt_tokens_details.cached_tokens == 3
-    assert completion_response(result([65]), request_id="c", created=1, served=SERVED,
+    assert completion_response(result([65]), request_id="c", created=1, served=served,
                                sampling=SamplingParams(), with_logprobs=False
                                ).choices[0].rollmesh is None
 
-    events = list(chat_stream_events(finished, request_id="chatcmpl-2", created=1, served=MOE,
-                                     sampling=SamplingParams()))
+    events = list(chat_stream_events(finished, prompt, request_id="chatcmpl-2", created=1,
+                                     served=moe))
     chunks = [json.loads(event[len("data: "):]) for event in events[:-1]]
     assert "rollmesh" not in chunks[0]["choices"][0]
     assert chunks[-1]["choices"][0]["rollmesh"]["routed_experts_dtype"] == "uint8"

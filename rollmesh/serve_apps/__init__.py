@@ -1,11 +1,12 @@
 """rollmesh.serve_apps: Ray Serve applications (the request plane).
 
 ``build_inference_app`` puts OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``
-(streaming included; optional bearer key, see ``api_keys``), an SGLang-style token-in/token-out
-``/generate`` and the weight and cache admin endpoints (``weight_admin``) in front of named
-prefill and decode actors. rollmesh's extension fields (session, minimum weight version, routed
-experts) are checked in ``generate_extensions``. The HTTP shapes (``http_shapes``) are the public
-HTTP API, separate from the NATS wire contract.
+(streaming included; optional bearer key, see ``api_keys``) in the served model's own tokenizer,
+chat template and tool-call format (``chat_requests``, ``chat_messages``), an SGLang-style
+token-in/token-out ``/generate`` and the weight and cache admin endpoints (``weight_admin``) in
+front of named prefill and decode actors. rollmesh's extension fields (session, minimum weight
+version, routed experts) are checked in ``generate_extensions``. The HTTP shapes
+(``http_shapes``) are the public HTTP API, separate from the NATS wire contract.
 """
 
 from rollmesh.serve_apps.api_keys import (
@@ -15,7 +16,7 @@ from rollmesh.serve_apps.api_keys import (
     required_api_key,
     resolve_api_key,
 )
-from rollmesh.serve_apps.chat_requests import render_chat
+from rollmesh.serve_apps.chat_requests import ChatPrompt, chat_inputs
 from rollmesh.serve_apps.errors import (
     RETRY_AFTER_S,
     ApiError,
@@ -39,6 +40,7 @@ __all__ = [
     "API_KEY_ENV",
     "APP_NAME",
     "ApiError",
+    "ChatPrompt",
     "ApiKeyRequiredError",
     "AuthenticationError",
     "InvalidApiKeyFileError",
@@ -48,12 +50,12 @@ __all__ = [
     "RETRY_AFTER_S",
     "ServedModel",
     "build_inference_app",
+    "chat_inputs",
     "check_authorization",
     "deploy_inference_app",
     "encode_routed_experts",
     "generate_options",
     "is_loopback",
-    "render_chat",
     "required_api_key",
     "resolve_api_key",
     "shutdown_inference_app",

@@ -1,29 +1,39 @@
-"""OpenAI chat completions over the byte tokenizer, and the Server-Sent Events of streamed answers.
+"""OpenAI chat completions in the served model's own chat template and tool-call format, and the
+Server-Sent Events of streamed answers.
 
-Knows the HTTP shapes, the byte tokenizer and ``generation_requests``' checks; not Ray, not
-FastAPI. The chat template (the tiny model has none of its own) is plain text, BOS first:
+Knows the HTTP shapes, ``rollmesh.chat`` and ``generation_requests``' checks; not Ray, not
+FastAPI. A request's messages (``chat_messages`` puts them in the form the template takes) are
+rendered once by the model's own template, with the request's ``tools`` and its
+``chat_template_kwargs`` over the model's configured ones, and the rendered text is encoded once.
+The answer is read out of the generated ids with the model's tool and reasoning parsers: the text
+without the call markup as ``content``, OpenAI ``tool_calls`` (finish reason ``"tool_calls"``) when
+the request declared tools, ``reasoning_content`` for a model with a reasoning parser. A call that
+does not parse or match its tool's schema stays in ``content`` as the model wrote it, so nothing
+generated is lost. Generation ends at the model's end-of-turn ids (the engine's stop); a stop
+string cuts ``content`` before it, as OpenAI does.
 
-    <bos>system: You are terse.\\n
-    user: Hi!\\n
-    assistant:<space>
+``tool_choice``: "auto" (the default) or "none" (the tools are left out of the prompt and nothing is
+read as a call); "required" and a named function need guided decoding and are refused with a 400.
 
-one ``"{role}: {content}\\n"`` line per message, then ``"assistant: "`` for the model to continue.
-No stop string is added: pass ``stop=["\\n"]`` to end the reply at the end of its line.
-
-Streaming (``"stream": true``) sends the finished text as chunks after generation, because the
+Streaming (``"stream": true``) sends the finished answer as chunks after generation, because the
 engine returns whole sequences today; token-by-token streaming from the decode loop comes later.
-The events are OpenAI's: ``data: {chunk}\\n\\n`` per chunk, then ``data: [DONE]\\n\\n``. Routed
-experts, when asked for, ride on the last chunk's choice as its ``rollmesh`` object.
+The events are OpenAI's: ``data: {chunk}\\n\\n`` per chunk, then ``data: [DONE]\\n\\n``; the
+reasoning and the content come in pieces, the tool calls in one delta, and routed experts, when
+asked for, ride on the last chunk's choice as its ``rollmesh`` object.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
+from rollmesh.chat import ChatModel, ParsedTurn, TemplateRenderError
 from rollmesh.engine.protocols import GenerationResult
-from rollmesh.engine.tokenizer import ByteTokenizer
 from rollmesh.messages.base import SamplingParams
+from rollmesh.serve_apps.chat_messages import calls_in, template_messages, template_tools
 from rollmesh.serve_apps.errors import InvalidApiRequestError
 from rollmesh.serve_apps.generate_extensions import encode_routed_experts
 from rollmesh.serve_apps.generation_requests import (
@@ -31,6 +41,7 @@ from rollmesh.serve_apps.generation_requests import (
     check_max_tokens,
     check_model,
     check_prompt_length,
+    cut_at_stop,
     openai_finish_reason,
     openai_sampling_params,
     openai_text,
@@ -41,25 +52,34 @@ from rollmesh.serve_apps.http_shapes import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
+    ResponseFunction,
+    ResponseToolCall,
     RoutedExpertsDtype,
 )
 
-ASSISTANT_PREFIX = "assistant: "
 # Characters per streamed chunk: small enough that a client sees text arrive in pieces.
 STREAM_CHUNK_CHARS = 4
+# apply_chat_template's own arguments, which a request's chat_template_kwargs may not set.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "chat_template"})
 
 
-def render_chat(messages: list[ChatMessage]) -> str:
-    """The prompt text of the chat template (the module docstring shows it); BOS is added when
-    encoding."""
-    return "".join(f"{m.role}: {m.content}\n" for m in messages) + ASSISTANT_PREFIX
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request made ready for the engine, and what reading its answer needs."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    # The served model with this request's template kwargs, and its tool parser only when the
+    # request declared tools (calls are read only then).
+    chat: ChatModel
+    tools: list[dict[str, Any]] | None
+    first_call_index: int  # calls already in the conversation: new calls' ids come after theirs
 
 
-def chat_inputs(
-    request: ChatCompletionRequest, served: ServedModel
-) -> tuple[list[int], SamplingParams]:
-    """The templated prompt's token ids (BOS first) and sampling params."""
+def chat_inputs(request: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
+    """The prompt rendered by the model's template and encoded once, and sampling params; raises
+    InvalidApiRequestError naming the parameter (a template's refusal: ``param="messages"``)."""
     check_model(request.model, served)
     if not request.messages:
         raise InvalidApiRequestError("messages is empty", code="invalid_value", param="messages")
@@ -70,27 +90,78 @@ def chat_inputs(
         )
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = request.max_completion_tokens or request.max_tokens
-    if max_tokens is None:  # OpenAI's default is "what fits"; the tiny context decides
+    if max_tokens is None:  # OpenAI's default is "what fits"; the context decides
         max_tokens = served.max_seq_len
     check_max_tokens(max_tokens, served, param=param)
-    input_ids = ByteTokenizer(served.vocab_size).encode(render_chat(request.messages), bos=True)
+    tools = None if _tool_choice(request) == "none" else template_tools(request.tools)
+    if tools and served.chat.tool_parser is None:
+        raise InvalidApiRequestError(
+            f"the model {served.name!r} has no tool-call format (its chat template shows none and "
+            "model.tool_parser is unset)", code="unsupported_value", param="tools")
+    chat = _request_chat(served.chat, request.chat_template_kwargs, with_tools=bool(tools))
+    messages = template_messages(request.messages, chat)
+    try:
+        text = chat.render(messages, tools=tools, add_generation_prompt=True)
+    except TemplateRenderError as exc:
+        said = exc.template_message or exc.reason
+        raise InvalidApiRequestError(f"the model's chat template refused the messages: {said}",
+                                     code="invalid_messages", param="messages") from exc
+    input_ids = chat.encode(text)
     check_prompt_length(len(input_ids), served, param="messages")
     sampling = openai_sampling_params(
         temperature=request.temperature, top_p=request.top_p, max_new_tokens=max_tokens,
         stop=request.stop, names={"max_new_tokens": param},
     )
-    return input_ids, sampling
+    return ChatPrompt(input_ids, sampling, chat, tools, calls_in(request.messages))
+
+
+def _tool_choice(request: ChatCompletionRequest) -> str:
+    choice = request.tool_choice
+    if choice is None or choice == "auto" or choice == "none":
+        return choice or "auto"
+    if choice == "required" or isinstance(choice, dict):
+        raise InvalidApiRequestError(
+            "tool_choice \"required\" and a named function need guided decoding, which this "
+            "server does not do yet; use \"auto\" or \"none\"",
+            code="unsupported_value", param="tool_choice")
+    raise InvalidApiRequestError(
+        f"tool_choice must be \"auto\", \"none\", \"required\" or a named function, not {choice!r}",
+        code="invalid_value", param="tool_choice")
+
+
+def _request_chat(chat: ChatModel, kwargs: dict[str, Any] | None, *, with_tools: bool) -> ChatModel:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs or ()))
+    if reserved:
+        raise InvalidApiRequestError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: they are the request's own "
+            "fields", code="invalid_value", param="chat_template_kwargs")
+    return dataclasses.replace(chat, template_kwargs={**chat.template_kwargs, **(kwargs or {})},
+                               tool_parser=chat.tool_parser if with_tools else None)
+
+
+def parse_answer(result: GenerationResult, prompt: ChatPrompt) -> ParsedTurn:
+    """The generated turn read by the model's parsers; content cut before a stop string that
+    ended it, and a malformed call left in content as written."""
+    parsed = prompt.chat.parse_turn(result.token_ids, tools=prompt.tools,
+                                    first_call_index=prompt.first_call_index,
+                                    prompt_ids=prompt.input_ids)
+    content = "\n".join(part for part in (parsed.content, *(m.raw for m in parsed.malformed)) if part)
+    if result.finish_reason == "stop":
+        content = cut_at_stop(content, prompt.sampling)
+    return dataclasses.replace(parsed, content=content, malformed=[])
 
 
 def chat_response(
     result: GenerationResult,
+    prompt: ChatPrompt,
     *,
     request_id: str,
     created: int,
     served: ServedModel,
-    sampling: SamplingParams,
     routed_experts_dtype: RoutedExpertsDtype = "compact",
 ) -> ChatCompletionResponse:
+    parsed = parse_answer(result, prompt)
+    calls = [_response_call(call) for call in parsed.tool_calls] or None
     return ChatCompletionResponse(
         id=request_id,
         created=created,
@@ -98,14 +169,20 @@ def chat_response(
         choices=[
             ChatChoice(
                 index=0,
-                message=AssistantMessage(content=openai_text(result, served, sampling)),
-                finish_reason=openai_finish_reason(result),
+                message=AssistantMessage(content=parsed.content if parsed.content or not calls else None,
+                                         tool_calls=calls, reasoning_content=parsed.reasoning),
+                finish_reason="tool_calls" if calls else openai_finish_reason(result),
                 weight_versions=list(result.versions),
                 rollmesh=encode_routed_experts(result, routed_experts_dtype),
             )
         ],
         usage=openai_usage(result),
     )
+
+
+def _response_call(call: Any) -> ResponseToolCall:
+    return ResponseToolCall(id=call.id, function=ResponseFunction(
+        name=call.name, arguments=json.dumps(call.arguments, ensure_ascii=False)))
 
 
 # -- Server-Sent Events -----------------------------------------------------------------------
@@ -130,21 +207,29 @@ def completion_stream_events(
 
 
 def chat_stream_events(
-    result: GenerationResult, *, request_id: str, created: int, served: ServedModel,
-    sampling: SamplingParams, routed_experts_dtype: RoutedExpertsDtype = "compact",
+    result: GenerationResult, prompt: ChatPrompt, *, request_id: str, created: int,
+    served: ServedModel, routed_experts_dtype: RoutedExpertsDtype = "compact",
 ) -> Iterator[str]:
-    """``chat.completion.chunk`` deltas: the role first, then the text, then the finish reason."""
+    """``chat.completion.chunk`` deltas: the role first, then the reasoning and the text in
+    pieces, the tool calls in one delta, then the finish reason."""
     def chunk(delta: dict, finish_reason: str | None, **extension: object) -> dict:
         return {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": served.name, "choices": [
                     {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
                      **extension}]}
 
+    parsed = parse_answer(result, prompt)
     yield _event(chunk({"role": "assistant", "content": ""}, None))
-    for piece in _pieces(openai_text(result, served, sampling)):
+    for piece in _pieces(parsed.reasoning or ""):
+        yield _event(chunk({"reasoning_content": piece}, None))
+    for piece in _pieces(parsed.content):
         yield _event(chunk({"content": piece}, None))
-    yield _event(chunk({}, openai_finish_reason(result),
-                       **_extension(result, routed_experts_dtype)))
+    if parsed.tool_calls:
+        yield _event(chunk({"tool_calls": [
+            {"index": index, **_response_call(call).model_dump()}
+            for index, call in enumerate(parsed.tool_calls)]}, None))
+    finish_reason = "tool_calls" if parsed.tool_calls else openai_finish_reason(result)
+    yield _event(chunk({}, finish_reason, **_extension(result, routed_experts_dtype)))
     yield _DONE
 
 

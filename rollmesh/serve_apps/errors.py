@@ -4,7 +4,8 @@ error tree (to map it), not Ray or FastAPI.
     ApiError(status, message, code, param)
     ├── InvalidApiRequestError      400  bad body or sampling params, prompt too long, bad ids,
     │                                    KV pool too small, a dense model asked for experts,
-    │                                    a weights file that cannot be loaded
+    │                                    a weights file that cannot be loaded, invalid tools,
+    │                                    messages the model's chat template refuses
     ├── AuthenticationError         401  no or a wrong ``Authorization: Bearer`` key
     ├── ModelNotFoundError(model)   404
     └── EngineUnavailableError      503  no decode slot, loop stopped, a worker died; with

@@ -1,9 +1,13 @@
 """Turns HTTP request bodies into engine inputs and GenerationResults into HTTP response bodies.
 
-Knows the HTTP shapes, the byte tokenizer and the wire's SamplingParams; not Ray, not FastAPI, so
-every check here is a plain function call in a unit test. Everything the engine would reject is
-rejected here first with the HTTP parameter's own name, because an engine error raised inside a
-Ray actor reaches us wrapped and without the request's field names.
+Knows the HTTP shapes, the served model's tokenizer (``rollmesh.chat.ChatModel``) and the wire's
+SamplingParams; not Ray, not FastAPI, so every check here is a plain function call in a unit test.
+A completion's prompt is encoded as it stands (no special tokens added, as a rendered template has
+its own); the OpenAI routes' text is the generated ids decoded without special tokens (the
+end-of-turn id is not text), /generate's keeps them, so it is exactly ``output_ids`` decoded.
+Everything the engine would reject is rejected here first with the HTTP parameter's own name,
+because an engine error raised inside a Ray actor reaches us wrapped and without the request's
+field names.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from rollmesh.chat import ChatModel
 from rollmesh.engine.protocols import GenerationResult
-from rollmesh.engine.tokenizer import EOS_ID, SPECIAL_TOKENS, ByteTokenizer
 from rollmesh.messages.base import SamplingParams
 from rollmesh.serve_apps.errors import InvalidApiRequestError, ModelNotFoundError
 from rollmesh.serve_apps.generate_extensions import MAX_ID_CHARS, encode_routed_experts
@@ -38,18 +42,19 @@ SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 # OpenAI's legacy completions accept at most 5 for ``logprobs``.
 MAX_COMPLETION_LOGPROBS = 5
 
-_SPECIAL_NAMES = {token_id: name for name, token_id in SPECIAL_TOKENS.items()}
-
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """What the API knows of the model behind it: its name and the limits it validates against.
-    ``routes_experts``: True for an MoE model, False for a dense one, None when the deployer did
-    not say (then the engine refuses ``return_routed_experts`` on a dense model)."""
+    """What the API knows of the model behind it: its name, the limits it validates against
+    (``vocab_size``: the embedding's rows, config.json's), and ``chat``: its tokenizer, chat
+    template and parsers, loaded once per replica. ``routes_experts``: True for an MoE model,
+    False for a dense one, None when the deployer did not say (then the engine refuses
+    ``return_routed_experts`` on a dense model)."""
 
     name: str
     max_seq_len: int
     vocab_size: int
+    chat: ChatModel
     routes_experts: bool | None = None
 
     @property
@@ -69,7 +74,8 @@ def check_model(requested: str | None, served: ServedModel) -> None:
 def completion_inputs(
     request: CompletionRequest, served: ServedModel
 ) -> tuple[list[int], SamplingParams]:
-    """The prompt's token ids (BOS first) and sampling params; raises InvalidApiRequestError."""
+    """The prompt's token ids in the model's tokenizer and sampling params; raises
+    InvalidApiRequestError."""
     check_model(request.model, served)
     if request.n != 1:
         raise InvalidApiRequestError(
@@ -83,7 +89,9 @@ def completion_inputs(
         )
     max_tokens = 16 if request.max_tokens is None else request.max_tokens
     check_max_tokens(max_tokens, served, param="max_tokens")
-    input_ids = ByteTokenizer(served.vocab_size).encode(request.prompt, bos=True)
+    input_ids = served.chat.encode(request.prompt)
+    if not input_ids:
+        raise InvalidApiRequestError("prompt is empty", code="invalid_value", param="prompt")
     check_prompt_length(len(input_ids), served, param="prompt")
     sampling = openai_sampling_params(
         temperature=request.temperature, top_p=request.top_p, max_new_tokens=max_tokens,
@@ -209,7 +217,7 @@ def completion_response(
     logprobs = None
     if with_logprobs:
         logprobs = CompletionLogprobs(
-            tokens=[token_text(t) for t in result.token_ids],
+            tokens=[token_text(t, served.chat) for t in result.token_ids],
             token_logprobs=[_finite(x) for x in result.logprobs],
         )
     return CompletionResponse(
@@ -239,10 +247,13 @@ def openai_usage(result: GenerationResult) -> CompletionUsage:
 def openai_text(result: GenerationResult, served: ServedModel, sampling: SamplingParams) -> str:
     """The generated text as OpenAI returns it: decoded, cut before the stop string that ended it
     (OpenAI leaves the stop sequence out of the text; the tokens still hold it)."""
-    text = ByteTokenizer(served.vocab_size).decode(result.token_ids)
-    if result.finish_reason == "stop":
-        text = text[: _first_stop(text, sampling.stop)[0]]
-    return text
+    text = served.chat.decode(result.token_ids, skip_special_tokens=True)
+    return cut_at_stop(text, sampling) if result.finish_reason == "stop" else text
+
+
+def cut_at_stop(text: str, sampling: SamplingParams) -> str:
+    """``text`` up to the earliest of the request's stop strings in it (all of it if none is)."""
+    return text[: _first_stop(text, sampling.stop)[0]]
 
 
 def generate_response(
@@ -256,7 +267,7 @@ def generate_response(
 ) -> GenerateResponse:
     # Unlike SGLang, the text is not trimmed at a stop string: it is exactly output_ids decoded,
     # so a token-level caller can splice the two without re-tokenizing.
-    text = ByteTokenizer(served.vocab_size).decode(result.token_ids)
+    text = served.chat.decode(result.token_ids)
     output_token_logprobs = None
     if return_logprob:
         output_token_logprobs = [
@@ -281,15 +292,10 @@ def generate_response(
     )
 
 
-def token_text(token_id: int) -> str:
-    """One token as OpenAI's logprobs show it; a byte that is not ASCII is ``bytes:\\xNN``."""
-    if token_id in _SPECIAL_NAMES:
-        return _SPECIAL_NAMES[token_id]
-    if 0 <= token_id < 128:
-        return chr(token_id)
-    if 128 <= token_id < 256:
-        return f"bytes:\\x{token_id:02x}"
-    return f"<id:{token_id}>"
+def token_text(token_id: int, chat: ChatModel) -> str:
+    """One token as OpenAI's logprobs show it: its text, special tokens spelled out (a token that
+    holds part of a character shows the replacement character, as in vLLM)."""
+    return chat.decode([token_id])
 
 
 def openai_finish_reason(result: GenerationResult) -> str:
@@ -300,8 +306,8 @@ def _generate_finish_reason(
     result: GenerationResult, text: str, sampling: SamplingParams
 ) -> GenerateFinishReason:
     reason = result.finish_reason
-    if reason == "eos":
-        return GenerateFinishReason(type="stop", matched=EOS_ID)
+    if reason == "eos":  # the end-of-turn id that ended it, the last generated
+        return GenerateFinishReason(type="stop", matched=result.token_ids[-1] if result.token_ids else None)
     if reason == "stop":
         return GenerateFinishReason(type="stop", matched=_first_stop(text, sampling.stop)[1])
     if reason == "length":

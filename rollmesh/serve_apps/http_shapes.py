@@ -9,7 +9,7 @@ range checks live in ``generation_requests`` so that one place names the limits 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -114,14 +114,39 @@ class CompletionResponse(_Response):
 # -- OpenAI /v1/chat/completions --------------------------------------------------------------
 
 
+class ToolCallFunction(_Request):
+    name: str
+    # A JSON string as OpenAI sends it; an object is accepted too (templates differ in which
+    # form they render, and ``chat_requests`` hands each template its own).
+    arguments: str | dict[str, Any]
+
+
+class MessageToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
+    # None only on an assistant message with tool_calls (the ``openai`` client sends that).
+    content: str | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call it answers
+    reasoning_content: str | None = None  # assistant: earlier reasoning, for templates that show it
 
 
 class ChatCompletionRequest(EngineOptionFields):
     model: str | None = None  # None: the one served model
     messages: list[ChatMessage]
+    # OpenAI function schemas, checked by rollmesh.chat.ToolSet and passed to the chat template.
+    tools: list[dict[str, Any]] | None = None
+    # "auto" (the default) or "none"; "required" and a named function need guided decoding.
+    tool_choice: str | dict[str, Any] | None = None
+    # The chat template's own extra arguments for this request (e.g. enable_thinking), on top of
+    # the model's configured ones (model.chat_template_kwargs).
+    chat_template_kwargs: dict[str, Any] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     temperature: float | None = None
@@ -131,15 +156,30 @@ class ChatCompletionRequest(EngineOptionFields):
     stream: bool = False
 
 
+class ResponseFunction(_Response):
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # Present (not None) only when the model called tools, as OpenAI does.
+    tool_calls: list[ResponseToolCall] | None = None
+    # The reasoning of a model with a reasoning parser (vLLM's and SGLang's field).
+    reasoning_content: str | None = None
 
 
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length", "abort"]
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"]
     logprobs: None = None
     # Not OpenAI: the weight version that produced each generated token.
     weight_versions: list[int]

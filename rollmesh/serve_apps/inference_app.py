@@ -6,6 +6,10 @@ construction, never read here from the environment) every endpoint but ``/health
 ``Authorization: Bearer KEY``; so does the live dashboard's data (``rollmesh.dashboard``: its two
 static pages at ``/dashboard`` and ``/dashboard/traces/<id>`` hold none and ask for the key).
 
+Each replica loads the model directory's tokenizer, chat template and parsers once
+(``rollmesh.chat.ChatModel``); the text routes speak them (``chat_requests``,
+``generation_requests``).
+
 Knows Ray Serve, FastAPI and the InferenceRouter; finds the workers by actor name (the launcher
 spawned them; the GPU scheduler, for the decode workers it lends idle accelerators to:
 ``decode_loan_follower``), never spawns or stops them. Bad input is answered with a 4xx JSON error and never
@@ -40,10 +44,12 @@ from ray.serve.exceptions import RayServeException
 
 from rollmesh.actors.decode_loans import DecodeLoanRoster
 from rollmesh.actors.inference_router import InferenceRouter, generation_attributes
-from rollmesh.config import TelemetryConfig
+from rollmesh.chat import ChatModel
+from rollmesh.config import ModelConfig, TelemetryConfig
 from rollmesh.dashboard.feed import DashboardSource, WorkerHandle
 from rollmesh.dashboard.routes import DashboardRoutes, is_dashboard_request
 from rollmesh.engine.errors import EngineError
+from rollmesh.engine.paged_model import describe_served_model
 from rollmesh.engine.protocols import GenerateOptions, GenerationResult
 from rollmesh.messages.base import SamplingParams
 from rollmesh.serve_apps.api_keys import check_authorization
@@ -190,7 +196,9 @@ class InferenceServer:
         prefill_actor_names: list[str],
         decode_actor_names: list[str],
         ray_namespace: str,
-        served: ServedModel,
+        model: ModelConfig,
+        model_name: str,
+        routes_experts: bool | None = None,
         api_key: str = "",
         telemetry: TelemetryConfig | None = None,
         run_dir: str = "",
@@ -201,7 +209,10 @@ class InferenceServer:
         telemetry = telemetry or TelemetryConfig()
         setup_tracing("serve", telemetry if run_dir else without_run_dir(telemetry),
                       Path(run_dir or "."), instance="serve:inference")
-        self.served = served
+        facts = describe_served_model(model)
+        self.served = ServedModel(name=model_name, max_seq_len=facts.max_seq_len,
+                                  vocab_size=facts.vocab_size, chat=ChatModel.from_config(model),
+                                  routes_experts=routes_experts)
         self._api_key = api_key  # never logged
         self.created = int(time.time())
         self.workers = [
@@ -252,18 +263,18 @@ class InferenceServer:
         self, body: ChatCompletionRequest, authorization: str | None = Header(default=None)
     ) -> ChatCompletionResponse | StreamingResponse:
         check_authorization(authorization, self._api_key)
-        input_ids, sampling = chat_inputs(body, self.served)
-        options = generate_options(body, prompt_len=len(input_ids), served=self.served)
+        prompt = chat_inputs(body, self.served)
+        options = generate_options(body, prompt_len=len(prompt.input_ids), served=self.served)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        result = await self._generate(input_ids, sampling, request_id, options,
+        result = await self._generate(prompt.input_ids, prompt.sampling, request_id, options,
                                       chat_params(body), operation="chat")
         if body.stream:
             return _event_stream(chat_stream_events(
-                result, request_id=request_id, created=int(time.time()), served=self.served,
-                sampling=sampling, routed_experts_dtype=body.routed_experts_dtype))
+                result, prompt, request_id=request_id, created=int(time.time()),
+                served=self.served, routed_experts_dtype=body.routed_experts_dtype))
         return chat_response(
-            result, request_id=request_id, created=int(time.time()), served=self.served,
-            sampling=sampling, routed_experts_dtype=body.routed_experts_dtype,
+            result, prompt, request_id=request_id, created=int(time.time()), served=self.served,
+            routed_experts_dtype=body.routed_experts_dtype,
         )
 
     @_http.post(
@@ -383,30 +394,36 @@ def build_inference_app(
     prefill_actor_names: list[str],
     decode_actor_names: list[str],
     ray_namespace: str,
-    model_name: str,
-    max_seq_len: int,
-    vocab_size: int,
+    model: ModelConfig,
+    model_name: str = "",
     api_key: str = "",
-    routes_experts: bool | None = None,
     telemetry: TelemetryConfig | None = None,
     run_dir: str = "",
     dashboard: DashboardSource | None = None,
 ) -> Application:
-    """The bound application; deploy it with ``deploy_inference_app``. A non-empty ``api_key``
-    is required as ``Authorization: Bearer`` on every endpoint but ``/health``.
-    ``routes_experts`` (MoE or dense, None: unknown) lets a dense model's server refuse
-    ``return_routed_experts`` before any worker runs; the engine refuses it either way.
+    """The bound application; deploy it with ``deploy_inference_app``. ``model``: the model the
+    workers serve (an absolute ``model.path``; ``rollmesh.model_source.resolve_model``): each
+    replica loads its tokenizer, chat template and parsers, with ``model``'s ``tool_parser``,
+    ``reasoning_parser`` and ``chat_template_kwargs``. ``model_name``: the name clients ask for
+    ("": the directory's name). Whether the model routes experts is read from its config.json, so
+    a dense model's server refuses ``return_routed_experts`` before any worker runs. A non-empty
+    ``api_key`` is required as ``Authorization: Bearer`` on every endpoint but ``/health``.
     ``telemetry`` and ``run_dir`` set up the replica's tracing (``traces.jsonl`` in ``run_dir``
     by default); without ``run_dir`` only the OTEL_* variables turn an exporter on.
     ``dashboard``: the mesh the replica follows: ``/dashboard`` shows it (with
     ``dashboard.enabled``; otherwise, or with None, those routes answer 404), and the router also
     sends requests to the decode workers its GPU scheduler lends idle accelerators to."""
+    # Read here as well as in each replica: a directory that is no model fails the deploy at once
+    # (ModelDirectoryError, ModelConfigError) instead of each replica's start, again and again.
+    facts = describe_served_model(model)
+    ChatModel.from_config(model)
     return InferenceServer.bind(
         prefill_actor_names=list(prefill_actor_names),
         decode_actor_names=list(decode_actor_names),
         ray_namespace=ray_namespace,
-        served=ServedModel(name=model_name, max_seq_len=max_seq_len, vocab_size=vocab_size,
-                           routes_experts=routes_experts),
+        model=model,
+        model_name=model_name or facts.name,
+        routes_experts=facts.routes_experts,
         api_key=api_key,
         telemetry=telemetry,
         run_dir=str(run_dir),

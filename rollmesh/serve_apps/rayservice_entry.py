@@ -16,7 +16,6 @@ import msgspec
 from ray.serve import Application
 
 from rollmesh.config import ConfigError, load_config
-from rollmesh.engine.paged_model import describe_served_model
 from rollmesh.serve_apps.api_keys import required_api_key
 from rollmesh.serve_apps.inference_app import build_inference_app
 
@@ -40,13 +39,11 @@ def app_builder(args: dict[str, Any]) -> Application:
     # Beyond loopback, so a key is required: ROLLMESH_API_KEY or serve.api_key_file.
     api_key = required_api_key(config.serve.api_key_file, os.environ, host=PROXY_HOST,
                                security_enabled=config.security.enabled)
-    served = describe_served_model(config.model)
     inference = config.inference
     return build_inference_app(
         prefill_actor_names=[f"prefill-{i}" for i in range(inference.prefill_worker_count)],
         decode_actor_names=[f"decode-{i}" for i in range(inference.num_decode_workers)],
         # The launcher's Ray namespace (rollmesh.launcher.Mesh), where the workers are named.
         ray_namespace=f"rollmesh-{config.namespace}",
-        model_name=served.name, max_seq_len=served.max_seq_len, vocab_size=served.vocab_size,
-        api_key=api_key, routes_experts=served.routes_experts, telemetry=config.telemetry,
+        model=config.model, api_key=api_key, telemetry=config.telemetry,
     )
