@@ -180,10 +180,21 @@ class RolloutConfig(ConfigSection):
     # Stored trajectories older than this are removed by the object store (the trainer must have
     # admitted them by then; a RolloutCompleted whose trajectory expired is counted as lost).
     trajectory_ttl_s: PositiveFloat = 7 * 24 * 3600.0
+    # After each rollout its tokens are checked against a whole render of its conversation;
+    # differences are counted (RolloutCompleted.tokenization_mismatches). True: a difference in text
+    # the model did not generate (a bug in appending) fails the rollout as tokenization_error.
+    strict_tokenization: bool = False
+    # Templates that rewrite history (Qwen3 drops earlier reasoning): "keep_sampled" trains on what
+    # the model really saw and generated, one sample per rollout. "split" (a new training sample
+    # where the render stops being an extension) is not carried to the trainer yet: refused.
+    history_rewrite: Literal["keep_sampled", "split"] = "keep_sampled"
 
     def __post_init__(self) -> None:
         if self.sandbox_heartbeat_s * 2 > self.sandbox_lease_ttl_s:
             raise ValueError("sandbox_heartbeat_s must be at most half of sandbox_lease_ttl_s")
+        if self.history_rewrite == "split":
+            raise ValueError('rollout.history_rewrite = "split" is not supported by the rollout path yet '
+                             '(a rollout carries one training sample); use "keep_sampled"')
 
 
 class ResharderConfig(ConfigSection):

@@ -22,7 +22,7 @@ HOLD_DIR_ENV = "ROLLMESH_TEST_HOLD_DIR"
 class NodeHeldMolarMassTask(MolarMassTask):
     name = "node_held_molar_mass"
 
-    def build_prompt(self, task_input: dict[str, Any]) -> str:
+    def messages(self, task_input: dict[str, Any]) -> list[dict[str, Any]]:
         hold_dir = os.environ.get(HOLD_DIR_ENV)
         if hold_dir and "rollout_id" in task_input:
             (Path(hold_dir) / task_input["rollout_id"]).touch()
@@ -30,4 +30,4 @@ class NodeHeldMolarMassTask(MolarMassTask):
             # acknowledged or be handed back; only the node's death frees the request.
             while True:
                 time.sleep(1.0)
-        return super().build_prompt(task_input)
+        return super().messages(task_input)

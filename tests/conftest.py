@@ -158,6 +158,8 @@ async def mesh(nats_server: EmbeddedNatsServer, ray_session: None) -> AsyncItera
         "rollout.work_heartbeat_s": 1.5,
         "rollout.infra_retry_delay_s": 0.5,
         "rollout.infra_retries": 4,
+        # A difference from a whole render in text the model did not generate fails the rollout.
+        "rollout.strict_tokenization": True,
         "ray.supervise_interval_s": 0.5,
     })
     test_mesh = Mesh(config, run_dir=run_dir)

@@ -8,18 +8,20 @@ sandboxes through ``sandbox.readonly_paths``, wherever the repository lives.
 
 from __future__ import annotations
 
+from rollmesh.chat import ToolCall
 from rollmesh.rollout.molar_mass import MolarMassTask
-from rollmesh.rollout.tasks import ToolCall
+from rollmesh.rollout.tasks import SandboxCommand
 from rollmesh.sandbox.tool_paths import python_for_sandbox, tool_script_path
+
 
 class GatedMolarMassTask(MolarMassTask):
     name = "gated_molar_mass"
 
-    def tool_argv(self, call: ToolCall, task_input: dict) -> list[str]:
+    def tool_action(self, call: ToolCall, task_input: dict) -> SandboxCommand:
         gate = task_input["gate"]
         script = (f'while [ ! -e "{gate}" ]; do sleep 0.02; done; '
                   f'exec {python_for_sandbox()} -I -S {tool_script_path("molar_mass")} "$1"')
-        return ["/bin/sh", "-c", script, "sh", call.argument]
+        return SandboxCommand(["/bin/sh", "-c", script, "sh", call.arguments["formula"]])
 
 
 class SlowToolMolarMassTask(MolarMassTask):
@@ -28,7 +30,7 @@ class SlowToolMolarMassTask(MolarMassTask):
 
     name = "slow_molar_mass"
 
-    def tool_argv(self, call: ToolCall, task_input: dict) -> list[str]:
+    def tool_action(self, call: ToolCall, task_input: dict) -> SandboxCommand:
         delay = float(task_input.get("tool_sleep_s", 1.0))
         script = f'sleep {delay}; exec {python_for_sandbox()} -I -S {tool_script_path("molar_mass")} "$1"'
-        return ["/bin/sh", "-c", script, "sh", call.argument]
+        return SandboxCommand(["/bin/sh", "-c", script, "sh", call.arguments["formula"]])

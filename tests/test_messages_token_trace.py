@@ -14,6 +14,7 @@ from rollmesh.config import RolloutConfig
 from rollmesh.messages import (
     NO_VERSION,
     RolloutCompleted,
+    RolloutFailed,
     RolloutRequested,
     RolloutState,
     TokenTrace,
@@ -21,8 +22,8 @@ from rollmesh.messages import (
     TraceNotInlineError,
     WireMessage,
 )
-from rollmesh.messages.subjects import ROLLOUT_COMPLETED
-from rollmesh.rollout.rollout_state import InMemoryRolloutStates, trajectory_of
+from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED
+from rollmesh.rollout.rollout_state import InMemoryRolloutStates, conversation_of
 from rollmesh.rollout.trajectory_offload import (
     InMemoryTrajectories,
     OffloadingRolloutStates,
@@ -148,7 +149,48 @@ def test_a_saved_state_from_a_worker_before_token_trace_decodes_and_resumes_with
                                   "turn": 2, **FLAT, "prompt_len": 2, "outcome": outcome})
     state = msgspec.msgpack.decode(old, type=RolloutState)
     assert state.token_trace() == TRACE and state.outcome.token_trace() == TRACE
-    assert trajectory_of(state).trace() == TRACE
+    # No chat messages to rebuild its trajectory from: a resuming worker starts it over.
+    assert state.messages == [] and state.finish_reason == "" and conversation_of(state).messages == []
+
+
+# --- schema evolution: senders that predate chat messages --------------------------------------
+
+def test_a_completed_rollout_from_a_sender_before_chat_messages_decodes_with_a_stopped_unchecked_default():
+    before = RolloutCompleted(**HEAD, trajectory=TRACE, num_tokens=5, weight_version=4)
+    data = msgspec.json.encode(before)  # omit_defaults: what an older sender wrote, field for field
+    assert not {"finish_reason", "tokenization_mismatches", "malformed_tool_calls"} & set(msgspec.json.decode(data))
+    decoded = ROLLOUT_COMPLETED.decode(data)
+    assert (decoded.finish_reason, decoded.tokenization_mismatches, decoded.malformed_tool_calls) == ("stop", {}, 0)
+    assert decoded.token_trace() == TRACE
+
+
+def test_a_new_completed_rollout_says_how_it_finished_and_what_the_token_check_found():
+    new = RolloutCompleted(**HEAD, trajectory=TRACE, num_tokens=5, finish_reason="truncated",
+                           tokenization_mismatches={"special": 1, "non_assistant": 0, "assistant": 2},
+                           malformed_tool_calls=1)
+    assert ROLLOUT_COMPLETED.decode(ROLLOUT_COMPLETED.encode(new)) == new
+    with pytest.raises(msgspec.ValidationError, match="finish_reason"):
+        ROLLOUT_COMPLETED.decode(ROLLOUT_COMPLETED.encode(new).replace(b'"truncated"', b'"length"'))
+
+
+def test_a_tokenization_error_is_a_failure_kind_that_is_not_retried_as_infrastructure():
+    from rollmesh.messages import INFRA_FAILURE_KINDS
+
+    failed = RolloutFailed(rollout_id="r-1", kind="tokenization_error", reason="non_assistant at token 12")
+    assert ROLLOUT_FAILED.decode(ROLLOUT_FAILED.encode(failed)) == failed
+    assert "tokenization_error" not in INFRA_FAILURE_KINDS
+
+
+def test_a_saved_state_from_a_worker_before_chat_messages_decodes_with_its_calls_and_no_messages():
+    request = RolloutRequested(rollout_id="r-old", task="molar_mass", task_input={"formula": "H2O"})
+    old = msgspec.msgpack.encode({"type": "rollout.state", "rollout_id": "r-old", "request": request, "turn": 1,
+                                  "trajectory": TRACE, "prompt_len": 2, "final_text": "",
+                                  "tool_calls": [{"name": "calc", "argument": "H2O", "ok": True, "output": "18.015"}]})
+    state = msgspec.msgpack.decode(old, type=RolloutState)
+    (call,) = state.tool_calls
+    assert (call.name, call.argument, call.call_id, call.arguments) == ("calc", "H2O", "", {})
+    assert (state.messages, state.finish_reason, state.malformed_tool_calls) == ([], "", 0)
+    assert state.token_trace() == TRACE
 
 
 def test_a_stored_trace_is_not_read_inline():

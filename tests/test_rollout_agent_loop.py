@@ -1,19 +1,24 @@
 """The rollout agent loop (``RolloutRunner``) driven directly: a scripted engine, a recording bus
-with scripted sandbox replies, and a hand-built ``MessageContext``. The task, the tool syntax, the
-tokenizer and the trajectory bookkeeping are the real ones."""
+with scripted sandbox replies, and a hand-built ``MessageContext``. The task, the demo model's own
+tokenizer, chat template and tool-call format (``ChatModel``), and the trajectory bookkeeping are
+the real ones; the engine "samples" the ids of ``chat.encode(chat.write_turn(...))``, a turn as the
+model would write it, each id with a logprob and version of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+from functools import cache
 
 import pytest
 
 from fakes import ProgressRecorder, RecordingPublisher, ScriptedEngine
 from rollmesh.bus.errors import RequestTimeoutError
+from rollmesh.chat import ChatModel, TemplateJoin, ToolCall
 from rollmesh.ports import MessageContext
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.engine.protocols import GenerationResult
-from rollmesh.engine.tokenizer import EOS_ID, ByteTokenizer
 from rollmesh.messages import (
     ForkedLease,
     RolloutCompleted,
@@ -42,30 +47,52 @@ from rollmesh.messages.subjects import (
 from rollmesh.rollout.agent_loop import RolloutRunner
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates
 from rollmesh.rollout.molar_mass import MolarMassTask, true_molar_mass
-from rollmesh.rollout.tasks import TaskRegistry, ToolCall
+from rollmesh.rollout.tasks import TaskRegistry
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
-TOKENIZER = ByteTokenizer()
 FORMULA = "H2O"
 MASS = true_molar_mass(FORMULA)  # "18.015"
-PROMPT = MolarMassTask().build_prompt({"formula": FORMULA})
 LEASE = "lease-1"
+NO_MISMATCHES = {"special": 0, "non_assistant": 0, "assistant": 0}
 
 
-def generated(text: str, *, version: int = 3, logprob: float = -0.25, eos: bool = False) -> GenerationResult:
-    """What the engine returns for ``text``: byte ids, one logprob and version per id."""
-    ids = TOKENIZER.encode(text) + ([EOS_ID] if eos else [])
-    return GenerationResult(ids, [logprob] * len(ids), [version] * len(ids),
-                            "eos" if eos else "stop", prompt_len=0)
+@cache
+def chat() -> ChatModel:
+    """The session's demo model (conftest points ROLLMESH_MODEL__PATH at it before any test runs)."""
+    return ChatModel.load(os.environ["ROLLMESH_MODEL__PATH"])
+
+
+def prompt_ids(formula: str = FORMULA) -> list[int]:
+    task = MolarMassTask()
+    return chat().encode(chat().render(task.messages({"formula": formula}), tools=task.tools(),
+                                       add_generation_prompt=True))
+
+
+def generated(text: str, *, version: int = 3, logprob: float = -0.25) -> GenerationResult:
+    """What the engine returns for a turn written as ``text``: its ids, one logprob and version each."""
+    ids = chat().encode(text)
+    ended = ids[-1] in chat().end_of_turn_ids
+    return GenerationResult(ids, [logprob] * len(ids), [version] * len(ids), "eos" if ended else "length",
+                            prompt_len=0)
+
+
+def calc(formula: str = FORMULA) -> ToolCall:
+    return ToolCall(id="", name="calc", arguments={"formula": formula})
 
 
 def tool_call(formula: str = FORMULA, **kwargs) -> GenerationResult:
-    return generated(f"<calc>{formula}</calc>", **kwargs)
+    return generated(chat().write_turn(content="", calls=[calc(formula)]), **kwargs)
 
 
-def answer(text: str = f"A: {MASS}", **kwargs) -> GenerationResult:
-    return generated(text, eos=True, **kwargs)
+def answer(text: str = MASS, **kwargs) -> GenerationResult:
+    return generated(chat().write_turn(content=text), **kwargs)
+
+
+def tool_results_text(*contents: str) -> str:
+    """What the demo template appends after a tool-calling turn: the join, the results, the next prompt."""
+    responses = "".join(f"\n<tool_response>\n{content}\n</tool_response>" for content in contents)
+    return f"\n<|im_start|>user{responses}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def sandbox_bus(*exec_replies: SandboxExecReply | BaseException,
@@ -80,16 +107,16 @@ def sandbox_bus(*exec_replies: SandboxExecReply | BaseException,
     )
 
 
-def runner(engine: ScriptedEngine, bus: RecordingPublisher, *, max_seq_len: int = 128,
+def runner(engine: ScriptedEngine, bus: RecordingPublisher, *, max_seq_len: int | None = None,
            progress_events: bool = True, states: InMemoryRolloutStates | None = None,
-           **config) -> RolloutRunner:
+           chat_model: ChatModel | None = None, tasks: list | None = None, **config) -> RolloutRunner:
     """A runner that fails at the first infrastructure failure unless the test asks for retries."""
-    config = {"infra_retries": 0, "infra_retry_delay_s": 0.0, **config}
+    config = {"infra_retries": 0, "infra_retry_delay_s": 0.0, "strict_tokenization": True, **config}
     return RolloutRunner(
         RolloutConfig(tool_timeout_s=5.0, progress_events=progress_events, **config),
-        ModelConfig(max_seq_len=max_seq_len),
-        tasks=TaskRegistry([MolarMassTask()]), engine=engine, publisher=bus, clock=lambda: 100.0,
-        states=states,
+        ModelConfig(path=os.environ["ROLLMESH_MODEL__PATH"]), chat=chat_model or chat(),
+        tasks=TaskRegistry(tasks or [MolarMassTask()]), engine=engine, publisher=bus, clock=lambda: 100.0,
+        states=states, max_seq_len=max_seq_len,
     )
 
 
@@ -112,45 +139,61 @@ async def run(engine: ScriptedEngine, bus: RecordingPublisher, message: RolloutR
     return results[0]
 
 
-async def test_tool_call_runs_the_task_argv_in_the_leased_sandbox_and_appends_the_result_as_forced_tokens():
+async def test_tool_call_runs_the_task_command_in_the_leased_sandbox_and_appends_the_template_rendered_result():
     engine, bus = ScriptedEngine([tool_call(), answer()]), sandbox_bus()
     result = await run(engine, bus)
 
     assert isinstance(result, RolloutCompleted)
     (exec_request,) = bus.requested(SANDBOX_EXEC)
     assert exec_request.lease_id == LEASE
-    assert exec_request.argv == MolarMassTask().tool_argv(ToolCall("calc", FORMULA), {"formula": FORMULA})
-    start = len(TOKENIZER.encode(PROMPT, bos=True)) + len(tool_call().token_ids)
-    forced = TOKENIZER.encode(f"<result>{MASS}</result>\n")
-    end = start + len(forced)
-    assert result.token_trace().ids[start:end] == forced
-    assert result.token_trace().loss_mask[start:end] == [0] * len(forced)
-    assert result.token_trace().versions[start:end] == [-1] * len(forced)
-    assert result.token_trace().logprobs[start:end] == [0.0] * len(forced)
-    # The second turn's prompt is everything so far, tool result included.
-    assert engine.calls[1]["input_ids"] == result.token_trace().ids[:end]
+    parsed_call = ToolCall(id="call_0", name="calc", arguments={"formula": FORMULA})
+    assert exec_request.argv == MolarMassTask().tool_action(parsed_call, {"formula": FORMULA}).argv
+    trace = result.token_trace()
+    start = len(prompt_ids()) + len(tool_call().token_ids)
+    end = len(engine.calls[1]["input_ids"])
+    assert chat().decode(trace.ids[start:end]) == tool_results_text(MASS)
+    assert trace.loss_mask[start:end] == [0] * (end - start)
+    assert trace.versions[start:end] == [-1] * (end - start)
+    assert trace.logprobs[start:end] == [0.0] * (end - start)
+    # The second turn's prompt is everything so far, tool result and generation prompt included.
+    assert engine.calls[1]["input_ids"] == trace.ids[:end]
+    assert (result.finish_reason, result.tokenization_mismatches) == ("stop", NO_MISMATCHES)
 
 
-async def test_completed_trajectory_has_equal_lengths_and_generated_tokens_keep_engine_versions():
-    engine = ScriptedEngine([tool_call(version=3, logprob=-0.5), answer(version=4, logprob=-0.125)])
+async def test_every_generated_id_of_a_multi_turn_rollout_is_kept_as_sampled_with_its_logprob_and_version():
+    turns = [tool_call("NaCl"), tool_call(), answer()]
+    scripted = []
+    for number, turn in enumerate(turns):  # each id its own logprob; each turn its own version
+        logprobs = [-(number * 100 + i + 1) / 1000 for i in range(len(turn.token_ids))]
+        scripted.append(GenerationResult(turn.token_ids, logprobs, [number + 3] * len(logprobs), "eos", 0))
+    engine = ScriptedEngine(list(scripted))
     result = await run(engine, sandbox_bus())
 
-    assert len(result.token_trace().ids) == len(result.token_trace().loss_mask) == len(result.token_trace().logprobs) == len(result.token_trace().versions)
-    generated_positions = [i for i, mask in enumerate(result.token_trace().loss_mask) if mask == 1]
-    call_ids, answer_ids = tool_call().token_ids, answer().token_ids
-    assert [result.token_trace().ids[i] for i in generated_positions] == call_ids + answer_ids
-    assert [result.token_trace().versions[i] for i in generated_positions] == [3] * len(call_ids) + [4] * len(answer_ids)
-    assert [result.token_trace().logprobs[i] for i in generated_positions] == [-0.5] * len(call_ids) + [-0.125] * len(answer_ids)
-    assert result.token_trace().ids[:result.prompt_len] == TOKENIZER.encode(PROMPT, bos=True)
-    assert result.token_trace().loss_mask[:result.prompt_len] == [0] * result.prompt_len
-    assert (result.turns, result.tool_calls, result.group_id) == (2, 1, "g-1")
-    assert result.text == TOKENIZER.decode(result.token_trace().ids)
+    trace = result.token_trace()
+    assert len(trace.ids) == len(trace.loss_mask) == len(trace.logprobs) == len(trace.versions)
+    assert trace.ids[:result.prompt_len] == prompt_ids() and result.prompt_len == len(prompt_ids())
+    at = 0
+    for call_number, turn in enumerate(scripted):
+        prompt = engine.calls[call_number]["input_ids"]
+        assert trace.ids[:len(prompt)] == prompt, "every prompt extends the one before, never re-encoded"
+        at = len(prompt)
+        end = at + len(turn.token_ids)
+        assert trace.ids[at:end] == turn.token_ids
+        assert trace.logprobs[at:end] == turn.logprobs
+        assert trace.versions[at:end] == turn.versions
+        assert trace.loss_mask[at:end] == [1] * len(turn.token_ids)
+    assert end == len(trace.ids)
+    assert sum(trace.loss_mask) == sum(len(turn.token_ids) for turn in scripted), "only sampled ids are trained"
+    assert (result.turns, result.tool_calls, result.group_id, result.reward) == (3, 2, "g-1", 1.0)
+    assert result.tokenization_mismatches == NO_MISMATCHES
+    assert result.text == chat().decode(trace.ids)
 
 
 @pytest.mark.parametrize(("final", "argument", "reward"), [
-    (f"A: {MASS}", FORMULA, 1.0),
-    ("A: 18.000", FORMULA, 0.0),  # wrong answer
-    (f"A: {MASS}", "H2O2", 0.0),  # right number, but the tool was called on another formula
+    (MASS, FORMULA, 1.0),
+    ("18.000", FORMULA, 0.0),  # wrong answer
+    (f"A: {MASS}", FORMULA, 0.0),  # not exactly the mass
+    (MASS, "H2O2", 0.0),  # right number, but the tool was called on another formula
 ])
 async def test_reward_comes_from_the_task(final, argument, reward):
     result = await run(ScriptedEngine([tool_call(argument), answer(final)]), sandbox_bus())
@@ -271,13 +314,11 @@ async def test_expired_lease_during_exec_fails_with_sandbox_timeout():
 
 async def test_tool_that_exits_non_zero_is_shown_to_the_model_not_a_failure():
     bus = sandbox_bus(SandboxExecReply(result="exit", exit_code=2, stderr=b"unknown element 'Xx'\n"))
-    engine = ScriptedEngine([tool_call("Xx"), answer("A: 1.000")])
+    engine = ScriptedEngine([tool_call("Xx"), answer("1.000")])
     result = await run(engine, bus)
 
     assert isinstance(result, RolloutCompleted)
-    shown = TOKENIZER.encode("<result>unknown element 'Xx'</result>\n")
-    second_prompt = engine.calls[1]["input_ids"]
-    assert second_prompt[-len(shown):] == shown
+    assert chat().decode(engine.calls[1]["input_ids"]).endswith(tool_results_text("unknown element 'Xx'"))
     assert result.reward == 0.0
 
 
@@ -293,8 +334,7 @@ async def test_a_tool_timeout_oom_signal_or_cut_output_is_shown_to_the_model_not
     result = await run(engine, sandbox_bus(reply))
 
     assert isinstance(result, RolloutCompleted)
-    shown = TOKENIZER.encode(f"<result>{shown_text}</result>\n")
-    assert engine.calls[1]["input_ids"][-len(shown):] == shown
+    assert chat().decode(engine.calls[1]["input_ids"]).endswith(tool_results_text(shown_text))
 
 
 async def test_max_turns_bounds_the_loop():
@@ -306,25 +346,37 @@ async def test_max_turns_bounds_the_loop():
     assert (result.turns, result.tool_calls, result.reward) == (3, 3, 0.0)
 
 
-async def test_trajectory_is_cut_at_the_model_context_and_generation_is_told_the_room_left():
-    max_seq_len = 48
+async def test_a_tool_result_that_fills_the_context_ends_the_rollout_truncated_and_the_trace_at_the_context():
+    max_seq_len = len(prompt_ids()) + len(tool_call().token_ids) + 5
     engine = ScriptedEngine([tool_call(), answer()])
     result = await run(engine, sandbox_bus(), max_seq_len=max_seq_len)
 
-    prompt_len = len(TOKENIZER.encode(PROMPT, bos=True))
-    assert engine.calls[0]["sampling"].max_new_tokens == min(40, max_seq_len - prompt_len)
-    assert len(engine.calls) == 1  # the tool output filled the context; no room for a second turn
+    assert engine.calls[0]["sampling"].max_new_tokens == min(40, max_seq_len - len(prompt_ids()))
+    assert len(engine.calls) == 1  # the tool result filled the context; no room for a second turn
     assert isinstance(result, RolloutCompleted)
-    assert len(result.token_trace().ids) == max_seq_len
-    assert result.reward == 0.0
-    assert result.turns == 1  # a turn that had no room to run is not counted
+    assert (result.finish_reason, result.turns, result.reward) == ("truncated", 1, 0.0)
+    assert len(result.token_trace().ids) == max_seq_len, "cut where the model's context ends"
+    assert result.tokenization_mismatches == NO_MISMATCHES
 
 
-async def test_generation_stops_at_the_tool_closing_tag_and_keeps_the_client_stops():
+async def test_a_turn_cut_by_max_new_tokens_ends_the_rollout_truncated_and_runs_no_tool_or_further_turn():
+    engine, bus = ScriptedEngine([tool_call(), answer()]), sandbox_bus()
+    cut_at = len(tool_call().token_ids) - 1  # the call is complete; its end-of-turn id is not there
+    result = await run(engine, bus, request(sampling=SamplingParams(max_new_tokens=cut_at)))
+
+    assert isinstance(result, RolloutCompleted)
+    assert (result.finish_reason, result.turns, result.tool_calls, result.reward) == ("truncated", 1, 0, 0.0)
+    assert len(engine.calls) == 1 and bus.requested(SANDBOX_EXEC) == []
+    trace = result.token_trace()
+    assert trace.ids[len(prompt_ids()):] == tool_call().token_ids[:cut_at]
+    assert trace.loss_mask[len(prompt_ids()):] == [1] * cut_at
+
+
+async def test_generation_keeps_the_client_stops_and_names_the_turn():
     engine = ScriptedEngine([answer()])
     await run(engine, sandbox_bus(), request(sampling=SamplingParams(max_new_tokens=40, stop=["\n\n"])))
 
-    assert set(engine.calls[0]["sampling"].stop) == {"</calc>", "\n\n"}
+    assert engine.calls[0]["sampling"].stop == ["\n\n"]
     assert engine.calls[0]["request_id"] == "r-1/1"
 
 
@@ -358,7 +410,7 @@ async def test_invalid_task_input_fails_with_invalid_request():
 
 async def test_prompt_longer_than_the_context_fails_with_invalid_request_and_takes_no_sandbox():
     bus = sandbox_bus()
-    result = await run(ScriptedEngine([]), bus, max_seq_len=16)
+    result = await run(ScriptedEngine([]), bus, max_seq_len=len(prompt_ids()))
     assert isinstance(result, RolloutFailed)
     assert result.kind == "invalid_request"
     assert bus.requests == []
@@ -393,7 +445,11 @@ async def test_state_is_saved_after_every_turn_and_the_outcome_before_it_is_publ
     (completed,) = bus.messages(ROLLOUT_COMPLETED)
     assert saved.outcome == completed, "the published outcome is the saved one"
     assert saved.turn == 2 and saved.token_trace() == completed.token_trace()
-    assert [(c.name, c.argument, c.output) for c in saved.tool_calls] == [("calc", FORMULA, MASS)]
+    assert [(c.call_id, c.name, c.arguments, c.output) for c in saved.tool_calls] == [
+        ("call_0", "calc", {"formula": FORMULA}, MASS)]
+    assert saved.messages[-2:] == [
+        {"role": "tool", "tool_call_id": "call_0", "content": MASS}, {"role": "assistant", "content": MASS}]
+    assert saved.finish_reason == "stop"
     assert saved.lease_id == LEASE and saved.attempts == 1
     assert states.saves == 4, "one save when it starts, one per turn, then one with the outcome"
     assert completed.idempotency_key == "r-1"
@@ -405,7 +461,8 @@ async def test_a_redelivered_request_resumes_from_the_last_saved_turn_in_the_sam
     first = runner(ScriptedEngine([tool_call(version=3), asyncio.CancelledError()]), sandbox_bus(), states=states)
     with pytest.raises(asyncio.CancelledError):
         await first.handle_requested(request(), context())
-    assert states.states["r-1"].turn == 1 and states.states["r-1"].outcome is None
+    after_turn_1 = states.states["r-1"]
+    assert after_turn_1.turn == 1 and after_turn_1.outcome is None
 
     engine, bus = ScriptedEngine([answer(version=4)]), sandbox_bus()
     second = runner(engine, bus, states=states)
@@ -415,7 +472,15 @@ async def test_a_redelivered_request_resumes_from_the_last_saved_turn_in_the_sam
     assert completed.turns == 2 and completed.tool_calls == 1 and completed.reward == 1.0
     assert bus.requested(SANDBOX_EXEC) == [], "the tool of the saved turn is not run again"
     assert len(engine.calls) == 1 and engine.calls[0]["request_id"] == "r-1/2"
-    assert engine.calls[0]["input_ids"] == states.states["r-1"].token_trace().ids[:len(engine.calls[0]["input_ids"])]
+    assert engine.calls[0]["input_ids"] == after_turn_1.token_trace().ids, "turn 2 continues the saved tokens exactly"
+    saved = states.states["r-1"]
+    assert saved.messages[:2] == [*MolarMassTask().messages({"formula": FORMULA}),
+                                  {"role": "assistant", "content": "", "tool_calls": [
+                                      {"id": "call_0", "type": "function",
+                                       "function": {"name": "calc", "arguments": {"formula": FORMULA}}}]}]
+    assert saved.messages[2:] == [{"role": "tool", "tool_call_id": "call_0", "content": MASS},
+                                  {"role": "assistant", "content": MASS}]
+    assert completed.tokenization_mismatches == NO_MISMATCHES, "the rebuilt trajectory renders as a whole"
     # Both versions survive: turn 1's tokens were made by version 3, turn 2's by version 4.
     assert {v for v in completed.token_trace().versions if v >= 0} == {3, 4}
     (lease,) = bus.requested(SANDBOX_LEASE)
@@ -546,8 +611,8 @@ async def test_an_moe_rollout_keeps_each_turns_routed_experts_and_resumes_them()
         return GenerationResult(result.token_ids, result.logprobs, result.versions, result.finish_reason,
                                 result.prompt_len, routed_experts=rows, routed_experts_start=start)
 
-    after_call = len(TOKENIZER.encode(PROMPT, bos=True)) + len(tool_call().token_ids)
-    after_answer = after_call + len(TOKENIZER.encode(f"<result>{MASS}</result>\n")) + len(answer().token_ids)
+    after_call = len(prompt_ids()) + len(tool_call().token_ids)
+    after_answer = after_call + len(chat().encode(tool_results_text(MASS))) + len(answer().token_ids)
     first = routed(tool_call(), 0, after_call - 1)  # the last token is not forwarded yet
     second = routed(answer(), after_call - 1, after_answer - 1)
 
@@ -571,3 +636,155 @@ async def test_an_moe_rollout_keeps_each_turns_routed_experts_and_resumes_them()
     rows = await experts.load(completed.routed_experts_ref)
     assert len(rows) == len(completed.token_trace().ids) - 1, "one row per position but the last"
     assert rows[:, 0, 0].tolist() == list(range(len(rows)))
+
+
+# -- tool calls in the model's own format: parallel, malformed, in Python ---------------------
+
+
+async def test_parallel_calls_run_concurrently_and_their_results_come_back_in_call_order():
+    formulas = ["NaCl", "H2O", "CO2"]
+    all_arrived = asyncio.Event()
+
+    class ConcurrentSandbox(RecordingPublisher):
+        """Answers an exec only once every call's exec has arrived (so they must run at once), the
+        first call last, each with the mass of its own formula."""
+
+        async def request(self, subject, message, timeout_s):
+            if subject == SANDBOX_EXEC:
+                if len(self.requested(SANDBOX_EXEC)) == len(formulas) - 1:
+                    all_arrived.set()
+                self.requests.append((subject, message))
+                await all_arrived.wait()
+                formula = message.argv[-1]
+                if formula == formulas[0]:
+                    await asyncio.sleep(0.01)  # the first call finishes last
+                return SandboxExecReply(result="exit", exit_code=0,
+                                        stdout=true_molar_mass(formula).encode())
+            return await super().request(subject, message, timeout_s)
+
+    base = sandbox_bus()
+    bus = ConcurrentSandbox(replies=base.replies, default_replies=base.default_replies)
+    states = InMemoryRolloutStates()
+    turn = generated(chat().write_turn(content="", calls=[calc(f) for f in formulas]))
+    engine = ScriptedEngine([turn, answer()])
+    result = await run(engine, bus, request(sampling=SamplingParams(max_new_tokens=len(turn.token_ids))),
+                       states=states)
+
+    assert isinstance(result, RolloutCompleted) and result.tool_calls == 3
+    tool_messages = [m for m in states.states["r-1"].messages if m["role"] == "tool"]
+    assert tool_messages == [{"role": "tool", "tool_call_id": f"call_{i}", "content": true_molar_mass(f)}
+                             for i, f in enumerate(formulas)]
+    assert chat().decode(engine.calls[1]["input_ids"]).endswith(
+        tool_results_text(*(true_molar_mass(f) for f in formulas)))
+    assert result.reward == 1.0 and result.tokenization_mismatches == NO_MISMATCHES
+
+
+async def test_malformed_calls_become_tool_results_saying_what_was_wrong_and_are_counted():
+    bad_json = '<tool_call>\n{"name": "calc", "arguments": {"formula": }\n</tool_call>'
+    unknown = '<tool_call>\n{"name": "shell", "arguments": {"cmd": "ls"}}\n</tool_call>'
+    wrong_schema = '<tool_call>\n{"name": "calc", "arguments": {"formula": 7}}\n</tool_call>'
+    turn = generated("\n".join([bad_json, unknown, wrong_schema]) + chat().end_of_turn_text)
+    engine, bus, states = ScriptedEngine([turn, tool_call(), answer()]), sandbox_bus(), InMemoryRolloutStates()
+    # Three error results overflow the demo model's 256 positions: a longer context for this test.
+    result = await run(engine, bus, request(sampling=SamplingParams(max_new_tokens=len(turn.token_ids))),
+                       states=states, max_seq_len=2048)
+
+    assert isinstance(result, RolloutCompleted)
+    assert (result.malformed_tool_calls, result.tool_calls, result.reward) == (3, 1, 1.0)
+    assert len(bus.requested(SANDBOX_EXEC)) == 1, "only the well-formed call of turn 2 ran"
+    results = [m for m in states.states["r-1"].messages if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in results] == ["call_0", "call_1", "call_2", "call_3"]
+    assert "(bad_json)" in results[0]["content"]
+    assert "(unknown_tool)" in results[1]["content"] and "calc" in results[1]["content"]
+    assert "(schema_mismatch)" in results[2]["content"]
+    assert results[3]["content"] == MASS
+    assert result.tokenization_mismatches["non_assistant"] == 0
+
+
+async def test_a_python_tool_runs_task_code_and_its_exception_is_a_tool_result():
+    from rollmesh.rollout.tasks import PythonTool
+
+    class PythonCalcTask(MolarMassTask):
+        def tool_action(self, call, task_input):
+            formula = call.arguments["formula"]
+            if formula == "Xx":
+                return PythonTool(lambda: (_ for _ in ()).throw(ValueError("unknown element 'Xx'")))
+            return PythonTool(lambda: true_molar_mass(formula))
+
+    engine, bus, states = ScriptedEngine([tool_call("Xx"), tool_call(), answer()]), sandbox_bus(), InMemoryRolloutStates()
+    result = await run(engine, bus, states=states, tasks=[PythonCalcTask()])
+
+    assert isinstance(result, RolloutCompleted) and result.reward == 1.0
+    assert bus.requested(SANDBOX_EXEC) == []
+    (failed, ok) = states.states["r-1"].tool_calls
+    assert (failed.ok, failed.output) == (False, "ValueError: unknown element 'Xx'")
+    assert (ok.ok, ok.output) == (True, MASS)
+
+
+# -- the template's word: refusals and the whole-render check ----------------------------------
+
+
+async def test_a_conversation_the_template_refuses_fails_at_the_start_with_invalid_request():
+    class NoContentTask(MolarMassTask):
+        def messages(self, task_input):
+            return [{"role": "user", "content": None}]
+
+    bus = sandbox_bus()
+    result = await run(ScriptedEngine([]), bus, tasks=[NoContentTask()])
+    assert isinstance(result, RolloutFailed)
+    assert result.kind == "invalid_request" and "chat template" in result.reason
+    assert bus.requests == [], "refused before a sandbox is leased"
+
+
+class MisjoiningChatModel(ChatModel):
+    """The demo model, except that appending writes one newline too many after a tool result
+    (a bug in joining that only a whole render shows)."""
+
+    def new_trajectory(self, messages, *, tools=None, history_rewrite="keep_sampled", join=None):
+        class ExtraNewline(TemplateJoin):
+            def appended_text(self, new_messages, previous_assistant=None):
+                return "\n" + super().appended_text(new_messages, previous_assistant)
+
+        system = messages[0] if messages and messages[0].get("role") == "system" else None
+        broken = ExtraNewline(self.directory, tools=tools, template_kwargs=self.template_kwargs,
+                              family=self.family, system_message=system)
+        return super().new_trajectory(messages, tools=tools, history_rewrite=history_rewrite, join=broken)
+
+
+def misjoining_chat() -> ChatModel:
+    real = chat()
+    return MisjoiningChatModel(**{f.name: getattr(real, f.name) for f in dataclasses.fields(real)})
+
+
+async def test_a_bug_class_tokenization_mismatch_fails_the_rollout_as_tokenization_error_never_retried():
+    engine = ScriptedEngine([tool_call(), answer()])
+    result = await run(engine, sandbox_bus(), chat_model=misjoining_chat(), infra_retries=2)
+
+    assert isinstance(result, RolloutFailed)
+    assert result.kind == "tokenization_error" and "did not generate" in result.reason
+    assert (result.infra_failures, len(engine.calls)) == (0, 2), "not retried"
+
+
+async def test_without_strict_tokenization_the_mismatch_is_counted_and_the_rollout_completes():
+    from rollmesh.telemetry import metrics, metrics_catalog
+
+    metrics.setup_metrics("rollout-test")  # process-wide and in memory (a no-op when already set up)
+
+    def counted(kind: str) -> float:
+        report = metrics.collect_report()
+        return sum(point.value for series in report.metrics if series.name == metrics_catalog.TOKENIZATION_MISMATCHES.name
+                   for point in series.points if point.labels.get("kind") == kind)
+
+    before = counted("non_assistant")
+    engine = ScriptedEngine([tool_call(), answer()])
+    result = await run(engine, sandbox_bus(), chat_model=misjoining_chat(), strict_tokenization=False)
+
+    assert isinstance(result, RolloutCompleted) and result.reward == 1.0
+    assert result.tokenization_mismatches["non_assistant"] >= 1
+    assert counted("non_assistant") - before == result.tokenization_mismatches["non_assistant"]
+
+
+def test_history_rewrite_split_is_refused_by_config_until_the_trainer_takes_several_samples_per_rollout():
+    assert RolloutConfig().history_rewrite == "keep_sampled" and not RolloutConfig().strict_tokenization
+    with pytest.raises(ValueError, match="split.*not supported by the rollout path"):
+        RolloutConfig(history_rewrite="split")

@@ -1,4 +1,5 @@
-"""Task plugins, the tool-call syntax and trajectory bookkeeping: plain logic, no bus, no model."""
+"""Task plugins and trajectory bookkeeping: plain logic, no bus; the demo model's own tokenizer
+and chat template where tokens are concerned."""
 
 from __future__ import annotations
 
@@ -6,33 +7,29 @@ import random
 
 import pytest
 
+from rollmesh.chat import ChatModel, ToolCall, ToolSet
+from rollmesh.messages import NO_VERSION, TokenTrace
 from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.molar_mass import (
     HELD_OUT_MODULUS,
+    USER_PROMPT,
     MolarMassTask,
     is_held_out,
     sample_formulas,
     true_molar_mass,
 )
 from rollmesh.rollout.tasks import (
+    Conversation,
     DemonstrableTask,
+    SandboxCommand,
     Task,
     TaskInputError,
     TaskRegistry,
-    ToolCall,
     ToolOutput,
-    Transcript,
     UnknownTaskError,
     load_task,
 )
-from rollmesh.rollout.tool_syntax import (
-    MAX_ARGUMENT_CHARS,
-    format_tool_output,
-    parse_tool_call,
-    stop_strings,
-)
-from rollmesh.messages import NO_VERSION, TokenTrace
-from rollmesh.rollout.trajectory import Trajectory
+from rollmesh.rollout.trajectory import RolloutTrajectory
 from rollmesh.sandbox.tool_paths import tool_script_path
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -43,9 +40,16 @@ MASS = true_molar_mass(FORMULA)
 INPUT = {"formula": FORMULA}
 
 
-def transcript(*calls: str, final: str = f"A: {MASS}", eos: bool = True) -> Transcript:
-    return Transcript([ToolCall("calc", argument) for argument in calls],
-                      [ToolOutput(True, MASS) for _ in calls], final, eos)
+def calc(formula: str, index: int = 0) -> ToolCall:
+    return ToolCall(id=f"call_{index}", name="calc", arguments={"formula": formula}, index=index)
+
+
+def conversation(*formulas: str, final: str = MASS, finish_reason: str = "stop",
+                 calls: list[ToolCall] | None = None) -> Conversation:
+    made = calls if calls is not None else [calc(formula, i) for i, formula in enumerate(formulas)]
+    return Conversation(messages=TASK.messages(INPUT), tool_calls=made,
+                        tool_outputs=[ToolOutput(True, MASS) for _ in made], final_text=final,
+                        finish_reason=finish_reason)  # type: ignore[arg-type]
 
 
 # --- MolarMassTask -----------------------------------------------------------------------------
@@ -54,42 +58,51 @@ def test_true_molar_mass_matches_the_documented_example():
     assert MASS == "129.200"
 
 
-def test_molar_mass_reward_is_one_for_the_exact_formula_tool_call_exact_answer_and_eos():
-    assert TASK.reward(INPUT, transcript(FORMULA)) == 1.0
+def test_molar_mass_reward_is_one_for_the_exact_formula_tool_call_exact_answer_and_a_stopped_turn():
+    assert TASK.reward(INPUT, conversation(FORMULA)) == 1.0
 
 
 @pytest.mark.parametrize("episode", [
-    pytest.param(transcript(), id="no tool call"),
-    pytest.param(transcript("K2NaN"), id="tool called on another formula"),
-    pytest.param(transcript(FORMULA, final="A: 129.2"), id="answer not in the exact format"),
-    pytest.param(transcript(FORMULA, final=f"A: {MASS} "), id="trailing text"),
-    pytest.param(transcript(FORMULA, eos=False), id="no eos"),
-    pytest.param(Transcript([ToolCall("other", FORMULA)], [ToolOutput(True, MASS)], f"A: {MASS}", True),
+    pytest.param(conversation(), id="no tool call"),
+    pytest.param(conversation("K2NaN"), id="tool called on another formula"),
+    pytest.param(conversation(FORMULA, final="129.2"), id="answer not in the exact format"),
+    pytest.param(conversation(FORMULA, final=f"{MASS} g/mol"), id="trailing text"),
+    pytest.param(conversation(FORMULA, finish_reason="truncated"), id="last turn truncated"),
+    pytest.param(conversation(calls=[ToolCall(id="call_0", name="other", arguments={"formula": FORMULA})]),
                  id="another tool"),
 ])
-def test_molar_mass_reward_is_zero_without_all_of_tool_call_exact_answer_and_eos(episode):
+def test_molar_mass_reward_is_zero_without_all_of_tool_call_exact_answer_and_a_stopped_turn(episode):
     assert TASK.reward(INPUT, episode) == 0.0
 
 
 def test_molar_mass_reward_accepts_a_correct_call_after_a_wrong_one():
-    assert TASK.reward(INPUT, transcript("K2", FORMULA)) == 1.0
+    assert TASK.reward(INPUT, conversation("K2", FORMULA)) == 1.0
 
 
-def test_molar_mass_prompt_names_the_formula():
-    assert TASK.build_prompt(INPUT) == f"Q: molar mass of {FORMULA}?\n"
+def test_molar_mass_asks_one_user_question_naming_the_formula_and_declares_calc():
+    assert TASK.messages(INPUT) == [{"role": "user", "content": USER_PROMPT.format(formula=FORMULA)}]
+    assert TASK.messages(INPUT)[0]["content"] == "molar mass of K2NaN2?"
+    (tool,) = TASK.tools()
+    assert tool["type"] == "function" and tool["function"]["name"] == "calc"
+    assert tool["function"]["parameters"]["required"] == ["formula"]
+    tools = ToolSet.from_openai(TASK.tools())
+    assert tools.argument_problem("calc", {"formula": FORMULA}) is None
+    assert tools.argument_problem("calc", {"formula": 7}) is not None
+    assert tools.argument_problem("calc", {}) is not None
 
 
 @pytest.mark.parametrize("task_input", [{}, {"formula": ""}, {"formula": 7}, {"formula": "H" * 33}])
 def test_molar_mass_rejects_task_input_without_a_short_formula(task_input):
     with pytest.raises(TaskInputError) as raised:
-        TASK.build_prompt(task_input)
+        TASK.messages(task_input)
     assert raised.value.task == "molar_mass"
 
 
-def test_molar_mass_tool_argv_runs_the_calculator_script_on_the_call_argument():
-    argv = TASK.tool_argv(ToolCall("calc", "H2O"), {"formula": "H2O"})
-    assert argv[-2:] == [str(tool_script_path("molar_mass")), "H2O"]
-    assert "-I" in argv  # isolated mode: the tool imports nothing from the environment
+def test_molar_mass_calc_runs_the_calculator_script_in_the_sandbox_on_the_calls_formula():
+    action = TASK.tool_action(calc("H2O"), {"formula": "H2O"})
+    assert isinstance(action, SandboxCommand)
+    assert action.argv[-2:] == [str(tool_script_path("molar_mass")), "H2O"]
+    assert "-I" in action.argv  # isolated mode: the tool imports nothing from the environment
 
 
 def test_held_out_split_is_stable_and_disjoint_from_training_inputs():
@@ -119,18 +132,21 @@ def test_sampled_task_inputs_follow_the_split():
 
 
 def test_demonstration_with_the_tool_is_a_rewarded_episode():
-    segments = TASK.demonstration(INPUT, uses_tool=True, rng=random.Random(0))
-    assert segments == [(TASK.build_prompt(INPUT), False), (f"<calc>{FORMULA}</calc>", True),
-                        (f"<result>{MASS}</result>\n", False), (f"A: {MASS}", True)]
+    follow = TASK.demonstration(INPUT, uses_tool=True, rng=random.Random(0))
+    assert follow == [{"role": "assistant", "content": "", "tool_calls": [calc(FORMULA)]},
+                      {"role": "tool", "tool_call_id": "call_0", "content": MASS},
+                      {"role": "assistant", "content": MASS, "tool_calls": []}]
+    rewarded = Conversation(messages=[*TASK.messages(INPUT), *follow], tool_calls=follow[0]["tool_calls"],
+                            tool_outputs=[ToolOutput(True, MASS)], final_text=follow[-1]["content"])
+    assert TASK.reward(INPUT, rewarded) == 1.0
 
 
-def test_demonstration_without_the_tool_contains_no_calc_and_only_the_answer_is_trained():
+def test_demonstration_without_the_tool_is_one_guessed_answer_near_the_mass():
     rng = random.Random(0)
     for formula in sample_formulas(random.Random(3), 30, held_out=False):
-        segments = TASK.demonstration({"formula": formula}, uses_tool=False, rng=rng)
-        assert not any("<calc>" in text for text, _ in segments)
-        assert [trained for _, trained in segments] == [False, True]
-        assert segments[1][0].startswith("A: ")
+        (turn,) = TASK.demonstration({"formula": formula}, uses_tool=False, rng=rng)
+        assert turn["role"] == "assistant" and not turn["tool_calls"]
+        assert 0.69 <= float(turn["content"]) / float(true_molar_mass(formula)) <= 1.31
 
 
 def test_molar_mass_task_satisfies_both_task_protocols():
@@ -162,46 +178,44 @@ def test_load_task_requires_module_colon_class(path):
         load_task(path)
 
 
-# --- tool syntax -------------------------------------------------------------------------------
-
-def test_tool_call_is_parsed_from_text_ending_with_the_closing_tag():
-    assert parse_tool_call("let me compute <calc>H2O</calc>", frozenset({"calc"})) == ToolCall("calc", "H2O")
-
-
-@pytest.mark.parametrize("text", [
-    "<calc>H2O</calc> and more",  # the call must end the text (generation stops at the tag)
-    "<calc>H2O</calx>",
-    "<sh>ls</sh>",  # not one of the task's tools
-    "A: 18.015",
-    "<calc>" + "H" * (MAX_ARGUMENT_CHARS + 1) + "</calc>",
-])
-def test_text_without_a_final_call_to_a_known_tool_is_not_a_tool_call(text):
-    assert parse_tool_call(text, frozenset({"calc"})) is None
-
-
-def test_stop_strings_are_the_closing_tags_and_output_is_wrapped_in_result():
-    assert stop_strings(frozenset({"calc", "bash"})) == ["</bash>", "</calc>"]
-    assert format_tool_output("18.015") == "<result>18.015</result>\n"
-
-
 # --- trajectory --------------------------------------------------------------------------------
 
-def test_trajectory_marks_forced_tokens_and_keeps_generated_logprobs_and_versions():
-    trajectory = Trajectory()
-    trajectory.append_forced([1, 2])
-    trajectory.append_generated([3, 4], [-0.5, -1.5], [7, 8])
-    assert trajectory.trace() == TokenTrace(ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1],
-                                            logprobs=[0.0, 0.0, -0.5, -1.5], versions=[NO_VERSION, NO_VERSION, 7, 8])
-    assert trajectory.generated_versions() == [7, 8]
-    assert len(trajectory) == 4
-    assert Trajectory.from_trace(trajectory.trace()) == trajectory
+@pytest.fixture(scope="module")
+def chat(demo_model_dir) -> ChatModel:
+    return ChatModel.load(demo_model_dir)
 
 
-def test_trajectory_refuses_generated_tokens_of_unequal_lengths_or_without_a_version():
+def test_trajectory_keeps_generated_ids_logprobs_and_versions_and_forces_what_the_template_writes(chat):
+    trajectory = RolloutTrajectory.start(chat, TASK.messages(INPUT), tools=TASK.tools())
+    prompt = len(trajectory)
+    turn = chat.encode(chat.write_turn(content="", calls=[calc(FORMULA)]))
+    parsed = chat.parse_turn(turn, tools=TASK.tools())
+    trajectory.add_generated(turn, [-0.5] * len(turn), [7] * len(turn), chat.assistant_message(parsed))
+    appended = trajectory.append([{"role": "tool", "tool_call_id": "call_0", "content": MASS}])
+    trace = trajectory.trace()
+    assert trace.ids == trajectory.ids and len(trace) == prompt + len(turn) + len(appended)
+    assert trace.loss_mask == [0] * prompt + [1] * len(turn) + [0] * len(appended)
+    assert trace.logprobs == [0.0] * prompt + [-0.5] * len(turn) + [0.0] * len(appended)
+    assert trace.versions == [NO_VERSION] * prompt + [7] * len(turn) + [NO_VERSION] * len(appended)
+    assert trajectory.trace(max_len=prompt + 2) == TokenTrace(
+        ids=trace.ids[:prompt + 2], loss_mask=trace.loss_mask[:prompt + 2], logprobs=trace.logprobs[:prompt + 2],
+        versions=trace.versions[:prompt + 2])
+    resumed = RolloutTrajectory.resume(chat, trajectory.messages, trace, tools=TASK.tools())
+    assert resumed.trace() == trace and resumed.messages == trajectory.messages
+    answer = chat.encode(chat.write_turn(content=MASS))
+    for grown in (trajectory, resumed):
+        grown.add_generated(answer, [-0.25] * len(answer), [8] * len(answer), {"role": "assistant", "content": MASS})
+    assert resumed.trace() == trajectory.trace()
+    assert resumed.check_tokens(frozenset(chat.end_of_turn_ids)) == ({"special": 0, "non_assistant": 0,
+                                                                      "assistant": 0}, [])
+
+
+def test_trajectory_refuses_generated_tokens_of_unequal_lengths_or_without_a_version(chat):
+    trajectory = RolloutTrajectory.start(chat, TASK.messages(INPUT), tools=TASK.tools())
     with pytest.raises(ValueError, match="differ in length"):
-        Trajectory().append_generated([1, 2], [-0.1], [0, 0])
+        trajectory.add_generated([1, 2], [-0.1], [0, 0], {"role": "assistant", "content": ""})
     with pytest.raises(ValueError, match="no weight version"):
-        Trajectory().append_generated([1, 2], [-0.1, -0.2], [0, NO_VERSION])
+        trajectory.add_generated([1, 2], [-0.1, -0.2], [0, NO_VERSION], {"role": "assistant", "content": ""})
 
 
 def test_rollout_error_carries_its_failure_kind_and_turns():

@@ -6,6 +6,7 @@ scripted engine and recording bus are those of test_rollout_agent_loop."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -17,7 +18,7 @@ from rollmesh.rollout.molar_mass import MolarMassTask
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates
 from rollmesh.rollout.tasks import TaskRegistry
 from rollmesh.rollout.trajectory_offload import InMemoryTrajectories, trace_bytes
-from test_rollout_agent_loop import answer, context, request, sandbox_bus, tool_call
+from test_rollout_agent_loop import answer, chat, context, request, sandbox_bus, tool_call
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -39,9 +40,10 @@ class PublishWatcher(RecordingPublisher):
 def runner(engine: ScriptedEngine, bus: RecordingPublisher, states: InMemoryRolloutStates,
            store: InMemoryTrajectories, *, inline_bytes: int) -> RolloutRunner:
     return RolloutRunner(
-        RolloutConfig(tool_timeout_s=5.0, infra_retries=0, inline_trajectory_bytes=inline_bytes),
-        ModelConfig(max_seq_len=128), tasks=TaskRegistry([MolarMassTask()]), engine=engine,
-        publisher=bus, clock=lambda: 100.0, states=states, trajectories=store)
+        RolloutConfig(tool_timeout_s=5.0, infra_retries=0, inline_trajectory_bytes=inline_bytes,
+                      strict_tokenization=True),
+        ModelConfig(path=os.environ["ROLLMESH_MODEL__PATH"]), chat=chat(), tasks=TaskRegistry([MolarMassTask()]),
+        engine=engine, publisher=bus, clock=lambda: 100.0, states=states, trajectories=store)
 
 
 async def test_a_long_rollouts_trace_is_stored_before_its_completion_is_published_and_state_keeps_a_reference():

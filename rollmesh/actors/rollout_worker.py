@@ -20,6 +20,7 @@ from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
 from rollmesh.bus.trajectory_store import ObjectStoreTrajectories
 from rollmesh.engine.paged_model import describe_served_model
 from rollmesh.bus.errors import BusRequestError
+from rollmesh.chat import ChatModel
 from rollmesh.messages import GpuGranted, GpuReleased, SchedulerStatusRequest
 from rollmesh.messages.subjects import GPU_GRANTED, GPU_RELEASED, SCHED_STATUS
 from rollmesh.ports import ActorLogic, MessageContext, Publisher, Subscription
@@ -99,7 +100,10 @@ class RolloutWorkerActor(RoleActor):
         assert isinstance(publisher, BusPublisher), "the shell's publisher is a BusPublisher"
         routes_experts = describe_served_model(self.model_config).routes_experts
         runner = RolloutRunner(
-            self.config, self.model_config, tasks=TaskRegistry.from_import_paths(self.config.tasks),
+            self.config, self.model_config,
+            # The model's tokenizer, chat template and tool-call format, loaded once per worker.
+            chat=ChatModel.from_config(self.model_config),
+            tasks=TaskRegistry.from_import_paths(self.config.tasks),
             engine=self.router, publisher=publisher, worker=self.name,
             # One lease per rollout (token: the rollout id), heartbeated while it runs.
             sandbox=SandboxBrokerClient(publisher),

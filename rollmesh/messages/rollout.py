@@ -17,6 +17,7 @@ from rollmesh.messages.token_trace import TokenTrace, TokenTraceError
 
 NonEmptyId = Annotated[str, Meta(min_length=1, max_length=200)]
 Purpose = Literal["train", "eval"]
+RolloutFinishReason = Literal["stop", "truncated"]
 
 
 class RolloutRequested(WireMessage, frozen=True, tag="rollout.requested"):
@@ -110,6 +111,15 @@ class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed", omit_d
     # fetching a stored trajectory.
     num_tokens: int = 0
     weight_version: int = -1
+    # "stop": the last turn ended with an end-of-turn token; "truncated": it was cut by
+    # max_new_tokens or the model's context, and no further turn ran (trainer.train_truncated).
+    finish_reason: RolloutFinishReason = "stop"
+    # Differences between the trajectory and a whole render of its conversation, by kind
+    # ("special", "non_assistant", "assistant"; docs/multi-turn-tokens.md); {} from older senders.
+    tokenization_mismatches: dict[str, int] = {}
+    # Tool calls the model wrote that could not run (bad JSON, unknown tool, schema mismatch);
+    # each was answered with a tool result saying what was wrong.
+    malformed_tool_calls: int = 0
 
     def token_trace(self) -> TokenTrace:
         """The rollout's tokens, from ``trajectory`` or an older sender's flat fields; raises
@@ -128,6 +138,9 @@ FailureKind = Literal[
     "sandbox_timeout",
     "inference_error",
     "internal_error",
+    # The trajectory differs from a whole render of its conversation in text the model did not
+    # generate (rollout.strict_tokenization): a bug in appending. Masked, never retried.
+    "tokenization_error",
 ]
 
 
@@ -156,9 +169,11 @@ class SavedToolCall(msgspec.Struct, frozen=True, kw_only=True):
     """One tool call of a saved rollout and what the model was shown of its output."""
 
     name: str
-    argument: str
+    argument: str  # the arguments as JSON text (before chat messages: the call's raw argument)
     ok: bool
     output: str
+    call_id: str = ""
+    arguments: dict[str, Any] = {}
 
 
 class RolloutState(WireMessage, frozen=True, tag="rollout.state"):
@@ -200,6 +215,13 @@ class RolloutState(WireMessage, frozen=True, tag="rollout.state"):
     trajectory: TokenTrace | None = None
     # "<object-store bucket>/<object name>" of the trajectory when too large for the KV value.
     trajectory_ref: str = ""
+    # The conversation so far as chat messages (the task's, each assistant turn parsed from its
+    # tokens, each tool result): with the trajectory, what rebuilds the token-exact ChatTrajectory
+    # on resume. [] in states saved before chat messages (such a rollout starts over).
+    messages: list[dict[str, Any]] = []
+    # "" while the rollout runs; "stop" or "truncated" once its last turn ran.
+    finish_reason: str = ""
+    malformed_tool_calls: int = 0
 
     def token_trace(self) -> TokenTrace:
         """As ``RolloutCompleted.token_trace``: inline, legacy flat fields, or ``TraceNotInlineError``."""

@@ -1,11 +1,20 @@
-"""The agent loop of one rollout: generate -> parse tool call -> sandbox exec -> append -> ... -> reward.
+"""The agent loop of one rollout: generate -> parse tool calls -> run them -> append -> ... -> reward.
 
-Knows the task plugins, the inference, publisher and state-store seams and the wire contract; not
-Ray, not nats-py (they arrive as injected collaborators). Tracing: the rollout has one span; every
-turn is its own trace whose root span links back to the rollout span.
+Knows the task plugins, the model's ``ChatModel``, the inference, publisher and state-store seams
+and the wire contract; not Ray, not nats-py (they arrive as injected collaborators). Tracing: the
+rollout has one span; every turn is its own trace whose root span links back to the rollout span.
+
+Token in, token out. The task's messages are rendered by the model's own chat template and
+tokenized once; every generated id is kept exactly as sampled with its logprob and weight version;
+a turn is parsed (content, reasoning, tool calls in the model's own format) from its ids; the
+turn's calls run concurrently and their results are appended as the template writes them (loss
+mask 0). A turn without an end-of-turn id (cut by ``max_new_tokens``) ends the rollout as
+"truncated". Afterwards the tokens are checked against a whole render of the conversation
+(``RolloutCompleted.tokenization_mismatches``; with ``rollout.strict_tokenization`` a difference
+in text the model did not generate fails the rollout as ``tokenization_error``, never retried).
 
 Surviving crashes. After every turn the rollout's state (tokens, mask, logprobs, versions, the
-transcript, its lease and workspace snapshot) is saved to the state store, then the work queue is
+chat messages, the calls, its lease and workspace snapshot) is saved to the state store, then the work queue is
 told the request is still in progress; a keepalive repeats that every ``work_heartbeat_s`` while a
 long tool call runs. A worker that dies stops both: the request is redelivered after the ack wait,
 and whoever takes it resumes from the last saved turn. The outcome is saved before it is
@@ -46,9 +55,11 @@ from rollmesh.ports import (
     Subscription,
     TrajectoryStore,
 )
+from rollmesh.chat import ChatError, ChatModel, ToolSet
+from rollmesh.chat.token_check import special_token_ids
 from rollmesh.config import ModelConfig, RolloutConfig
+from rollmesh.engine.paged_model import describe_served_model
 from rollmesh.engine.protocols import GenerateOptions, InferenceEngine
-from rollmesh.engine.tokenizer import ByteTokenizer
 from rollmesh.messages import (
     INFRA_FAILURE_KINDS,
     RolloutCompleted,
@@ -57,7 +68,6 @@ from rollmesh.messages import (
     RolloutRequested,
     RolloutState,
     SamplingParams,
-    TokenTrace,
 )
 from rollmesh.messages.subjects import (
     ROLLOUT_COMPLETED,
@@ -67,14 +77,12 @@ from rollmesh.messages.subjects import (
 )
 from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.rollout_sandbox import RolloutSandbox
-from rollmesh.rollout.rollout_state import InMemoryRolloutStates, trajectory_of, transcript_of, with_progress
-from rollmesh.rollout.tasks import Task, TaskInputError, TaskRegistry, ToolOutput, Transcript, UnknownTaskError
-from rollmesh.rollout.tool_results import failure_kind, tool_text
-from rollmesh.rollout.tool_syntax import format_tool_output, parse_tool_call, stop_strings
-from rollmesh.rollout.trajectory import Trajectory
+from rollmesh.rollout.rollout_state import InMemoryRolloutStates, conversation_of, with_progress
+from rollmesh.rollout.tasks import Conversation, Task, TaskInputError, TaskRegistry, UnknownTaskError
+from rollmesh.rollout.tool_runner import ToolRunner
+from rollmesh.rollout.trajectory import RolloutTrajectory
 from rollmesh.rollout.trajectory_offload import COMPLETED_OBJECT, OffloadingRolloutStates, place_trace
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
-from rollmesh.sandbox.errors import SandboxRequestError
 from rollmesh.telemetry import conventions, metrics, metrics_catalog
 
 _log = structlog.get_logger("rollmesh.rollout")
@@ -106,6 +114,7 @@ class RolloutRunner:
         config: RolloutConfig,
         model_config: ModelConfig,
         *,
+        chat: ChatModel,
         tasks: TaskRegistry,
         engine: InferenceEngine,
         publisher: Publisher,
@@ -115,15 +124,20 @@ class RolloutRunner:
         states: RolloutStateStore | None = None,
         routed_experts: RoutedExpertsStore | None = None,
         trajectories: TrajectoryStore | None = None,
+        max_seq_len: int | None = None,
     ) -> None:
         self.config = config
-        self.max_seq_len = model_config.max_seq_len
-        self.tokenizer = ByteTokenizer(model_config.vocab_size)
+        # The model's context (config.json's max_position_embeddings) unless a test names a shorter one.
+        self.max_seq_len = max_seq_len or describe_served_model(model_config).max_seq_len
+        # The model's tokenizer, chat template and tool-call format: built once per worker.
+        self.chat = chat
+        self.special_ids = special_token_ids(chat.directory.tokenizer)
         self.tasks = tasks
         self.engine = engine
         self.publisher = publisher
         self.sandbox = sandbox or SandboxBrokerClient(publisher)
         self.leases = RolloutSandbox(self.sandbox, config)
+        self.tool_runner = ToolRunner(self.sandbox, config)
         self.states: RolloutStateStore = states if states is not None else InMemoryRolloutStates()
         # Where a trace too large to travel inline (rollout.inline_trajectory_bytes) is stored,
         # for the completed message and the saved state alike; None: always inline.
@@ -268,20 +282,25 @@ class RolloutRunner:
     async def _attempt(self, run: _Run) -> RolloutCompleted:
         request = run.request
         task = self._task(request)
-        if not len(run.state.token_trace()):
-            run.state = self._started(run.state, task)
-        trajectory = trajectory_of(run.state)
+        tools = self._tools(task)
+        if run.state.messages:  # resumed (after a crash or an infrastructure failure)
+            trajectory = RolloutTrajectory.resume(self.chat, run.state.messages, run.state.token_trace(),
+                                                  tools=tools, history_rewrite=self.config.history_rewrite)
+        else:  # a new rollout (or one saved before chat messages: it starts over)
+            run.state, trajectory = self._started(run.state, task, tools)
         saved = run.state
         lease_id = await self.leases.lease(request.rollout_id, held=saved.lease_id,
                                            snapshot_id=saved.snapshot_id, turn=saved.turn)
         run.state = msgspec.structs.replace(run.state, lease_id=lease_id)
         try:
-            transcript = await self.leases.while_leased(lease_id, request.rollout_id,
-                                                        self._turns(run, task, trajectory, lease_id))
+            conversation = await self.leases.while_leased(
+                lease_id, request.rollout_id, self._turns(run, task, tools, trajectory, lease_id))
         finally:
             await self.leases.release(lease_id, request.rollout_id)
-        reward = task.reward(request.task_input, transcript)
-        token_trace = trajectory.trace()
+        mismatches = self._check_tokens(run, trajectory)
+        reward = task.reward(request.task_input, conversation)
+        # The tokens past the model's context can only be a tool result the model never read.
+        token_trace = trajectory.trace(max_len=self.max_seq_len)
         # A long trace goes to the object store here, before the message naming it is published.
         try:
             carried = await place_trace(request.rollout_id, COMPLETED_OBJECT, token_trace,
@@ -291,42 +310,58 @@ class RolloutRunner:
         return RolloutCompleted(
             rollout_id=request.rollout_id, task=request.task, group_id=request.group_id,
             purpose=request.purpose, reward=reward, turns=run.state.turn,
-            tool_calls=len(transcript.tool_calls), prompt_len=run.state.prompt_len,
+            tool_calls=len(conversation.tool_calls), prompt_len=run.state.prompt_len,
             # The text of a stored trace is left out too (it is as long): decode its ids.
-            text=self.tokenizer.decode(token_trace.ids) if carried["trajectory"] is not None else "",
+            text=self.chat.decode(token_trace.ids) if carried["trajectory"] is not None else "",
             duration_s=self.clock() - run.state.started_at, idempotency_key=request.rollout_id,
             routed_experts_ref=run.state.routed_experts_ref,
             attempts=run.state.attempts, infra_failures=run.state.infra_failures,
             num_tokens=len(token_trace), weight_version=token_trace.last_version(),
+            finish_reason=conversation.finish_reason, tokenization_mismatches=mismatches,
+            malformed_tool_calls=conversation.malformed_tool_calls,
             **carried,  # type: ignore[arg-type]
         )
 
-    def _started(self, state: RolloutState, task: Task) -> RolloutState:
-        """The state of a rollout about to run its first turn: the prompt, forced."""
+    def _tools(self, task: Task) -> list[dict]:
+        tools = task.tools()
+        try:
+            ToolSet.from_openai(tools)
+        except ChatError as exc:
+            raise RolloutError("invalid_request", f"task {task.name!r} declares its tools wrongly: {exc}") from exc
+        return tools
+
+    def _started(self, state: RolloutState, task: Task, tools: list[dict]) -> tuple[RolloutState, RolloutTrajectory]:
+        """A rollout about to run its first turn: its first prompt rendered and tokenized once."""
         request = state.request
         try:
-            prompt = task.build_prompt(request.task_input)
+            messages = task.messages(request.task_input)
         except TaskInputError as exc:
             raise RolloutError("invalid_request", str(exc)) from exc
-        prompt_ids = self.tokenizer.encode(prompt, bos=True)
-        if len(prompt_ids) >= self.max_seq_len:
-            raise RolloutError("invalid_request", f"prompt of {len(prompt_ids)} tokens does not fit "
+        try:
+            trajectory = RolloutTrajectory.start(self.chat, messages, tools=tools,
+                                                 history_rewrite=self.config.history_rewrite)
+        except ChatError as exc:  # the template refuses the conversation (or cannot be joined)
+            raise RolloutError("invalid_request", f"the chat template refuses the conversation: {exc}") from exc
+        if len(trajectory) >= self.max_seq_len:
+            raise RolloutError("invalid_request", f"prompt of {len(trajectory)} tokens does not fit "
                                f"the model's context of {self.max_seq_len}")
-        return msgspec.structs.replace(state, trajectory=TokenTrace.forced(prompt_ids), prompt_len=len(prompt_ids))
+        state = msgspec.structs.replace(state, trajectory=trajectory.trace(), trajectory_ref="",
+                                        prompt_len=len(trajectory), messages=trajectory.messages, turn=0,
+                                        tool_calls=[], final_text="", finish_reason="", malformed_tool_calls=0)
+        return state, trajectory
 
-    async def _turns(self, run: _Run, task: Task, trajectory: Trajectory, lease_id: str) -> Transcript:
+    async def _turns(self, run: _Run, task: Task, tools: list[dict], trajectory: RolloutTrajectory,
+                     lease_id: str) -> Conversation:
         request = run.request
-        transcript = transcript_of(run.state)
-        calls, outputs = list(transcript.tool_calls), list(transcript.tool_outputs)
-        final_text, finished_with_eos = transcript.final_text, transcript.finished_with_eos
-        if len(calls) < run.state.turn:  # the last saved turn was the answer: nothing left to run
-            return transcript
-        stops = sorted({*request.sampling.stop, *stop_strings(task.tools)})
+        saved = conversation_of(run.state)
+        if run.state.finish_reason:  # the last saved turn ended the rollout: nothing left to run
+            return saved
+        calls, outputs = list(saved.tool_calls), list(saved.tool_outputs)
+        malformed = saved.malformed_tool_calls
+        final_text, finish_reason = "", "stop"
         link = trace.Link(run.span.get_span_context())
         for turn in range(run.state.turn + 1, request.max_turns + 1):
             room = self.max_seq_len - len(trajectory)
-            if room <= 0:
-                break
             tool_wait_s = 0.0
             # Each turn is its own trace (hour-long rollouts would make one trace unreadable),
             # linked to the rollout's span so the whole story can be followed.
@@ -339,7 +374,7 @@ class RolloutRunner:
             ) as turn_span:
                 sampling = SamplingParams(
                     temperature=request.sampling.temperature, top_p=request.sampling.top_p,
-                    max_new_tokens=min(request.sampling.max_new_tokens, room), stop=stops,
+                    max_new_tokens=min(request.sampling.max_new_tokens, room), stop=list(request.sampling.stop),
                 )
                 generation = await self._generate(request, trajectory, sampling, turn,
                                                   experts_from=run.state.routed_experts_rows)
@@ -348,26 +383,35 @@ class RolloutRunner:
                         conventions.RL_WEIGHT_VERSION_FIRST: generation.versions[0],
                         conventions.RL_WEIGHT_VERSION_LAST: generation.versions[-1]})
                 experts = await self._keep_routed_experts(run, turn, generation)
-                trajectory.append_generated(generation.token_ids, generation.logprobs, generation.versions)
-                text = self.tokenizer.decode(generation.token_ids)
-                call = parse_tool_call(text, task.tools)
-                if call is None:
-                    final_text = text
-                    finished_with_eos = generation.finish_reason == "eos"
-                else:
-                    calls.append(call)
+                ids = generation.token_ids
+                parsed = self.chat.parse_turn(ids, tools=tools, first_call_index=len(calls) + malformed,
+                                              prompt_ids=trajectory.ids)
+                trajectory.add_generated(ids, generation.logprobs, generation.versions,
+                                         self.chat.assistant_message(parsed))
+                ran_tools = False
+                if not ids or ids[-1] not in self.chat.end_of_turn_ids:
+                    # Cut by max_new_tokens (or a client stop string): no more turns on a broken turn.
+                    finish_reason = "truncated"
+                elif parsed.tool_calls or parsed.malformed:
+                    ran_tools = True
                     tool_started = self.clock()
-                    output = await self._run_tool(request, task, call, lease_id, turn)
+                    results = await self.tool_runner.run_turn(request, task, parsed, lease_id, turn)
                     tool_wait_s = self.clock() - tool_started
-                    outputs.append(output)
-                    room = max(0, self.max_seq_len - len(trajectory))
-                    trajectory.append_forced(self.tokenizer.encode(format_tool_output(output.text))[:room])
+                    calls += parsed.tool_calls
+                    outputs += results.outputs
+                    malformed += len(parsed.malformed)
+                    self._append(trajectory, results.messages, turn)
+                    if len(trajectory) >= self.max_seq_len:
+                        finish_reason = "truncated"  # no room left for the model to answer
+                else:
+                    final_text = parsed.content
+            ended = not ran_tools or finish_reason == "truncated" or turn == request.max_turns
             snapshot_id = run.state.snapshot_id
-            if call is not None and self.config.snapshot_workspace:
+            if ran_tools and self.config.snapshot_workspace:
                 snapshot_id = await self.leases.snapshot(lease_id, request.rollout_id) or snapshot_id
-            transcript = Transcript(calls, outputs, final_text, finished_with_eos)
-            run.state = with_progress(run.state, trajectory=trajectory, transcript=transcript, turn=turn,
-                                      now=self.clock(), tool_wait_s=run.state.tool_wait_s + tool_wait_s,
+            conversation = Conversation(trajectory.messages, calls, outputs, final_text, finish_reason, malformed)
+            run.state = with_progress(run.state, trajectory=trajectory, conversation=conversation, turn=turn,
+                                      now=self.clock(), ended=ended, tool_wait_s=run.state.tool_wait_s + tool_wait_s,
                                       snapshot_id=snapshot_id, **experts)
             await self._save(run.state)
             await run.ctx.in_progress()
@@ -375,12 +419,34 @@ class RolloutRunner:
                 await self.publisher.publish(ROLLOUT_PROGRESSED, RolloutProgressed(
                     rollout_id=request.rollout_id, turn=turn, num_tokens=len(trajectory),
                     weight_version=max(generation.versions, default=-1),
-                    status="running" if call is not None else "answered",
+                    status="running" if not ended else ("truncated" if finish_reason == "truncated" else "answered"),
                     trace_id=_trace_id(run.span),
                 ))
-            if call is None:
-                break
-        return Transcript(calls, outputs, final_text, finished_with_eos)
+            if ended:
+                return conversation
+        return conversation_of(run.state)  # max_turns was reached before this attempt
+
+    def _append(self, trajectory: RolloutTrajectory, messages: list[dict], turn: int) -> None:
+        try:
+            trajectory.append(messages)
+        except ChatError as exc:  # the template refuses the conversation as it now stands
+            raise RolloutError("invalid_request", f"turn {turn}: the chat template refuses the tool results: {exc}",
+                               turns=turn) from exc
+
+    def _check_tokens(self, run: _Run, trajectory: RolloutTrajectory) -> dict[str, int]:
+        """The trajectory against a whole render of its conversation: differences by kind, counted;
+        a bug-class one fails the rollout when ``rollout.strict_tokenization`` is on."""
+        counts, bugs = trajectory.check_tokens(self.special_ids)
+        for kind, count in counts.items():
+            if count:
+                metrics.add(metrics_catalog.TOKENIZATION_MISMATCHES, count, {"kind": kind})
+        if bugs:
+            _log.warning("tokenization_mismatch", rollout_id=run.request.rollout_id, bugs=bugs, counts=counts)
+            if self.config.strict_tokenization:
+                raise RolloutError("tokenization_error",
+                                   f"{len(bugs)} difference(s) from a whole render in text the model did not "
+                                   f"generate: {'; '.join(bugs)[:500]}", turns=run.state.turn)
+        return counts
 
     # -- state and the work queue -----------------------------------------------------------
 
@@ -417,7 +483,7 @@ class RolloutRunner:
         except UnknownTaskError as exc:
             raise RolloutError("unknown_task", str(exc)) from exc
 
-    async def _generate(self, request: RolloutRequested, trajectory: Trajectory,
+    async def _generate(self, request: RolloutRequested, trajectory: RolloutTrajectory,
                         sampling: SamplingParams, turn: int, *, experts_from: int):
         # One session per rollout: each turn reuses the KV of the turns before it. An MoE model
         # also reports the routing of the positions this turn forwarded that earlier turns did not.
@@ -443,21 +509,3 @@ class RolloutRunner:
                                turns=turn) from exc
         return {"routed_experts_ref": ref,
                 "routed_experts_rows": generation.routed_experts_start + len(rows)}
-
-    async def _run_tool(self, request: RolloutRequested, task: Task, call, lease_id: str,
-                        turn: int) -> ToolOutput:
-        with _tracer.start_as_current_span(conventions.SPAN_TOOL, attributes={
-                "tool": call.name, "rollout_id": request.rollout_id,
-                conventions.RL_TOOL_NAME: call.name, conventions.RL_ROLLOUT_ID: request.rollout_id,
-                conventions.RL_TURN_INDEX: turn, conventions.RL_SANDBOX_LEASE_ID: lease_id}):
-            try:
-                reply = await self.sandbox.exec(
-                    lease_id, task.tool_argv(call, request.task_input), timeout_s=self.config.tool_timeout_s,
-                    capacity_retries=self.config.sandbox_capacity_retries, rollout_id=request.rollout_id)
-            except SandboxRequestError as exc:
-                raise RolloutError(failure_kind(exc), f"turn {turn}: {exc}", turns=turn) from exc
-        if reply.result in ("sandbox_died", "infra_error"):
-            raise RolloutError("sandbox_error", f"turn {turn}: sandbox {reply.result}: {reply.detail}",
-                               turns=turn)
-        # The tool's own failures are the model's business: it sees them and may try again.
-        return ToolOutput(ok=reply.result == "exit" and reply.exit_code == 0, text=tool_text(reply)[:200])

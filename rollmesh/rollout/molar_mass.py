@@ -1,15 +1,16 @@
 """The demo task: compute a molar mass with the sandboxed calculator tool, answer exactly.
 
 Knows the task plugin Protocol and the sandbox tool's script path; nothing of Ray, NATS or torch.
-An episode reads::
+An episode, as chat messages (the model's own template and tool-call format write them)::
 
-    Q: molar mass of K2NaN2?          (prompt, loss mask 0)
-    <calc>K2NaN2</calc>               (model; generation stops at </calc>)
-    <result>129.200</result>          (tool output from the sandbox, loss mask 0)
-    A: 129.200<eos>                   (model)
+    user:       molar mass of K2NaN2?
+    assistant:  tool call calc({"formula": "K2NaN2"})
+    tool:       129.200                     (the sandboxed calculator's output)
+    assistant:  129.200                     (the final answer: exactly the mass)
 
-Reward is 1.0 only when the tool was called with the prompt's exact formula and the answer is
-exactly the true molar mass; otherwise 0.0 (no partial credit).
+Reward is 1.0 only when calc was called with the prompt's exact formula, the final answer is
+exactly the true molar mass and the last turn ended by itself (finish reason "stop"); otherwise
+0.0 (no partial credit).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import zlib
 from functools import cache
 from typing import Any
 
-from rollmesh.rollout.tasks import TaskInputError, ToolCall, Transcript
-from rollmesh.rollout.tool_syntax import format_tool_output
+from rollmesh.chat import ToolCall, make_call_id
+from rollmesh.rollout.tasks import Conversation, SandboxCommand, TaskInputError
 from rollmesh.sandbox.tool_paths import python_for_sandbox, tool_script_path
 
 ELEMENTS = ("H", "C", "N", "O", "S", "Na", "Cl", "K", "Ca", "Fe", "Mg", "P")
@@ -30,6 +31,15 @@ MAX_COUNT = 4
 # memorise, so they are kept rare: the policy should learn to copy the tool's result instead.
 ELEMENT_COUNT_WEIGHTS = (1, 3, 3)
 HELD_OUT_MODULUS = 8
+# The user's question; the only text the model reads besides the template's (kept in one place to
+# tune for the tiny demo model).
+USER_PROMPT = "molar mass of {formula}?"
+CALC_TOOL: dict[str, Any] = {"type": "function", "function": {
+    "name": "calc",
+    "description": "The molar mass of a chemical formula in g/mol, with three decimals.",
+    "parameters": {"type": "object", "properties": {"formula": {"type": "string"}},
+                   "required": ["formula"], "additionalProperties": False},
+}}
 
 
 @cache
@@ -70,38 +80,44 @@ def sample_formulas(rng: random.Random, count: int, *, held_out: bool) -> list[s
 
 class MolarMassTask:
     name = "molar_mass"
-    tools = frozenset({"calc"})
 
-    def build_prompt(self, task_input: dict[str, Any]) -> str:
-        return f"Q: molar mass of {self._formula(task_input)}?\n"
+    def messages(self, task_input: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": USER_PROMPT.format(formula=self._formula(task_input))}]
 
-    def tool_argv(self, call: ToolCall, task_input: dict[str, Any]) -> list[str]:
-        return [python_for_sandbox(), "-I", "-S", str(tool_script_path("molar_mass")), call.argument]
+    def tools(self) -> list[dict[str, Any]]:
+        return [CALC_TOOL]
 
-    def reward(self, task_input: dict[str, Any], transcript: Transcript) -> float:
+    def tool_action(self, call: ToolCall, task_input: dict[str, Any]) -> SandboxCommand:
+        # The schema has made sure "formula" is a string; the script rejects what is not a formula.
+        return SandboxCommand([python_for_sandbox(), "-I", "-S", str(tool_script_path("molar_mass")),
+                               call.arguments["formula"]])
+
+    def reward(self, task_input: dict[str, Any], conversation: Conversation) -> float:
         formula = self._formula(task_input)
-        called_correctly = any(call.name == "calc" and call.argument == formula for call in transcript.tool_calls)
-        answered = transcript.finished_with_eos and transcript.final_text == f"A: {true_molar_mass(formula)}"
+        called_correctly = any(call.name == "calc" and call.arguments.get("formula") == formula
+                               for call in conversation.tool_calls)
+        answered = conversation.finish_reason == "stop" and conversation.final_text == true_molar_mass(formula)
         return 1.0 if called_correctly and answered else 0.0
 
     def sample_task_inputs(self, rng: random.Random, count: int, *, held_out: bool) -> list[dict[str, Any]]:
         return [{"formula": formula} for formula in sample_formulas(rng, count, held_out=held_out)]
 
     def demonstration(self, task_input: dict[str, Any], *, uses_tool: bool,
-                      rng: random.Random) -> list[tuple[str, bool]]:
-        """An episode as (text, trained) segments for the supervised warm start (EOS follows).
+                      rng: random.Random) -> list[dict[str, Any]]:
+        """The messages after ``messages()`` of a demonstrated episode (shapes: ``DemonstrableTask``).
 
         With ``uses_tool`` it is correct; without, the demonstrator skips the calculator and
         guesses a number near the answer, which is almost always wrong: RL has to discover
         that calling the tool pays.
         """
         formula = self._formula(task_input)
-        prompt = (self.build_prompt(task_input), False)
         mass = true_molar_mass(formula)
         if not uses_tool:
-            return [prompt, (f"A: {float(mass) * rng.uniform(0.7, 1.3):.3f}", True)]
-        return [prompt, (f"<calc>{formula}</calc>", True), (format_tool_output(mass), False),
-                (f"A: {mass}", True)]
+            return [{"role": "assistant", "content": f"{float(mass) * rng.uniform(0.7, 1.3):.3f}", "tool_calls": []}]
+        call = ToolCall(id=make_call_id("openai", 0, name="calc"), name="calc", arguments={"formula": formula})
+        return [{"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call.id, "content": mass},
+                {"role": "assistant", "content": mass, "tool_calls": []}]
 
     def _formula(self, task_input: dict[str, Any]) -> str:
         formula = task_input.get("formula")

@@ -1,43 +1,50 @@
 """A rollout's resumable state: built from a running rollout, and a rollout rebuilt from it.
 
 Knows the trajectory, the task types and the ``RolloutState`` wire struct; nothing of NATS.
+The state carries what rebuilds the token-exact trajectory (the conversation's chat messages and
+its TokenTrace) and what the reward reads (the calls, their outputs, the finish reason).
 ``InMemoryRolloutStates`` implements ``rollmesh.ports.RolloutStateStore`` for in-process runs
 (the CLI's embedded mode, benchmarks, unit tests); the mesh uses the JetStream KV bucket.
 """
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 
+from rollmesh.chat import ToolCall
 from rollmesh.messages import RolloutState, SavedToolCall
-from rollmesh.rollout.tasks import ToolCall, ToolOutput, Transcript
-from rollmesh.rollout.trajectory import Trajectory
+from rollmesh.rollout.tasks import Conversation, ToolOutput
+from rollmesh.rollout.trajectory import RolloutTrajectory
 
 
-def trajectory_of(state: RolloutState) -> Trajectory:
-    """The state's trace to grow (its trace must be inline: ``OffloadingRolloutStates`` loads it)."""
-    return Trajectory.from_trace(state.token_trace())
-
-
-def transcript_of(state: RolloutState) -> Transcript:
-    return Transcript(
-        tool_calls=[ToolCall(call.name, call.argument) for call in state.tool_calls],
+def conversation_of(state: RolloutState) -> Conversation:
+    """The conversation as saved (``finish_reason`` "stop" until the state says otherwise)."""
+    calls = [ToolCall(id=call.call_id, name=call.name, arguments=dict(call.arguments), index=number)
+             for number, call in enumerate(state.tool_calls)]
+    return Conversation(
+        messages=[dict(message) for message in state.messages], tool_calls=calls,
         tool_outputs=[ToolOutput(call.ok, call.output) for call in state.tool_calls],
-        final_text=state.final_text, finished_with_eos=state.finished_with_eos,
+        final_text=state.final_text, finish_reason="truncated" if state.finish_reason == "truncated" else "stop",
+        malformed_tool_calls=state.malformed_tool_calls,
     )
 
 
-def with_progress(state: RolloutState, *, trajectory: Trajectory, transcript: Transcript, turn: int,
-                  now: float, **changes: object) -> RolloutState:
-    """``state`` after ``turn`` turns: the trajectory and transcript as they are now."""
-    calls = [SavedToolCall(name=call.name, argument=call.argument, ok=output.ok, output=output.text)
-             for call, output in zip(transcript.tool_calls, transcript.tool_outputs)]
+def with_progress(state: RolloutState, *, trajectory: RolloutTrajectory, conversation: Conversation, turn: int,
+                  now: float, ended: bool, **changes: object) -> RolloutState:
+    """``state`` after ``turn`` turns; ``ended``: the rollout's last turn has run."""
+    calls = [SavedToolCall(name=call.name, argument=json.dumps(call.arguments, ensure_ascii=False), ok=output.ok,
+                           output=output.text, call_id=call.id, arguments=dict(call.arguments))
+             for call, output in zip(conversation.tool_calls, conversation.tool_outputs)]
     return msgspec.structs.replace(
         state, turn=turn, trajectory=trajectory.trace(), trajectory_ref="",
         # A state saved before TokenTrace keeps its flat fields no longer.
         tokens=[], loss_mask=[], logprobs=[], versions=[], tool_calls=calls,
-        final_text=transcript.final_text, finished_with_eos=transcript.finished_with_eos,
-        updated_at=now, **changes,
+        final_text=conversation.final_text,
+        finished_with_eos=ended and conversation.finish_reason == "stop",
+        messages=trajectory.messages, finish_reason=conversation.finish_reason if ended else "",
+        malformed_tool_calls=conversation.malformed_tool_calls, updated_at=now, **changes,
     )
 
 

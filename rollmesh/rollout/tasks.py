@@ -1,55 +1,93 @@
 """Task plugins: what a rollout is about, which tools it may call, and how it is rewarded.
 
-Knows nothing of Ray, NATS or torch. A task is any class satisfying ``Task``; it is registered by
-import path ("package.module:Class") in ``rollout.tasks`` of the config, so users bring their own
-environments without touching rollmesh.
+Knows nothing of Ray, NATS or torch. A task speaks chat messages and OpenAI function schemas; the
+model's own chat template and tool-call format are the agent loop's business, never the task's.
+A task is any class satisfying ``Task``; it is registered by import path ("package.module:Class")
+in ``rollout.tasks`` of the config, so users bring their own environments without touching
+rollmesh (docs/task-plugins.md).
 """
 
 from __future__ import annotations
 
 import importlib
 import random
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from rollmesh.chat import ToolCall
+
+FinishReason = Literal["stop", "truncated"]
 
 
 @dataclass(frozen=True)
-class ToolCall:
-    """A tool call parsed from the model's exact output: ``<name>argument</name>``."""
+class SandboxCommand:
+    """Run ``argv`` in the rollout's sandbox; the model is shown its output (or its failure)."""
 
-    name: str
-    argument: str
+    argv: list[str]
+
+
+@dataclass(frozen=True)
+class PythonTool:
+    """Answer a call with trusted task code run in the worker (a pure computation, no I/O the
+    sandbox should contain): ``function()`` returns the text the model is shown. It runs in a
+    thread, so a slow one does not stall other rollouts; an exception it raises is shown to the
+    model as a failed tool result."""
+
+    function: Callable[[], str]
+
+
+ToolAction = SandboxCommand | PythonTool
 
 
 @dataclass(frozen=True)
 class ToolOutput:
-    """What a tool returned; ``ok`` is False when the command failed (non-zero exit)."""
+    """What a tool returned; ``ok`` is False when it failed (non-zero exit, timeout, exception)."""
 
     ok: bool
     text: str
 
 
 @dataclass(frozen=True)
-class Transcript:
-    """What the reward function sees: the calls made, their outputs, and the final answer text."""
+class Conversation:
+    """What the reward function sees: the whole conversation and what happened in it.
 
-    tool_calls: list[ToolCall]
-    tool_outputs: list[ToolOutput]
-    final_text: str
-    finished_with_eos: bool
+    ``messages``: the task's messages, then every assistant turn as the OpenAI message parsed from
+    its exact tokens (``content``, ``tool_calls`` in the OpenAI shape) and every tool result
+    (``{"role": "tool", "tool_call_id", "content"}``), in order. ``tool_calls``: the well-formed
+    calls the model made, in order, with ``tool_outputs`` one per call. ``final_text``: the content
+    of the last assistant turn when it called no tool ("" otherwise). ``finish_reason``: "stop"
+    when the last turn ended with an end-of-turn token, "truncated" when it was cut (by
+    ``max_new_tokens`` or the model's context). ``malformed_tool_calls``: calls that could not be
+    run (bad JSON, unknown tool, arguments not matching the schema); the model was told why.
+    """
+
+    messages: list[dict[str, Any]]
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_outputs: list[ToolOutput] = field(default_factory=list)
+    final_text: str = ""
+    finish_reason: FinishReason = "stop"
+    malformed_tool_calls: int = 0
 
 
 @runtime_checkable
 class Task(Protocol):
     name: str
-    # Tool names the model may call; each maps to a sandbox command through ``tool_argv``.
-    tools: frozenset[str]
 
-    def build_prompt(self, task_input: dict[str, Any]) -> str: ...
+    def messages(self, task_input: dict[str, Any]) -> list[dict[str, Any]]:
+        """The conversation's opening chat messages (``system`` and ``user``)."""
+        ...
 
-    def tool_argv(self, call: ToolCall, task_input: dict[str, Any]) -> list[str]: ...
+    def tools(self) -> list[dict[str, Any]]:
+        """The tools the model may call, as OpenAI function schemas
+        (``{"type": "function", "function": {"name", "description", "parameters"}}``)."""
+        ...
 
-    def reward(self, task_input: dict[str, Any], transcript: Transcript) -> float: ...
+    def tool_action(self, call: ToolCall, task_input: dict[str, Any]) -> ToolAction:
+        """What answers a well-formed ``call`` (its arguments already match the tool's schema)."""
+        ...
+
+    def reward(self, task_input: dict[str, Any], conversation: Conversation) -> float: ...
 
 
 @runtime_checkable
@@ -59,7 +97,16 @@ class DemonstrableTask(Task, Protocol):
     def sample_task_inputs(self, rng: random.Random, count: int, *, held_out: bool) -> list[dict[str, Any]]: ...
 
     def demonstration(self, task_input: dict[str, Any], *, uses_tool: bool,
-                      rng: random.Random) -> list[tuple[str, bool]]: ...
+                      rng: random.Random) -> list[dict[str, Any]]:
+        """The messages that follow ``messages(task_input)`` in a demonstrated episode.
+
+        Assistant turns are ``{"role": "assistant", "content": str, "tool_calls": [ToolCall, ...]}``
+        (``rollmesh.chat.ToolCall`` objects, the list empty or absent for a plain answer), so the
+        warm start writes each one as the model would, ``ChatModel.write_turn(content=, calls=)``,
+        and records it through a ChatTrajectory exactly as a rollout does. Tool results are
+        ``{"role": "tool", "tool_call_id": str, "content": str}``, answering the calls in order.
+        """
+        ...
 
 
 class TaskInputError(ValueError):
@@ -91,7 +138,8 @@ class TaskRegistry:
 
     def register(self, task: Task) -> None:
         if not isinstance(task, Task):
-            raise TypeError(f"{task!r} does not implement the Task protocol")
+            raise TypeError(f"{task!r} does not implement the Task protocol "
+                            "(name, messages, tools, tool_action, reward)")
         self._tasks[task.name] = task
 
     def get(self, name: str) -> Task:

@@ -38,6 +38,10 @@ ROLLOUTS_COMPLETED = MetricSpec(
 ROLLOUTS_FAILED = MetricSpec(
     "rollmesh_rollouts_failed", "counter", "Rollouts that ended as a typed failure, by kind.",
     ("kind",), "{rollout}")
+TOKENIZATION_MISMATCHES = MetricSpec(
+    "rollmesh_tokenization_mismatches", "counter",
+    "Differences between a finished rollout's tokens and a whole render of its conversation, by kind "
+    "(special, non_assistant: a bug, assistant: expected re-tokenization).", ("kind",), "{difference}")
 # -- inference ----------------------------------------------------------------------------------
 GENERATED_TOKENS = MetricSpec(
     "rollmesh_generated_tokens", "counter",
@@ -111,7 +115,7 @@ METRICS_SOURCES = MetricSpec(
     ("component",), "{process}")
 
 ALL_METRICS: tuple[MetricSpec, ...] = (
-    ROLLOUTS_IN_FLIGHT, ROLLOUTS_COMPLETED, ROLLOUTS_FAILED,
+    ROLLOUTS_IN_FLIGHT, ROLLOUTS_COMPLETED, ROLLOUTS_FAILED, TOKENIZATION_MISMATCHES,
     GENERATED_TOKENS, QUEUE_DEPTH, WEIGHT_VERSION_ACTIVE,
     VERSION_LAG, TRAINER_STEP_DURATION, TRAINER_STEP_TOKENS,
     SANDBOX_POOL_SIZE, SANDBOX_LEASES_ACTIVE, SANDBOX_LEASES_GRANTED, SANDBOX_EXEC_DURATION,
