@@ -6,7 +6,8 @@ Both pipelines run in this one process with rollmesh's real logic classes and no
 ``SandboxBroker`` with the bubblewrap backend reached through ``InProcessRequester``. An
 in-process bus (``InProcessBus`` below) delivers each published message, through its subject's
 encoder and decoder, to the handler that consumes it in the mesh, each delivery its own task.
-The model is the tiny default ``ModelConfig`` (the demo's); the task is the molar-mass task
+The model is the demo's (a 2-layer Qwen2 directory with its BPE tokenizer and ChatML/Hermes
+template, built in the scratch directory); the task is the molar-mass task
 whose calculator first sleeps a lognormal time (median 2 s, sigma 1.2, capped at 60 s). The
 n-th rollout's delay is the n-th draw of one seeded sequence, carried in its ``task_input``, so
 each rollout id has the same delay in both pipelines. The delay is real: ``sleep`` inside the
@@ -60,6 +61,7 @@ from typing import Any
 import torch
 
 from common import print_result
+from rollmesh.chat import ChatModel, ToolCall
 from rollmesh.config import (
     InferenceConfig, ModelConfig, RolloutConfig, SandboxConfig, SandboxProfileConfig, TrainerConfig,
 )
@@ -72,7 +74,8 @@ from rollmesh.messages.subjects import (
 from rollmesh.ports import MessageContext
 from rollmesh.rollout.agent_loop import RolloutRunner
 from rollmesh.rollout.molar_mass import MolarMassTask
-from rollmesh.rollout.tasks import TaskRegistry, ToolCall
+from rollmesh.model_source import ensure_demo_model
+from rollmesh.rollout.tasks import SandboxCommand, TaskRegistry
 from rollmesh.sandbox import (
     SandboxBroker, SandboxBrokerClient, python_for_sandbox, select_backend, tool_script_path,
 )
@@ -83,7 +86,6 @@ from rollmesh.training.trainer_logic import TrainerLogic
 
 NAMESPACE = "bench"
 TOOL_MEDIAN_S, TOOL_SIGMA, TOOL_CAP_S = 2.0, 1.2, 60.0
-MODEL = ModelConfig()
 TRAINER = TrainerConfig(group_size=4, groups_per_step=4)
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=40)  # the demo's
 MAX_TURNS = 4  # the demo's
@@ -96,10 +98,10 @@ class DelayedMolarMassTask(MolarMassTask):
 
     name = "delayed_molar_mass"
 
-    def tool_argv(self, call: ToolCall, task_input: dict) -> list[str]:
+    def tool_action(self, call: ToolCall, task_input: dict) -> SandboxCommand:
         delay = float(task_input["tool_delay_s"])
         script = f'sleep {delay:.3f}; exec {python_for_sandbox()} -I -S {tool_script_path("molar_mass")} "$1"'
-        return ["/bin/sh", "-c", script, "sh", call.argument]
+        return SandboxCommand(["/bin/sh", "-c", script, "sh", call.arguments["formula"]])
 
 
 class EnvironmentTimeClient(SandboxBrokerClient):
@@ -250,10 +252,10 @@ def requests(seed: int, task: MolarMassTask, delays: dict[str, float]) -> Iterat
                 requested_at=time.time())
 
 
-async def warm_start(scratch: Path, seed: int) -> Path:
+async def warm_start(model: ModelConfig, scratch: Path, seed: int) -> Path:
     """The warm-started trainer's run directory (its ledger names weights version 1)."""
     run_dir = scratch / "warm"
-    logic = TrainerLogic(TRAINER, MODEL, TorchTrainerBackend(MODEL, TRAINER), _Discard(), run_dir=run_dir)
+    logic = TrainerLogic(TRAINER, model, TorchTrainerBackend(model, TRAINER), _Discard(), run_dir=run_dir)
     result = await logic.warm_start(MolarMassTask(), seed=seed, **WARM_START)
     print(f"warm start: {WARM_START['steps']} steps, loss {result['loss']:.3f}", flush=True)
     return run_dir
@@ -267,7 +269,7 @@ class _Discard:
         raise TypeError("no requests during the warm start")
 
 
-async def run_pipeline(mode: str, *, seconds: float, slots: int, seed: int, warm_dir: Path,
+async def run_pipeline(mode: str, model: ModelConfig, *, seconds: float, slots: int, seed: int, warm_dir: Path,
                        scratch: Path) -> dict[str, Any]:
     run_dir = scratch / mode
     (run_dir / "trainer").mkdir(parents=True)
@@ -275,7 +277,7 @@ async def run_pipeline(mode: str, *, seconds: float, slots: int, seed: int, warm
     sandbox_config = SandboxConfig(backend="bwrap", profiles={
         "default": SandboxProfileConfig(warm_min=4, warm_max=slots)})
     broker = SandboxBroker(sandbox_config, select_backend("bwrap"), snapshot_dir=run_dir / "snapshots")
-    engine = LocalEngine(MODEL, InferenceConfig(max_batch=slots), seed=seed)
+    engine = LocalEngine(model, InferenceConfig(max_batch=slots), seed=seed)
     task = DelayedMolarMassTask()
     delays: dict[str, float] = {}
     tally = Tally()
@@ -284,7 +286,7 @@ async def run_pipeline(mode: str, *, seconds: float, slots: int, seed: int, warm
             bus = InProcessBus(broker, group)
             group.create_task(broker.run_timers())
             await engine.start()
-            trainer = TrainerLogic(TRAINER, MODEL, TorchTrainerBackend(MODEL, TRAINER), bus, run_dir=run_dir)
+            trainer = TrainerLogic(TRAINER, model, TorchTrainerBackend(model, TRAINER), bus, run_dir=run_dir)
             follower = WeightFollower(EngineWeights(engine), bus, worker="engine", role="decode")
             bus.route(WEIGHTS_PUBLISHED, follower.handle_weights_published)
             bus.route(ROLLOUT_COMPLETED, trainer.handle_completed)
@@ -298,8 +300,8 @@ async def run_pipeline(mode: str, *, seconds: float, slots: int, seed: int, warm
             rollout_config = RolloutConfig(max_concurrent=slots, tool_timeout_s=TOOL_CAP_S + 30,
                                            progress_events=False)
             sandbox = EnvironmentTimeClient(bus, delays)
-            runner = RolloutRunner(rollout_config, MODEL, tasks=TaskRegistry([task]), engine=engine,
-                                   publisher=bus, sandbox=sandbox)
+            runner = RolloutRunner(rollout_config, model, chat=ChatModel.from_config(model), tasks=TaskRegistry([task]),
+                                   engine=engine, publisher=bus, sandbox=sandbox)
             work = requests(seed, task, delays)
             drive = drive_async if mode == "async" else drive_sync
             tally.open_window(seconds)
@@ -364,14 +366,15 @@ def main() -> None:
     setup_logging("bench-async-vs-sync", "warning")
     results = {}
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-async-") as scratch:
+        model = ModelConfig(path=str(ensure_demo_model(Path(scratch) / "demo-model", seed=args.seed)))
         torch.set_num_threads(2)  # the warm start has the machine to itself
-        warm_dir = asyncio.run(warm_start(Path(scratch), args.seed))
+        warm_dir = asyncio.run(warm_start(model, Path(scratch), args.seed))
         # The engine steps on the event-loop thread and the trainer in its worker thread: one
         # torch thread each fills the two cores without oversubscribing them.
         torch.set_num_threads(1)
         for mode in ("async", "sync"):
             results[mode] = asyncio.run(run_pipeline(
-                mode, seconds=args.seconds, slots=args.slots, seed=args.seed, warm_dir=warm_dir,
+                mode, model, seconds=args.seconds, slots=args.slots, seed=args.seed, warm_dir=warm_dir,
                 scratch=Path(scratch)))
             print(mode, results[mode], flush=True)
     ours, base = results["async"], results["sync"]

@@ -1,12 +1,12 @@
 """Soak: 2,000 short rollouts through the whole mesh; does any actor's memory keep growing?
 
 The whole mesh as ``rollmesh up`` starts it (``rollmesh.launcher.Mesh``: embedded
-nats-server, local Ray, every role as a Ray actor; Serve off), the tiny default model, the
-molar-mass task in bubblewrap sandboxes. A supervised warm start (150 steps of 64
-demonstrations, every one calling the calculator; about 30 s) first makes the model call the
-tool and often answer right, so rollouts lease a sandbox and exec in it, and rewards differ
-within a group so the trainer really trains and publishes weight versions that the inference
-workers follow. (After the tests' 60 steps of 32, sampled rollouts got every reward 0: the
+nats-server, local Ray, every role as a Ray actor; Serve off), the demo model (``model.path``
+empty: built into the run directory), the molar-mass task in bubblewrap sandboxes. A supervised
+warm start (150 steps of 64 demonstrations, every one calling the calculator; about 30 s) first
+makes the model call the tool and often answer right, so rollouts lease a sandbox and exec in
+it, and rewards differ within a group so the trainer really trains and publishes weight
+versions that the inference workers follow. (After the tests' 60 steps of 32, sampled rollouts got every reward 0: the
 trainer then commits steps without training, which would soak nothing of it.) Rollouts are short (at most 2
 turns of at most 24 new tokens), purpose "train", in GRPO groups of 4 with 4 groups a step, so
 2,000 rollouts make about 125 trainer steps. Requests go over JetStream like any client's

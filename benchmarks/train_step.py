@@ -63,7 +63,7 @@ def main() -> None:
     from rollmesh.training.torch_backend import TorchTrainerBackend
 
     # The machine's 2 cores: 2 threads here, 1 thread in each of the megatron backend's 2 ranks.
-    torch_backend = TorchTrainerBackend(ModelConfig(family="hf", hf_path=str(directory)),
+    torch_backend = TorchTrainerBackend(ModelConfig(path=str(directory)),
                                         TrainerConfig(**TRAINER, torch_threads=2))
     torch_seconds = timed_steps(torch_backend, samples, args.steps)
     layouts = {"TP=2": dict(tensor_parallel=2), "PP=2": dict(pipeline_parallel=2),
@@ -89,7 +89,7 @@ def _megatron_steps(directory: Path, samples: list[PolicySample], steps: int, **
     from rollmesh.training.megatron_ranks import MegatronRanks
 
     config = TrainerConfig(**TRAINER, backend="megatron", megatron=MegatronConfig(**layout))
-    ranks = MegatronRanks(ModelConfig(family="hf", hf_path=str(directory)), config)
+    ranks = MegatronRanks(ModelConfig(path=str(directory)), config)
     try:
         return timed_steps(ranks, samples, steps)
     finally:

@@ -77,7 +77,7 @@ def main() -> None:
 
     async def measure() -> tuple[list[dict[str, float]], list[float]]:
         phases, copies = [], []
-        async with LocalEngine(ModelConfig(), InferenceConfig(max_batch=32), model=model,
+        async with LocalEngine(ModelConfig(path=str(directory)), InferenceConfig(max_batch=32), model=model,
                                tokenizer=NoEos()) as engine:
             for version in range(1, args.repeats + 1):
                 phase = await one_update(engine, version)

@@ -122,7 +122,7 @@ def _run_case(case: dict) -> dict:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout["tp"],
                                              pipeline_model_parallel_size=layout.get("pp", 1),
                                              expert_model_parallel_size=layout.get("ep", 1))
-    backend = MegatronTrainerBackend(ModelConfig(family="hf", hf_path=case["hf_path"]),
+    backend = MegatronTrainerBackend(ModelConfig(path=case["hf_path"]),
                                      TrainerConfig(**case["trainer"]), recompute=case.get("recompute", False))
     extra = {}
     if "probe" in case:

@@ -150,9 +150,10 @@ async def test_jobs_are_preempted_when_the_trainer_asks_and_resume_from_their_ch
     assert not leftover, "no job process outlives the scheduler"
 
 
-async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ray_session, nats_server, tmp_path):
+async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ray_session, nats_server, tmp_path,
+                                                                             demo_model_dir):
     """Elastic decode: with nothing else to run, the scheduler lends 2 idle accelerators to
-    decode as 2 real decode workers (the tiny model) that a rollout worker's router picks up and
+    decode as 2 real decode workers (the demo model) that a rollout worker's router picks up and
     generates on; a job that needs them gets them once their release was announced and they
     were stopped. The Serve app's router, following the loans on its own connection, routes to
     them as well and drops them at their release."""
@@ -170,7 +171,7 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
     # Decode is active (its start grant; no actor of this test holds it), and 2 accelerators idle.
     config = SchedulerConfig(total_gpus=3, resource="rollmesh_sched_gpu", grants={"decode": 1}, tick_s=0.1,
                              elastic_decode=2, elastic_drain_s=0.2)
-    model = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
+    model = ModelConfig(path=str(demo_model_dir))
     actor = ray.remote(GpuSchedulerActor).options(name=f"sched-{namespace}", namespace=namespace, num_cpus=0).remote(
         f"sched-{namespace}", mesh, config, model, InferenceConfig(max_batch=4))
     nc = await nats.connect(nats_server.url)

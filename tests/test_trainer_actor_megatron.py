@@ -12,13 +12,13 @@ import pytest
 import ray
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers builds the HF checkpoint")
 pytest.importorskip("megatron.core", reason="megatron-core builds the trained model")
 
 from ray_actors import stop_and_kill  # noqa: E402
 from rollmesh.actors.role_base import MeshContext  # noqa: E402
 from rollmesh.actors.trainer import TrainerActor  # noqa: E402
 from rollmesh.config import MegatronConfig, ModelConfig, TrainerConfig  # noqa: E402
+from rollmesh.engine.models import read_safetensors  # noqa: E402
 from rollmesh.engine.weight_buckets import load_published  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -31,13 +31,11 @@ def rank_processes() -> list[str]:
     return found.stdout.split()
 
 
-def test_the_trainer_actor_trains_on_megatron_ranks_and_stops_them(ray_session, nats_server, tmp_path):
-    directory = tmp_path / "model"
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-        intermediate_size=128, eos_token_id=2, max_position_embeddings=256))
-    model.save_pretrained(directory)
-    model_config = ModelConfig(family="hf", hf_path=str(directory))
+def test_the_trainer_actor_trains_on_megatron_ranks_and_stops_them(ray_session, nats_server, tmp_path, demo_model_dir):
+    # The demo model (a Qwen2 with its tokenizer): the warm start writes its demonstrations in the
+    # model's own chat template and tool-call format.
+    model_config = ModelConfig(path=str(demo_model_dir))
+    initial = read_safetensors(demo_model_dir, dtype=torch.float32)["model.embed_tokens.weight"]
     config = TrainerConfig(lr=1e-3, backend="megatron",
                            megatron=MegatronConfig(tensor_parallel=2, start_timeout_s=120, call_timeout_s=120))
     namespace = "t" + uuid.uuid4().hex[:10]
@@ -54,8 +52,8 @@ def test_the_trainer_actor_trains_on_megatron_ranks_and_stops_them(ray_session, 
         published = sorted((tmp_path / "run" / "weights").glob("v*"))
         assert published, "a weight version was published"
         weights = load_published(published[-1] / "manifest.json")
-        assert weights["model.embed_tokens.weight"].shape == (300, 64)
-        assert not torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
+        assert weights["model.embed_tokens.weight"].shape == initial.shape
+        assert not torch.equal(weights["model.embed_tokens.weight"].float(), initial)
         checkpoint = ray.get(actor.save_checkpoint.remote(), timeout=120)
         # Step 0 (the warm start is no RL step), in megatron's torch_dist layout.
         assert checkpoint.endswith("iter_0000000") and (Path(checkpoint) / ".metadata").is_file()

@@ -71,7 +71,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         reference = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
         with torch.no_grad():
             hf_logits = reference(PROBE).logits
-        torch_backend = TorchTrainerBackend(ModelConfig(family="hf", hf_path=str(directory)), TrainerConfig(**trainer))
+        torch_backend = TorchTrainerBackend(ModelConfig(path=str(directory)), TrainerConfig(**trainer))
         samples = _samples(torch_backend)
         grads = record_step_grads(torch_backend)
         stats = torch_backend.policy_step(samples, current_version=0)

@@ -122,7 +122,7 @@ def _torch_grads(backend: TorchTrainerBackend, samples: list[PolicySample]) -> d
 
 def _reference(directory: Path, trainer: dict, *, routes: bool) -> dict:
     """The torch backend's samples, gradients, one policy step and weights after it."""
-    backend = TorchTrainerBackend(ModelConfig(family="hf", hf_path=str(directory)), TrainerConfig(**trainer))
+    backend = TorchTrainerBackend(ModelConfig(path=str(directory)), TrainerConfig(**trainer))
     samples = _samples(backend, routes=routes)
     grads = _torch_grads(backend, samples) if routes else None
     batch = PolicyBatch.collate(samples, pad_id=backend.pad_id)

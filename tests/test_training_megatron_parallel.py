@@ -84,7 +84,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     jobs: dict[int, dict] = {}
     local = {}
     for name, (model, tp, pp, dp, _, trainer) in CASES.items():
-        reference = TorchTrainerBackend(ModelConfig(family="hf", hf_path=str(directories[model])),
+        reference = TorchTrainerBackend(ModelConfig(path=str(directories[model])),
                                         TrainerConfig(**trainer))
         samples = _samples(reference)
         inputs = PolicyBatch.collate(samples, pad_id=reference.pad_id).inputs

@@ -41,7 +41,7 @@ def hf_model(tmp_path_factory) -> ModelConfig:
         for p in model.parameters():
             p.normal_(0, 0.1)
     model.save_pretrained(directory)
-    return ModelConfig(family="hf", hf_path=str(directory))
+    return ModelConfig(path=str(directory))
 
 
 def _samples(seed: int) -> list[PolicySample]:
@@ -136,7 +136,7 @@ def test_a_failing_rank_is_a_typed_error_and_closes_the_group(hf_model):
 
 
 def test_a_rank_that_cannot_start_fails_the_start_with_its_traceback(tmp_path):
-    missing = ModelConfig(family="hf", hf_path=str(tmp_path / "no_such_model"))
+    missing = ModelConfig(path=str(tmp_path / "no_such_model"))
     with pytest.raises(MegatronRanksFailed) as failure:
         MegatronRanks(missing, TRAINER)
     assert failure.value.method == "start" and "no_such_model" in failure.value.detail
