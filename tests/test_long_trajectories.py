@@ -1,8 +1,8 @@
 """A 128K-token rollout end to end on the real bus (the session's nats-server): its TokenTrace is
 stored in the JetStream object store, its RolloutCompleted travels through the results stream
 with a reference, a real TrainerLogic fetches the trace at admission, and a policy step trains on
-its last 4K tokens on CPU (the real torch backend, tiny model). A step on the whole 128K tokens
-needs a GPU and is marked so."""
+its last 4K tokens on CPU (the real torch backend, the demo model's architecture with a 128K
+context). A step on the whole 128K tokens needs a GPU and is marked so."""
 
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.streams import ensure_streams, rollout_results_stream
 from rollmesh.bus.trajectory_store import ObjectStoreTrajectories, trajectories_bucket
 from rollmesh.config import ModelConfig, RolloutConfig, TrainerConfig
-from rollmesh.messages import RolloutCompleted, TokenTrace
+from rollmesh.messages import NO_VERSION, RolloutCompleted, TokenTrace
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, TRAINER_STEPPED, WEIGHTS_PUBLISHED
 from rollmesh.ports import MessageContext, StateStoreError, TrajectoryLostError
-from rollmesh.rollout.trajectory import Trajectory
 from rollmesh.rollout.trajectory_offload import COMPLETED_OBJECT, place_trace, trace_bytes
 from rollmesh.training.grpo import PolicySample
 from rollmesh.training.torch_backend import TorchTrainerBackend
@@ -33,24 +32,37 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 LONG = 128 * 1024
 WINDOW = 4 * 1024
-VOCAB = 260  # the tiny model's
+VOCAB = 300  # ids below the demo tokenizer's size (byte-level BPE, about 350 ids)
 STEP_TIMEOUT_S = 240.0  # a guard against a hang, never a timing assertion
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model (a 2-layer Qwen2 and its tokenizer) with positions for a 128K-token rollout."""
+    from rollmesh.demo.demo_model import DemoModelShape, build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("long-model"), shape=DemoModelShape(max_position_embeddings=LONG))
 
 
 def long_trace(seed: int, *, length: int = LONG, turns: int = 32) -> TokenTrace:
     """A synthetic multi-turn rollout: a 1K-token prompt, then turns of generated tokens (version
     0, so the trainer at version 0 admits them) each followed by a 1K-token tool output."""
     rng = random.Random(seed)
-    trajectory = Trajectory()
-    trajectory.append_forced([rng.randrange(VOCAB) for _ in range(1024)])
+    ids, mask, logprobs = [rng.randrange(VOCAB) for _ in range(1024)], [0] * 1024, [0.0] * 1024
+    versions = [NO_VERSION] * 1024
     per_turn = (length - 1024) // turns
     for turn in range(turns):
-        generated = per_turn - 1024 if turn < turns - 1 else length - len(trajectory)
-        trajectory.append_generated([rng.randrange(VOCAB) for _ in range(generated)],
-                                    [-rng.uniform(0.01, 8.0) for _ in range(generated)], [0] * generated)
+        generated = per_turn - 1024 if turn < turns - 1 else length - len(ids)
+        ids += [rng.randrange(VOCAB) for _ in range(generated)]
+        mask += [1] * generated
+        logprobs += [-rng.uniform(0.01, 8.0) for _ in range(generated)]
+        versions += [0] * generated
         if turn < turns - 1:
-            trajectory.append_forced([rng.randrange(VOCAB) for _ in range(1024)])
-    trace = trajectory.trace()
+            ids += [rng.randrange(VOCAB) for _ in range(1024)]
+            mask += [0] * 1024
+            logprobs += [0.0] * 1024
+            versions += [NO_VERSION] * 1024
+    trace = TokenTrace(ids=ids, loss_mask=mask, logprobs=logprobs, versions=versions)
     assert len(trace) == length
     return trace
 
@@ -108,7 +120,7 @@ def context() -> MessageContext:
 
 
 async def test_a_128k_token_rollout_is_stored_published_by_reference_admitted_whole_and_trained_on_its_last_4k(
-        nats_client, nats_server, namespace, tmp_path: Path):
+        nats_client, nats_server, namespace, tmp_path: Path, long_model_dir: Path):
     traces = [long_trace(1), long_trace(2)]  # one GRPO group of two, rewards 1 and 0
     assert trace_bytes(traces[0]) > 8 * RolloutConfig().inline_trajectory_bytes
     received = await publish_long_rollouts(nats_client, namespace, traces)
@@ -122,7 +134,7 @@ async def test_a_128k_token_rollout_is_stored_published_by_reference_admitted_wh
     # The trainer is another process: its own connection, its own store client.
     trainer_nc = await connect_bus(nats_server.url, name="pytest-trainer", connect_timeout_s=5.0)
     try:
-        model = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=WINDOW)
+        model = ModelConfig(path=str(long_model_dir))
         config = TrainerConfig(lr=1e-3, group_size=2, groups_per_step=1, ppo_epochs=1)
         torch.set_num_threads(1)
         backend = LastWindowBackend(model, config)
@@ -161,7 +173,7 @@ async def test_a_stored_trajectory_round_trips_and_a_missing_one_is_lost_not_ret
 
 
 async def test_a_completed_rollout_whose_stored_trace_is_gone_is_counted_lost_and_masked_in_its_group(
-        nats_client, namespace, tmp_path: Path):
+        nats_client, namespace, tmp_path: Path, long_model_dir: Path):
     js = nats_client.jetstream()
     store = ObjectStoreTrajectories(js, namespace)
     short = long_trace(4, length=4096, turns=2)
@@ -169,7 +181,7 @@ async def test_a_completed_rollout_whose_stored_trace_is_gone_is_counted_lost_an
     gone = await place_trace("gone", COMPLETED_OBJECT, short, inline_bytes=1024, store=store)
     await store.delete(str(gone["trajectory_ref"]))  # expired before the trainer got to it
 
-    model = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=WINDOW)
+    model = ModelConfig(path=str(long_model_dir))
     config = TrainerConfig(lr=1e-3, group_size=2, groups_per_step=1, ppo_epochs=1)
     bus = RecordingPublisher()
     logic = TrainerLogic(config, model, TorchTrainerBackend(model, config), bus, run_dir=tmp_path,
@@ -199,11 +211,11 @@ class FlakyStore:
 
 
 async def test_a_trajectory_the_store_cannot_give_now_fails_the_delivery_and_its_redelivery_is_admitted(
-        tmp_path: Path):
+        tmp_path: Path, long_model_dir: Path):
     short = long_trace(7, length=2048, turns=2)
     refs = {"memory/a/completed": short, "memory/b/completed": short}
     store = FlakyStore(refs)
-    model = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=WINDOW)
+    model = ModelConfig(path=str(long_model_dir))
     config = TrainerConfig(lr=1e-3, group_size=2, groups_per_step=1, ppo_epochs=1)
     bus = RecordingPublisher()
     logic = TrainerLogic(config, model, TorchTrainerBackend(model, config), bus, run_dir=tmp_path,
@@ -224,14 +236,15 @@ async def test_a_trajectory_the_store_cannot_give_now_fails_the_delivery_and_its
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs CUDA: a policy step on a whole 128K-token sample (attention and logits over "
                            "131072 positions, with their gradients) is too slow and too large for a CPU test")
-async def test_a_policy_step_on_a_whole_128k_token_rollout_fetched_from_the_object_store(nats_client, namespace):
+async def test_a_policy_step_on_a_whole_128k_token_rollout_fetched_from_the_object_store(nats_client, namespace,
+                                                                                        long_model_dir: Path):
     js = nats_client.jetstream()
     store = ObjectStoreTrajectories(js, namespace)
     traces = [long_trace(5), long_trace(6)]
     refs = [await store.save(f"gpu-{i}", COMPLETED_OBJECT, trace) for i, trace in enumerate(traces)]
     samples = [PolicySample.from_trace(await store.load(ref), advantage)
                for ref, advantage in zip(refs, (1.0, -1.0))]
-    model = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=LONG)
+    model = ModelConfig(path=str(long_model_dir))
     backend = TorchTrainerBackend(model, TrainerConfig(lr=1e-3, ppo_epochs=1))
     backend.model.to("cuda")  # the torch backend trains where its model is; batches follow the default device
     before = {name: tensor.detach().clone() for name, tensor in backend.model.state_dict().items()}
