@@ -63,9 +63,11 @@ def concurrent_workload(count: int = 32, low: int = 16, high: int = 256) -> list
 
 
 class NoEos:
-    """A detokenizer with no end-of-sequence id, so generation runs to max_new_tokens."""
+    """The engine's ``Detokenizer`` for the random Llama: no end-of-turn id, so generation runs to
+    max_new_tokens; every id of the vocabulary may be sampled; no text (no stop strings)."""
 
-    eos_id = -1
+    end_of_turn_ids: frozenset[int] = frozenset()
+    vocab_size = MODEL_CONFIG["vocab_size"]
 
     def decode(self, ids) -> str:
         return ""

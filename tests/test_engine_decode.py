@@ -1,18 +1,22 @@
-"""Prefill + continuous-batching decode: exactness against the full forward, batching, weight
-swaps that keep requests, stop conditions, aborts."""
+"""Prefill + continuous-batching decode on the demo model directory: exactness against the full
+forward, batching, weight swaps that keep requests, stop conditions (any of the model's
+end-of-turn ids, stop strings in its tokenizer's text), ids past the tokenizer never sampled,
+aborts."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
-from rollmesh.config import ModelConfig
+from chat_models import build_model_dir
+from engine_models import EngineModels, model_tokenizer, prefer_tokens
 from rollmesh.engine.decode import DecodeEngine, FinishedSequence
 from rollmesh.engine.errors import StaleWeightsError, WeightsMismatchError
-from rollmesh.engine.model import TinyDecoder, build_model
 from rollmesh.engine.kv_pages import KvBlockPool, PagedAttention
+from rollmesh.engine.models import CausalLM, load_hf_model
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult, run_prefill
-from rollmesh.engine.tokenizer import EOS_ID
 from rollmesh.messages.base import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -26,20 +30,13 @@ def one_torch_thread():
     yield
     torch.set_num_threads(before)
 
+
+@pytest.fixture(scope="module")
+def demo(demo_model_dir: Path) -> EngineModels:
+    return EngineModels(demo_model_dir)
+
+
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
-
-
-def small_model(seed: int = 0) -> TinyDecoder:
-    model = build_model(ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64, seed=seed))
-    # The init's small weights make a model that repeats its input; larger ones make it babble
-    # diverse tokens with clear greedy margins (float noise between the batched and single-row
-    # paths cannot flip a token), which is what comparisons of token streams need.
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 2:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    return model
 
 
 def prompt(length: int, offset: int = 0) -> list[int]:
@@ -48,7 +45,7 @@ def prompt(length: int, offset: int = 0) -> list[int]:
 
 @torch.no_grad()
 def greedy_by_full_forward(
-    model: TinyDecoder, ids: list[int], n: int
+    model: CausalLM, ids: list[int], n: int, end_ids: frozenset[int]
 ) -> tuple[list[int], list[float]]:
     ids, tokens, logprobs = list(ids), [], []
     for _ in range(n):
@@ -57,7 +54,7 @@ def greedy_by_full_forward(
         tokens.append(token)
         logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
         ids.append(token)
-        if token == EOS_ID:
+        if token in end_ids:
             break
     return tokens, logprobs
 
@@ -69,38 +66,39 @@ def run_to_completion(engine: DecodeEngine) -> dict[str, FinishedSequence]:
     return done
 
 
-def run_alone(model: TinyDecoder, ids: list[int], sampling: SamplingParams) -> FinishedSequence:
-    engine = DecodeEngine(model, max_batch=1)
+def run_alone(demo: EngineModels, model: CausalLM, ids: list[int], sampling: SamplingParams) -> FinishedSequence:
+    engine = demo.engine(model, max_batch=1)
     engine.add_prefilled("alone", PrefillEngine(model).prefill(ids), sampling)
     return run_to_completion(engine)["alone"]
 
 
-def test_greedy_decode_matches_full_forward_recomputed_each_step() -> None:
-    model = small_model()
+def test_greedy_decode_matches_full_forward_recomputed_each_step(demo) -> None:
+    model = demo.model()
     ids = prompt(5)
-    result = run_alone(model, ids, GREEDY)
-    tokens, logprobs = greedy_by_full_forward(model, ids, GREEDY.max_new_tokens)
+    result = run_alone(demo, model, ids, GREEDY)
+    end_ids = demo.tokenizer.end_of_turn_ids
+    tokens, logprobs = greedy_by_full_forward(model, ids, GREEDY.max_new_tokens, end_ids)
     assert len(set(tokens)) > 4  # a model that babbles, so the comparison means something
     assert result.token_ids == tokens
     assert result.logprobs == pytest.approx(logprobs, abs=1e-4)
-    assert result.finish_reason == ("eos" if tokens[-1] == EOS_ID else "length")
+    assert result.finish_reason == ("eos" if tokens[-1] in end_ids else "length")
     assert result.versions == [0] * len(tokens)
     assert result.prompt_len == 5
 
 
-def test_generation_stops_at_the_context_limit_with_finish_reason_length() -> None:
-    model = small_model()
-    ids = prompt(60)  # max_seq_len 64: four generated tokens fit
-    result = run_alone(model, ids, SamplingParams(temperature=0.0, max_new_tokens=100))
+def test_generation_stops_at_the_context_limit_with_finish_reason_length(demo) -> None:
+    model = demo.model()
+    ids = prompt(model.max_seq_len - 4)  # four generated tokens fit
+    result = run_alone(demo, model, ids, SamplingParams(temperature=0.0, max_new_tokens=100))
     assert result.finish_reason == "length"
     assert len(result.token_ids) == 4
-    assert result.token_ids == greedy_by_full_forward(model, ids, 4)[0]
+    assert result.token_ids == greedy_by_full_forward(model, ids, 4, demo.tokenizer.end_of_turn_ids)[0]
 
 
-def test_requests_joining_at_different_steps_match_their_single_runs() -> None:
-    model = small_model()
+def test_requests_joining_at_different_steps_match_their_single_runs(demo) -> None:
+    model = demo.model()
     prefill = PrefillEngine(model)
-    engine = DecodeEngine(model, max_batch=4)
+    engine = demo.engine(model, max_batch=4)
     # (step at which it arrives, prompt length, max_new_tokens)
     plan = {"a": (0, 3, 12), "b": (0, 17, 4), "c": (2, 9, 20), "d": (5, 30, 7), "e": (6, 1, 9)}
     done: dict[str, FinishedSequence] = {}
@@ -116,18 +114,18 @@ def test_requests_joining_at_different_steps_match_their_single_runs() -> None:
     assert set(done) == set(plan)
     for request_id, (_, length, max_new) in plan.items():
         sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new)
-        alone = run_alone(model, prompt(length, ord(request_id)), sampling)
+        alone = run_alone(demo, model, prompt(length, ord(request_id)), sampling)
         assert done[request_id].token_ids == alone.token_ids, request_id
         assert done[request_id].logprobs == pytest.approx(alone.logprobs, abs=1e-4)
         assert done[request_id].finish_reason == alone.finish_reason
     assert engine.num_active() == 0
 
 
-def test_decode_keeps_requests_across_weight_swap_and_versions_both() -> None:
-    model = small_model(seed=0)
-    new_weights = small_model(seed=1).state_dict()
-    engine = DecodeEngine(model, max_batch=2)
-    prefill = PrefillEngine(small_model(seed=0))
+def test_decode_keeps_requests_across_weight_swap_and_versions_both(demo) -> None:
+    model = demo.model(seed=0)
+    new_weights = demo.model(seed=1).state_dict()
+    engine = demo.engine(model, max_batch=2)
+    prefill = PrefillEngine(demo.model(seed=0))
     sampling = SamplingParams(temperature=0.0, max_new_tokens=20)
     engine.add_prefilled("long", prefill.prefill(prompt(6)), sampling)
     engine.add_prefilled("other", prefill.prefill(prompt(11, 3)), sampling)
@@ -142,7 +140,7 @@ def test_decode_keeps_requests_across_weight_swap_and_versions_both() -> None:
         assert sequence.versions == [0] * 6 + [1] * 14  # first token + 5 steps at version 0
     # Reference, one sequence by hand: old KV and old tokens, new weights from the sixth decode
     # step on.
-    reference = small_model(seed=0)
+    reference = demo.model(seed=0)
     pool = KvBlockPool(reference.kv_layout(), num_blocks=4, block_size=16)
     blocks = pool.allocate(2)
     logits, _ = run_prefill(reference, pool, blocks, prompt(6), 0)
@@ -155,12 +153,12 @@ def test_decode_keeps_requests_across_weight_swap_and_versions_both() -> None:
             logits, _ = reference.forward_paged(torch.tensor([[tokens[-1]]]), paged)
         tokens.append(int(logits[0, 0].argmax()))
     assert done["long"].token_ids == tokens
-    assert tokens != run_alone(small_model(seed=0), prompt(6), sampling).token_ids
+    assert tokens != run_alone(demo, demo.model(seed=0), prompt(6), sampling).token_ids
 
 
-def test_stage_weights_ignores_redelivery_and_rejects_stale_or_misfit_weights() -> None:
-    engine = DecodeEngine(small_model(), max_batch=1)
-    weights = small_model(seed=1).state_dict()
+def test_stage_weights_ignores_redelivery_and_rejects_stale_or_misfit_weights(demo) -> None:
+    engine = demo.engine(demo.model(), max_batch=1)
+    weights = demo.model(seed=1).state_dict()
     assert engine.stage_weights(weights, 2)
     assert not engine.stage_weights(weights, 2)  # redelivered
     assert not engine.stage_weights(weights, 1)  # superseded by the staged 2
@@ -170,29 +168,22 @@ def test_stage_weights_ignores_redelivery_and_rejects_stale_or_misfit_weights() 
     with pytest.raises(StaleWeightsError):
         engine.stage_weights(weights, 1)
     with pytest.raises(WeightsMismatchError):
-        engine.stage_weights({k: v for k, v in weights.items() if k != "ln_f.weight"}, 3)
+        engine.stage_weights({k: v for k, v in weights.items() if k != "model.norm.weight"}, 3)
     with pytest.raises(WeightsMismatchError):
-        engine.stage_weights({**weights, "ln_f.weight": torch.ones(3)}, 3)
+        engine.stage_weights({**weights, "model.norm.weight": torch.ones(3)}, 3)
     assert engine.stats().staged_version is None
 
 
-class LetterDetokenizer:
-    """One letter per token, so a stop string's position in the output is easy to predict."""
-
-    eos_id = EOS_ID
-
-    def decode(self, ids) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-
-def test_stop_string_ends_generation_and_is_kept_in_the_output() -> None:
-    model = small_model()
-    letters = LetterDetokenizer()
-    free = run_alone(model, prompt(4), SamplingParams(temperature=0.0, max_new_tokens=30))
-    text = letters.decode(free.token_ids)
-    stop = text[8:11]
-    end = text.index(stop) + len(stop)
-    engine = DecodeEngine(model, max_batch=2, tokenizer=letters)
+def test_stop_string_in_the_tokenizers_text_ends_generation_and_is_kept(demo) -> None:
+    model = demo.model()
+    tokenizer = demo.tokenizer
+    free = run_alone(demo, model, prompt(4), SamplingParams(temperature=0.0, max_new_tokens=30))
+    assert len(free.token_ids) > 11
+    # A stop string made of the text of generated tokens 8-10, so it first appears there (or
+    # earlier, if those characters occur before: the engine must stop at the first appearance).
+    stop = tokenizer.decode(free.token_ids[8:11])
+    end = next(n for n in range(1, 12) if stop in tokenizer.decode(free.token_ids[:n]))
+    engine = demo.engine(model, max_batch=2)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=30, stop=["zzzzzzzz", stop])
     engine.add_prefilled("s", PrefillEngine(model).prefill(prompt(4)), sampling)
     result = run_to_completion(engine)["s"]
@@ -200,23 +191,93 @@ def test_stop_string_ends_generation_and_is_kept_in_the_output() -> None:
     assert result.token_ids == free.token_ids[:end]
 
 
-def test_a_request_whose_first_token_ends_it_is_reported_by_the_next_step() -> None:
-    model = small_model()
-    engine = DecodeEngine(model, max_batch=1)
+def test_a_stop_string_spanning_a_special_token_matches_in_the_text_with_specials_kept(demo) -> None:
+    model = demo.model()
+    tokenizer = demo.tokenizer
+    [im_start] = tokenizer.encode("<|im_start|>")
+    engine = demo.engine(prefer_tokens(model, [im_start], from_call=3), max_batch=1)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=30, stop=["<|im_start|><|im_start|>"])
+    engine.add_prompt("s", prompt(4), sampling)
+    result = run_to_completion(engine)["s"]
+    # The prefill and two decode steps choose freely; from the third step on <|im_start|> wins.
+    assert result.token_ids[3:] == [im_start, im_start] and im_start not in result.token_ids[:3]
+    assert result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("end_token", ["<|im_end|>", "<|endoftext|>"])
+def test_every_end_of_turn_id_of_the_model_ends_a_generation_with_eos(demo, end_token: str) -> None:
+    [end_id] = demo.tokenizer.encode(end_token)
+    assert end_id in demo.tokenizer.end_of_turn_ids and len(demo.tokenizer.end_of_turn_ids) == 2
+    engine = demo.engine(prefer_tokens(demo.model(), [end_id], from_call=4), max_batch=1)
+    engine.add_prompt("r", prompt(4), SamplingParams(temperature=0.0, max_new_tokens=30))
+    result = run_to_completion(engine)["r"]
+    assert result.finish_reason == "eos"
+    assert result.token_ids[-1] == end_id and len(result.token_ids) == 5
+
+
+@pytest.fixture(scope="module")
+def llama3_dir(tmp_path_factory) -> Path:
+    """A Llama 3 family directory (its tokenizer and template, a tiny random Llama)."""
+    return build_model_dir("llama3", tmp_path_factory.mktemp("llama3") / "llama3", with_weights=True)
+
+
+@pytest.mark.parametrize("end_token", ["<|eot_id|>", "<|eom_id|>"])
+def test_a_llama3_turn_ends_at_eot_or_eom(llama3_dir: Path, end_token: str) -> None:
+    directory = llama3_dir
+    tokenizer = model_tokenizer(directory)
+    [end_id] = tokenizer.encode(end_token)
+    assert end_id in tokenizer.end_of_turn_ids
+    model = prefer_tokens(load_hf_model(directory), [end_id], from_call=2)
+    engine = DecodeEngine(model, max_batch=1, tokenizer=tokenizer)
+    engine.add_prompt("r", tokenizer.encode("Hello there"), SamplingParams(temperature=0.0, max_new_tokens=30))
+    result = run_to_completion(engine)["r"]
+    assert (result.finish_reason, len(result.token_ids), result.token_ids[-1]) == ("eos", 3, end_id)
+
+
+def test_ids_past_the_tokenizer_are_never_sampled(chat_model_dir_with_weights: Path) -> None:
+    tokenizer = model_tokenizer(chat_model_dir_with_weights)
+    model = load_hf_model(chat_model_dir_with_weights)
+    real = tokenizer.vocab_size
+    assert model.vocab_size > real  # Qwen-style padding: the embedding has rows past the tokenizer
+    prefer_tokens(model, slice(real, None))  # a model that would rather say a padded id
+    sampling = {"greedy": SamplingParams(temperature=0.0, max_new_tokens=6),
+                "sampled": SamplingParams(temperature=1.0, max_new_tokens=6)}
+    masked = DecodeEngine(model, max_batch=2, tokenizer=tokenizer)
+    bare = DecodeEngine(model, max_batch=2)  # no tokenizer: every embedding row may come out
+    ids = tokenizer.encode("Hello there")
+    for engine in (masked, bare):
+        for request_id, params in sampling.items():
+            engine.add_prompt(request_id, ids, params)
+    done, unmasked = run_to_completion(masked), run_to_completion(bare)
+    assert all(token >= real for token in unmasked["greedy"].token_ids)  # the test can fail
+    for request_id in sampling:
+        assert done[request_id].token_ids and all(t < real for t in done[request_id].token_ids)
+    # The greedy logprob is over the real tokens only: the padded rows had no mass.
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0, -1, :real]
+    first = done["greedy"].token_ids[0]
+    assert first == int(logits.argmax())
+    assert done["greedy"].logprobs[0] == pytest.approx(float(torch.log_softmax(logits, -1)[first]), abs=1e-5)
+
+
+def test_a_request_whose_first_token_ends_it_is_reported_by_the_next_step(demo) -> None:
+    model = demo.model()
+    engine = demo.engine(model, max_batch=1)
+    [end_id] = demo.tokenizer.encode("<|im_end|>")
     good = PrefillEngine(model).prefill(prompt(3))
-    logits = torch.zeros(model.shape.vocab_size)
-    logits[EOS_ID] = 100.0
+    logits = torch.zeros(model.vocab_size)
+    logits[end_id] = 100.0
     engine.add_prefilled("eos", PrefillResult(good.input_ids, good.pages, logits, 7), GREEDY)
     assert engine.num_active() == 0 and engine.has_work()
     [finished] = engine.step()
-    assert (finished.token_ids, finished.finish_reason, finished.versions) == ([EOS_ID], "eos", [7])
+    assert (finished.token_ids, finished.finish_reason, finished.versions) == ([end_id], "eos", [7])
     assert not engine.has_work()
 
 
-def test_abort_frees_the_slot_and_the_others_continue_unchanged() -> None:
-    model = small_model()
+def test_abort_frees_the_slot_and_the_others_continue_unchanged(demo) -> None:
+    model = demo.model()
     prefill = PrefillEngine(model)
-    engine = DecodeEngine(model, max_batch=3)
+    engine = demo.engine(model, max_batch=3)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=10)
     for index, request_id in enumerate("xyz"):
         engine.add_prefilled(request_id, prefill.prefill(prompt(4 + 5 * index, index)), sampling)
@@ -229,16 +290,16 @@ def test_abort_frees_the_slot_and_the_others_continue_unchanged() -> None:
     done = run_to_completion(engine)
     for index, request_id in enumerate("xyz"):
         if request_id != "x":
-            alone = run_alone(model, prompt(4 + 5 * index, index), sampling)
+            alone = run_alone(demo, model, prompt(4 + 5 * index, index), sampling)
             assert done[request_id].token_ids == alone.token_ids
 
 
-def test_sampled_decode_reports_behaviour_logprobs_and_is_seeded() -> None:
-    model = small_model()
+def test_sampled_decode_reports_behaviour_logprobs_and_is_seeded(demo) -> None:
+    model = demo.model()
     sampling = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12)
     results = []
     for _ in range(2):
-        engine = DecodeEngine(model, max_batch=1, seed=3)
+        engine = demo.engine(model, max_batch=1, seed=3)
         engine.add_prefilled("r", PrefillEngine(model).prefill(prompt(5)), sampling)
         results.append(run_to_completion(engine)["r"])
     assert results[0] == results[1]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from rollmesh.chat.model_dir import ModelDirectory
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
 from rollmesh.engine.decode import DecodeEngine, FinishedSequence
@@ -59,15 +60,17 @@ def run_to_completion(engine: DecodeEngine) -> dict[str, FinishedSequence]:
 
 
 @torch.no_grad()
-def greedy_reference(model, ids: list[int], n: int) -> list[int]:
-    """Greedy tokens by recomputing the whole sequence each step, ending at the model's EOS."""
+def greedy_reference(model, ids: list[int], n: int, end_ids: frozenset[int] | None = None) -> list[int]:
+    """Greedy tokens by recomputing the whole sequence each step, ending at an end-of-turn id
+    (default: the model config's eos, as an engine given no tokenizer stops)."""
+    end_ids = frozenset({model.eos_token_id}) if end_ids is None else end_ids
     ids = list(ids)
     out = []
     for _ in range(n):
         token = int(model(torch.tensor([ids]))[0, -1].argmax())
         out.append(token)
         ids.append(token)
-        if token == model.eos_token_id:
+        if token in end_ids:
             break
     return out
 
@@ -269,28 +272,32 @@ def test_weight_swap_replaces_storage_but_keeps_parameters_and_ties(checkpoints)
     torch.testing.assert_close(model.model.norm.weight, new["model.norm.weight"])
 
 
-def test_local_engine_serves_an_hf_checkpoint_from_config(checkpoints) -> None:
-    config = ModelConfig(family="hf", hf_path=str(checkpoints["qwen2-tied"]))
+def test_local_engine_serves_the_model_directory_of_its_config(demo_model_dir) -> None:
+    config = ModelConfig(path=str(demo_model_dir))
+    tokenizer = ModelDirectory.load(demo_model_dir)
+    ids = tokenizer.encode("<|im_start|>user\nmolar mass of H2O?<|im_end|>\n<|im_start|>assistant\n")
 
     async def go():
         async with LocalEngine(config, InferenceConfig(max_batch=2)) as engine:
-            return await engine.generate(prompt(5), GREEDY, request_id="x")
+            return engine, await engine.generate(ids, GREEDY, request_id="x")
 
-    result = asyncio.run(go())
-    assert result.token_ids == greedy_reference(load_hf_model(checkpoints["qwen2-tied"]),
-                                                prompt(5), GREEDY.max_new_tokens)
+    engine, result = asyncio.run(go())
+    # The model and its tokenizer both come from model.path: the directory's end-of-turn ids.
+    assert engine.decode_engine.end_of_turn_ids == tokenizer.end_of_turn_ids
+    assert result.token_ids == greedy_reference(load_hf_model(demo_model_dir), ids, GREEDY.max_new_tokens,
+                                                tokenizer.end_of_turn_ids)
 
 
-def test_an_hf_model_stops_at_its_configs_eos_not_the_byte_tokenizers(checkpoints) -> None:
+def test_an_engine_given_no_tokenizer_stops_at_the_configs_eos_only(checkpoints) -> None:
     model = load_hf_model(checkpoints["llama-untied"])
     assert model.eos_token_id == 2  # transformers' LlamaConfig default
     prefill = PrefillEngine(model).prefill(prompt(4))
     engine = DecodeEngine(model, max_batch=2)
-    for request_id, token in (("own-eos", 2), ("byte-eos", 257)):
+    for request_id, token in (("own-eos", 2), ("other", 257)):
         logits = torch.full_like(prefill.last_logits, -100.0)
         logits[token] = 100.0
         engine.add_prefilled(request_id, type(prefill)(prefill.input_ids, prefill.pages, logits, 0),
                              SamplingParams(temperature=0.0, max_new_tokens=3))
     done = run_to_completion(engine)
     assert done["own-eos"].finish_reason == "eos" and done["own-eos"].token_ids == [2]
-    assert done["byte-eos"].token_ids[0] == 257 and done["byte-eos"].finish_reason != "eos"
+    assert done["other"].token_ids[0] == 257 and done["other"].finish_reason != "eos"

@@ -1,14 +1,18 @@
-"""Sampler and stop checks: behaviour logprobs under temperature/top-p, determinism, stop tails."""
+"""Sampler and stop checks: behaviour logprobs under temperature/top-p, determinism, ids past the
+tokenizer never drawn, stop tails in the demo model's tokenizer's text, every end-of-turn id."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
+from engine_models import model_tokenizer
+from rollmesh.chat.model_dir import ModelDirectory
 from rollmesh.engine.errors import InvalidRequestError
 from rollmesh.engine.sampling import sample_tokens
 from rollmesh.engine.stopping import StopChecker
-from rollmesh.engine.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -90,26 +94,68 @@ def test_sampler_is_deterministic_for_a_seeded_generator() -> None:
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
 
 
-def test_stop_checker_finds_a_stop_string_when_its_last_byte_arrives() -> None:
-    tokenizer = ByteTokenizer()
-    checker = StopChecker(stop=["</tool>", "é!"], max_new_tokens=100, detokenizer=tokenizer)
+def test_sampler_never_draws_an_id_at_or_past_vocab_size() -> None:
+    logits = torch.randn(64, 12, generator=torch.Generator().manual_seed(4))
+    logits[:, 10:] += 50.0  # padded rows the model would rather say
+    temperature = torch.tensor([0.0, 1.0, 2.0, 0.7] * 16)
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.5] * 16)
+    tokens, logprobs = sample_tokens(logits, temperature, top_p, torch.Generator().manual_seed(0),
+                                     vocab_size=10)
+    assert int(tokens.max()) < 10
+    unmasked, _ = sample_tokens(logits, temperature, top_p, torch.Generator().manual_seed(0))
+    assert int(unmasked.min()) >= 10  # without the bound the padded rows win: the test can fail
+    # Logprobs are those of the distribution over the real ids: the padded rows had no mass.
+    for row in range(0, 64, 4):  # greedy rows: the model's log_softmax over real ids
+        expected = torch.log_softmax(logits[row, :10], dim=-1)[tokens[row]]
+        assert float(logprobs[row]) == pytest.approx(float(expected), abs=1e-6)
+    for row in range(1, 64, 4):  # temperature 1, no truncation: the same
+        expected = torch.log_softmax(logits[row, :10], dim=-1)[tokens[row]]
+        assert float(logprobs[row]) == pytest.approx(float(expected), abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model_dir: Path) -> ModelDirectory:
+    return model_tokenizer(demo_model_dir)
+
+
+def first_stop(checker: StopChecker, ids: list[int]) -> int:
+    """The index of the token after which ``checker`` first says the sequence is done."""
+    reasons = [checker.check(ids[: n + 1]) for n in range(len(ids))]
+    first = next(n for n, reason in enumerate(reasons) if reason is not None)
+    assert reasons[first] == "stop"
+    return first
+
+
+def test_stop_checker_finds_a_stop_string_when_its_last_byte_arrives(tokenizer) -> None:
+    checker = StopChecker(stop=["</tool>", "é!"], max_new_tokens=100,
+                          end_of_turn_ids=tokenizer.end_of_turn_ids, detokenizer=tokenizer)
     cases = (("call <tool>x</tool> more", "call <tool>x</tool>"), ("café!", "café!"))
     for text, stop_at in cases:
         ids = tokenizer.encode(text)
-        reasons = [checker.check(ids[: n + 1]) for n in range(len(ids))]
-        first = next(n for n, reason in enumerate(reasons) if reason is not None)
-        assert reasons[first] == "stop"
-        assert tokenizer.decode(ids[: first + 1]) == stop_at
+        assert tokenizer.decode(ids[: first_stop(checker, ids) + 1]) == stop_at
 
 
-def test_stop_checker_reports_eos_before_length() -> None:
-    checker = StopChecker(stop=[], max_new_tokens=2, detokenizer=ByteTokenizer())
+def test_stop_strings_match_special_tokens_as_the_tokenizer_spells_them(tokenizer) -> None:
+    checker = StopChecker(stop=["<|im_start|>user"], max_new_tokens=100,
+                          end_of_turn_ids=tokenizer.end_of_turn_ids, detokenizer=tokenizer)
+    ids = tokenizer.encode("Done.\n<|im_start|>user\nmore")
+    assert tokenizer.decode(ids[: first_stop(checker, ids) + 1]) == "Done.\n<|im_start|>user"
+
+
+def test_stop_checker_reports_eos_for_every_end_of_turn_id_before_length(tokenizer) -> None:
+    end_ids = sorted(tokenizer.end_of_turn_ids)
+    assert len(end_ids) == 2  # <|im_end|> and <|endoftext|>
+    checker = StopChecker(stop=[], max_new_tokens=2, end_of_turn_ids=end_ids, detokenizer=tokenizer)
     assert checker.check([65]) is None
-    assert checker.check([65, ByteTokenizer.eos_id]) == "eos"
+    for end_id in end_ids:
+        assert checker.check([65, end_id]) == "eos"
     assert checker.check([65, 66]) == "length"
 
 
-def test_stop_checker_rejects_an_empty_stop_string() -> None:
+def test_stop_checker_rejects_an_empty_stop_string_and_stop_strings_without_a_tokenizer(tokenizer) -> None:
     with pytest.raises(InvalidRequestError) as caught:
-        StopChecker(stop=[""], max_new_tokens=4, detokenizer=ByteTokenizer())
+        StopChecker(stop=[""], max_new_tokens=4, end_of_turn_ids=(), detokenizer=tokenizer)
     assert caught.value.field == "sampling.stop"
+    with pytest.raises(InvalidRequestError) as no_text:
+        StopChecker(stop=["x"], max_new_tokens=4, end_of_turn_ids=(), detokenizer=None, request_id="r")
+    assert (no_text.value.field, no_text.value.request_id) == ("sampling.stop", "r")

@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import hashlib
 
-import msgspec
 import pytest
 import torch
 
-from rollmesh.config import ModelConfig
+from engine_models import babbling_model
 from rollmesh.engine.decode import DecodeEngine
 from rollmesh.engine.errors import WeightsChecksumError, WeightsFileError
-from rollmesh.engine.model import build_model
 from rollmesh.engine.weights import load_weights, save_weights
 
 pytestmark = pytest.mark.unit
 
-CONFIG = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
+
+def state_of(model) -> dict[str, torch.Tensor]:
+    """A state dict safetensors can write: tied tensors (the demo's head is its embedding) are
+    written as separate copies, as the trainer's published files hold them."""
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
 
 
-def test_saved_weights_load_back_equal_with_the_returned_checksum(tmp_path) -> None:
-    state = build_model(CONFIG).state_dict()
+def test_saved_weights_load_back_equal_with_the_returned_checksum(tmp_path, demo_model_dir) -> None:
+    state = state_of(babbling_model(demo_model_dir))
     path = tmp_path / "v1" / "model.safetensors"
     sha256, num_bytes = save_weights(state, path)
     data = path.read_bytes()
@@ -51,12 +53,14 @@ def test_missing_or_malformed_weight_files_raise_file_errors(tmp_path) -> None:
         save_weights({"a": shared, "b": shared}, tmp_path / "shared.safetensors")
 
 
-def test_loaded_weights_stage_into_a_decode_engine(tmp_path) -> None:
+def test_loaded_weights_stage_into_a_decode_engine(tmp_path, demo_model_dir) -> None:
     path = tmp_path / "model.safetensors"
-    new = build_model(msgspec.structs.replace(CONFIG, seed=5))
-    sha256, _ = save_weights(new.state_dict(), path)
-    engine = DecodeEngine(build_model(CONFIG), max_batch=1)
+    new = babbling_model(demo_model_dir, seed=5)
+    sha256, _ = save_weights(state_of(new), path)
+    engine = DecodeEngine(babbling_model(demo_model_dir), max_batch=1)
+    assert not torch.equal(engine.model.model.embed_tokens.weight, new.model.embed_tokens.weight)
     assert engine.stage_weights(load_weights(path, sha256), version=1)
     engine.step()
     assert engine.current_version == 1
-    assert torch.equal(engine.model.tok.weight, new.tok.weight)
+    assert torch.equal(engine.model.model.embed_tokens.weight, new.model.embed_tokens.weight)
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight

@@ -15,6 +15,7 @@ from ray_actors import stop_and_kill
 from rollmesh.actors.inference_router import InferenceRouter
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
 from rollmesh.actors.role_base import MeshContext
+from rollmesh.chat.model_dir import ModelDirectory
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.decode import FinishedSequence
 from rollmesh.engine.protocols import GenerateOptions
@@ -125,11 +126,10 @@ def test_the_router_forgets_the_oldest_sessions_past_its_bound() -> None:
 
 # -- on Ray -----------------------------------------------------------------------------------
 
-MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=64)
-
-
 @pytest.fixture(scope="module")
-def workers(ray_session, nats_server, tmp_path_factory):
+def workers(ray_session, nats_server, tmp_path_factory, demo_model_dir):
+    """A prefill and two decode workers of the demo model directory, on the session's Ray."""
+    model = ModelConfig(path=str(demo_model_dir))
     namespace = "r" + uuid.uuid4().hex[:10]
     mesh = MeshContext(namespace=namespace, nats_url=nats_server.url,
                        run_dir=str(tmp_path_factory.mktemp("router-run")))
@@ -137,7 +137,7 @@ def workers(ray_session, nats_server, tmp_path_factory):
 
     def spawn(cls, name, *args):
         return ray.remote(cls).options(name=name, namespace=namespace, num_cpus=0).remote(
-            name, mesh, MODEL, inference, *args)
+            name, mesh, model, inference, *args)
 
     prefill = spawn(PrefillWorkerActor, "prefill-0")
     decodes = [spawn(DecodeWorkerActor, f"decode-{i}", i) for i in range(2)]
@@ -150,21 +150,26 @@ def workers(ray_session, nats_server, tmp_path_factory):
 
 
 @pytest.mark.integration
-async def test_on_ray_sessions_reuse_kv_on_their_decode_worker_and_aggregated_answers_alike(workers) -> None:
+async def test_on_ray_sessions_reuse_kv_on_their_decode_worker_and_aggregated_answers_alike(
+    workers, demo_model_dir
+) -> None:
     prefill, decodes = workers
+    tokenizer = ModelDirectory.load(demo_model_dir)
+    prompt = tokenizer.encode("<|im_start|>user\nmolar mass of NaCl?<|im_end|>\n<|im_start|>assistant\n")
+    tool_result = tokenizer.encode("\n<|im_start|>user\n<tool_response>\n58.44\n</tool_response><|im_end|>\n")
     disaggregated = InferenceRouter([prefill], decodes)
     session = GenerateOptions(session_id="agent")
-    first = await disaggregated.generate([256, 5, 6, 7, 8], GREEDY, request_id="d1", options=session)
-    turn_two = [256, 5, 6, 7, 8, *first.token_ids, 9, 10]
+    first = await disaggregated.generate(prompt, GREEDY, request_id="d1", options=session)
+    turn_two = [*prompt, *first.token_ids, *tool_result]
     second = await disaggregated.generate(turn_two, GREEDY, request_id="d2", options=session)
     assert first.cached_tokens == 0
-    assert second.cached_tokens == 5 + len(first.token_ids) - 1  # all but the unforwarded last
+    assert second.cached_tokens == len(prompt) + len(first.token_ids) - 1  # all but the unforwarded last
     index, returning = disaggregated.decode_worker_for("agent")
     stats = await decodes[index].stats.remote()
     assert returning and stats["decode"].session_hits == 1
 
     aggregated = InferenceRouter([], decodes)
-    alike = await aggregated.generate([256, 5, 6, 7, 8], GREEDY, request_id="a1")
+    alike = await aggregated.generate(prompt, GREEDY, request_id="a1")
     assert alike.token_ids == first.token_ids and alike.cached_tokens == 0
     again = await aggregated.generate(turn_two, GREEDY, request_id="a2")
     assert again.token_ids == second.token_ids

@@ -24,7 +24,7 @@ from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
 from rollmesh.engine.decode import FinishedSequence
 from rollmesh.engine.local_engine import build_decode_engine
-from rollmesh.engine.paged_model import build_inference_model
+from rollmesh.engine.paged_model import build_inference_model, load_tokenizer
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions
 from rollmesh.engine.weight_follower import LatestWeights, StagesWeights, WeightFollower
@@ -131,8 +131,10 @@ class DecodeWorkerActor(RoleActor):
     def __init__(self, name: str, mesh: MeshContext, model_config: ModelConfig,
                  inference_config: InferenceConfig, seed: int = 0) -> None:
         super().__init__(name, mesh, torch_threads=inference_config.torch_threads)
+        # The model directory's own tokenizer: its end-of-turn ids stop a turn, its stop strings
+        # are matched in its text, and padded embedding rows past it are never sampled.
         engine = build_decode_engine(build_inference_model(model_config), inference_config,
-                                     seed=seed)
+                                     seed=seed, tokenizer=load_tokenizer(model_config))
         self.loop = DecodeLoop(engine, self.busy)
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:

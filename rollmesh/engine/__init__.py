@@ -1,5 +1,5 @@
 """rollmesh.engine: the torch inference engine (paged KV, continuous batching, sessions, weight
-swaps) and its seams.
+swaps) and its seams. Models and tokenizers come from a Hugging Face directory (``model.path``).
 
 Plain logic, no Ray and no NATS: the actor shells wrap ``PrefillEngine`` and ``DecodeLoop``. The
 SGLang backend (``sglang_backend``) is imported from its module, not from here.
@@ -25,9 +25,8 @@ from rollmesh.engine.errors import (
 )
 from rollmesh.engine.kv_pages import KvBlockPool, KvLayout, PagedAttention
 from rollmesh.engine.local_engine import LocalEngine
-from rollmesh.engine.model import ModelShape, TinyDecoder, build_model
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult
-from rollmesh.engine.paged_model import PagedCausalModel, build_inference_model
+from rollmesh.engine.paged_model import PagedCausalModel, build_inference_model, load_tokenizer
 from rollmesh.engine.protocols import (
     Detokenizer,
     FinishReason,
@@ -38,12 +37,10 @@ from rollmesh.engine.protocols import (
 from rollmesh.engine.session_cache import SessionCache
 from rollmesh.engine.sampling import sample_tokens
 from rollmesh.engine.stopping import StopChecker
-from rollmesh.engine.tokenizer import ByteTokenizer
 from rollmesh.engine.weight_staging import WeightStager
 from rollmesh.engine.weights import load_weights, save_weights
 
 __all__ = [
-    "ByteTokenizer",
     "CapacityError",
     "DecodeEngine",
     "DecodeLoop",
@@ -63,7 +60,6 @@ __all__ = [
     "KvCapacityError",
     "KvLayout",
     "LocalEngine",
-    "ModelShape",
     "PagedAttention",
     "PagedCausalModel",
     "PrefillEngine",
@@ -72,7 +68,6 @@ __all__ = [
     "SessionCache",
     "StaleWeightsError",
     "StopChecker",
-    "TinyDecoder",
     "VersionUnavailableError",
     "WeightStager",
     "WeightsChecksumError",
@@ -80,7 +75,7 @@ __all__ = [
     "WeightsFileError",
     "WeightsMismatchError",
     "build_inference_model",
-    "build_model",
+    "load_tokenizer",
     "load_weights",
     "sample_tokens",
     "save_weights",

@@ -14,6 +14,11 @@ pool (``SessionCache``) and are evicted, oldest first, only when an admission ne
 
 Weights: staged weights are swapped in at the start of a step or an admission; in-flight
 sequences keep their KV and continue, and every token records the version that made it.
+
+Tokens: the model directory's tokenizer (a ``Detokenizer``) says which ids end a turn and which
+ids exist; ids past it (padded embedding rows) are never sampled. Without one (tests of bare
+checkpoints) the model's config eos ends a turn, every row may be sampled, and stop strings are
+refused.
 """
 
 from __future__ import annotations
@@ -47,7 +52,6 @@ from rollmesh.engine.request_checks import validate_prompt
 from rollmesh.engine.sampling import sample_tokens
 from rollmesh.engine.session_cache import CachedSession, SessionCache, common_prefix_length
 from rollmesh.engine.stopping import StopChecker
-from rollmesh.engine.tokenizer import ByteDetokenizer
 from rollmesh.engine.weight_staging import WeightStager
 from rollmesh.messages.base import SamplingParams
 
@@ -142,7 +146,12 @@ class DecodeEngine:
             raise ValueError("the WeightStager belongs to another model")
         self.model = model.eval()
         self.weights = weights or WeightStager(model, version=version)
-        self.tokenizer = tokenizer or ByteDetokenizer(model.eos_token_id)
+        self.tokenizer = tokenizer
+        self.end_of_turn_ids = (tokenizer.end_of_turn_ids if tokenizer is not None
+                                else frozenset({model.eos_token_id} - {-1}))
+        # Ids the engine may sample: the tokenizer's, never the padded rows past them.
+        self.sampled_vocab_size = min(model.vocab_size,
+                                      tokenizer.vocab_size if tokenizer is not None else model.vocab_size)
         self.max_batch = max_batch
         blocks_per_context = -(-model.max_seq_len // block_size)
         self.pool = KvBlockPool(
@@ -167,7 +176,6 @@ class DecodeEngine:
         input_ids: list[int],
         sampling: SamplingParams,
         options: GenerateOptions = DEFAULT_OPTIONS,
-        tokenizer: Detokenizer | None = None,
     ) -> None:
         """Prefill here, reusing the KV the session's last turn parked, then join the batch.
 
@@ -176,7 +184,7 @@ class DecodeEngine:
         parked KV is then freed: it would only be recomputed).
         """
         input_ids = validate_prompt(input_ids, self.model, request_id=request_id)
-        stopper = self.validate_request(request_id, len(input_ids), sampling, options, tokenizer)
+        stopper = self.validate_request(request_id, len(input_ids), sampling, options)
         self.weights.apply_staged()  # between steps: a boundary
         self._check_version(options.min_version, self.weights.current_version, request_id)
         needed = self.blocks_needed(len(input_ids), sampling)
@@ -207,10 +215,9 @@ class DecodeEngine:
         prefill: PrefillResult,
         sampling: SamplingParams,
         options: GenerateOptions = DEFAULT_OPTIONS,
-        tokenizer: Detokenizer | None = None,
     ) -> None:
         """Store KV pages made by a prefill worker and sample the first token from its logits."""
-        stopper = self.validate_prefilled(request_id, prefill, sampling, options, tokenizer)
+        stopper = self.validate_prefilled(request_id, prefill, sampling, options)
         self.weights.apply_staged()
         # The first token comes from the prefill worker's weights, the rest from ours.
         self._check_version(options.min_version,
@@ -282,7 +289,8 @@ class DecodeEngine:
         logits, routes = self.model.forward_paged(tokens, paged)
         temperature = torch.tensor([s.temperature for s in batch], device=self._device)
         top_p = torch.tensor([s.top_p for s in batch], device=self._device)
-        chosen, logprobs = sample_tokens(logits[:, 0], temperature, top_p, self._generator)
+        chosen, logprobs = sample_tokens(logits[:, 0], temperature, top_p, self._generator,
+                                         vocab_size=self.sampled_vocab_size)
         self._steps += 1
         self._tokens_generated += len(batch)
         still_active: list[_Sequence] = []
@@ -304,7 +312,8 @@ class DecodeEngine:
     def _admit(self, sequence: _Sequence, last_logits: torch.Tensor, version: int) -> None:
         temperature = torch.tensor([sequence.temperature], device=self._device)
         top_p = torch.tensor([sequence.top_p], device=self._device)
-        token, logprob = sample_tokens(last_logits[None], temperature, top_p, self._generator)
+        token, logprob = sample_tokens(last_logits[None], temperature, top_p, self._generator,
+                                       vocab_size=self.sampled_vocab_size)
         sequence.token_ids.append(int(token))
         sequence.logprobs.append(float(logprob))
         sequence.versions.append(version)
@@ -427,7 +436,6 @@ class DecodeEngine:
         prompt_len: int,
         sampling: SamplingParams,
         options: GenerateOptions = DEFAULT_OPTIONS,
-        tokenizer: Detokenizer | None = None,
     ) -> StopChecker:
         """Raise what admitting the request would raise for bad input (not for capacity or
         version); returns its stop checker, its token budget clipped to the context."""
@@ -453,7 +461,8 @@ class DecodeEngine:
         return StopChecker(
             stop=list(sampling.stop),
             max_new_tokens=min(sampling.max_new_tokens, max_seq_len - prompt_len),
-            detokenizer=tokenizer or self.tokenizer,
+            end_of_turn_ids=self.end_of_turn_ids,
+            detokenizer=self.tokenizer,
             request_id=request_id,
         )
 
@@ -463,9 +472,8 @@ class DecodeEngine:
         prefill: PrefillResult,
         sampling: SamplingParams,
         options: GenerateOptions = DEFAULT_OPTIONS,
-        tokenizer: Detokenizer | None = None,
     ) -> StopChecker:
-        stopper = self.validate_request(request_id, prefill.num_tokens, sampling, options, tokenizer)
+        stopper = self.validate_request(request_id, prefill.num_tokens, sampling, options)
         if prefill.num_tokens < 1:
             raise InvalidRequestError("empty prompt", field="prefill", request_id=request_id)
         layout = self.model.kv_layout()

@@ -17,7 +17,7 @@ from torch import nn
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
 from rollmesh.engine.decode import DecodeEngine, DecodeStats
-from rollmesh.engine.paged_model import build_inference_model
+from rollmesh.engine.paged_model import build_inference_model, load_tokenizer
 from rollmesh.engine.protocols import (
     DEFAULT_OPTIONS,
     Detokenizer,
@@ -47,7 +47,11 @@ def build_decode_engine(
 
 
 class LocalEngine:
-    """An ``InferenceEngine`` for tests, benchmarks and the CPU demo; the loop starts on first use."""
+    """An ``InferenceEngine`` for tests, benchmarks and the CPU demo; the loop starts on first use.
+
+    The model and its tokenizer come from the directory ``model_config.path``; a caller that
+    passes its own ``model`` passes its ``tokenizer`` too (or none: see ``DecodeEngine``).
+    """
 
     def __init__(
         self,
@@ -59,7 +63,10 @@ class LocalEngine:
         seed: int = 0,
         version: int = 0,
     ) -> None:
-        self.model = model if model is not None else build_inference_model(model_config)
+        if model is None:
+            model = build_inference_model(model_config)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_config)
+        self.model = model
         self.decode_engine = build_decode_engine(
             self.model, inference_config, seed=seed, tokenizer=tokenizer, version=version
         )

@@ -1,8 +1,8 @@
-"""What the engine needs of a model, and which model a config builds.
+"""What the engine needs of a model, and which model and tokenizer a config builds.
 
-Knows torch, the tiny demo model and the Hugging Face families; not the engine's scheduling.
-Any ``PagedCausalModel`` can be prefilled, decoded, disaggregated and hot-swapped by the same
-engine code: the demo's ``TinyDecoder`` and the HF Llama/Qwen2/Qwen3-MoE/Mixtral ``CausalLM``.
+Knows torch, the Hugging Face families and the chat package's ``ModelDirectory`` (the tokenizer);
+not the engine's scheduling. Any ``PagedCausalModel`` can be prefilled, decoded, disaggregated
+and hot-swapped by the same engine code: the HF Llama/Qwen2/Qwen3-MoE/Mixtral ``CausalLM``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from rollmesh.engine.kv_pages import KvLayout, PagedAttention
+from rollmesh.engine.protocols import Detokenizer
 
 
 class PagedCausalModel(Protocol):
@@ -24,7 +25,7 @@ class PagedCausalModel(Protocol):
     sliding_window: int | None
     # (sparse layers, top_k) for MoE models, None for dense ones.
     routing_shape: tuple[int, int] | None
-    # The token that ends a generation (-1: none).
+    # config.json's eos, which ends a generation only for an engine given no tokenizer (-1: none).
     eos_token_id: int
 
     def kv_layout(self) -> KvLayout: ...
@@ -44,6 +45,14 @@ def build_inference_model(config) -> nn.Module:
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
     return load_hf_model(config.path, dtype=dtype)
+
+
+def load_tokenizer(config) -> Detokenizer:
+    """The tokenizer of the model directory ``model.path``: the engine's end-of-turn ids, its
+    vocabulary (padded embedding rows are never sampled) and the text stop strings match in."""
+    from rollmesh.chat.model_dir import ModelDirectory  # transformers, only when used
+
+    return ModelDirectory.load(config.path)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,13 +8,16 @@ the same ``InferenceEngine``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 from rollmesh.messages.base import SamplingParams
 
-# "abort" only appears on sequences returned by an explicit abort (partial output is kept).
+# "eos": the last token is one of the model's end-of-turn ids; "stop": a stop string; "length":
+# the token budget or the context. "abort" only appears on sequences returned by an explicit abort
+# (partial output is kept).
 FinishReason = Literal["eos", "stop", "length", "abort"]
 
 
@@ -61,11 +64,25 @@ class GenerationResult:
 
 
 class Detokenizer(Protocol):
-    """What the decode engine needs of a tokenizer: the EOS id and ids -> text for stop strings."""
+    """What the decode engine needs of the model's own tokenizer.
 
-    eos_id: int
+    - ``end_of_turn_ids``: every id that ends a generation (finish reason "eos"); a model may have
+      several, e.g. Llama 3's ``<|eot_id|>`` and ``<|eom_id|>``, ChatML's ``<|im_end|>`` and
+      ``<|endoftext|>``.
+    - ``vocab_size``: ids below it are the tokenizer's; the engine never samples one at or above
+      it (Qwen pads its embedding past the tokenizer).
+    - ``decode``: ids -> text with special tokens kept, where stop strings are matched.
 
-    def decode(self, ids: Iterable[int]) -> str: ...
+    ``rollmesh.chat.ModelDirectory`` and ``rollmesh.chat.ChatModel`` are Detokenizers.
+    """
+
+    @property
+    def end_of_turn_ids(self) -> frozenset[int]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 @runtime_checkable

@@ -2,7 +2,11 @@
 
 Knows torch (and numpy for one sort). The logprob returned is that of the chosen token under the
 distribution it was actually drawn from (temperature-scaled, top-p truncated and renormalized):
-the trainer's importance ratio divides by exactly this. Greedy rows (temperature 0) are a point
+the trainer's importance ratio divides by exactly this. Ids at or past ``vocab_size`` (the
+tokenizer's size) are never drawn: Qwen pads its embedding past the tokenizer, and a padded id
+would be a token no text path can read. Their logits count as -inf (the columns are dropped, which
+is the same distribution with less work) before anything else, so the reported logprobs are those
+of the distribution over real tokens. Greedy rows (temperature 0) are a point
 mass, whose logprob (0) says nothing; for them we report the model's own log_softmax, since
 greedy decoding is for evaluation, not for training.
 
@@ -23,11 +27,16 @@ def sample_tokens(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
+    *,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` [B, V]; returns (token ids [B] long, logprobs [B] float32).
 
-    ``temperature`` and ``top_p`` are [B] float tensors (0 temperature = greedy).
+    ``temperature`` and ``top_p`` are [B] float tensors (0 temperature = greedy). ``vocab_size``:
+    only ids below it may be drawn (None: every column of ``logits``).
     """
+    if vocab_size is not None and vocab_size < logits.shape[-1]:
+        logits = logits[:, :vocab_size]
     logits = logits.float()
     greedy = temperature <= 0
     if bool(greedy.all()):
