@@ -1,22 +1,23 @@
 """The trainer's plain logic: admit trajectories, train GRPO steps, publish weight versions.
 
-Knows the training backend, the chat model (supervised sequences), the mesh ports (rollmesh.ports)
-and the wire contract; not Ray, not
-nats-py. Exactly-once: a step's order is weights file written -> ledger line (its trajectories'
-idempotency keys; ``ledger.py``) -> trajectories acknowledged -> weights announced. A trainer
-killed mid-step loses nothing (its trajectories were never acknowledged; they are redelivered and
-trained once by the restarted trainer, which resumes from the ledger's last weights); one killed
-after the ledger line acknowledges the redelivered trajectories without training them again.
-Checkpoints (every ``checkpoint_every`` steps) also keep the optimizer, RNG and step position, so
-a restart at a checkpointed step is exact: it trains on as if never stopped. Admission: the generation lag of a trajectory's tokens (tool waits excluded; ``admission.py``) must
-be at most ``max_staleness``; the PPO ratio corrects the older tokens. A rollout cut by
-``max_new_tokens`` is trained unless ``train_truncated`` is false (then masked in its group).
+Knows the training backend, the chat model (supervised sequences), the mesh ports
+(rollmesh.ports) and the wire contract; not Ray, not nats-py. Exactly-once: a step's order is
+weights file written -> ledger line (its trajectories' idempotency keys; ``ledger.py``) ->
+trajectories acknowledged -> weights announced. A trainer killed mid-step loses nothing (its
+trajectories were never acknowledged; they are redelivered and trained once by the restarted
+trainer, which resumes from the ledger's last weights); one killed after the ledger line
+acknowledges the redelivered trajectories without training them again. Checkpoints (every
+``checkpoint_every`` steps) also keep the optimizer, RNG and step position
+(``training_state.py``), so a restart at a checkpointed step is exact: it trains on as if never
+stopped. Admission: the generation lag of a trajectory's tokens (tool waits excluded;
+``admission.py``) must be at most ``max_staleness``; the PPO ratio corrects the older tokens. A
+rollout cut by ``max_new_tokens`` is trained unless ``train_truncated`` is false (then masked in
+its group).
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import random
 import time
 from collections.abc import Callable
@@ -24,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import torch
 from opentelemetry import trace
 
 from rollmesh.ports import (
@@ -36,7 +36,6 @@ from rollmesh.ports import (
     TrajectoryStore,
 )
 from rollmesh.chat import ChatModel
-from rollmesh.checkpoint.atomic_dir import write_file_atomically
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.weight_buckets import (
     MANIFEST_FILE,
@@ -76,6 +75,7 @@ from rollmesh.training.heap import return_freed_memory
 from rollmesh.training.ledger import LedgerEntry, TrainingLedger
 from rollmesh.telemetry import conventions, metrics, metrics_catalog
 from rollmesh.training.torch_backend import TrainerBackend
+from rollmesh.training.training_state import restore_training_state, save_training_state
 from rollmesh.training.warm_start import conversation_sequence, demonstration_batch
 from rollmesh.telemetry.busy_clock import BusyClock
 
@@ -162,7 +162,7 @@ class TrainerLogic:
         # Exact when the last durable step was checkpointed with its optimizer and RNG state;
         # otherwise the weights are exact and the optimizer's moments start afresh.
         exact = last.weights_path != "" and await asyncio.to_thread(
-            self._restore_training_state, last.step, last.weight_version)
+            restore_training_state, self.checkpoint_dir, self.backend, step=last.step, version=last.weight_version)
         _log.info("trainer_resumed", step=self.step, weight_version=self.version,
                   consumed=len(state.consumed), exact=exact)
 
@@ -424,34 +424,12 @@ class TrainerLogic:
         path, layout = await asyncio.to_thread(self.backend.save_checkpoint, self.checkpoint_dir,
                                                iteration=self.step, weight_version=self.version)
         # Written after the weights: a state file always has its step's weights beside it.
-        await asyncio.to_thread(self._save_training_state)
+        await asyncio.to_thread(save_training_state, self.checkpoint_dir, self.backend,
+                                step=self.step, version=self.version)
         message = CheckpointSaved(step=self.step, weight_version=self.version, path=str(path),
                                   format=layout, model_config=model_config)
         await self.publisher.publish(CHECKPOINT_SAVED, message)
         return message
-
-    def training_state_path(self, step: int) -> Path:
-        return self.checkpoint_dir / f"step_{step:08d}.trainer_state.pt"
-
-    def _save_training_state(self) -> None:
-        """The optimizer, RNG and position of this step, so a restart from it is exact."""
-        state = {"step": self.step, "weight_version": self.version, "backend": self.backend.training_state(),
-                 "python_rng": random.getstate()}
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        write_file_atomically(self.training_state_path(self.step), buffer.getvalue())
-
-    def _restore_training_state(self, step: int, version: int) -> bool:
-        """Load the training state saved with step ``step``, if there is one for that version."""
-        path = self.training_state_path(step)
-        if not path.is_file():
-            return False
-        state = torch.load(path, weights_only=False)  # noqa: S614 - our own file in the run directory
-        if (state["step"], state["weight_version"]) != (step, version):
-            return False
-        self.backend.load_training_state(state["backend"])
-        random.setstate(state["python_rng"])
-        return True
 
 
 def _key(message: RolloutCompleted | RolloutFailed) -> str:
