@@ -164,3 +164,56 @@ async def test_bare_client_says_so_when_no_mesh_made_the_streams(nats_server, na
     done = await run_bare_client("--nats-url", nats_server.url, "--namespace", namespace, "--timeout", "5")
     assert done.returncode == 1
     assert "is the mesh up" in done.stderr
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+async def test_the_task_plugin_example_loads_by_import_path_and_a_rollout_of_it_runs_both_its_tools(
+        monkeypatch, demo_model_dir):
+    from fakes import RecordingPublisher, ScriptedEngine
+    from rollmesh.chat import ChatModel, ToolCall
+    from rollmesh.config import ModelConfig, RolloutConfig
+    from rollmesh.engine.protocols import GenerationResult
+    from rollmesh.messages import (SandboxExecReply, SandboxHeartbeatReply, SandboxLeaseReply,
+                                   SandboxReleaseReply)
+    from rollmesh.messages.subjects import (SANDBOX_EXEC, SANDBOX_HEARTBEAT, SANDBOX_LEASE, SANDBOX_RELEASE)
+    from rollmesh.ports import MessageContext
+    from rollmesh.rollout.agent_loop import RolloutRunner
+    from rollmesh.rollout.rollout_state import InMemoryRolloutStates
+    from rollmesh.rollout.tasks import DemonstrableTask, TaskRegistry
+    from rollmesh.messages import RolloutRequested, SamplingParams
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "examples"))
+    registry = TaskRegistry.from_import_paths(["dilution_task:DilutionTask"])
+    task = registry.get("dilution")
+    assert isinstance(task, DemonstrableTask)
+    chat = ChatModel.load(demo_model_dir)
+
+    def turn(text: str) -> GenerationResult:
+        ids = chat.encode(text)
+        return GenerationResult(ids, [-0.5] * len(ids), [0] * len(ids), "eos", 0)
+
+    calls = [ToolCall(id="", name="python", arguments={"code": "print(0.5 * 100 / 10)"}),
+             ToolCall(id="", name="dilute", arguments={"stock_molar": 10, "target_molar": 0.5, "volume_ml": 100})]
+    engine = ScriptedEngine([turn(chat.write_turn(content="", calls=calls)), turn(chat.write_turn(content="5.000"))])
+    bus = RecordingPublisher(default_replies={
+        SANDBOX_LEASE: SandboxLeaseReply(lease_id="lease-1", backend="fake"),
+        SANDBOX_EXEC: SandboxExecReply(result="exit", exit_code=0, stdout=b"5.0\n"),
+        SANDBOX_HEARTBEAT: SandboxHeartbeatReply(expires_at=1e9),
+        SANDBOX_RELEASE: SandboxReleaseReply(released=True)})
+    states = InMemoryRolloutStates()
+    runner = RolloutRunner(RolloutConfig(strict_tokenization=True), ModelConfig(path=str(demo_model_dir)),
+                           chat=chat, tasks=registry, engine=engine, publisher=bus, states=states,
+                           max_seq_len=2048)  # its system prompt and two tools outgrow the demo's 256 positions
+    request = RolloutRequested(rollout_id="d-1", task="dilution",
+                               task_input={"stock": 10, "target": 0.5, "volume": 100},
+                               sampling=SamplingParams(max_new_tokens=200))
+    await runner.handle_requested(request, MessageContext(subject="test"))
+
+    (completed,) = bus.messages(ROLLOUT_COMPLETED)
+    assert (completed.reward, completed.tool_calls, completed.finish_reason) == (1.0, 2, "stop")
+    assert completed.tokenization_mismatches["non_assistant"] == 0
+    (exec_request,) = bus.requested(SANDBOX_EXEC)  # python ran in the sandbox; dilute in the worker
+    assert exec_request.argv[-2:] == ["-c", "print(0.5 * 100 / 10)"]
+    results = [m for m in states.states["d-1"].messages if m["role"] == "tool"]
+    assert [(m["tool_call_id"], m["content"]) for m in results] == [("call_0", "5.0"), ("call_1", "5.000")]
