@@ -191,8 +191,7 @@ class TrainerLogic:
             # GRPO needs a group; an ungrouped trajectory would wait forever for its peers.
             self.ungrouped += 1
             return
-        # finish_reason is read with a default: senders before it was added never truncated a turn.
-        if getattr(message, "finish_reason", "stop") == "truncated" and not self.config.train_truncated:
+        if message.finish_reason == "truncated" and not self.config.train_truncated:
             # Cut by max_new_tokens, and trainer.train_truncated says not to train such rollouts:
             # counted in its group, so the group completes, but masked out like a failure.
             self.skipped_truncated += 1
