@@ -190,3 +190,30 @@ def test_weight_versions_ranges_cover_exactly_the_generated_versions():
 def test_request_options_outside_the_contract_are_usage_errors(capsys):
     assert main(["submit", "--task", "molar_mass", "--temperature", "50", "--nats-url", "nats://127.0.0.1:1"]) == 2
     assert "$.sampling.temperature" in capsys.readouterr().err
+
+
+def test_up_and_serve_take_a_model_directory_as_model_path(demo_model_dir, tmp_path, monkeypatch):
+    from rollmesh.cli.mesh import _up_overrides
+    from rollmesh.cli.target import load_cli_config
+
+    monkeypatch.chdir(demo_model_dir.parent)  # a relative DIR is made absolute
+    up = build_parser().parse_args(["up", "--model", demo_model_dir.name])
+    assert up.model == str(demo_model_dir)
+    command = child_command(up, tmp_path / "run")
+    assert command[command.index("--model") + 1] == str(demo_model_dir)
+    config = load_cli_config(up, _up_overrides(up))
+    assert config.model.path == str(demo_model_dir)  # wins over ROLLMESH_MODEL__PATH too
+
+    serve = build_parser().parse_args(["serve", "--model", str(demo_model_dir)])
+    assert serve.model == str(demo_model_dir)
+
+
+@pytest.mark.parametrize("command", ["up", "serve"])
+def test_a_model_that_is_no_model_directory_is_a_usage_error(command, tmp_path, capsys):
+    assert main([command, "--model", str(tmp_path)]) == 2
+    assert "is not a model directory (no config.json)" in capsys.readouterr().err
+
+
+def test_resume_takes_no_model(demo_model_dir, tmp_path, capsys):
+    assert main(["up", "--resume", str(tmp_path), "--model", str(demo_model_dir)]) == 2
+    assert "--model" in capsys.readouterr().err

@@ -1,11 +1,13 @@
-"""``rollmesh serve`` as a user runs it: a real process with its own nats-server and Ray, one
-request over HTTP, then SIGTERM and a clean exit 0. A second run with ``ROLLMESH_API_KEY`` set
-checks that requests without the key are refused and the key never reaches the output.
+"""``rollmesh serve`` as a user runs it: a real process with its own nats-server and Ray, serving the
+model directory of ``--model``, requests over HTTP, then SIGTERM and a clean exit 0. A second run
+with ``ROLLMESH_API_KEY`` set checks that requests without the key are refused and the key never
+reaches the output.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from rollmesh.chat import ChatModel
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -32,7 +36,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_process(tmp_path: Path, extra_env: dict[str, str] | None = None
+def serve_process(tmp_path: Path, extra_env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()
                   ) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
     """A running ``rollmesh serve``, its base URL once ready, and its output lines so far."""
     port = free_port()
@@ -40,7 +44,7 @@ def serve_process(tmp_path: Path, extra_env: dict[str, str] | None = None
     env.pop("RAY_ADDRESS", None)  # its own local Ray, never the test session's
     process = subprocess.Popen(
         [sys.executable, "-m", "rollmesh.cli", "--run-root", str(tmp_path / "runs"),
-         "serve", "--port", str(port)],
+         "serve", "--port", str(port), *extra_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     lines: list[str] = []
@@ -80,12 +84,26 @@ def stop_and_wait(process: subprocess.Popen[str], lines: list[str]) -> int:
         pytest.fail("no exit within the timeout after SIGTERM:\n" + "".join(lines[-40:]))
 
 
-def test_serve_answers_a_completion_and_exits_0_on_sigterm(tmp_path: Path) -> None:
-    with serve_process(tmp_path) as (process, url, lines):
+def test_serve_model_dir_answers_chat_and_completions_and_exits_0_on_sigterm(
+    tmp_path: Path, demo_model_dir: Path,
+) -> None:
+    model_dir = shutil.copytree(demo_model_dir, tmp_path / "my-model")
+    # --model wins over the configured model.path (here a directory that does not exist).
+    env = {"ROLLMESH_MODEL__PATH": str(tmp_path / "not-a-model")}
+    with serve_process(tmp_path, env, ("--model", str(model_dir))) as (process, url, lines):
+        assert [card["id"] for card in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]] == [
+            "my-model"]
         response = httpx.post(f"{url}/v1/completions", timeout=60,
                               json={"prompt": "hello", "max_tokens": 4, "temperature": 0})
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        messages = [{"role": "user", "content": "molar mass of H2O?"}]
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": messages, "max_tokens": 4, "temperature": 0})
+        assert chat.status_code == 200, chat.text
+        model = ChatModel.load(model_dir)  # the prompt is the served model's template, its tokens
+        prompt_ids = model.encode(model.render(messages, add_generation_prompt=True))
+        assert chat.json()["usage"]["prompt_tokens"] == len(prompt_ids)
         assert stop_and_wait(process, lines) == 0
 
 

@@ -2,15 +2,17 @@
 the OpenAI routes, and the admin endpoints (weight versions, a weight update from a file, cache
 flush) behind an API key.
 
-The model is a tiny Qwen3-MoE checkpoint built locally with transformers (nothing downloaded),
-served by one prefill and one decode actor on the session's Ray; one deployment for the module.
-Its vocabulary holds the byte tokenizer's ids, so the text routes work too. The weight update
+The model is a tiny Qwen3-MoE checkpoint built locally with transformers (nothing downloaded)
+with the demo model's tokenizer files (and so its chat template), so the text routes work too;
+served by one prefill and one decode actor on the session's Ray; one deployment for the module. The weight update
 test moves the deployment's version forward, so tests here never assume version 0.
 """
 
 from __future__ import annotations
 
 import base64
+import json
+import shutil
 import socket
 import uuid
 from collections.abc import Iterator
@@ -28,10 +30,10 @@ from ray_actors import stop_and_kill
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
+from rollmesh.chat import ChatModel
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.models import load_hf_model
 from rollmesh.engine.paged_model import describe_served_model
-from rollmesh.engine.tokenizer import BOS_ID
 from rollmesh.engine.weights import save_weights
 from rollmesh.serve_apps import build_inference_app, deploy_inference_app, shutdown_inference_app
 
@@ -58,12 +60,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def build_moe_checkpoint(path: Path) -> Path:
+# The demo model's tokenizer and chat template, copied next to the MoE weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def build_moe_checkpoint(path: Path, tokenizer_dir: Path) -> Path:
+    vocab_size = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    end_of_turn = ChatModel.load(tokenizer_dir).encode("<|im_end|>")
     config = transformers.Qwen3MoeConfig(
         hidden_size=64, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=128, moe_intermediate_size=64,
-        num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, vocab_size=260,
-        max_position_embeddings=64,
+        num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, vocab_size=vocab_size,
+        max_position_embeddings=64, eos_token_id=end_of_turn[0],
     )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config).eval()
@@ -72,15 +80,18 @@ def build_moe_checkpoint(path: Path) -> Path:
             if name.endswith("gate.weight"):
                 param.normal_(0, 1.0)
     model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, path / name)
     return path
 
 
 @pytest.fixture(scope="module")
 def deployed(
-    ray_session: None, nats_server: EmbeddedNatsServer, tmp_path_factory: pytest.TempPathFactory
+    ray_session: None, nats_server: EmbeddedNatsServer, tmp_path_factory: pytest.TempPathFactory,
+    demo_model_dir: Path,
 ) -> Iterator[Deployed]:
-    checkpoint = build_moe_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-moe"))
-    model = ModelConfig(family="hf", hf_path=str(checkpoint))
+    checkpoint = build_moe_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-moe"), demo_model_dir)
+    model = ModelConfig(path=str(checkpoint))
     namespace = "t" + uuid.uuid4().hex[:10]
     mesh = MeshContext(namespace=namespace, nats_url=nats_server.url,
                        run_dir=str(tmp_path_factory.mktemp("serve-moe-run")))
@@ -97,8 +108,7 @@ def deployed(
         app = build_inference_app(
             prefill_actor_names=[f"prefill-{namespace}"],
             decode_actor_names=[f"decode-{namespace}"], ray_namespace=namespace,
-            model_name=served.name, max_seq_len=served.max_seq_len,
-            vocab_size=served.vocab_size, api_key=API_KEY, routes_experts=served.routes_experts,
+            model=model, api_key=API_KEY,
         )
         url = deploy_inference_app(app, host="127.0.0.1", port=free_port())
         yield Deployed(url=url, model_name=served.name, checkpoint=checkpoint)
@@ -128,15 +138,18 @@ def routed_rows(encoded: dict) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).reshape(encoded["routed_experts_shape"])
 
 
-PROMPT = [BOS_ID, *b"route these tokens"]
+# "route these tokens" in the demo tokenizer's ids (its own merges of the text).
+@pytest.fixture(scope="module")
+def prompt(deployed: Deployed) -> list[int]:
+    return ChatModel.load(deployed.checkpoint).encode("route these tokens")
 
 
 def test_generate_returns_routed_experts_for_positions_from_start_len(
-    client: httpx.Client,
+    client: httpx.Client, prompt: list[int]
 ) -> None:
-    full = generate(client, PROMPT, return_routed_experts=True)
+    full = generate(client, prompt, return_routed_experts=True)
     meta = full["meta_info"]
-    seqlen = len(PROMPT) + len(full["output_ids"])
+    seqlen = len(prompt) + len(full["output_ids"])
     assert meta["routed_experts_dtype"] == "uint8"
     assert meta["routed_experts_shape"] == [seqlen - 1, NUM_LAYERS, TOP_K]
     assert meta["routed_experts_start_len"] == 0
@@ -146,17 +159,17 @@ def test_generate_returns_routed_experts_for_positions_from_start_len(
     assert len({row.tobytes() for row in rows}) > 1  # routes differ between positions
 
     start = 4
-    sliced = generate(client, PROMPT, return_routed_experts=True, routed_experts_start_len=start)
+    sliced = generate(client, prompt, return_routed_experts=True, routed_experts_start_len=start)
     assert sliced["output_ids"] == full["output_ids"]  # greedy, same weights
     assert sliced["meta_info"]["routed_experts_start_len"] == start
     np.testing.assert_array_equal(routed_rows(sliced["meta_info"]), rows[start:])
 
-    sglang = generate(client, PROMPT, return_routed_experts=True, routed_experts_dtype="int32")
+    sglang = generate(client, prompt, return_routed_experts=True, routed_experts_dtype="int32")
     assert sglang["meta_info"]["routed_experts_dtype"] == "int32"
     flat = np.frombuffer(base64.b64decode(sglang["meta_info"]["routed_experts"]), dtype="<i4")
     np.testing.assert_array_equal(flat, rows.reshape(-1))  # SGLang's flat int32 rows
 
-    plain = generate(client, PROMPT)
+    plain = generate(client, prompt)
     assert "routed_experts" not in plain["meta_info"]
 
 
@@ -203,7 +216,7 @@ def test_admin_endpoints_refuse_requests_without_the_api_key(deployed: Deployed)
 
 
 def test_update_weights_from_disk_activates_the_version_on_every_worker(
-    client: httpx.Client, deployed: Deployed, tmp_path: Path
+    client: httpx.Client, deployed: Deployed, tmp_path: Path, prompt: list[int]
 ) -> None:
     before = client.get("/v1/admin/weights").json()["weight_version"]
     state_dict = {name: tensor * 1.01 for name, tensor in
@@ -224,10 +237,10 @@ def test_update_weights_from_disk_activates_the_version_on_every_worker(
             for w in versions["workers"]] == [("prefill", before + 1, None),
                                               ("decode", before + 1, None)]
 
-    served = generate(client, PROMPT, min_weight_version=before + 1, return_routed_experts=True)
+    served = generate(client, prompt, min_weight_version=before + 1, return_routed_experts=True)
     assert served["meta_info"]["weight_versions"] == [before + 1] * len(served["output_ids"])
     assert client.post("/generate", json={
-        "input_ids": PROMPT, "min_weight_version": before + 2}).status_code == 503
+        "input_ids": prompt, "min_weight_version": before + 2}).status_code == 503
 
     stale = client.post("/update_weights_from_disk", json={
         "model_path": str(weights_file), "weight_version": before})
@@ -235,10 +248,12 @@ def test_update_weights_from_disk_activates_the_version_on_every_worker(
     assert stale.json()["error"]["code"] == "stale_weight_version"
 
 
-def test_flush_cache_drops_parked_sessions(client: httpx.Client) -> None:
+def test_flush_cache_drops_parked_sessions(
+    client: httpx.Client, prompt: list[int], deployed: Deployed,
+) -> None:
     session = {"session_id": "moe-" + uuid.uuid4().hex[:8]}
-    first = generate(client, PROMPT, **session)
-    second = generate(client, [*PROMPT, *first["output_ids"], *b" ok"], **session)
+    first = generate(client, prompt, **session)
+    second = generate(client, [*prompt, *first["output_ids"], *ChatModel.load(deployed.checkpoint).encode(" ok")], **session)
     assert second["meta_info"]["cached_tokens"] > 0
     flushed = client.post("/flush_cache")
     assert flushed.status_code == 200, flushed.text

@@ -30,7 +30,9 @@ from rollmesh.cli.errors import EXIT_OK, EXIT_USAGE, CliError
 from rollmesh.cli.foreground import run_until_signalled
 from rollmesh.cli.target import (
     add_target_options,
+    check_model_dir,
     load_cli_config,
+    model_dir_arg,
     namespace_arg,
     positive_float,
     read_cli_mesh_info,
@@ -50,6 +52,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     up.add_argument("--nats-url", metavar="URL", help="use this NATS server (config nats.url)")
     up.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (config ray.address)")
     up.add_argument("--namespace", type=namespace_arg, metavar="NS", help="subject namespace (config namespace)")
+    up.add_argument("--model", type=model_dir_arg, metavar="DIR",
+                    help="the Hugging Face model directory to serve and train (config model.path; "
+                         "default: the demo's model, built in the run directory)")
     up.add_argument("--no-serve", action="store_true", help="do not deploy the Serve inference app")
     up.add_argument("--metrics-port", type=port_arg, metavar="PORT",
                     help="serve Prometheus metrics of the whole mesh on this port; 0: any free one "
@@ -80,13 +85,14 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 def _up_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"nats.url": args.nats_url, "ray.address": args.ray_address, "namespace": args.namespace,
-            "serve.enabled": False if args.no_serve else None, "telemetry.metrics_port": args.metrics_port}
+            "model.path": args.model, "serve.enabled": False if args.no_serve else None, "telemetry.metrics_port": args.metrics_port}
 
 
 def run_up(args: argparse.Namespace) -> int:
     if args.resume is not None:
         config, run_dir = _resumed_config(args), args.resume
     else:
+        check_model_dir(args.model)
         config = load_cli_config(args, _up_overrides(args))  # a bad config fails here, not in the child
         run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config.run_root)
     if args.foreground:
@@ -118,9 +124,9 @@ def run_up(args: argparse.Namespace) -> int:
 
 def _resumed_config(args: argparse.Namespace) -> Any:
     """The config the resumed run was started with (only addresses and Serve may change)."""
-    if args.config or args.run_dir or args.namespace:
-        raise CliError("--resume runs the run's own config: it takes no --config, --run-dir or "
-                       "--namespace", exit_code=EXIT_USAGE)
+    if args.config or args.run_dir or args.namespace or args.model:
+        raise CliError("--resume runs the run's own config: it takes no --config, --run-dir, "
+                       "--namespace or --model", exit_code=EXIT_USAGE)
     if not (args.resume / RUN_CONFIG_FILE).is_file():
         raise CliError(f"{args.resume} holds no run to resume (no {RUN_CONFIG_FILE})", exit_code=EXIT_USAGE)
     try:
@@ -142,7 +148,7 @@ def child_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
     else:
         command += ["up", "--foreground", "--run-dir", str(run_dir.resolve())]
     for flag, value in (("--nats-url", args.nats_url), ("--ray-address", args.ray_address),
-                        ("--namespace", args.namespace)):
+                        ("--namespace", args.namespace), ("--model", args.model)):
         if value:
             command += [flag, value]
     if args.no_serve:

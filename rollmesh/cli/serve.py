@@ -15,17 +15,22 @@ from typing import Any
 
 from rollmesh.cli.errors import EXIT_USAGE, CliError
 from rollmesh.cli.foreground import run_until_signalled
-from rollmesh.cli.target import load_cli_config
+from rollmesh.cli.target import check_model_dir, load_cli_config, model_dir_arg
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     serve = subparsers.add_parser(
-        "serve", parents=[common], help="serve the tiny model over HTTP (OpenAI API, /generate)",
+        "serve", parents=[common], help="serve a model over HTTP (OpenAI API, /generate)",
         description="Start the inference service on its own: an embedded nats-server, a local "
-                    "Ray, one prefill and one decode worker and the Serve app; stop on "
-                    "SIGINT/SIGTERM.")
+                    "Ray, one prefill and one decode worker and the Serve app, for the model "
+                    "directory of --model (config model.path; default: the demo's model); its "
+                    "own tokenizer, chat template and tool-call format serve the text endpoints. "
+                    "Stop on SIGINT/SIGTERM.")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     serve.add_argument("--port", type=_port, default=8000, help="port (default: %(default)s)")
+    serve.add_argument("--model", type=model_dir_arg, metavar="DIR",
+                       help="the Hugging Face model directory to serve (config model.path; "
+                            "default: the demo's model, built in the run directory)")
     serve.set_defaults(handler=run_serve)
 
 
@@ -39,7 +44,8 @@ def _port(text: str) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from rollmesh.serve_apps import InvalidApiKeyFileError, required_api_key
 
-    config = load_cli_config(args)
+    check_model_dir(args.model)
+    config = load_cli_config(args, {"model.path": args.model})
     try:
         # Required beyond loopback or with security.enabled (ApiKeyRequiredError otherwise).
         api_key = required_api_key(config.serve.api_key_file, os.environ, host=args.host,

@@ -101,6 +101,19 @@ def namespace_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def model_dir_arg(text: str) -> str:
+    """argparse ``type=`` of ``--model DIR``: the path made absolute (the mesh's processes may run
+    in another directory); ``check_model_dir`` checks it when the command runs."""
+    return str(Path(text).expanduser().absolute())
+
+
+def check_model_dir(path: str | None) -> None:
+    """A ``--model`` that is no Hugging Face model directory is a usage error (exit 2), found
+    before anything starts."""
+    if path is not None and not (Path(path) / "config.json").is_file():
+        raise CliError(f"--model {path} is not a model directory (no config.json)", exit_code=EXIT_USAGE)
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
