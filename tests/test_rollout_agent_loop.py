@@ -109,14 +109,15 @@ def sandbox_bus(*exec_replies: SandboxExecReply | BaseException,
 
 def runner(engine: ScriptedEngine, bus: RecordingPublisher, *, max_seq_len: int | None = None,
            progress_events: bool = True, states: InMemoryRolloutStates | None = None,
-           chat_model: ChatModel | None = None, tasks: list | None = None, **config) -> RolloutRunner:
+           chat_model: ChatModel | None = None, tasks: list | None = None, routed_experts=None,
+           **config) -> RolloutRunner:
     """A runner that fails at the first infrastructure failure unless the test asks for retries."""
     config = {"infra_retries": 0, "infra_retry_delay_s": 0.0, "strict_tokenization": True, **config}
     return RolloutRunner(
         RolloutConfig(tool_timeout_s=5.0, progress_events=progress_events, **config),
         ModelConfig(path=os.environ["ROLLMESH_MODEL__PATH"]), chat=chat_model or chat(),
         tasks=TaskRegistry(tasks or [MolarMassTask()]), engine=engine, publisher=bus, clock=lambda: 100.0,
-        states=states, max_seq_len=max_seq_len,
+        states=states, max_seq_len=max_seq_len, routed_experts=routed_experts,
     )
 
 
@@ -618,8 +619,7 @@ async def test_an_moe_rollout_keeps_each_turns_routed_experts_and_resumes_them()
 
     states, experts = InMemoryRolloutStates(), InMemoryRoutedExperts()
     engine = ScriptedEngine([first, asyncio.CancelledError()])  # the worker dies in turn 2
-    logic = runner(engine, sandbox_bus(), states=states)
-    logic.routed_experts = experts
+    logic = runner(engine, sandbox_bus(), states=states, routed_experts=experts)
     with pytest.raises(asyncio.CancelledError):
         await logic.handle_requested(request(), context())
     options = engine.calls[0]["options"]
@@ -627,8 +627,7 @@ async def test_an_moe_rollout_keeps_each_turns_routed_experts_and_resumes_them()
     assert states.states["r-1"].routed_experts_rows == after_call - 1
 
     engine, bus = ScriptedEngine([second]), sandbox_bus()
-    resumed = runner(engine, bus, states=states)
-    resumed.routed_experts = experts
+    resumed = runner(engine, bus, states=states, routed_experts=experts)
     await resumed.handle_requested(request(), context())
     # The resumed turn asks for the positions after those already stored.
     assert engine.calls[0]["options"].routed_experts_start_len == after_call - 1

@@ -38,12 +38,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
-
 import structlog
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from rollmesh.ports import (
@@ -59,26 +56,24 @@ from rollmesh.chat import ChatError, ChatModel, ToolSet
 from rollmesh.chat.token_check import special_token_ids
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.engine.paged_model import describe_served_model
-from rollmesh.engine.protocols import GenerateOptions, InferenceEngine
+from rollmesh.engine.protocols import InferenceEngine
 from rollmesh.messages import (
     INFRA_FAILURE_KINDS,
     RolloutCompleted,
     RolloutFailed,
-    RolloutProgressed,
     RolloutRequested,
     RolloutState,
-    SamplingParams,
 )
 from rollmesh.messages.subjects import (
     ROLLOUT_COMPLETED,
     ROLLOUT_FAILED,
-    ROLLOUT_PROGRESSED,
     ROLLOUT_REQUESTED,
 )
 from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.rollout_sandbox import RolloutSandbox
-from rollmesh.rollout.rollout_state import InMemoryRolloutStates, conversation_of, with_progress
-from rollmesh.rollout.tasks import Conversation, Task, TaskInputError, TaskRegistry, UnknownTaskError
+from rollmesh.rollout.rollout_state import InMemoryRolloutStates
+from rollmesh.rollout.rollout_turns import RolloutRun, RolloutTurns, trace_id_of
+from rollmesh.rollout.tasks import Task, TaskInputError, TaskRegistry, UnknownTaskError
 from rollmesh.rollout.tool_runner import ToolRunner
 from rollmesh.rollout.trajectory import RolloutTrajectory
 from rollmesh.rollout.trajectory_offload import COMPLETED_OBJECT, OffloadingRolloutStates, place_trace
@@ -88,22 +83,6 @@ from rollmesh.telemetry import conventions, metrics, metrics_catalog
 _log = structlog.get_logger("rollmesh.rollout")
 _tracer = trace.get_tracer("rollmesh.rollout")
 MAX_RETRY_DELAY_S = 30.0
-
-
-def _trace_id(span: trace.Span) -> str:
-    """The span's trace id as 32 hex digits ("" when tracing is off: an invalid context)."""
-    context = span.get_span_context()
-    return f"{context.trace_id:032x}" if context.is_valid else ""
-
-
-@dataclass
-class _Run:
-    """One rollout as it runs here: its request, its latest state and its open span."""
-
-    request: RolloutRequested
-    state: RolloutState
-    span: trace.Span
-    ctx: MessageContext
 
 
 class RolloutRunner:
@@ -133,11 +112,9 @@ class RolloutRunner:
         self.chat = chat
         self.special_ids = special_token_ids(chat.directory.tokenizer)
         self.tasks = tasks
-        self.engine = engine
         self.publisher = publisher
         self.sandbox = sandbox or SandboxBrokerClient(publisher)
         self.leases = RolloutSandbox(self.sandbox, config)
-        self.tool_runner = ToolRunner(self.sandbox, config)
         self.states: RolloutStateStore = states if states is not None else InMemoryRolloutStates()
         # Where a trace too large to travel inline (rollout.inline_trajectory_bytes) is stored,
         # for the completed message and the saved state alike; None: always inline.
@@ -145,10 +122,12 @@ class RolloutRunner:
         if trajectories is not None:
             self.states = OffloadingRolloutStates(self.states, trajectories,
                                                   inline_bytes=config.inline_trajectory_bytes)
-        # Set for MoE models: every turn's routed-expert rows are kept for routing replay.
-        self.routed_experts = routed_experts
         self.worker = worker
         self.clock = clock
+        # MoE models (routed_experts set): every turn's routed-expert rows are kept for routing replay.
+        self.turns = RolloutTurns(config, chat=chat, engine=engine, tools=ToolRunner(self.sandbox, config),
+                                  leases=self.leases, publisher=publisher, clock=clock,
+                                  max_seq_len=self.max_seq_len, routed_experts=routed_experts)
         self.counts = {"completed": 0, "failed": 0, "resumed": 0, "republished": 0, "infra_retries": 0,
                        "joined": 0}
         self._running: dict[str, asyncio.Future[None]] = {}
@@ -225,7 +204,7 @@ class RolloutRunner:
                         conventions.RL_TRAJECTORY_ID: request.rollout_id,
                         conventions.RL_TASK: request.task},
         ) as rollout_span:
-            run = _Run(request, state, rollout_span, ctx)
+            run = RolloutRun(request, state, rollout_span, ctx)
             keepalive = asyncio.create_task(self._keep_in_progress(ctx), name=f"keepalive-{request.rollout_id}")
             try:
                 outcome = await self._run_with_retries(run)
@@ -233,7 +212,7 @@ class RolloutRunner:
                 keepalive.cancel()
                 await asyncio.gather(keepalive, return_exceptions=True)
             # The outcome names this attempt's trace, so a dashboard can link the rollout to it.
-            outcome = msgspec.structs.replace(outcome, trace_id=_trace_id(rollout_span))
+            outcome = msgspec.structs.replace(outcome, trace_id=trace_id_of(rollout_span))
             if isinstance(outcome, RolloutCompleted):
                 rollout_span.set_attribute("rollout.reward", outcome.reward)
             else:
@@ -254,7 +233,7 @@ class RolloutRunner:
             self.counts["failed"] += 1
             metrics.add(metrics_catalog.ROLLOUTS_FAILED, 1, {"kind": outcome.kind})
 
-    async def _run_with_retries(self, run: _Run) -> RolloutCompleted | RolloutFailed:
+    async def _run_with_retries(self, run: RolloutRun) -> RolloutCompleted | RolloutFailed:
         request = run.request
         while True:
             try:
@@ -279,7 +258,7 @@ class RolloutRunner:
                 await asyncio.sleep(min(MAX_RETRY_DELAY_S, self.config.infra_retry_delay_s
                                         * 2 ** (run.state.infra_failures - 1)))
 
-    async def _attempt(self, run: _Run) -> RolloutCompleted:
+    async def _attempt(self, run: RolloutRun) -> RolloutCompleted:
         request = run.request
         task = self._task(request)
         tools = self._tools(task)
@@ -294,7 +273,7 @@ class RolloutRunner:
         run.state = msgspec.structs.replace(run.state, lease_id=lease_id)
         try:
             conversation = await self.leases.while_leased(
-                lease_id, request.rollout_id, self._turns(run, task, tools, trajectory, lease_id))
+                lease_id, request.rollout_id, self.turns.run(run, task, tools, trajectory, lease_id, self._save))
         finally:
             await self.leases.release(lease_id, request.rollout_id)
         mismatches = self._check_tokens(run, trajectory)
@@ -350,90 +329,7 @@ class RolloutRunner:
                                         tool_calls=[], final_text="", finish_reason="", malformed_tool_calls=0)
         return state, trajectory
 
-    async def _turns(self, run: _Run, task: Task, tools: list[dict], trajectory: RolloutTrajectory,
-                     lease_id: str) -> Conversation:
-        request = run.request
-        saved = conversation_of(run.state)
-        if run.state.finish_reason:  # the last saved turn ended the rollout: nothing left to run
-            return saved
-        calls, outputs = list(saved.tool_calls), list(saved.tool_outputs)
-        malformed = saved.malformed_tool_calls
-        final_text, finish_reason = "", "stop"
-        link = trace.Link(run.span.get_span_context())
-        for turn in range(run.state.turn + 1, request.max_turns + 1):
-            room = self.max_seq_len - len(trajectory)
-            tool_wait_s = 0.0
-            # Each turn is its own trace (hour-long rollouts would make one trace unreadable),
-            # linked to the rollout's span so the whole story can be followed.
-            with _tracer.start_as_current_span(
-                conventions.SPAN_TURN, context=otel_context.Context(), links=[link],
-                attributes={"rollout_id": request.rollout_id, "turn": turn,
-                            conventions.RL_ROLLOUT_ID: request.rollout_id,
-                            conventions.RL_TURN_INDEX: turn,
-                            conventions.RL_SANDBOX_LEASE_ID: lease_id},
-            ) as turn_span:
-                sampling = SamplingParams(
-                    temperature=request.sampling.temperature, top_p=request.sampling.top_p,
-                    max_new_tokens=min(request.sampling.max_new_tokens, room), stop=list(request.sampling.stop),
-                )
-                generation = await self._generate(request, trajectory, sampling, turn,
-                                                  experts_from=run.state.routed_experts_rows)
-                if generation.versions:
-                    turn_span.set_attributes({
-                        conventions.RL_WEIGHT_VERSION_FIRST: generation.versions[0],
-                        conventions.RL_WEIGHT_VERSION_LAST: generation.versions[-1]})
-                experts = await self._keep_routed_experts(run, turn, generation)
-                ids = generation.token_ids
-                parsed = self.chat.parse_turn(ids, tools=tools, first_call_index=len(calls) + malformed,
-                                              prompt_ids=trajectory.ids)
-                trajectory.add_generated(ids, generation.logprobs, generation.versions,
-                                         self.chat.assistant_message(parsed))
-                ran_tools = False
-                if not ids or ids[-1] not in self.chat.end_of_turn_ids:
-                    # Cut by max_new_tokens (or a client stop string): no more turns on a broken turn.
-                    finish_reason = "truncated"
-                elif parsed.tool_calls or parsed.malformed:
-                    ran_tools = True
-                    tool_started = self.clock()
-                    results = await self.tool_runner.run_turn(request, task, parsed, lease_id, turn)
-                    tool_wait_s = self.clock() - tool_started
-                    calls += parsed.tool_calls
-                    outputs += results.outputs
-                    malformed += len(parsed.malformed)
-                    self._append(trajectory, results.messages, turn)
-                    if len(trajectory) >= self.max_seq_len:
-                        finish_reason = "truncated"  # no room left for the model to answer
-                else:
-                    final_text = parsed.content
-            ended = not ran_tools or finish_reason == "truncated" or turn == request.max_turns
-            snapshot_id = run.state.snapshot_id
-            if ran_tools and self.config.snapshot_workspace:
-                snapshot_id = await self.leases.snapshot(lease_id, request.rollout_id) or snapshot_id
-            conversation = Conversation(trajectory.messages, calls, outputs, final_text, finish_reason, malformed)
-            run.state = with_progress(run.state, trajectory=trajectory, conversation=conversation, turn=turn,
-                                      now=self.clock(), ended=ended, tool_wait_s=run.state.tool_wait_s + tool_wait_s,
-                                      snapshot_id=snapshot_id, **experts)
-            await self._save(run.state)
-            await run.ctx.in_progress()
-            if self.config.progress_events:
-                await self.publisher.publish(ROLLOUT_PROGRESSED, RolloutProgressed(
-                    rollout_id=request.rollout_id, turn=turn, num_tokens=len(trajectory),
-                    weight_version=max(generation.versions, default=-1),
-                    status="running" if not ended else ("truncated" if finish_reason == "truncated" else "answered"),
-                    trace_id=_trace_id(run.span),
-                ))
-            if ended:
-                return conversation
-        return conversation_of(run.state)  # max_turns was reached before this attempt
-
-    def _append(self, trajectory: RolloutTrajectory, messages: list[dict], turn: int) -> None:
-        try:
-            trajectory.append(messages)
-        except ChatError as exc:  # the template refuses the conversation as it now stands
-            raise RolloutError("invalid_request", f"turn {turn}: the chat template refuses the tool results: {exc}",
-                               turns=turn) from exc
-
-    def _check_tokens(self, run: _Run, trajectory: RolloutTrajectory) -> dict[str, int]:
+    def _check_tokens(self, run: RolloutRun, trajectory: RolloutTrajectory) -> dict[str, int]:
         """The trajectory against a whole render of its conversation: differences by kind, counted;
         a bug-class one fails the rollout when ``rollout.strict_tokenization`` is on."""
         counts, bugs = trajectory.check_tokens(self.special_ids)
@@ -482,30 +378,3 @@ class RolloutRunner:
             return self.tasks.get(request.task)
         except UnknownTaskError as exc:
             raise RolloutError("unknown_task", str(exc)) from exc
-
-    async def _generate(self, request: RolloutRequested, trajectory: RolloutTrajectory,
-                        sampling: SamplingParams, turn: int, *, experts_from: int):
-        # One session per rollout: each turn reuses the KV of the turns before it. An MoE model
-        # also reports the routing of the positions this turn forwarded that earlier turns did not.
-        options = GenerateOptions(session_id=request.rollout_id,
-                                  return_routed_experts=self.routed_experts is not None,
-                                  routed_experts_start_len=experts_from)
-        try:
-            return await self.engine.generate(
-                list(trajectory.ids), sampling, request_id=f"{request.rollout_id}/{turn}", options=options)
-        except Exception as exc:  # the engine's and Ray's errors alike: a typed failure, not a crash
-            raise RolloutError("inference_error", f"turn {turn}: {exc}", turns=turn) from exc
-
-    async def _keep_routed_experts(self, run: _Run, turn: int, generation) -> dict[str, object]:
-        """Store the turn's routed-expert rows; the state fields that point at them."""
-        rows = generation.routed_experts
-        if self.routed_experts is None or rows is None:
-            return {}
-        try:
-            ref = await self.routed_experts.save_turn(run.request.rollout_id, turn,
-                                                      generation.routed_experts_start, rows)
-        except StateStoreError as exc:  # without its rows the trajectory cannot be replayed
-            raise RolloutError("inference_error", f"turn {turn}: routed experts not stored: {exc}",
-                               turns=turn) from exc
-        return {"routed_experts_ref": ref,
-                "routed_experts_rows": generation.routed_experts_start + len(rows)}
