@@ -108,9 +108,9 @@ def wait_spans(path: Path, trace_id: str, want: int, timeout_s: float = 15.0) ->
 
 @pytest.fixture(scope="module")
 def served_run_dir(ray_session: None, nats_server: EmbeddedNatsServer,
-                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+                   tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[tuple[str, Path]]:
     """One aggregated decode worker behind the app, both tracing into one run directory."""
-    model = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=32)
+    model = ModelConfig(path=str(demo_model_dir))
     namespace = "t" + uuid.uuid4().hex[:10]
     run_dir = tmp_path_factory.mktemp("serve-trace-run")
     mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(run_dir))
@@ -121,8 +121,7 @@ def served_run_dir(ray_session: None, nats_server: EmbeddedNatsServer,
         ray.get(decode.start.remote(), timeout=60)
         app = build_inference_app(
             prefill_actor_names=[], decode_actor_names=[name], ray_namespace=namespace,
-            model_name="tiny", max_seq_len=model.max_seq_len, vocab_size=model.vocab_size,
-            telemetry=TelemetryConfig(exporter="jsonl"), run_dir=str(run_dir),
+            model=model, model_name="tiny", telemetry=TelemetryConfig(exporter="jsonl"), run_dir=str(run_dir),
         )
         url = deploy_inference_app(app, host="127.0.0.1", port=_free_port())
         yield url, run_dir / "traces.jsonl"
