@@ -703,12 +703,14 @@ async def test_malformed_calls_become_tool_results_saying_what_was_wrong_and_are
 async def test_a_python_tool_runs_task_code_and_its_exception_is_a_tool_result():
     from rollmesh.rollout.tasks import PythonTool
 
+    def calculate(formula: str) -> str:
+        if formula == "Xx":
+            raise ValueError("unknown element 'Xx'")
+        return true_molar_mass(formula)
+
     class PythonCalcTask(MolarMassTask):
         def tool_action(self, call, task_input):
-            formula = call.arguments["formula"]
-            if formula == "Xx":
-                return PythonTool(lambda: (_ for _ in ()).throw(ValueError("unknown element 'Xx'")))
-            return PythonTool(lambda: true_molar_mass(formula))
+            return PythonTool(lambda: calculate(call.arguments["formula"]))
 
     engine, bus, states = ScriptedEngine([tool_call("Xx"), tool_call(), answer()]), sandbox_bus(), InMemoryRolloutStates()
     result = await run(engine, bus, states=states, tasks=[PythonCalcTask()])

@@ -22,5 +22,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     temperature: Annotated[float, Meta(ge=0.0, le=10.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     max_new_tokens: Annotated[int, Meta(ge=1, le=1_000_000)] = 64
-    # Generation also stops when any of these strings has been produced (a tool call's closing tag).
+    # Generation also stops when any of these strings has been produced (a turn always ends at the
+    # model's end-of-turn ids; in a rollout, a turn cut by a stop string ends the rollout truncated).
     stop: Annotated[list[str], Meta(max_length=16)] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -90,10 +91,10 @@ class RolloutTurns:
                             conventions.RL_TURN_INDEX: turn,
                             conventions.RL_SANDBOX_LEASE_ID: lease_id},
             ) as turn_span:
-                sampling = SamplingParams(
-                    temperature=request.sampling.temperature, top_p=request.sampling.top_p,
-                    max_new_tokens=min(request.sampling.max_new_tokens, room), stop=list(request.sampling.stop),
-                )
+                # The request's sampling, told the room left in the model's context. A client's stop
+                # string cuts a turn before its end-of-turn id: that turn ends the rollout, truncated.
+                sampling = msgspec.structs.replace(
+                    request.sampling, max_new_tokens=min(request.sampling.max_new_tokens, room))
                 generation = await self._generate(request, trajectory, sampling, turn,
                                                   experts_from=run.state.routed_experts_rows)
                 if generation.versions:
