@@ -167,6 +167,18 @@ def test_registry_unknown_task_error_lists_the_registered_ones():
     assert raised.value.task == "chess"
 
 
+def test_registry_refuses_a_task_of_the_text_api_naming_what_a_task_has_now():
+    class TextTask:  # before chat messages: a prompt string and an argv per call
+        name = "old"
+
+        def build_prompt(self, task_input): ...
+        def tool_argv(self, call, task_input): ...
+        def reward(self, task_input, transcript): ...
+
+    with pytest.raises(TypeError, match="messages, tools, tool_action, reward"):
+        TaskRegistry().register(TextTask())  # type: ignore[arg-type]
+
+
 def test_registry_refuses_an_object_that_is_not_a_task():
     with pytest.raises(TypeError):
         TaskRegistry().register(object())  # type: ignore[arg-type]
