@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollmesh.chat import ChatModel, ToolCall
+from rollmesh.chat import ChatModel, ToolCall, check_trajectory
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.rollout.molar_mass import MolarMassTask, is_held_out
 from rollmesh.training.admission import Group, GroupBuffer, GroupMember, version_lag
@@ -217,3 +217,43 @@ def test_backend_state_dict_is_a_copy_of_the_model_weights(backend):
     tensor.add_(1.0)
     assert not torch.equal(backend.model.state_dict()[name], tensor)
     assert set(state) == set(backend.model.state_dict())
+
+
+# --- warm-start data on every family's template ------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "qwen3", "llama3", "mistral", "deepseek_v3", "kimi_k2", "gpt_oss"])
+def test_a_tool_conversation_trains_only_generated_text_whatever_the_family(chat_model_dirs, family):
+    """The supervised sequence of a call, its result and an answer, in each family's own format:
+    every difference from a whole render of the conversation is in the assistant's own tokens
+    (re-tokenization) or a history rewrite the family documents, never in text the model did not
+    generate (check-template's rule for a bug)."""
+    from chat_models import FAMILIES
+
+    from rollmesh.chat.token_check import special_token_ids
+    from rollmesh.training.warm_start import conversation_trajectory
+
+    chat = ChatModel.load(chat_model_dirs[family], template_kwargs=FAMILIES[family].template_kwargs)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": "",
+                 "tool_calls": [ToolCall(id="weather-1", name="get_weather", arguments={"city": "Paris"})]},
+                {"role": "tool", "tool_call_id": "weather-1", "content": "sunny, 21 C"},
+                {"role": "assistant", "content": "It is sunny in Paris."}]
+    trajectory = conversation_trajectory(chat, messages, tools=[WEATHER_TOOL])
+
+    (report,) = check_trajectory(trajectory, special_token_ids(chat.directory.tokenizer))
+    ids, mask = trajectory.sample.ids, trajectory.sample.loss_mask
+
+    def generated(start: int, end: int) -> bool:  # an insertion: generated on both sides
+        return all(mask[start:end]) if start < end else 0 < start < len(mask) and mask[start - 1] and mask[start]
+
+    bugs = [d for d in report.differences if not d.rewrite and not generated(d.trace_start, d.trace_end)]
+    assert bugs == [], report
+    tool_message = trajectory.messages[2]
+    assert tool_message["tool_call_id"] == trajectory.messages[1]["tool_calls"][0]["id"]  # answers the parsed call
+    assert "sunny, 21 C" not in chat.decode([t for t, m in zip(ids, mask) if m])
+    assert mask[-1] == 1 and ids[-1] in chat.end_of_turn_ids

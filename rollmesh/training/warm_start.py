@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from rollmesh.chat import ChatModel, ToolCall
+from rollmesh.chat import TOOL_PARSERS, ChatModel, ChatTrajectory, ToolCall, conform_call_id, prompt_opens_reasoning
 from rollmesh.rollout.tasks import DemonstrableTask
 
 # (ids, loss_mask): what the backends' ``sft_step`` trains on.
@@ -39,12 +40,21 @@ class ConversationError(ValueError):
 
 def conversation_sequence(chat: ChatModel, messages: Sequence[Mapping[str, Any]], *,
                           tools: Sequence[Mapping[str, Any]] | None = None) -> SftSequence:
-    """One (ids, loss_mask) sequence of a whole conversation (module docstring).
+    """One (ids, loss_mask) sequence of a whole conversation (``conversation_trajectory``)."""
+    sample = conversation_trajectory(chat, messages, tools=tools).sample
+    return list(sample.ids), list(sample.loss_mask)
+
+
+def conversation_trajectory(chat: ChatModel, messages: Sequence[Mapping[str, Any]], *,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> ChatTrajectory:
+    """A whole conversation as the token-exact trajectory a rollout would have built (module
+    docstring); its ``sample`` is what trains.
 
     ``messages``: the prompt (system, user...), then assistant turns (``content``, ``tool_calls``
     as ``rollmesh.chat.ToolCall`` or OpenAI entries, optional ``reasoning_content``) with the
     messages that answer them (``tool`` results by ``tool_call_id``, user turns); it must end with
-    an assistant turn. A tool result's ``tool_call_id`` is mapped to the id its call gets when
+    an assistant turn. Call ids are made what the family's template accepts (Mistral's nine
+    characters...), and a tool result's ``tool_call_id`` is mapped to the id its call gets when
     parsed, as a rollout's results carry it.
     """
     first = next((index for index, message in enumerate(messages) if message.get("role") == "assistant"), None)
@@ -52,6 +62,7 @@ def conversation_sequence(chat: ChatModel, messages: Sequence[Mapping[str, Any]]
         raise ConversationError("no assistant turn to train on")
     if messages[-1].get("role") != "assistant":
         raise ConversationError("the conversation must end with an assistant turn", message_index=len(messages) - 1)
+    style = TOOL_PARSERS[chat.tool_parser].call_id_style if chat.tool_parser else "openai"
     trajectory = chat.new_trajectory(messages[:first], tools=tools)
     call_ids: dict[str, str] = {}
     calls_so_far = 0
@@ -64,17 +75,20 @@ def conversation_sequence(chat: ChatModel, messages: Sequence[Mapping[str, Any]]
         if pending:
             trajectory.append(pending)  # consecutive results and user turns: one append, as a rollout does
             pending = []
-        calls = [_as_tool_call(call, calls_so_far + number) for number, call in enumerate(message.get("tool_calls") or ())]
+        given = [_as_tool_call(call, calls_so_far + n) for n, call in enumerate(message.get("tool_calls") or ())]
+        calls = [replace(call, id=conform_call_id(style, call.id, calls_so_far + n, name=call.name), index=n)
+                 for n, call in enumerate(given)]
+        prompt_ids = trajectory.prompt_ids()
         text = chat.write_turn(content=message.get("content") or "", calls=calls,
-                               reasoning=message.get("reasoning_content"))
+                               reasoning=message.get("reasoning_content"),
+                               prompt_opened_reasoning=prompt_opens_reasoning(chat.decode(prompt_ids[-8:])))
         ids = chat.encode(text)
-        parsed = chat.parse_turn(ids, tools=tools, first_call_index=calls_so_far, prompt_ids=trajectory.prompt_ids())
+        parsed = chat.parse_turn(ids, tools=tools, first_call_index=calls_so_far, prompt_ids=prompt_ids)
         _check_calls(parsed.tool_calls, parsed.malformed, calls, index)
-        call_ids.update({given.id: found.id for given, found in zip(calls, parsed.tool_calls) if given.id})
+        call_ids.update({call.id: found.id for call, found in zip(given, parsed.tool_calls) if call.id})
         calls_so_far += len(parsed.tool_calls)
         trajectory.add_generated(ids, [0.0] * len(ids), chat.assistant_message(parsed))
-    sample = trajectory.sample
-    return list(sample.ids), list(sample.loss_mask)
+    return trajectory
 
 
 def demonstration_batch(task: DemonstrableTask, chat: ChatModel, rng: random.Random, *, size: int,
