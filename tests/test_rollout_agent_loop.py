@@ -789,3 +789,21 @@ def test_history_rewrite_split_is_refused_by_config_until_the_trainer_takes_seve
     assert RolloutConfig().history_rewrite == "keep_sampled" and not RolloutConfig().strict_tokenization
     with pytest.raises(ValueError, match="split.*not supported by the rollout path"):
         RolloutConfig(history_rewrite="split")
+
+
+@pytest.mark.parametrize("strict", [True, False])
+async def test_a_conversation_the_template_will_not_render_whole_fails_strict_rollouts_and_goes_unchecked_otherwise(
+        monkeypatch, strict):
+    from rollmesh.chat import TemplateRenderError
+    from rollmesh.rollout import trajectory as trajectory_module
+
+    def refuse(*args, **kwargs):
+        raise TemplateRenderError("chat template failed: tool results must follow calls")
+
+    monkeypatch.setattr(trajectory_module, "check_trajectory", refuse)
+    result = await run(ScriptedEngine([tool_call(), answer()]), sandbox_bus(), strict_tokenization=strict)
+    if strict:
+        assert isinstance(result, RolloutFailed) and result.kind == "tokenization_error"
+        assert "tool results must follow calls" in result.reason
+    else:
+        assert isinstance(result, RolloutCompleted) and result.tokenization_mismatches == {}

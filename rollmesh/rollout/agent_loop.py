@@ -263,8 +263,12 @@ class RolloutRunner:
         task = self._task(request)
         tools = self._tools(task)
         if run.state.messages:  # resumed (after a crash or an infrastructure failure)
-            trajectory = RolloutTrajectory.resume(self.chat, run.state.messages, run.state.token_trace(),
-                                                  tools=tools, history_rewrite=self.config.history_rewrite)
+            try:
+                trajectory = RolloutTrajectory.resume(self.chat, run.state.messages, run.state.token_trace(),
+                                                      tools=tools, history_rewrite=self.config.history_rewrite)
+            except ChatError as exc:
+                raise RolloutError("invalid_request", f"the chat template refuses the saved conversation: {exc}",
+                                   turns=run.state.turn) from exc
         else:  # a new rollout (or one saved before chat messages: it starts over)
             run.state, trajectory = self._started(run.state, task, tools)
         saved = run.state
@@ -332,7 +336,14 @@ class RolloutRunner:
     def _check_tokens(self, run: RolloutRun, trajectory: RolloutTrajectory) -> dict[str, int]:
         """The trajectory against a whole render of its conversation: differences by kind, counted;
         a bug-class one fails the rollout when ``rollout.strict_tokenization`` is on."""
-        counts, bugs = trajectory.check_tokens(self.special_ids)
+        try:
+            counts, bugs = trajectory.check_tokens(self.special_ids)
+        except ChatError as exc:  # the template will not render the finished conversation whole
+            _log.warning("tokenization_unchecked", rollout_id=run.request.rollout_id, error=str(exc))
+            if self.config.strict_tokenization:
+                raise RolloutError("tokenization_error", f"the conversation could not be rendered whole to "
+                                   f"check its tokens: {exc}", turns=run.state.turn) from exc
+            return {}
         for kind, count in counts.items():
             if count:
                 metrics.add(metrics_catalog.TOKENIZATION_MISMATCHES, count, {"kind": kind})
