@@ -4,8 +4,9 @@ flush) behind an API key.
 
 The model is a tiny Qwen3-MoE checkpoint built locally with transformers (nothing downloaded)
 with the demo model's tokenizer files (and so its chat template), so the text routes work too;
-served by one prefill and one decode actor on the session's Ray; one deployment for the module. The weight update
-test moves the deployment's version forward, so tests here never assume version 0.
+served by one prefill and one decode actor on the session's Ray; one deployment for the module.
+The weight update test moves the deployment's version forward, so tests here never assume
+version 0.
 """
 
 from __future__ import annotations
@@ -253,7 +254,8 @@ def test_flush_cache_drops_parked_sessions(
 ) -> None:
     session = {"session_id": "moe-" + uuid.uuid4().hex[:8]}
     first = generate(client, prompt, **session)
-    second = generate(client, [*prompt, *first["output_ids"], *ChatModel.load(deployed.checkpoint).encode(" ok")], **session)
+    more = ChatModel.load(deployed.checkpoint).encode(" ok")
+    second = generate(client, [*prompt, *first["output_ids"], *more], **session)
     assert second["meta_info"]["cached_tokens"] > 0
     flushed = client.post("/flush_cache")
     assert flushed.status_code == 200, flushed.text
