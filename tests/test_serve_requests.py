@@ -409,3 +409,18 @@ def test_update_weight_version_is_the_requests_or_one_past_the_newest() -> None:
         with pytest.raises(InvalidApiRequestError) as raised:
             requested_weight_version(bad, 4)
         assert raised.value.param == "weight_version"
+
+
+def test_a_rayservice_app_without_a_model_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rollmesh.config import ConfigError
+    from rollmesh.serve_apps.rayservice_entry import app_builder
+
+    config = tmp_path / "rollmesh.toml"
+    config.write_text('namespace = "default"\n')
+    monkeypatch.delenv("ROLLMESH_MODEL__PATH", raising=False)
+    monkeypatch.setenv("ROLLMESH_API_KEY", "test-key")
+    with pytest.raises(ConfigError, match="model.path must name the model directory") as raised:
+        app_builder({"config": str(config)})
+    assert raised.value.path == "model.path"

@@ -36,6 +36,11 @@ def app_builder(args: dict[str, Any]) -> Application:
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc), source=ARGS_SOURCE) from exc
     config = load_config(parsed.config)
+    if not config.model.path:
+        # The mesh builds the demo model into its run directory; this app has none to look in.
+        raise ConfigError("model.path must name the model directory the workers serve (on the "
+                          "shared volume): a RayService app cannot use the demo's default",
+                          source=parsed.config, path="model.path")
     # Beyond loopback, so a key is required: ROLLMESH_API_KEY or serve.api_key_file.
     api_key = required_api_key(config.serve.api_key_file, os.environ, host=PROXY_HOST,
                                security_enabled=config.security.enabled)
