@@ -168,6 +168,8 @@ def test_call_ids_the_template_would_refuse_are_replaced_and_their_results_follo
     (renamed,) = {part[:9] for part in text.split('"id": "')[1:]}
     assert len(renamed) == 9 and renamed.isalnum()
     assert f'"call_id": "{renamed}"' in text
+    # A later request that no longer declares the tools still carries the calls in the history.
+    assert served.chat.decode(chat_inputs(chat(*history), served).input_ids).count(renamed) == 2
 
 
 def test_a_template_refusal_is_an_openai_shaped_400(chat_model_dirs: dict[str, Path]) -> None:

@@ -99,7 +99,8 @@ def chat_inputs(request: ChatCompletionRequest, served: ServedModel) -> ChatProm
             f"the model {served.name!r} has no tool-call format (its chat template shows none and "
             "model.tool_parser is unset)", code="unsupported_value", param="tools")
     chat = _request_chat(served.chat, request.chat_template_kwargs, with_tools=bool(tools))
-    messages = template_messages(request.messages, chat)
+    # The model's own call-id style, also for a history with calls and no tools declared now.
+    messages = template_messages(request.messages, served.chat)
     try:
         text = chat.render(messages, tools=tools, add_generation_prompt=True)
     except TemplateRenderError as exc:
@@ -169,7 +170,8 @@ def chat_response(
         choices=[
             ChatChoice(
                 index=0,
-                message=AssistantMessage(content=parsed.content if parsed.content or not calls else None,
+                # OpenAI's content is null beside calls when the model wrote no text.
+                message=AssistantMessage(content=parsed.content or (None if calls else ""),
                                          tool_calls=calls, reasoning_content=parsed.reasoning),
                 finish_reason="tool_calls" if calls else openai_finish_reason(result),
                 weight_versions=list(result.versions),
