@@ -380,7 +380,8 @@ class MegatronLlama:
                 dist.broadcast(whole, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
             out.update(self.arch_map.to_hf(name, whole))
         if self.spec.tie_embeddings:
-            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+            # A copy, as the torch backend's: safetensors (weight buckets) refuses shared storage.
+            out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
         return out
 
     def _gather(self, name: str, shard: torch.Tensor, size: int, group) -> torch.Tensor:
