@@ -393,7 +393,9 @@ class TrainerLogic:
         loss = float("nan")
         with _tracer.start_as_current_span("warm_start", attributes={"steps": steps}):
             for _ in range(steps):
-                batch = demonstration_batch(task, chat, rng, size=batch_size, tool_fraction=tool_fraction)
+                # Rendering and tokenizing 64 conversations takes tens of ms: off the event loop.
+                batch = await asyncio.to_thread(demonstration_batch, task, chat, rng, size=batch_size,
+                                                tool_fraction=tool_fraction)
                 loss = await asyncio.to_thread(self.backend.sft_step, batch, lr=lr)
             if steps:
                 await self._commit_step(self.step, [], new_weights=True)
@@ -404,7 +406,8 @@ class TrainerLogic:
         rollout would (``warm_start.conversation_sequence``); weights are published by the next
         ``warm_start`` commit or policy step, not here."""
         chat = await self._chat_model()
-        batch = [conversation_sequence(chat, messages, tools=tools) for messages, tools in conversations]
+        batch = await asyncio.to_thread(
+            lambda: [conversation_sequence(chat, messages, tools=tools) for messages, tools in conversations])
         return await asyncio.to_thread(self.backend.sft_step, batch, lr=lr)
 
     async def _chat_model(self) -> ChatModel:

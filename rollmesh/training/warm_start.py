@@ -20,7 +20,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from rollmesh.chat import TOOL_PARSERS, ChatModel, ChatTrajectory, ToolCall, conform_call_id, prompt_opens_reasoning
+from rollmesh.chat import (
+    TOOL_PARSERS,
+    ChatModel,
+    ChatTrajectory,
+    ToolCall,
+    ToolSet,
+    conform_call_id,
+    prompt_opens_reasoning,
+)
 from rollmesh.rollout.tasks import DemonstrableTask
 
 # (ids, loss_mask): what the backends' ``sft_step`` trains on.
@@ -39,14 +47,16 @@ class ConversationError(ValueError):
 
 
 def conversation_sequence(chat: ChatModel, messages: Sequence[Mapping[str, Any]], *,
-                          tools: Sequence[Mapping[str, Any]] | None = None) -> SftSequence:
+                          tools: Sequence[Mapping[str, Any]] | None = None,
+                          toolset: ToolSet | None = None) -> SftSequence:
     """One (ids, loss_mask) sequence of a whole conversation (``conversation_trajectory``)."""
-    sample = conversation_trajectory(chat, messages, tools=tools).sample
+    sample = conversation_trajectory(chat, messages, tools=tools, toolset=toolset).sample
     return list(sample.ids), list(sample.loss_mask)
 
 
 def conversation_trajectory(chat: ChatModel, messages: Sequence[Mapping[str, Any]], *,
-                            tools: Sequence[Mapping[str, Any]] | None = None) -> ChatTrajectory:
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            toolset: ToolSet | None = None) -> ChatTrajectory:
     """A whole conversation as the token-exact trajectory a rollout would have built (module
     docstring); its ``sample`` is what trains.
 
@@ -55,7 +65,8 @@ def conversation_trajectory(chat: ChatModel, messages: Sequence[Mapping[str, Any
     messages that answer them (``tool`` results by ``tool_call_id``, user turns); it must end with
     an assistant turn. Call ids are made what the family's template accepts (Mistral's nine
     characters...), and a tool result's ``tool_call_id`` is mapped to the id its call gets when
-    parsed, as a rollout's results carry it.
+    parsed, as a rollout's results carry it. ``toolset``: ``tools`` already checked and
+    compiled (``ToolSet.from_openai``), for callers tokenizing many conversations of one task.
     """
     first = next((index for index, message in enumerate(messages) if message.get("role") == "assistant"), None)
     if first is None:
@@ -63,6 +74,8 @@ def conversation_trajectory(chat: ChatModel, messages: Sequence[Mapping[str, Any
     if messages[-1].get("role") != "assistant":
         raise ConversationError("the conversation must end with an assistant turn", message_index=len(messages) - 1)
     style = TOOL_PARSERS[chat.tool_parser].call_id_style if chat.tool_parser else "openai"
+    # Checking the schemas is most of a short conversation's cost: once, not once per turn.
+    toolset = toolset if toolset is not None else ToolSet.from_openai(tools)
     trajectory = chat.new_trajectory(messages[:first], tools=tools)
     call_ids: dict[str, str] = {}
     calls_so_far = 0
@@ -83,7 +96,7 @@ def conversation_trajectory(chat: ChatModel, messages: Sequence[Mapping[str, Any
                                reasoning=message.get("reasoning_content"),
                                prompt_opened_reasoning=prompt_opens_reasoning(chat.decode(prompt_ids[-8:])))
         ids = chat.encode(text)
-        parsed = chat.parse_turn(ids, tools=tools, first_call_index=calls_so_far, prompt_ids=prompt_ids)
+        parsed = chat.parse_turn(ids, tools=toolset, first_call_index=calls_so_far, prompt_ids=prompt_ids)
         _check_calls(parsed.tool_calls, parsed.malformed, calls, index)
         call_ids.update({call.id: found.id for call, found in zip(given, parsed.tool_calls) if call.id})
         calls_so_far += len(parsed.tool_calls)
@@ -95,10 +108,11 @@ def demonstration_batch(task: DemonstrableTask, chat: ChatModel, rng: random.Ran
                         tool_fraction: float) -> list[SftSequence]:
     """``size`` supervised sequences of training-split demonstrations (``conversation_sequence``)."""
     tools = task.tools()
+    toolset = ToolSet.from_openai(tools)
     batch = []
     for task_input in task.sample_task_inputs(rng, size, held_out=False):
         follow = task.demonstration(task_input, uses_tool=rng.random() < tool_fraction, rng=rng)
-        batch.append(conversation_sequence(chat, [*task.messages(task_input), *follow], tools=tools))
+        batch.append(conversation_sequence(chat, [*task.messages(task_input), *follow], tools=tools, toolset=toolset))
     return batch
 
 
