@@ -6,9 +6,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from rollmesh.config import ConfigError, RollmeshConfig, TrainerConfig, load_config
+from rollmesh.chat import ChatModel
+from rollmesh.config import (
+    RUN_CONFIG_FILE,
+    ConfigError,
+    RollmeshConfig,
+    TrainerConfig,
+    load_config,
+    load_run_config,
+)
 from rollmesh.mesh_info import (
     MESH_FILE,
     MeshInfo,
@@ -18,6 +27,7 @@ from rollmesh.mesh_info import (
     read_mesh_info,
     write_mesh_info,
 )
+from rollmesh.model_source import DEMO_MODEL_DIR, ModelPathError, resolve_model
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -121,6 +131,55 @@ def test_config_is_frozen():
         config.trainer.lr = 1.0  # type: ignore[misc]
 
 
+# --- the model -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("key", "value", "replacement"), [
+    ("hf_path", '"/models/qwen"', "model.path"),
+    ("family", '"hf"', "model.path"),
+    ("d_model", "64", "config.json"),
+    ("max_seq_len", "512", "config.json"),
+    ("seed", "3", "demo.seed"),
+])
+def test_a_retired_model_key_in_the_file_is_a_config_error_naming_its_replacement(tmp_path, key, value,
+                                                                                   replacement):
+    path = write_toml(tmp_path, f"[model]\n{key} = {value}\n")
+    with pytest.raises(ConfigError, match=f"model.{key} is gone: use .*{replacement}") as raised:
+        load_config(path, environ={})
+    assert raised.value.path == f"model.{key}" and raised.value.source == str(path)
+
+
+def test_a_retired_model_key_from_the_environment_is_a_config_error_naming_the_variable():
+    with pytest.raises(ConfigError, match="model.hf_path is gone: use model.path") as raised:
+        load_config(environ={"ROLLMESH_MODEL__HF_PATH": "/models/qwen"})
+    assert raised.value.source == "ROLLMESH_MODEL__HF_PATH" and raised.value.path == "model.hf_path"
+
+
+def test_a_retired_model_key_in_a_saved_run_config_is_a_config_error(tmp_path):
+    (tmp_path / RUN_CONFIG_FILE).write_text('{"model": {"hf_path": "/models/qwen"}}')
+    with pytest.raises(ConfigError, match="model.hf_path is gone: use model.path"):
+        load_run_config(tmp_path)
+
+
+def test_an_empty_model_path_resolves_to_the_demo_model_built_in_the_run_directory(tmp_path):
+    config = load_config(environ={})  # no ROLLMESH_MODEL__PATH: the embedded default
+    assert config.model.path == ""
+    resolved = resolve_model(config, tmp_path / "run")
+    assert resolved.model.path == str((tmp_path / "run" / DEMO_MODEL_DIR).absolute())
+    assert ChatModel.from_config(resolved.model).end_of_turn_ids  # a model directory with its tokenizer
+    assert resolved.model.path == resolve_model(config, tmp_path / "run").model.path  # kept on resume
+    assert msgspec.structs.replace(resolved, model=config.model) == config  # nothing else changes
+
+
+def test_a_relative_model_path_is_made_absolute_and_a_directory_without_a_model_refused(
+        tmp_path, monkeypatch, demo_model_dir):
+    monkeypatch.chdir(demo_model_dir.parent)
+    config = load_config(environ={"ROLLMESH_MODEL__PATH": demo_model_dir.name})
+    assert resolve_model(config, tmp_path).model.path == str(demo_model_dir)
+    with pytest.raises(ModelPathError, match="no config.json") as raised:
+        resolve_model(load_config(environ={"ROLLMESH_MODEL__PATH": str(tmp_path)}), tmp_path)
+    assert raised.value.path == str(tmp_path)
+
+
 # --- mesh.json ---------------------------------------------------------------------------------
 
 def test_mesh_info_written_to_a_run_dir_reads_back_equal(tmp_path):
@@ -157,17 +216,23 @@ def test_no_runs_or_no_mesh_file_is_mesh_not_found(tmp_path):
 
 def test_the_megatron_layout_is_a_nested_table_and_its_world_is_tp_x_pp_x_dp(tmp_path):
     path = tmp_path / "megatron.toml"
-    path.write_text('[model]\nfamily = "hf"\nhf_path = "/models/qwen"\n[trainer]\nbackend = "megatron"\n'
+    path.write_text('[model]\npath = "/models/qwen"\n[trainer]\nbackend = "megatron"\n'
                     "[trainer.megatron]\ntensor_parallel = 2\npipeline_parallel = 2\ndata_parallel = 4\n"
                     "expert_parallel = 2\ndistributed_optimizer = true\n")
     config = load_config(path, environ={})
     assert config.trainer.backend == "megatron" and config.trainer.megatron.world_size == 16
+    assert config.model.path == "/models/qwen"
+
+
+def test_the_megatron_backend_takes_the_default_demo_model():
+    # Before the demo model was a Hugging Face directory, megatron refused it; every model is one now.
+    config = load_config(environ={"ROLLMESH_TRAINER__BACKEND": "megatron"})
+    assert config.trainer.backend == "megatron" and config.model.path == ""
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ('[trainer]\nbackend = "megatron"\n', "Hugging Face models only"),  # the tiny model
     ('[trainer]\noptimizer_offload = true\n', "optimizer_offload needs"),
-    ('[model]\nfamily = "hf"\n[trainer]\nbackend = "megatron"\nprecision = "bf16"\n', "torch backend"),
+    ('[trainer]\nbackend = "megatron"\nprecision = "bf16"\n', "torch backend"),
     ("[trainer.megatron]\ndata_parallel = 3\nexpert_parallel = 2\n", "expert_parallel must divide"),
 ])
 def test_trainer_settings_that_cannot_run_together_are_config_errors(tmp_path, text, message):
