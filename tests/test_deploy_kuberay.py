@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import importlib
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -312,12 +314,56 @@ def test_rayservice_app_builder_builds_the_inference_app_from_the_mounted_config
     # The config path the app is given is where every pod mounts the ConfigMap.
     mounts = {m["mountPath"] for m in _driver(ray_cluster()["spec"])["volumeMounts"]}
     assert app["args"]["config"] in mounts
+    # The app loads model.path, a directory on the shared volume, which the head pod's init
+    # container fills with the demo's model before the driver starts. Here the volume is a
+    # temporary directory, and the init container's own command builds the model into it.
+    model_path = mesh_config(tmp_path).model.path
+    shared = _shared_volume_mount(_driver(ray_cluster()["spec"]))
+    assert model_path.startswith(shared + "/")
+    init = _demo_model_init_container(ray_service()["spec"]["rayClusterConfig"])
+    assert init["command"][-1] == model_path and _shared_volume_mount(init) == shared
+    local_model = str(tmp_path / "shared") + model_path[len(shared):]
+    command = [sys.executable if arg == "python" else arg for arg in init["command"][:-1]]
+    subprocess.run([*command, local_model], check=True, timeout=120)
     config_path = tmp_path / "rollmesh.toml"
-    config_path.write_text(config_map()["data"]["rollmesh.toml"])
+    config_text = config_map()["data"]["rollmesh.toml"]
+    assert f'path = "{model_path}"' in config_text
+    config_path.write_text(config_text.replace(f'path = "{model_path}"', f'path = "{local_model}"'))
+    monkeypatch.delenv("ROLLMESH_MODEL__PATH")  # the config's model, not the session's
     monkeypatch.setenv("ROLLMESH_API_KEY", "test-key")
     from ray.serve import Application
 
     assert isinstance(builder({**app["args"], "config": str(config_path)}), Application)
+
+
+def test_rayservice_app_builder_refuses_a_model_path_that_holds_no_model(tmp_path, monkeypatch):
+    from rollmesh.engine.models.errors import ModelConfigError
+    from rollmesh.serve_apps.rayservice_entry import app_builder
+
+    config_path = tmp_path / "rollmesh.toml"
+    config_path.write_text(f'namespace = "default"\n[model]\npath = "{tmp_path / "nothing"}"\n')
+    monkeypatch.delenv("ROLLMESH_MODEL__PATH")
+    monkeypatch.setenv("ROLLMESH_API_KEY", "test-key")
+    # At deploy time, not in each replica's start again and again.
+    with pytest.raises(ModelConfigError) as raised:
+        app_builder({"config": str(config_path)})
+    assert raised.value.path.startswith(str(tmp_path / "nothing"))
+
+
+def test_both_manifests_build_the_demo_model_where_the_config_names_it(tmp_path):
+    model_path = mesh_config(tmp_path).model.path
+    for spec in (ray_cluster()["spec"], ray_service()["spec"]["rayClusterConfig"]):
+        init = _demo_model_init_container(spec)
+        assert init["image"] == _driver(spec)["image"] and init["command"][-1] == model_path
+
+
+def _demo_model_init_container(spec: dict[str, Any]) -> dict[str, Any]:
+    (init,) = spec["headGroupSpec"]["template"]["spec"]["initContainers"]
+    return init
+
+
+def _shared_volume_mount(container: dict[str, Any]) -> str:
+    return next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "shared")
 
 
 def test_rayservice_app_builder_refuses_without_an_api_key(tmp_path, monkeypatch):
