@@ -11,21 +11,18 @@ import pytest
 import torch
 
 from rollmesh.config import ModelConfig, TrainerConfig
-from rollmesh.training.grpo import PolicySample
+from rollmesh.training.grpo import PolicyBatch, PolicySample
+from rollmesh.training.losses import token_logprobs
 from rollmesh.training.optimizer_adamw import MixedPrecisionAdamW
 from rollmesh.training.optimizer_offload import ChunkedOffloadAdamW
 from rollmesh.training.torch_backend import TorchTrainerBackend
 
 pytestmark = pytest.mark.unit
 
-# A small grad_clip, so that clipping (applied to the fp32 gradients) is active in every step.
-BF16 = dict(lr=1e-2, ppo_epochs=2, seed=0, precision="bf16", grad_clip=0.05, weight_decay=0.01)
+# A small grad_clip, so that clipping (applied to the fp32 gradients) is active in every step, and a
+# learning rate small enough that the second PPO epoch is not clipped away entirely.
+BF16 = dict(lr=1e-3, ppo_epochs=2, seed=0, precision="bf16", grad_clip=0.05, weight_decay=0.01)
 DEMONSTRATIONS = [([1, 40, 41, 42, 43, 2], [0, 0, 1, 1, 1, 1]), ([1, 50, 51, 52, 2], [0, 1, 1, 1, 1])]
-
-
-def samples(shift: int) -> list[PolicySample]:
-    return [PolicySample([1, 60 + shift, 61, 62, 63, 2], [0, 0, 1, 1, 1, 1], [0.0, 0.0, -5.0, -5.1, -5.2, -5.3], 1.0),
-            PolicySample([1, 70 + shift, 71, 72, 2], [0, 1, 1, 1, 1], [0.0, -5.0, -5.4, -5.5, -5.6], -1.0)]
 
 
 @pytest.fixture
@@ -33,8 +30,22 @@ def model(demo_model_dir: Path) -> ModelConfig:
     return ModelConfig(path=str(demo_model_dir))
 
 
+def samples(backend: TorchTrainerBackend, shift: int) -> list[PolicySample]:
+    """Two samples whose behaviour logprobs are ``backend``'s own now, so the PPO clip leaves
+    them gradient whatever the model's logprobs are (fixed ones would be clipped away)."""
+    tokens = [[1, 60 + shift, 61, 62, 63, 2], [1, 70 + shift, 71, 72, 2]]
+    masks = [[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1]]
+    out = []
+    for ids, mask, advantage in zip(tokens, masks, (1.0, -1.0)):
+        batch = PolicyBatch.collate([PolicySample(ids, mask, [0.0] * len(ids), 0.0)], pad_id=0)
+        with torch.no_grad():
+            logprobs = token_logprobs(backend.model(batch.inputs), batch.targets)[0].float().tolist()
+        out.append(PolicySample(ids, mask, [0.0, *logprobs], advantage))
+    return out
+
+
 def train(backend: TorchTrainerBackend, steps: range) -> list[dict[str, float]]:
-    return [backend.policy_step(samples(step), current_version=step) for step in steps]
+    return [backend.policy_step(samples(backend, step), current_version=step) for step in steps]
 
 
 def test_bf16_weights_train_against_fp32_state_on_the_device_or_offloaded_with_the_same_bits(model):
