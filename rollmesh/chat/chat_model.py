@@ -11,6 +11,7 @@ is logged once.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from rollmesh.chat.template_check import (
     profile_template,
 )
 from rollmesh.chat.tool_calls import TOOL_PARSERS, ParsedTurn, ToolCall, parse_assistant_turn
+from rollmesh.chat.tool_schemas import ToolSet
 from rollmesh.chat.turn_append import ChatTrajectory, HistoryRewrite, TemplateJoin
 from rollmesh.chat.turn_writer import write_assistant_turn
 
@@ -44,6 +46,9 @@ class ChatModel:
     family: str | None                 # whose join rules and documented rewrites apply
     arguments_as: ArgumentsForm        # the form of a call's arguments the template renders
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # Compiled tool declarations by their JSON: compiling a schema's validator costs ~10 ms, which a
+    # rollout would otherwise pay at every parsed turn (a task's tools are the same every time).
+    _toolsets: dict[str, ToolSet] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_config(cls, model_config: Any) -> ChatModel:
@@ -105,14 +110,24 @@ class ChatModel:
                               template_kwargs=self.template_kwargs, family=self.family,
                               history_rewrite=history_rewrite, join=join)
 
-    def parse_turn(self, ids: Sequence[int], *, tools: Sequence[Mapping[str, Any]] | None,
+    def parse_turn(self, ids: Sequence[int], *, tools: ToolSet | Sequence[Mapping[str, Any]] | None,
                    first_call_index: int = 0, prompt_ids: Sequence[int] = ()) -> ParsedTurn:
         """Content, reasoning and tool calls of a generated turn (``prompt_ids``' tail says whether
         the prompt opened a reasoning block the turn starts in)."""
         opened = prompt_opens_reasoning(self.decode(list(prompt_ids)[-8:])) if prompt_ids else None
         return parse_assistant_turn(self.decode(ids), tool_parser=self.tool_parser,
-                                    reasoning_parser=self.reasoning_parser, tools=tools,
+                                    reasoning_parser=self.reasoning_parser, tools=self.toolset(tools),
                                     first_call_index=first_call_index, starts_in_reasoning=opened)
+
+    def toolset(self, tools: ToolSet | Sequence[Mapping[str, Any]] | None) -> ToolSet:
+        """``tools`` compiled (checked, validators built), once per distinct declaration."""
+        if isinstance(tools, ToolSet):
+            return tools
+        key = json.dumps(tools or [], sort_keys=True, default=str)
+        toolset = self._toolsets.get(key)
+        if toolset is None:
+            toolset = self._toolsets[key] = ToolSet.from_openai(tools)
+        return toolset
 
     def assistant_message(self, parsed: ParsedTurn) -> dict[str, Any]:
         """The parsed turn as the OpenAI message this model's template renders."""

@@ -1,23 +1,26 @@
 """The demo's model, built as an ordinary Hugging Face model directory.
 
-Knows the ``tokenizers`` library, transformers' Qwen2 config and model classes and safetensors;
+Knows the ``tokenizers`` library, transformers' Llama config and model classes and safetensors;
 nothing of Ray, NATS or the mesh. ``build_demo_model(directory)`` writes what a model repository on
 the Hub ships, so the demo runs exactly the path a user's Qwen model runs:
 
-- ``tokenizer.json``: a byte-level BPE trained here with Qwen2's pre-tokenizer (digits one by one,
-  letters in runs) on the demo's own text: its chat boilerplate and the element symbols of its
-  task. Formulas and numbers are left out of the training text on purpose, so no merge joins a
-  formula's first element to the character before it: the formula is the same ids in the question
-  and in the tool call, and the model only has to copy them.
+- ``tokenizer.json``: a byte-level BPE trained here on the demo's own text: its chat boilerplate
+  and the atoms of its task's formulas (an element with its count: "Na", "N2"). Letters and the
+  digits after them stay one piece, so a formula is the same ids in the question and in the tool
+  call, and its tokens are distinct (module constants say why each choice helps a tiny model).
 - ``tokenizer_config.json``: ChatML special tokens (``<|im_start|>``, ``<|im_end|>``,
   ``<|endoftext|>``) and Qwen's plain added tokens ``<tool_call>``/``</tool_call>`` and
   ``<tool_response>``/``</tool_response>``, with the chat template of ``chat_template.jinja`` in
-  this package (Hermes tool calls, the tools stated in one line).
+  this package (ChatML, Hermes tool calls as Qwen writes them, the tools stated in one line).
 - ``generation_config.json``: ``<|im_end|>`` and ``<|endoftext|>`` end a turn, as in Qwen.
-- ``config.json`` and ``model.safetensors``: a 2-layer Qwen2 decoder with random weights from a
-  seed (about 0.6M parameters: it trains in minutes on two CPU cores).
+- ``config.json`` and ``model.safetensors``: a 2-layer Llama decoder (tied embeddings) with random
+  weights from a seed, about 0.5M parameters: it trains in minutes on two CPU cores. Llama rather
+  than Qwen2 because transformers loads a "qwen2" directory's tokenizer as its Qwen2Tokenizer,
+  which replaces tokenizer.json's pre-tokenizer with Qwen's own (digits split from letters); a
+  "llama" directory's tokenizer is tokenizer.json as written.
 
-Building takes well under a second and is deterministic: the same seed gives the same files.
+Building takes well under a second (plus importing transformers) and is deterministic: the same
+seed gives the same files.
 """
 
 from __future__ import annotations
@@ -34,12 +37,11 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PLAIN_ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
-# Qwen2's tokenizer.json pre-tokenizer pattern: contractions, letter runs (with one leading
-# non-letter), single digits, punctuation runs, newlines and spaces.
-QWEN2_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+# How text is cut before BPE merges: a letter followed by letters and digits is one piece ("K2NaN2",
+# "molar"), a digit is a piece of its own (numbers are copied digit by digit), and so is each run
+# of spaces or of punctuation. A chemical formula is then one piece wherever it stands, after a
+# space in the question or after a quote in the tool call, so it is the same ids in both places.
+SPLIT_PATTERN = r"\p{L}[\p{L}\p{N}]*|\p{N}|\s+|[^\s\p{L}\p{N}]+"
 
 # Text the demo's conversations are made of, besides formulas and numbers (module docstring).
 _BOILERPLATE = (
@@ -49,7 +51,10 @@ _BOILERPLATE = (
 )  # fmt: skip
 _ELEMENTS = ("H", "He", "Li", "Be", "B", "C", "N", "O", "F", "Ne", "Na", "Mg", "Al", "Si", "P", "S",
              "Cl", "Ar", "K", "Ca", "Fe", "Cu", "Zn", "Br", "I")  # fmt: skip
-BPE_VOCAB_SIZE = 384
+# An element with its count is one token ("Na", "N2"): the atoms of a formula are distinct, so its
+# tokens are too, and copying a formula never has to tell two equal tokens apart.
+_ATOMS = tuple(f"{element}{count}" for element in _ELEMENTS for count in ("", "2", "3", "4"))
+BPE_VOCAB_SIZE = 512
 
 
 @dataclass(frozen=True)
@@ -97,13 +102,13 @@ def _train_tokenizer():
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, min_frequency=1, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator([*_BOILERPLATE, *_ELEMENTS], trainer=trainer)
+    tokenizer.train_from_iterator([*_BOILERPLATE * 64, *_ATOMS * 16], trainer=trainer)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in PLAIN_ADDED_TOKENS])
     return tokenizer
@@ -115,7 +120,7 @@ def _save_random_weights(directory: Path, shape: DemoModelShape, *, vocab_size: 
     import transformers
     from safetensors.torch import save_file
 
-    config = transformers.Qwen2Config(
+    config = transformers.LlamaConfig(
         vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads, max_position_embeddings=shape.max_position_embeddings,
@@ -124,7 +129,7 @@ def _save_random_weights(directory: Path, shape: DemoModelShape, *, vocab_size: 
     rng_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = transformers.Qwen2ForCausalLM(config)
+        model = transformers.LlamaForCausalLM(config)
     finally:
         torch.random.set_rng_state(rng_state)
     # Written directly rather than by save_pretrained, which would also write its own
@@ -132,7 +137,7 @@ def _save_random_weights(directory: Path, shape: DemoModelShape, *, vocab_size: 
     weights = {name: tensor.contiguous() for name, tensor in model.state_dict().items() if name != "lm_head.weight"}
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     saved = config.to_dict()
-    saved["architectures"] = ["Qwen2ForCausalLM"]
+    saved["architectures"] = ["LlamaForCausalLM"]
     saved["torch_dtype"] = saved["dtype"] = "float32"  # the demo trains in float32
     _write_json(directory / "config.json", saved)
 
