@@ -17,6 +17,7 @@ import nats
 import pytest
 import ray
 
+from rollmesh.chat import ChatModel
 from rollmesh.engine.weight_buckets import load_published
 from rollmesh.engine.weights import save_weights
 from rollmesh.messages import WeightsPublished
@@ -29,6 +30,7 @@ from rollmesh.messages.subjects import (
     WEIGHTS_ACTIVATED,
     WEIGHTS_PUBLISHED,
 )
+from rollmesh.rollout.molar_mass import MolarMassTask
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -75,7 +77,11 @@ async def test_bare_nats_client_request_comes_back_completed(mesh) -> None:
     assert result["type"] == "rollout.completed", result
     tokens = result["trajectory"]  # a TokenTrace: short rollouts carry it inline
     assert len(tokens["ids"]) == len(tokens["loss_mask"]) == len(tokens["versions"]) == len(tokens["logprobs"])
-    assert tokens["ids"][: result["prompt_len"]][1:] == list(b"Q: molar mass of H2O?\n")
+    # The prompt is the task's messages and tools rendered by the model's own chat template,
+    # tokenized once by its own tokenizer.
+    chat, task = ChatModel.from_config(mesh.config.model), MolarMassTask()
+    prompt = chat.render(task.messages({"formula": "H2O"}), tools=task.tools(), add_generation_prompt=True)
+    assert "H2O" in prompt and tokens["ids"][: result["prompt_len"]] == chat.encode(prompt)
     assert all(v == -1 for v in tokens["versions"][: result["prompt_len"]])
     assert any(tokens["loss_mask"]) and result["reward"] in (0.0, 1.0)
 
