@@ -5,7 +5,7 @@ A relative path in a config file is relative to the directory of that file, so a
 ``pki/`` travel together and work from any working directory; one set by an environment override
 or on the command line is relative to the working directory. ``load_config`` makes them all
 absolute (``~`` expanded), so the run's ``config.json`` holds absolute paths and a command that
-reads it works from anywhere. Other paths (``run_root``, ``model.hf_path``, ...) are left as given.
+reads it works from anywhere. Other paths (``run_root``, ``model.path``, ...) are left as given.
 """
 
 from __future__ import annotations
