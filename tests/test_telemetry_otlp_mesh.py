@@ -26,6 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.streams import rollout_results_stream
+from rollmesh.config import load_run_config
 from rollmesh.messages import RolloutCompleted
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED
 from rollmesh.telemetry import conventions
@@ -105,7 +106,8 @@ async def _last_completion(run_dir: Path) -> RolloutCompleted:
     return ROLLOUT_COMPLETED.decode(stored.data)
 
 
-def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receiver: _Receiver) -> None:
+def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receiver: _Receiver,
+                                                         demo_model_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.server_address[1]}",
                OTEL_TRACES_SAMPLER="parentbased_always_on")
@@ -153,7 +155,10 @@ def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receive
         assert "rl.weight_version.first" in turn["attributes"]
     assert all(rollout_id not in s["name"] for s in spans)  # ids in attributes, never in names
     generates = [s for s in spans if s["name"] == conventions.SPAN_GENERATE]
-    assert generates and all(s["attributes"]["gen_ai.request.model"] == "rollmesh-tiny"
+    # The served model's name is its directory's: the run's model.path (the session's demo model).
+    model_name = Path(load_run_config(run_dir).model.path).name
+    assert model_name == demo_model_dir.name
+    assert generates and all(s["attributes"]["gen_ai.request.model"] == model_name
                              and s["attributes"]["gen_ai.usage.output_tokens"] > 0 for s in generates)
 
     # Across NATS: every consumer span whose parent is in another process is a publish's child.
