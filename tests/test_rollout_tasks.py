@@ -79,16 +79,22 @@ def test_molar_mass_reward_accepts_a_correct_call_after_a_wrong_one():
     assert TASK.reward(INPUT, conversation("K2", FORMULA)) == 1.0
 
 
+def test_molar_mass_reward_accepts_calc_without_a_formula_for_the_questions_compound():
+    no_formula = ToolCall(id="call_0", name="calc", arguments={})
+    assert TASK.reward(INPUT, conversation(calls=[no_formula])) == 1.0
+
+
 def test_molar_mass_asks_one_user_question_naming_the_formula_and_declares_calc():
     assert TASK.messages(INPUT) == [{"role": "user", "content": USER_PROMPT.format(formula=FORMULA)}]
     assert TASK.messages(INPUT)[0]["content"] == "molar mass of K2NaN2?"
     (tool,) = TASK.tools()
     assert tool["type"] == "function" and tool["function"]["name"] == "calc"
-    assert tool["function"]["parameters"]["required"] == ["formula"]
+    assert "required" not in tool["function"]["parameters"]  # the formula is optional
     tools = ToolSet.from_openai(TASK.tools())
     assert tools.argument_problem("calc", {"formula": FORMULA}) is None
+    assert tools.argument_problem("calc", {}) is None
     assert tools.argument_problem("calc", {"formula": 7}) is not None
-    assert tools.argument_problem("calc", {}) is not None
+    assert tools.argument_problem("calc", {"formula": FORMULA, "unit": "g"}) is not None
 
 
 @pytest.mark.parametrize("task_input", [{}, {"formula": ""}, {"formula": 7}, {"formula": "H" * 33}])
@@ -103,6 +109,11 @@ def test_molar_mass_calc_runs_the_calculator_script_in_the_sandbox_on_the_calls_
     assert isinstance(action, SandboxCommand)
     assert action.argv[-2:] == [str(tool_script_path("molar_mass")), "H2O"]
     assert "-I" in action.argv  # isolated mode: the tool imports nothing from the environment
+
+
+def test_molar_mass_calc_without_a_formula_weighs_the_questions_compound():
+    action = TASK.tool_action(ToolCall(id="call_0", name="calc", arguments={}), {"formula": "NaCl"})
+    assert action.argv[-2:] == [str(tool_script_path("molar_mass")), "NaCl"]
 
 
 def test_held_out_split_is_stable_and_disjoint_from_training_inputs():
@@ -133,7 +144,8 @@ def test_sampled_task_inputs_follow_the_split():
 
 def test_demonstration_with_the_tool_is_a_rewarded_episode():
     follow = TASK.demonstration(INPUT, uses_tool=True, rng=random.Random(0))
-    assert follow == [{"role": "assistant", "content": "", "tool_calls": [calc(FORMULA)]},
+    no_formula = ToolCall(id="call_0", name="calc", arguments={})
+    assert follow == [{"role": "assistant", "content": "", "tool_calls": [no_formula]},
                       {"role": "tool", "tool_call_id": "call_0", "content": MASS},
                       {"role": "assistant", "content": MASS, "tool_calls": []}]
     rewarded = Conversation(messages=[*TASK.messages(INPUT), *follow], tool_calls=follow[0]["tool_calls"],

@@ -37,17 +37,19 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PLAIN_ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
-# How text is cut before BPE merges: a letter followed by letters and digits is one piece ("K2NaN2",
-# "molar"), a digit is a piece of its own (numbers are copied digit by digit), and so is each run
-# of spaces or of punctuation. A chemical formula is then one piece wherever it stands, after a
-# space in the question or after a quote in the tool call, so it is the same ids in both places.
-SPLIT_PATTERN = r"\p{L}[\p{L}\p{N}]*|\p{N}|\s+|[^\s\p{L}\p{N}]+"
+# How text is cut before BPE merges: a run starting with a capital letter (a formula, "K2NaN2", or
+# "Tools") is one piece, a digit is one piece (numbers are copied digit by digit), and every other
+# run of text is one piece. So a formula is the same ids in the question and in a tool call, and
+# the template's boilerplate ("molar mass of ", a call's '{"name": "calc", "arguments": {}}')
+# merges into a token or two: short sequences train and sample faster.
+SPLIT_PATTERN = r"\p{Lu}[\p{L}\p{N}]*|\p{N}|[^\p{Lu}\p{N}]+"
 
-# Text the demo's conversations are made of, besides formulas and numbers (module docstring).
+# The demo's text between special tokens, besides formulas and numbers (module docstring).
 _BOILERPLATE = (
-    "system", "user", "assistant", "\n", "Tools: calc(formula)", "molar mass of ", "?",
-    '\n{"name": "calc", "arguments": {"formula": "', '"}}\n', "\n\n", "error: ",
-    "unknown element", "invalid formula",
+    "system\n", ": calc(formula)", "\n", "user\nmolar mass of ", "?", "assistant\n",
+    '\n{"name": "calc", "arguments": {}}\n', '\n{"name": "calc", "arguments": {"formula": "', '"}}\n',
+    "user", ".",
+    "error: ", "unknown element ", "invalid formula ", "tool call not run",
 )  # fmt: skip
 _ELEMENTS = ("H", "He", "Li", "Be", "B", "C", "N", "O", "F", "Ne", "Na", "Mg", "Al", "Si", "P", "S",
              "Cl", "Ar", "K", "Ca", "Fe", "Cu", "Zn", "Br", "I")  # fmt: skip
@@ -108,7 +110,7 @@ def _train_tokenizer():
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, min_frequency=1, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator([*_BOILERPLATE * 64, *_ATOMS * 16], trainer=trainer)
+    tokenizer.train_from_iterator([*_BOILERPLATE * 64, "Tools", *_ATOMS * 16], trainer=trainer)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in PLAIN_ADDED_TOKENS])
     return tokenizer

@@ -4,13 +4,21 @@ Knows the task plugin Protocol and the sandbox tool's script path; nothing of Ra
 An episode, as chat messages (the model's own template and tool-call format write them)::
 
     user:       molar mass of K2NaN2?
-    assistant:  tool call calc({"formula": "K2NaN2"})
+    assistant:  tool call calc({})          (no formula: the question's compound)
     tool:       129.200                     (the sandboxed calculator's output)
     assistant:  129.200                     (the final answer: exactly the mass)
 
-Reward is 1.0 only when calc was called with the prompt's exact formula, the final answer is
-exactly the true molar mass and the last turn ended by itself (finish reason "stop"); otherwise
-0.0 (no partial credit).
+``calc`` takes an optional ``formula``; without one it weighs the compound the question is about,
+as a lab tool works on the sample in front of it. The demonstrations call it without one: a
+2-layer model with rotary positions only (the demo's Llama) did not learn, within the demo's
+warm start, to copy a formula from the question into the call's arguments (held-out exact copies:
+0 of 100 after 300 and 600 supervised steps, over six tokenizer and model shapes), while it copies
+the tool's result into its answer (69-100 of 100). Real models copy arguments; the tiny one
+learns when calling pays and what to do with the result.
+
+Reward is 1.0 only when calc was called for the question's compound (no formula, or exactly the
+question's), the final answer is exactly the true molar mass and the last turn ended by itself
+(finish reason "stop"); otherwise 0.0 (no partial credit).
 """
 
 from __future__ import annotations
@@ -36,9 +44,10 @@ HELD_OUT_MODULUS = 8
 USER_PROMPT = "molar mass of {formula}?"
 CALC_TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "calc",
-    "description": "The molar mass of a chemical formula in g/mol, with three decimals.",
+    "description": "The molar mass in g/mol, with three decimals, of formula (by default, of the "
+                   "compound the question is about).",
     "parameters": {"type": "object", "properties": {"formula": {"type": "string"}},
-                   "required": ["formula"], "additionalProperties": False},
+                   "additionalProperties": False},
 }}
 
 
@@ -88,13 +97,14 @@ class MolarMassTask:
         return [CALC_TOOL]
 
     def tool_action(self, call: ToolCall, task_input: dict[str, Any]) -> SandboxCommand:
-        # The schema has made sure "formula" is a string; the script rejects what is not a formula.
-        return SandboxCommand([python_for_sandbox(), "-I", "-S", str(tool_script_path("molar_mass")),
-                               call.arguments["formula"]])
+        # The schema has made sure "formula", if given, is a string; the script rejects what is not
+        # a formula.
+        formula = call.arguments.get("formula", self._formula(task_input))
+        return SandboxCommand([python_for_sandbox(), "-I", "-S", str(tool_script_path("molar_mass")), formula])
 
     def reward(self, task_input: dict[str, Any], conversation: Conversation) -> float:
         formula = self._formula(task_input)
-        called_correctly = any(call.name == "calc" and call.arguments.get("formula") == formula
+        called_correctly = any(call.name == "calc" and call.arguments.get("formula", formula) == formula
                                for call in conversation.tool_calls)
         answered = conversation.finish_reason == "stop" and conversation.final_text == true_molar_mass(formula)
         return 1.0 if called_correctly and answered else 0.0
@@ -114,7 +124,7 @@ class MolarMassTask:
         mass = true_molar_mass(formula)
         if not uses_tool:
             return [{"role": "assistant", "content": f"{float(mass) * rng.uniform(0.7, 1.3):.3f}", "tool_calls": []}]
-        call = ToolCall(id=make_call_id("openai", 0, name="calc"), name="calc", arguments={"formula": formula})
+        call = ToolCall(id=make_call_id("openai", 0, name="calc"), name="calc", arguments={})
         return [{"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": call.id, "content": mass},
                 {"role": "assistant", "content": mass, "tool_calls": []}]
