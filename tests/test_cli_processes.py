@@ -168,7 +168,8 @@ def test_up_resume_runs_the_saved_config_in_the_child(run_dir):
     saved = load_config(overrides={"namespace": "resumed", "trainer.lr": 0.5})
     save_run_config(run_dir, saved)
     args = argparse.Namespace(resume=run_dir, config=None, run_dir=None, namespace=None, nats_url=None,
-                              ray_address=None, no_serve=True, debug=False, run_root=None, metrics_port=None)
+                              ray_address=None, no_serve=True, debug=False, run_root=None, metrics_port=None,
+                              model=None)
     config = _resumed_config(args)
     assert (config.namespace, config.trainer.lr, config.serve.enabled) == ("resumed", 0.5, False)
     command = child_command(args, run_dir)
