@@ -158,6 +158,27 @@ def test_completions_return_sampled_token_logprobs_when_asked(client: httpx.Clie
     assert all(lp is None or lp <= 0.0 for lp in logprobs["token_logprobs"])
 
 
+def test_tokenize_gives_the_chat_routes_prompt_ids_and_detokenize_their_text(
+    client: httpx.Client, deployed: Deployed,
+) -> None:
+    messages = [{"role": "user", "content": "molar mass of H2O?"}]
+    tokenized = client.post("/tokenize", json={"messages": messages, "tools": [CALC]})
+    assert tokenized.status_code == 200, tokenized.text
+    answer = tokenized.json()
+    rendered = deployed.chat.render(messages, tools=[CALC], add_generation_prompt=True)
+    assert answer == {"tokens": deployed.chat.encode(rendered), "count": len(answer["tokens"]),
+                      "max_model_len": MAX_SEQ_LEN}
+    chat = client.post("/v1/chat/completions", json={
+        "messages": messages, "tools": [CALC], "max_tokens": 1})
+    assert chat.json()["usage"]["prompt_tokens"] == answer["count"]
+
+    detokenized = client.post("/detokenize", json={"tokens": answer["tokens"]})
+    assert detokenized.status_code == 200, detokenized.text
+    assert detokenized.json() == {"prompt": rendered}
+    text = client.post("/tokenize", json={"prompt": "H2O", "add_special_tokens": False}).json()
+    assert text["tokens"] == deployed.chat.encode("H2O")
+
+
 def test_generate_returns_output_ids_logprobs_and_versions(
     client: httpx.Client, deployed: Deployed,
 ) -> None:
@@ -274,6 +295,11 @@ BAD_REQUESTS = [
      "model_not_found", "model"),
     ("logprobs-too-many", "/v1/completions", {"prompt": "a", "logprobs": 10}, 400,
      "invalid_value", "logprobs"),
+    ("tokenize-prompt-and-messages", "/tokenize", {"prompt": "a", "messages": USER_HI}, 400,
+     "invalid_value", "prompt"),
+    ("detokenize-unknown-id", "/detokenize", {"tokens": [65, 10**6]}, 400, "invalid_token_id",
+     "tokens"),
+    ("detokenize-not-ids", "/detokenize", {"tokens": "abc"}, 400, "invalid_value", "tokens"),
     ("empty-stop-string", "/v1/completions", {"prompt": "a", "stop": [""]}, 400,
      "invalid_value", "stop"),
     ("too-many-stop-strings", "/v1/completions", {"prompt": "a", "stop": ["x"] * 17}, 400,

@@ -1,6 +1,6 @@
 """The inference Serve app over a Mixture-of-Experts model: routed experts through /generate and
 the OpenAI routes, and the admin endpoints (weight versions, a weight update from a file, cache
-flush) behind an API key.
+flush) behind an API key, which /tokenize and /detokenize need too.
 
 The model is a tiny Qwen3-MoE checkpoint built locally with transformers (nothing downloaded)
 with the demo model's tokenizer files (and so its chat template), so the text routes work too;
@@ -214,6 +214,18 @@ def test_admin_endpoints_refuse_requests_without_the_api_key(deployed: Deployed)
     for answer in answers:
         assert answer.status_code == 401, answer.text
         assert answer.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_tokenize_routes_need_the_api_key_as_the_others(deployed: Deployed) -> None:
+    with httpx.Client(base_url=deployed.url, timeout=60) as anonymous:
+        answers = [anonymous.post("/tokenize", json={"prompt": "hi"}),
+                   anonymous.post("/detokenize", json={"tokens": [65]})]
+    for answer in answers:
+        assert answer.status_code == 401, answer.text
+        assert answer.json()["error"]["code"] == "invalid_api_key"
+    with httpx.Client(base_url=deployed.url, timeout=60, headers=AUTH) as keyed:
+        tokens = keyed.post("/tokenize", json={"prompt": "hi"}).json()["tokens"]
+        assert keyed.post("/detokenize", json={"tokens": tokens}).json() == {"prompt": "hi"}
 
 
 def test_update_weights_from_disk_activates_the_version_on_every_worker(

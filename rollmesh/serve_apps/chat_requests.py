@@ -52,6 +52,7 @@ from rollmesh.serve_apps.http_shapes import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     ResponseFunction,
     ResponseToolCall,
     RoutedExpertsDtype,
@@ -98,16 +99,9 @@ def chat_inputs(request: ChatCompletionRequest, served: ServedModel) -> ChatProm
         raise InvalidApiRequestError(
             f"the model {served.name!r} has no tool-call format (its chat template shows none and "
             "model.tool_parser is unset)", code="unsupported_value", param="tools")
-    chat = _request_chat(served.chat, request.chat_template_kwargs, with_tools=bool(tools))
-    # The model's own call-id style, also for a history with calls and no tools declared now.
-    messages = template_messages(request.messages, served.chat)
-    try:
-        text = chat.render(messages, tools=tools, add_generation_prompt=True)
-    except TemplateRenderError as exc:
-        said = exc.template_message or exc.reason
-        raise InvalidApiRequestError(f"the model's chat template refused the messages: {said}",
-                                     code="invalid_messages", param="messages") from exc
-    input_ids = chat.encode(text)
+    chat = request_chat(served.chat, request.chat_template_kwargs, with_tools=bool(tools))
+    input_ids = chat.encode(render_messages(chat, request.messages, tools, served=served,
+                                            add_generation_prompt=True))
     check_prompt_length(len(input_ids), served, param="messages")
     sampling = openai_sampling_params(
         temperature=request.temperature, top_p=request.top_p, max_new_tokens=max_tokens,
@@ -130,7 +124,24 @@ def _tool_choice(request: ChatCompletionRequest) -> str:
         code="invalid_value", param="tool_choice")
 
 
-def _request_chat(chat: ChatModel, kwargs: dict[str, Any] | None, *, with_tools: bool) -> ChatModel:
+def render_messages(chat: ChatModel, messages: list[ChatMessage], tools: list[dict] | None, *,
+                    served: ServedModel, add_generation_prompt: bool) -> str:
+    """The request's messages rendered by the model's template (``chat``: ``request_chat``'s); its
+    refusal is a 400 on ``messages``."""
+    # The model's own call-id style (the served model's parser's, which ``chat`` lacks without
+    # tools), also for a history with calls and no tools declared now.
+    rendered = template_messages(messages, served.chat)
+    try:
+        return chat.render(rendered, tools=tools, add_generation_prompt=add_generation_prompt)
+    except TemplateRenderError as exc:
+        said = exc.template_message or exc.reason
+        raise InvalidApiRequestError(f"the model's chat template refused the messages: {said}",
+                                     code="invalid_messages", param="messages") from exc
+
+
+def request_chat(chat: ChatModel, kwargs: dict[str, Any] | None, *, with_tools: bool) -> ChatModel:
+    """The served model with a request's template kwargs over its own, reading calls only when the
+    request declared tools."""
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs or ()))
     if reserved:
         raise InvalidApiRequestError(

@@ -1,5 +1,5 @@
-"""The HTTP API's request and response bodies: OpenAI completions, SGLang-style /generate and the
-weight and cache admin endpoints.
+"""The HTTP API's request and response bodies: OpenAI completions, SGLang-style /generate, vLLM's
+/tokenize and /detokenize, and the weight and cache admin endpoints.
 
 Knows pydantic only (FastAPI validates and documents these). These are the public HTTP API, not
 the NATS wire contract, which lives in ``rollmesh.messages``. Requests are strict (no "0.5" for a
@@ -206,6 +206,38 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- vLLM's /tokenize and /detokenize -----------------------------------------------------------
+
+
+class TokenizeRequest(_Request):
+    """vLLM's TokenizeCompletionRequest (``prompt``) and TokenizeChatRequest (``messages``) in one
+    body: exactly one of the two. ``add_special_tokens`` defaults as vLLM's: True for a prompt,
+    False for messages (a rendered template holds its own)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 # -- SGLang-style /generate -------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The inference Serve application: OpenAI ``/v1/completions`` and ``/v1/chat/completions``
-(streaming included), SGLang-style ``/generate``, ``/v1/models`` and ``/health`` in front of the
+(streaming included), SGLang-style ``/generate``, vLLM's ``/tokenize`` and ``/detokenize``
+(``tokenize_requests``), ``/v1/models`` and ``/health`` in front of the
 prefill and decode actors, and the admin endpoints ``GET /v1/admin/weights``, SGLang's
 ``POST /update_weights_from_disk`` and ``POST /flush_cache``. With an API key (given at
 construction, never read here from the environment) every endpoint but ``/health`` requires
@@ -80,16 +81,21 @@ from rollmesh.serve_apps.http_shapes import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     FlushCacheResponse,
     GenerateRequest,
     GenerateResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
     WeightVersionsResponse,
 )
 from rollmesh.serve_apps.replica_loopback import keep_replica_grpc_on_loopback
+from rollmesh.serve_apps.tokenize_requests import detokenize, tokenize
 from rollmesh.serve_apps.weight_admin import (
     Worker,
     flush_cache,
@@ -292,6 +298,20 @@ class InferenceServer:
             result, request_id=request_id, served=self.served, sampling=sampling,
             return_logprob=body.return_logprob, routed_experts_dtype=body.routed_experts_dtype,
         )
+
+    @_http.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize_text(
+        self, body: TokenizeRequest, authorization: str | None = Header(default=None)
+    ) -> TokenizeResponse:
+        check_authorization(authorization, self._api_key)
+        return tokenize(body, self.served)
+
+    @_http.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize_ids(
+        self, body: DetokenizeRequest, authorization: str | None = Header(default=None)
+    ) -> DetokenizeResponse:
+        check_authorization(authorization, self._api_key)
+        return detokenize(body, self.served)
 
     @_http.get("/v1/models", response_model=ModelList)
     async def models(self, authorization: str | None = Header(default=None)) -> ModelList:
