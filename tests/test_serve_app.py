@@ -155,7 +155,8 @@ def test_completions_return_sampled_token_logprobs_when_asked(client: httpx.Clie
         choice["weight_versions"]
     )
     assert all(isinstance(t, str) for t in logprobs["tokens"])
-    assert all(lp is None or lp <= 0.0 for lp in logprobs["token_logprobs"])
+    assert all(lp <= 0.0 for lp in logprobs["token_logprobs"])
+    assert logprobs["text_offset"][0] == 0 and len(logprobs["text_offset"]) == len(logprobs["tokens"])
 
 
 def test_tokenize_gives_the_chat_routes_prompt_ids_and_detokenize_their_text(
@@ -295,6 +296,11 @@ BAD_REQUESTS = [
      "model_not_found", "model"),
     ("logprobs-too-many", "/v1/completions", {"prompt": "a", "logprobs": 10}, 400,
      "invalid_value", "logprobs"),
+    ("completion-top-logprobs", "/v1/completions", {"prompt": "a", "logprobs": 2}, 400,
+     "unsupported_value", "logprobs"),
+    ("chat-top-logprobs", "/v1/chat/completions",
+     {"messages": USER_HI, "logprobs": True, "top_logprobs": 2}, 400, "unsupported_value",
+     "top_logprobs"),
     ("tokenize-prompt-and-messages", "/tokenize", {"prompt": "a", "messages": USER_HI}, 400,
      "invalid_value", "prompt"),
     ("detokenize-unknown-id", "/detokenize", {"tokens": [65, 10**6]}, 400, "invalid_token_id",
@@ -549,6 +555,35 @@ def test_openai_client_sends_back_a_tool_call_turn_with_content_null(
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
     assert streamed == (choice.message.content or "")
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+def test_openai_client_gets_the_logprobs_the_engine_sampled_with(
+    openai_client: openai.OpenAI, client: httpx.Client, deployed: Deployed,
+) -> None:
+    """Chat ``logprobs`` (``top_logprobs: 0``) are those /generate returns for the same prompt
+    ids (from /tokenize) at temperature 0: one per generated token, the end of turn included."""
+    messages = [{"role": "user", "content": "count"}]
+    completion = openai_client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=0)
+    content = completion.choices[0].logprobs.content
+    prompt_ids = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    meta = greedy_generate(client, prompt_ids, max_new_tokens=6)
+    assert [entry.token for entry in content] == [
+        deployed.chat.decode([token_id]) for token_id in meta["output_ids"]]
+    assert [entry.logprob for entry in content] == pytest.approx(
+        [entry[0] for entry in meta["meta_info"]["output_token_logprobs"]], abs=1e-4)
+    assert all(entry.top_logprobs == [] for entry in content)
+
+    legacy = openai_client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=4,
+                                              temperature=0, logprobs=0)
+    logprobs = legacy.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == legacy.usage.completion_tokens
+    assert all(value <= 0.0 for value in logprobs.token_logprobs)
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,
+                                              logprobs=True, top_logprobs=1)
+    assert refused.value.body["param"] == "top_logprobs"
 
 
 def test_openai_client_streams_a_chat_completion_with_the_same_text(

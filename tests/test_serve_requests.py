@@ -41,7 +41,6 @@ from rollmesh.serve_apps.generation_requests import (
     generate_inputs,
     generate_request_id,
     generate_response,
-    token_text,
 )
 from rollmesh.serve_apps.http_shapes import (
     ChatCompletionRequest,
@@ -55,6 +54,7 @@ from rollmesh.serve_apps.inference_app import (
     api_error_from_ray,
     invalid_body_error,
 )
+from rollmesh.serve_apps.openai_logprobs import token_text
 from rollmesh.serve_apps.weight_admin import requested_weight_version
 
 pytestmark = pytest.mark.unit

@@ -5,7 +5,7 @@
 chat template and tool-call format (``chat_requests``, ``chat_messages``), an SGLang-style
 token-in/token-out ``/generate``, vLLM's ``/tokenize`` and ``/detokenize``
 (``tokenize_requests``) and the weight and cache admin endpoints (``weight_admin``) in front of
-named prefill and decode actors. rollmesh's extension fields (session, minimum weight
+named prefill and decode actors; OpenAI ``logprobs`` are built in ``openai_logprobs``. rollmesh's extension fields (session, minimum weight
 version, routed experts) are checked in ``generate_extensions``. The HTTP shapes
 (``http_shapes``) are the public HTTP API, separate from the NATS wire contract.
 """

@@ -15,8 +15,11 @@ string cuts ``content`` before it, as OpenAI does.
 ``tool_choice``: "auto" (the default) or "none" (the tools are left out of the prompt and nothing is
 read as a call); "required" and a named function need guided decoding and are refused with a 400.
 
+``logprobs`` (``top_logprobs`` 0 only): ``openai_logprobs``.
+
 Streaming (``"stream": true``) sends the finished answer as chunks after generation, because the
 engine returns whole sequences today; token-by-token streaming from the decode loop comes later.
+The chunks are pieces of text, not tokens, so the logprobs ride on the last chunk.
 The events are OpenAI's: ``data: {chunk}\\n\\n`` per chunk, then ``data: [DONE]\\n\\n``; the
 reasoning and the content come in pieces, the tool calls in one delta, and routed experts, when
 asked for, ride on the last chunk's choice as its ``rollmesh`` object.
@@ -57,6 +60,11 @@ from rollmesh.serve_apps.http_shapes import (
     ResponseToolCall,
     RoutedExpertsDtype,
 )
+from rollmesh.serve_apps.openai_logprobs import (
+    chat_logprobs,
+    check_chat_logprobs,
+    completion_logprobs,
+)
 
 # Characters per streamed chunk: small enough that a client sees text arrive in pieces.
 STREAM_CHUNK_CHARS = 4
@@ -76,6 +84,7 @@ class ChatPrompt:
     chat: ChatModel
     tools: list[dict[str, Any]] | None
     first_call_index: int  # calls already in the conversation: new calls' ids come after theirs
+    with_logprobs: bool = False  # the request's ``logprobs``
 
 
 def chat_inputs(request: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
@@ -94,6 +103,7 @@ def chat_inputs(request: ChatCompletionRequest, served: ServedModel) -> ChatProm
     if max_tokens is None:  # OpenAI's default is "what fits"; the context decides
         max_tokens = served.max_seq_len
     check_max_tokens(max_tokens, served, param=param)
+    check_chat_logprobs(request)
     tools = None if _tool_choice(request) == "none" else template_tools(request.tools)
     if tools and served.chat.tool_parser is None:
         raise InvalidApiRequestError(
@@ -107,7 +117,8 @@ def chat_inputs(request: ChatCompletionRequest, served: ServedModel) -> ChatProm
         temperature=request.temperature, top_p=request.top_p, max_new_tokens=max_tokens,
         stop=request.stop, names={"max_new_tokens": param},
     )
-    return ChatPrompt(input_ids, sampling, chat, tools, calls_in(request.messages))
+    return ChatPrompt(input_ids, sampling, chat, tools, calls_in(request.messages),
+                      with_logprobs=request.logprobs)
 
 
 def _tool_choice(request: ChatCompletionRequest) -> str:
@@ -185,6 +196,7 @@ def chat_response(
                 message=AssistantMessage(content=parsed.content or (None if calls else ""),
                                          tool_calls=calls, reasoning_content=parsed.reasoning),
                 finish_reason="tool_calls" if calls else openai_finish_reason(result),
+                logprobs=chat_logprobs(result, prompt.chat) if prompt.with_logprobs else None,
                 weight_versions=list(result.versions),
                 rollmesh=encode_routed_experts(result, routed_experts_dtype),
             )
@@ -204,17 +216,21 @@ def _response_call(call: Any) -> ResponseToolCall:
 def completion_stream_events(
     result: GenerationResult, *, request_id: str, created: int, served: ServedModel,
     sampling: SamplingParams, routed_experts_dtype: RoutedExpertsDtype = "compact",
+    with_logprobs: bool = False,
 ) -> Iterator[str]:
-    """``text_completion`` chunks of the finished text, the last with the finish reason."""
-    def chunk(text: str, finish_reason: str | None, **extension: object) -> dict:
+    """``text_completion`` chunks of the finished text, the last with the finish reason (and the
+    logprobs of every generated token, when asked for)."""
+    def chunk(text: str, finish_reason: str | None, logprobs: dict | None = None,
+              **extension: object) -> dict:
         return {"id": request_id, "object": "text_completion", "created": created,
                 "model": served.name, "choices": [
-                    {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                     **extension}]}
+                    {"index": 0, "text": text, "logprobs": logprobs,
+                     "finish_reason": finish_reason, **extension}]}
 
     for piece in _pieces(openai_text(result, served, sampling)):
         yield _event(chunk(piece, None))
-    yield _event(chunk("", openai_finish_reason(result),
+    logprobs = completion_logprobs(result, served.chat).model_dump() if with_logprobs else None
+    yield _event(chunk("", openai_finish_reason(result), logprobs,
                        **_extension(result, routed_experts_dtype)))
     yield _DONE
 
@@ -224,12 +240,14 @@ def chat_stream_events(
     served: ServedModel, routed_experts_dtype: RoutedExpertsDtype = "compact",
 ) -> Iterator[str]:
     """``chat.completion.chunk`` deltas: the role first, then the reasoning and the text in
-    pieces, the tool calls in one delta, then the finish reason."""
-    def chunk(delta: dict, finish_reason: str | None, **extension: object) -> dict:
+    pieces, the tool calls in one delta, then the finish reason (and the logprobs of every
+    generated token, when asked for: the pieces are characters, not tokens)."""
+    def chunk(delta: dict, finish_reason: str | None, logprobs: dict | None = None,
+              **extension: object) -> dict:
         return {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": served.name, "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
-                     **extension}]}
+                    {"index": 0, "delta": delta, "logprobs": logprobs,
+                     "finish_reason": finish_reason, **extension}]}
 
     parsed = parse_answer(result, prompt)
     yield _event(chunk({"role": "assistant", "content": ""}, None))
@@ -242,7 +260,8 @@ def chat_stream_events(
             {"index": index, **_response_call(call).model_dump()}
             for index, call in enumerate(parsed.tool_calls)]}, None))
     finish_reason = "tool_calls" if parsed.tool_calls else openai_finish_reason(result)
-    yield _event(chunk({}, finish_reason, **_extension(result, routed_experts_dtype)))
+    logprobs = chat_logprobs(result, prompt.chat).model_dump() if prompt.with_logprobs else None
+    yield _event(chunk({}, finish_reason, logprobs, **_extension(result, routed_experts_dtype)))
     yield _DONE
 
 

@@ -25,7 +25,6 @@ from rollmesh.serve_apps.errors import InvalidApiRequestError, ModelNotFoundErro
 from rollmesh.serve_apps.generate_extensions import MAX_ID_CHARS, encode_routed_experts
 from rollmesh.serve_apps.http_shapes import (
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionUsage,
@@ -36,11 +35,10 @@ from rollmesh.serve_apps.http_shapes import (
     PromptTokensDetails,
     RoutedExpertsDtype,
 )
+from rollmesh.serve_apps.openai_logprobs import check_completion_logprobs, completion_logprobs
 
 # SGLang's default when sampling_params.max_new_tokens is absent (still clipped to the context).
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
-# OpenAI's legacy completions accept at most 5 for ``logprobs``.
-MAX_COMPLETION_LOGPROBS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +80,7 @@ def completion_inputs(
             f"n must be 1 (got {request.n}): one choice per request is supported",
             code="unsupported_value", param="n",
         )
-    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise InvalidApiRequestError(
-            f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS} (got {request.logprobs})",
-            code="invalid_value", param="logprobs",
-        )
+    check_completion_logprobs(request.logprobs)
     max_tokens = 16 if request.max_tokens is None else request.max_tokens
     check_max_tokens(max_tokens, served, param="max_tokens")
     input_ids = served.chat.encode(request.prompt)
@@ -214,12 +208,7 @@ def completion_response(
     routed_experts_dtype: RoutedExpertsDtype = "compact",
 ) -> CompletionResponse:
     text = openai_text(result, served, sampling)
-    logprobs = None
-    if with_logprobs:
-        logprobs = CompletionLogprobs(
-            tokens=[token_text(t, served.chat) for t in result.token_ids],
-            token_logprobs=[_finite(x) for x in result.logprobs],
-        )
+    logprobs = completion_logprobs(result, served.chat) if with_logprobs else None
     return CompletionResponse(
         id=request_id,
         created=created,
@@ -290,12 +279,6 @@ def generate_response(
             **(routed.model_dump() if routed is not None else {}),
         ),
     )
-
-
-def token_text(token_id: int, chat: ChatModel) -> str:
-    """One token as OpenAI's logprobs show it: its text, special tokens spelled out (a token that
-    holds part of a character shows the replacement character, as in vLLM)."""
-    return chat.decode([token_id])
 
 
 def openai_finish_reason(result: GenerationResult) -> str:

@@ -68,15 +68,19 @@ class CompletionRequest(EngineOptionFields):
     top_p: float | None = None
     stop: str | list[str] | None = None
     n: int = 1
-    # OpenAI's "how many top alternatives"; we return the sampled token's logprob only.
+    # OpenAI's "how many top alternatives" (0 to 5); the engine returns the sampled token's logprob
+    # only, so only 0 is served (``openai_logprobs``).
     logprobs: int | None = None
     stream: bool = False
 
 
 class CompletionLogprobs(_Response):
+    """OpenAI's legacy completions logprobs: one entry per generated token."""
+
     tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: None = None
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
 
 
 class CompletionChoice(_Response):
@@ -154,6 +158,10 @@ class ChatCompletionRequest(EngineOptionFields):
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
+    # OpenAI's: the logprob of each generated token, and how many alternatives with it (0 only:
+    # the engine returns the sampled token's logprob alone).
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class ResponseFunction(_Response):
@@ -176,11 +184,31 @@ class AssistantMessage(_Response):
     reasoning_content: str | None = None
 
 
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Response):
+    """One generated token in OpenAI's chat ``logprobs.content``."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length", "tool_calls", "abort"]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     # Not OpenAI: the weight version that produced each generated token.
     weight_versions: list[int]
     # Not OpenAI: routed experts, when asked for (``return_routed_experts``).

@@ -257,7 +257,8 @@ class InferenceServer:
         if body.stream:
             return _event_stream(completion_stream_events(
                 result, request_id=request_id, created=int(time.time()), served=self.served,
-                sampling=sampling, routed_experts_dtype=body.routed_experts_dtype))
+                sampling=sampling, routed_experts_dtype=body.routed_experts_dtype,
+                with_logprobs=body.logprobs is not None))
         return completion_response(
             result, request_id=request_id, created=int(time.time()), served=self.served,
             sampling=sampling, with_logprobs=body.logprobs is not None,

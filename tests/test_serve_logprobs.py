@@ -1,0 +1,131 @@
+"""OpenAI ``logprobs`` as plain logic: a chat completion's ``choices[].logprobs.content`` and a legacy
+completion's ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset`` carry the logprob the
+engine sampled each generated token with (end of turn included), read by the ``openai`` package's
+own types; streamed, they ride on the last chunk; a request for top alternatives (which the engine
+does not return) is a 400, and N = 0 is served. No Ray, no HTTP (the routes: test_serve_app.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import openai.types as openai_types
+import openai.types.chat as openai_chat
+import pytest
+
+from rollmesh.chat import ChatModel
+from rollmesh.config import ModelConfig
+from rollmesh.engine.protocols import GenerationResult
+from rollmesh.serve_apps import InvalidApiRequestError, ServedModel
+from rollmesh.serve_apps.chat_requests import (
+    chat_inputs,
+    chat_response,
+    chat_stream_events,
+    completion_stream_events,
+)
+from rollmesh.serve_apps.generation_requests import completion_inputs, completion_response
+from rollmesh.serve_apps.http_shapes import ChatCompletionRequest, CompletionRequest
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+QUESTION = {"role": "user", "content": "molar mass of H2O?"}
+
+
+@pytest.fixture(scope="module")
+def served(demo_model_dir: Path) -> ServedModel:
+    chat = ChatModel.from_config(ModelConfig(path=str(demo_model_dir)))
+    return ServedModel(name="demo", max_seq_len=256, vocab_size=chat.vocab_size, chat=chat)
+
+
+def sampled(served: ServedModel, text: str) -> GenerationResult:
+    """``text`` as if generated, each token with its own logprob (the last one -inf)."""
+    ids = served.chat.encode(text)
+    logprobs = [-0.25 * (i + 1) for i in range(len(ids) - 1)] + [-math.inf]
+    return GenerationResult(ids, logprobs, [1] * len(ids), "eos", 7)
+
+
+def chat_request(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [QUESTION], **fields})
+
+
+def test_chat_logprobs_are_each_generated_tokens_sampled_logprob(served: ServedModel) -> None:
+    result = sampled(served, "18 g/mol<|im_end|>")
+    prompt = chat_inputs(chat_request(logprobs=True, top_logprobs=0), served)
+    response = chat_response(result, prompt, request_id="c", created=1, served=served)
+    parsed = openai_chat.ChatCompletion.model_validate(response.model_dump())
+    content = parsed.choices[0].logprobs.content
+    assert [entry.token for entry in content] == [
+        served.chat.decode([token_id]) for token_id in result.token_ids]
+    assert "".join(entry.token for entry in content) == "18 g/mol<|im_end|>"
+    assert [entry.logprob for entry in content] == [*result.logprobs[:-1], -9999.0]
+    assert all(entry.bytes == list(entry.token.encode()) for entry in content)
+    assert all(entry.top_logprobs == [] for entry in content)
+
+
+def test_chat_logprobs_are_left_out_unless_asked(served: ServedModel) -> None:
+    result = sampled(served, "hi<|im_end|>")
+    prompt = chat_inputs(chat_request(), served)
+    response = chat_response(result, prompt, request_id="c", created=1, served=served)
+    assert response.choices[0].logprobs is None
+    assert response.model_dump()["choices"][0]["logprobs"] is None  # OpenAI sends null
+
+
+def test_streamed_chat_logprobs_ride_on_the_last_chunk(served: ServedModel) -> None:
+    result = sampled(served, "18 g/mol<|im_end|>")
+    prompt = chat_inputs(chat_request(logprobs=True, stream=True), served)
+    events = list(chat_stream_events(result, prompt, request_id="c", created=1, served=served))
+    chunks = [openai_chat.ChatCompletionChunk.model_validate(json.loads(event[len("data: "):]))
+              for event in events[:-1]]
+    assert all(chunk.choices[0].logprobs is None for chunk in chunks[:-1])
+    whole = chat_response(result, prompt, request_id="c", created=1, served=served)
+    assert chunks[-1].choices[0].logprobs.model_dump() == whole.choices[0].logprobs.model_dump()
+
+
+def test_completion_logprobs_are_openais_legacy_shape(served: ServedModel) -> None:
+    request = CompletionRequest(prompt="H2O", logprobs=0)
+    _, sampling = completion_inputs(request, served)
+    result = sampled(served, "18 g<|im_end|>")
+    response = completion_response(result, request_id="c", created=1, served=served,
+                                   sampling=sampling, with_logprobs=True)
+    parsed = openai_types.Completion.model_validate(response.model_dump())
+    logprobs = parsed.choices[0].logprobs
+    tokens = [served.chat.decode([token_id]) for token_id in result.token_ids]
+    assert logprobs.tokens == tokens
+    assert logprobs.token_logprobs == [*result.logprobs[:-1], -9999.0]
+    assert logprobs.top_logprobs == [{token: value} for token, value in
+                                     zip(tokens, logprobs.token_logprobs, strict=True)]
+    assert logprobs.text_offset == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+    events = list(completion_stream_events(result, request_id="c", created=1, served=served,
+                                           sampling=sampling, with_logprobs=True))
+    last = json.loads(events[-2][len("data: "):])
+    assert last["choices"][0]["logprobs"] == response.model_dump()["choices"][0]["logprobs"]
+
+
+@pytest.mark.parametrize(("fields", "code"), [
+    ({"logprobs": True, "top_logprobs": 3}, "unsupported_value"),
+    ({"logprobs": True, "top_logprobs": 21}, "invalid_value"),
+    ({"logprobs": True, "top_logprobs": -1}, "invalid_value"),
+    ({"top_logprobs": 0}, "invalid_value"),  # OpenAI: top_logprobs needs logprobs
+])
+def test_chat_top_logprobs_the_engine_cannot_serve_are_a_400(
+    served: ServedModel, fields: dict, code: str,
+) -> None:
+    with pytest.raises(InvalidApiRequestError) as raised:
+        chat_inputs(chat_request(**fields), served)
+    assert (raised.value.status, raised.value.param, raised.value.code) == (
+        400, "top_logprobs", code)
+
+
+@pytest.mark.parametrize(("logprobs", "code"), [(1, "unsupported_value"), (5, "unsupported_value"),
+                                                (6, "invalid_value"), (-1, "invalid_value")])
+def test_completion_logprobs_above_zero_are_a_400(
+    served: ServedModel, logprobs: int, code: str,
+) -> None:
+    with pytest.raises(InvalidApiRequestError) as raised:
+        completion_inputs(CompletionRequest(prompt="a", logprobs=logprobs), served)
+    assert (raised.value.param, raised.value.code) == ("logprobs", code)
+    assert "logprobs" in raised.value.message
+
