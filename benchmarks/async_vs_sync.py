@@ -12,7 +12,7 @@ whose calculator first sleeps a lognormal time (median 2 s, sigma 1.2, capped at
 n-th rollout's delay is the n-th draw of one seeded sequence, carried in its ``task_input``, so
 each rollout id has the same delay in both pipelines. The delay is real: ``sleep`` inside the
 sandbox, then the calculator. So that the model does call the tool, a supervised warm start on
-demonstrations that always use it (``tool_fraction`` 1.0) runs first; both pipelines start from
+demonstrations that always use it (``exact_fraction`` 1.0) runs first; both pipelines start from
 its weights (version 1: each trainer resumes them from the warm start's ledger). The policy
 still learns during the run, and the two pipelines train different numbers of steps, so how
 often it calls the tool drifts apart (in a first run the asynchronous policy called it in 84% of
@@ -89,7 +89,7 @@ TOOL_MEDIAN_S, TOOL_SIGMA, TOOL_CAP_S = 2.0, 1.2, 60.0
 TRAINER = TrainerConfig(group_size=4, groups_per_step=4)
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=40)  # the demo's
 MAX_TURNS = 4  # the demo's
-WARM_START = dict(steps=120, batch_size=64, lr=3e-3, tool_fraction=1.0)
+WARM_START = dict(steps=120, batch_size=64, lr=3e-3, exact_fraction=1.0)
 
 
 class DelayedMolarMassTask(MolarMassTask):

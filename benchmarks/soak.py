@@ -179,7 +179,7 @@ async def run(args: argparse.Namespace) -> dict:
     try:
         info = await mesh.start()
         warm = await mesh.trainer.warm_start.remote(TASK, steps=150, batch_size=64, lr=3e-3,
-                                                    tool_fraction=1.0, seed=args.seed)
+                                                    exact_fraction=1.0, seed=args.seed)
         print(f"mesh up; warm start loss {warm['loss']:.3f}, weights v{warm['weight_version']}", flush=True)
         await wait_serving(mesh, warm["weight_version"])
         return await soak(mesh, info.nats_url, namespace, rollouts=args.rollouts, warmup=args.warmup,

@@ -71,12 +71,12 @@ class DilutionTask:
                                "volume": float(rng.choice((50, 100, 250, 500)))})
         return inputs
 
-    def demonstration(self, task_input: dict[str, Any], *, uses_tool: bool,
+    def demonstration(self, task_input: dict[str, Any], *, exact: bool,
                       rng: random.Random) -> list[dict[str, Any]]:
         """A demonstrated episode after ``messages()``: assistant turns carry ``ToolCall`` objects."""
         values = self._read(task_input)
         answer = stock_volume_ml(**values)
-        if not uses_tool:
+        if not exact:
             return [{"role": "assistant", "content": f"{float(answer) * rng.uniform(0.8, 1.2):.3f}", "tool_calls": []}]
         call = ToolCall(id="call_0", name="dilute", arguments={
             "stock_molar": values["stock"], "target_molar": values["target"], "volume_ml": values["volume"]})

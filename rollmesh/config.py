@@ -255,8 +255,9 @@ class DemoConfig(ConfigSection):
     sft_steps: NonNegInt = 300
     sft_batch: PositiveInt = 64
     sft_lr: PositiveFloat = 3e-3
-    # Share of warm-start demonstrations that call the tool (the rest guess an answer).
-    warm_start_tool_fraction: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.3
+    # Share of warm-start demonstrations whose answer is exactly right (the rest answer almost right:
+    # the molar-mass task rounds the tool's result), so RL starts low and has something to learn.
+    warm_start_exact_fraction: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.3
     rl_steps: PositiveInt = 60
     eval_every: PositiveInt = 10
     eval_size: PositiveInt = 64

@@ -175,7 +175,7 @@ async def tool_calling_mesh(mesh: TestMesh) -> TestMesh:
 
     trainer = ray.get_actor("trainer", namespace=mesh.mesh.ray_namespace)
     await trainer.warm_start.remote("rollmesh.rollout.molar_mass:MolarMassTask", steps=60,
-                                    batch_size=32, lr=3e-3, tool_fraction=1.0, seed=0)
+                                    batch_size=32, lr=3e-3, exact_fraction=1.0, seed=0)
     return mesh
 
 

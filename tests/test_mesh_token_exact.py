@@ -57,7 +57,7 @@ def demonstrated_conversation() -> list[dict]:
     """The molar-mass task's correct episode with reasoning in each assistant turn."""
     task = MolarMassTask()
     task_input = {"formula": FORMULA}
-    follow = task.demonstration(task_input, uses_tool=True, rng=random.Random(0))
+    follow = task.demonstration(task_input, exact=True, rng=random.Random(0))
     assistant_turns = [message for message in follow if message["role"] == "assistant"]
     assert len(assistant_turns) == len(REASONING)
     for message, reasoning in zip(assistant_turns, REASONING):

@@ -143,7 +143,7 @@ def test_sampled_task_inputs_follow_the_split():
 
 
 def test_demonstration_with_the_tool_is_a_rewarded_episode():
-    follow = TASK.demonstration(INPUT, uses_tool=True, rng=random.Random(0))
+    follow = TASK.demonstration(INPUT, exact=True, rng=random.Random(0))
     no_formula = ToolCall(id="call_0", name="calc", arguments={})
     assert follow == [{"role": "assistant", "content": "", "tool_calls": [no_formula]},
                       {"role": "tool", "tool_call_id": "call_0", "content": MASS},
@@ -153,12 +153,21 @@ def test_demonstration_with_the_tool_is_a_rewarded_episode():
     assert TASK.reward(INPUT, rewarded) == 1.0
 
 
-def test_demonstration_without_the_tool_is_one_guessed_answer_near_the_mass():
+def test_inexact_demonstration_calls_the_tool_and_rounds_its_result_which_earns_nothing():
     rng = random.Random(0)
     for formula in sample_formulas(random.Random(3), 30, held_out=False):
-        (turn,) = TASK.demonstration({"formula": formula}, uses_tool=False, rng=rng)
-        assert turn["role"] == "assistant" and not turn["tool_calls"]
-        assert 0.69 <= float(turn["content"]) / float(true_molar_mass(formula)) <= 1.31
+        call_turn, result, answer = TASK.demonstration({"formula": formula}, exact=False, rng=rng)
+        mass = true_molar_mass(formula)
+        assert [call.name for call in call_turn["tool_calls"]] == ["calc"] and result["content"] == mass
+        assert answer["content"] == f"{float(mass):.1f}" != mass
+        episode = Conversation(messages=[], tool_calls=call_turn["tool_calls"], tool_outputs=[ToolOutput(True, mass)],
+                               final_text=answer["content"])
+        assert TASK.reward({"formula": formula}, episode) == 0.0
+
+
+def test_demo_formulas_weigh_100_to_1000_so_every_answer_has_seven_characters():
+    for formula in sample_formulas(random.Random(4), 200, held_out=False):
+        assert len(true_molar_mass(formula)) == 7
 
 
 def test_molar_mass_task_satisfies_both_task_protocols():

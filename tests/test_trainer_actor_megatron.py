@@ -47,7 +47,7 @@ def test_the_trainer_actor_trains_on_megatron_ranks_and_stops_them(ray_session, 
         ray.get(actor.start.remote(), timeout=180)
         assert len(set(rank_processes()) - before) == 2
         warm = ray.get(actor.warm_start.remote("rollmesh.rollout.molar_mass:MolarMassTask", steps=1, batch_size=2,
-                                               lr=1e-3, tool_fraction=0.0, seed=0), timeout=120)
+                                               lr=1e-3, exact_fraction=0.0, seed=0), timeout=120)
         assert warm["weight_version"] == 1 and warm["loss"] > 0
         published = sorted((tmp_path / "run" / "weights").glob("v*"))
         assert published, "a weight version was published"

@@ -106,10 +106,10 @@ def test_group_buffer_releases_a_group_once_group_size_members_arrived_failed_on
 # --- warm-start data ---------------------------------------------------------------------------
 
 def test_demonstration_batch_is_training_split_episodes_each_ending_in_a_trained_end_of_turn(chat):
-    batch = demonstration_batch(MolarMassTask(), chat, random.Random(0), size=12, tool_fraction=0.5)
+    batch = demonstration_batch(MolarMassTask(), chat, random.Random(0), size=12, exact_fraction=0.5)
 
     assert len(batch) == 12
-    with_tool = 0
+    exact = 0
     for tokens, mask in batch:
         assert len(tokens) == len(mask)
         assert (chat.decode(tokens[:1]), mask[0]) == ("<|im_start|>", 0)
@@ -120,14 +120,16 @@ def test_demonstration_batch_is_training_split_episodes_each_ending_in_a_trained
         trained = chat.decode([t for t, m in zip(tokens, mask) if m])
         # The prompt, the tool's result and the template's joins are forced, never trained.
         assert "molar mass" not in trained and "<tool_response>" not in trained and "<|im_start|>" not in trained
-        with_tool += "<tool_call>" in text
-    assert 0 < with_tool < 12
+        assert "<tool_call>" in text
+        exact += re.search(r"assistant\n\d{3}\.\d{3}<\|im_end\|>", text) is not None
+    assert 0 < exact < 12
 
 
-@pytest.mark.parametrize(("tool_fraction", "expected"), [(0.0, 0), (1.0, 8)])
-def test_demonstration_batch_tool_fraction_sets_the_share_using_the_tool(chat, tool_fraction, expected):
-    batch = demonstration_batch(MolarMassTask(), chat, random.Random(0), size=8, tool_fraction=tool_fraction)
-    assert sum("<tool_call>" in chat.decode(tokens) for tokens, _ in batch) == expected
+@pytest.mark.parametrize(("exact_fraction", "expected"), [(0.0, 0), (1.0, 8)])
+def test_demonstration_batch_exact_fraction_sets_the_share_answering_exactly(chat, exact_fraction, expected):
+    batch = demonstration_batch(MolarMassTask(), chat, random.Random(0), size=8, exact_fraction=exact_fraction)
+    assert sum(re.search(r"assistant\n\d{3}\.\d{3}<\|im_end\|>", chat.decode(tokens)) is not None
+               for tokens, _ in batch) == expected
 
 
 def test_a_conversation_becomes_the_templates_render_with_loss_on_the_assistants_turns(chat):

@@ -279,7 +279,7 @@ async def test_warm_start_trains_on_demonstrations_and_publishes_a_version(train
     bus = RecordingPublisher()
     logic = trainer(bus)
     before = logic.backend.state_dict()
-    result = await logic.warm_start(MolarMassTask(), steps=2, batch_size=4, lr=1e-3, tool_fraction=0.5, seed=0)
+    result = await logic.warm_start(MolarMassTask(), steps=2, batch_size=4, lr=1e-3, exact_fraction=0.5, seed=0)
 
     (weights,) = bus.messages(WEIGHTS_PUBLISHED)
     assert result["weight_version"] == weights.version == 1 == logic.version
@@ -316,7 +316,7 @@ async def test_sft_step_trains_whole_chat_conversations_with_the_models_tokens(t
 async def test_warm_start_of_zero_steps_publishes_nothing(trainer):
     bus = RecordingPublisher()
     logic = trainer(bus)
-    result = await logic.warm_start(MolarMassTask(), steps=0, batch_size=4, lr=1e-3, tool_fraction=0.5, seed=0)
+    result = await logic.warm_start(MolarMassTask(), steps=0, batch_size=4, lr=1e-3, exact_fraction=0.5, seed=0)
     assert bus.published == [] and result["weight_version"] == 0
 
 

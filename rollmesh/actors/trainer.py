@@ -55,13 +55,13 @@ class TrainerActor(RoleActor):
             await asyncio.to_thread(self.backend.close)
 
     async def warm_start(self, task_path: str, *, steps: int, batch_size: int, lr: float,
-                         tool_fraction: float, seed: int) -> dict[str, float]:
+                         exact_fraction: float, seed: int) -> dict[str, float]:
         task = load_task(task_path)
         if not isinstance(task, DemonstrableTask):
             raise TypeError(f"{task_path} cannot demonstrate episodes; no warm start possible")
         assert self.trainer is not None, "start() first"
         return await self.trainer.warm_start(task, steps=steps, batch_size=batch_size, lr=lr,
-                                             tool_fraction=tool_fraction, seed=seed)
+                                             exact_fraction=exact_fraction, seed=seed)
 
     async def save_checkpoint(self) -> str:
         assert self.trainer is not None, "start() first"

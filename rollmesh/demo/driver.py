@@ -96,7 +96,7 @@ class DemoDriver:
         demo, trainer_config = self.demo, self.config.trainer
         warm = await self.trainer.warm_start.remote(
             DEMO_TASK, steps=demo.sft_steps, batch_size=demo.sft_batch, lr=demo.sft_lr,
-            tool_fraction=demo.warm_start_tool_fraction, seed=demo.seed)
+            exact_fraction=demo.warm_start_exact_fraction, seed=demo.seed)
         warm_start_s = time.monotonic() - started
         self.report(f"warm start: {demo.sft_steps} supervised steps in {warm_start_s:.1f}s "
                     f"(loss {warm['loss']:.3f}), weights v{warm['weight_version']}")

@@ -39,6 +39,12 @@ MAX_COUNT = 4
 # memorise, so they are kept rare: the policy should learn to copy the tool's result instead.
 ELEMENT_COUNT_WEIGHTS = (1, 3, 3)
 HELD_OUT_MODULUS = 8
+# Formulas are drawn so that their molar mass is in [100, 1000) g/mol: every answer then has seven
+# characters ("129.200"), and the answer stands at the same distance after the tool's result in
+# every episode. A 2-layer rotary-only model copies at a fixed distance within the demo's warm
+# start (100 of 100 held-out answers exact after 300 steps); over answers of 5 to 7 characters it
+# did not (0 of 100).
+MASS_RANGE = (100.0, 1000.0)
 # The user's question; the only text the model reads besides the template's (kept in one place to
 # tune for the tiny demo model).
 USER_PROMPT = "molar mass of {formula}?"
@@ -79,10 +85,11 @@ def random_formula(rng: random.Random) -> str:
 
 
 def sample_formulas(rng: random.Random, count: int, *, held_out: bool) -> list[str]:
+    low, high = MASS_RANGE
     found: list[str] = []
     while len(found) < count:
         formula = random_formula(rng)
-        if is_held_out(formula) == held_out:
+        if is_held_out(formula) == held_out and low <= _calculator().molar_mass(formula) < high:
             found.append(formula)
     return found
 
@@ -112,22 +119,24 @@ class MolarMassTask:
     def sample_task_inputs(self, rng: random.Random, count: int, *, held_out: bool) -> list[dict[str, Any]]:
         return [{"formula": formula} for formula in sample_formulas(rng, count, held_out=held_out)]
 
-    def demonstration(self, task_input: dict[str, Any], *, uses_tool: bool,
+    def demonstration(self, task_input: dict[str, Any], *, exact: bool,
                       rng: random.Random) -> list[dict[str, Any]]:
         """The messages after ``messages()`` of a demonstrated episode (shapes: ``DemonstrableTask``).
 
-        With ``uses_tool`` it is correct; without, the demonstrator skips the calculator and
-        guesses a number near the answer, which is almost always wrong: RL has to discover
-        that calling the tool pays.
+        Every demonstration calls the calculator. With ``exact`` the answer is the tool's result;
+        without, the demonstrator rounds it to one decimal ("129.2"), which the reward does not
+        accept: RL has to discover that the tool's full precision pays. (Guessing without the tool,
+        as the byte-level demo model's demonstrations did, taught the 2-layer rotary model to
+        guess after a tool result too: 0 of 100 answers copied, against 100 of 100 when every
+        demonstration copies it; a rounded copy keeps the copying and differs in one choice, where
+        to stop.)
         """
-        formula = self._formula(task_input)
-        mass = true_molar_mass(formula)
-        if not uses_tool:
-            return [{"role": "assistant", "content": f"{float(mass) * rng.uniform(0.7, 1.3):.3f}", "tool_calls": []}]
+        mass = true_molar_mass(self._formula(task_input))
+        answer = mass if exact else f"{float(mass):.1f}"
         call = ToolCall(id=make_call_id("openai", 0, name="calc"), name="calc", arguments={})
         return [{"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": call.id, "content": mass},
-                {"role": "assistant", "content": mass, "tool_calls": []}]
+                {"role": "assistant", "content": answer, "tool_calls": []}]
 
     def _formula(self, task_input: dict[str, Any]) -> str:
         formula = task_input.get("formula")

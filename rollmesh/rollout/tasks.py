@@ -96,9 +96,11 @@ class DemonstrableTask(Task, Protocol):
 
     def sample_task_inputs(self, rng: random.Random, count: int, *, held_out: bool) -> list[dict[str, Any]]: ...
 
-    def demonstration(self, task_input: dict[str, Any], *, uses_tool: bool,
+    def demonstration(self, task_input: dict[str, Any], *, exact: bool,
                       rng: random.Random) -> list[dict[str, Any]]:
-        """The messages that follow ``messages(task_input)`` in a demonstrated episode.
+        """The messages that follow ``messages(task_input)`` in a demonstrated episode: a fully
+        right one with ``exact``, else one that is almost right (the warm start mixes them, so RL
+        starts from a policy that is only sometimes right).
 
         Assistant turns are ``{"role": "assistant", "content": str, "tool_calls": [ToolCall, ...]}``
         (``rollmesh.chat.ToolCall`` objects, the list empty or absent for a plain answer), so the

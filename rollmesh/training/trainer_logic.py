@@ -386,7 +386,7 @@ class TrainerLogic:
         remove_published(version_directory(self.weights_dir, weights.version - KEEP_WEIGHT_FILES) / MANIFEST_FILE)
 
     async def warm_start(self, task: DemonstrableTask, *, steps: int, batch_size: int, lr: float,
-                         tool_fraction: float, seed: int) -> dict[str, float]:
+                         exact_fraction: float, seed: int) -> dict[str, float]:
         """Supervised warm start on the task's demonstrations, then publish the new version."""
         chat = await self._chat_model()
         rng = random.Random(seed)
@@ -395,7 +395,7 @@ class TrainerLogic:
             for _ in range(steps):
                 # Rendering and tokenizing 64 conversations takes tens of ms: off the event loop.
                 batch = await asyncio.to_thread(demonstration_batch, task, chat, rng, size=batch_size,
-                                                tool_fraction=tool_fraction)
+                                                exact_fraction=exact_fraction)
                 loss = await asyncio.to_thread(self.backend.sft_step, batch, lr=lr)
             if steps:
                 await self._commit_step(self.step, [], new_weights=True)

@@ -8,8 +8,9 @@ once as if sampled, parsed back into the message the template renders (the call 
 tool results answer), and the messages after it appended by the template's join. So the warm
 start teaches the very tokens a rollout shows the model and reads back. Loss falls on the
 assistant's tokens, its end-of-turn token included; prompts, tool results and the template's
-joins are masked. A share of the demonstrations skips the tool (``tool_fraction`` uses it), so the
-warm-started policy only sometimes calls it and RL has something real to learn.
+joins are masked. Only a share of the demonstrations answers exactly (``exact_fraction``; the task decides what an
+inexact one is), so the warm-started policy is only sometimes right and RL has something real to
+learn.
 """
 
 from __future__ import annotations
@@ -105,13 +106,13 @@ def conversation_trajectory(chat: ChatModel, messages: Sequence[Mapping[str, Any
 
 
 def demonstration_batch(task: DemonstrableTask, chat: ChatModel, rng: random.Random, *, size: int,
-                        tool_fraction: float) -> list[SftSequence]:
+                        exact_fraction: float) -> list[SftSequence]:
     """``size`` supervised sequences of training-split demonstrations (``conversation_sequence``)."""
     tools = task.tools()
     toolset = ToolSet.from_openai(tools)
     batch = []
     for task_input in task.sample_task_inputs(rng, size, held_out=False):
-        follow = task.demonstration(task_input, uses_tool=rng.random() < tool_fraction, rng=rng)
+        follow = task.demonstration(task_input, exact=rng.random() < exact_fraction, rng=rng)
         batch.append(conversation_sequence(chat, [*task.messages(task_input), *follow], tools=tools, toolset=toolset))
     return batch
 
