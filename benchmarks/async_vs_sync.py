@@ -101,7 +101,7 @@ class DelayedMolarMassTask(MolarMassTask):
     def tool_action(self, call: ToolCall, task_input: dict) -> SandboxCommand:
         delay = float(task_input["tool_delay_s"])
         script = f'sleep {delay:.3f}; exec {python_for_sandbox()} -I -S {tool_script_path("molar_mass")} "$1"'
-        return SandboxCommand(["/bin/sh", "-c", script, "sh", call.arguments["formula"]])
+        return SandboxCommand(["/bin/sh", "-c", script, "sh", self.formula_of(call, task_input)])
 
 
 class EnvironmentTimeClient(SandboxBrokerClient):

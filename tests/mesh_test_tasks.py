@@ -21,7 +21,7 @@ class GatedMolarMassTask(MolarMassTask):
         gate = task_input["gate"]
         script = (f'while [ ! -e "{gate}" ]; do sleep 0.02; done; '
                   f'exec {python_for_sandbox()} -I -S {tool_script_path("molar_mass")} "$1"')
-        return SandboxCommand(["/bin/sh", "-c", script, "sh", call.arguments["formula"]])
+        return SandboxCommand(["/bin/sh", "-c", script, "sh", self.formula_of(call, task_input)])
 
 
 class SlowToolMolarMassTask(MolarMassTask):
@@ -33,4 +33,4 @@ class SlowToolMolarMassTask(MolarMassTask):
     def tool_action(self, call: ToolCall, task_input: dict) -> SandboxCommand:
         delay = float(task_input.get("tool_sleep_s", 1.0))
         script = f'sleep {delay}; exec {python_for_sandbox()} -I -S {tool_script_path("molar_mass")} "$1"'
-        return SandboxCommand(["/bin/sh", "-c", script, "sh", call.arguments["formula"]])
+        return SandboxCommand(["/bin/sh", "-c", script, "sh", self.formula_of(call, task_input)])

@@ -106,8 +106,12 @@ class MolarMassTask:
     def tool_action(self, call: ToolCall, task_input: dict[str, Any]) -> SandboxCommand:
         # The schema has made sure "formula", if given, is a string; the script rejects what is not
         # a formula.
-        formula = call.arguments.get("formula", self._formula(task_input))
-        return SandboxCommand([python_for_sandbox(), "-I", "-S", str(tool_script_path("molar_mass")), formula])
+        return SandboxCommand([python_for_sandbox(), "-I", "-S", str(tool_script_path("molar_mass")),
+                               self.formula_of(call, task_input)])
+
+    def formula_of(self, call: ToolCall, task_input: dict[str, Any]) -> str:
+        """The formula a calc call is about: its own, or the question's when it gives none."""
+        return call.arguments.get("formula", self._formula(task_input))
 
     def reward(self, task_input: dict[str, Any], conversation: Conversation) -> float:
         formula = self._formula(task_input)
