@@ -50,7 +50,9 @@ def sample_tokens(
     truncating = (top_p < 1.0) & ~greedy
     if bool(truncating.any()):
         probs, kept_mass = _truncate_top_p(probs, top_p, truncating)
-        logprobs = logprobs - torch.where(truncating, kept_mass.log(), 0.0)[:, None]
+        # Renormalised over the kept tokens. A lone kept token's log p - log(sum of p) can round to
+        # a hair above 0; a probability is at most 1.
+        logprobs = (logprobs - torch.where(truncating, kept_mass.log(), 0.0)[:, None]).clamp(max=0.0)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     draw = torch.rand(total.shape, generator=generator, device=total.device) * total
