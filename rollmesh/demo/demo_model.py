@@ -14,7 +14,7 @@ the Hub ships, so the demo runs exactly the path a user's Qwen model runs:
   this package (ChatML, Hermes tool calls as Qwen writes them, the tools stated in one line).
 - ``generation_config.json``: ``<|im_end|>`` and ``<|endoftext|>`` end a turn, as in Qwen.
 - ``config.json`` and ``model.safetensors``: a 2-layer Llama decoder (tied embeddings) with random
-  weights from a seed, about 0.5M parameters: it trains in minutes on two CPU cores. Llama rather
+  weights from a seed, 0.58M parameters: it trains in minutes on two CPU cores. Llama rather
   than Qwen2 because transformers loads a "qwen2" directory's tokenizer as its Qwen2Tokenizer,
   which replaces tokenizer.json's pre-tokenizer with Qwen's own (digits split from letters); a
   "llama" directory's tokenizer is tokenizer.json as written.
