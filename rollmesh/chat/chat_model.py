@@ -23,7 +23,7 @@ from rollmesh.chat.model_dir import ModelDirectory
 from rollmesh.chat.reasoning import REASONING_PARSERS, prompt_opens_reasoning
 from rollmesh.chat.template_check import (
     ArgumentsForm,
-    _end_of_turn_text,
+    end_of_turn_text,
     assistant_message,
     family_of,
     profile_template,
@@ -86,7 +86,7 @@ class ChatModel:
     @property
     def end_of_turn_text(self) -> str:
         """The token a plain turn ends with when the model writes it (its eos)."""
-        return _end_of_turn_text(self.directory)
+        return end_of_turn_text(self.directory)
 
     def encode(self, text: str) -> list[int]:
         return self.directory.encode(text)

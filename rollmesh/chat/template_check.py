@@ -228,7 +228,7 @@ def _generate(chat: ModelDirectory, profile: TemplateProfile, trajectory: ChatTr
     opened = prompt_opens_reasoning(chat.decode(trajectory.prompt_ids()[-8:]))
     text = write_assistant_turn(tool_parser=profile.tool_parser, reasoning_parser=profile.reasoning_parser,
                                 content=turn.content, calls=calls, reasoning=turn.reasoning,
-                                prompt_opened_reasoning=opened, end_of_turn=_end_of_turn_text(chat))
+                                prompt_opened_reasoning=opened, end_of_turn=end_of_turn_text(chat))
     ids = chat.encode(text)
     parsed = parse_assistant_turn(chat.decode(ids), tool_parser=profile.tool_parser,
                                   reasoning_parser=profile.reasoning_parser, tools=list(TOOLS),
@@ -240,7 +240,7 @@ def _generate(chat: ModelDirectory, profile: TemplateProfile, trajectory: ChatTr
     return parsed.tool_calls
 
 
-def _end_of_turn_text(chat: ModelDirectory) -> str:
+def end_of_turn_text(chat: ModelDirectory) -> str:
     """The token the model ends a plain turn with: its eos when that ends a turn, else the first
     end-of-turn id ("" when it has none: every turn is then cut, which the appender refuses)."""
     eos = chat.tokenizer.eos_token

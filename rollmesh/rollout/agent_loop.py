@@ -52,7 +52,7 @@ from rollmesh.ports import (
     Subscription,
     TrajectoryStore,
 )
-from rollmesh.chat import ChatError, ChatModel, ToolSet
+from rollmesh.chat import ChatError, ChatModel
 from rollmesh.chat.token_check import special_token_ids
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.engine.paged_model import describe_served_model
@@ -308,7 +308,7 @@ class RolloutRunner:
     def _tools(self, task: Task) -> list[dict]:
         tools = task.tools()
         try:
-            ToolSet.from_openai(tools)
+            self.chat.toolset(tools)  # checked and compiled once per declaration, not per rollout
         except ChatError as exc:
             raise RolloutError("invalid_request", f"task {task.name!r} declares its tools wrongly: {exc}") from exc
         return tools

@@ -26,7 +26,6 @@ from rollmesh.chat import (
     ChatModel,
     ChatTrajectory,
     ToolCall,
-    ToolSet,
     conform_call_id,
     prompt_opens_reasoning,
 )
@@ -48,16 +47,14 @@ class ConversationError(ValueError):
 
 
 def conversation_sequence(chat: ChatModel, messages: Sequence[Mapping[str, Any]], *,
-                          tools: Sequence[Mapping[str, Any]] | None = None,
-                          toolset: ToolSet | None = None) -> SftSequence:
+                          tools: Sequence[Mapping[str, Any]] | None = None) -> SftSequence:
     """One (ids, loss_mask) sequence of a whole conversation (``conversation_trajectory``)."""
-    sample = conversation_trajectory(chat, messages, tools=tools, toolset=toolset).sample
+    sample = conversation_trajectory(chat, messages, tools=tools).sample
     return list(sample.ids), list(sample.loss_mask)
 
 
 def conversation_trajectory(chat: ChatModel, messages: Sequence[Mapping[str, Any]], *,
-                            tools: Sequence[Mapping[str, Any]] | None = None,
-                            toolset: ToolSet | None = None) -> ChatTrajectory:
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> ChatTrajectory:
     """A whole conversation as the token-exact trajectory a rollout would have built (module
     docstring); its ``sample`` is what trains.
 
@@ -66,8 +63,7 @@ def conversation_trajectory(chat: ChatModel, messages: Sequence[Mapping[str, Any
     messages that answer them (``tool`` results by ``tool_call_id``, user turns); it must end with
     an assistant turn. Call ids are made what the family's template accepts (Mistral's nine
     characters...), and a tool result's ``tool_call_id`` is mapped to the id its call gets when
-    parsed, as a rollout's results carry it. ``toolset``: ``tools`` already checked and
-    compiled (``ToolSet.from_openai``), for callers tokenizing many conversations of one task.
+    parsed, as a rollout's results carry it.
     """
     first = next((index for index, message in enumerate(messages) if message.get("role") == "assistant"), None)
     if first is None:
@@ -75,8 +71,8 @@ def conversation_trajectory(chat: ChatModel, messages: Sequence[Mapping[str, Any
     if messages[-1].get("role") != "assistant":
         raise ConversationError("the conversation must end with an assistant turn", message_index=len(messages) - 1)
     style = TOOL_PARSERS[chat.tool_parser].call_id_style if chat.tool_parser else "openai"
-    # Checking the schemas is most of a short conversation's cost: once, not once per turn.
-    toolset = toolset if toolset is not None else ToolSet.from_openai(tools)
+    # Compiled once per distinct declaration by the ChatModel: most of a short conversation's cost.
+    toolset = chat.toolset(tools)
     trajectory = chat.new_trajectory(messages[:first], tools=tools)
     call_ids: dict[str, str] = {}
     calls_so_far = 0
@@ -109,11 +105,10 @@ def demonstration_batch(task: DemonstrableTask, chat: ChatModel, rng: random.Ran
                         exact_fraction: float) -> list[SftSequence]:
     """``size`` supervised sequences of training-split demonstrations (``conversation_sequence``)."""
     tools = task.tools()
-    toolset = ToolSet.from_openai(tools)
     batch = []
     for task_input in task.sample_task_inputs(rng, size, held_out=False):
         follow = task.demonstration(task_input, exact=rng.random() < exact_fraction, rng=rng)
-        batch.append(conversation_sequence(chat, [*task.messages(task_input), *follow], tools=tools, toolset=toolset))
+        batch.append(conversation_sequence(chat, [*task.messages(task_input), *follow], tools=tools))
     return batch
 
 
