@@ -18,7 +18,6 @@ import openai.types.chat as openai_chat
 import pytest
 
 from rollmesh.chat import ChatModel, ToolCall
-from rollmesh.config import ModelConfig
 from rollmesh.engine.protocols import GenerationResult
 from rollmesh.messages.base import SamplingParams
 from rollmesh.serve_apps import InvalidApiRequestError, ServedModel
@@ -29,20 +28,14 @@ from rollmesh.serve_apps.chat_requests import (
     completion_stream_events,
 )
 from rollmesh.serve_apps.http_shapes import ChatCompletionRequest
+from serve_models import CALC, QUESTION, demo_served_model
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
-
-CALC = {"type": "function", "function": {
-    "name": "calc", "description": "molar mass of a formula",
-    "parameters": {"type": "object", "properties": {"formula": {"type": "string"}},
-                   "required": ["formula"]}}}
-QUESTION = {"role": "user", "content": "molar mass of H2O?"}
 
 
 @pytest.fixture(scope="module")
 def served(demo_model_dir: Path) -> ServedModel:
-    chat = ChatModel.from_config(ModelConfig(path=str(demo_model_dir)))
-    return ServedModel(name="demo", max_seq_len=256, vocab_size=chat.vocab_size, chat=chat)
+    return demo_served_model(demo_model_dir)
 
 
 def served_by(path: Path) -> ServedModel:

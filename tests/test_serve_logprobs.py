@@ -15,8 +15,6 @@ import openai.types as openai_types
 import openai.types.chat as openai_chat
 import pytest
 
-from rollmesh.chat import ChatModel
-from rollmesh.config import ModelConfig
 from rollmesh.engine.protocols import GenerationResult
 from rollmesh.serve_apps import InvalidApiRequestError, ServedModel
 from rollmesh.serve_apps.chat_requests import (
@@ -27,16 +25,14 @@ from rollmesh.serve_apps.chat_requests import (
 )
 from rollmesh.serve_apps.generation_requests import completion_inputs, completion_response
 from rollmesh.serve_apps.http_shapes import ChatCompletionRequest, CompletionRequest
+from serve_models import QUESTION, demo_served_model
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
-
-QUESTION = {"role": "user", "content": "molar mass of H2O?"}
 
 
 @pytest.fixture(scope="module")
 def served(demo_model_dir: Path) -> ServedModel:
-    chat = ChatModel.from_config(ModelConfig(path=str(demo_model_dir)))
-    return ServedModel(name="demo", max_seq_len=256, vocab_size=chat.vocab_size, chat=chat)
+    return demo_served_model(demo_model_dir)
 
 
 def sampled(served: ServedModel, text: str) -> GenerationResult:

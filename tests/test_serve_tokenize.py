@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from rollmesh.chat import ChatModel
-from rollmesh.config import ModelConfig
 from rollmesh.serve_apps import InvalidApiRequestError, ServedModel
 from rollmesh.serve_apps.chat_requests import chat_inputs
 from rollmesh.serve_apps.errors import ModelNotFoundError
@@ -22,20 +21,14 @@ from rollmesh.serve_apps.http_shapes import (
     TokenizeRequest,
 )
 from rollmesh.serve_apps.tokenize_requests import detokenize, tokenize
+from serve_models import CALC, QUESTION, demo_served_model
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
-
-CALC = {"type": "function", "function": {
-    "name": "calc", "description": "molar mass of a formula",
-    "parameters": {"type": "object", "properties": {"formula": {"type": "string"}},
-                   "required": ["formula"]}}}
-QUESTION = {"role": "user", "content": "molar mass of H2O?"}
 
 
 @pytest.fixture(scope="module")
 def served(demo_model_dir: Path) -> ServedModel:
-    chat = ChatModel.from_config(ModelConfig(path=str(demo_model_dir)))
-    return ServedModel(name="demo", max_seq_len=256, vocab_size=chat.vocab_size, chat=chat)
+    return demo_served_model(demo_model_dir)
 
 
 @pytest.fixture(scope="module")
