@@ -12,8 +12,8 @@ An episode, as chat messages (the model's own template and tool-call format writ
 as a lab tool works on the sample in front of it. The demonstrations call it without one: a
 2-layer model with rotary positions only (the demo's Llama) did not learn, within the demo's
 warm start, to copy a formula from the question into the call's arguments (held-out exact copies:
-0 of 100 after 300 and 600 supervised steps, over six tokenizer and model shapes), while it copies
-the tool's result into its answer (69-100 of 100). Real models copy arguments; the tiny one
+0-1 of 100 after 300 supervised steps over the shapes tried, 0-48 after 600), while it copies the
+tool's result into its answer (69-100 of 100; docs/task-plugins.md has the measurements). Real models copy arguments; the tiny one
 learns when calling pays and what to do with the result.
 
 Reward is 1.0 only when calc was called for the question's compound (no formula, or exactly the
