@@ -90,6 +90,16 @@ class ChatPrompt:
 def chat_inputs(request: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
     """The prompt rendered by the model's template and encoded once, and sampling params; raises
     InvalidApiRequestError naming the parameter (a template's refusal: ``param="messages"``)."""
+    settings = chat_settings(request, served)
+    input_ids = settings.chat.encode(render_messages(settings.chat, request.messages, settings.tools,
+                                                     served=served, add_generation_prompt=True))
+    check_prompt_length(len(input_ids), served, param="messages")
+    return dataclasses.replace(settings, input_ids=input_ids)
+
+
+def chat_settings(request: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
+    """Everything of a chat request but its prompt (``input_ids`` left empty), checked: what a
+    session's later turn (``chat_sessions``), whose prompt is its trajectory, needs too."""
     check_model(request.model, served)
     if not request.messages:
         raise InvalidApiRequestError("messages is empty", code="invalid_value", param="messages")
@@ -110,14 +120,11 @@ def chat_inputs(request: ChatCompletionRequest, served: ServedModel) -> ChatProm
             f"the model {served.name!r} has no tool-call format (its chat template shows none and "
             "model.tool_parser is unset)", code="unsupported_value", param="tools")
     chat = request_chat(served.chat, request.chat_template_kwargs, with_tools=bool(tools))
-    input_ids = chat.encode(render_messages(chat, request.messages, tools, served=served,
-                                            add_generation_prompt=True))
-    check_prompt_length(len(input_ids), served, param="messages")
     sampling = openai_sampling_params(
         temperature=request.temperature, top_p=request.top_p, max_new_tokens=max_tokens,
         stop=request.stop, names={"max_new_tokens": param},
     )
-    return ChatPrompt(input_ids, sampling, chat, tools, calls_in(request.messages),
+    return ChatPrompt([], sampling, chat, tools, calls_in(request.messages),
                       with_logprobs=request.logprobs)
 
 
