@@ -24,7 +24,7 @@ refused.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from rollmesh.engine.errors import (
     PromptTooLongError,
     VersionUnavailableError,
 )
+from rollmesh.engine.guided_decoding import GuidedDecoder, accept
 from rollmesh.engine.kv_pages import KvBlockPool, OutOfBlocksError, PagedAttention
 from rollmesh.engine.paged_model import model_device
 from rollmesh.engine.prefill import PrefillResult, run_prefill
@@ -67,13 +68,14 @@ class FinishedSequence:
     cached_tokens: int = 0
     routed_experts: np.ndarray | None = None  # rows [routed_experts_start, seqlen - 1)
     routed_experts_start: int = 0
+    constrained: list[bool] = field(default_factory=list)  # with a grammar: one flag per token
 
     def as_generation_result(self) -> GenerationResult:
         return GenerationResult(
             token_ids=self.token_ids, logprobs=self.logprobs, versions=self.versions,
             finish_reason=self.finish_reason, prompt_len=self.prompt_len, request_id=self.request_id,
             cached_tokens=self.cached_tokens, routed_experts=self.routed_experts,
-            routed_experts_start=self.routed_experts_start,
+            routed_experts_start=self.routed_experts_start, constrained=self.constrained,
         )
 
 
@@ -97,7 +99,8 @@ class DecodeStats:
 
 class _Sequence:
     __slots__ = ("request_id", "input_ids", "token_ids", "logprobs", "versions", "stopper",
-                 "blocks", "options", "temperature", "top_p", "cached_tokens", "routes")
+                 "blocks", "options", "temperature", "top_p", "cached_tokens", "routes",
+                 "matcher", "constrained")
 
     def __init__(self, request_id: str, input_ids: list[int], blocks: list[int],
                  sampling: SamplingParams, stopper: StopChecker, options: GenerateOptions,
@@ -114,6 +117,8 @@ class _Sequence:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.routes: list[torch.Tensor] = []  # chunks of routed expert rows, position order
+        self.matcher = None  # the grammar's xgrammar matcher, with options.grammar only
+        self.constrained: list[bool] = []  # per token, with options.grammar only
 
     @property
     def prompt_len(self) -> int:
@@ -166,6 +171,11 @@ class DecodeEngine:
         self._finished: list[FinishedSequence] = []  # finished at admission, reported next step
         self._steps = 0
         self._tokens_generated = 0
+        # Grammars (guided_decoding.py): built on the first request that brings one; a step masks
+        # logits only while some active sequence has one, so free requests pay nothing.
+        self.guided = GuidedDecoder(tokenizer, vocab_size=self.sampled_vocab_size,
+                                    end_of_turn_ids=self.end_of_turn_ids)
+        self._constrained_active = 0
 
     # -- requests --------------------------------------------------------------------------
 
@@ -287,9 +297,12 @@ class DecodeEngine:
         paged = PagedAttention(self.pool, [s.blocks for s in batch], [s.cached_len for s in batch],
                                1, sliding_window=self.model.sliding_window)
         logits, routes = self.model.forward_paged(tokens, paged)
+        step_logits, constrained = logits[:, 0], None
+        if self._constrained_active:
+            step_logits, constrained = self._mask_grammars(batch, step_logits)
         temperature = torch.tensor([s.temperature for s in batch], device=self._device)
         top_p = torch.tensor([s.top_p for s in batch], device=self._device)
-        chosen, logprobs = sample_tokens(logits[:, 0], temperature, top_p, self._generator,
+        chosen, logprobs = sample_tokens(step_logits, temperature, top_p, self._generator,
                                          vocab_size=self.sampled_vocab_size)
         self._steps += 1
         self._tokens_generated += len(batch)
@@ -301,6 +314,8 @@ class DecodeEngine:
             sequence.versions.append(version)
             if routes is not None:
                 sequence.routes.append(routes[row])
+            if constrained is not None:
+                self._advance_grammar(sequence, token, constrained[row])
             reason = sequence.stopper.check(sequence.token_ids)
             if reason is None:
                 still_active.append(sequence)
@@ -310,13 +325,21 @@ class DecodeEngine:
         return done
 
     def _admit(self, sequence: _Sequence, last_logits: torch.Tensor, version: int) -> None:
+        first_logits, constrained = last_logits[None], None
+        if sequence.options.grammar is not None:  # compiled (and cached) by validate_request
+            sequence.matcher = self.guided.matcher(sequence.options.grammar,
+                                                   request_id=sequence.request_id)
+            self._constrained_active += 1
+            first_logits, constrained = self._mask_grammars([sequence], first_logits)
         temperature = torch.tensor([sequence.temperature], device=self._device)
         top_p = torch.tensor([sequence.top_p], device=self._device)
-        token, logprob = sample_tokens(last_logits[None], temperature, top_p, self._generator,
+        token, logprob = sample_tokens(first_logits, temperature, top_p, self._generator,
                                        vocab_size=self.sampled_vocab_size)
         sequence.token_ids.append(int(token))
         sequence.logprobs.append(float(logprob))
         sequence.versions.append(version)
+        if constrained is not None:
+            self._advance_grammar(sequence, int(token), constrained[0])
         self._by_id[sequence.request_id] = sequence
         self._tokens_generated += 1
         reason = sequence.stopper.check(sequence.token_ids)
@@ -325,8 +348,30 @@ class DecodeEngine:
         else:
             self._active.append(sequence)
 
+    def _mask_grammars(self, batch: list[_Sequence], logits: torch.Tensor):
+        """(logits with each constrained row masked in place, per row: was it constrained)."""
+        logits = logits.float()  # the mask goes into the very tensor sample_tokens normalises
+        return logits, self.guided.mask(logits, [s.matcher for s in batch])
+
+    def _advance_grammar(self, sequence: _Sequence, token: int, constrained: bool) -> None:
+        if sequence.matcher is None:
+            return
+        sequence.constrained.append(constrained)
+        if not accept(sequence.matcher, token):
+            # Cannot happen for a masked row; should it, the rest of the turn goes unconstrained
+            # (its flags say so, see _finish) rather than failing the whole batch's step.
+            self._drop_grammar(sequence)
+
+    def _drop_grammar(self, sequence: _Sequence) -> None:
+        if sequence.matcher is not None:
+            sequence.matcher = None
+            self._constrained_active -= 1
+
     def _finish(self, sequence: _Sequence, reason: FinishReason) -> FinishedSequence:
         """Report ``sequence``; park its KV under its session, or free it."""
+        self._drop_grammar(sequence)
+        if sequence.options.grammar is not None:  # one flag per token, also after a dropped grammar
+            sequence.constrained += [False] * (len(sequence.token_ids) - len(sequence.constrained))
         cached_len = sequence.cached_len
         routes = torch.cat(sequence.routes)[:cached_len] if sequence.routes else None
         keep = self.pool.blocks_for(cached_len)
@@ -346,6 +391,7 @@ class DecodeEngine:
         return FinishedSequence(
             sequence.request_id, sequence.token_ids, sequence.logprobs, sequence.versions, reason,
             sequence.prompt_len, sequence.cached_tokens, routed, start,
+            constrained=sequence.constrained,
         )
 
     # -- memory ----------------------------------------------------------------------------
@@ -455,6 +501,8 @@ class DecodeEngine:
                 "the model is dense: it routes no experts", field="return_routed_experts",
                 request_id=request_id,
             )
+        if options.grammar is not None:  # an invalid grammar fails here, before any admission
+            self.guided.compile(options.grammar, request_id=request_id)
         needed = self.blocks_needed(prompt_len, sampling)
         if needed > self.pool.num_blocks:
             raise KvCapacityError(needed, self.pool.num_blocks, request_id=request_id)

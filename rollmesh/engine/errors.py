@@ -3,7 +3,8 @@
     EngineError
     ├── InvalidRequestError(reason, field, request_id)  bad input; nothing changed
     │   ├── PromptTooLongError(num_tokens, max_tokens)
-    │   └── DuplicateRequestError(request_id)
+    │   ├── DuplicateRequestError(request_id)
+    │   └── InvalidGrammarError(kind, detail)       a grammar xgrammar cannot compile
     ├── CapacityError(max_batch, request_id)            every decode slot is taken
     ├── EngineStoppedError(request_id)                  the loop stopped with it in flight
     ├── VersionUnavailableError(min_version, current)   retryable: weights not yet that new
@@ -61,6 +62,17 @@ class PromptTooLongError(InvalidRequestError):
 class DuplicateRequestError(InvalidRequestError):
     def __init__(self, request_id: str) -> None:
         super().__init__("already in flight", field="request_id", request_id=request_id)
+
+
+class InvalidGrammarError(InvalidRequestError):
+    """The request's grammar (``GenerateOptions.grammar``) does not compile: an invalid JSON
+    schema, EBNF or structural tag. Nothing was generated; the engine goes on serving."""
+
+    def __init__(self, kind: str, detail: str, *, request_id: str | None = None) -> None:
+        super().__init__(f"the {kind} grammar does not compile: {detail}", field="grammar",
+                         request_id=request_id)
+        self.kind = kind
+        self.detail = detail
 
 
 class CapacityError(EngineError):

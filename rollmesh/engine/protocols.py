@@ -7,7 +7,7 @@ the same ``InferenceEngine``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
@@ -20,6 +20,29 @@ from rollmesh.messages.base import SamplingParams
 # (partial output is kept).
 FinishReason = Literal["eos", "stop", "length", "abort"]
 
+# How a grammar is written (``GrammarSpec.kind``); SGLang's sampling params take the same three
+# under the same names.
+GrammarKind = Literal["json_schema", "ebnf", "structural_tag"]
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A grammar every generated token of one request must follow (guided decoding, xgrammar).
+
+    - ``"json_schema"``: ``text`` is a JSON schema; the output is one JSON value matching it.
+    - ``"ebnf"``: ``text`` is xgrammar's EBNF (GBNF) with a ``root`` rule.
+    - ``"structural_tag"``: ``text`` is xgrammar's structural tag JSON
+      (``{"type": "structural_tag", "format": {...}}``); the Serve app writes these for
+      ``tool_choice`` and ``response_format`` (``rollmesh.serve_apps.tool_choice``).
+
+    The grammar applies from the first generated token. When it is complete, the only tokens left
+    are the model's end-of-turn ids, sampled under the mask like any other token, so a constrained
+    turn ends with the same end-of-turn id as a free one and stays token-exact.
+    """
+
+    kind: GrammarKind
+    text: str
+
 
 @dataclass(frozen=True, slots=True)
 class GenerateOptions:
@@ -31,12 +54,15 @@ class GenerateOptions:
       not reached it the call fails with the retryable ``VersionUnavailableError``.
     - ``return_routed_experts`` / ``routed_experts_start_len``: for MoE models, return the
       routed expert rows of positions ``[start_len, seqlen - 1)`` (SGLang's absolute slice).
+    - ``grammar``: constrain the generation (``GrammarSpec``); an invalid one raises
+      ``InvalidGrammarError`` before anything is generated.
     """
 
     session_id: str | None = None
     min_version: int | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    grammar: GrammarSpec | None = None
 
 
 DEFAULT_OPTIONS = GenerateOptions()
@@ -50,6 +76,10 @@ class GenerationResult:
     position from ``routed_experts_start`` to ``prompt_len + len(token_ids) - 2``: shape
     [rows, sparse layers, top_k], uint8 for at most 256 experts, else uint16. ``cached_tokens``
     counts the prompt tokens whose KV was reused from the session rather than computed.
+    ``constrained`` (requests with a grammar only; empty otherwise) has one flag per generated
+    token: True where the grammar's mask removed some token the model could have drawn. Such a
+    token's logprob is that of the masked distribution it was drawn from, and trajectories give
+    it loss mask 0 (it was not the policy's free choice).
     """
 
     token_ids: list[int]
@@ -61,6 +91,7 @@ class GenerationResult:
     cached_tokens: int = 0
     routed_experts: np.ndarray | None = None
     routed_experts_start: int = 0
+    constrained: list[bool] = field(default_factory=list)
 
 
 class Detokenizer(Protocol):

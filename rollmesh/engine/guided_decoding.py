@@ -1,0 +1,106 @@
+"""Guided decoding: a request's grammar (``GrammarSpec``) compiled with xgrammar, one matcher per
+constrained sequence, and its token mask applied to that row's logits before sampling.
+
+Knows xgrammar, torch and the model's Hugging Face tokenizer (read off the engine's Detokenizer);
+not the chat formats (``rollmesh.serve_apps.tool_choice`` writes the grammars), not Ray.
+
+- Compiling: one ``xgr.GrammarCompiler`` per engine, with xgrammar's own cache (keyed by the
+  grammar's text), so a tool schema seen before costs a dictionary look-up. Nothing is built
+  until the first grammar arrives: an engine that never sees one pays nothing at all.
+- Vocabulary: the matcher's vocabulary is the tokenizer's (the engine's ``sampled_vocab_size``),
+  so padded embedding rows are outside the mask and stay dropped by ``sample_tokens``.
+- The end: the matcher's stop tokens are the engine's end-of-turn ids. Once the grammar is
+  complete only those are allowed, so the model samples its own end-of-turn id under the mask
+  (logprob 0 when it is the only one left) and the stop checker ends the turn ("eos") exactly as
+  in a free turn: the generated ids are what the chat template would render, nothing is appended
+  behind the model's back.
+- What counts as constrained: a token drawn from a row whose mask removed at least one token
+  (xgrammar says when a mask is all-true). Its logprob is the masked distribution's, because the
+  mask is applied to the logits that ``sample_tokens`` normalises.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from rollmesh.engine.errors import InvalidGrammarError, InvalidRequestError
+from rollmesh.engine.protocols import GrammarSpec
+
+
+class GuidedDecoder:
+    """Compiles grammars for one tokenizer and masks a batch's constrained rows."""
+
+    def __init__(self, tokenizer: Any, *, vocab_size: int, end_of_turn_ids: Iterable[int]) -> None:
+        # ``tokenizer``: the engine's Detokenizer (a ModelDirectory or ChatModel) or None.
+        self._hf_tokenizer = _hf_tokenizer(tokenizer)
+        self._vocab_size = vocab_size
+        self._stop_ids = sorted(end_of_turn_ids)
+        self._compiler: xgr.GrammarCompiler | None = None
+
+    def compile(self, grammar: GrammarSpec, *, request_id: str | None = None) -> xgr.CompiledGrammar:
+        """The compiled grammar (cached); raises InvalidGrammarError for one xgrammar refuses."""
+        compiler = self._compiler_or_refuse(request_id)
+        try:
+            if grammar.kind == "json_schema":
+                json.loads(grammar.text)  # xgrammar's own message for bad JSON is a C++ trace
+                return compiler.compile_json_schema(grammar.text, any_whitespace=False)
+            if grammar.kind == "ebnf":
+                return compiler.compile_grammar(grammar.text)
+            if grammar.kind == "structural_tag":
+                return compiler.compile_structural_tag(grammar.text)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, its own
+            raise InvalidGrammarError(grammar.kind, _first_line(exc), request_id=request_id) from exc
+        raise InvalidGrammarError(grammar.kind, "unknown grammar kind", request_id=request_id)
+
+    def matcher(self, grammar: GrammarSpec, *, request_id: str | None = None) -> xgr.GrammarMatcher:
+        return xgr.GrammarMatcher(self.compile(grammar, request_id=request_id))
+
+    def mask(self, logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None]) -> list[bool]:
+        """Apply each row's grammar mask to ``logits`` [B, V] in place (disallowed ids -> -inf);
+        returns per row whether its mask removed any token. Rows without a matcher are untouched."""
+        bitmask = xgr.allocate_token_bitmask(len(matchers), self._vocab_size)
+        rows = [row for row, matcher in enumerate(matchers)
+                if matcher is not None and matcher.fill_next_token_bitmask(bitmask, row)]
+        if rows:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device),
+                                            vocab_size=self._vocab_size, indices=rows)
+        constrained = set(rows)
+        return [row in constrained for row in range(len(matchers))]
+
+    def _compiler_or_refuse(self, request_id: str | None) -> xgr.GrammarCompiler:
+        if self._compiler is None:
+            if self._hf_tokenizer is None:
+                raise InvalidRequestError(
+                    "guided decoding needs the model's tokenizer, and this engine was given none",
+                    field="grammar", request_id=request_id)
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._hf_tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_ids)
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=True)
+        return self._compiler
+
+
+def accept(matcher: xgr.GrammarMatcher, token: int) -> bool:
+    """Advance ``matcher`` by the sampled ``token``; False if the grammar refuses it (only
+    possible for a token the mask did not govern, which the engine treats as a bug)."""
+    return matcher.is_terminated() or bool(matcher.accept_token(token))
+
+
+def _hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer behind a ModelDirectory (``.tokenizer``) or a ChatModel
+    (``.directory.tokenizer``); None for an engine without one."""
+    if tokenizer is None:
+        return None
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is None and getattr(tokenizer, "directory", None) is not None:
+        inner = tokenizer.directory.tokenizer
+    return inner
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:500]
