@@ -99,7 +99,8 @@ def test_an_invalid_grammar_is_refused_before_admission_and_the_engine_keeps_ser
     sampling = SamplingParams(temperature=0.0, max_new_tokens=3)
     for bad in (GrammarSpec("json_schema", '{"type": "object", "properties": '),
                 GrammarSpec("json_schema", '{"type": "strng"}'),
-                GrammarSpec("ebnf", "root ::= missing_rule")):
+                GrammarSpec("ebnf", "root ::= missing_rule"),
+                GrammarSpec("json_schema", json.dumps(SCHEMA), end_ids=(5,))):  # 5 ends no turn
         with pytest.raises(InvalidGrammarError) as caught:
             engine.add_prompt("bad", ids, sampling, GenerateOptions(grammar=bad))
         assert caught.value.field == "grammar" and caught.value.kind == bad.kind

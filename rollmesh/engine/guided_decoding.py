@@ -9,7 +9,8 @@ not the chat formats (``rollmesh.serve_apps.tool_choice`` writes the grammars), 
   until the first grammar arrives: an engine that never sees one pays nothing at all.
 - Vocabulary: the matcher's vocabulary is the tokenizer's (the engine's ``sampled_vocab_size``),
   so padded embedding rows are outside the mask and stay dropped by ``sample_tokens``.
-- The end: the matcher's stop tokens are the engine's end-of-turn ids. Once the grammar is
+- The end: the matcher's stop tokens are the engine's end-of-turn ids (or the grammar's
+  ``end_ids``, a subset of them). Once the grammar is
   complete only those are allowed, so the model samples its own end-of-turn id under the mask
   (logprob 0 when it is the only one left) and the stop checker ends the turn ("eos") exactly as
   in a free turn: the generated ids are what the chat template would render, nothing is appended
@@ -46,6 +47,9 @@ class GuidedDecoder:
         """The compiled grammar (cached); raises InvalidGrammarError for one xgrammar refuses."""
         compiler = self._compiler_or_refuse(request_id)
         try:
+            if not set(grammar.end_ids) <= set(self._stop_ids):
+                raise ValueError(f"end_ids {sorted(grammar.end_ids)} are not all end-of-turn ids "
+                                 f"of the model ({self._stop_ids})")
             if grammar.kind == "json_schema":
                 json.loads(grammar.text)  # xgrammar's own message for bad JSON is a C++ trace
                 return compiler.compile_json_schema(grammar.text, any_whitespace=False)
@@ -58,7 +62,8 @@ class GuidedDecoder:
         raise InvalidGrammarError(grammar.kind, "unknown grammar kind", request_id=request_id)
 
     def matcher(self, grammar: GrammarSpec, *, request_id: str | None = None) -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(self.compile(grammar, request_id=request_id))
+        return xgr.GrammarMatcher(self.compile(grammar, request_id=request_id),
+                                  override_stop_tokens=list(grammar.end_ids) or None)
 
     def mask(self, logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None]) -> list[bool]:
         """Apply each row's grammar mask to ``logits`` [B, V] in place (disallowed ids -> -inf);

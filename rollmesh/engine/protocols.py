@@ -36,12 +36,14 @@ class GrammarSpec:
       ``tool_choice`` and ``response_format`` (``rollmesh.serve_apps.tool_choice``).
 
     The grammar applies from the first generated token. When it is complete, the only tokens left
-    are the model's end-of-turn ids, sampled under the mask like any other token, so a constrained
-    turn ends with the same end-of-turn id as a free one and stays token-exact.
+    are the model's end-of-turn ids (``end_ids`` when given: a subset of them, e.g. harmony's
+    ``<|call|>`` after a forced call), sampled under the mask like any other token, so a
+    constrained turn ends with an end-of-turn id the model generated and stays token-exact.
     """
 
     kind: GrammarKind
     text: str
+    end_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
