@@ -8,6 +8,8 @@ error tree (to map it), not Ray or FastAPI.
     │                                    messages the model's chat template refuses
     ├── AuthenticationError         401  no or a wrong ``Authorization: Bearer`` key
     ├── ModelNotFoundError(model)   404
+    ├── SessionNotFoundError        404  no chat session by that id (never made, expired, deleted)
+    ├── SessionConflictError        409  a chat session already has a turn in flight
     └── EngineUnavailableError      503  no decode slot, loop stopped, a worker died; with
                                          ``retry_after_s`` (a ``Retry-After`` header) when
                                          retrying will help: ``version_unavailable``
@@ -92,6 +94,26 @@ class ModelNotFoundError(ApiError):
             code="model_not_found", param="model",
         )
         self.model = model
+
+
+class SessionNotFoundError(ApiError):
+    status = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, session_id: str, why: str) -> None:
+        super().__init__(f"no chat session {session_id!r}: {why}", code="session_not_found",
+                         param="session_id")
+        self.session_id = session_id
+
+
+class SessionConflictError(ApiError):
+    status = 409
+    error_type = "invalid_request_error"
+
+    def __init__(self, session_id: str, why: str) -> None:
+        super().__init__(f"chat session {session_id!r}: {why}", code="session_busy",
+                         param="session_id")
+        self.session_id = session_id
 
 
 class EngineUnavailableError(ApiError):

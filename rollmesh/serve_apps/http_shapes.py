@@ -29,7 +29,9 @@ class EngineOptionFields(_Request):
     """rollmesh's fields on every generate route (an OpenAI client sends them in ``extra_body``).
 
     - ``session_id``: turns of one multi-turn conversation share it; the next turn reuses the
-      session's KV (its prompt must extend the previous turn's prompt and output).
+      session's KV (its prompt must extend the previous turn's prompt and output). On
+      ``/v1/chat/completions`` it also makes the conversation a chat session whose trajectory the
+      server keeps token-exact (``chat_sessions``).
     - ``min_weight_version``: the oldest weight version allowed to produce tokens; while the
       engine is older the request fails with 503 ``version_unavailable`` and ``Retry-After``.
     - ``return_routed_experts`` / ``routed_experts_start_len``: MoE models only; the routed
@@ -242,6 +244,44 @@ class ModelList(_Response):
 class TokenizeRequest(_Request):
     """vLLM's TokenizeCompletionRequest (``prompt``) and TokenizeChatRequest (``messages``) in one
     body: exactly one of the two. ``add_special_tokens`` defaults as vLLM's: True for a prompt,
+# -- chat sessions (``chat_sessions``) ----------------------------------------------------------
+
+
+class SessionTokenTrace(_Response):
+    """``rollmesh.messages.TokenTrace`` in JSON: one entry per token in four equal-length lists
+    (loss mask 1 = generated and trained; version -1 and logprob 0.0 = not generated)."""
+
+    ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+class SessionTrajectoryResponse(_Response):
+    """``GET /v1/sessions/{id}/trajectory``: a chat session's tokens and what checks them."""
+
+    id: str
+    object: Literal["chat.session.trajectory"] = "chat.session.trajectory"
+    model: str
+    turns: int
+    prompt_len: int  # tokens of the first prompt
+    # "truncated": the last turn has no end of turn (max_tokens or a stop string); no turn follows.
+    finish_reason: Literal["stop", "truncated"]
+    token_trace: SessionTokenTrace
+    messages: list[dict[str, Any]]  # the conversation in OpenAI form, the last answer included
+    # Differences from a whole render of the conversation by kind ("special", "non_assistant",
+    # "assistant"; rollmesh.chat.check_trajectory); None when the template would not render it.
+    tokenization_mismatches: dict[str, int] | None
+    # Each difference in text the model did not generate that no documented rewrite explains.
+    tokenization_bugs: list[str]
+
+
+class SessionDeletedResponse(_Response):
+    id: str
+    object: Literal["chat.session.deleted"] = "chat.session.deleted"
+    deleted: bool = True
+
+
     False for messages (a rendered template holds its own)."""
 
     model: str | None = None
