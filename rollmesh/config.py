@@ -182,19 +182,22 @@ class RolloutConfig(ConfigSection):
     trajectory_ttl_s: PositiveFloat = 7 * 24 * 3600.0
     # After each rollout its tokens are checked against a whole render of its conversation;
     # differences are counted (RolloutCompleted.tokenization_mismatches). True: a difference in text
-    # the model did not generate (a bug in appending) fails the rollout as tokenization_error.
+    # the model did not generate (a bug in appending) fails the rollout as tokenization_error; a
+    # history rewrite the model family's rules document (Qwen3 dropping earlier <think> blocks,
+    # what check-template calls "expected") is counted as history_rewrite and fails nothing.
     strict_tokenization: bool = False
-    # Templates that rewrite history (Qwen3 drops earlier reasoning): "keep_sampled" trains on what
-    # the model really saw and generated, one sample per rollout. "split" (a new training sample
-    # where the render stops being an extension) is not carried to the trainer yet: refused.
+    # Templates that rewrite history (Qwen3 drops earlier reasoning; docs/multi-turn-tokens.md).
+    # "keep_sampled": one training sample per rollout, the model's real context: the tokens it saw
+    # and generated, logprobs that match; its later turns see history a deployed model would not.
+    # "split": a new training sample starts where the template's whole render stops extending the
+    # current one (as prime-rl does); each sample is a prefix the template would render, trained
+    # with the rollout's reward and advantage; more prompt tokens are recomputed (each split
+    # re-prefills the rewritten history), and no sample trains on stale history.
     history_rewrite: Literal["keep_sampled", "split"] = "keep_sampled"
 
     def __post_init__(self) -> None:
         if self.sandbox_heartbeat_s * 2 > self.sandbox_lease_ttl_s:
             raise ValueError("sandbox_heartbeat_s must be at most half of sandbox_lease_ttl_s")
-        if self.history_rewrite == "split":
-            raise ValueError('rollout.history_rewrite = "split" is not supported by the rollout path yet '
-                             '(a rollout carries one training sample); use "keep_sampled"')
 
 
 class ResharderConfig(ConfigSection):

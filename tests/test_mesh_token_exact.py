@@ -189,7 +189,8 @@ async def test_greedy_tool_rollout_keeps_every_sampled_id_with_its_logprob(token
     # assistant-kind re-tokenization difference is expected; {} would mean it went unchecked).
     assert result.tool_calls >= 1 and result.turns >= 2 and result.malformed_tool_calls == 0, text
     assert result.finish_reason == "stop", text
-    assert result.tokenization_mismatches == {"special": 0, "non_assistant": 0, "assistant": 0}, text
+    assert result.tokenization_mismatches == {"special": 0, "non_assistant": 0, "assistant": 0,
+                                              "history_rewrite": 0}, text
     segments = assistant_segments(trace.loss_mask)
     assert len(segments) == result.turns, (segments, text)
     assert all(trace.ids[end - 1] in chat.end_of_turn_ids for _, end in segments), text

@@ -1,6 +1,8 @@
 """TokenTrace, the one shape of a rollout's tokens: its invariants, messages of senders that predate
 it (flat ``tokens``/``loss_mask``/``logprobs``/``versions``) decoding into the same trace, and the
-choice between carrying a trace inline and storing it, at ``rollout.inline_trajectory_bytes``."""
+choice between carrying a trace inline and storing it, at ``rollout.inline_trajectory_bytes``; a
+rollout split into several samples (``rollout.history_rewrite = "split"``) on the wire, inline and
+stored, and read by a reader that predates it."""
 
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ from rollmesh.rollout.trajectory_offload import (
     OffloadingRolloutStates,
     fits_inline,
     load_trace,
+    load_traces,
     place_trace,
+    place_traces,
     trace_bytes,
 )
 
@@ -171,6 +175,74 @@ def test_a_new_completed_rollout_says_how_it_finished_and_what_the_token_check_f
     assert ROLLOUT_COMPLETED.decode(ROLLOUT_COMPLETED.encode(new)) == new
     with pytest.raises(msgspec.ValidationError, match="finish_reason"):
         ROLLOUT_COMPLETED.decode(ROLLOUT_COMPLETED.encode(new).replace(b'"truncated"', b'"length"'))
+
+
+# --- schema evolution: split samples ----------------------------------------------------------
+
+# A second sample: the whole render of the conversation at the split, then a turn by version 5.
+LATER = TokenTrace(ids=[256, 65, 10, 68], loss_mask=[0, 0, 0, 1], logprobs=[0.0, 0.0, 0.0, -0.75],
+                   versions=[-1, -1, -1, 5])
+
+
+class PreSplitReader(WireMessage, frozen=True, tag="rollout.completed"):
+    """What a reader of RolloutCompleted before split samples looks at."""
+
+    rollout_id: str
+    trajectory: TokenTrace | None = None
+
+
+def test_a_completed_rollout_from_a_sender_before_split_samples_decodes_as_one_sample():
+    # Bytes a TokenTrace-era worker published (defaults omitted).
+    old = (b'{"type":"rollout.completed","rollout_id":"r-old","task":"molar_mass","group_id":"g",'
+           b'"purpose":"train","reward":1.0,"turns":2,"tool_calls":1,"prompt_len":2,"trajectory":'
+           + msgspec.json.encode(TRACE) + b',"num_tokens":5,"weight_version":4}')
+    decoded = ROLLOUT_COMPLETED.decode(old)
+    assert (decoded.split_samples, decoded.split_sample_refs, decoded.num_samples) == ([], [], 1)
+    assert decoded.token_traces() == [TRACE]
+
+
+def test_split_samples_round_trip_and_a_reader_before_them_reads_the_first_sample():
+    new = RolloutCompleted(**HEAD, trajectory=TRACE, split_samples=[LATER], num_tokens=9, weight_version=5)
+    data = ROLLOUT_COMPLETED.encode(new)
+    decoded = ROLLOUT_COMPLETED.decode(data)
+    assert decoded == new and decoded.num_samples == 2 and decoded.token_traces() == [TRACE, LATER]
+    assert msgspec.json.decode(data, type=PreSplitReader).trajectory == TRACE
+    # A single-sample message does not write the new fields at all.
+    assert b"split_sample" not in ROLLOUT_COMPLETED.encode(RolloutCompleted(**HEAD, trajectory=TRACE))
+
+
+async def test_split_samples_travel_inline_together_or_are_stored_one_object_each():
+    both, store = trace_bytes(TRACE) + trace_bytes(LATER), InMemoryTrajectories()
+    inline = await place_traces("r-1", "completed", [TRACE, LATER], inline_bytes=both, store=store)
+    assert inline == {"trajectory": TRACE, "trajectory_ref": "", "split_samples": [LATER], "split_sample_refs": []}
+    assert store.traces == {}
+
+    carried = await place_traces("r-1", "completed", [TRACE, LATER], inline_bytes=both - 1, store=store)
+    message = RolloutCompleted(**HEAD, **carried)
+    assert message.trajectory is None and message.split_samples == [] and message.num_samples == 2
+    assert store.traces == {"memory/r-1/completed": TRACE, "memory/r-1/completed-sample-1": LATER}
+    with pytest.raises(TraceNotInlineError):
+        message.token_traces()
+    assert await load_traces(message, store) == [TRACE, LATER]
+
+
+async def test_a_long_split_state_stores_every_sample_per_turn_and_resumes_with_all_of_them():
+    inner, blobs = InMemoryRolloutStates(), InMemoryTrajectories()
+    states = OffloadingRolloutStates(inner, blobs, inline_bytes=trace_bytes(TRACE))
+    request = RolloutRequested(rollout_id="r-1", task="molar_mass")
+    split = RolloutState(rollout_id="r-1", request=request, turn=2, trajectory=TRACE, split_samples=[LATER],
+                         sample_message_counts=[3, 5])
+    await states.save(split)
+    saved = inner.states["r-1"]
+    assert saved.trajectory is None and saved.split_samples == []
+    assert set(blobs.traces) == {saved.trajectory_ref, *saved.split_sample_refs} and len(blobs.traces) == 2
+
+    loaded = await OffloadingRolloutStates(inner, blobs, inline_bytes=trace_bytes(TRACE)).load("r-1")
+    assert loaded.token_traces() == [TRACE, LATER] and loaded.sample_message_counts == [3, 5]
+    await states.save(msgspec.structs.replace(split, turn=3))
+    assert len(blobs.traces) == 2 and all("turn-3" in ref for ref in blobs.traces), "turn 2's blobs are deleted"
+    await states.delete("r-1")
+    assert blobs.traces == {}
 
 
 def test_a_tokenization_error_is_a_failure_kind_that_is_not_retried_as_infrastructure():

@@ -11,6 +11,7 @@ import dataclasses
 import os
 from functools import cache
 
+import msgspec
 import pytest
 
 from fakes import ProgressRecorder, RecordingPublisher, ScriptedEngine
@@ -54,7 +55,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 FORMULA = "H2O"
 MASS = true_molar_mass(FORMULA)  # "18.015"
 LEASE = "lease-1"
-NO_MISMATCHES = {"special": 0, "non_assistant": 0, "assistant": 0}
+NO_MISMATCHES = {"special": 0, "non_assistant": 0, "assistant": 0, "history_rewrite": 0}
 
 
 @cache
@@ -785,10 +786,11 @@ async def test_without_strict_tokenization_the_mismatch_is_counted_and_the_rollo
     assert counted("non_assistant") - before == result.tokenization_mismatches["non_assistant"]
 
 
-def test_history_rewrite_split_is_refused_by_config_until_the_trainer_takes_several_samples_per_rollout():
+def test_history_rewrite_defaults_to_keep_sampled_and_takes_split_but_nothing_else():
     assert RolloutConfig().history_rewrite == "keep_sampled" and not RolloutConfig().strict_tokenization
-    with pytest.raises(ValueError, match="split.*not supported by the rollout path"):
-        RolloutConfig(history_rewrite="split")
+    assert RolloutConfig(history_rewrite="split").history_rewrite == "split"
+    with pytest.raises(msgspec.ValidationError, match="history_rewrite"):
+        msgspec.convert({"history_rewrite": "rerender"}, RolloutConfig)
 
 
 @pytest.mark.parametrize("strict", [True, False])

@@ -233,14 +233,14 @@ def test_trajectory_keeps_generated_ids_logprobs_and_versions_and_forces_what_th
     assert trajectory.trace(max_len=prompt + 2) == TokenTrace(
         ids=trace.ids[:prompt + 2], loss_mask=trace.loss_mask[:prompt + 2], logprobs=trace.logprobs[:prompt + 2],
         versions=trace.versions[:prompt + 2])
-    resumed = RolloutTrajectory.resume(chat, trajectory.messages, trace, tools=TASK.tools())
+    resumed = RolloutTrajectory.resume(chat, trajectory.messages, [trace], tools=TASK.tools())
     assert resumed.trace() == trace and resumed.messages == trajectory.messages
     answer = chat.encode(chat.write_turn(content=MASS))
     for grown in (trajectory, resumed):
         grown.add_generated(answer, [-0.25] * len(answer), [8] * len(answer), {"role": "assistant", "content": MASS})
     assert resumed.trace() == trajectory.trace()
     assert resumed.check_tokens(frozenset(chat.end_of_turn_ids)) == ({"special": 0, "non_assistant": 0,
-                                                                      "assistant": 0}, [])
+                                                                      "assistant": 0, "history_rewrite": 0}, [])
 
 
 def test_trajectory_refuses_generated_tokens_of_unequal_lengths_or_without_a_version(chat):

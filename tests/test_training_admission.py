@@ -211,3 +211,16 @@ def test_group_advantages_keep_each_samples_token_versions_and_flags():
     assert [sample.versions for sample in trained] == [[-1, 4, 5], [-1, 5]]
     assert [sample.infra_failed for sample in trained] == [False, True]
     assert trained[0].advantage > 0 > trained[1].advantage
+
+
+def test_every_sample_of_a_split_rollout_takes_the_advantage_of_its_one_group_member():
+    from rollmesh.training.admission import Group, GroupMember
+    from rollmesh.training.grpo import PolicySample
+
+    first, later, other = (PolicySample([1, 2], [0, 1], [0.0, -1.0], 0.0, versions=[-1, v]) for v in (3, 4, 5))
+    group = Group("g", [GroupMember("split", 1.0, first, split_samples=[later]), GroupMember("plain", 0.0, other)])
+    trained = group.trainable_samples()
+    # Two members (the group's statistics see one reward each), three samples.
+    assert [sample.versions for sample in trained] == [[-1, 3], [-1, 4], [-1, 5]]
+    assert trained[0].advantage == trained[1].advantage > 0 > trained[2].advantage
+    assert group.rewards() == [1.0, 0.0]

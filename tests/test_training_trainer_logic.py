@@ -17,7 +17,7 @@ from rollmesh.ports import MessageContext
 from rollmesh.checkpoint import CheckpointResharder, read_hf_checkpoint
 from rollmesh.config import ModelConfig, ResharderConfig, TrainerConfig
 from rollmesh.engine.weight_buckets import load_published, read_manifest
-from rollmesh.messages import RolloutCompleted, RolloutFailed
+from rollmesh.messages import RolloutCompleted, RolloutFailed, TokenTrace
 from rollmesh.messages.subjects import (
     CHECKPOINT_SAVED,
     ROLLOUT_COMPLETED,
@@ -99,6 +99,44 @@ async def test_a_redelivered_rollout_is_not_trained_twice(trainer):
     assert await deliver(logic, completed("a", "g", 1.0)) == [None]
     assert logic.buffer.open_groups() == 0 and logic.buffer.ready == []
     assert len(bus.messages(TRAINER_STEPPED)) == 1
+
+
+def split_completed(rollout_id: str, group_id: str, reward: float, **fields) -> RolloutCompleted:
+    """A rollout that history_rewrite = "split" made two samples: ``completed``'s, and a second whose
+    prompt is a whole render (forced) followed by a turn of version 0."""
+    later = TokenTrace(ids=[5, 81, 58, 40, 41], loss_mask=[0, 0, 0, 1, 1], logprobs=[0.0, 0.0, 0.0, -5.5, -5.4],
+                       versions=[-1, -1, -1, 0, 0])
+    return msgspec.structs.replace(completed(rollout_id, group_id, reward), split_samples=[later], **fields)
+
+
+async def test_a_split_rollout_trains_each_of_its_samples_once_and_its_redelivery_nothing(trainer):
+    bus = RecordingPublisher()
+    logic = trainer(bus)
+    await deliver(logic, split_completed("a", "g", 1.0), completed("b", "g", 0.0))
+    (step,) = bus.messages(TRAINER_STEPPED)
+    assert (step.num_samples, step.num_rollouts, step.num_groups) == (3, 2, 1)
+
+    # Redelivered (a worker re-published its outcome): acked, admitted nowhere, trained never.
+    assert await deliver(logic, split_completed("a", "g", 1.0)) == [None]
+    assert logic.buffer.open_groups() == 0 and logic.buffer.ready == []
+    assert len(bus.messages(TRAINER_STEPPED)) == 1 and logic.stats()["duplicates"] == 1
+
+
+async def test_a_split_rollout_stored_in_the_object_store_is_fetched_whole_at_admission(trainer, tmp_path,
+                                                                                       demo_model_dir):
+    from rollmesh.rollout.trajectory_offload import InMemoryTrajectories, place_traces
+
+    store = InMemoryTrajectories()
+    inline = split_completed("a", "g", 1.0)
+    carried = await place_traces("a", "completed", inline.token_traces(), inline_bytes=1, store=store)
+    stored = msgspec.structs.replace(inline, tokens=[], loss_mask=[], logprobs=[], versions=[], **carried)
+    assert stored.split_sample_refs and stored.trajectory is None
+    bus = RecordingPublisher()
+    logic = build_trainer(tmp_path, bus, ModelConfig(path=str(demo_model_dir)))
+    logic.trajectories = store
+    await deliver(logic, stored, completed("b", "g", 0.0))
+    (step,) = bus.messages(TRAINER_STEPPED)
+    assert (step.num_samples, step.num_rollouts) == (3, 2)
 
 
 async def test_eval_completions_are_ignored(trainer):

@@ -208,6 +208,15 @@ class ChatTrajectory:
         twin._sample_text = list(self._sample_text)
         return twin
 
+    def restore(self, messages: Sequence[Mapping[str, Any]], samples: Sequence[TokenSample]) -> None:
+        """Take a saved conversation and its samples (the last one ending in a generation prompt)
+        as this trajectory's own: resuming a rollout re-encodes nothing. The current sample's text
+        is its ids decoded (exact: decoding keeps special tokens and cleans nothing up)."""
+        self.messages = list(messages)
+        self.samples = list(samples)
+        self._sample_text = [self.chat.decode(self.sample.ids)] if self.history_rewrite == "split" else []
+        self._last_turn_ended = None
+
     def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], message: Mapping[str, Any]) -> None:
         """Record a generated turn exactly as sampled and the assistant message parsed from it."""
         if self._last_turn_ended is not None:

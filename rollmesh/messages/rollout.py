@@ -69,12 +69,20 @@ def _legacy_trace(rollout_id: str, tokens: list[int], loss_mask: list[int], logp
 class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed", omit_defaults=True):
     """A finished rollout with the exact tokens the model saw and produced.
 
-    Its tokens are one ``TokenTrace``, read with ``token_trace()``: inline in ``trajectory`` when
-    its JSON is at most ``rollout.inline_trajectory_bytes``, else in the JetStream object store at
-    ``trajectory_ref`` (stored before this message is published). ``tokens``, ``loss_mask``,
-    ``logprobs`` and ``versions`` are the flat fields of senders that predate TokenTrace: still
-    read, never written. Defaults are omitted on the wire, so a reader that predates TokenTrace
-    rejects a new message (its required ``tokens`` is missing) instead of training on nothing.
+    Its tokens are one ``TokenTrace`` per training sample. Most rollouts have one sample, read
+    with ``token_trace()``: inline in ``trajectory`` when its JSON is at most
+    ``rollout.inline_trajectory_bytes``, else in the JetStream object store at ``trajectory_ref``
+    (stored before this message is published). A rollout run with ``rollout.history_rewrite =
+    "split"`` whose template rewrote history has several samples: the first is ``trajectory`` /
+    ``trajectory_ref`` as above, the later ones (each starting with a whole render of the
+    conversation at its split) are ``split_samples`` inline, or, when the samples together are
+    too large to inline, ``split_sample_refs`` (one stored object each, in order); read them all
+    with ``token_traces()``. Every sample is trained with the rollout's reward; the rollout is
+    one idempotency key. A reader that predates ``split_samples`` reads the first sample only.
+    ``tokens``, ``loss_mask``, ``logprobs`` and ``versions`` are the flat fields of senders that
+    predate TokenTrace: still read, never written. Defaults are omitted on the wire, so a reader
+    that predates TokenTrace rejects a new message (its required ``tokens`` is missing) instead of
+    training on nothing.
     """
 
     rollout_id: str
@@ -107,28 +115,43 @@ class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed", omit_d
     trace_id: str = ""
     # The rollout's tokens, when inline (see trajectory_ref).
     trajectory: TokenTrace | None = None
-    # Its length and the weight version of its last generated token (-1: none), known without
-    # fetching a stored trajectory.
+    # Its length (every sample together) and the weight version of its last generated token (-1:
+    # none), known without fetching a stored trajectory.
     num_tokens: int = 0
     weight_version: int = -1
     # "stop": the last turn ended with an end-of-turn token; "truncated": it was cut by
     # max_new_tokens or the model's context, and no further turn ran (trainer.train_truncated).
     finish_reason: RolloutFinishReason = "stop"
     # Differences between the trajectory and a whole render of its conversation, by kind
-    # ("special", "non_assistant", "assistant"; docs/multi-turn-tokens.md); {} from older senders.
+    # ("special", "non_assistant", "assistant", "history_rewrite"; docs/multi-turn-tokens.md);
+    # {} from older senders.
     tokenization_mismatches: dict[str, int] = {}
     # Tool calls the model wrote that could not run (bad JSON, unknown tool, schema mismatch);
     # each was answered with a tool result saying what was wrong.
     malformed_tool_calls: int = 0
+    # history_rewrite = "split": the training samples after the first, in order, inline; or
+    # where each is stored ("<bucket>/<object>") when the samples do not fit inline. [] = one sample.
+    split_samples: list[TokenTrace] = []
+    split_sample_refs: list[str] = []
 
     def token_trace(self) -> TokenTrace:
-        """The rollout's tokens, from ``trajectory`` or an older sender's flat fields; raises
-        ``TraceNotInlineError`` when they are in the object store (``trajectory_ref``)."""
+        """The rollout's (first) sample, from ``trajectory`` or an older sender's flat fields;
+        raises ``TraceNotInlineError`` when it is in the object store (``trajectory_ref``)."""
         if self.trajectory is not None:
             return self.trajectory
         if self.trajectory_ref:
             raise TraceNotInlineError(self.rollout_id, self.trajectory_ref)
         return _legacy_trace(self.rollout_id, self.tokens, self.loss_mask, self.logprobs, self.versions)
+
+    def token_traces(self) -> list[TokenTrace]:
+        """Every training sample of the rollout, in order (one unless split); raises
+        ``TraceNotInlineError`` when one is in the object store."""
+        return _all_traces(self)
+
+    @property
+    def num_samples(self) -> int:
+        """How many training samples the rollout carries (known without fetching them)."""
+        return 1 + max(len(self.split_samples), len(self.split_sample_refs))
 
 
 FailureKind = Literal[
@@ -182,9 +205,11 @@ class RolloutState(WireMessage, frozen=True, tag="rollout.state"):
     Written after every turn (and when the rollout ends), before the work queue is told the
     rollout is still in progress, so a worker that takes over resumes from the last saved turn.
     ``outcome`` is set once the rollout ended: a redelivered request then re-publishes it instead
-    of running the rollout again. Its tokens are one ``TokenTrace``, read with ``token_trace()``:
-    inline in ``trajectory``, or (a long rollout) in the object store at ``trajectory_ref``. The
-    flat ``tokens`` ... ``versions`` are those of states saved before TokenTrace: read, not written.
+    of running the rollout again. Its tokens are one ``TokenTrace`` per training sample, as in
+    ``RolloutCompleted``: the first in ``trajectory`` (or, a long rollout, in the object store at
+    ``trajectory_ref``), the later ones (``history_rewrite = "split"``) in ``split_samples`` or
+    ``split_sample_refs``; the last sample is the one the next turn grows. The flat ``tokens``
+    ... ``versions`` are those of states saved before TokenTrace: read, not written.
     """
 
     rollout_id: str
@@ -222,6 +247,12 @@ class RolloutState(WireMessage, frozen=True, tag="rollout.state"):
     # "" while the rollout runs; "stop" or "truncated" once its last turn ran.
     finish_reason: str = ""
     malformed_tool_calls: int = 0
+    # history_rewrite = "split": the samples after the first, as in RolloutCompleted, and how
+    # many of ``messages`` each sample covers ([trajectory, *split_samples] order; what checks
+    # each against its render on resume). [] = one sample, covering every message.
+    split_samples: list[TokenTrace] = []
+    split_sample_refs: list[str] = []
+    sample_message_counts: list[int] = []
 
     def token_trace(self) -> TokenTrace:
         """As ``RolloutCompleted.token_trace``: inline, legacy flat fields, or ``TraceNotInlineError``."""
@@ -230,3 +261,13 @@ class RolloutState(WireMessage, frozen=True, tag="rollout.state"):
         if self.trajectory_ref:
             raise TraceNotInlineError(self.rollout_id, self.trajectory_ref)
         return _legacy_trace(self.rollout_id, self.tokens, self.loss_mask, self.logprobs, self.versions)
+
+    def token_traces(self) -> list[TokenTrace]:
+        """As ``RolloutCompleted.token_traces``."""
+        return _all_traces(self)
+
+
+def _all_traces(message: RolloutCompleted | RolloutState) -> list[TokenTrace]:
+    if message.split_sample_refs:
+        raise TraceNotInlineError(message.rollout_id, message.split_sample_refs[0])
+    return [message.token_trace(), *message.split_samples]

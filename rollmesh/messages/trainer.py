@@ -10,6 +10,8 @@ class TrainerStepped(WireMessage, frozen=True, tag="trainer.stepped"):
     weight_version: int
     loss: float
     reward_mean: float
+    # Training samples (token sequences) the step trained on; a rollout split by
+    # rollout.history_rewrite = "split" gives several, each with its rollout's advantage.
     num_samples: int
     num_groups: int
     # Generation lag (training/admission.py: version lag of the generated tokens, tool waits
@@ -27,3 +29,6 @@ class TrainerStepped(WireMessage, frozen=True, tag="trainer.stepped"):
     # Raw version lag (tool waits included) of the same trajectories, max over the batch: how old
     # the oldest token the importance ratio had to correct was.
     max_raw_version_lag: int = 0
+    # Rollouts whose samples the step trained on (num_samples counts their samples); 0 from
+    # senders that predate it.
+    num_rollouts: int = 0

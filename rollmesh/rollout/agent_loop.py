@@ -11,7 +11,9 @@ turn's calls run concurrently and their results are appended as the template wri
 mask 0). A turn without an end-of-turn id (cut by ``max_new_tokens``) ends the rollout as
 "truncated". Afterwards the tokens are checked against a whole render of the conversation
 (``RolloutCompleted.tokenization_mismatches``; with ``rollout.strict_tokenization`` a difference
-in text the model did not generate fails the rollout as ``tokenization_error``, never retried).
+in text the model did not generate that no documented history rewrite of the family explains
+fails the rollout as ``tokenization_error``, never retried). With ``rollout.history_rewrite =
+"split"`` a rollout may end as several training samples, each checked against its own render.
 
 Surviving crashes. After every turn the rollout's state (tokens, mask, logprobs, versions, the
 chat messages, the calls, its lease and workspace snapshot) is saved to the state store, then the work queue is
@@ -76,7 +78,7 @@ from rollmesh.rollout.rollout_turns import RolloutRun, RolloutTurns, trace_id_of
 from rollmesh.rollout.tasks import Task, TaskInputError, TaskRegistry, UnknownTaskError
 from rollmesh.rollout.tool_runner import ToolRunner
 from rollmesh.rollout.trajectory import RolloutTrajectory
-from rollmesh.rollout.trajectory_offload import COMPLETED_OBJECT, OffloadingRolloutStates, place_trace
+from rollmesh.rollout.trajectory_offload import COMPLETED_OBJECT, OffloadingRolloutStates, place_traces
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
 from rollmesh.telemetry import conventions, metrics, metrics_catalog
 
@@ -264,9 +266,10 @@ class RolloutRunner:
         tools = self._tools(task)
         if run.state.messages:  # resumed (after a crash or an infrastructure failure)
             try:
-                trajectory = RolloutTrajectory.resume(self.chat, run.state.messages, run.state.token_trace(),
-                                                      tools=tools, history_rewrite=self.config.history_rewrite)
-            except ChatError as exc:
+                trajectory = RolloutTrajectory.resume(self.chat, run.state.messages, run.state.token_traces(),
+                                                      tools=tools, history_rewrite=self.config.history_rewrite,
+                                                      message_counts=run.state.sample_message_counts)
+            except (ChatError, ValueError) as exc:
                 raise RolloutError("invalid_request", f"the chat template refuses the saved conversation: {exc}",
                                    turns=run.state.turn) from exc
         else:  # a new rollout (or one saved before chat messages: it starts over)
@@ -283,23 +286,29 @@ class RolloutRunner:
         mismatches = self._check_tokens(run, trajectory)
         reward = task.reward(request.task_input, conversation)
         # The tokens past the model's context can only be a tool result the model never read.
-        token_trace = trajectory.trace(max_len=self.max_seq_len)
+        # history_rewrite = "split": one trace per training sample, each trained with the reward.
+        # A sample split off after the last turn (its tool results, when the rollout then ended)
+        # holds nothing generated: it would only cost the trainer a forward pass, so it stays out.
+        traces = trajectory.traces(max_len=self.max_seq_len)
+        if len(traces) > 1 and not any(traces[-1].loss_mask):
+            traces = traces[:-1]
         # A long trace goes to the object store here, before the message naming it is published.
         try:
-            carried = await place_trace(request.rollout_id, COMPLETED_OBJECT, token_trace,
-                                        inline_bytes=self.config.inline_trajectory_bytes, store=self.trajectories)
+            carried = await place_traces(request.rollout_id, COMPLETED_OBJECT, traces,
+                                         inline_bytes=self.config.inline_trajectory_bytes, store=self.trajectories)
         except StateStoreError as exc:
             raise RolloutError("internal_error", f"trajectory not stored: {exc}", turns=run.state.turn) from exc
         return RolloutCompleted(
             rollout_id=request.rollout_id, task=request.task, group_id=request.group_id,
             purpose=request.purpose, reward=reward, turns=run.state.turn,
             tool_calls=len(conversation.tool_calls), prompt_len=run.state.prompt_len,
-            # The text of a stored trace is left out too (it is as long): decode its ids.
-            text=self.chat.decode(token_trace.ids) if carried["trajectory"] is not None else "",
+            # The text of a stored trace is left out too (it is as long): decode its ids. Split
+            # samples: the last one's, the conversation as the template last rendered it.
+            text=self.chat.decode(traces[-1].ids) if carried["trajectory"] is not None else "",
             duration_s=self.clock() - run.state.started_at, idempotency_key=request.rollout_id,
             routed_experts_ref=run.state.routed_experts_ref,
             attempts=run.state.attempts, infra_failures=run.state.infra_failures,
-            num_tokens=len(token_trace), weight_version=token_trace.last_version(),
+            num_tokens=sum(len(trace) for trace in traces), weight_version=traces[-1].last_version(),
             finish_reason=conversation.finish_reason, tokenization_mismatches=mismatches,
             malformed_tool_calls=conversation.malformed_tool_calls,
             **carried,  # type: ignore[arg-type]
@@ -329,6 +338,7 @@ class RolloutRunner:
             raise RolloutError("invalid_request", f"prompt of {len(trajectory)} tokens does not fit "
                                f"the model's context of {self.max_seq_len}")
         state = msgspec.structs.replace(state, trajectory=trajectory.trace(), trajectory_ref="",
+                                        split_samples=[], split_sample_refs=[], sample_message_counts=[],
                                         prompt_len=len(trajectory), messages=trajectory.messages, turn=0,
                                         tool_calls=[], final_text="", finish_reason="", malformed_tool_calls=0)
         return state, trajectory

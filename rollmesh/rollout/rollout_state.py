@@ -2,7 +2,7 @@
 
 Knows the trajectory, the task types and the ``RolloutState`` wire struct; nothing of NATS.
 The state carries what rebuilds the token-exact trajectory (the conversation's chat messages and
-its TokenTrace) and what the reward reads (the calls, their outputs, the finish reason).
+its TokenTraces, one per training sample, with the messages each covers) and what the reward reads (the calls, their outputs, the finish reason).
 ``InMemoryRolloutStates`` implements ``rollmesh.ports.RolloutStateStore`` for in-process runs
 (the CLI's embedded mode, benchmarks, unit tests); the mesh uses the JetStream KV bucket.
 """
@@ -37,8 +37,10 @@ def with_progress(state: RolloutState, *, trajectory: RolloutTrajectory, convers
     calls = [SavedToolCall(name=call.name, argument=json.dumps(call.arguments, ensure_ascii=False), ok=output.ok,
                            output=output.text, call_id=call.id, arguments=dict(call.arguments))
              for call, output in zip(conversation.tool_calls, conversation.tool_outputs)]
+    traces = trajectory.traces()
     return msgspec.structs.replace(
-        state, turn=turn, trajectory=trajectory.trace(), trajectory_ref="",
+        state, turn=turn, trajectory=traces[0], trajectory_ref="", split_samples=traces[1:], split_sample_refs=[],
+        sample_message_counts=trajectory.message_counts if len(traces) > 1 else [],
         # A state saved before TokenTrace keeps its flat fields no longer.
         tokens=[], loss_mask=[], logprobs=[], versions=[], tool_calls=calls,
         final_text=conversation.final_text,

@@ -8,6 +8,10 @@ A saved state's trace is stored per turn (``<rollout>/state-turn-<n>``), so a KV
 names a blob that a later turn overwrote; the previous turn's blob is deleted once the new state
 is saved, and the last one when the state is deleted. ``InMemoryTrajectories`` serves
 in-process runs and tests; the mesh uses ``rollmesh.bus.trajectory_store``.
+
+A rollout split into several training samples (``history_rewrite = "split"``) travels the same
+way, all inline or all stored: inline when the samples' JSON together fits, else one object per
+sample (``<name>`` for the first, ``<name>-sample-<k>`` for sample k >= 1).
 """
 
 from __future__ import annotations
@@ -48,6 +52,32 @@ async def load_trace(message: object, store: TrajectoryStore | None) -> TokenTra
     return message.token_trace()  # type: ignore[attr-defined, no-any-return]
 
 
+def sample_object(name: str, index: int) -> str:
+    """The object name of sample ``index`` of a trace stored as ``name``."""
+    return name if index == 0 else f"{name}-sample-{index}"
+
+
+async def place_traces(rollout_id: str, name: str, traces: list[TokenTrace], *, inline_bytes: int,
+                       store: TrajectoryStore | None) -> dict[str, object]:
+    """The fields that carry a rollout's samples (``traces``, at least one) in a message: all
+    inline when their JSON together fits (or there is no store), else each one stored first."""
+    first, later = traces[0], traces[1:]
+    if store is None or sum(trace_bytes(trace) for trace in traces) <= inline_bytes:
+        return {"trajectory": first, "trajectory_ref": "", "split_samples": later, "split_sample_refs": []}
+    refs = [await store.save(rollout_id, sample_object(name, index), trace) for index, trace in enumerate(traces)]
+    return {"trajectory": None, "trajectory_ref": refs[0], "split_samples": [], "split_sample_refs": refs[1:]}
+
+
+async def load_traces(message: object, store: TrajectoryStore | None) -> list[TokenTrace]:
+    """Every sample of a RolloutCompleted or RolloutState, in order, fetched when stored."""
+    first = await load_trace(message, store)
+    refs: list[str] = getattr(message, "split_sample_refs")
+    if refs and store is None:
+        raise TrajectoryLostError(refs[0], "no trajectory store to fetch a stored trajectory from")
+    later = [await store.load(ref) for ref in refs] if refs and store is not None else []
+    return [first, *later, *getattr(message, "split_samples")]
+
+
 class InMemoryTrajectories:
     """Stored traces in a dict, lost with the process: in-process runs and tests only."""
 
@@ -78,36 +108,39 @@ class OffloadingRolloutStates:
         self.states = states
         self.trajectories = trajectories
         self.inline_bytes = inline_bytes
-        self._refs: dict[str, str] = {}  # rollout id -> the blob its saved state names
+        self._refs: dict[str, list[str]] = {}  # rollout id -> the blobs its saved state names
 
     async def load(self, rollout_id: str) -> RolloutState | None:
         state = await self.states.load(rollout_id)
-        if state is None or not state.trajectory_ref:
+        if state is None or not (state.trajectory_ref or state.split_sample_refs):
             return state
-        self._refs[rollout_id] = state.trajectory_ref
+        self._refs[rollout_id] = _refs_of(state)
         try:
-            trace = await load_trace(state, self.trajectories)
+            traces = await load_traces(state, self.trajectories)
         except TrajectoryLostError as exc:  # as an unreadable KV value: the rollout starts again
             raise StateStoreError(f"the saved state of {rollout_id!r} lost its trajectory: {exc}") from exc
-        return msgspec.structs.replace(state, trajectory=trace, trajectory_ref="")
+        return msgspec.structs.replace(state, trajectory=traces[0], trajectory_ref="",
+                                       split_samples=traces[1:], split_sample_refs=[])
 
     async def save(self, state: RolloutState) -> None:
-        trace = state.trajectory
-        if trace is not None and not fits_inline(trace, self.inline_bytes):
-            ref = await self.trajectories.save(state.rollout_id, f"state-turn-{state.turn}", trace)
-            state = msgspec.structs.replace(state, trajectory=None, trajectory_ref=ref)
+        if state.trajectory is not None and not state.split_sample_refs:
+            traces = [state.trajectory, *state.split_samples]
+            carried = await place_traces(state.rollout_id, f"state-turn-{state.turn}", traces,
+                                         inline_bytes=self.inline_bytes, store=self.trajectories)
+            state = msgspec.structs.replace(state, **carried)  # type: ignore[arg-type]
         await self.states.save(state)
-        previous = self._refs.pop(state.rollout_id, "")
-        if state.trajectory_ref:
-            self._refs[state.rollout_id] = state.trajectory_ref
-        if previous and previous != state.trajectory_ref:
-            await self._forget(previous)
+        previous = self._refs.pop(state.rollout_id, [])
+        current = _refs_of(state)
+        if current:
+            self._refs[state.rollout_id] = current
+        for ref in previous:
+            if ref not in current:
+                await self._forget(ref)
 
     async def delete(self, rollout_id: str) -> None:
         await self.states.delete(rollout_id)
-        previous = self._refs.pop(rollout_id, "")
-        if previous:
-            await self._forget(previous)
+        for ref in self._refs.pop(rollout_id, []):
+            await self._forget(ref)
 
     async def _forget(self, ref: str) -> None:
         try:
@@ -115,3 +148,6 @@ class OffloadingRolloutStates:
         except StateStoreError:
             pass  # no state names it any more; the bucket's TTL reclaims it
 
+
+def _refs_of(state: RolloutState) -> list[str]:
+    return [ref for ref in (state.trajectory_ref, *state.split_sample_refs) if ref]

@@ -41,7 +41,8 @@ ROLLOUTS_FAILED = MetricSpec(
 TOKENIZATION_MISMATCHES = MetricSpec(
     "rollmesh_tokenization_mismatches", "counter",
     "Differences between a finished rollout's tokens and a whole render of its conversation, by kind "
-    "(special, non_assistant: a bug, assistant: expected re-tokenization).", ("kind",), "{difference}")
+    "(special, non_assistant: a bug, assistant: expected re-tokenization, history_rewrite: a rewrite "
+    "the model family's rules document).", ("kind",), "{difference}")
 # -- inference ----------------------------------------------------------------------------------
 GENERATED_TOKENS = MetricSpec(
     "rollmesh_generated_tokens", "counter",

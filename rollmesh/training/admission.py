@@ -104,11 +104,19 @@ def summarize_lags(lags: Iterable[int]) -> LagStats:
 
 @dataclass
 class GroupMember:
+    """One rollout of a group: its idempotency key, reward and training samples."""
+
     rollout_id: str
     reward: float
     sample: PolicySample | None  # None: failed or too stale, counted but not trained on
     version_lag: int = 0  # the admission measure: generation_lag (tool waits excluded)
     raw_version_lag: int = 0  # version_lag (tool waits included), reported, not admitted on
+    # rollout.history_rewrite = "split": the rollout's samples after ``sample``, trained with the
+    # same advantage (the rollout is one member of its group, whatever its number of samples).
+    split_samples: list[PolicySample] = field(default_factory=list)
+
+    def samples(self) -> list[PolicySample]:
+        return [self.sample, *self.split_samples] if self.sample is not None else []
 
 
 @dataclass
@@ -124,8 +132,9 @@ class Group:
         if advantages is None:
             return []
         # replace(), not a new PolicySample: the per-token versions and flags travel to the loss.
-        return [replace(m.sample, advantage=advantage) for m, advantage in zip(usable, advantages)
-                if m.sample is not None]
+        # Every sample of a member (several when its rollout was split) takes the member's advantage.
+        return [replace(sample, advantage=advantage) for m, advantage in zip(usable, advantages)
+                for sample in m.samples()]
 
     def rewards(self) -> list[float]:
         return [member.reward for member in self.members if member.sample is not None]

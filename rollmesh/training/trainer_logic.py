@@ -12,7 +12,8 @@ acknowledges the redelivered trajectories without training them again. Checkpoin
 stopped. Admission: the generation lag of a trajectory's tokens (tool waits excluded;
 ``admission.py``) must be at most ``max_staleness``; the PPO ratio corrects the older tokens. A
 rollout cut by ``max_new_tokens`` is trained unless ``train_truncated`` is false (then masked in
-its group).
+its group). A rollout split into several samples (``rollout.history_rewrite = "split"``) is one
+group member and one idempotency key; each of its samples trains with the member's advantage.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from rollmesh.messages.subjects import (
     WEIGHTS_PUBLISHED,
 )
 from rollmesh.rollout.tasks import DemonstrableTask
-from rollmesh.rollout.trajectory_offload import load_trace
+from rollmesh.rollout.trajectory_offload import load_traces
 from rollmesh.training.admission import (
     Group,
     GroupBuffer,
@@ -198,7 +199,7 @@ class TrainerLogic:
             await self._admit(message.group_id or message.rollout_id, GroupMember(_key(message), 0.0, None), ctx)
             return
         try:
-            trace = await self._trace(message)
+            traces = await self._traces(message)
         except (TrajectoryLostError, TokenTraceError) as exc:
             # Gone (its blob expired) or broken: retrying cannot help. Counted in its group, so
             # the group completes, but masked like a failure.
@@ -207,27 +208,34 @@ class TrainerLogic:
             await self._admit(message.group_id or message.rollout_id,
                               GroupMember(_key(message), 0.0, None), ctx)
             return
-        lag = generation_lag(trace.versions, self.version)
+        # A split rollout's samples follow each other in time: their versions in order are the
+        # rollout's turns in order (each later sample starts with forced prompt tokens), so the
+        # lag is measured over all of them, and the rollout is admitted or dropped whole.
+        versions = [version for trace in traces for version in trace.versions]
+        lag = generation_lag(versions, self.version)
         metrics.record(metrics_catalog.VERSION_LAG, lag,
                        {"admitted": "true" if lag <= self.config.max_staleness else "false"})
-        sample = None
+        samples: list[PolicySample] = []
         if lag <= self.config.max_staleness:
             # Never infra_failed: a RolloutCompleted's infra_failures are failures it survived
             # (resumed from its last saved turn, its tokens whole); one that did not survive is
-            # a RolloutFailed, counted in its group with no sample (handle_failed).
-            sample = PolicySample.from_trace(trace, 0.0, routed_experts=await self._routed_rows(message))
+            # a RolloutFailed, counted in its group with no sample (handle_failed). Routed-expert
+            # rows follow one sequence's positions: a split rollout's samples train without replay.
+            rows = await self._routed_rows(message) if len(traces) == 1 else None
+            samples = [PolicySample.from_trace(trace, 0.0, routed_experts=rows) for trace in traces]
         else:
             self.dropped_stale += 1
-        member = GroupMember(_key(message), message.reward, sample, lag,
-                             raw_version_lag=version_lag(trace.versions, self.version))
+        member = GroupMember(_key(message), message.reward, samples[0] if samples else None, lag,
+                             raw_version_lag=version_lag(versions, self.version), split_samples=samples[1:])
         await self._admit(message.group_id or message.rollout_id, member, ctx)
 
-    async def _trace(self, message: RolloutCompleted) -> TokenTrace:
-        """The rollout's TokenTrace: inline, or fetched from the trajectory store. A store that
-        cannot give it now raises, and the message is redelivered (its key forgotten, so the
-        redelivery is admitted rather than taken for a duplicate)."""
+    async def _traces(self, message: RolloutCompleted) -> list[TokenTrace]:
+        """The rollout's TokenTraces (one per training sample): inline, or fetched from the
+        trajectory store. A store that cannot give them now raises, and the message is
+        redelivered (its key forgotten, so the redelivery is admitted rather than taken for a
+        duplicate)."""
         try:
-            return await load_trace(message, self.trajectories)
+            return await load_traces(message, self.trajectories)
         except (TrajectoryLostError, TokenTraceError):
             raise
         except Exception:
@@ -314,7 +322,11 @@ class TrainerLogic:
         # trajectories train the same step bit for bit however they arrived (exact resume).
         ordered = [Group(group.group_id, sorted(group.members, key=lambda member: member.rollout_id))
                    for group in sorted(groups, key=lambda group: group.group_id)]
-        samples = [sample for group in ordered for sample in group.trainable_samples()]
+        by_group = [(group, group.trainable_samples()) for group in ordered]
+        samples = [sample for _, group_samples in by_group for sample in group_samples]
+        # Rollouts trained: the members with samples of the groups that taught something.
+        trained = sum(1 for group, group_samples in by_group if group_samples
+                      for member in group.members if member.sample)
         rewards = [reward for group in groups for reward in group.rewards()]
         admitted = [member for group in groups for member in group.members if member.sample]
         lags = summarize_lags(member.version_lag for member in admitted)
@@ -337,12 +349,13 @@ class TrainerLogic:
             dropped_stale=self.dropped_stale, duration_s=self.clock() - started,
             version_lag_p50=lags.p50, version_lag_p90=lags.p90, version_lag_histogram=lags.histogram,
             max_raw_version_lag=max((member.raw_version_lag for member in admitted), default=0),
+            num_rollouts=trained,
         )
         await self.publisher.publish(TRAINER_STEPPED, message)
         metrics.record(metrics_catalog.TRAINER_STEP_DURATION, message.duration_s)
         metrics.record(metrics_catalog.TRAINER_STEP_TOKENS, sum(len(sample.tokens) for sample in samples))
         _log.info("trainer_stepped", step=self.step, weight_version=self.version,
-                  reward_mean=round(message.reward_mean, 4), samples=len(samples))
+                  reward_mean=round(message.reward_mean, 4), samples=len(samples), rollouts=trained)
         if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
             await self.save_checkpoint()
 
