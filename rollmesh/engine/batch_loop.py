@@ -7,14 +7,18 @@ engine prefills it, reusing its session's KV) or a PrefillResult from a prefill 
 every slot or the KV pool is taken, new requests wait in FIFO order (the head is never
 overtaken, so a long prompt cannot starve). The loop task belongs to this object: ``stop()``
 cancels it and fails whatever is still in flight.
+
+Streaming (``stream``): a streamed request has a queue; after every step and admission the loop
+puts the tokens each streamed request sampled since its last piece on it (``token_stream``), so
+they reach the consumer as they are produced. Requests nobody streams cost nothing extra.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +31,7 @@ from rollmesh.engine.errors import (
 from rollmesh.engine.prefill import PrefillResult
 from rollmesh.engine.request_checks import validate_prompt
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions
+from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.messages.base import SamplingParams
 from rollmesh.telemetry.busy_clock import BusyClock
 
@@ -46,6 +51,17 @@ class _Waiting:
         return self.work.num_tokens if isinstance(self.work, PrefillResult) else len(self.work)
 
 
+@dataclass(slots=True)
+class _Listener:
+    """A streamed request: its pieces, and how many of its tokens are already on the queue."""
+
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent: int = 0
+
+
+_END = object()  # on a listener's queue: the request's submit has returned or raised
+
+
 class DecodeLoop:
     """Continuous batching over ``engine``: ``submit`` returns when the sequence finishes."""
 
@@ -56,6 +72,7 @@ class DecodeLoop:
         self._futures: dict[str, asyncio.Future[FinishedSequence]] = {}
         self._waiting: deque[_Waiting] = deque()
         self._weight_waiters: list[tuple[int, asyncio.Future[int]]] = []
+        self._listeners: dict[str, _Listener] = {}
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -116,8 +133,42 @@ class DecodeLoop:
         try:
             return await future
         except asyncio.CancelledError:
-            self._forget(request_id)
+            # Unless already forgotten (a closed stream does it at once), and the id reused.
+            if self._futures.get(request_id) is future:
+                self._forget(request_id)
             raise
+
+    async def stream(
+        self,
+        request_id: str,
+        work: Work,
+        sampling: SamplingParams,
+        options: GenerateOptions = DEFAULT_OPTIONS,
+    ) -> AsyncIterator[TokenDelta | FinishedSequence]:
+        """``submit``, yielding the request's tokens as they are sampled (``TokenDelta`` pieces,
+        in order, no gaps), then the FinishedSequence. Errors are ``submit``'s; closing the
+        iterator before the end aborts the request."""
+        if request_id in self._futures or request_id in self._listeners:
+            raise DuplicateRequestError(request_id)
+        listener = self._listeners[request_id] = _Listener()
+        submitted = asyncio.ensure_future(self.submit(request_id, work, sampling, options))
+        submitted.add_done_callback(lambda _: listener.queue.put_nowait(_END))
+        try:
+            while (piece := await listener.queue.get()) is not _END:
+                yield piece
+            finished = submitted.result()
+            if len(finished.token_ids) > listener.sent:  # sampled in the step that finished it
+                start = listener.sent
+                top = finished.top_logprobs[start:] if finished.top_logprobs is not None else None
+                yield TokenDelta(request_id, start, finished.token_ids[start:],
+                                 finished.logprobs[start:], finished.versions[start:], top)
+            yield finished
+        finally:
+            if self._listeners.get(request_id) is listener:
+                del self._listeners[request_id]
+            if not submitted.done():
+                self._forget(request_id)  # abort now, not when the cancelled submit next runs
+                submitted.cancel()
 
     def abort(self, request_id: str) -> FinishedSequence | None:
         """Abort a request: its ``submit`` returns the partial output, finish_reason "abort"."""
@@ -169,6 +220,7 @@ class DecodeLoop:
                 # Also when idle: a prefill engine sharing the WeightStager may have activated.
                 self._report_activation()
                 self._admit_waiting()  # into the slots this step freed
+                self._publish_tokens()
                 if self.engine.has_work():
                     await asyncio.sleep(0)  # let new requests join before the next step
                 else:
@@ -197,6 +249,14 @@ class DecodeLoop:
                 future = self._futures.pop(waiting.request_id, None)
                 if future is not None and not future.done():
                     future.set_exception(exc)
+
+    def _publish_tokens(self) -> None:
+        """Each streamed request's tokens sampled since its last piece, onto its queue."""
+        for request_id, listener in self._listeners.items():
+            delta = self.engine.new_tokens(request_id, listener.sent)
+            if delta is not None:
+                listener.sent += len(delta.token_ids)
+                listener.queue.put_nowait(delta)
 
     def _resolve(self, sequence: FinishedSequence) -> None:
         future = self._futures.pop(sequence.request_id, None)

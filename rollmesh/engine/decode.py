@@ -44,15 +44,18 @@ from rollmesh.engine.paged_model import model_device
 from rollmesh.engine.prefill import PrefillResult, run_prefill
 from rollmesh.engine.protocols import (
     DEFAULT_OPTIONS,
+    MAX_TOP_LOGPROBS,
     Detokenizer,
     FinishReason,
     GenerateOptions,
     GenerationResult,
+    TopLogprobs,
 )
 from rollmesh.engine.request_checks import validate_prompt
 from rollmesh.engine.sampling import sample_tokens
 from rollmesh.engine.session_cache import CachedSession, SessionCache, common_prefix_length
 from rollmesh.engine.stopping import StopChecker
+from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.engine.weight_staging import WeightStager
 from rollmesh.messages.base import SamplingParams
 
@@ -68,6 +71,7 @@ class FinishedSequence:
     cached_tokens: int = 0
     routed_experts: np.ndarray | None = None  # rows [routed_experts_start, seqlen - 1)
     routed_experts_start: int = 0
+    top_logprobs: list[TopLogprobs] | None = None  # with GenerateOptions.top_logprobs > 0
     constrained: list[bool] = field(default_factory=list)  # with a grammar: one flag per token
 
     def as_generation_result(self) -> GenerationResult:
@@ -75,7 +79,8 @@ class FinishedSequence:
             token_ids=self.token_ids, logprobs=self.logprobs, versions=self.versions,
             finish_reason=self.finish_reason, prompt_len=self.prompt_len, request_id=self.request_id,
             cached_tokens=self.cached_tokens, routed_experts=self.routed_experts,
-            routed_experts_start=self.routed_experts_start, constrained=self.constrained,
+            routed_experts_start=self.routed_experts_start, top_logprobs=self.top_logprobs,
+            constrained=self.constrained,
         )
 
 
@@ -100,7 +105,7 @@ class DecodeStats:
 class _Sequence:
     __slots__ = ("request_id", "input_ids", "token_ids", "logprobs", "versions", "stopper",
                  "blocks", "options", "temperature", "top_p", "cached_tokens", "routes",
-                 "matcher", "constrained")
+                 "top", "matcher", "constrained")
 
     def __init__(self, request_id: str, input_ids: list[int], blocks: list[int],
                  sampling: SamplingParams, stopper: StopChecker, options: GenerateOptions,
@@ -117,6 +122,8 @@ class _Sequence:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.routes: list[torch.Tensor] = []  # chunks of routed expert rows, position order
+        # Each token's alternatives, only for a request that asked (options.top_logprobs).
+        self.top: list[TopLogprobs] | None = [] if options.top_logprobs else None
         self.matcher = None  # the grammar's xgrammar matcher, with options.grammar only
         self.constrained: list[bool] = []  # per token, with options.grammar only
 
@@ -302,8 +309,11 @@ class DecodeEngine:
             step_logits, constrained = self._mask_grammars(batch, step_logits)
         temperature = torch.tensor([s.temperature for s in batch], device=self._device)
         top_p = torch.tensor([s.top_p for s in batch], device=self._device)
-        chosen, logprobs = sample_tokens(step_logits, temperature, top_p, self._generator,
-                                         vocab_size=self.sampled_vocab_size)
+        top_n = max(s.options.top_logprobs for s in batch)
+        chosen, logprobs, *top = sample_tokens(step_logits, temperature, top_p, self._generator,
+                                               vocab_size=self.sampled_vocab_size, top_n=top_n)
+        if top:
+            _keep_top(batch, *top[0])
         self._steps += 1
         self._tokens_generated += len(batch)
         still_active: list[_Sequence] = []
@@ -333,8 +343,11 @@ class DecodeEngine:
             first_logits, constrained = self._mask_grammars([sequence], first_logits)
         temperature = torch.tensor([sequence.temperature], device=self._device)
         top_p = torch.tensor([sequence.top_p], device=self._device)
-        token, logprob = sample_tokens(first_logits, temperature, top_p, self._generator,
-                                       vocab_size=self.sampled_vocab_size)
+        token, logprob, *top = sample_tokens(first_logits, temperature, top_p, self._generator,
+                                             vocab_size=self.sampled_vocab_size,
+                                             top_n=sequence.options.top_logprobs)
+        if top:
+            _keep_top([sequence], *top[0])
         sequence.token_ids.append(int(token))
         sequence.logprobs.append(float(logprob))
         sequence.versions.append(version)
@@ -390,9 +403,19 @@ class DecodeEngine:
             routed = routes[start:].numpy().copy()
         return FinishedSequence(
             sequence.request_id, sequence.token_ids, sequence.logprobs, sequence.versions, reason,
-            sequence.prompt_len, sequence.cached_tokens, routed, start,
+            sequence.prompt_len, sequence.cached_tokens, routed, start, sequence.top,
             constrained=sequence.constrained,
         )
+
+    def new_tokens(self, request_id: str, start: int) -> TokenDelta | None:
+        """The tokens a running (or finished, not yet reported) request sampled from index
+        ``start`` on, or None when there are none (or the request is not here)."""
+        sequence = self._by_id.get(request_id)
+        if sequence is None or len(sequence.token_ids) <= start:
+            return None
+        top = sequence.top[start:] if sequence.top is not None else None
+        return TokenDelta(request_id, start, sequence.token_ids[start:], sequence.logprobs[start:],
+                          sequence.versions[start:], top)
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -490,6 +513,11 @@ class DecodeEngine:
         max_seq_len = self.model.max_seq_len
         if prompt_len > max_seq_len - 1:
             raise PromptTooLongError(prompt_len, max_seq_len - 1, request_id=request_id)
+        if not 0 <= options.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"{options.top_logprobs} is outside [0, {MAX_TOP_LOGPROBS}]", field="top_logprobs",
+                request_id=request_id,
+            )
         start = options.routed_experts_start_len
         if not 0 <= start <= prompt_len:
             raise InvalidRequestError(
@@ -544,3 +572,12 @@ class DecodeEngine:
     def _check_version(min_version: int | None, version: int, request_id: str) -> None:
         if min_version is not None and version < min_version:
             raise VersionUnavailableError(min_version, version, request_id=request_id)
+
+
+def _keep_top(batch: list[_Sequence], ids: torch.Tensor, values: torch.Tensor) -> None:
+    """Each asking row's first ``options.top_logprobs`` alternatives (the batch computed as many
+    as its hungriest row asked for)."""
+    for sequence, row_ids, row_values in zip(batch, ids.tolist(), values.tolist()):
+        if sequence.top is not None:
+            n = sequence.options.top_logprobs
+            sequence.top.append(list(zip(row_ids[:n], row_values[:n])))

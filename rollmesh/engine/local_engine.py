@@ -9,7 +9,7 @@ process owner.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from rollmesh.engine.protocols import (
     GenerateOptions,
     GenerationResult,
 )
+from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.messages.base import SamplingParams
 
 
@@ -96,6 +97,24 @@ class LocalEngine:
         self.decode_loop.start()
         finished = await self.decode_loop.submit(request_id, list(input_ids), sampling, options)
         return finished.as_generation_result()
+
+    async def generate_stream(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str,
+        options: GenerateOptions = DEFAULT_OPTIONS,
+    ) -> AsyncIterator[TokenDelta | GenerationResult]:
+        """``generate``, yielding the tokens as they are sampled (``rollmesh.engine.token_stream``)
+        and the GenerationResult last; closing it early aborts the request."""
+        self.decode_loop.start()
+        pieces = self.decode_loop.stream(request_id, list(input_ids), sampling, options)
+        try:
+            async for piece in pieces:
+                yield piece if isinstance(piece, TokenDelta) else piece.as_generation_result()
+        finally:
+            await pieces.aclose()
 
     def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
         """Stage weights for the next boundary; callable from any thread."""

@@ -56,6 +56,9 @@ class GenerateOptions:
       not reached it the call fails with the retryable ``VersionUnavailableError``.
     - ``return_routed_experts`` / ``routed_experts_start_len``: for MoE models, return the
       routed expert rows of positions ``[start_len, seqlen - 1)`` (SGLang's absolute slice).
+    - ``top_logprobs``: how many of the most likely ids (with their logprobs, from the
+      distribution each token was drawn from) to return per generated token, 0 to
+      ``MAX_TOP_LOGPROBS``; 0 costs nothing.
     - ``grammar``: constrain the generation (``GrammarSpec``); an invalid one raises
       ``InvalidGrammarError`` before anything is generated.
     """
@@ -64,10 +67,15 @@ class GenerateOptions:
     min_version: int | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    top_logprobs: int = 0
     grammar: GrammarSpec | None = None
 
 
 DEFAULT_OPTIONS = GenerateOptions()
+# OpenAI's cap on chat top_logprobs.
+MAX_TOP_LOGPROBS = 20
+# One generated token's alternatives: (token id, logprob) pairs, most likely first.
+TopLogprobs = list[tuple[int, float]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +86,8 @@ class GenerationResult:
     position from ``routed_experts_start`` to ``prompt_len + len(token_ids) - 2``: shape
     [rows, sparse layers, top_k], uint8 for at most 256 experts, else uint16. ``cached_tokens``
     counts the prompt tokens whose KV was reused from the session rather than computed.
+    ``top_logprobs`` (only when ``GenerateOptions.top_logprobs`` > 0): one list per generated
+    token of its most likely alternatives.
     ``constrained`` (requests with a grammar only; empty otherwise) has one flag per generated
     token: True where the grammar's mask removed some token the model could have drawn. Such a
     token's logprob is that of the masked distribution it was drawn from, and trajectories give
@@ -93,6 +103,7 @@ class GenerationResult:
     cached_tokens: int = 0
     routed_experts: np.ndarray | None = None
     routed_experts_start: int = 0
+    top_logprobs: list[TopLogprobs] | None = None
     constrained: list[bool] = field(default_factory=list)
 
 

@@ -10,6 +10,12 @@ of the distribution over real tokens. Greedy rows (temperature 0) are a point
 mass, whose logprob (0) says nothing; for them we report the model's own log_softmax, since
 greedy decoding is for evaluation, not for training.
 
+Top alternatives (``top_n`` > 0, OpenAI's ``top_logprobs``): the ``top_n`` most likely ids of each
+row and their logprobs under that same distribution (tokens outside a row's nucleus are -inf:
+they cannot be drawn), taken from the very matrix the chosen token's logprob comes from, so
+whatever is applied to the logits before sampling applies to them too. ``top_n`` = 0 (every row
+that does not ask) costs nothing: no top-k runs.
+
 Hand-rolled rather than torch.multinomial / a sort-and-scatter top-p because this runs once per
 decode step on CPU: for [128, 260] torch's sort takes ~1 ms and multinomial ~0.5 ms, against
 ~3.5 ms for the whole model step. We draw by inverse CDF (one uniform per row) and find the
@@ -29,8 +35,11 @@ def sample_tokens(
     generator: torch.Generator | None = None,
     *,
     vocab_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``logits`` [B, V]; returns (token ids [B] long, logprobs [B] float32).
+    top_n: int = 0,
+):
+    """One token per row of ``logits`` [B, V]; returns (token ids [B] long, logprobs [B] float32),
+    and with ``top_n`` > 0 a third item: (ids [B, top_n] long, logprobs [B, top_n] float32) of
+    each row's most likely tokens, most likely first.
 
     ``temperature`` and ``top_p`` are [B] float tensors (0 temperature = greedy). ``vocab_size``:
     only ids below it may be drawn (None: every column of ``logits``).
@@ -43,6 +52,8 @@ def sample_tokens(
         # The chosen token's log-softmax without materialising the whole [B, V] of it (one
         # pass fewer over the vocabulary; it shows at B = 1 with a 32k vocabulary).
         chosen = logits.argmax(dim=-1)
+        if top_n > 0:
+            return _with_top(chosen, torch.log_softmax(logits, dim=-1), top_n)
         return chosen, logits.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
@@ -61,7 +72,16 @@ def sample_tokens(
     chosen = torch.searchsorted(cdf, draw, right=True)[:, 0]
     if bool(greedy.any()):
         chosen = torch.where(greedy, logprobs.argmax(dim=-1), chosen)
+    if top_n > 0:
+        # Outside the nucleus a token has no mass: -inf, not its untruncated logprob.
+        outside = truncating[:, None] & (probs == 0)
+        return _with_top(chosen, logprobs.masked_fill(outside, float("-inf")), top_n)
     return chosen, logprobs.gather(1, chosen[:, None])[:, 0]
+
+
+def _with_top(chosen: torch.Tensor, logprobs: torch.Tensor, top_n: int):
+    top = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)  # sorted, most likely first
+    return chosen, logprobs.gather(1, chosen[:, None])[:, 0], (top.indices, top.values)
 
 
 def _truncate_top_p(
