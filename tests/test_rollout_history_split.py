@@ -174,3 +174,15 @@ async def test_split_samples_too_large_to_inline_go_to_the_object_store_one_obje
     assert [stored.trajectory_ref, *stored.split_sample_refs] == ["memory/r-1/completed",
                                                                   "memory/r-1/completed-sample-1"]
     assert await load_traces(stored, store) == inline.token_traces()
+
+
+@pytest.mark.parametrize("reasoning", [None, "I need calc."])
+async def test_keep_sampled_with_thinking_on_passes_strict_whatever_the_model_reasons(chat_model_dirs, reasoning):
+    thinking = ChatModel.load(chat_model_dirs["qwen3"], template_kwargs={"enable_thinking": True})
+    call = ToolCall(id="", name="calc", arguments={"formula": FORMULA})
+    turns = [turn(thinking, thinking.write_turn(content="", calls=[call], reasoning=reasoning), version=3),
+             turn(thinking, thinking.write_turn(content=MASS, reasoning=reasoning), version=4)]
+    result, _ = await run(thinking, ScriptedEngine(turns))
+
+    assert isinstance(result, RolloutCompleted) and result.reward == 1.0, result
+    assert result.tokenization_mismatches["non_assistant"] == 0
