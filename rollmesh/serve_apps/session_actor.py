@@ -7,13 +7,14 @@ record grows with its tokens past NATS's default 1 MiB message limit (a 128K-tok
 MiB), and one actor running one call at a time makes a turn's lease atomic without a compare-and-
 set loop. The actor is detached, so it outlives any replica (a restarted replica finds the
 sessions where they were) and is stopped with the app (``stop_session_store``); what it does not
-survive is its own death or the Ray cluster's: then sessions are gone, and their next turns get a
-404 ``session_not_found``.
+survive is its own death or the Ray cluster's: the call that finds it dead is a retryable 503
+``sessions_unavailable``, a new store is started, and the sessions are gone (a later turn with the
+same id starts a new session on the history it sends).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,11 +31,13 @@ SESSION_STORE_NAME = "rollmesh-chat-sessions"
 
 def session_store_actor(*, namespace: str, ttl_s: float, max_sessions: int) -> ActorSessionStore:
     """The app's store: the named actor if it runs (another replica made it), else a new one."""
-    handle = ray.remote(SessionStore).options(
-        name=SESSION_STORE_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_concurrency=1,
-    ).remote(ttl_s=ttl_s, max_sessions=max_sessions)
-    return ActorSessionStore(handle)
+    def find_or_start() -> Any:
+        return ray.remote(SessionStore).options(
+            name=SESSION_STORE_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
+            num_cpus=0, max_concurrency=1,
+        ).remote(ttl_s=ttl_s, max_sessions=max_sessions)
+
+    return ActorSessionStore(find_or_start(), find_or_start)
 
 
 def stop_session_store(namespace: str) -> None:
@@ -49,9 +52,11 @@ def stop_session_store(namespace: str) -> None:
 class ActorSessionStore:
     """The shared store as replicas call it (``SessionStoreClient``): a ``SessionStore`` running
     as a Ray actor (``handle``). Ray runs one call at a time on it, which is what makes ``begin``
-    a lease. A dead store is a 503 ``sessions_unavailable``."""
+    a lease. A dead store is a retryable 503 ``sessions_unavailable``; the next call goes to the
+    store ``restart`` finds or starts."""
 
     handle: Any
+    restart: Callable[[], Any]
 
     async def begin(self, session_id: str) -> SessionLease:
         return await self._call(self.handle.begin.remote(session_id))
@@ -68,10 +73,10 @@ class ActorSessionStore:
     async def delete(self, session_id: str) -> bool:
         return await self._call(self.handle.delete.remote(session_id))
 
-    @staticmethod
-    async def _call(ref: Awaitable[T]) -> T:
+    async def _call(self, ref: Awaitable[T]) -> T:
         try:
             return await ref
         except RayActorError as exc:
-            raise EngineUnavailableError(f"the chat session store is unavailable: {exc}",
-                                         code="sessions_unavailable") from exc
+            self.handle = self.restart()
+            raise EngineUnavailableError(f"the chat session store died (its sessions are lost): {exc}",
+                                         code="sessions_unavailable", retry_after_s=1) from exc
