@@ -119,3 +119,20 @@ def test_a_bad_response_format_is_a_400_on_response_format(chats, response_forma
     with pytest.raises(InvalidApiRequestError) as caught:
         response_format_grammar(response_format, chats["qwen3"])
     assert caught.value.param.startswith("response_format")
+
+
+def test_no_end_of_turn_id_is_allowed_inside_a_json_string(chats) -> None:
+    """The ids the grammar does not end on are banned, not made plain text (which xgrammar's own
+    stop-token override would let into a string)."""
+    chat = chats["qwen3"]
+    assert len(chat.end_of_turn_ids) > 1
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}, chat)
+    guided = GuidedDecoder(chat, vocab_size=chat.vocab_size, end_of_turn_ids=chat.end_of_turn_ids)
+    constraint = guided.matcher(grammar)
+    for token in chat.encode('{"a": "xy'):
+        assert accept(constraint, token)
+    logits = torch.zeros(1, chat.vocab_size)
+    guided.mask(logits, [constraint])
+    assert all(logits[0, end] == float("-inf") for end in chat.end_of_turn_ids)
+    assert logits[0, chat.encode("<|im_start|>")[0]] == float("-inf")  # nor an added token

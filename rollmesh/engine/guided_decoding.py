@@ -23,6 +23,7 @@ not the chat formats (``rollmesh.serve_apps.tool_choice`` writes the grammars), 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -61,21 +62,29 @@ class GuidedDecoder:
             raise InvalidGrammarError(grammar.kind, _first_line(exc), request_id=request_id) from exc
         raise InvalidGrammarError(grammar.kind, "unknown grammar kind", request_id=request_id)
 
-    def matcher(self, grammar: GrammarSpec, *, request_id: str | None = None) -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(self.compile(grammar, request_id=request_id),
-                                  override_stop_tokens=list(grammar.end_ids) or None)
+    def matcher(self, grammar: GrammarSpec, *, request_id: str | None = None) -> Constraint:
+        compiled = self.compile(grammar, request_id=request_id)
+        # Not xgrammar's override_stop_tokens: it would turn the other end ids into plain tokens,
+        # allowed inside JSON strings. They stay stop tokens (allowed only at the end) and are
+        # banned outright instead.
+        banned = sorted(set(self._stop_ids) - set(grammar.end_ids)) if grammar.end_ids else []
+        return Constraint(xgr.GrammarMatcher(compiled), banned)
 
-    def mask(self, logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None]) -> list[bool]:
+    def mask(self, logits: torch.Tensor, constraints: Sequence[Constraint | None]) -> list[bool]:
         """Apply each row's grammar mask to ``logits`` [B, V] in place (disallowed ids -> -inf);
-        returns per row whether its mask removed any token. Rows without a matcher are untouched."""
-        bitmask = xgr.allocate_token_bitmask(len(matchers), self._vocab_size)
-        rows = [row for row, matcher in enumerate(matchers)
-                if matcher is not None and matcher.fill_next_token_bitmask(bitmask, row)]
+        returns per row whether its mask removed any token. Rows without one are untouched."""
+        bitmask = xgr.allocate_token_bitmask(len(constraints), self._vocab_size)
+        rows = [row for row, constraint in enumerate(constraints)
+                if constraint is not None and constraint.matcher.fill_next_token_bitmask(bitmask, row)]
         if rows:
             xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device),
                                             vocab_size=self._vocab_size, indices=rows)
         constrained = set(rows)
-        return [row in constrained for row in range(len(matchers))]
+        for row, constraint in enumerate(constraints):
+            if constraint is not None and constraint.banned:
+                logits[row, constraint.banned] = float("-inf")
+                constrained.add(row)
+        return [row in constrained for row in range(len(constraints))]
 
     def _compiler_or_refuse(self, request_id: str | None) -> xgr.GrammarCompiler:
         if self._compiler is None:
@@ -89,9 +98,18 @@ class GuidedDecoder:
         return self._compiler
 
 
-def accept(matcher: xgr.GrammarMatcher, token: int) -> bool:
-    """Advance ``matcher`` by the sampled ``token``; False if the grammar refuses it (only
-    possible for a token the mask did not govern, which the engine treats as a bug)."""
+@dataclass(slots=True)
+class Constraint:
+    """One sequence's grammar: its matcher, and the end-of-turn ids its grammar does not end on."""
+
+    matcher: xgr.GrammarMatcher
+    banned: list[int]
+
+
+def accept(constraint: Constraint, token: int) -> bool:
+    """Advance the grammar by the sampled ``token``; False if it refuses it (only possible for a
+    token the mask did not govern, which the engine treats as a bug)."""
+    matcher = constraint.matcher
     return matcher.is_terminated() or bool(matcher.accept_token(token))
 
 

@@ -27,8 +27,11 @@ closes an assistant turn with is allowed (harmony: ``<|call|>``; the engine's si
 ``rollmesh.engine.guided_decoding``), so the turn ends as the template would render it.
 
 JSON in a grammar is compact-ish (at most one whitespace character in a row) and its strings hold no
-raw control characters, which JSON forbids and our parsers refuse; xgrammar drops ``minLength`` and
-``maxLength`` when it filters characters, so a schema with those keeps them and the filter goes.
+raw control characters, which JSON forbids and our parsers refuse, nor the model's added tokens
+(xgrammar would let ``<|im_start|>`` into a string as text); xgrammar drops ``minLength`` and
+``maxLength`` when it filters strings, so a schema with those keeps them and the filter goes.
+Free strings end when the model closes them: an untrained model may write one until ``max_tokens``
+(finish reason "length", no call), as with any grammar engine; ``maxLength`` or a ``pattern`` bounds it.
 
 ``response_format``: ``{"type": "json_schema", "json_schema": {"name", "schema"}}`` is one JSON value
 matching the schema, ``{"type": "json_object"}`` one JSON object, ``{"type": "text"}`` nothing.
@@ -99,7 +102,7 @@ def response_format_grammar(response_format: Mapping[str, Any] | None,
     if kind == "text":
         return None
     if kind == "json_object":
-        return _grammar(_turn_end(chat), _json({"type": "object"}))
+        return _grammar(_turn_end(chat), _json({"type": "object"}, chat))
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, Mapping) else None
@@ -113,7 +116,7 @@ def response_format_grammar(response_format: Mapping[str, Any] | None,
             raise InvalidApiRequestError(f"invalid JSON schema in response_format: {exc.message}",
                                          code="invalid_value",
                                          param="response_format.json_schema.schema") from exc
-        return _grammar(_turn_end(chat), _json(dict(schema)))
+        return _grammar(_turn_end(chat), _json(dict(schema), chat))
     raise InvalidApiRequestError(
         f"response_format type must be \"text\", \"json_object\" or \"json_schema\", not {kind!r}",
         code="invalid_value", param="response_format")
@@ -131,7 +134,7 @@ def _calls_grammar(tools: list[Mapping[str, Any]], chat: ChatModel, *, many: boo
                             code="unsupported_value")
     text = _Literals(chat)
     end_ids = _turn_end(chat, "<|call|>" if family == "gpt_oss" else None)
-    pieces = [(tool["function"]["name"], _json(tool["function"]["parameters"])) for tool in tools]
+    pieces = [(tool["function"]["name"], _json(tool["function"]["parameters"], chat)) for tool in tools]
     if family == "hermes":
         calls = [text('<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ', args, '}\n</tool_call>')
                  for name, args in pieces]
@@ -199,8 +202,12 @@ class _Literals:
         return elements[0] if len(elements) == 1 else SequenceFormat(elements=elements)
 
 
-def _json(schema: dict[str, Any]) -> JSONSchemaFormat:
-    excludes = [] if _bounds_string_length(schema) else _CONTROL_CHARACTERS
+def _json(schema: dict[str, Any], chat: ChatModel) -> JSONSchemaFormat:
+    """Arguments (or an answer) by ``schema``; strings hold no raw control characters and none of
+    the model's added tokens (``<|im_start|>``, ``</tool_call>``...), unless that would drop the
+    schema's string length bounds (see the module docstring)."""
+    excludes = [] if _bounds_string_length(schema) else [
+        *_CONTROL_CHARACTERS, *chat.directory.tokenizer.get_added_vocab()]
     return JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1, excludes=excludes)
 
 
