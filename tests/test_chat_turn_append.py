@@ -336,3 +336,39 @@ def test_an_appended_user_turn_carries_the_system_prompt_where_the_template_writ
     assert appended == "[INST]Be brief.\n\nAnd Rome?[/INST]"
     whole = chat.render(trajectory.messages, add_generation_prompt=True)
     assert whole.endswith(appended) and "Be brief." not in whole[: -len(appended)]
+
+
+def test_tokens_sampled_under_a_grammar_train_with_mask_0_and_still_count_as_generated(chats):
+    chat = chats["qwen2_5"]
+    trajectory = ChatTrajectory(chat, SYSTEM_USER, family="qwen2_5")
+    prompt_len = len(trajectory.prompt_ids())
+    ids = chat.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>')
+    flags = [True] * (len(ids) - 2) + [False, True]
+    trajectory.add_generated(ids, [-0.5] * len(ids), {"role": "assistant", "content": "", "tool_calls": [
+        tool_call("call_0", "Paris")]}, constrained=flags)
+    trajectory.append([{"role": "tool", "tool_call_id": "call_0", "content": "sunny"}])
+    sample = trajectory.sample
+    training = sample.training_mask()
+    assert training[prompt_len:prompt_len + len(ids)] == [0 if flag else 1 for flag in flags]
+    assert sample.loss_mask[prompt_len:prompt_len + len(ids)] == [1] * len(ids)  # what the model wrote
+    assert training[prompt_len + len(ids):] == sample.loss_mask[prompt_len + len(ids):]
+    [report] = check_trajectory(trajectory, special_token_ids(chat.tokenizer))
+    assert not report.counts.get("non_assistant"), report.differences
+    assert trajectory.fork().sample.training_mask() == training
+    with pytest.raises(AppendError, match="constrained flags"):
+        trajectory.add_generated([1, 2], [-0.1, -0.1], {"role": "assistant", "content": ""}, constrained=[True])
+
+
+def test_a_rollouts_token_trace_gives_grammar_tokens_loss_mask_0(chat_model_dirs):
+    from rollmesh.chat import ChatModel
+    from rollmesh.rollout.trajectory import RolloutTrajectory
+
+    model = ChatModel.load(chat_model_dirs["qwen2_5"])
+    trajectory = RolloutTrajectory.start(model, SYSTEM_USER, tools=None)
+    prompt_len = len(trajectory.chat.sample.ids)
+    ids = model.encode('{"unit": "g"}<|im_end|>')
+    trajectory.add_generated(ids, [-0.5] * len(ids), [3] * len(ids),
+                             {"role": "assistant", "content": '{"unit": "g"}'}, constrained=[True] * len(ids))
+    trace = trajectory.trace()
+    assert trace.loss_mask[prompt_len:] == [0] * len(ids)
+    assert list(trace.logprobs[prompt_len:]) == [-0.5] * len(ids)  # the masked distribution's, kept

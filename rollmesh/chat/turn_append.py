@@ -95,17 +95,30 @@ JOIN_RULES: dict[str, FamilyJoinRule] = {
 
 @dataclass
 class TokenSample:
-    """One training sample's tokens: ids, loss mask (1 = generated), logprobs (None = not generated)."""
+    """One training sample's tokens: ids, loss mask (1 = generated), logprobs (None = not generated).
+
+    ``constrained`` holds the positions of generated tokens sampled under a grammar (guided
+    decoding). They stay 1 in ``loss_mask``, which says what the model generated (the token check
+    reads it so), and ``training_mask`` gives them 0: they were not the policy's free choice.
+    """
 
     ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     message_count: int = 0   # messages of the conversation this sample's tokens cover
+    constrained: list[int] = field(default_factory=list)
 
     def extend(self, ids: Sequence[int], mask: int, logprobs: Sequence[float | None] | None = None) -> None:
         self.ids.extend(ids)
         self.loss_mask.extend([mask] * len(ids))
         self.logprobs.extend(logprobs if logprobs is not None else [None] * len(ids))
+
+    def training_mask(self) -> list[int]:
+        """The loss mask to train with: ``loss_mask`` with constrained tokens at 0."""
+        mask = list(self.loss_mask)
+        for position in self.constrained:
+            mask[position] = 0
+        return mask
 
 
 class TemplateJoin:
@@ -203,8 +216,8 @@ class ChatTrajectory:
         """An independent copy (same model and join): to branch a rollout, or to measure an append."""
         twin = copy.copy(self)
         twin.messages = list(self.messages)
-        twin.samples = [TokenSample(list(s.ids), list(s.loss_mask), list(s.logprobs), s.message_count)
-                        for s in self.samples]
+        twin.samples = [TokenSample(list(s.ids), list(s.loss_mask), list(s.logprobs), s.message_count,
+                                    list(s.constrained)) for s in self.samples]
         twin._sample_text = list(self._sample_text)
         return twin
 
@@ -217,13 +230,21 @@ class ChatTrajectory:
         self._sample_text = [self.chat.decode(self.sample.ids)] if self.history_rewrite == "split" else []
         self._last_turn_ended = None
 
-    def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], message: Mapping[str, Any]) -> None:
-        """Record a generated turn exactly as sampled and the assistant message parsed from it."""
+    def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], message: Mapping[str, Any],
+                      constrained: Sequence[bool] = ()) -> None:
+        """Record a generated turn exactly as sampled and the assistant message parsed from it;
+        ``constrained`` (``GenerationResult.constrained``: one flag per id, or empty for none) marks
+        the ids a grammar restricted, which ``TokenSample.training_mask`` leaves out."""
         if self._last_turn_ended is not None:
             raise AppendOrderError(turn=self._turns, reason="a generated turn must follow a prompt")
         if len(logprobs) != len(ids):
             raise AppendError(f"turn {self._turns}: {len(ids)} generated ids but {len(logprobs)} logprobs",
                               turn=self._turns)
+        if constrained and len(constrained) != len(ids):
+            raise AppendError(f"turn {self._turns}: {len(ids)} generated ids but {len(constrained)} "
+                              "constrained flags", turn=self._turns)
+        start = len(self.sample.ids)
+        self.sample.constrained.extend(start + offset for offset, flag in enumerate(constrained) if flag)
         self.sample.extend(list(ids), 1, list(logprobs))
         self.messages.append(message)
         self.sample.message_count = len(self.messages)

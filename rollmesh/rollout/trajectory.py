@@ -85,13 +85,14 @@ class RolloutTrajectory:
         return [sample.message_count for sample in self.chat.samples]
 
     def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
-                      message: Mapping[str, Any]) -> None:
-        """A generated turn exactly as sampled, and the assistant message parsed from it."""
+                      message: Mapping[str, Any], constrained: Sequence[bool] = ()) -> None:
+        """A generated turn exactly as sampled, and the assistant message parsed from it;
+        ``constrained``: per id, sampled under a grammar (trained with loss mask 0)."""
         if not len(ids) == len(logprobs) == len(versions):
             raise ValueError("generated tokens, logprobs and versions differ in length")
         if any(version < 0 for version in versions):
             raise ValueError(f"a generated token has no weight version (versions {sorted(set(versions))})")
-        self.chat.add_generated(list(ids), list(logprobs), message)
+        self.chat.add_generated(list(ids), list(logprobs), message, constrained)
         self.versions[-1].extend(versions)
 
     def append(self, new_messages: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -115,7 +116,7 @@ class RolloutTrajectory:
         for number, (sample, versions) in enumerate(zip(self.chat.samples, self.versions)):
             last = number == len(self.chat.samples) - 1
             end = len(sample.ids) if max_len is None or not last else min(max_len, len(sample.ids))
-            traces.append(TokenTrace(ids=list(sample.ids[:end]), loss_mask=list(sample.loss_mask[:end]),
+            traces.append(TokenTrace(ids=list(sample.ids[:end]), loss_mask=sample.training_mask()[:end],
                                      logprobs=[0.0 if p is None else p for p in sample.logprobs[:end]],
                                      versions=list(versions[:end])))
         return traces
