@@ -39,8 +39,10 @@ from rollmesh.engine.sglang_client import (
     SGLangHTTPError,
     SGLangResponseError,
     SGLangUnavailableError,
+    build_generate_payload,
     decode_routed_experts,
     parse_finish_reason,
+    parse_generate_response,
     parse_weight_version,
 )
 from rollmesh.engine.sglang_server import (
@@ -642,3 +644,20 @@ async def test_real_sglang_generates_swaps_weights_and_returns_routed_experts(tm
                 # SGLang's all-zeros regression (#23885) shows up as repeated experts in a row.
                 assert all(len(set(row)) == shape.top_k for row in rows.reshape(-1, shape.top_k))
             print("start_len ignored by this build:", engine.statistics().start_len_ignored)
+
+
+def test_top_logprobs_ask_sglang_for_top_logprobs_num_and_read_output_top_logprobs():
+    options = GenerateOptions(top_logprobs=2)
+    payload = build_generate_payload([1, 2], SamplingParams(), request_id="t", options=options)
+    assert payload["top_logprobs_num"] == 2 and payload["return_logprob"] is True
+    assert "top_logprobs_num" not in build_generate_payload(
+        [1, 2], SamplingParams(), request_id="t", options=GenerateOptions())
+    body = {"output_ids": [7, 8], "meta_info": {
+        "output_token_logprobs": [[-0.1, 7, None], [-0.2, 8, None]],
+        "output_top_logprobs": [[[-0.1, 7, None], [-2.0, 3, None]], [[-0.2, 8, None], [None, 4, None]]],
+        "finish_reason": {"type": "length", "length": 2}, "weight_version": "1"}}
+    answer = parse_generate_response(body, prompt_len=2, request_id="t", options=options, shape=None)
+    assert answer.result.top_logprobs == [[(7, -0.1), (3, -2.0)], [(8, -0.2), (4, float("-inf"))]]
+    del body["meta_info"]["output_top_logprobs"]
+    with pytest.raises(ValueError, match="top logprobs"):
+        parse_generate_response(body, prompt_len=2, request_id="t", options=options, shape=None)

@@ -106,7 +106,9 @@ class RoutedExpertsShape:
 def build_generate_payload(
     input_ids: list[int], sampling: SamplingParams, *, request_id: str, options: GenerateOptions
 ) -> dict[str, Any]:
-    """The ``/generate`` body: token ids in, output logprobs always on (we need behaviour logprobs)."""
+    """The ``/generate`` body: token ids in, output logprobs always on (we need behaviour logprobs),
+    with SGLang's ``top_logprobs_num`` when the caller asks for alternatives. Never streamed: the
+    Serve app streams through the torch engine's decode actors; this backend answers whole."""
     sampling_params: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -121,6 +123,8 @@ def build_generate_payload(
         "return_logprob": True,
         "stream": False,
     }
+    if options.top_logprobs:
+        payload["top_logprobs_num"] = options.top_logprobs
     if options.return_routed_experts:
         payload["return_routed_experts"] = True
         # Sent only when it changes something, so a server predating the field sees the same body.
@@ -226,6 +230,7 @@ def parse_generate_response(
     # orjson writes a non-finite float as null; the only one a logprob can be is -inf.
     logprobs = [float("-inf") if entry[0] is None else float(entry[0]) for entry in entries]
     finish_reason = parse_finish_reason(meta.get("finish_reason"), request_id=request_id)
+    top_logprobs = _top_logprobs(meta, len(token_ids)) if options.top_logprobs else None
     version = parse_weight_version(meta.get("weight_version"))
     routed, start, ignored = None, 0, False
     if options.return_routed_experts:
@@ -244,9 +249,20 @@ def parse_generate_response(
         token_ids=token_ids, logprobs=logprobs, versions=[version] * len(token_ids),
         finish_reason=finish_reason, prompt_len=prompt_len, request_id=request_id,
         cached_tokens=int(meta.get("cached_tokens") or 0),
-        routed_experts=routed, routed_experts_start=start,
+        routed_experts=routed, routed_experts_start=start, top_logprobs=top_logprobs,
     )
     return GenerateAnswer(result, version, ignored)
+
+
+def _top_logprobs(meta: dict[str, Any], num_tokens: int) -> list[list[tuple[int, float]]]:
+    """SGLang's ``output_top_logprobs`` (per token: [logprob, token_id, text] entries, most
+    likely first) as the engine's (token id, logprob) pairs."""
+    entries = meta.get("output_top_logprobs")
+    if not isinstance(entries, list) or len(entries) != num_tokens:
+        raise ValueError(f"{len(entries) if isinstance(entries, list) else 'no'} output top "
+                         f"logprobs for {num_tokens} tokens")
+    return [[(int(entry[1]), float("-inf") if entry[0] is None else float(entry[0]))
+             for entry in alternatives or ()] for alternatives in entries]
 
 
 def error_message(response: httpx.Response) -> str:
