@@ -10,9 +10,10 @@ samples, saved rollout state) stays the rollout's. Generated ids keep their logp
 
 Tokens sampled under a grammar (``GenerationResult.constrained``: ``tool_choice`` "required" or a
 named function) were not the policy's free choice: the trace a client trains on gives them loss
-mask 0 (keeping their logprob and version). The ``ChatTrajectory`` inside still counts them as
-generated, so the check against a whole render classifies their differences as the model's
-(``assistant``), and they are stored apart (``constrained``: positions) to survive a resume.
+mask 0 (``TokenSample.training_mask``, keeping their logprob and version). The ``ChatTrajectory``
+still counts them as generated, so the check against a whole render classifies their differences
+as the model's (``assistant``); their positions are stored apart (``constrained``) to survive a
+resume.
 """
 
 from __future__ import annotations
@@ -27,10 +28,8 @@ from rollmesh.messages.token_trace import NO_VERSION, TokenTrace
 class SessionTrajectory:
     """One session's conversation and tokens (one sample)."""
 
-    def __init__(self, chat: ChatTrajectory, versions: list[int] | None = None,
-                 constrained: Sequence[int] = ()) -> None:
+    def __init__(self, chat: ChatTrajectory, versions: list[int] | None = None) -> None:
         self.chat = chat
-        self.constrained = list(constrained)  # positions of tokens sampled under a grammar
         self.versions = versions if versions is not None else [NO_VERSION] * len(chat.sample.ids)
         if len(self.versions) != len(chat.sample.ids):
             raise ValueError(f"{len(chat.sample.ids)} ids but {len(self.versions)} versions")
@@ -55,13 +54,18 @@ class SessionTrajectory:
         chat.messages = list(messages)
         chat.samples = [TokenSample(ids=list(trace.ids), loss_mask=list(trace.loss_mask),
                                     logprobs=[p if m else None for p, m in zip(trace.logprobs, trace.loss_mask)],
-                                    message_count=len(messages))]
-        return cls(chat, list(trace.versions), constrained)
+                                    message_count=len(messages), constrained=list(constrained))]
+        return cls(chat, list(trace.versions))
 
     @property
     def ids(self) -> list[int]:
         """The next prompt: every token so far."""
         return self.chat.sample.ids
+
+    @property
+    def constrained(self) -> list[int]:
+        """Positions of the tokens sampled under a grammar."""
+        return list(self.chat.sample.constrained)
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -73,12 +77,8 @@ class SessionTrajectory:
         ``constrained``: per token, whether a grammar restricted it (empty: none was)."""
         if not len(ids) == len(logprobs) == len(versions):
             raise ValueError("generated tokens, logprobs and versions differ in length")
-        if constrained and len(constrained) != len(ids):
-            raise ValueError(f"{len(ids)} generated tokens but {len(constrained)} constrained flags")
-        start = len(self.chat.sample.ids)
-        self.chat.add_generated(list(ids), list(logprobs), message)
+        self.chat.add_generated(list(ids), list(logprobs), message, constrained)
         self.versions.extend(versions)
-        self.constrained.extend(start + offset for offset, flag in enumerate(constrained) if flag)
 
     def append(self, new_messages: Sequence[Mapping[str, Any]]) -> None:
         """New messages and the next generation prompt, forced (raises ``TruncatedTurnError``
@@ -90,9 +90,7 @@ class SessionTrajectory:
         """The tokens; ``for_training``: tokens sampled under a grammar get loss mask 0 (else
         every generated token has 1, as stored)."""
         sample = self.chat.sample
-        loss_mask = list(sample.loss_mask)
-        for position in self.constrained if for_training else ():
-            loss_mask[position] = 0
+        loss_mask = sample.training_mask() if for_training else list(sample.loss_mask)
         return TokenTrace(ids=list(sample.ids), loss_mask=loss_mask,
                           logprobs=[0.0 if p is None else p for p in sample.logprobs],
                           versions=list(self.versions))
