@@ -195,10 +195,14 @@ def test_a_template_refusal_is_an_openai_shaped_400(chat_model_dirs: dict[str, P
      "invalid_value"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
      "tools.0", "invalid_value"),
-    ({"tools": [CALC], "tool_choice": "required"}, "tool_choice", "unsupported_value"),
-    ({"tools": [CALC], "tool_choice": {"type": "function", "function": {"name": "calc"}}},
-     "tool_choice", "unsupported_value"),
+    ({"tools": [CALC], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "unknown_tool"),
+    ({"tool_choice": "required"}, "tool_choice", "invalid_value"),  # no tools to call
     ({"tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+    ({"tools": [CALC], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "invalid_value"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format.json_schema.schema", "invalid_value"),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs",
      "invalid_value"),
 ])
@@ -300,3 +304,29 @@ def test_completion_stream_ends_with_an_empty_chunk_that_carries_the_finish_reas
     assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
         ("", "stop")]
     assert chunks[0]["object"] == "text_completion"
+
+def test_tool_choice_required_and_response_format_become_the_requests_grammar(served: ServedModel) -> None:
+    """The grammar itself (what it lets a model write) is tested in test_serve_tool_choice.py."""
+    assert chat_inputs(chat(QUESTION, tools=[CALC]), served).grammar is None  # "auto"
+    required = chat_inputs(chat(QUESTION, tools=[CALC], tool_choice="required"), served)
+    named = chat_inputs(chat(QUESTION, tools=[CALC], tool_choice={
+        "type": "function", "function": {"name": "calc"}}), served)
+    as_json = chat_inputs(chat(QUESTION, response_format={"type": "json_object"}), served)
+    for prompt in (required, named, as_json):
+        assert prompt.grammar.kind == "structural_tag"
+        assert prompt.grammar.end_ids == tuple(served.chat.encode("<|im_end|>"))
+    assert required.tools and required.chat.tool_parser == "hermes"  # the calls are read back
+    assert required.grammar != named.grammar
+
+
+def test_a_constrained_answer_says_which_tokens_the_grammar_restricted(served: ServedModel) -> None:
+    prompt = chat_inputs(chat(QUESTION, tools=[CALC], tool_choice="required"), served)
+    text = '<tool_call>\n{"name": "calc", "arguments": {"formula": "H2O"}}\n</tool_call><|im_end|>'
+    ids = served.chat.encode(text)
+    flags = [True] * (len(ids) - 3) + [False, True, True]
+    result = GenerationResult(ids, [-0.1] * len(ids), [2] * len(ids), "eos", 10, constrained=flags)
+    (choice,) = chat_response(result, prompt, request_id="c", created=1, served=served).choices
+    assert choice.constrained == flags and choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.arguments == '{"formula": "H2O"}'
+    free = chat_inputs(chat(QUESTION, tools=[CALC]), served)
+    assert chat_response(result, free, request_id="c", created=1, served=served).choices[0].constrained is None

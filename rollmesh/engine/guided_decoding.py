@@ -23,6 +23,7 @@ not the chat formats (``rollmesh.serve_apps.tool_choice`` writes the grammars), 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -125,5 +126,9 @@ def _hf_tokenizer(tokenizer: Any) -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
+    """xgrammar's message without the C++ log prefix ("[21:45:03] /project/cpp/x.cc:5088: ")."""
     text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:500]
+    return _CPP_PREFIX.sub("", text.splitlines()[0])[:500]
+
+
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")

@@ -13,7 +13,9 @@ generated is lost. Generation ends at the model's end-of-turn ids (the engine's 
 string cuts ``content`` before it, as OpenAI does.
 
 ``tool_choice``: "auto" (the default) or "none" (the tools are left out of the prompt and nothing is
-read as a call); "required" and a named function need guided decoding and are refused with a 400.
+read as a call); "required" and a named function, and ``response_format`` (``json_schema``,
+``json_object``), are enforced by guided decoding: ``tool_choice`` writes the grammar, the engine
+masks by it, and the choice's ``constrained`` says which tokens the grammar restricted.
 
 ``logprobs`` (``top_logprobs`` 0 only): ``openai_logprobs``.
 
@@ -34,10 +36,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollmesh.chat import ChatModel, ParsedTurn, TemplateRenderError
-from rollmesh.engine.protocols import GenerationResult
+from rollmesh.engine.protocols import GenerationResult, GrammarSpec
 from rollmesh.messages.base import SamplingParams
 from rollmesh.serve_apps.chat_messages import calls_in, template_messages, template_tools
 from rollmesh.serve_apps.errors import InvalidApiRequestError
+from rollmesh.serve_apps.tool_choice import response_format_grammar, tool_choice_grammar
 from rollmesh.serve_apps.generate_extensions import encode_routed_experts
 from rollmesh.serve_apps.generation_requests import (
     ServedModel,
@@ -85,6 +88,8 @@ class ChatPrompt:
     tools: list[dict[str, Any]] | None
     first_call_index: int  # calls already in the conversation: new calls' ids come after theirs
     with_logprobs: bool = False  # the request's ``logprobs``
+    # What tool_choice ("required", a named function) or response_format forces (tool_choice.py).
+    grammar: GrammarSpec | None = None
 
 
 def chat_inputs(request: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
@@ -120,12 +125,25 @@ def chat_settings(request: ChatCompletionRequest, served: ServedModel) -> ChatPr
             f"the model {served.name!r} has no tool-call format (its chat template shows none and "
             "model.tool_parser is unset)", code="unsupported_value", param="tools")
     chat = request_chat(served.chat, request.chat_template_kwargs, with_tools=bool(tools))
+    grammar = _request_grammar(request, tools, chat, first_call_index=calls_in(request.messages))
     sampling = openai_sampling_params(
         temperature=request.temperature, top_p=request.top_p, max_new_tokens=max_tokens,
         stop=request.stop, names={"max_new_tokens": param},
     )
-    return ChatPrompt([], sampling, chat, tools, calls_in(request.messages),
+    return ChatPrompt([], sampling, chat, tools, calls_in(request.messages), grammar=grammar,
                       with_logprobs=request.logprobs)
+
+
+def _request_grammar(request: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                     chat: ChatModel, *, first_call_index: int) -> GrammarSpec | None:
+    by_tools = tool_choice_grammar(request.tool_choice, tools, chat, first_call_index=first_call_index,
+                                   parallel=request.parallel_tool_calls is not False)
+    by_format = response_format_grammar(request.response_format, chat)
+    if by_tools is not None and by_format is not None:
+        raise InvalidApiRequestError(
+            "tool_choice forces a tool call and response_format a JSON answer: ask for one of them",
+            code="invalid_value", param="response_format")
+    return by_tools or by_format
 
 
 def _tool_choice(request: ChatCompletionRequest) -> str:
@@ -133,10 +151,7 @@ def _tool_choice(request: ChatCompletionRequest) -> str:
     if choice is None or choice == "auto" or choice == "none":
         return choice or "auto"
     if choice == "required" or isinstance(choice, dict):
-        raise InvalidApiRequestError(
-            "tool_choice \"required\" and a named function need guided decoding, which this "
-            "server does not do yet; use \"auto\" or \"none\"",
-            code="unsupported_value", param="tool_choice")
+        return "forced"  # checked, and made a grammar, by tool_choice_grammar
     raise InvalidApiRequestError(
         f"tool_choice must be \"auto\", \"none\", \"required\" or a named function, not {choice!r}",
         code="invalid_value", param="tool_choice")
@@ -205,6 +220,7 @@ def chat_response(
                 finish_reason="tool_calls" if calls else openai_finish_reason(result),
                 logprobs=chat_logprobs(result, prompt.chat) if prompt.with_logprobs else None,
                 weight_versions=list(result.versions),
+                constrained=list(result.constrained) if prompt.grammar is not None else None,
                 rollmesh=encode_routed_experts(result, routed_experts_dtype),
             )
         ],

@@ -148,8 +148,14 @@ class ChatCompletionRequest(EngineOptionFields):
     messages: list[ChatMessage]
     # OpenAI function schemas, checked by rollmesh.chat.ToolSet and passed to the chat template.
     tools: list[dict[str, Any]] | None = None
-    # "auto" (the default) or "none"; "required" and a named function need guided decoding.
+    # "auto" (the default), "none", "required" (one or more calls) or a named function
+    # ({"type": "function", "function": {"name": ...}}); the last two by guided decoding.
     tool_choice: str | dict[str, Any] | None = None
+    # OpenAI's: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    # {"name": ..., "schema": {...}}}; the JSON ones by guided decoding (``tool_choice.py``).
+    response_format: dict[str, Any] | None = None
+    # OpenAI's: false makes tool_choice "required" exactly one call (default: one or more).
+    parallel_tool_calls: bool | None = None
     # The chat template's own extra arguments for this request (e.g. enable_thinking), on top of
     # the model's configured ones (model.chat_template_kwargs).
     chat_template_kwargs: dict[str, Any] | None = None
@@ -215,6 +221,10 @@ class ChatChoice(_Response):
     weight_versions: list[int]
     # Not OpenAI: routed experts, when asked for (``return_routed_experts``).
     rollmesh: RoutedExperts | None = None
+    # Not OpenAI: with tool_choice "required" / a named function or a JSON response_format, one
+    # flag per generated token, true where the grammar restricted the choice: its logprob is that
+    # of the masked distribution, and a trainer should not train on it (loss mask 0).
+    constrained: list[bool] | None = None
 
 
 class ChatCompletionResponse(_Response):

@@ -26,6 +26,7 @@ router carries the context on to the workers in ``trace_headers``.
 # No ``from __future__ import annotations`` here: FastAPI reads the route methods' annotations at
 # runtime, and through Serve's ingress wrapper string annotations are not resolved (the body would
 # be taken for a query parameter).
+import dataclasses
 import time
 import uuid
 from collections.abc import Mapping
@@ -168,7 +169,9 @@ def find_named_actor(name: str, namespace: str) -> Any:
 
 def chat_params(body: ChatCompletionRequest) -> dict[str, str]:
     tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    return {"input_ids": "messages", "max_new_tokens": tokens}
+    # A grammar the engine cannot compile is the tool's or the format's schema.
+    grammar = "response_format" if body.response_format is not None else "tool_choice"
+    return {"input_ids": "messages", "max_new_tokens": tokens, "grammar": grammar}
 
 
 def api_error_from_ray(
@@ -271,7 +274,9 @@ class InferenceServer:
     ) -> ChatCompletionResponse | StreamingResponse:
         check_authorization(authorization, self._api_key)
         prompt = chat_inputs(body, self.served)
-        options = generate_options(body, prompt_len=len(prompt.input_ids), served=self.served)
+        options = dataclasses.replace(
+            generate_options(body, prompt_len=len(prompt.input_ids), served=self.served),
+            grammar=prompt.grammar)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         result = await self._generate(prompt.input_ids, prompt.sampling, request_id, options,
                                       chat_params(body), operation="chat")

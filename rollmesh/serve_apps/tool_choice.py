@@ -18,8 +18,8 @@ schema:
 - ``gpt_oss`` (harmony): ``<|channel|>commentary to=functions.N <|constrain|>json<|message|>{...}``,
   one call (harmony ends the turn at a call's ``<|call|>``, which is the model's end-of-turn id).
 
-"required" is one or more calls to any declared tool (one for harmony); a named function is exactly
-one call to it. The grammar applies from the first generated token, so a reasoning model does not
+"required" is one or more calls to any declared tool (exactly one with ``parallel_tool_calls: false``,
+and for harmony); a named function is exactly one call to it. The grammar applies from the first generated token, so a reasoning model does not
 think first (as in vLLM). Where a marker is one token of the model's vocabulary (``<tool_call>``,
 DeepSeek's and Kimi's markers), the grammar asks for that token itself, never its characters spelled
 out, so the ids are those the chat template renders. After the grammar only the token the template
@@ -69,7 +69,8 @@ _CONTROL_CHARACTERS = [chr(code) for code in range(0x20)]
 
 
 def tool_choice_grammar(choice: str | dict[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None,
-                        chat: ChatModel, *, first_call_index: int = 0) -> GrammarSpec | None:
+                        chat: ChatModel, *, first_call_index: int = 0,
+                        parallel: bool = True) -> GrammarSpec | None:
     """The grammar ``tool_choice`` forces (None for "auto", "none" or no choice); ``tools`` are the
     request's, checked (``chat_messages.template_tools``). Raises InvalidApiRequestError
     (``param="tool_choice"``) for a malformed choice, an unknown tool or a format we cannot force."""
@@ -79,7 +80,7 @@ def tool_choice_grammar(choice: str | dict[str, Any] | None, tools: Sequence[Map
         forced = list(tools or [])
         if not forced:
             raise _choice_error("tool_choice \"required\" needs at least one tool in tools")
-        return _calls_grammar(forced, chat, many=True, first_call_index=first_call_index)
+        return _calls_grammar(forced, chat, many=parallel, first_call_index=first_call_index)
     if isinstance(choice, dict):
         name = _named_function(choice)
         forced = [tool for tool in tools or [] if tool["function"]["name"] == name]
