@@ -3,8 +3,10 @@ a start that fails says why, with the tail of what the agent (or bwrap, runsc) w
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,28 @@ async def test_every_backend_waits_its_configured_start_timeout(kind: str, recor
     with pytest.raises(BackendFailedError, match="recorded"):
         await backend.create("timeout-check", LIMITS)
     assert [options["start_timeout_s"] for options in recorded_launches] == [12.5]
+
+
+@pytest.mark.integration
+async def test_tearing_a_sandbox_down_leaves_the_event_loop_free_for_other_sandboxes(tmp_path: Path) -> None:
+    """Killing a cgroup's processes waits for them to die: the broker's loop must keep serving
+    other leases meanwhile (run on the loop, one release held up every lease of the mesh)."""
+    sandbox = await ProcessBackend(root_dir=tmp_path).create("teardown-check", LIMITS)
+    kill_started, loop_answered = threading.Event(), threading.Event()
+    answered_in_time: list[bool] = []
+    kill_tree = sandbox._kill_tree
+
+    def slow_kill_tree() -> None:
+        # Returns once the event loop has answered; run on the loop itself, it waits in vain.
+        kill_started.set()
+        answered_in_time.append(loop_answered.wait(timeout=30))
+        if kill_tree is not None:
+            kill_tree()
+
+    sandbox._kill_tree = slow_kill_tree
+    destroying = asyncio.create_task(sandbox.destroy())
+    await asyncio.to_thread(kill_started.wait, 60)
+    loop_answered.set()
+    await destroying
+    assert answered_in_time == [True]
+    assert not sandbox.alive()

@@ -78,10 +78,7 @@ class AgentSandbox(AgentPipes):
         a session of its own so no signal meant for the broker's group reaches it.
         """
         try:
-            process = subprocess.Popen(
-                list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env=env, cwd=cwd, pass_fds=tuple(pass_fds), start_new_session=True, bufsize=0,
-            )
+            process = await _spawn(list(argv), env=env, cwd=cwd, pass_fds=tuple(pass_fds))
         except OSError as exc:
             if cleanup is not None:
                 cleanup()
@@ -318,7 +315,9 @@ class AgentSandbox(AgentPipes):
         while self._process.poll() is None and time.monotonic() < give_up:
             await asyncio.sleep(0.002)
         if self._kill_tree is not None:
-            self._kill_tree()
+            # Killing a cgroup waits for its processes to be gone: in a thread, so the broker's
+            # event loop serves other sandboxes meanwhile (one release blocked every lease before).
+            await asyncio.to_thread(self._kill_tree)
         elif self._process.poll() is None:
             # Only while it is unreaped: a reaped pid (and group id) may already be another's.
             try:
@@ -332,7 +331,35 @@ class AgentSandbox(AgentPipes):
             if pipe is not None:
                 pipe.close()
         if self._cleanup is not None:
-            self._cleanup()
+            await asyncio.to_thread(self._cleanup)  # removing a cgroup retries while it drains
+
+
+async def _spawn(argv: list[str], *, env: dict[str, str], cwd: str | None, pass_fds: tuple[int, ...]) -> subprocess.Popen:
+    """Start the agent in its own session. The fork and exec run in a thread: on a busy host
+    they take milliseconds, and the broker's event loop serves every other sandbox meanwhile.
+    Cancelled while the thread runs, the process it started is killed once it exists."""
+    spawning = asyncio.ensure_future(asyncio.to_thread(
+        subprocess.Popen, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=env, cwd=cwd, pass_fds=pass_fds, start_new_session=True, bufsize=0))
+    try:
+        return await asyncio.shield(spawning)
+    except asyncio.CancelledError:
+        spawning.add_done_callback(_kill_orphan)
+        raise
+
+
+def _kill_orphan(spawning: asyncio.Future) -> None:
+    if spawning.cancelled() or spawning.exception() is not None:
+        return
+    process: subprocess.Popen = spawning.result()
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+    for pipe in (process.stdin, process.stdout, process.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 async def _hash(hasher: hashlib._Hash, data: bytes | bytearray | memoryview) -> None:
