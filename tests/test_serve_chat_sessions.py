@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rollmesh.chat import TokenSample, ToolCall, check_trajectory
+from rollmesh.chat import ChatModel, TokenSample, ToolCall, check_trajectory
 from rollmesh.chat.token_check import special_token_ids
 from rollmesh.engine.protocols import GenerateOptions, GenerationResult
 from rollmesh.messages.token_trace import NO_VERSION, TokenTrace
@@ -308,3 +308,30 @@ async def test_tokens_sampled_under_a_grammar_train_with_loss_mask_zero_across_t
     # Still the engine's tokens, logprobs and versions; and still the model's text to the check.
     assert all(trace.versions[p] == VERSION and trace.logprobs[p] == -0.25 for p in first)
     assert body.tokenization_bugs == [] and body.tokenization_mismatches["non_assistant"] == 0
+
+
+async def test_a_qwen3_session_keeps_the_reasoning_the_client_dropped_and_checks_clean(
+    chat_model_dirs: dict[str, Path],
+) -> None:
+    """Qwen3's template drops earlier reasoning once a new user query comes: the session keeps the
+    reasoning as sampled (keep_sampled), which the token check calls a documented rewrite."""
+    chat = ChatModel.load(chat_model_dirs["qwen3"])
+    served = ServedModel(name="qwen3", max_seq_len=4096, vocab_size=chat.vocab_size, chat=chat)
+    sessions = ChatSessions(served, LocalSessionStore(SessionStore(ttl_s=60, max_sessions=8)))
+    turns = [chat.write_turn(content="", calls=[ToolCall("x", "calc", {"formula": "H2O"})], reasoning="ask calc"),
+             chat.write_turn(content="18.015", reasoning="calc said so"),
+             chat.write_turn(content="58.44", reasoning="NaCl now")]
+    engine = ScriptedEngine(served, turns)
+    history = [QUESTION]
+    first = await client_turn(sessions, engine, history)
+    assert first["reasoning_content"] == "ask calc"
+    history[-1] = {key: value for key, value in history[-1].items() if key != "reasoning_content"}
+    history.append({"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "18.015"})
+    await client_turn(sessions, engine, history)
+    history.append({"role": "user", "content": "and NaCl?"})
+    await client_turn(sessions, engine, history)
+
+    body = await sessions.trajectory("s1")
+    assert body.messages[1]["reasoning_content"] == "ask calc"  # the server's record, not the echo
+    assert body.token_trace.ids == engine.prompts[-1] + engine.generated[-1]
+    assert body.tokenization_bugs == []

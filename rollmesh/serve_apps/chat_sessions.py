@@ -48,7 +48,7 @@ from rollmesh.serve_apps.errors import (
     SessionConflictError,
     SessionNotFoundError,
 )
-from rollmesh.serve_apps.generate_extensions import generate_options
+from rollmesh.serve_apps.generate_extensions import MAX_ID_CHARS, generate_options
 from rollmesh.serve_apps.generation_requests import ServedModel, check_prompt_length
 from rollmesh.serve_apps.http_shapes import (
     ChatCompletionRequest,
@@ -76,6 +76,10 @@ class ChatSessions:
         """One turn of ``request.session_id``: its prompt (the trajectory's ids) and what the
         engine generated, kept in the session before this returns."""
         session_id = request.session_id or ""
+        if not 1 <= len(session_id) <= MAX_ID_CHARS:
+            raise InvalidApiRequestError(
+                f"session_id must be 1 to {MAX_ID_CHARS} characters (got {len(session_id)})",
+                code="invalid_value", param="session_id")
         settings = chat_settings(request, self.served)  # a bad request never takes the session
         lease = await self.store.begin(session_id)
         if lease.status == "busy":
@@ -165,7 +169,10 @@ class ChatSessions:
             session_id=request.session_id or "", settings=_session_settings(request),
             render_tools=held.render_tools if held else prompt.tools,
             template_kwargs=dict(request.chat_template_kwargs or {}),
-            messages=[*(message.model_dump(exclude_none=True) for message in request.messages), answer],
+            # The server's own record of the history (the client's echo only matched it), the new ones.
+            messages=[*(held.messages if held else []),
+                      *(message.model_dump(exclude_none=True)
+                        for message in request.messages[len(held.messages) if held else 0:]), answer],
             template_messages=trajectory.messages, trace=trajectory.trace(for_training=False),
             constrained=list(trajectory.constrained),
             pending=PendingTurn(list(result.token_ids), list(result.logprobs), list(result.versions),
