@@ -12,6 +12,7 @@ one deployment for the whole module, because Serve takes seconds to start on two
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -296,10 +297,8 @@ BAD_REQUESTS = [
      "model_not_found", "model"),
     ("logprobs-too-many", "/v1/completions", {"prompt": "a", "logprobs": 10}, 400,
      "invalid_value", "logprobs"),
-    ("completion-top-logprobs", "/v1/completions", {"prompt": "a", "logprobs": 2}, 400,
-     "unsupported_value", "logprobs"),
-    ("chat-top-logprobs", "/v1/chat/completions",
-     {"messages": USER_HI, "logprobs": True, "top_logprobs": 2}, 400, "unsupported_value",
+    ("chat-top-logprobs-too-many", "/v1/chat/completions",
+     {"messages": USER_HI, "logprobs": True, "top_logprobs": 21}, 400, "invalid_value",
      "top_logprobs"),
     ("tokenize-prompt-and-messages", "/tokenize", {"prompt": "a", "messages": USER_HI}, 400,
      "invalid_value", "prompt"),
@@ -582,8 +581,20 @@ def test_openai_client_gets_the_logprobs_the_engine_sampled_with(
     assert all(value <= 0.0 for value in logprobs.token_logprobs)
     with pytest.raises(openai.BadRequestError) as refused:
         openai_client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,
-                                              logprobs=True, top_logprobs=1)
+                                              logprobs=True, top_logprobs=21)
     assert refused.value.body["param"] == "top_logprobs"
+
+
+def test_openai_client_gets_top_logprobs_sorted_with_the_greedy_token_first(
+    openai_client: openai.OpenAI, deployed: Deployed,
+) -> None:
+    completion = openai_client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "count"}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=3)
+    for entry in completion.choices[0].logprobs.content:
+        values = [top.logprob for top in entry.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert (entry.top_logprobs[0].token, values[0]) == (entry.token, pytest.approx(entry.logprob))
 
 
 def test_openai_client_streams_a_chat_completion_with_the_same_text(
@@ -620,6 +631,41 @@ def test_streamed_completion_is_server_sent_events_ending_in_done(client: httpx.
         events = [line for line in response.iter_lines() if line]
     assert all(line.startswith("data: ") for line in events)
     assert events[-1] == "data: [DONE]"
+
+
+def test_openai_client_streams_each_decode_steps_tokens_with_their_logprobs(
+    openai_client: openai.OpenAI,
+) -> None:
+    """The logprobs of a streamed answer come with the chunks of their own tokens, so a stream
+    of several tokens comes in several chunks (a finished answer cut in pieces would carry them
+    all at the end); usage comes last with ``include_usage``."""
+    chunks = list(openai_client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "count"}], max_tokens=8,
+        temperature=0, logprobs=True, top_logprobs=2, stream=True,
+        stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens >= 2
+    with_tokens = [chunk.choices[0].logprobs.content for chunk in chunks[:-1]
+                   if chunk.choices[0].logprobs is not None]
+    assert len(with_tokens) >= 2
+    assert sum(len(tokens) for tokens in with_tokens) == usage.completion_tokens
+    assert all(len(token.top_logprobs) == 2 for tokens in with_tokens for token in tokens)
+
+
+def test_a_client_that_leaves_a_stream_aborts_its_request(
+    client: httpx.Client, deployed: Deployed,
+) -> None:
+    body = {"prompt": "abc", "max_tokens": 150, "temperature": 0}
+    whole = client.post("/v1/completions", json=body).json()
+    assert whole["choices"][0]["finish_reason"] == "length"  # greedy runs to the budget
+    before = ray.get(deployed.decode.stats.remote(), timeout=30)["decode"].tokens_generated
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+    deadline = time.monotonic() + 60
+    while ray.get(deployed.decode.load.remote(), timeout=30) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the worker, not waiting for an outcome
+    generated = ray.get(deployed.decode.stats.remote(), timeout=30)["decode"].tokens_generated
+    assert generated - before < 150  # aborted before its budget
 
 
 def test_openai_client_errors_are_openai_errors(openai_client: openai.OpenAI) -> None:

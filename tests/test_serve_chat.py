@@ -2,7 +2,8 @@
 format: the prompt is the template's render encoded once, tools and per-request template kwargs
 reach the template, the official client's ``content: null`` assistant turns are normalised, the
 answer's Hermes calls come back as OpenAI ``tool_calls`` (also as the ``openai`` package's own types
-read them), a template's refusal is an OpenAI-shaped 400, and the streamed events. No Ray, no HTTP.
+read them), a template's refusal is an OpenAI-shaped 400. No Ray, no HTTP. (Streamed answers:
+test_serve_streaming.py.)
 
 The demo model (ChatML, Hermes calls) is the served model; the real Qwen3 and Mistral templates
 (tests/chat_models.py) show what the demo's does not: reasoning, a vendor template's refusal
@@ -19,14 +20,8 @@ import pytest
 
 from rollmesh.chat import ChatModel, ToolCall
 from rollmesh.engine.protocols import GenerationResult
-from rollmesh.messages.base import SamplingParams
 from rollmesh.serve_apps import InvalidApiRequestError, ServedModel
-from rollmesh.serve_apps.chat_requests import (
-    chat_inputs,
-    chat_response,
-    chat_stream_events,
-    completion_stream_events,
-)
+from rollmesh.serve_apps.chat_requests import chat_inputs, chat_response
 from rollmesh.serve_apps.http_shapes import ChatCompletionRequest
 from serve_models import CALC, QUESTION, demo_served_model
 
@@ -258,52 +253,6 @@ def test_chat_response_cuts_the_stop_string_like_completions(served: ServedModel
     assert choice.weight_versions == [2] * len(result.token_ids)
     assert response.usage.total_tokens == 10 + len(result.token_ids)
 
-
-def decode_events(events: list[str]) -> list[dict]:
-    assert all(event.startswith("data: ") and event.endswith("\n\n") for event in events)
-    assert events[-1] == "data: [DONE]\n\n"
-    return [json.loads(event[len("data: "):]) for event in events[:-1]]
-
-
-def test_chat_stream_sends_the_role_then_the_text_in_pieces_then_the_finish_reason(
-    served: ServedModel,
-) -> None:
-    text = "hello there"
-    prompt = chat_inputs(chat(QUESTION), served)
-    chunks = decode_events(list(chat_stream_events(
-        generated(served, text, "length"), prompt, request_id="chatcmpl-2", created=5,
-        served=served)))
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
-    assert len(chunks) > 3  # the text came in more than one piece
-    assert [c["choices"][0]["finish_reason"] for c in chunks][-2:] == [None, "length"]
-    assert {(c["id"], c["object"], c["model"]) for c in chunks} == {
-        ("chatcmpl-2", "chat.completion.chunk", "demo")}
-
-
-def test_a_streamed_tool_call_is_one_delta_the_openai_types_read(served: ServedModel) -> None:
-    prompt = chat_inputs(chat(QUESTION, tools=[CALC]), served)
-    turn = served.chat.write_turn(content="Checking.", calls=[ToolCall("x", "calc", {"formula": "H2O"})])
-    chunks = [openai_chat.ChatCompletionChunk.model_validate(chunk) for chunk in decode_events(list(
-        chat_stream_events(generated(served, turn), prompt, request_id="c", created=1,
-                           served=served)))]
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking."
-    (call,) = [call for c in chunks for call in c.choices[0].delta.tool_calls or ()]
-    assert (call.index, call.id, call.function.name) == (0, "call_0", "calc")
-    assert json.loads(call.function.arguments) == {"formula": "H2O"}
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-
-
-def test_completion_stream_ends_with_an_empty_chunk_that_carries_the_finish_reason(
-    served: ServedModel,
-) -> None:
-    end = served.chat.encode("<|im_end|>")
-    result = GenerationResult(end, [0.0], [0], "eos", 3)
-    chunks = decode_events(list(completion_stream_events(
-        result, request_id="cmpl-3", created=5, served=served, sampling=SamplingParams())))
-    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
-        ("", "stop")]
-    assert chunks[0]["object"] == "text_completion"
 
 def test_tool_choice_required_and_response_format_become_the_requests_grammar(served: ServedModel) -> None:
     """The grammar itself (what it lets a model write) is tested in test_serve_tool_choice.py."""

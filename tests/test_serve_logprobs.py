@@ -1,13 +1,13 @@
 """OpenAI ``logprobs`` as plain logic: a chat completion's ``choices[].logprobs.content`` and a legacy
 completion's ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset`` carry the logprob the
 engine sampled each generated token with (end of turn included), read by the ``openai`` package's
-own types; streamed, they ride on the last chunk; a request for top alternatives (which the engine
-does not return) is a 400, and N = 0 is served. No Ray, no HTTP (the routes: test_serve_app.py).
+own types, with the top alternatives the engine returned when asked (OpenAI's caps: 20 and 5);
+out-of-range counts are a 400. No Ray, no HTTP (the routes: test_serve_app.py; streamed logprobs:
+test_serve_streaming.py).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -17,12 +17,7 @@ import pytest
 
 from rollmesh.engine.protocols import GenerationResult
 from rollmesh.serve_apps import InvalidApiRequestError, ServedModel
-from rollmesh.serve_apps.chat_requests import (
-    chat_inputs,
-    chat_response,
-    chat_stream_events,
-    completion_stream_events,
-)
+from rollmesh.serve_apps.chat_requests import chat_inputs, chat_response
 from rollmesh.serve_apps.generation_requests import completion_inputs, completion_response
 from rollmesh.serve_apps.http_shapes import ChatCompletionRequest, CompletionRequest
 from serve_models import QUESTION, demo_served_model
@@ -68,17 +63,6 @@ def test_chat_logprobs_are_left_out_unless_asked(served: ServedModel) -> None:
     assert response.model_dump()["choices"][0]["logprobs"] is None  # OpenAI sends null
 
 
-def test_streamed_chat_logprobs_ride_on_the_last_chunk(served: ServedModel) -> None:
-    result = sampled(served, "18 g/mol<|im_end|>")
-    prompt = chat_inputs(chat_request(logprobs=True, stream=True), served)
-    events = list(chat_stream_events(result, prompt, request_id="c", created=1, served=served))
-    chunks = [openai_chat.ChatCompletionChunk.model_validate(json.loads(event[len("data: "):]))
-              for event in events[:-1]]
-    assert all(chunk.choices[0].logprobs is None for chunk in chunks[:-1])
-    whole = chat_response(result, prompt, request_id="c", created=1, served=served)
-    assert chunks[-1].choices[0].logprobs.model_dump() == whole.choices[0].logprobs.model_dump()
-
-
 def test_completion_logprobs_are_openais_legacy_shape(served: ServedModel) -> None:
     request = CompletionRequest(prompt="H2O", logprobs=0)
     _, sampling = completion_inputs(request, served)
@@ -94,19 +78,51 @@ def test_completion_logprobs_are_openais_legacy_shape(served: ServedModel) -> No
                                      zip(tokens, logprobs.token_logprobs, strict=True)]
     assert logprobs.text_offset == [len("".join(tokens[:i])) for i in range(len(tokens))]
 
-    events = list(completion_stream_events(result, request_id="c", created=1, served=served,
-                                           sampling=sampling, with_logprobs=True))
-    last = json.loads(events[-2][len("data: "):])
-    assert last["choices"][0]["logprobs"] == response.model_dump()["choices"][0]["logprobs"]
+
+def with_alternatives(served: ServedModel, result: GenerationResult, n: int) -> GenerationResult:
+    """``result`` with n made-up alternatives per token, most likely first."""
+    top = [[((token + k) % served.vocab_size, -0.5 * k - 0.1) for k in range(n)]
+           for token in result.token_ids]
+    return GenerationResult(result.token_ids, result.logprobs, result.versions,
+                            result.finish_reason, result.prompt_len, top_logprobs=top)
+
+
+def test_chat_top_logprobs_are_the_engines_alternatives_with_their_text_and_bytes(
+    served: ServedModel,
+) -> None:
+    prompt = chat_inputs(chat_request(logprobs=True, top_logprobs=3), served)
+    assert prompt.top_logprobs == 3
+    result = with_alternatives(served, sampled(served, "18 g<|im_end|>"), 3)
+    response = chat_response(result, prompt, request_id="c", created=1, served=served)
+    content = openai_chat.ChatCompletion.model_validate(response.model_dump()).choices[0].logprobs.content
+    for entry, alternatives in zip(content, result.top_logprobs, strict=True):
+        texts = [served.chat.decode([token_id]) for token_id, _ in alternatives]
+        assert [top.token for top in entry.top_logprobs] == texts
+        assert [top.logprob for top in entry.top_logprobs] == [value for _, value in alternatives]
+        assert [top.bytes for top in entry.top_logprobs] == [list(text.encode()) for text in texts]
+
+
+def test_completion_top_logprobs_hold_the_alternatives_and_the_sampled_token(
+    served: ServedModel,
+) -> None:
+    _, sampling = completion_inputs(CompletionRequest(prompt="H2O", logprobs=2), served)
+    result = with_alternatives(served, sampled(served, "18 g"), 2)
+    response = completion_response(result, request_id="c", created=1, served=served,
+                                   sampling=sampling, with_logprobs=True)
+    logprobs = openai_types.Completion.model_validate(response.model_dump()).choices[0].logprobs
+    for token, entry, alternatives in zip(logprobs.tokens, logprobs.top_logprobs,
+                                          result.top_logprobs, strict=True):
+        expected = {served.chat.decode([token_id]): value for token_id, value in alternatives}
+        assert {text: entry[text] for text in expected} == expected
+        assert token in entry and len(entry) <= 3
 
 
 @pytest.mark.parametrize(("fields", "code"), [
-    ({"logprobs": True, "top_logprobs": 3}, "unsupported_value"),
     ({"logprobs": True, "top_logprobs": 21}, "invalid_value"),
     ({"logprobs": True, "top_logprobs": -1}, "invalid_value"),
     ({"top_logprobs": 0}, "invalid_value"),  # OpenAI: top_logprobs needs logprobs
 ])
-def test_chat_top_logprobs_the_engine_cannot_serve_are_a_400(
+def test_chat_top_logprobs_openai_refuses_are_a_400(
     served: ServedModel, fields: dict, code: str,
 ) -> None:
     with pytest.raises(InvalidApiRequestError) as raised:
@@ -115,9 +131,8 @@ def test_chat_top_logprobs_the_engine_cannot_serve_are_a_400(
         400, "top_logprobs", code)
 
 
-@pytest.mark.parametrize(("logprobs", "code"), [(1, "unsupported_value"), (5, "unsupported_value"),
-                                                (6, "invalid_value"), (-1, "invalid_value")])
-def test_completion_logprobs_above_zero_are_a_400(
+@pytest.mark.parametrize(("logprobs", "code"), [(6, "invalid_value"), (-1, "invalid_value")])
+def test_completion_logprobs_outside_0_to_5_are_a_400(
     served: ServedModel, logprobs: int, code: str,
 ) -> None:
     with pytest.raises(InvalidApiRequestError) as raised:

@@ -32,7 +32,8 @@ from rollmesh.serve_apps.errors import (
     InvalidApiRequestError,
     ModelNotFoundError,
 )
-from rollmesh.serve_apps.chat_requests import chat_inputs, chat_response, chat_stream_events
+from rollmesh.serve_apps.chat_requests import chat_inputs, chat_response
+from rollmesh.serve_apps.stream_events import chat_events, whole
 from rollmesh.serve_apps.generate_extensions import encode_routed_experts, generate_options
 from rollmesh.serve_apps.generation_requests import (
     ServedModel,
@@ -377,7 +378,7 @@ def test_generate_meta_info_has_cached_tokens_and_routed_experts_only_when_prese
     assert len(base64.b64decode(meta.routed_experts)) == 5 * 2 * 2 * 4
 
 
-def test_openai_choices_carry_routed_experts_in_the_rollmesh_object(
+async def test_openai_choices_carry_routed_experts_in_the_rollmesh_object(
     served: ServedModel, moe: ServedModel,
 ) -> None:
     finished = routed_result(ROWS, cached=3)
@@ -394,8 +395,8 @@ def test_openai_choices_carry_routed_experts_in_the_rollmesh_object(
                                sampling=SamplingParams(), with_logprobs=False
                                ).choices[0].rollmesh is None
 
-    events = list(chat_stream_events(finished, prompt, request_id="chatcmpl-2", created=1,
-                                     served=moe))
+    events = [event async for event in chat_events(whole(finished), prompt,
+                                                   request_id="chatcmpl-2", created=1, served=moe)]
     chunks = [json.loads(event[len("data: "):]) for event in events[:-1]]
     assert "rollmesh" not in chunks[0]["choices"][0]
     assert chunks[-1]["choices"][0]["rollmesh"]["routed_experts_dtype"] == "uint8"

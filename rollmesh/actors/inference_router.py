@@ -13,6 +13,11 @@ Knows Ray actor handles (duck-typed ``.remote``), not how they were spawned; no 
 New sessions and session-less calls go to the decode worker with the fewest requests in flight
 from this router; prefill workers take new prompts in turn. Session stickiness is remembered for the most recent ``max_sessions``.
 
+Streaming (``generate_stream``): the same pairing, but the decode worker's ``*_stream`` method is a
+Ray streaming generator (``num_returns="streaming"``): each piece of tokens
+(``rollmesh.engine.token_stream``) comes back as its own object while the sequence decodes, and
+closing the stream early cancels the actor task, which aborts the request in the engine.
+
 Elastic decode: workers the GPU scheduler lends to decode join with ``add_decode_worker`` and
 leave with ``remove_decode_worker``, after which nothing new is sent to them; a session that was
 there continues on another worker, which prefills it in full (its KV left with the worker).
@@ -22,12 +27,16 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from typing import Any
+
+import ray
 
 from opentelemetry import trace
 
 from rollmesh.bus.trace_headers import inject_trace_headers
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
+from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.messages.base import SamplingParams
 from rollmesh.telemetry import conventions
 
@@ -117,6 +126,57 @@ class InferenceRouter:
             result = finished.as_generation_result()
             span.set_attributes(generation_attributes(result))
             return result
+
+    async def generate_stream(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str,
+        options: GenerateOptions = DEFAULT_OPTIONS,
+    ) -> AsyncIterator[TokenDelta | GenerationResult]:
+        """``generate``, yielding ``TokenDelta`` pieces as the decode worker samples them, then the
+        GenerationResult; closing it early aborts the request on the worker."""
+        index, returning = self.decode_worker_for(options.session_id)
+        local_prefill = self.aggregated or returning
+        # Not the current span: an async generator's context would leak into its consumer's.
+        span = _tracer.start_span(
+            conventions.SPAN_GENERATE,
+            attributes={"request_id": request_id, "prompt_tokens": len(input_ids),
+                        "decode_worker": index, "local_prefill": local_prefill, "stream": True,
+                        conventions.GEN_AI_OPERATION_NAME: "text_completion",
+                        conventions.GEN_AI_REQUEST_MODEL: self.model_name,
+                        conventions.GEN_AI_USAGE_INPUT_TOKENS: len(input_ids),
+                        conventions.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_new_tokens,
+                        conventions.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature},
+        )
+        headers = inject_trace_headers({}, context=trace.set_span_in_context(span))
+        decode = self.decode_workers[index]
+        self._decode_in_flight[index] += 1
+        if local_prefill:
+            pieces = decode.generate_prompt_stream.options(num_returns="streaming").remote(
+                input_ids, sampling, request_id, headers, options)
+        else:
+            kv_ref = self.prefill_workers[next(self._next_prefill)].prefill.remote(
+                input_ids, request_id, headers)
+            pieces = decode.generate_stream.options(num_returns="streaming").remote(
+                kv_ref, sampling, request_id, headers, options)
+        finished = False
+        try:
+            async for ref in pieces:
+                piece = await ref
+                if isinstance(piece, TokenDelta):
+                    yield piece
+                    continue
+                result = piece.as_generation_result()
+                span.set_attributes(generation_attributes(result))
+                finished = True
+                yield result
+        finally:
+            self._decode_in_flight[index] -= 1
+            if not finished:
+                ray.cancel(pieces)  # the client went away: the worker aborts the request
+            span.end()
 
     async def _prefill_then_decode(self, decode, input_ids, sampling, request_id, headers, options):
         # Prefill workers take prompts in turn: a prefill is one forward pass of known cost, and

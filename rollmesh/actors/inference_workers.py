@@ -5,12 +5,16 @@ Knows Ray only through the launcher (no ray import here). The KV pages made by
 ObjectRef straight to ``DecodeWorkerActor.generate``, so the KV travels through the Ray object
 store, never through the caller. ``DecodeWorkerActor.generate_prompt`` prefills on the decode
 worker itself: the aggregated mode, and the later turns of a session whose KV is parked there.
-Both follow weight versions over NATS (``WeightFollower``).
+Both follow weight versions over NATS (``WeightFollower``). ``generate_stream`` and
+``generate_prompt_stream`` are the same as async generators: called with
+``num_returns="streaming"`` they send each piece of tokens (``rollmesh.engine.token_stream``) as it
+is sampled, then the FinishedSequence; cancelling the task aborts the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 from opentelemetry import trace
@@ -27,6 +31,7 @@ from rollmesh.engine.local_engine import build_decode_engine
 from rollmesh.engine.paged_model import build_inference_model, load_tokenizer
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions
+from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.engine.weight_follower import LatestWeights, StagesWeights, WeightFollower
 from rollmesh.engine.weight_buckets import load_published
 from rollmesh.messages.base import SamplingParams
@@ -168,6 +173,40 @@ class DecodeWorkerActor(RoleActor):
             metrics.add(metrics_catalog.GENERATED_TOKENS, len(finished.token_ids), {"worker": self.name})
             span.set_attribute("cached_tokens", finished.cached_tokens)
             return finished
+
+    async def generate_stream(self, prefill: PrefillResult, sampling: SamplingParams,
+                              request_id: str, trace_headers: dict[str, str] | None = None,
+                              options: GenerateOptions = DEFAULT_OPTIONS,
+                              ) -> AsyncIterator[TokenDelta | FinishedSequence]:
+        """``generate``, sending the tokens as they are sampled."""
+        async for piece in self._stream("decode", prefill, prefill.num_tokens, sampling,
+                                        request_id, trace_headers, options):
+            yield piece
+
+    async def generate_prompt_stream(self, input_ids: list[int], sampling: SamplingParams,
+                                     request_id: str, trace_headers: dict[str, str] | None = None,
+                                     options: GenerateOptions = DEFAULT_OPTIONS,
+                                     ) -> AsyncIterator[TokenDelta | FinishedSequence]:
+        """``generate_prompt``, sending the tokens as they are sampled."""
+        async for piece in self._stream("prefill_and_decode", input_ids, len(input_ids), sampling,
+                                        request_id, trace_headers, options):
+            yield piece
+
+    async def _stream(self, name, work, prompt_tokens, sampling, request_id, trace_headers, options):
+        span = _tracer.start_span(name, context=extract_trace_context(trace_headers or {}),
+                                  attributes={"request_id": request_id, "prompt_tokens": prompt_tokens,
+                                              "stream": True})
+        pieces = self.loop.stream(request_id, work, sampling, options)
+        try:
+            async for piece in pieces:
+                if isinstance(piece, FinishedSequence):
+                    metrics.add(metrics_catalog.GENERATED_TOKENS, len(piece.token_ids),
+                                {"worker": self.name})
+                    span.set_attribute("cached_tokens", piece.cached_tokens)
+                yield piece
+        finally:
+            await pieces.aclose()  # before the end (cancelled): aborts the request
+            span.end()
 
     async def drop_sessions(self) -> int:
         """Free every parked session's KV; returns the blocks freed."""

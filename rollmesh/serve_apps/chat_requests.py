@@ -17,21 +17,14 @@ read as a call); "required" and a named function, and ``response_format`` (``jso
 ``json_object``), are enforced by guided decoding: ``tool_choice`` writes the grammar, the engine
 masks by it, and the choice's ``constrained`` says which tokens the grammar restricted.
 
-``logprobs`` (``top_logprobs`` 0 only): ``openai_logprobs``.
-
-Streaming (``"stream": true``) sends the finished answer as chunks after generation, because the
-engine returns whole sequences today; token-by-token streaming from the decode loop comes later.
-The chunks are pieces of text, not tokens, so the logprobs ride on the last chunk.
-The events are OpenAI's: ``data: {chunk}\\n\\n`` per chunk, then ``data: [DONE]\\n\\n``; the
-reasoning and the content come in pieces, the tool calls in one delta, and routed experts, when
-asked for, ride on the last chunk's choice as its ``rollmesh`` object.
+``logprobs`` and ``top_logprobs``: ``openai_logprobs``. Streaming (``"stream": true``) sends the
+tokens as the decode loop produces them: ``stream_events``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +43,6 @@ from rollmesh.serve_apps.generation_requests import (
     cut_at_stop,
     openai_finish_reason,
     openai_sampling_params,
-    openai_text,
     openai_usage,
 )
 from rollmesh.serve_apps.http_shapes import (
@@ -63,14 +55,8 @@ from rollmesh.serve_apps.http_shapes import (
     ResponseToolCall,
     RoutedExpertsDtype,
 )
-from rollmesh.serve_apps.openai_logprobs import (
-    chat_logprobs,
-    check_chat_logprobs,
-    completion_logprobs,
-)
+from rollmesh.serve_apps.openai_logprobs import chat_logprobs, check_chat_logprobs
 
-# Characters per streamed chunk: small enough that a client sees text arrive in pieces.
-STREAM_CHUNK_CHARS = 4
 # apply_chat_template's own arguments, which a request's chat_template_kwargs may not set.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "chat_template"})
@@ -90,6 +76,7 @@ class ChatPrompt:
     with_logprobs: bool = False  # the request's ``logprobs``
     # What tool_choice ("required", a named function) or response_format forces (tool_choice.py).
     grammar: GrammarSpec | None = None
+    top_logprobs: int = 0  # alternatives per token the engine is asked for (with logprobs)
 
 
 def chat_inputs(request: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
@@ -131,7 +118,8 @@ def chat_settings(request: ChatCompletionRequest, served: ServedModel) -> ChatPr
         stop=request.stop, names={"max_new_tokens": param},
     )
     return ChatPrompt([], sampling, chat, tools, calls_in(request.messages), grammar=grammar,
-                      with_logprobs=request.logprobs)
+                      with_logprobs=request.logprobs,
+                      top_logprobs=(request.top_logprobs or 0) if request.logprobs else 0)
 
 
 def _request_grammar(request: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
@@ -206,7 +194,7 @@ def chat_response(
     routed_experts_dtype: RoutedExpertsDtype = "compact",
 ) -> ChatCompletionResponse:
     parsed = parse_answer(result, prompt)
-    calls = [_response_call(call) for call in parsed.tool_calls] or None
+    calls = [response_call(call) for call in parsed.tool_calls] or None
     return ChatCompletionResponse(
         id=request_id,
         created=created,
@@ -228,78 +216,7 @@ def chat_response(
     )
 
 
-def _response_call(call: Any) -> ResponseToolCall:
+def response_call(call: Any) -> ResponseToolCall:
+    """A parsed call as OpenAI returns it: arguments as JSON text."""
     return ResponseToolCall(id=call.id, function=ResponseFunction(
         name=call.name, arguments=json.dumps(call.arguments, ensure_ascii=False)))
-
-
-# -- Server-Sent Events -----------------------------------------------------------------------
-
-
-def completion_stream_events(
-    result: GenerationResult, *, request_id: str, created: int, served: ServedModel,
-    sampling: SamplingParams, routed_experts_dtype: RoutedExpertsDtype = "compact",
-    with_logprobs: bool = False,
-) -> Iterator[str]:
-    """``text_completion`` chunks of the finished text, the last with the finish reason (and the
-    logprobs of every generated token, when asked for)."""
-    def chunk(text: str, finish_reason: str | None, logprobs: dict | None = None,
-              **extension: object) -> dict:
-        return {"id": request_id, "object": "text_completion", "created": created,
-                "model": served.name, "choices": [
-                    {"index": 0, "text": text, "logprobs": logprobs,
-                     "finish_reason": finish_reason, **extension}]}
-
-    for piece in _pieces(openai_text(result, served, sampling)):
-        yield _event(chunk(piece, None))
-    logprobs = completion_logprobs(result, served.chat).model_dump() if with_logprobs else None
-    yield _event(chunk("", openai_finish_reason(result), logprobs,
-                       **_extension(result, routed_experts_dtype)))
-    yield _DONE
-
-
-def chat_stream_events(
-    result: GenerationResult, prompt: ChatPrompt, *, request_id: str, created: int,
-    served: ServedModel, routed_experts_dtype: RoutedExpertsDtype = "compact",
-) -> Iterator[str]:
-    """``chat.completion.chunk`` deltas: the role first, then the reasoning and the text in
-    pieces, the tool calls in one delta, then the finish reason (and the logprobs of every
-    generated token, when asked for: the pieces are characters, not tokens)."""
-    def chunk(delta: dict, finish_reason: str | None, logprobs: dict | None = None,
-              **extension: object) -> dict:
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": served.name, "choices": [
-                    {"index": 0, "delta": delta, "logprobs": logprobs,
-                     "finish_reason": finish_reason, **extension}]}
-
-    parsed = parse_answer(result, prompt)
-    yield _event(chunk({"role": "assistant", "content": ""}, None))
-    for piece in _pieces(parsed.reasoning or ""):
-        yield _event(chunk({"reasoning_content": piece}, None))
-    for piece in _pieces(parsed.content):
-        yield _event(chunk({"content": piece}, None))
-    if parsed.tool_calls:
-        yield _event(chunk({"tool_calls": [
-            {"index": index, **_response_call(call).model_dump()}
-            for index, call in enumerate(parsed.tool_calls)]}, None))
-    finish_reason = "tool_calls" if parsed.tool_calls else openai_finish_reason(result)
-    logprobs = chat_logprobs(result, prompt.chat).model_dump() if prompt.with_logprobs else None
-    yield _event(chunk({}, finish_reason, logprobs, **_extension(result, routed_experts_dtype)))
-    yield _DONE
-
-
-_DONE = "data: [DONE]\n\n"
-
-
-def _extension(result: GenerationResult, routed_experts_dtype: RoutedExpertsDtype) -> dict:
-    routed = encode_routed_experts(result, routed_experts_dtype)
-    return {} if routed is None else {"rollmesh": routed.model_dump()}
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def _pieces(text: str) -> Iterator[str]:
-    for start in range(0, len(text), STREAM_CHUNK_CHARS):
-        yield text[start:start + STREAM_CHUNK_CHARS]

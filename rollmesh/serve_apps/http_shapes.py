@@ -62,6 +62,12 @@ class RoutedExperts(_Response):
 # -- OpenAI /v1/completions -------------------------------------------------------------------
 
 
+class StreamOptions(_Request):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
+    include_usage: bool = False
+
+
 class CompletionRequest(EngineOptionFields):
     model: str | None = None  # None: the one served model
     prompt: str
@@ -70,10 +76,10 @@ class CompletionRequest(EngineOptionFields):
     top_p: float | None = None
     stop: str | list[str] | None = None
     n: int = 1
-    # OpenAI's "how many top alternatives" (0 to 5); the engine returns the sampled token's logprob
-    # only, so only 0 is served (``openai_logprobs``).
+    # OpenAI's "how many top alternatives" (0 to 5) with each token's logprob (``openai_logprobs``).
     logprobs: int | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
 
 class CompletionLogprobs(_Response):
@@ -166,8 +172,8 @@ class ChatCompletionRequest(EngineOptionFields):
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
-    # OpenAI's: the logprob of each generated token, and how many alternatives with it (0 only:
-    # the engine returns the sampled token's logprob alone).
+    stream_options: StreamOptions | None = None
+    # OpenAI's: the logprob of each generated token, and how many alternatives with it (0 to 20).
     logprobs: bool = False
     top_logprobs: int | None = None
 
@@ -248,12 +254,6 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
-# -- vLLM's /tokenize and /detokenize -----------------------------------------------------------
-
-
-class TokenizeRequest(_Request):
-    """vLLM's TokenizeCompletionRequest (``prompt``) and TokenizeChatRequest (``messages``) in one
-    body: exactly one of the two. ``add_special_tokens`` defaults as vLLM's: True for a prompt,
 # -- chat sessions (``chat_sessions``) ----------------------------------------------------------
 
 
@@ -292,6 +292,12 @@ class SessionDeletedResponse(_Response):
     deleted: bool = True
 
 
+# -- vLLM's /tokenize and /detokenize -----------------------------------------------------------
+
+
+class TokenizeRequest(_Request):
+    """vLLM's TokenizeCompletionRequest (``prompt``) and TokenizeChatRequest (``messages``) in one
+    body: exactly one of the two. ``add_special_tokens`` defaults as vLLM's: True for a prompt,
     False for messages (a rendered template holds its own)."""
 
     model: str | None = None

@@ -58,8 +58,6 @@ from rollmesh.serve_apps.api_keys import check_authorization
 from rollmesh.serve_apps.chat_requests import (
     chat_inputs,
     chat_response,
-    chat_stream_events,
-    completion_stream_events,
 )
 from rollmesh.serve_apps.decode_loan_follower import DecodeLoanFollower
 from rollmesh.serve_apps.errors import (
@@ -96,6 +94,7 @@ from rollmesh.serve_apps.http_shapes import (
     WeightVersionsResponse,
 )
 from rollmesh.serve_apps.replica_loopback import keep_replica_grpc_on_loopback
+from rollmesh.serve_apps.stream_events import chat_events, completion_events, started
 from rollmesh.serve_apps.tokenize_requests import detokenize, tokenize
 from rollmesh.serve_apps.weight_admin import (
     Worker,
@@ -253,15 +252,20 @@ class InferenceServer:
     ) -> CompletionResponse | StreamingResponse:
         check_authorization(authorization, self._api_key)
         input_ids, sampling = completion_inputs(body, self.served)
-        options = generate_options(body, prompt_len=len(input_ids), served=self.served)
+        options = dataclasses.replace(
+            generate_options(body, prompt_len=len(input_ids), served=self.served),
+            top_logprobs=body.logprobs or 0)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            pieces = await self._generate_stream(input_ids, sampling, request_id, options,
+                                                 COMPLETION_PARAMS)
+            return _event_stream(completion_events(
+                pieces, request_id=request_id, created=int(time.time()), served=self.served,
+                sampling=sampling, routed_experts_dtype=body.routed_experts_dtype,
+                with_logprobs=body.logprobs is not None,
+                include_usage=bool(body.stream_options and body.stream_options.include_usage)))
         result = await self._generate(input_ids, sampling, request_id, options,
                                       COMPLETION_PARAMS)
-        if body.stream:
-            return _event_stream(completion_stream_events(
-                result, request_id=request_id, created=int(time.time()), served=self.served,
-                sampling=sampling, routed_experts_dtype=body.routed_experts_dtype,
-                with_logprobs=body.logprobs is not None))
         return completion_response(
             result, request_id=request_id, created=int(time.time()), served=self.served,
             sampling=sampling, with_logprobs=body.logprobs is not None,
@@ -276,14 +280,17 @@ class InferenceServer:
         prompt = chat_inputs(body, self.served)
         options = dataclasses.replace(
             generate_options(body, prompt_len=len(prompt.input_ids), served=self.served),
-            grammar=prompt.grammar)
+            top_logprobs=prompt.top_logprobs, grammar=prompt.grammar)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            pieces = await self._generate_stream(prompt.input_ids, prompt.sampling, request_id,
+                                                 options, chat_params(body), operation="chat")
+            return _event_stream(chat_events(
+                pieces, prompt, request_id=request_id, created=int(time.time()),
+                served=self.served, routed_experts_dtype=body.routed_experts_dtype,
+                include_usage=bool(body.stream_options and body.stream_options.include_usage)))
         result = await self._generate(prompt.input_ids, prompt.sampling, request_id, options,
                                       chat_params(body), operation="chat")
-        if body.stream:
-            return _event_stream(chat_stream_events(
-                result, prompt, request_id=request_id, created=int(time.time()),
-                served=self.served, routed_experts_dtype=body.routed_experts_dtype))
         return chat_response(
             result, prompt, request_id=request_id, created=int(time.time()), served=self.served,
             routed_experts_dtype=body.routed_experts_dtype,
@@ -413,6 +420,25 @@ class InferenceServer:
             raise error from exc
         span.set_attributes(generation_attributes(result))
         return result
+
+    async def _generate_stream(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str,
+        options: GenerateOptions, param_names: Mapping[str, str],
+        operation: str = "text_completion",
+    ):
+        """The router's pieces, once the first has come (an error before it is this request's
+        HTTP error; one after it is an error event: ``stream_events``)."""
+        trace.get_current_span().set_attributes({
+            conventions.GEN_AI_OPERATION_NAME: operation,
+            conventions.GEN_AI_REQUEST_MODEL: self.served.name,
+            conventions.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_new_tokens,
+            conventions.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
+            conventions.GEN_AI_USAGE_INPUT_TOKENS: len(input_ids),
+            "request_id": request_id, "stream": True,
+        })
+        pieces = self.router.generate_stream(input_ids, sampling, request_id=request_id,
+                                             options=options)
+        return await started(pieces, lambda exc: api_error_from_ray(exc, param_names))
 
 
 def build_inference_app(
