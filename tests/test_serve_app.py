@@ -11,6 +11,7 @@ one deployment for the whole module, because Serve takes seconds to start on two
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 import uuid
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import ray
@@ -351,9 +353,15 @@ BAD_REQUESTS = [
      {"messages": USER_HI, "tools": [{"type": "function", "function": {
          "name": "calc", "parameters": {"type": "object", "properties": 5}}}]},
      400, "invalid_value", "tools.0"),
-    ("chat-tool-choice-required", "/v1/chat/completions",
-     {"messages": USER_HI, "tools": [CALC], "tool_choice": "required"}, 400,
-     "unsupported_value", "tool_choice"),
+    ("chat-tool-choice-unknown-tool", "/v1/chat/completions",
+     {"messages": USER_HI, "tools": [CALC], "tool_choice": {
+         "type": "function", "function": {"name": "nope"}}}, 400, "unknown_tool", "tool_choice"),
+    # A schema jsonschema takes and xgrammar cannot compile: refused by the engine, mapped back.
+    ("chat-response-format-uncompilable", "/v1/chat/completions",
+     {"messages": USER_HI, "response_format": {"type": "json_schema", "json_schema": {
+         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}},
+                                 "required": ["a"]}}}},
+     400, "invalid_value", "response_format"),
     ("chat-template-kwargs-reserved", "/v1/chat/completions",
      {"messages": USER_HI, "chat_template_kwargs": {"tools": []}}, 400, "invalid_value",
      "chat_template_kwargs"),
@@ -684,3 +692,58 @@ def test_engine_error_raised_in_an_actor_maps_to_400(deployed: Deployed) -> None
     assert error.status == 400
     assert error.code == "prompt_too_long"
 
+
+# -- guided decoding (tool_choice, response_format) ---------------------------------------------
+
+# Finite arguments: the demo model's near-flat weights reach the end of the call in a few tokens
+# (a free string may run to max_tokens, as with any grammar engine).
+WEIGH = {"type": "function", "function": {
+    "name": "weigh", "description": "weigh the sample",
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["g", "kg"]},
+                                                    "exact": {"type": "boolean"}},
+                   "required": ["unit", "exact"]}}}
+
+
+def test_openai_client_forced_to_call_a_named_function_gets_a_call_matching_its_schema(
+    openai_client: openai.OpenAI, deployed: Deployed,
+) -> None:
+    completion = openai_client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "weigh it"}], tools=[CALC, WEIGH],
+        tool_choice={"type": "function", "function": {"name": "weigh"}}, max_tokens=100,
+        temperature=0, logprobs=True)
+    (choice,) = completion.choices
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "weigh"
+    jsonschema.validate(json.loads(call.function.arguments), WEIGH["function"]["parameters"])
+    flags = choice.model_extra["constrained"]
+    assert len(flags) == completion.usage.completion_tokens and all(flags)
+    # <tool_call> was the only token allowed first: the logprob of the masked distribution is 0.
+    first = choice.logprobs.content[0]
+    assert (first.token, first.logprob) == ("<tool_call>", 0.0)
+
+
+def test_openai_client_with_tool_choice_required_gets_calls_that_parse(
+    openai_client: openai.OpenAI,
+) -> None:
+    completion = openai_client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "weigh it"}], tools=[WEIGH],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=100, temperature=1.0)
+    (choice,) = completion.choices
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "weigh" and choice.finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), WEIGH["function"]["parameters"])
+
+
+def test_response_format_json_schema_gives_json_matching_the_schema(client: httpx.Client) -> None:
+    schema = WEIGH["function"]["parameters"]
+    response = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "weigh it"}], "max_tokens": 100, "temperature": 1.0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "weight", "schema": schema}}})
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    assert choice["finish_reason"] == "stop" and all(choice["constrained"])
+    free = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).json()
+    assert free["choices"][0]["constrained"] is None  # no grammar, no flags
