@@ -32,7 +32,7 @@ from rollmesh.engine.errors import (
     VersionUnavailableError,
     WeightsError,
 )
-from rollmesh.engine.protocols import GenerateOptions, InferenceEngine
+from rollmesh.engine.protocols import GenerateOptions, GrammarSpec, InferenceEngine
 from rollmesh.engine.sglang_backend import SGLangEngine
 from rollmesh.engine.sglang_client import (
     RoutedExpertsShape,
@@ -661,3 +661,19 @@ def test_top_logprobs_ask_sglang_for_top_logprobs_num_and_read_output_top_logpro
     del body["meta_info"]["output_top_logprobs"]
     with pytest.raises(ValueError, match="top logprobs"):
         parse_generate_response(body, prompt_len=2, request_id="t", options=options, shape=None)
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "ebnf", "structural_tag"])
+def test_a_grammar_goes_to_sglang_under_its_own_sampling_param_and_flags_every_token(kind):
+    options = GenerateOptions(grammar=GrammarSpec(kind, '{"type": "object"}'))
+    payload = build_generate_payload([1, 2], SamplingParams(), request_id="t", options=options)
+    assert payload["sampling_params"][kind] == '{"type": "object"}'
+    assert not {"json_schema", "ebnf", "structural_tag"} & set(build_generate_payload(
+        [1, 2], SamplingParams(), request_id="t", options=GenerateOptions())["sampling_params"])
+    body = {"output_ids": [7, 8], "meta_info": {
+        "output_token_logprobs": [[-0.1, 7, None], [0.0, 8, None]],
+        "finish_reason": {"type": "stop", "matched": 8}, "weight_version": "1"}}
+    answer = parse_generate_response(body, prompt_len=2, request_id="t", options=options, shape=None)
+    assert answer.result.constrained == [True, True]
+    free = parse_generate_response(body, prompt_len=2, request_id="t", options=GenerateOptions(), shape=None)
+    assert free.result.constrained == []

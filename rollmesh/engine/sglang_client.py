@@ -23,6 +23,10 @@ versions of each file; commits named where the index named them):
   "status_code"}``), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
   ``weight_version`` (the server's label when the output is emitted), ``output_token_logprobs``
   as ``(logprob, token_id, text|None)``, ``routed_experts`` as base64 of int32 bytes.
+- ``sampling_params.py``: ``SamplingParams(json_schema, regex, ebnf, structural_tag)``, strings;
+  ``GenerateOptions.grammar`` goes out under its kind's name. Not checked here: that every SGLang
+  build reads xgrammar's newer structural-tag form (``{"type": "structural_tag", "format"}``) and
+  reports logprobs after the grammar's mask, as the local engine does.
 
     EngineError
     ├── SGLangUnavailableError(url, reason)           retryable: refused, timed out, 503
@@ -116,6 +120,11 @@ def build_generate_payload(
     }
     if sampling.stop:
         sampling_params["stop"] = list(sampling.stop)
+    if options.grammar is not None:
+        # SGLang's own names for the three kinds (SamplingParams json_schema / ebnf /
+        # structural_tag, each a string), compiled by its grammar backend (xgrammar by default).
+        # A grammar's end_ids have no SGLang equivalent: its turn ends at any of its stop ids.
+        sampling_params[options.grammar.kind] = options.grammar.text
     payload: dict[str, Any] = {
         "rid": request_id,
         "input_ids": list(input_ids),
@@ -250,6 +259,9 @@ def parse_generate_response(
         finish_reason=finish_reason, prompt_len=prompt_len, request_id=request_id,
         cached_tokens=int(meta.get("cached_tokens") or 0),
         routed_experts=routed, routed_experts_start=start, top_logprobs=top_logprobs,
+        # SGLang masks every step of a grammar request and does not say where the mask was
+        # all-true, so each of its tokens counts as constrained.
+        constrained=[True] * len(token_ids) if options.grammar is not None else [],
     )
     return GenerateAnswer(result, version, ignored)
 
