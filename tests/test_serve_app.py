@@ -676,6 +676,16 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(
     assert generated - before < 150  # aborted before its budget
 
 
+def test_a_stream_the_engine_refuses_before_any_token_gets_its_own_status(
+    client: httpx.Client,
+) -> None:
+    response = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True,
+        "min_weight_version": 10**6})
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "version_unavailable"
+
+
 def test_openai_client_errors_are_openai_errors(openai_client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as raised:
         openai_client.chat.completions.create(
