@@ -428,3 +428,21 @@ async def test_destroying_a_reaped_sandbox_signals_no_process(tmp_path: Path, mo
     monkeypatch.setattr(os, "killpg", lambda pgid, sig: (signalled.append(pgid), real_killpg(pgid, sig)))
     await box.destroy()
     assert pid not in signalled
+
+
+@pytest.mark.unit
+def test_the_agent_starts_without_the_modules_only_file_transfers_need() -> None:
+    """A sandbox starts for every rollout, and most never move a file: tarfile (with bz2, lzma and
+    shutil) and hashlib are imported at the first transfer, not at the agent's start."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import rollmesh.sandbox
+
+    sandbox_dir = Path(rollmesh.sandbox.__file__).parent
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import agent; "
+             "print(sorted(m for m in ('tarfile', 'hashlib', 'bz2', 'lzma', 'shutil') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-I", "-S", "-c", probe, str(sandbox_dir)],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"

@@ -15,17 +15,28 @@ archive), then each member's parent directory on disk just before it is written.
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import posixpath
-import tarfile
 
 if __package__:
     from rollmesh.sandbox import agent_wire as wire
 else:  # inside the sandbox: agent.py put its own directory on sys.path
     import agent_wire as wire  # type: ignore[no-redef]
 
-HAS_DATA_FILTER = hasattr(tarfile, "data_filter")
+# tarfile and hashlib are imported where they are used, not here: a sandbox starts for every
+# rollout and most never move a file, and these imports (with bz2, lzma and shutil behind tarfile)
+# were a third of the agent's start. (mypy reads TYPE_CHECKING by name; typing is not imported.)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import tarfile
+
+
+def sha256():
+    """A new sha256 hasher (hashlib imported on first use)."""
+    import hashlib
+
+    return hashlib.sha256()
+
 
 
 def check_digest(path: str, digest: str, expected: str | None) -> None:
@@ -113,7 +124,7 @@ class Upload:
 
     def __init__(self, path: str, target: str | None, mode: int, spool_dir: str | None = None) -> None:
         self.path, self.target, self.mode = path, target, mode
-        self.hasher = hashlib.sha256()
+        self.hasher = sha256()
         self.size = 0
         self.failed = False
         self.temp = ""
@@ -265,6 +276,8 @@ def tar_members_check(archive: tarfile.TarFile, workspace: Workspace, dest_rel: 
 
 
 def extract_tar(spool_fd: int, workspace: Workspace, path: str) -> dict[str, object]:
+    import tarfile
+
     dest = workspace.directory(path)
     dest_rel = os.path.relpath(dest, workspace.root)
     os.lseek(spool_fd, 0, os.SEEK_SET)
@@ -293,7 +306,10 @@ def _extract_one(archive: tarfile.TarFile, member: tarfile.TarInfo, dest: str, w
         raise unsafe_member(member.name, "its directory resolves outside the workspace")
     if member.islnk() and not workspace.contains(os.path.realpath(os.path.join(dest, member.linkname))):
         raise unsafe_member(member.name, "hard link target resolves outside the workspace")
-    kwargs = {"filter": "data"} if HAS_DATA_FILTER else {}
+    import tarfile
+
+    # Python's own data filter where this Python has it (3.11.4+ and backports).
+    kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
     try:
         archive.extract(member, dest, numeric_owner=True, **kwargs)
     except tarfile.TarError as exc:  # FilterError where the data filter refuses it
@@ -303,6 +319,8 @@ def _extract_one(archive: tarfile.TarFile, member: tarfile.TarInfo, dest: str, w
 
 
 def build_tar(full: str, spool_dir: str, path: str) -> int:
+    import tarfile
+
     """A tar of ``full`` in an unnamed spool file (its fd, at offset 0): a directory's contents
     under ``.``, a file under its own name. Symlinks are stored, never followed."""
     try:

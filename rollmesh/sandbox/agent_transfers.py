@@ -16,10 +16,8 @@ after the reply is out, since freeing its pages takes longer than the rename.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import select
-import threading
 import time
 from collections import deque
 
@@ -41,6 +39,8 @@ class HashThread:
     a fork while this thread holds a lock would copy the lock held."""
 
     def __init__(self) -> None:
+        import threading  # the first large transfer makes one; most sandboxes never do
+
         self._go = threading.Semaphore(0)
         self._done = threading.Semaphore(0)
         self._job: tuple = ()
@@ -73,7 +73,7 @@ class Download:
 
     def __init__(self, rid, fd, path):
         self.rid, self.fd, self.path = rid, fd, path
-        self.hasher = hashlib.sha256()
+        self.hasher = files.sha256()
         self.size = 0
 
 
@@ -162,7 +162,7 @@ class Transfers:
             return
         data, size = small
         self.writer.send({"id": rid, "t": "data"}, data)  # the bytes first: see the docstring
-        hasher = hashlib.sha256()
+        hasher = files.sha256()
         self.hash_while_flushing(hasher, data)
         self.writer.send({"id": rid, "t": "ok", "size": size, "sha256": hasher.hexdigest()})
 
