@@ -66,11 +66,11 @@ def test_malformed_or_unknown_formulas_raise(formula: str) -> None:
         molar_mass.parse_formula(formula)
 
 
-@given(st.lists(st.tuples(st.sampled_from(sorted(molar_mass.ATOMIC_WEIGHTS)), st.integers(1, 4)), min_size=1, max_size=3))
+@given(st.lists(st.tuples(st.sampled_from(sorted(molar_mass.ATOMIC_WEIGHTS_MILLI)), st.integers(1, 4)), min_size=1, max_size=3))
 @pytest.mark.unit
 def test_mass_is_the_weighted_sum_of_the_parts(parts: list[tuple[str, int]]) -> None:
     formula = "".join(symbol if count == 1 else f"{symbol}{count}" for symbol, count in parts)
-    expected = sum((molar_mass.ATOMIC_WEIGHTS[s] * c for s, c in parts), Decimal(0))
+    expected = sum((Decimal(molar_mass.ATOMIC_WEIGHTS_MILLI[s]) / 1000 * c for s, c in parts), Decimal(0))
     assert molar_mass.format_mass(formula) == f"{expected:.3f}"
 
 

@@ -11,29 +11,28 @@ formula or an unknown element prints one line to stderr and exits 2.
 
 from __future__ import annotations
 
-import re
 import sys
-from decimal import Decimal
 
-# Standard atomic weights (conventional values, g/mol). Strings, so sums are exact decimals and
-# the third decimal never depends on binary rounding.
-ATOMIC_WEIGHTS = {
-    "H": Decimal("1.008"),
-    "C": Decimal("12.011"),
-    "N": Decimal("14.007"),
-    "O": Decimal("15.999"),
-    "Na": Decimal("22.990"),
-    "Mg": Decimal("24.305"),
-    "P": Decimal("30.974"),
-    "S": Decimal("32.06"),
-    "Cl": Decimal("35.45"),
-    "K": Decimal("39.098"),
-    "Ca": Decimal("40.078"),
-    "Fe": Decimal("55.845"),
+# Standard atomic weights (conventional values), in thousandths of a g/mol: integers, so sums are
+# exact and the third decimal never depends on binary rounding. No re or decimal: this script
+# starts once per tool call, and those imports were half of its start.
+ATOMIC_WEIGHTS_MILLI = {
+    "H": 1008,
+    "C": 12011,
+    "N": 14007,
+    "O": 15999,
+    "Na": 22990,
+    "Mg": 24305,
+    "P": 30974,
+    "S": 32060,
+    "Cl": 35450,
+    "K": 39098,
+    "Ca": 40078,
+    "Fe": 55845,
 }
 MAX_FORMULA_CHARS = 64
-# An element symbol, then a count without leading zeros; bounded so no input is absurdly large.
-_PART = re.compile(r"([A-Z][a-z]?)([1-9][0-9]{0,5})?")
+# A count has no leading zero and at most this many digits, so no input is absurdly large.
+MAX_COUNT_DIGITS = 6
 EXIT_BAD_FORMULA = 2
 
 
@@ -42,35 +41,48 @@ class FormulaError(ValueError):
 
 
 def parse_formula(formula: str) -> dict[str, int]:
-    """``"CH3COOH"`` -> ``{"C": 2, "H": 4, "O": 2}`` (repeated symbols add up)."""
+    """``"CH3COOH"`` -> ``{"C": 2, "H": 4, "O": 2}`` (repeated symbols add up).
+
+    Each part is an element symbol (an ASCII capital, then an optional small letter) and an
+    optional count (1-9, then up to five more digits)."""
     if not formula:
         raise FormulaError("empty formula")
     if len(formula) > MAX_FORMULA_CHARS:
         raise FormulaError(f"formula longer than {MAX_FORMULA_CHARS} characters")
     counts: dict[str, int] = {}
-    position = 0
-    while position < len(formula):
-        match = _PART.match(formula, position)
-        if match is None:
+    position, size = 0, len(formula)
+    while position < size:
+        if not "A" <= formula[position] <= "Z":
             raise FormulaError(f"malformed formula {formula!r} at position {position}")
-        symbol, count = match.group(1), match.group(2)
-        if symbol not in ATOMIC_WEIGHTS:
+        symbol_end = position + 1
+        if symbol_end < size and "a" <= formula[symbol_end] <= "z":
+            symbol_end += 1
+        count_end = symbol_end
+        if count_end < size and "1" <= formula[count_end] <= "9":
+            count_end += 1
+            while (count_end < size and count_end - symbol_end < MAX_COUNT_DIGITS
+                   and "0" <= formula[count_end] <= "9"):
+                count_end += 1
+        symbol = formula[position:symbol_end]
+        if symbol not in ATOMIC_WEIGHTS_MILLI:
             raise FormulaError(f"unknown element {symbol!r}")
-        counts[symbol] = counts.get(symbol, 0) + int(count or 1)
-        position = match.end()
+        counts[symbol] = counts.get(symbol, 0) + int(formula[symbol_end:count_end] or 1)
+        position = count_end
     return counts
 
 
-def molar_mass_exact(formula: str) -> Decimal:
-    return sum((ATOMIC_WEIGHTS[symbol] * count for symbol, count in parse_formula(formula).items()), Decimal(0))
+def molar_mass_milli(formula: str) -> int:
+    """The exact molar mass in thousandths of a g/mol."""
+    return sum(ATOMIC_WEIGHTS_MILLI[symbol] * count for symbol, count in parse_formula(formula).items())
 
 
 def molar_mass(formula: str) -> float:
-    return float(molar_mass_exact(formula))
+    return molar_mass_milli(formula) / 1000
 
 
 def format_mass(formula: str) -> str:
-    return f"{molar_mass_exact(formula):.3f}"
+    milli = molar_mass_milli(formula)
+    return f"{milli // 1000}.{milli % 1000:03d}"
 
 
 def main(argv: list[str]) -> int:
