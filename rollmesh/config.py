@@ -248,14 +248,14 @@ class ServeConfig(ConfigSection):
     # HTTPS: a PEM certificate (chain) and its private key; both or neither.
     tls_cert_file: str = ""
     tls_key_file: str = ""
-
-    def __post_init__(self) -> None:
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
     # Chat sessions (/v1/chat/completions with a session_id; rollmesh.serve_apps.chat_sessions):
     # one untouched this long is forgotten, and at most this many are kept (a new one evicts the
     # least recently used idle one).
     session_ttl_s: PositiveFloat = 3600.0
     max_sessions: PositiveInt = 1024
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("serve.tls_cert_file and serve.tls_key_file go together")
 
 
