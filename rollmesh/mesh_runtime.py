@@ -159,7 +159,7 @@ class MeshRuntime:
             prefill_actor_names=prefill_names, decode_actor_names=decode_names,
             ray_namespace=self.ray_namespace, model=self.config.model, api_key=api_key,
             telemetry=self.config.telemetry,
-            run_dir=str(Path(self.run_dir).resolve()), dashboard=dashboard,
+            run_dir=str(Path(self.run_dir).resolve()), dashboard=dashboard, sessions=self.config.serve,
         )
         self.serve_url = deploy_inference_app(app, host=host, port=port,
                                               tls_cert_file=self.config.serve.tls_cert_file,

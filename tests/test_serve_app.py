@@ -1,7 +1,8 @@
 """The inference Serve app over real prefill and decode actors: OpenAI completions and chat
 (through the official ``openai`` client too, streaming included), /generate, /v1/models, /health,
-sessions, the minimum weight version, the weight and cache admin endpoints, and 4xx answers to
-bad input that leave the replica serving. (Routed experts need an MoE model: test_serve_moe.py.)
+sessions' KV reuse on /generate, the minimum weight version, the weight and cache admin endpoints,
+and 4xx answers to bad input that leave the replica serving. (Routed experts need an MoE model:
+test_serve_moe.py; chat sessions, whose turns must end, a fitted model: test_serve_sessions.py.)
 The model is the demo's (a Hugging Face directory): the text routes speak its tokenizer and chat
 template, and a request with tools gets its Hermes calls back as OpenAI ``tool_calls``.
 
@@ -466,21 +467,6 @@ def test_session_turns_reuse_kv_until_the_cache_is_flushed(
     assert flushed.json()["kv_blocks_freed"] > 0
     third = generate([*second_prompt, *second["output_ids"], *encode(" and 5")])
     assert third["meta_info"]["cached_tokens"] == 0
-
-
-def test_chat_session_reports_cached_tokens_in_openai_usage(
-    openai_client: openai.OpenAI,
-) -> None:
-    session = {"session_id": "chat-" + uuid.uuid4().hex[:8]}
-    messages = [{"role": "user", "content": "2+2?"}]
-    first = openai_client.chat.completions.create(
-        model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0, extra_body=session)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "3+3?"}]
-    second = openai_client.chat.completions.create(
-        model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0, extra_body=session)
-    assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_generate_echoes_sglang_rid_as_the_request_id(client: httpx.Client) -> None:

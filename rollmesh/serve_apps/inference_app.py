@@ -2,7 +2,9 @@
 (streaming included), SGLang-style ``/generate``, vLLM's ``/tokenize`` and ``/detokenize``
 (``tokenize_requests``), ``/v1/models`` and ``/health`` in front of the
 prefill and decode actors, and the admin endpoints ``GET /v1/admin/weights``, SGLang's
-``POST /update_weights_from_disk`` and ``POST /flush_cache``. With an API key (given at
+``POST /update_weights_from_disk`` and ``POST /flush_cache``, and the chat sessions of outside
+agent harnesses (``chat_sessions``: ``GET /v1/sessions/{id}/trajectory``, ``DELETE
+/v1/sessions/{id}``; their store is one Ray actor, ``session_actor``). With an API key (given at
 construction, never read here from the environment) every endpoint but ``/health`` requires
 ``Authorization: Bearer KEY``; so does the live dashboard's data (``rollmesh.dashboard``: its two
 static pages at ``/dashboard`` and ``/dashboard/traces/<id>`` hold none and ask for the key).
@@ -47,7 +49,7 @@ from ray.serve.exceptions import RayServeException
 from rollmesh.actors.decode_loans import DecodeLoanRoster
 from rollmesh.actors.inference_router import InferenceRouter, generation_attributes
 from rollmesh.chat import ChatModel
-from rollmesh.config import ModelConfig, TelemetryConfig
+from rollmesh.config import ModelConfig, ServeConfig, TelemetryConfig
 from rollmesh.dashboard.feed import DashboardSource, WorkerHandle
 from rollmesh.dashboard.routes import DashboardRoutes, is_dashboard_request
 from rollmesh.engine.errors import EngineError
@@ -56,9 +58,11 @@ from rollmesh.engine.protocols import GenerateOptions, GenerationResult
 from rollmesh.messages.base import SamplingParams
 from rollmesh.serve_apps.api_keys import check_authorization
 from rollmesh.serve_apps.chat_requests import (
+    ChatPrompt,
     chat_inputs,
     chat_response,
 )
+from rollmesh.serve_apps.chat_sessions import ChatSessions
 from rollmesh.serve_apps.decode_loan_follower import DecodeLoanFollower
 from rollmesh.serve_apps.errors import (
     ApiError,
@@ -87,6 +91,8 @@ from rollmesh.serve_apps.http_shapes import (
     GenerateResponse,
     ModelCard,
     ModelList,
+    SessionDeletedResponse,
+    SessionTrajectoryResponse,
     TokenizeRequest,
     TokenizeResponse,
     UpdateWeightsFromDiskRequest,
@@ -94,7 +100,8 @@ from rollmesh.serve_apps.http_shapes import (
     WeightVersionsResponse,
 )
 from rollmesh.serve_apps.replica_loopback import keep_replica_grpc_on_loopback
-from rollmesh.serve_apps.stream_events import chat_events, completion_events, started
+from rollmesh.serve_apps.session_actor import session_store_actor, stop_session_store
+from rollmesh.serve_apps.stream_events import chat_events, completion_events, started, whole
 from rollmesh.serve_apps.tokenize_requests import detokenize, tokenize
 from rollmesh.serve_apps.weight_admin import (
     Worker,
@@ -107,6 +114,8 @@ from rollmesh.telemetry.logging import setup_logging
 from rollmesh.telemetry.tracing import setup_tracing, without_run_dir
 
 APP_NAME = "rollmesh-inference"
+# The Ray namespaces of the apps this process built: where their chat-session stores run.
+_SESSION_NAMESPACES: set[str] = set()
 # Requests a replica holds at once; each mostly waits on decode, which batches up to max_batch.
 MAX_ONGOING_REQUESTS = 512
 
@@ -211,6 +220,7 @@ class InferenceServer:
         telemetry: TelemetryConfig | None = None,
         run_dir: str = "",
         dashboard: DashboardSource | None = None,
+        sessions: ServeConfig | None = None,
     ) -> None:
         keep_replica_grpc_on_loopback()  # Serve binds that server once this constructor returns
         setup_logging("serve:inference")
@@ -222,6 +232,9 @@ class InferenceServer:
                                   vocab_size=facts.vocab_size, chat=ChatModel.from_config(model),
                                   routes_experts=routes_experts)
         self._api_key = api_key  # never logged
+        sessions = sessions or ServeConfig()
+        self.sessions = ChatSessions(self.served, session_store_actor(
+            namespace=ray_namespace, ttl_s=sessions.session_ttl_s, max_sessions=sessions.max_sessions))
         self.created = int(time.time())
         self.workers = [
             Worker(name, role, ray.get_actor(name, namespace=ray_namespace))
@@ -277,6 +290,8 @@ class InferenceServer:
         self, body: ChatCompletionRequest, authorization: str | None = Header(default=None)
     ) -> ChatCompletionResponse | StreamingResponse:
         check_authorization(authorization, self._api_key)
+        if body.session_id is not None:  # a chat session: its trajectory is the prompt
+            return await self._session_chat(body)
         prompt = chat_inputs(body, self.served)
         options = dataclasses.replace(
             generate_options(body, prompt_len=len(prompt.input_ids), served=self.served),
@@ -295,6 +310,26 @@ class InferenceServer:
             result, prompt, request_id=request_id, created=int(time.time()), served=self.served,
             routed_experts_dtype=body.routed_experts_dtype,
         )
+
+    async def _session_chat(self, body: ChatCompletionRequest) -> ChatCompletionResponse | StreamingResponse:
+        """A chat session's turn (``chat_sessions``). It is kept whole before it is answered, so a
+        streamed one is sent as events once generated."""
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+        async def generate(prompt: ChatPrompt, options: GenerateOptions) -> GenerationResult:
+            options = dataclasses.replace(options, top_logprobs=prompt.top_logprobs,
+                                          grammar=prompt.grammar)
+            return await self._generate(prompt.input_ids, prompt.sampling, request_id, options,
+                                        chat_params(body), operation="chat")
+
+        prompt, result = await self.sessions.turn(body, generate)
+        if body.stream:
+            return _event_stream(chat_events(
+                whole(result), prompt, request_id=request_id, created=int(time.time()),
+                served=self.served, routed_experts_dtype=body.routed_experts_dtype,
+                include_usage=bool(body.stream_options and body.stream_options.include_usage)))
+        return chat_response(result, prompt, request_id=request_id, created=int(time.time()),
+                             served=self.served, routed_experts_dtype=body.routed_experts_dtype)
 
     @_http.post(
         "/generate", response_model=GenerateResponse, response_model_exclude_none=True
@@ -325,6 +360,32 @@ class InferenceServer:
     ) -> DetokenizeResponse:
         check_authorization(authorization, self._api_key)
         return detokenize(body, self.served)
+
+    # For a harness that can set its base URL but no extra body: base_url=".../v1/sessions/ID".
+    @_http.post("/v1/sessions/{session_id}/chat/completions", response_model=None)
+    async def session_chat_completions(
+        self, session_id: str, body: ChatCompletionRequest,
+        authorization: str | None = Header(default=None),
+    ) -> ChatCompletionResponse | StreamingResponse:
+        check_authorization(authorization, self._api_key)
+        if body.session_id not in (None, session_id):
+            raise InvalidApiRequestError("session_id differs from the session in the path",
+                                         code="invalid_value", param="session_id")
+        return await self._session_chat(body.model_copy(update={"session_id": session_id}))
+
+    @_http.get("/v1/sessions/{session_id}/trajectory", response_model=SessionTrajectoryResponse)
+    async def session_trajectory(
+        self, session_id: str, authorization: str | None = Header(default=None)
+    ) -> SessionTrajectoryResponse:
+        check_authorization(authorization, self._api_key)
+        return await self.sessions.trajectory(session_id)
+
+    @_http.delete("/v1/sessions/{session_id}", response_model=SessionDeletedResponse)
+    async def delete_session(
+        self, session_id: str, authorization: str | None = Header(default=None)
+    ) -> SessionDeletedResponse:
+        check_authorization(authorization, self._api_key)
+        return await self.sessions.delete(session_id)
 
     @_http.get("/v1/models", response_model=ModelList)
     async def models(self, authorization: str | None = Header(default=None)) -> ModelList:
@@ -452,6 +513,7 @@ def build_inference_app(
     telemetry: TelemetryConfig | None = None,
     run_dir: str = "",
     dashboard: DashboardSource | None = None,
+    sessions: ServeConfig | None = None,
 ) -> Application:
     """The bound application; deploy it with ``deploy_inference_app``. ``model``: the model the
     workers serve (an absolute ``model.path``; ``rollmesh.model_source.resolve_model``): each
@@ -464,11 +526,14 @@ def build_inference_app(
     by default); without ``run_dir`` only the OTEL_* variables turn an exporter on.
     ``dashboard``: the mesh the replica follows: ``/dashboard`` shows it (with
     ``dashboard.enabled``; otherwise, or with None, those routes answer 404), and the router also
-    sends requests to the decode workers its GPU scheduler lends idle accelerators to."""
+    sends requests to the decode workers its GPU scheduler lends idle accelerators to.
+    ``sessions``: its ``session_ttl_s`` and ``max_sessions`` bound the chat sessions (None: the
+    defaults); ``shutdown_inference_app`` stops their store."""
     # Read here as well as in each replica: a directory that is no model fails the deploy at once
     # (ModelDirectoryError, ModelConfigError) instead of each replica's start, again and again.
     facts = describe_served_model(model)
     ChatModel.from_config(model)
+    _SESSION_NAMESPACES.add(ray_namespace)
     return InferenceServer.bind(
         prefill_actor_names=list(prefill_actor_names),
         decode_actor_names=list(decode_actor_names),
@@ -480,6 +545,7 @@ def build_inference_app(
         telemetry=telemetry,
         run_dir=str(run_dir),
         dashboard=dashboard,
+        sessions=sessions,
     )
 
 
@@ -503,6 +569,8 @@ def deploy_inference_app(
 def shutdown_inference_app() -> None:
     """Delete the application; stop Serve too when no other application is left on it. Does
     nothing when Serve is not running (a deploy that failed half-way can still be cleaned up)."""
+    while _SESSION_NAMESPACES:  # the chat-session stores of the apps this process built
+        stop_session_store(_SESSION_NAMESPACES.pop())
     try:
         serve.delete(APP_NAME)
     except RayServeException:

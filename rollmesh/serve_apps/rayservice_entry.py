@@ -50,5 +50,5 @@ def app_builder(args: dict[str, Any]) -> Application:
         decode_actor_names=[f"decode-{i}" for i in range(inference.num_decode_workers)],
         # The launcher's Ray namespace (rollmesh.launcher.Mesh), where the workers are named.
         ray_namespace=f"rollmesh-{config.namespace}",
-        model=config.model, api_key=api_key, telemetry=config.telemetry,
+        model=config.model, api_key=api_key, telemetry=config.telemetry, sessions=config.serve,
     )
