@@ -354,6 +354,12 @@ BAD_REQUESTS = [
      {"messages": USER_HI, "tools": [{"type": "function", "function": {
          "name": "calc", "parameters": {"type": "object", "properties": 5}}}]},
      400, "invalid_value", "tools.0"),
+    ("generate-two-grammars", "/generate",
+     {"input_ids": [65], "sampling_params": {"json_schema": "{}", "ebnf": "root ::= \"a\""}}, 400,
+     "invalid_value", "sampling_params.ebnf"),
+    ("generate-grammar-that-does-not-compile", "/generate",
+     {"input_ids": [65], "sampling_params": {"ebnf": "root ::= nowhere"}}, 400, "invalid_value",
+     "sampling_params"),
     ("chat-tool-choice-unknown-tool", "/v1/chat/completions",
      {"messages": USER_HI, "tools": [CALC], "tool_choice": {
          "type": "function", "function": {"name": "nope"}}}, 400, "unknown_tool", "tool_choice"),
@@ -743,3 +749,16 @@ def test_response_format_json_schema_gives_json_matching_the_schema(client: http
     free = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).json()
     assert free["choices"][0]["constrained"] is None  # no grammar, no flags
+
+
+def test_generate_takes_sglangs_grammar_params_and_flags_the_constrained_tokens(
+    client: httpx.Client, deployed: Deployed,
+) -> None:
+    prompt = deployed.chat.encode("<|im_start|>user\nyes or no?<|im_end|>\n<|im_start|>assistant\n")
+    body = greedy_generate(client, prompt, max_new_tokens=20, ebnf='root ::= "yes" | "no"')
+    ids = body["output_ids"]
+    assert deployed.chat.decode(ids[:-1]) in ("yes", "no")
+    assert ids[-1] in deployed.chat.end_of_turn_ids
+    flags = body["meta_info"]["constrained"]
+    assert len(flags) == len(ids) and flags[-1]  # after "yes"/"no" only the end of turn is left
+    assert "constrained" not in greedy_generate(client, prompt, max_new_tokens=2)["meta_info"]

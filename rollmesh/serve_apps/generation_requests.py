@@ -276,6 +276,7 @@ def generate_response(
             weight_version=result.versions[-1] if result.versions else None,
             weight_versions=list(result.versions),
             cached_tokens=result.cached_tokens,
+            constrained=list(result.constrained) or None,
             **(routed.model_dump() if routed is not None else {}),
         ),
     )

@@ -332,6 +332,11 @@ class GenerateSamplingParams(_Request):
     top_p: float | None = None
     max_new_tokens: int | None = None  # None: SGLang's default, clipped to the context
     stop: str | list[str] | None = None
+    # SGLang's grammars, at most one (guided decoding; docs/guided-decoding.md): a JSON schema, an
+    # xgrammar EBNF with a root rule, or an xgrammar structural tag, each as JSON or EBNF text.
+    json_schema: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
 
 class GenerateRequest(EngineOptionFields):
@@ -366,6 +371,8 @@ class GenerateMetaInfo(_Response):
     routed_experts_dtype: Literal["uint8", "uint16", "int32"] | None = None
     routed_experts_shape: list[int] | None = None
     routed_experts_start_len: int | None = None
+    # Not SGLang's: with a grammar, one flag per output token, true where it restricted the choice.
+    constrained: list[bool] | None = None
 
 
 class GenerateResponse(_Response):

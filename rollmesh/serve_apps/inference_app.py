@@ -103,6 +103,7 @@ from rollmesh.serve_apps.replica_loopback import keep_replica_grpc_on_loopback
 from rollmesh.serve_apps.session_actor import session_store_actor, stop_session_store
 from rollmesh.serve_apps.stream_events import chat_events, completion_events, started, whole
 from rollmesh.serve_apps.tokenize_requests import detokenize, tokenize
+from rollmesh.serve_apps.tool_choice import generate_grammar
 from rollmesh.serve_apps.weight_admin import (
     Worker,
     flush_cache,
@@ -166,7 +167,7 @@ def _event_stream(events: Any) -> StreamingResponse:
 # The engine's field names as each route calls them, for the ``param`` of a mapped engine error.
 COMPLETION_PARAMS = {"input_ids": "prompt", "max_new_tokens": "max_tokens"}
 GENERATE_PARAMS = {"input_ids": "input_ids", "request_id": "rid",
-                   "max_new_tokens": "sampling_params.max_new_tokens"}
+                   "max_new_tokens": "sampling_params.max_new_tokens", "grammar": "sampling_params"}
 
 
 def find_named_actor(name: str, namespace: str) -> Any:
@@ -339,7 +340,9 @@ class InferenceServer:
     ) -> GenerateResponse:
         check_authorization(authorization, self._api_key)
         input_ids, sampling = generate_inputs(body, self.served)
-        options = generate_options(body, prompt_len=len(input_ids), served=self.served)
+        options = dataclasses.replace(
+            generate_options(body, prompt_len=len(input_ids), served=self.served),
+            grammar=generate_grammar(body.sampling_params))
         request_id = generate_request_id(body)
         result = await self._generate(input_ids, sampling, request_id, options, GENERATE_PARAMS)
         return generate_response(

@@ -35,6 +35,7 @@ Free strings end when the model closes them: an untrained model may write one un
 
 ``response_format``: ``{"type": "json_schema", "json_schema": {"name", "schema"}}`` is one JSON value
 matching the schema, ``{"type": "json_object"}`` one JSON object, ``{"type": "text"}`` nothing.
+``/generate`` takes SGLang's ``json_schema``, ``ebnf`` or ``structural_tag`` sampling param as is.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from rollmesh.chat import tool_format_deepseek as deepseek
 from rollmesh.chat import tool_format_kimi as kimi
 from rollmesh.engine.protocols import GrammarSpec
 from rollmesh.serve_apps.errors import InvalidApiRequestError
+from rollmesh.serve_apps.http_shapes import GenerateSamplingParams
 
 # Families whose call format we can force; any other tool parser is a 400 for "required"/named.
 FORCEABLE_FORMATS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "kimi_k2", "gpt_oss")
@@ -121,6 +123,18 @@ def response_format_grammar(response_format: Mapping[str, Any] | None,
     raise InvalidApiRequestError(
         f"response_format type must be \"text\", \"json_object\" or \"json_schema\", not {kind!r}",
         code="invalid_value", param="response_format")
+
+
+def generate_grammar(params: GenerateSamplingParams) -> GrammarSpec | None:
+    """/generate's grammar: SGLang's ``json_schema``, ``ebnf`` or ``structural_tag`` sampling param
+    as given (the engine compiles it: one it cannot is a 400 on ``sampling_params``)."""
+    given = [(kind, getattr(params, kind)) for kind in ("json_schema", "ebnf", "structural_tag")
+             if getattr(params, kind) is not None]
+    if len(given) > 1:
+        raise InvalidApiRequestError(
+            f"at most one grammar per request, got {', '.join(kind for kind, _ in given)}",
+            code="invalid_value", param=f"sampling_params.{given[1][0]}")
+    return GrammarSpec(*given[0]) if given else None
 
 
 # -- one family's calls ------------------------------------------------------------------------
