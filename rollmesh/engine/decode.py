@@ -17,8 +17,12 @@ sequences keep their KV and continue, and every token records the version that m
 
 Tokens: the model directory's tokenizer (a ``Detokenizer``) says which ids end a turn and which
 ids exist; ids past it (padded embedding rows) are never sampled. Without one (tests of bare
-checkpoints) the model's config eos ends a turn, every row may be sampled, and stop strings are
-refused.
+checkpoints) the model's config eos ends a turn, every row may be sampled, and stop strings and
+grammars are refused.
+
+Grammars (``GenerateOptions.grammar``, ``guided_decoding``): a constrained sequence's row of the
+logits is masked before sampling, from its first token to its end-of-turn id; a step whose batch
+holds no grammar does no grammar work.
 """
 
 from __future__ import annotations
