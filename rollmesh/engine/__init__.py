@@ -13,6 +13,7 @@ from rollmesh.engine.errors import (
     DuplicateRequestError,
     EngineError,
     EngineStoppedError,
+    InvalidGrammarError,
     InvalidRequestError,
     KvCapacityError,
     PromptTooLongError,
@@ -32,6 +33,7 @@ from rollmesh.engine.protocols import (
     FinishReason,
     GenerateOptions,
     GenerationResult,
+    GrammarSpec,
     InferenceEngine,
 )
 from rollmesh.engine.session_cache import SessionCache
@@ -54,7 +56,9 @@ __all__ = [
     "FinishedSequence",
     "GenerateOptions",
     "GenerationResult",
+    "GrammarSpec",
     "InferenceEngine",
+    "InvalidGrammarError",
     "InvalidRequestError",
     "KvBlockPool",
     "KvCapacityError",
