@@ -137,7 +137,10 @@ async def completion_events(
         yield _event(error.to_response().model_dump())
         yield DONE
         return
-    rest = deltas.finish(openai_text(result, served, sampling))
+    final_text = openai_text(result, served, sampling)
+    rest = deltas.finish(final_text)
+    if deltas.sent != final_text:  # the whole decode differs from the pieces': what was sent stands
+        _log.warning("stream_text_diverged", request_id=request_id)
     yield chunk(rest, openai_finish_reason(result), **_extension(result, routed_experts_dtype))
     if include_usage:
         yield _usage_event(result, request_id=request_id, created=created, served=served,

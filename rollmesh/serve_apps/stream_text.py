@@ -111,6 +111,7 @@ class ChatDeltas:
         self._detokenizer = IncrementalDetokenizer(chat.decode)  # specials kept: the parsers read them
         self._opened = prompt_opens_reasoning(chat.decode(list(prompt.input_ids)[-8:]))
         self._whole_at_end = chat.tool_parser == "gpt_oss" or chat.reasoning_parser == "gpt_oss"
+        self._tools = chat.toolset(prompt.tools)  # compiled once, not per piece
         # End-of-turn tokens need no holding: a special token decodes whole, and the parsers
         # strip it.
         self._markers = (*CALL_MARKERS.get(chat.tool_parser or "", ()), THINK_OPEN, THINK_CLOSE,
@@ -125,7 +126,7 @@ class ChatDeltas:
             return ChatDelta()
         parsed = parse_assistant_turn(
             self._text, tool_parser=self._chat.tool_parser, reasoning_parser=self._chat.reasoning_parser,
-            tools=self._chat.toolset(self.prompt.tools), first_call_index=self.prompt.first_call_index,
+            tools=self._tools, first_call_index=self.prompt.first_call_index,
             starts_in_reasoning=self._opened)
         return self._advance(safe_prefix(parsed.reasoning or "", self._markers).rstrip(),
                              self._held_content(parsed), parsed.tool_calls)
