@@ -20,6 +20,11 @@ ids exist; ids past it (padded embedding rows) are never sampled. Without one (t
 checkpoints) the model's config eos ends a turn, every row may be sampled, and stop strings and
 grammars are refused.
 
+Top logprobs (``GenerateOptions.top_logprobs``): the sampler returns each asking row's most
+likely ids from the distribution it samples from (after a grammar's mask); a step computes them
+only when some row of its batch asks. ``new_tokens`` hands a running sequence's latest tokens to
+the loop that streams them (``batch_loop``, ``token_stream``).
+
 Grammars (``GenerateOptions.grammar``, ``guided_decoding``): a constrained sequence's row of the
 logits is masked before sampling, from its first token to its end-of-turn id; a step whose batch
 holds no grammar does no grammar work.
