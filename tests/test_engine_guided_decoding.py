@@ -5,6 +5,8 @@ per token, invalid grammars refused before anything runs, padded ids still never
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -126,3 +128,11 @@ def test_padded_ids_stay_masked_under_a_grammar(chat_model_dir_with_weights: Pat
                       GenerateOptions(grammar=GRAMMAR))
     done = run_to_completion(engine)["r"]
     assert done.token_ids and all(t < tokenizer.vocab_size for t in done.token_ids)
+
+
+def test_xgrammar_is_loaded_only_when_a_grammar_arrives() -> None:
+    """Importing it costs a process over a second: engines and the chat route without a grammar
+    never pay it."""
+    code = ("import sys, rollmesh.engine, rollmesh.serve_apps.chat_requests; "
+            "assert 'xgrammar' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -4,6 +4,8 @@ constrained sequence, and its token mask applied to that row's logits before sam
 Knows xgrammar, torch and the model's Hugging Face tokenizer (read off the engine's Detokenizer);
 not the chat formats (``rollmesh.serve_apps.tool_choice`` writes the grammars), not Ray.
 
+- Importing xgrammar costs a process over a second, so it happens at the first grammar, not at
+  import: workers and Serve replicas that never see one never load it.
 - Compiling: one ``xgr.GrammarCompiler`` per engine, with xgrammar's own cache (keyed by the
   grammar's text), so a tool schema seen before costs a dictionary look-up. Nothing is built
   until the first grammar arrives: an engine that never sees one pays nothing at all.
@@ -28,11 +30,15 @@ from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import torch
-import xgrammar as xgr
 
 from rollmesh.engine.errors import InvalidGrammarError, InvalidRequestError
 from rollmesh.engine.protocols import GrammarSpec
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 class GuidedDecoder:
@@ -65,6 +71,7 @@ class GuidedDecoder:
 
     def matcher(self, grammar: GrammarSpec, *, request_id: str | None = None) -> Constraint:
         compiled = self.compile(grammar, request_id=request_id)
+        xgr = _xgrammar()
         # Not xgrammar's override_stop_tokens: it would turn the other end ids into plain tokens,
         # allowed inside JSON strings. They stay stop tokens (allowed only at the end) and are
         # banned outright instead.
@@ -74,6 +81,7 @@ class GuidedDecoder:
     def mask(self, logits: torch.Tensor, constraints: Sequence[Constraint | None]) -> list[bool]:
         """Apply each row's grammar mask to ``logits`` [B, V] in place (disallowed ids -> -inf);
         returns per row whether its mask removed any token. Rows without one are untouched."""
+        xgr = _xgrammar()
         bitmask = xgr.allocate_token_bitmask(len(constraints), self._vocab_size)
         rows = [row for row, constraint in enumerate(constraints)
                 if constraint is not None and constraint.matcher.fill_next_token_bitmask(bitmask, row)]
@@ -93,6 +101,7 @@ class GuidedDecoder:
                 raise InvalidRequestError(
                     "guided decoding needs the model's tokenizer, and this engine was given none",
                     field="grammar", request_id=request_id)
+            xgr = _xgrammar()
             info = xgr.TokenizerInfo.from_huggingface(
                 self._hf_tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_ids)
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=True)
@@ -112,6 +121,12 @@ def accept(constraint: Constraint, token: int) -> bool:
     token the mask did not govern, which the engine treats as a bug)."""
     matcher = constraint.matcher
     return matcher.is_terminated() or bool(matcher.accept_token(token))
+
+
+def _xgrammar():
+    import xgrammar
+
+    return xgrammar
 
 
 def _hf_tokenizer(tokenizer: Any) -> Any:

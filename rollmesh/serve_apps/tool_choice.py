@@ -2,7 +2,9 @@
 chat request may force the engine to generate, as xgrammar structural tags (``GrammarSpec``).
 
 Knows the HTTP shapes, the tool-call formats of ``rollmesh.chat`` (their marker strings) and
-xgrammar's structural-tag format classes; not the engine, not Ray or FastAPI.
+xgrammar's structural-tag JSON format (written as plain dicts: importing xgrammar costs a process
+over a second, and only the engine that compiles the grammar needs it); not the engine, not Ray or
+FastAPI.
 
 A forced call is written in the model's OWN tool-call format, the one its tool parser reads back
 (``rollmesh.chat.tool_format_*``, ``harmony``), with the arguments constrained by the tool's JSON
@@ -46,16 +48,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jsonschema
-from xgrammar.structural_tag import (
-    ConstStringFormat,
-    JSONSchemaFormat,
-    OrFormat,
-    RegexFormat,
-    SequenceFormat,
-    StarFormat,
-    StructuralTag,
-    TokenFormat,
-)
 
 from rollmesh.chat import ChatModel
 from rollmesh.chat import harmony
@@ -158,7 +150,7 @@ def _calls_grammar(tools: list[Mapping[str, Any]], chat: ChatModel, *, many: boo
         calls = [text('{"name": ' + json.dumps(name) + ', "parameters": ', args, "}") for name, args in pieces]
         return _grammar(end_ids, _repeated(calls, "; " if many else None))
     if family == "mistral":
-        call_id = RegexFormat(pattern="[A-Za-z0-9]{9}")
+        call_id = _regex("[A-Za-z0-9]{9}")
         calls = [text('{"name": ' + json.dumps(name) + ', "arguments": ', args, ', "id": "', call_id, '"}')
                  for name, args in pieces]
         return _grammar(end_ids, text("[TOOL_CALLS][", _repeated(calls, ", " if many else None), "]"))
@@ -169,7 +161,7 @@ def _calls_grammar(tools: list[Mapping[str, Any]], chat: ChatModel, *, many: boo
                              deepseek.CALLS_END))
     if family == "kimi_k2":
         # A named call's id is exact (the conversation's next index); several calls number themselves.
-        index = str(first_call_index) if not many else RegexFormat(pattern="[0-9]{1,3}")
+        index = str(first_call_index) if not many else _regex("[0-9]{1,3}")
         calls = [text(kimi.CALL_BEGIN + f"functions.{name}:", index, kimi.ARGUMENT_BEGIN, args, kimi.CALL_END)
                  for name, args in pieces]
         return _grammar(end_ids, text(kimi.SECTION_BEGIN, _repeated(calls, "" if many else None),
@@ -182,11 +174,11 @@ def _calls_grammar(tools: list[Mapping[str, Any]], chat: ChatModel, *, many: boo
 
 def _repeated(calls: list[Any], separator: str | None) -> Any:
     """One of ``calls``; with a separator (maybe ""), one or more of them joined by it."""
-    one = calls[0] if len(calls) == 1 else OrFormat(elements=calls)
+    one = calls[0] if len(calls) == 1 else _or(calls)
     if separator is None:
         return one
-    again = SequenceFormat(elements=[ConstStringFormat(value=separator), one]) if separator else one
-    return SequenceFormat(elements=[one, StarFormat(content=again)])
+    again = _sequence([_const(separator), one]) if separator else one
+    return _sequence([one, _star(again)])
 
 
 class _Literals:
@@ -209,21 +201,45 @@ class _Literals:
             pieces = self._pattern.split(part) if self._pattern else [part]
             for piece in pieces:
                 if piece in self._added:
-                    elements.append(TokenFormat(token=self._added[piece]))
+                    elements.append(_token(self._added[piece]))
                 elif piece:
-                    elements.append(ConstStringFormat(value=piece))
+                    elements.append(_const(piece))
         if not elements:
-            return ConstStringFormat(value="")
-        return elements[0] if len(elements) == 1 else SequenceFormat(elements=elements)
+            return _const("")
+        return elements[0] if len(elements) == 1 else _sequence(elements)
 
 
-def _json(schema: dict[str, Any], chat: ChatModel) -> JSONSchemaFormat:
+def _json(schema: dict[str, Any], chat: ChatModel) -> dict[str, Any]:
     """Arguments (or an answer) by ``schema``; strings hold no raw control characters and none of
     the model's added tokens (``<|im_start|>``, ``</tool_call>``...), unless that would drop the
     schema's string length bounds (see the module docstring)."""
     excludes = [] if _bounds_string_length(schema) else [
         *_CONTROL_CHARACTERS, *chat.directory.tokenizer.get_added_vocab()]
-    return JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1, excludes=excludes)
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1, "excludes": excludes}
+
+
+def _const(value: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": value}
+
+
+def _token(token: int) -> dict[str, Any]:
+    return {"type": "token", "token": token}
+
+
+def _regex(pattern: str) -> dict[str, Any]:
+    return {"type": "regex", "pattern": pattern}
+
+
+def _sequence(elements: list[Any]) -> dict[str, Any]:
+    return {"type": "sequence", "elements": elements}
+
+
+def _or(elements: list[Any]) -> dict[str, Any]:
+    return {"type": "or", "elements": elements}
+
+
+def _star(content: Any) -> dict[str, Any]:
+    return {"type": "star", "content": content}
 
 
 def _bounds_string_length(schema: Any) -> bool:
@@ -241,7 +257,7 @@ def _turn_end(chat: ChatModel, marker: str | None = None) -> tuple[int, ...]:
 
 
 def _grammar(end_ids: tuple[int, ...], fmt: Any) -> GrammarSpec:
-    return GrammarSpec("structural_tag", StructuralTag(format=fmt).model_dump_json(), end_ids)
+    return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), end_ids)
 
 
 def _named_function(choice: dict[str, Any]) -> str:
