@@ -762,3 +762,19 @@ def test_generate_takes_sglangs_grammar_params_and_flags_the_constrained_tokens(
     flags = body["meta_info"]["constrained"]
     assert len(flags) == len(ids) and flags[-1]  # after "yes"/"no" only the end of turn is left
     assert "constrained" not in greedy_generate(client, prompt, max_new_tokens=2)["meta_info"]
+
+
+def test_a_streamed_forced_call_comes_as_a_tool_call_delta_with_the_flags_on_the_last_chunk(
+    openai_client: openai.OpenAI,
+) -> None:
+    request = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "weigh it"}],
+               "tools": [WEIGH], "tool_choice": {"type": "function", "function": {"name": "weigh"}},
+               "max_tokens": 100, "temperature": 0}
+    whole = openai_client.chat.completions.create(**request)
+    chunks = list(openai_client.chat.completions.create(**request, stream=True))
+    calls = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or []]
+    assert [call.function.arguments for call in calls] == [
+        whole.choices[0].message.tool_calls[0].function.arguments]
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "tool_calls"
+    assert last.model_extra["constrained"] == whole.choices[0].model_extra["constrained"]

@@ -9,8 +9,9 @@ and ``stream_text``; not Ray, not FastAPI. Input: the engine's pieces in order
 - Chat: the role first; then per piece a delta with the ``reasoning_content`` and ``content`` the
   piece settled (``stream_text.ChatDeltas``: call markup is held back, never sent as content) and
   each tool call once it is complete, in OpenAI's ``delta.tool_calls`` (whole, with its index); the
-  last chunk has the finish reason ("tool_calls" when the turn called tools) and routed experts,
-  when asked for, as its choice's ``rollmesh`` object.
+  last chunk has the finish reason ("tool_calls" when the turn called tools), routed experts,
+  when asked for, as its choice's ``rollmesh`` object, and with a grammar (``tool_choice``
+  "required" / named, ``response_format``) the choice's ``constrained`` flags, one per token.
 - Completions: the text per piece, held back where a stop string may be starting.
 - ``logprobs`` ride on the chunk of the piece whose tokens they are (so a chunk may carry logprobs
   and an empty delta: text and tokens do not line up one to one).
@@ -96,7 +97,9 @@ async def chat_events(
     if rest:
         yield chunk(_delta_fields(rest, first_call=deltas.sent_calls - len(rest.tool_calls)))
     finish_reason = "tool_calls" if final.tool_calls else openai_finish_reason(result)
-    yield chunk({}, finish_reason, **_extension(result, routed_experts_dtype))
+    # The grammar's per-token flags (docs/guided-decoding.md), whole, beside the finish reason.
+    flags = {"constrained": list(result.constrained)} if prompt.grammar is not None else {}
+    yield chunk({}, finish_reason, **_extension(result, routed_experts_dtype), **flags)
     if include_usage:
         yield _usage_event(result, request_id=request_id, created=created, served=served,
                            kind="chat.completion.chunk")
