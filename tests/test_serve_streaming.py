@@ -1,8 +1,9 @@
 """Streamed answers as plain logic: text deltas decoded token by token never split a UTF-8
 character, content and reasoning stream as the tokens arrive while tool-call markup and a stop
 string's start are held back, a tool call goes out once complete, each chunk carries its own
-tokens' logprobs, usage comes last when asked, a mid-stream error is an error event, and the
-official ``openai`` client reads the stream (over ASGI, no Ray). The routes: test_serve_app.py.
+tokens' logprobs, usage comes last when asked, a mid-stream error is an error event, a gpt-oss
+(harmony) turn streams by channel with its call held until ``<|call|>``, and the official
+``openai`` client reads the stream (over ASGI, no Ray). The routes: test_serve_app.py.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from rollmesh.serve_apps.errors import EngineUnavailableError
 from rollmesh.serve_apps.generation_requests import completion_inputs, openai_text
 from rollmesh.serve_apps.http_shapes import ChatCompletionRequest, CompletionRequest
 from rollmesh.serve_apps.stream_events import chat_events, completion_events
-from rollmesh.serve_apps.stream_text import IncrementalDetokenizer, safe_prefix
+from rollmesh.serve_apps.stream_text import IncrementalDetokenizer, harmony_settled, safe_prefix
 from serve_models import CALC, QUESTION, demo_served_model
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -236,3 +237,64 @@ async def test_chat_content_stops_before_a_stop_string_even_while_it_is_incomple
     whole = chat_response(pieces.result, prompt, request_id="c", created=1, served=served)
     assert "".join(content) == whole.choices[0].message.content == "water is 18 "
     assert len(content) > 1 and not any("S" in piece for piece in content)
+
+
+@pytest.fixture(scope="module")
+def harmony_served(chat_model_dirs: dict[str, Path]) -> ServedModel:
+    chat_model = ChatModel.load(chat_model_dirs["gpt_oss"])
+    return ServedModel(name="g", max_seq_len=4096, vocab_size=chat_model.vocab_size, chat=chat_model)
+
+
+async def test_a_harmony_turn_streams_analysis_as_reasoning_and_final_as_content(
+    harmony_served: ServedModel,
+) -> None:
+    served = harmony_served
+    prompt = chat_inputs(chat(QUESTION), served)
+    pieces = Pieces(generated(served, served.chat.write_turn(content="About 18 g/mol.",
+                                                             reasoning="water: 2 H and 1 O")))
+    chunks = await collect(chat_events(aiter(pieces), prompt, request_id="c", created=1,
+                                       served=served), pieces)
+    reasoning = [(c["choices"][0]["delta"]["reasoning_content"], consumed) for c, consumed in chunks
+                 if c["choices"][0]["delta"].get("reasoning_content")]
+    content = [(c["choices"][0]["delta"]["content"], consumed) for c, consumed in chunks
+               if c["choices"][0]["delta"].get("content")]
+    whole = chat_response(pieces.result, prompt, request_id="c", created=1, served=served).choices[0].message
+    assert "".join(text for text, _ in reasoning) == whole.reasoning_content == "water: 2 H and 1 O"
+    assert "".join(text for text, _ in content) == whole.content == "About 18 g/mol."
+    # Each channel went out while its message was being sampled, reasoning first.
+    assert len(reasoning) > 1 and len(content) > 1
+    assert reasoning[-1][1] < content[0][1] < len(pieces.result.token_ids)
+    assert not any("<|" in text for text, _ in reasoning + content)
+
+
+async def test_a_harmony_call_is_held_until_its_end_marker_and_its_preamble_streams(
+    harmony_served: ServedModel,
+) -> None:
+    served = harmony_served
+    prompt = chat_inputs(chat(QUESTION, tools=[CALC]), served)
+    turn = served.chat.write_turn(content="Checking.", reasoning="use calc",
+                                  calls=[ToolCall("x", "calc", {"formula": "H2O"})])
+    pieces = Pieces(generated(served, turn))
+    chunks = await collect(chat_events(aiter(pieces), prompt, request_id="c", created=1,
+                                       served=served), pieces)
+    assert "".join(deltas(chunks, "reasoning_content")) == "use calc"
+    content = deltas(chunks, "content")
+    assert "".join(content) == "Checking." and len(content) > 1
+    calls = [(call, consumed) for c, consumed in chunks
+             for call in c["choices"][0]["delta"].get("tool_calls") or ()]
+    ((call, consumed),) = calls
+    assert (call["index"], call["function"]["name"]) == (0, "calc")
+    assert json.loads(call["function"]["arguments"]) == {"formula": "H2O"}
+    # Sent on the piece that brought <|call|> (the turn's last token), not a piece earlier.
+    assert consumed == len(pieces.result.token_ids)
+    assert chunks[-1][0]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_harmony_settled_holds_a_header_a_call_and_bare_text_until_they_are_read() -> None:
+    analysis = "<|channel|>analysis<|message|>think"
+    assert harmony_settled(analysis) == analysis
+    assert harmony_settled(analysis + "<|end|><|start|>assistant<|channel|>fin") == analysis + "<|end|>"
+    call = "<|start|>assistant<|channel|>commentary to=functions.calc <|constrain|>json<|message|>{\"formula\""
+    assert harmony_settled(analysis + "<|end|>" + call) == analysis + "<|end|>"
+    assert harmony_settled(analysis + "<|end|>" + call + "}<|call|>") == analysis + "<|end|>" + call + "}<|call|>"
+    assert harmony_settled("stray text") == ""

@@ -18,8 +18,11 @@ not Ray, not FastAPI, not the SSE shapes (``stream_events``).
   piece; the parsers are string scans, small next to a decode step.
 - ``CompletionDeltas`` does the same for ``/v1/completions``' plain text (stop strings only).
 
-gpt-oss (harmony) turns are read whole at the end: its channels interleave reasoning, calls and
-content in a way a prefix of the turn does not settle.
+gpt-oss (harmony) turns are read by the same parser (``rollmesh.chat.harmony``) on the part of the
+turn whose channels are settled (``harmony_settled``): a message's channel and recipient are known
+once its header reaches ``<|message|>``, so an analysis body streams as reasoning and a final (or
+recipient-less commentary) body as content while it is sampled; a message with a recipient (a
+call) is held until its end marker, then goes out whole like other families' calls.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollmesh.chat import ChatModel, ParsedTurn, parse_assistant_turn, prompt_opens_reasoning
+from rollmesh.chat.harmony import MESSAGE as HARMONY_MESSAGE, split_messages as harmony_messages
 from rollmesh.chat.reasoning import THINK_CLOSE, THINK_OPEN
 from rollmesh.chat.tool_format_deepseek import CALL_BEGIN as DEEPSEEK_CALL, CALLS_BEGIN as DEEPSEEK_CALLS
 from rollmesh.chat.tool_format_hermes import OPEN as HERMES_OPEN
@@ -110,22 +114,21 @@ class ChatDeltas:
         self._text = ""
         self._detokenizer = IncrementalDetokenizer(chat.decode)  # specials kept: the parsers read them
         self._opened = prompt_opens_reasoning(chat.decode(list(prompt.input_ids)[-8:]))
-        self._whole_at_end = chat.tool_parser == "gpt_oss" or chat.reasoning_parser == "gpt_oss"
+        self._harmony = chat.tool_parser == "gpt_oss" or chat.reasoning_parser == "gpt_oss"
         self._tools = chat.toolset(prompt.tools)  # compiled once, not per piece
         # End-of-turn tokens need no holding: a special token decodes whole, and the parsers
-        # strip it.
-        self._markers = (*CALL_MARKERS.get(chat.tool_parser or "", ()), THINK_OPEN, THINK_CLOSE,
-                         *prompt.sampling.stop)
+        # strip it. Harmony's markup is special tokens too, read by ``harmony_settled``.
+        tags = () if self._harmony else (THINK_OPEN, THINK_CLOSE)
+        self._markers = (*CALL_MARKERS.get(chat.tool_parser or "", ()), *tags, *prompt.sampling.stop)
         self.sent_reasoning = ""
         self.sent_content = ""
         self.sent_calls = 0
 
     def push(self, token_ids: Sequence[int]) -> ChatDelta:
         self._text += self._detokenizer.push(token_ids)
-        if self._whole_at_end:
-            return ChatDelta()
+        text = harmony_settled(self._text) if self._harmony else self._text
         parsed = parse_assistant_turn(
-            self._text, tool_parser=self._chat.tool_parser, reasoning_parser=self._chat.reasoning_parser,
+            text, tool_parser=self._chat.tool_parser, reasoning_parser=self._chat.reasoning_parser,
             tools=self._tools, first_call_index=self.prompt.first_call_index,
             starts_in_reasoning=self._opened)
         return self._advance(safe_prefix(parsed.reasoning or "", self._markers).rstrip(),
@@ -154,6 +157,20 @@ class ChatDeltas:
         delta.tool_calls = list(calls[self.sent_calls:])
         self.sent_calls = max(self.sent_calls, len(calls))
         return delta
+
+
+def harmony_settled(text: str) -> str:
+    """The part of a harmony turn so far whose reading cannot change: every message but the
+    last, and the last one too once its header is complete (``<|message|>``: channel and
+    recipient known) unless it is a call still short of its end marker. Text outside any header
+    is held while it is last: a ``<|channel|>`` after it would make it part of a header."""
+    messages = harmony_messages(text)
+    if not messages:
+        return text
+    last = messages[-1]
+    if HARMONY_MESSAGE in last.raw and (last.recipient is None or last.terminated):
+        return text
+    return text[:text.rfind(last.raw)]
 
 
 class CompletionDeltas:
