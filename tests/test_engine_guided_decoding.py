@@ -92,7 +92,7 @@ def test_a_constrained_generation_parses_and_leaves_the_batchs_free_rows_alone(d
     assert all(lp <= 0 for lp in guided.logprobs)
     assert done["free"].token_ids == expected.token_ids and done["free"].constrained == []
     assert done["free"].logprobs == pytest.approx(expected.logprobs, abs=1e-5)
-    assert engine._constrained_active == 0  # no step masks anything after the grammar's turn
+    assert engine.sampler.constrained_active == 0  # no step masks anything after the grammar's turn
 
 
 def test_an_invalid_grammar_is_refused_before_admission_and_the_engine_keeps_serving(demo) -> None:

@@ -5,7 +5,9 @@ Knows torch, the model, the KV pool and the sampler; not Ray, not asyncio (``bat
 it). Requests join at any step, either prefilled elsewhere (``add_prefilled``: KV pages from a
 prefill worker) or prefilled here (``add_prompt``: the aggregated mode, and a session's later
 turns, which reuse the KV its earlier turns left in the pool). Each step decodes one token for
-every active sequence and lets finished ones leave.
+every active sequence and lets finished ones leave. The pieces live beside it: the records it
+keeps and reports (``decode_state``), request checks (``request_checks``), KV blocks for
+admissions (``kv_allocation``) and turning logits into tokens (``batch_sampler``).
 
 Memory: a request reserves the blocks of its whole budget (prompt + max_new_tokens, clipped to
 the context) when it is admitted, so a running sequence never runs out of KV and is never
@@ -20,130 +22,41 @@ ids exist; ids past it (padded embedding rows) are never sampled. Without one (t
 checkpoints) the model's config eos ends a turn, every row may be sampled, and stop strings and
 grammars are refused.
 
-Top logprobs (``GenerateOptions.top_logprobs``): the sampler returns each asking row's most
-likely ids from the distribution it samples from (after a grammar's mask); a step computes them
-only when some row of its batch asks. ``new_tokens`` hands a running sequence's latest tokens to
-the loop that streams them (``batch_loop``, ``token_stream``).
-
-Grammars (``GenerateOptions.grammar``, ``guided_decoding``): a constrained sequence's row of the
-logits is masked before sampling, from its first token to its end-of-turn id; a step whose batch
-holds no grammar does no grammar work.
+Top logprobs and grammars (``GenerateOptions.top_logprobs``, ``GenerateOptions.grammar``) are
+applied where logits become tokens (``batch_sampler``): top logprobs come from the distribution
+sampled from, after a grammar's mask, and a step whose batch holds no grammar does no grammar
+work. ``new_tokens`` hands a running sequence's latest tokens to the loop that streams them
+(``batch_loop``, ``token_stream``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 
-from rollmesh.engine.errors import (
-    CapacityError,
-    DuplicateRequestError,
-    InvalidRequestError,
-    KvCapacityError,
-    PromptTooLongError,
-    VersionUnavailableError,
-)
-from rollmesh.engine.guided_decoding import GuidedDecoder, accept
-from rollmesh.engine.kv_pages import KvBlockPool, OutOfBlocksError, PagedAttention
+from rollmesh.engine.batch_sampler import BatchSampler
+# DecodeStats and FinishedSequence are also imported from here (rollmesh.engine.decode) by callers.
+from rollmesh.engine.decode_state import ActiveSequence, DecodeStats, FinishedSequence
+from rollmesh.engine.errors import CapacityError, DuplicateRequestError, KvCapacityError
+from rollmesh.engine.guided_decoding import GuidedDecoder
+from rollmesh.engine.kv_allocation import KvAllocator
+from rollmesh.engine.kv_pages import KvBlockPool, PagedAttention
 from rollmesh.engine.paged_model import model_device
 from rollmesh.engine.prefill import PrefillResult, run_prefill
-from rollmesh.engine.protocols import (
-    DEFAULT_OPTIONS,
-    MAX_TOP_LOGPROBS,
-    Detokenizer,
-    FinishReason,
-    GenerateOptions,
-    GenerationResult,
-    TopLogprobs,
+from rollmesh.engine.protocols import DEFAULT_OPTIONS, Detokenizer, FinishReason, GenerateOptions
+from rollmesh.engine.request_checks import (
+    check_min_version,
+    check_options,
+    check_prefill,
+    validate_prompt,
 )
-from rollmesh.engine.request_checks import validate_prompt
-from rollmesh.engine.sampling import sample_tokens
-from rollmesh.engine.session_cache import CachedSession, SessionCache, common_prefix_length
+from rollmesh.engine.session_cache import SessionCache
 from rollmesh.engine.stopping import StopChecker
 from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.engine.weight_staging import WeightStager
 from rollmesh.messages.base import SamplingParams
-
-
-@dataclass(slots=True)
-class FinishedSequence:
-    request_id: str
-    token_ids: list[int]  # generated tokens only
-    logprobs: list[float]  # behaviour logprobs (see sampling.py)
-    versions: list[int]  # weight version that produced each token
-    finish_reason: FinishReason
-    prompt_len: int
-    cached_tokens: int = 0
-    routed_experts: np.ndarray | None = None  # rows [routed_experts_start, seqlen - 1)
-    routed_experts_start: int = 0
-    top_logprobs: list[TopLogprobs] | None = None  # with GenerateOptions.top_logprobs > 0
-    constrained: list[bool] = field(default_factory=list)  # with a grammar: one flag per token
-
-    def as_generation_result(self) -> GenerationResult:
-        return GenerationResult(
-            token_ids=self.token_ids, logprobs=self.logprobs, versions=self.versions,
-            finish_reason=self.finish_reason, prompt_len=self.prompt_len, request_id=self.request_id,
-            cached_tokens=self.cached_tokens, routed_experts=self.routed_experts,
-            routed_experts_start=self.routed_experts_start, top_logprobs=self.top_logprobs,
-            constrained=self.constrained,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeStats:
-    active: int
-    max_batch: int
-    finished_unreported: int
-    steps: int
-    tokens_generated: int
-    current_version: int
-    staged_version: int | None
-    kv_blocks_total: int
-    kv_blocks_free: int
-    sessions_parked: int
-    session_hits: int
-    session_misses: int
-    prefix_tokens_reused: int
-    session_evictions: int
-
-
-class _Sequence:
-    __slots__ = ("request_id", "input_ids", "token_ids", "logprobs", "versions", "stopper",
-                 "blocks", "options", "temperature", "top_p", "cached_tokens", "routes",
-                 "top", "matcher", "constrained")
-
-    def __init__(self, request_id: str, input_ids: list[int], blocks: list[int],
-                 sampling: SamplingParams, stopper: StopChecker, options: GenerateOptions,
-                 cached_tokens: int) -> None:
-        self.request_id = request_id
-        self.input_ids = input_ids
-        self.blocks = blocks
-        self.stopper = stopper
-        self.options = options
-        self.temperature = sampling.temperature
-        self.top_p = sampling.top_p
-        self.cached_tokens = cached_tokens
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.routes: list[torch.Tensor] = []  # chunks of routed expert rows, position order
-        # Each token's alternatives, only for a request that asked (options.top_logprobs).
-        self.top: list[TopLogprobs] | None = [] if options.top_logprobs else None
-        self.matcher = None  # the grammar's xgrammar matcher, with options.grammar only
-        self.constrained: list[bool] = []  # per token, with options.grammar only
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def cached_len(self) -> int:
-        # The newest token's KV is written by the next step, so it is not in the pool yet.
-        return self.prompt_len + len(self.token_ids) - 1
 
 
 class DecodeEngine:
@@ -180,10 +93,10 @@ class DecodeEngine:
             block_size=block_size, device=model_device(model),
         )
         self.sessions = SessionCache()
+        self.kv = KvAllocator(self.pool, self.sessions, max_batch=max_batch)
         self._device = model_device(model)
-        self._generator = torch.Generator(device=self._device).manual_seed(seed)
-        self._active: list[_Sequence] = []
-        self._by_id: dict[str, _Sequence] = {}
+        self._active: list[ActiveSequence] = []
+        self._by_id: dict[str, ActiveSequence] = {}
         self._finished: list[FinishedSequence] = []  # finished at admission, reported next step
         self._steps = 0
         self._tokens_generated = 0
@@ -191,7 +104,10 @@ class DecodeEngine:
         # logits only while some active sequence has one, so free requests pay nothing.
         self.guided = GuidedDecoder(tokenizer, vocab_size=self.sampled_vocab_size,
                                     end_of_turn_ids=self.end_of_turn_ids)
-        self._constrained_active = 0
+        self.sampler = BatchSampler(
+            self.guided, vocab_size=self.sampled_vocab_size, device=self._device,
+            generator=torch.Generator(device=self._device).manual_seed(seed),
+        )
 
     # -- requests --------------------------------------------------------------------------
 
@@ -212,14 +128,13 @@ class DecodeEngine:
         input_ids = validate_prompt(input_ids, self.model, request_id=request_id)
         stopper = self.validate_request(request_id, len(input_ids), sampling, options)
         self.weights.apply_staged()  # between steps: a boundary
-        self._check_version(options.min_version, self.weights.current_version, request_id)
+        check_min_version(options.min_version, self.weights.current_version, request_id=request_id)
         needed = self.blocks_needed(len(input_ids), sampling)
         if len(self._active) >= self.max_batch:
             raise CapacityError(self.max_batch, request_id=request_id)
-        session = self.sessions.take(options.session_id)
-        reused, blocks, prefix_routes = self._reuse(session, input_ids)
+        reused, blocks, prefix_routes = self.kv.reuse(options.session_id, input_ids)
         try:
-            blocks += self._allocate(needed - len(blocks), request_id)
+            blocks += self.kv.allocate(needed - len(blocks), request_id)
         except CapacityError:
             self.pool.free(blocks)
             raise
@@ -228,7 +143,8 @@ class DecodeEngine:
         except Exception:
             self.pool.free(blocks)
             raise
-        sequence = _Sequence(request_id, input_ids, blocks, sampling, stopper, options, reused)
+        sequence = ActiveSequence(request_id, input_ids, blocks, sampling, stopper, options,
+                                  reused)
         if prefix_routes is not None and reused:
             sequence.routes.append(prefix_routes[:reused])
         if routes is not None:
@@ -246,14 +162,15 @@ class DecodeEngine:
         stopper = self.validate_prefilled(request_id, prefill, sampling, options)
         self.weights.apply_staged()
         # The first token comes from the prefill worker's weights, the rest from ours.
-        self._check_version(options.min_version,
-                            min(prefill.weight_version, self.weights.current_version), request_id)
+        check_min_version(options.min_version,
+                          min(prefill.weight_version, self.weights.current_version),
+                          request_id=request_id)
         if len(self._active) >= self.max_batch:
             raise CapacityError(self.max_batch, request_id=request_id)
-        blocks = self._allocate(self.blocks_needed(prefill.num_tokens, sampling), request_id)
+        blocks = self.kv.allocate(self.blocks_needed(prefill.num_tokens, sampling), request_id)
         self.pool.write_pages(blocks[: prefill.pages.shape[2]], prefill.pages)
-        sequence = _Sequence(request_id, list(prefill.input_ids), blocks, sampling, stopper,
-                             options, 0)
+        sequence = ActiveSequence(request_id, list(prefill.input_ids), blocks, sampling, stopper,
+                                  options, 0)
         if prefill.routes is not None:
             sequence.routes.append(prefill.routes)
         self._admit(sequence, prefill.last_logits.to(self._device), prefill.weight_version)
@@ -266,7 +183,7 @@ class DecodeEngine:
         if len(self._active) >= self.max_batch:
             return False
         own = self.sessions.blocks_of(session_id)
-        return self._make_room(self.blocks_needed(prompt_len, sampling) - own, keep=session_id)
+        return self.kv.make_room(self.blocks_needed(prompt_len, sampling) - own, keep=session_id)
 
     def blocks_needed(self, prompt_len: int, sampling: SamplingParams) -> int:
         total = min(prompt_len + sampling.max_new_tokens, self.model.max_seq_len)
@@ -313,28 +230,20 @@ class DecodeEngine:
         paged = PagedAttention(self.pool, [s.blocks for s in batch], [s.cached_len for s in batch],
                                1, sliding_window=self.model.sliding_window)
         logits, routes = self.model.forward_paged(tokens, paged)
-        step_logits, constrained = logits[:, 0], None
-        if self._constrained_active:
-            step_logits, constrained = self._mask_grammars(batch, step_logits)
-        temperature = torch.tensor([s.temperature for s in batch], device=self._device)
-        top_p = torch.tensor([s.top_p for s in batch], device=self._device)
-        top_n = max(s.options.top_logprobs for s in batch)
-        chosen, logprobs, *top = sample_tokens(step_logits, temperature, top_p, self._generator,
-                                               vocab_size=self.sampled_vocab_size, top_n=top_n)
-        if top:
-            _keep_top(batch, *top[0])
+        chosen, logprobs, constrained = self.sampler.sample(
+            batch, logits[:, 0], masked=bool(self.sampler.constrained_active))
         self._steps += 1
         self._tokens_generated += len(batch)
-        still_active: list[_Sequence] = []
+        still_active: list[ActiveSequence] = []
         done: list[FinishedSequence] = []
-        for row, (sequence, token, logprob) in enumerate(zip(batch, chosen.tolist(), logprobs.tolist())):
+        for row, (sequence, token, logprob) in enumerate(zip(batch, chosen, logprobs)):
             sequence.token_ids.append(token)
             sequence.logprobs.append(logprob)
             sequence.versions.append(version)
             if routes is not None:
                 sequence.routes.append(routes[row])
             if constrained is not None:
-                self._advance_grammar(sequence, token, constrained[row])
+                self.sampler.advance_grammar(sequence, token, constrained[row])
             reason = sequence.stopper.check(sequence.token_ids)
             if reason is None:
                 still_active.append(sequence)
@@ -343,25 +252,17 @@ class DecodeEngine:
         self._active = still_active
         return done
 
-    def _admit(self, sequence: _Sequence, last_logits: torch.Tensor, version: int) -> None:
-        first_logits, constrained = last_logits[None], None
-        if sequence.options.grammar is not None:  # compiled (and cached) by validate_request
-            sequence.matcher = self.guided.matcher(sequence.options.grammar,
-                                                   request_id=sequence.request_id)
-            self._constrained_active += 1
-            first_logits, constrained = self._mask_grammars([sequence], first_logits)
-        temperature = torch.tensor([sequence.temperature], device=self._device)
-        top_p = torch.tensor([sequence.top_p], device=self._device)
-        token, logprob, *top = sample_tokens(first_logits, temperature, top_p, self._generator,
-                                             vocab_size=self.sampled_vocab_size,
-                                             top_n=sequence.options.top_logprobs)
-        if top:
-            _keep_top([sequence], *top[0])
-        sequence.token_ids.append(int(token))
-        sequence.logprobs.append(float(logprob))
+    def _admit(self, sequence: ActiveSequence, last_logits: torch.Tensor, version: int) -> None:
+        constrain = sequence.options.grammar is not None
+        if constrain:  # compiled (and cached) by validate_request
+            self.sampler.start_grammar(sequence)
+        (token,), (logprob,), constrained = self.sampler.sample([sequence], last_logits[None],
+                                                                masked=constrain)
+        sequence.token_ids.append(token)
+        sequence.logprobs.append(logprob)
         sequence.versions.append(version)
         if constrained is not None:
-            self._advance_grammar(sequence, int(token), constrained[0])
+            self.sampler.advance_grammar(sequence, token, constrained[0])
         self._by_id[sequence.request_id] = sequence
         self._tokens_generated += 1
         reason = sequence.stopper.check(sequence.token_ids)
@@ -370,51 +271,19 @@ class DecodeEngine:
         else:
             self._active.append(sequence)
 
-    def _mask_grammars(self, batch: list[_Sequence], logits: torch.Tensor):
-        """(logits with each constrained row masked in place, per row: was it constrained)."""
-        logits = logits.float()  # the mask goes into the very tensor sample_tokens normalises
-        return logits, self.guided.mask(logits, [s.matcher for s in batch])
-
-    def _advance_grammar(self, sequence: _Sequence, token: int, constrained: bool) -> None:
-        if sequence.matcher is None:
-            return
-        sequence.constrained.append(constrained)
-        if not accept(sequence.matcher, token):
-            # Cannot happen for a masked row; should it, the rest of the turn goes unconstrained
-            # (its flags say so, see _finish) rather than failing the whole batch's step.
-            self._drop_grammar(sequence)
-
-    def _drop_grammar(self, sequence: _Sequence) -> None:
-        if sequence.matcher is not None:
-            sequence.matcher = None
-            self._constrained_active -= 1
-
-    def _finish(self, sequence: _Sequence, reason: FinishReason) -> FinishedSequence:
+    def _finish(self, sequence: ActiveSequence, reason: FinishReason) -> FinishedSequence:
         """Report ``sequence``; park its KV under its session, or free it."""
-        self._drop_grammar(sequence)
-        if sequence.options.grammar is not None:  # one flag per token, also after a dropped grammar
-            sequence.constrained += [False] * (len(sequence.token_ids) - len(sequence.constrained))
+        self.sampler.end_grammar(sequence)
         cached_len = sequence.cached_len
         routes = torch.cat(sequence.routes)[:cached_len] if sequence.routes else None
-        keep = self.pool.blocks_for(cached_len)
         session_id = sequence.options.session_id
         if session_id:
-            self.pool.free(sequence.blocks[keep:])
             tokens = (sequence.input_ids + sequence.token_ids)[:cached_len]
-            replaced = self.sessions.park(session_id, CachedSession(tokens, sequence.blocks[:keep], routes))
-            self.pool.free(replaced)
+            self.kv.park(session_id, tokens, sequence.blocks, routes)
         else:
             self.pool.free(sequence.blocks)
         sequence.blocks = []
-        routed, start = None, 0
-        if sequence.options.return_routed_experts and routes is not None:
-            start = sequence.options.routed_experts_start_len
-            routed = routes[start:].numpy().copy()
-        return FinishedSequence(
-            sequence.request_id, sequence.token_ids, sequence.logprobs, sequence.versions, reason,
-            sequence.prompt_len, sequence.cached_tokens, routed, start, sequence.top,
-            constrained=sequence.constrained,
-        )
+        return sequence.finished(reason, routes)
 
     def new_tokens(self, request_id: str, start: int) -> TokenDelta | None:
         """The tokens a running (or finished, not yet reported) request sampled from index
@@ -428,39 +297,9 @@ class DecodeEngine:
 
     # -- memory ----------------------------------------------------------------------------
 
-    def _reuse(self, session: CachedSession | None, input_ids: list[int]):
-        """(reused tokens, the blocks holding them, the session's routes) from a taken session;
-        blocks past the common prefix go back to the pool."""
-        if session is None:
-            return 0, [], None
-        # At least the last prompt token is recomputed: its logits start the generation.
-        reused = min(common_prefix_length(session.token_ids, input_ids), len(input_ids) - 1)
-        keep = self.pool.blocks_for(reused)
-        self.pool.free(session.blocks[keep:])
-        self.sessions.reused_tokens += reused
-        return reused, session.blocks[:keep], session.routes
-
-    def _allocate(self, count: int, request_id: str) -> list[int]:
-        if not self._make_room(count):
-            raise CapacityError(self.max_batch, request_id=request_id)
-        try:
-            return self.pool.allocate(count)
-        except OutOfBlocksError as exc:  # _make_room said yes; kept for a clear error anyway
-            raise CapacityError(self.max_batch, request_id=request_id) from exc
-
-    def _make_room(self, blocks: int, keep: str | None = None) -> bool:
-        while self.pool.num_free() < blocks:
-            evicted = self.sessions.evict_oldest(keep=keep)
-            if not evicted:
-                break
-            self.pool.free(evicted)
-        return self.pool.num_free() >= blocks
-
     def drop_sessions(self) -> int:
         """Free every parked session's KV (e.g. an operator's cache flush); blocks freed."""
-        blocks = self.sessions.drop_all()
-        self.pool.free(blocks)
-        return len(blocks)
+        return self.kv.drop_sessions()
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -519,25 +358,7 @@ class DecodeEngine:
         version); returns its stop checker, its token budget clipped to the context."""
         if request_id in self._by_id:
             raise DuplicateRequestError(request_id)
-        max_seq_len = self.model.max_seq_len
-        if prompt_len > max_seq_len - 1:
-            raise PromptTooLongError(prompt_len, max_seq_len - 1, request_id=request_id)
-        if not 0 <= options.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(
-                f"{options.top_logprobs} is outside [0, {MAX_TOP_LOGPROBS}]", field="top_logprobs",
-                request_id=request_id,
-            )
-        start = options.routed_experts_start_len
-        if not 0 <= start <= prompt_len:
-            raise InvalidRequestError(
-                f"{start} is outside [0, {prompt_len}] (the prompt's length)",
-                field="routed_experts_start_len", request_id=request_id,
-            )
-        if options.return_routed_experts and self.model.routing_shape is None:
-            raise InvalidRequestError(
-                "the model is dense: it routes no experts", field="return_routed_experts",
-                request_id=request_id,
-            )
+        check_options(options, prompt_len, self.model, request_id=request_id)
         if options.grammar is not None:  # an invalid grammar fails here, before any admission
             self.guided.compile(options.grammar, request_id=request_id)
         needed = self.blocks_needed(prompt_len, sampling)
@@ -545,7 +366,7 @@ class DecodeEngine:
             raise KvCapacityError(needed, self.pool.num_blocks, request_id=request_id)
         return StopChecker(
             stop=list(sampling.stop),
-            max_new_tokens=min(sampling.max_new_tokens, max_seq_len - prompt_len),
+            max_new_tokens=min(sampling.max_new_tokens, self.model.max_seq_len - prompt_len),
             end_of_turn_ids=self.end_of_turn_ids,
             detokenizer=self.tokenizer,
             request_id=request_id,
@@ -559,34 +380,5 @@ class DecodeEngine:
         options: GenerateOptions = DEFAULT_OPTIONS,
     ) -> StopChecker:
         stopper = self.validate_request(request_id, prefill.num_tokens, sampling, options)
-        if prefill.num_tokens < 1:
-            raise InvalidRequestError("empty prompt", field="prefill", request_id=request_id)
-        layout = self.model.kv_layout()
-        expected = (layout.num_layers, 2, self.pool.blocks_for(prefill.num_tokens),
-                    self.pool.block_size, layout.num_kv_heads, layout.head_dim)
-        if tuple(prefill.pages.shape) != expected:
-            raise InvalidRequestError(
-                f"KV pages of shape {tuple(prefill.pages.shape)}, expected {expected}",
-                field="prefill.pages", request_id=request_id,
-            )
-        if tuple(prefill.last_logits.shape) != (self.model.vocab_size,):
-            raise InvalidRequestError(
-                f"last_logits shape {tuple(prefill.last_logits.shape)}, expected "
-                f"({self.model.vocab_size},)",
-                field="prefill.last_logits", request_id=request_id,
-            )
+        check_prefill(prefill, self.model, self.pool, request_id=request_id)
         return stopper
-
-    @staticmethod
-    def _check_version(min_version: int | None, version: int, request_id: str) -> None:
-        if min_version is not None and version < min_version:
-            raise VersionUnavailableError(min_version, version, request_id=request_id)
-
-
-def _keep_top(batch: list[_Sequence], ids: torch.Tensor, values: torch.Tensor) -> None:
-    """Each asking row's first ``options.top_logprobs`` alternatives (the batch computed as many
-    as its hungriest row asked for)."""
-    for sequence, row_ids, row_values in zip(batch, ids.tolist(), values.tolist()):
-        if sequence.top is not None:
-            n = sequence.options.top_logprobs
-            sequence.top.append(list(zip(row_ids[:n], row_values[:n])))
