@@ -1,13 +1,16 @@
 """Chat sessions as plain logic: the history-extension check, the store's leases and bounds, and
 whole sessions on the demo model with scripted turns (``generate`` returns what the model would
-write, encoded once as if sampled). No Ray, no HTTP: test_serve_app.py drives a deployed app with
-the official ``openai`` client.
+write, encoded once as if sampled), streamed turns included (kept as sampled once finished; left
+early, failed or deleted meanwhile: not kept). No Ray, no HTTP: test_serve_sessions.py drives a
+deployed app with the official ``openai`` client.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import pytest
@@ -15,14 +18,16 @@ import pytest
 from rollmesh.chat import ChatModel, TokenSample, ToolCall, check_trajectory
 from rollmesh.chat.token_check import special_token_ids
 from rollmesh.engine.protocols import GenerateOptions, GenerationResult
+from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.messages.token_trace import NO_VERSION, TokenTrace
 from rollmesh.serve_apps import InvalidApiRequestError, ServedModel
 from rollmesh.serve_apps.chat_requests import ChatPrompt, chat_response
 from rollmesh.serve_apps.chat_sessions import ChatSessions
-from rollmesh.serve_apps.errors import SessionConflictError, SessionNotFoundError
+from rollmesh.serve_apps.errors import EngineUnavailableError, SessionConflictError, SessionNotFoundError
 from rollmesh.serve_apps.http_shapes import ChatCompletionRequest, ChatMessage
 from rollmesh.serve_apps.session_history import SessionHistoryError, new_messages
 from rollmesh.serve_apps.session_store import LocalSessionStore, SessionStore
+from rollmesh.serve_apps.stream_events import chat_events
 from rollmesh.serve_apps.chat_messages import template_messages
 from serve_models import CALC, QUESTION, demo_served_model
 
@@ -143,6 +148,8 @@ class ScriptedEngine:
         self.generated: list[list[int]] = []
         self.gate: asyncio.Event | None = None
         self.constrained_turns: set[int] = set()  # turns sampled under a grammar, every token
+        self.fail_at: int | None = None
+        self.streamed, self.closed = 0, False
 
     async def __call__(self, prompt: ChatPrompt, options: GenerateOptions) -> GenerationResult:
         self.prompts.append(list(prompt.input_ids))
@@ -156,6 +163,26 @@ class ScriptedEngine:
         constrained = [True] * len(ids) if len(self.generated) - 1 in self.constrained_turns else []
         return GenerationResult(ids, [-0.25] * len(ids), [VERSION] * len(ids), "eos" if eot else "length",
                                 len(prompt.input_ids), constrained=constrained)
+
+    async def stream(self, prompt: ChatPrompt, options: GenerateOptions,
+                     ) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+        """The next turn as the engine streams it: one token per piece, then the result; it fails
+        with a worker error before token ``fail_at`` when set. ``streamed`` counts the pieces
+        given, ``closed`` says whether the pieces were closed (what aborts a request)."""
+        result = await self(prompt, options)
+        self.streamed, self.closed = 0, False
+
+        async def pieces() -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+            try:
+                for at, token in enumerate(result.token_ids):
+                    if at == self.fail_at:
+                        raise EngineUnavailableError("a worker died", code="worker_unavailable")
+                    self.streamed += 1
+                    yield TokenDelta("r", at, [token], [result.logprobs[at]], [result.versions[at]])
+                yield result
+            finally:
+                self.closed = True
+        return pieces()
 
 
 def request(*history: dict, session_id: str = "s1", **fields: object) -> ChatCompletionRequest:
@@ -335,3 +362,123 @@ async def test_a_qwen3_session_keeps_the_reasoning_the_client_dropped_and_checks
     assert body.messages[1]["reasoning_content"] == "ask calc"  # the server's record, not the echo
     assert body.token_trace.ids == engine.prompts[-1] + engine.generated[-1]
     assert body.tokenization_bugs == []
+
+
+# -- streamed turns -----------------------------------------------------------------------------
+
+
+async def streamed_turn(sessions: ChatSessions, engine: ScriptedEngine, history: list[dict],
+                        **fields: object) -> AsyncGenerator[tuple[dict, int], None]:
+    """A streamed turn's chunks as the client reads them, each with the pieces streamed by then."""
+    prompt, pieces = await sessions.stream_turn(request(*history, stream=True, **fields), engine.stream)
+    # Closed when this generator is: a response closes its events when its client leaves
+    # (cancelled mid-read, or collected).
+    async with contextlib.aclosing(chat_events(pieces, prompt, request_id="c", created=1,
+                                               served=sessions.served)) as events:
+        async for event in events:
+            if event != "data: [DONE]\n\n":
+                yield json.loads(event[len("data: "):]), engine.streamed
+
+
+async def test_a_streamed_session_turn_goes_out_token_by_token_and_is_kept_as_sampled(
+    served: ServedModel,
+) -> None:
+    sessions = ChatSessions(served, LocalSessionStore(SessionStore(ttl_s=60, max_sessions=8)))
+    answer = "water is 18.015 g/mol"
+    engine = ScriptedEngine(served, [call_turn(served, "H2O"), answer + served.chat.end_of_turn_text])
+    engine.constrained_turns = {1}
+    history = [QUESTION]
+    await client_turn(sessions, engine, history)
+    history.append({"role": "tool", "tool_call_id": "call_0", "content": "18.015"})
+
+    chunks, content = [], []
+    async for chunk, streamed in streamed_turn(sessions, engine, history):
+        chunks.append(chunk)
+        if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+            content.append((chunk["choices"][0]["delta"]["content"], streamed))
+            if len(content) == 1:  # mid-turn: the session is still this turn's
+                with pytest.raises(SessionConflictError):
+                    await sessions.turn(request(*history), engine)
+                assert (await sessions.trajectory("s1")).turns == 1
+    assert "".join(text for text, _ in content) == answer
+    assert len(content) > 3 and content[0][1] < len(engine.generated[-1]) // 2
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+    # Kept once the stream ended: the ids, logprobs, versions and grammar flags as sampled.
+    body = await sessions.trajectory("s1")
+    trace = body.token_trace
+    turn = range(len(engine.prompts[-1]), len(trace.ids))
+    assert (body.turns, body.finish_reason) == (2, "stop")
+    assert trace.ids == engine.prompts[-1] + engine.generated[-1]
+    assert all(trace.versions[p] == VERSION and trace.logprobs[p] == -0.25 for p in turn)
+    assert not any(trace.loss_mask[p] for p in turn)  # sampled under a grammar: mask 0
+    assert body.messages[-1] == {"role": "assistant", "content": answer}
+    assert body.tokenization_bugs == []
+
+
+async def test_a_streamed_turn_left_early_or_failed_leaves_the_session_as_it_was(
+    served: ServedModel,
+) -> None:
+    sessions = ChatSessions(served, LocalSessionStore(SessionStore(ttl_s=60, max_sessions=8)))
+    long_answer = "an answer long enough to leave" + served.chat.end_of_turn_text
+    engine = ScriptedEngine(served, [call_turn(served, "H2O"), long_answer, long_answer,
+                                     "18.015" + served.chat.end_of_turn_text])
+    history = [QUESTION]
+    await client_turn(sessions, engine, history)
+    history.append({"role": "tool", "tool_call_id": "call_0", "content": "18.015"})
+    before = await sessions.trajectory("s1")
+
+    # The client leaves after two chunks: the events are closed, the engine's pieces with them.
+    events = streamed_turn(sessions, engine, history)
+    assert [await anext(events) for _ in range(2)]
+    await events.aclose()
+    assert engine.closed and engine.streamed < len(engine.generated[-1])
+    assert await sessions.trajectory("s1") == before
+
+    engine.fail_at = 3  # a worker dies mid-turn: an error event, and nothing kept
+    chunks = [chunk async for chunk, _ in streamed_turn(sessions, engine, history)]
+    assert chunks[-1]["error"]["code"] == "worker_unavailable"
+    assert await sessions.trajectory("s1") == before
+
+    engine.fail_at = None  # the session is free and unchanged: the next turn continues it
+    await client_turn(sessions, engine, history)
+    body = await sessions.trajectory("s1")
+    assert body.turns == 2 and body.token_trace.ids == engine.prompts[-1] + engine.generated[-1]
+    assert engine.prompts[-1] == engine.prompts[1] == engine.prompts[2]
+
+
+async def test_a_streamed_turn_cut_by_max_tokens_is_kept_as_truncated(served: ServedModel) -> None:
+    sessions = ChatSessions(served, LocalSessionStore(SessionStore(ttl_s=60, max_sessions=8)))
+    engine = ScriptedEngine(served, ["a long answer, cut" + served.chat.end_of_turn_text])
+    chunks = [chunk async for chunk, _ in streamed_turn(sessions, engine, [QUESTION], max_tokens=3)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    body = await sessions.trajectory("s1")
+    assert (body.turns, body.finish_reason) == (1, "truncated")
+    assert body.token_trace.ids[body.prompt_len:] == engine.generated[0] and len(engine.generated[0]) == 3
+    with pytest.raises(InvalidApiRequestError) as raised:
+        await sessions.turn(request(QUESTION, {"role": "assistant", "content": chunks_text(chunks)},
+                                    {"role": "user", "content": "go on"}), engine)
+    assert raised.value.code == "session_truncated"
+
+
+async def test_a_session_deleted_while_its_turn_streams_ends_the_stream_with_an_error_event(
+    served: ServedModel,
+) -> None:
+    sessions = ChatSessions(served, LocalSessionStore(SessionStore(ttl_s=60, max_sessions=8)))
+    engine = ScriptedEngine(served, [call_turn(served, "H2O"), "18.015 g/mol" + served.chat.end_of_turn_text])
+    history = [QUESTION]
+    await client_turn(sessions, engine, history)
+    history.append({"role": "tool", "tool_call_id": "call_0", "content": "18.015"})
+    chunks = []
+    async for chunk, _ in streamed_turn(sessions, engine, history):
+        chunks.append(chunk)
+        if len(chunks) == 2:
+            assert (await sessions.delete("s1")).deleted
+    assert chunks[-1]["error"]["code"] == "session_busy"
+    assert not any(c["choices"][0]["finish_reason"] for c in chunks if c.get("choices"))
+    with pytest.raises(SessionNotFoundError):
+        await sessions.trajectory("s1")
+
+
+def chunks_text(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))

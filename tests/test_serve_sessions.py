@@ -269,8 +269,17 @@ def test_a_streamed_session_turn_is_kept_like_a_whole_one(client: openai.OpenAI,
     session_id = "stream-" + uuid.uuid4().hex[:8]
     chunks = list(client.chat.completions.create(
         model=MODEL_NAME, messages=[QUESTION], tools=[CALC], temperature=0, max_tokens=MAX_TOKENS,
-        stream=True, extra_body={"session_id": session_id}))
-    calls = [call for chunk in chunks for call in (chunk.choices[0].delta.tool_calls or [])]
+        stream=True, logprobs=True, stream_options={"include_usage": True},
+        extra_body={"session_id": session_id}))
+    calls = [call for chunk in chunks if chunk.choices for call in (chunk.choices[0].delta.tool_calls or [])]
     assert [call.function.name for call in calls] == ["calc"]
+    # Each token's logprob came on its piece's chunk as the engine sampled it.
+    streamed = [entry.logprob for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    assert len(streamed) == chunks[-1].usage.completion_tokens
     body = http.get(f"/v1/sessions/{session_id}/trajectory").json()
     assert body["turns"] == 1 and body["messages"][-1]["tool_calls"][0]["id"] == calls[0].id
+    # Kept as sampled: the streamed turn's tokens are the trajectory's generated ones.
+    trace = body["token_trace"]
+    assert trace["loss_mask"][body["prompt_len"]:] == [1] * len(streamed)
+    assert trace["logprobs"][body["prompt_len"]:] == streamed

@@ -22,6 +22,10 @@ with the ``openai`` client) and sends each turn the whole conversation, as OpenA
   readable, ending in the truncated turn.
 - A second request on a session while a turn is in flight gets a 409 ``session_busy``; the turn's
   session is taken (leased) for its whole duration, so two turns can never interleave.
+- A streamed turn (``stream_turn``) goes out token by token like any chat answer and holds the
+  lease while it streams. It is kept when the engine's finished sequence arrives, before the
+  last chunk is sent (a lease lost meanwhile is the stream's error event); a stream that fails
+  or that the client leaves first (its request is aborted) leaves the session as it was.
 
 ``GET /v1/sessions/{id}/trajectory`` answers the tokens as a ``TokenTrace`` (ids, loss mask,
 logprobs, versions), the messages in OpenAI form, and the check of the tokens against a whole
@@ -32,14 +36,17 @@ Where sessions live, and their bounds: ``session_store``.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rollmesh.chat import ChatError, TemplateRenderError, TruncatedTurnError
 from rollmesh.chat.token_check import special_token_ids
 from rollmesh.engine.protocols import GenerateOptions, GenerationResult
+from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.serve_apps.chat_messages import template_messages
 from rollmesh.serve_apps.chat_requests import ChatPrompt, chat_settings, parse_answer, request_chat
 from rollmesh.serve_apps.errors import (
@@ -57,10 +64,24 @@ from rollmesh.serve_apps.http_shapes import (
     SessionTrajectoryResponse,
 )
 from rollmesh.serve_apps.session_history import SessionHistoryError, new_messages
-from rollmesh.serve_apps.session_store import PendingTurn, SessionRecord, SessionStoreClient
+from rollmesh.serve_apps.session_store import PendingTurn, SessionLease, SessionRecord, SessionStoreClient
 from rollmesh.serve_apps.session_trajectory import SessionTrajectory
 
 GenerateTurn = Callable[[ChatPrompt, GenerateOptions], Awaitable[GenerationResult]]
+Piece = TokenDelta | GenerationResult
+# The engine's pieces of one turn, once the first has come (``stream_events.started``).
+StreamTurn = Callable[[ChatPrompt, GenerateOptions], Awaitable[AsyncGenerator[Piece, None]]]
+
+
+@dataclass
+class _OpenTurn:
+    """A turn between its lease and its end: what it prompts the engine with."""
+
+    request: ChatCompletionRequest
+    lease: SessionLease
+    trajectory: SessionTrajectory
+    prompt: ChatPrompt
+    options: GenerateOptions
 
 
 class ChatSessions:
@@ -75,6 +96,32 @@ class ChatSessions:
                    ) -> tuple[ChatPrompt, GenerationResult]:
         """One turn of ``request.session_id``: its prompt (the trajectory's ids) and what the
         engine generated, kept in the session before this returns."""
+        turn = await self._open(request)
+        try:
+            result = await generate(turn.prompt, turn.options)
+        except BaseException:
+            await self._release(turn)
+            raise
+        await self._keep(turn, result)
+        return turn.prompt, result
+
+    async def stream_turn(self, request: ChatCompletionRequest, stream: StreamTurn,
+                          ) -> tuple[ChatPrompt, AsyncGenerator[Piece, None]]:
+        """One turn of ``request.session_id``, streamed: its prompt and the engine's pieces. The
+        session stays leased while they are read; the turn is kept when the finished sequence
+        arrives, before it is passed on; pieces that end any other way (the engine failed, the
+        client left and the pieces were closed) leave the session as it was."""
+        turn = await self._open(request)
+        try:
+            pieces = await stream(turn.prompt, turn.options)
+        except BaseException:  # refused before its first token: a plain failed turn
+            await self._release(turn)
+            raise
+        return turn.prompt, self._kept_when_finished(turn, pieces)
+
+    async def _open(self, request: ChatCompletionRequest) -> _OpenTurn:
+        """The session leased to this turn, with the turn's prompt (released again if it cannot
+        be made)."""
         session_id = request.session_id or ""
         if not 1 <= len(session_id) <= MAX_ID_CHARS:
             raise InvalidApiRequestError(
@@ -95,15 +142,43 @@ class ChatSessions:
             check_prompt_length(len(trajectory), self.served, param="messages")
             prompt = dataclasses.replace(settings, input_ids=list(trajectory.ids))
             options = generate_options(request, prompt_len=len(prompt.input_ids), served=self.served)
-            result = await generate(prompt, options)
-            record = self._record(request, lease.record, trajectory, prompt, result)
         except BaseException:
             await self.store.release(session_id, lease.lease_id)
             raise
-        if not await self.store.commit(session_id, lease.lease_id, record):
+        return _OpenTurn(request, lease, trajectory, prompt, options)
+
+    async def _keep(self, turn: _OpenTurn, result: GenerationResult) -> None:
+        """The generated turn stored and the session freed (a lease lost meanwhile: 409)."""
+        session_id = turn.request.session_id or ""
+        try:
+            record = self._record(turn.request, turn.lease.record, turn.trajectory, turn.prompt, result)
+        except BaseException:
+            await self._release(turn)
+            raise
+        if not await self.store.commit(session_id, turn.lease.lease_id, record):
             raise SessionConflictError(session_id, "it was deleted or expired while this turn ran; "
                                        "the turn was not kept")
-        return prompt, result
+
+    async def _release(self, turn: _OpenTurn) -> None:
+        """The session freed unchanged. Shielded: a client that leaves cancels the task that runs
+        this, and the lease must still go (else the session stays busy until its TTL)."""
+        await asyncio.shield(self.store.release(turn.request.session_id or "", turn.lease.lease_id))
+
+    async def _kept_when_finished(self, turn: _OpenTurn, pieces: AsyncGenerator[Piece, None],
+                                  ) -> AsyncGenerator[Piece, None]:
+        kept = False
+        try:
+            async for piece in pieces:
+                if isinstance(piece, GenerationResult):
+                    kept = True  # committed or lost: either way no longer this turn's to release
+                    await self._keep(turn, piece)
+                yield piece
+        finally:
+            try:
+                await pieces.aclose()  # first: a turn left early is aborted before the lease goes
+            finally:
+                if not kept:
+                    await self._release(turn)
 
     async def trajectory(self, session_id: str) -> SessionTrajectoryResponse:
         """The session's tokens, messages and token check (module docstring)."""

@@ -101,7 +101,7 @@ from rollmesh.serve_apps.http_shapes import (
 )
 from rollmesh.serve_apps.replica_loopback import keep_replica_grpc_on_loopback
 from rollmesh.serve_apps.session_actor import session_store_actor, stop_session_store
-from rollmesh.serve_apps.stream_events import chat_events, completion_events, started, whole
+from rollmesh.serve_apps.stream_events import chat_events, completion_events, started
 from rollmesh.serve_apps.tokenize_requests import detokenize, tokenize
 from rollmesh.serve_apps.tool_choice import generate_grammar
 from rollmesh.serve_apps.weight_admin import (
@@ -313,22 +313,30 @@ class InferenceServer:
         )
 
     async def _session_chat(self, body: ChatCompletionRequest) -> ChatCompletionResponse | StreamingResponse:
-        """A chat session's turn (``chat_sessions``). It is kept whole before it is answered, so a
-        streamed one is sent as events once generated."""
+        """A chat session's turn (``chat_sessions``): kept before it is answered, or, streamed,
+        sent token by token and kept when the engine finishes it."""
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
-        async def generate(prompt: ChatPrompt, options: GenerateOptions) -> GenerationResult:
-            options = dataclasses.replace(options, top_logprobs=prompt.top_logprobs,
-                                          grammar=prompt.grammar)
-            return await self._generate(prompt.input_ids, prompt.sampling, request_id, options,
-                                        chat_params(body), operation="chat")
+        def chat_options(prompt: ChatPrompt, options: GenerateOptions) -> GenerateOptions:
+            return dataclasses.replace(options, top_logprobs=prompt.top_logprobs, grammar=prompt.grammar)
 
-        prompt, result = await self.sessions.turn(body, generate)
         if body.stream:
+            async def stream(prompt: ChatPrompt, options: GenerateOptions):
+                return await self._generate_stream(prompt.input_ids, prompt.sampling, request_id,
+                                                   chat_options(prompt, options), chat_params(body),
+                                                   operation="chat")
+
+            prompt, pieces = await self.sessions.stream_turn(body, stream)
             return _event_stream(chat_events(
-                whole(result), prompt, request_id=request_id, created=int(time.time()),
+                pieces, prompt, request_id=request_id, created=int(time.time()),
                 served=self.served, routed_experts_dtype=body.routed_experts_dtype,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage)))
+
+        async def generate(prompt: ChatPrompt, options: GenerateOptions) -> GenerationResult:
+            return await self._generate(prompt.input_ids, prompt.sampling, request_id,
+                                        chat_options(prompt, options), chat_params(body), operation="chat")
+
+        prompt, result = await self.sessions.turn(body, generate)
         return chat_response(result, prompt, request_id=request_id, created=int(time.time()),
                              served=self.served, routed_experts_dtype=body.routed_experts_dtype)
 

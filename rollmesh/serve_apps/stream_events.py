@@ -72,8 +72,8 @@ async def chat_events(
                             "finish_reason": finish_reason, **extension}]})
 
     deltas = ChatDeltas(prompt)
-    yield chunk({"role": "assistant", "content": ""})
     try:
+        yield chunk({"role": "assistant", "content": ""})
         async for piece in pieces:
             if isinstance(piece, GenerationResult):
                 result = piece
@@ -89,6 +89,10 @@ async def chat_events(
         yield _event(error.to_response().model_dump())
         yield DONE
         return
+    finally:
+        # Events closed early (the client left) close their pieces now, not when collected: that
+        # aborts the request, and a chat session's pieces free the session (chat_sessions).
+        await _close(pieces)
     final = parse_answer(result, prompt)
     rest = deltas.finish(final)
     if final.content != deltas.sent_content or (final.reasoning or "") != deltas.sent_reasoning:
@@ -172,6 +176,12 @@ def _usage_event(result: GenerationResult, *, request_id: str, created: int,
 def _extension(result: GenerationResult, routed_experts_dtype: RoutedExpertsDtype) -> dict:
     routed = encode_routed_experts(result, routed_experts_dtype)
     return {} if routed is None else {"rollmesh": routed.model_dump()}
+
+
+async def _close(pieces: AsyncIterator[Piece]) -> None:
+    close = getattr(pieces, "aclose", None)  # an async generator's; a plain iterator has none
+    if close is not None:
+        await close()
 
 
 def _event(payload: dict) -> str:
