@@ -40,7 +40,7 @@ from rollmesh.serve_apps import (
     deploy_inference_app,
     shutdown_inference_app,
 )
-from rollmesh.serve_apps.inference_app import api_error_from_ray
+from rollmesh.serve_apps.router_calls import api_error_from_ray
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

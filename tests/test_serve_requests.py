@@ -49,13 +49,9 @@ from rollmesh.serve_apps.http_shapes import (
     GenerateRequest,
     GenerateSamplingParams,
 )
-from rollmesh.serve_apps.inference_app import (
-    COMPLETION_PARAMS,
-    GENERATE_PARAMS,
-    api_error_from_ray,
-    invalid_body_error,
-)
+from rollmesh.serve_apps.inference_app import invalid_body_error
 from rollmesh.serve_apps.openai_logprobs import token_text
+from rollmesh.serve_apps.router_calls import COMPLETION_PARAMS, GENERATE_PARAMS, api_error_from_ray
 from rollmesh.serve_apps.weight_admin import requested_weight_version
 
 pytestmark = pytest.mark.unit

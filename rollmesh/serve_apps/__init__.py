@@ -6,7 +6,10 @@ chat template and tool-call format (``chat_requests``, ``chat_messages``), an SG
 token-in/token-out ``/generate``, vLLM's ``/tokenize`` and ``/detokenize``
 (``tokenize_requests``) and the weight and cache admin endpoints (``weight_admin``) in front of
 named prefill and decode actors; OpenAI ``logprobs`` are built in ``openai_logprobs``. rollmesh's extension fields (session, minimum weight
-version, routed experts) are checked in ``generate_extensions``. Chat sessions of outside agent
+version, routed experts) are checked in ``generate_extensions``. The ingress class
+(``inference_app``) hands each route to the module of its group: ``text_routes`` (completions,
+chat, ``/generate``), ``session_routes``, ``admin_routes``, ``tokenize_requests``; their calls to
+the router, and Ray's errors mapped to HTTP ones, are ``router_calls``. Chat sessions of outside agent
 harnesses (``chat_sessions``: a conversation's trajectory kept token-exact across turns) check
 their history in ``session_history``, grow in ``session_trajectory`` and live in one store per app
 (``session_store``, run as a Ray actor by ``session_actor``). The HTTP shapes

@@ -13,72 +13,56 @@ Each replica loads the model directory's tokenizer, chat template and parsers on
 (``rollmesh.chat.ChatModel``); the text routes speak them (``chat_requests``,
 ``generation_requests``).
 
+Here: the ingress class (routes are its methods, bound to the replica by Serve's ingress wrapper:
+each checks the key and hands over), the replica's construction, the app's build, deploy and
+shutdown. What routes do: ``text_routes`` (completions, chat, ``/generate``, event streams),
+``session_routes`` (chat-session turns), ``admin_routes``, ``tokenize_requests``; their router
+calls and the mapping of what those raise: ``router_calls``.
+
 Knows Ray Serve, FastAPI and the InferenceRouter; finds the workers by actor name (the launcher
 spawned them; the GPU scheduler, for the decode workers it lends idle accelerators to:
-``decode_loan_follower``), never spawns or stops them. Bad input is answered with a 4xx JSON error and never
-reaches the engine, so a client cannot take the replica down; Ray's wrapping of actor errors is
-undone here and nowhere else.
+``decode_loan_follower``), never spawns or stops them. Bad input is answered with a 4xx JSON
+error and never reaches the engine, so a client cannot take the replica down; Ray's wrapping of
+actor errors is undone in ``router_calls`` and nowhere else.
 
 Tracing: the replica reports as ``rollmesh.serve``. Each request's SERVER span
 (``POST /v1/completions``, ``http.*`` attributes, the child of the caller's ``traceparent``) is
-FastAPI's own telemetry, not ours; we add the ``gen_ai.*`` attributes of its generate call, and the
-router carries the context on to the workers in ``trace_headers``.
+FastAPI's own telemetry, not ours; we add the ``gen_ai.*`` attributes of its generate call
+(``router_calls``), and the router carries the context on to the workers in ``trace_headers``.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the route methods' annotations at
 # runtime, and through Serve's ingress wrapper string annotations are not resolved (the body would
 # be taken for a query parameter).
-import dataclasses
 import time
-import uuid
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import ray
-import structlog
 from fastapi import FastAPI, Header, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from opentelemetry import trace
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
 from ray.serve import Application
 from ray.serve.exceptions import RayServeException
 
 from rollmesh.actors.decode_loans import DecodeLoanRoster
-from rollmesh.actors.inference_router import InferenceRouter, generation_attributes
+from rollmesh.actors.inference_router import InferenceRouter
 from rollmesh.chat import ChatModel
 from rollmesh.config import ModelConfig, ServeConfig, TelemetryConfig
 from rollmesh.dashboard.feed import DashboardSource, WorkerHandle
 from rollmesh.dashboard.routes import DashboardRoutes, is_dashboard_request
-from rollmesh.engine.errors import EngineError
 from rollmesh.engine.paged_model import describe_served_model
-from rollmesh.engine.protocols import GenerateOptions, GenerationResult
-from rollmesh.messages.base import SamplingParams
-from rollmesh.serve_apps.api_keys import check_authorization
-from rollmesh.serve_apps.chat_requests import (
-    ChatPrompt,
-    chat_inputs,
-    chat_response,
+from rollmesh.serve_apps.admin_routes import (
+    answer_flush_cache,
+    answer_update_weights,
+    answer_weight_versions,
 )
+from rollmesh.serve_apps.api_keys import check_authorization
 from rollmesh.serve_apps.chat_sessions import ChatSessions
 from rollmesh.serve_apps.decode_loan_follower import DecodeLoanFollower
-from rollmesh.serve_apps.errors import (
-    ApiError,
-    EngineUnavailableError,
-    InvalidApiRequestError,
-    api_error_from_engine,
-)
-from rollmesh.serve_apps.generate_extensions import generate_options
-from rollmesh.serve_apps.generation_requests import (
-    ServedModel,
-    completion_inputs,
-    completion_response,
-    generate_inputs,
-    generate_request_id,
-    generate_response,
-)
+from rollmesh.serve_apps.errors import ApiError, InvalidApiRequestError
+from rollmesh.serve_apps.generation_requests import ServedModel
 from rollmesh.serve_apps.http_shapes import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -100,17 +84,12 @@ from rollmesh.serve_apps.http_shapes import (
     WeightVersionsResponse,
 )
 from rollmesh.serve_apps.replica_loopback import keep_replica_grpc_on_loopback
+from rollmesh.serve_apps.router_calls import RouterCalls
 from rollmesh.serve_apps.session_actor import session_store_actor, stop_session_store
-from rollmesh.serve_apps.stream_events import chat_events, completion_events, started
+from rollmesh.serve_apps.session_routes import answer_session_turn, path_session_request
+from rollmesh.serve_apps.text_routes import answer_chat, answer_completion, answer_generate
 from rollmesh.serve_apps.tokenize_requests import detokenize, tokenize
-from rollmesh.serve_apps.tool_choice import generate_grammar
-from rollmesh.serve_apps.weight_admin import (
-    Worker,
-    flush_cache,
-    update_weights_from_disk,
-    weight_versions,
-)
-from rollmesh.telemetry import conventions
+from rollmesh.serve_apps.weight_admin import Worker
 from rollmesh.telemetry.logging import setup_logging
 from rollmesh.telemetry.tracing import setup_tracing, without_run_dir
 
@@ -120,7 +99,6 @@ _SESSION_NAMESPACES: set[str] = set()
 # Requests a replica holds at once; each mostly waits on decode, which batches up to max_batch.
 MAX_ONGOING_REQUESTS = 512
 
-_log = structlog.get_logger("rollmesh.serve")
 # FastAPI's native telemetry makes the request's SERVER span from the global provider (set up in
 # the replica). Its per-operation child spans (dependencies, endpoint, serialization) are off: they
 # add three spans to every request, and the handler's current span must be the SERVER span so the
@@ -159,44 +137,10 @@ def invalid_body_error(errors: Any) -> InvalidApiRequestError:
 # The module globals the deployment class uses are defined above it on purpose: Serve's ingress
 # wrapper pickles the class's methods when the decorator runs, so a global defined below it is
 # missing in the replica (seen as a NameError there).
-def _event_stream(events: Any) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-
-
-# The engine's field names as each route calls them, for the ``param`` of a mapped engine error.
-COMPLETION_PARAMS = {"input_ids": "prompt", "max_new_tokens": "max_tokens"}
-GENERATE_PARAMS = {"input_ids": "input_ids", "request_id": "rid",
-                   "max_new_tokens": "sampling_params.max_new_tokens", "grammar": "sampling_params"}
-
-
 def find_named_actor(name: str, namespace: str) -> Any:
     """How the dashboard finds the sandbox broker (by the name the launcher gave it), and the
     router a lent decode worker (by its grant id); ValueError when there is none."""
     return ray.get_actor(name, namespace=namespace)
-
-
-def chat_params(body: ChatCompletionRequest) -> dict[str, str]:
-    tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    # A grammar the engine cannot compile is the tool's or the format's schema.
-    grammar = "response_format" if body.response_format is not None else "tool_choice"
-    return {"input_ids": "messages", "max_new_tokens": tokens, "grammar": grammar}
-
-
-def api_error_from_ray(
-    exc: BaseException, param_names: Mapping[str, str] | None = None
-) -> ApiError:
-    """The HTTP error for what ``await actor.method.remote()`` raised."""
-    if isinstance(exc, RayActorError):
-        return EngineUnavailableError(
-            f"an inference worker is unavailable: {exc}", code="worker_unavailable"
-        )
-    # A task error raised in an actor arrives as RayTaskError(cause); when the cause could not be
-    # unpickled here, ``cause`` is Ray's UnserializableException and we can only say 500.
-    cause = exc.cause if isinstance(exc, RayTaskError) else exc
-    if isinstance(cause, EngineError):
-        return api_error_from_engine(cause, param_names)
-    return ApiError(f"inference failed: {type(cause).__name__}", code="engine_error")
 
 
 @serve.deployment(
@@ -247,6 +191,7 @@ class InferenceServer:
             [w.actor for w in self.workers if w.role == "decode"],
             model_name=self.served.name,
         )
+        self.calls = RouterCalls(self.router, self.served)
         # The constructor runs on the replica's event loop, where the dashboard's feed and the
         # follower of decode loans then live.
         self.dashboard = DashboardRoutes.start(
@@ -265,26 +210,7 @@ class InferenceServer:
         self, body: CompletionRequest, authorization: str | None = Header(default=None)
     ) -> CompletionResponse | StreamingResponse:
         check_authorization(authorization, self._api_key)
-        input_ids, sampling = completion_inputs(body, self.served)
-        options = dataclasses.replace(
-            generate_options(body, prompt_len=len(input_ids), served=self.served),
-            top_logprobs=body.logprobs or 0)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            pieces = await self._generate_stream(input_ids, sampling, request_id, options,
-                                                 COMPLETION_PARAMS)
-            return _event_stream(completion_events(
-                pieces, request_id=request_id, created=int(time.time()), served=self.served,
-                sampling=sampling, routed_experts_dtype=body.routed_experts_dtype,
-                with_logprobs=body.logprobs is not None,
-                include_usage=bool(body.stream_options and body.stream_options.include_usage)))
-        result = await self._generate(input_ids, sampling, request_id, options,
-                                      COMPLETION_PARAMS)
-        return completion_response(
-            result, request_id=request_id, created=int(time.time()), served=self.served,
-            sampling=sampling, with_logprobs=body.logprobs is not None,
-            routed_experts_dtype=body.routed_experts_dtype,
-        )
+        return await answer_completion(body, self.served, self.calls)
 
     @_http.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
@@ -292,53 +218,8 @@ class InferenceServer:
     ) -> ChatCompletionResponse | StreamingResponse:
         check_authorization(authorization, self._api_key)
         if body.session_id is not None:  # a chat session: its trajectory is the prompt
-            return await self._session_chat(body)
-        prompt = chat_inputs(body, self.served)
-        options = dataclasses.replace(
-            generate_options(body, prompt_len=len(prompt.input_ids), served=self.served),
-            top_logprobs=prompt.top_logprobs, grammar=prompt.grammar)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            pieces = await self._generate_stream(prompt.input_ids, prompt.sampling, request_id,
-                                                 options, chat_params(body), operation="chat")
-            return _event_stream(chat_events(
-                pieces, prompt, request_id=request_id, created=int(time.time()),
-                served=self.served, routed_experts_dtype=body.routed_experts_dtype,
-                include_usage=bool(body.stream_options and body.stream_options.include_usage)))
-        result = await self._generate(prompt.input_ids, prompt.sampling, request_id, options,
-                                      chat_params(body), operation="chat")
-        return chat_response(
-            result, prompt, request_id=request_id, created=int(time.time()), served=self.served,
-            routed_experts_dtype=body.routed_experts_dtype,
-        )
-
-    async def _session_chat(self, body: ChatCompletionRequest) -> ChatCompletionResponse | StreamingResponse:
-        """A chat session's turn (``chat_sessions``): kept before it is answered, or, streamed,
-        sent token by token and kept when the engine finishes it."""
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-
-        def chat_options(prompt: ChatPrompt, options: GenerateOptions) -> GenerateOptions:
-            return dataclasses.replace(options, top_logprobs=prompt.top_logprobs, grammar=prompt.grammar)
-
-        if body.stream:
-            async def stream(prompt: ChatPrompt, options: GenerateOptions):
-                return await self._generate_stream(prompt.input_ids, prompt.sampling, request_id,
-                                                   chat_options(prompt, options), chat_params(body),
-                                                   operation="chat")
-
-            prompt, pieces = await self.sessions.stream_turn(body, stream)
-            return _event_stream(chat_events(
-                pieces, prompt, request_id=request_id, created=int(time.time()),
-                served=self.served, routed_experts_dtype=body.routed_experts_dtype,
-                include_usage=bool(body.stream_options and body.stream_options.include_usage)))
-
-        async def generate(prompt: ChatPrompt, options: GenerateOptions) -> GenerationResult:
-            return await self._generate(prompt.input_ids, prompt.sampling, request_id,
-                                        chat_options(prompt, options), chat_params(body), operation="chat")
-
-        prompt, result = await self.sessions.turn(body, generate)
-        return chat_response(result, prompt, request_id=request_id, created=int(time.time()),
-                             served=self.served, routed_experts_dtype=body.routed_experts_dtype)
+            return await answer_session_turn(body, self.served, self.calls, self.sessions)
+        return await answer_chat(body, self.served, self.calls)
 
     @_http.post(
         "/generate", response_model=GenerateResponse, response_model_exclude_none=True
@@ -347,16 +228,7 @@ class InferenceServer:
         self, body: GenerateRequest, authorization: str | None = Header(default=None)
     ) -> GenerateResponse:
         check_authorization(authorization, self._api_key)
-        input_ids, sampling = generate_inputs(body, self.served)
-        options = dataclasses.replace(
-            generate_options(body, prompt_len=len(input_ids), served=self.served),
-            grammar=generate_grammar(body.sampling_params))
-        request_id = generate_request_id(body)
-        result = await self._generate(input_ids, sampling, request_id, options, GENERATE_PARAMS)
-        return generate_response(
-            result, request_id=request_id, served=self.served, sampling=sampling,
-            return_logprob=body.return_logprob, routed_experts_dtype=body.routed_experts_dtype,
-        )
+        return await answer_generate(body, self.served, self.calls)
 
     @_http.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize_text(
@@ -379,10 +251,8 @@ class InferenceServer:
         authorization: str | None = Header(default=None),
     ) -> ChatCompletionResponse | StreamingResponse:
         check_authorization(authorization, self._api_key)
-        if body.session_id not in (None, session_id):
-            raise InvalidApiRequestError("session_id differs from the session in the path",
-                                         code="invalid_value", param="session_id")
-        return await self._session_chat(body.model_copy(update={"session_id": session_id}))
+        return await answer_session_turn(path_session_request(session_id, body), self.served,
+                                         self.calls, self.sessions)
 
     @_http.get("/v1/sessions/{session_id}/trajectory", response_model=SessionTrajectoryResponse)
     async def session_trajectory(
@@ -436,10 +306,7 @@ class InferenceServer:
         self, authorization: str | None = Header(default=None)
     ) -> WeightVersionsResponse:
         check_authorization(authorization, self._api_key)
-        try:
-            return await weight_versions(self.workers)
-        except (RayTaskError, RayActorError, EngineError) as exc:
-            raise api_error_from_ray(exc) from exc
+        return await answer_weight_versions(self.workers)
 
     @_http.post("/update_weights_from_disk", response_model=UpdateWeightsFromDiskResponse)
     async def admin_update_weights_from_disk(
@@ -447,70 +314,14 @@ class InferenceServer:
         authorization: str | None = Header(default=None),
     ) -> UpdateWeightsFromDiskResponse:
         check_authorization(authorization, self._api_key)
-        try:
-            answer = await update_weights_from_disk(self.workers, body)
-        except (RayTaskError, RayActorError, EngineError) as exc:
-            error = api_error_from_ray(exc)
-            _log.warning("update_weights_failed", path=body.model_path, error=str(exc))
-            raise error from exc
-        _log.info("weights_updated_from_disk", path=body.model_path,
-                  weight_version=answer.weight_version)
-        return answer
+        return await answer_update_weights(self.workers, body)
 
     @_http.post("/flush_cache", response_model=FlushCacheResponse)
     async def admin_flush_cache(
         self, authorization: str | None = Header(default=None)
     ) -> FlushCacheResponse:
         check_authorization(authorization, self._api_key)
-        try:
-            return await flush_cache(self.workers)
-        except (RayTaskError, RayActorError, EngineError) as exc:
-            raise api_error_from_ray(exc) from exc
-
-    async def _generate(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str,
-        options: GenerateOptions, param_names: Mapping[str, str],
-        operation: str = "text_completion",
-    ) -> GenerationResult:
-        # The request's SERVER span (FastAPI's telemetry) is current here.
-        span = trace.get_current_span()
-        span.set_attributes({
-            conventions.GEN_AI_OPERATION_NAME: operation,
-            conventions.GEN_AI_REQUEST_MODEL: self.served.name,
-            conventions.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_new_tokens,
-            conventions.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
-            conventions.GEN_AI_USAGE_INPUT_TOKENS: len(input_ids),
-            "request_id": request_id,
-        })
-        try:
-            result = await self.router.generate(
-                input_ids, sampling, request_id=request_id, options=options)
-        except (RayTaskError, RayActorError, EngineError) as exc:
-            error = api_error_from_ray(exc, param_names)
-            if error.status >= 500:
-                _log.warning("generate_failed", request_id=request_id, error=str(exc))
-            raise error from exc
-        span.set_attributes(generation_attributes(result))
-        return result
-
-    async def _generate_stream(
-        self, input_ids: list[int], sampling: SamplingParams, request_id: str,
-        options: GenerateOptions, param_names: Mapping[str, str],
-        operation: str = "text_completion",
-    ):
-        """The router's pieces, once the first has come (an error before it is this request's
-        HTTP error; one after it is an error event: ``stream_events``)."""
-        trace.get_current_span().set_attributes({
-            conventions.GEN_AI_OPERATION_NAME: operation,
-            conventions.GEN_AI_REQUEST_MODEL: self.served.name,
-            conventions.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_new_tokens,
-            conventions.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
-            conventions.GEN_AI_USAGE_INPUT_TOKENS: len(input_ids),
-            "request_id": request_id, "stream": True,
-        })
-        pieces = self.router.generate_stream(input_ids, sampling, request_id=request_id,
-                                             options=options)
-        return await started(pieces, lambda exc: api_error_from_ray(exc, param_names))
+        return await answer_flush_cache(self.workers)
 
 
 def build_inference_app(
