@@ -25,11 +25,8 @@ import msgspec
 import nats
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from rollmesh.chat import ChatModel
-from rollmesh.engine.models import load_hf_model
 from rollmesh.launcher import Mesh
 from rollmesh.mesh_info import new_run_dir
 from rollmesh.messages import RolloutCompleted, RolloutRequested, SamplingParams, TrainerStepped
@@ -37,14 +34,13 @@ from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOU
 from rollmesh.rollout.molar_mass import MolarMassTask
 from rollmesh.training.warm_start import conversation_trajectory
 from conftest import REPO_ROOT
-from test_mesh_token_exact import greedy_margin
+from fitted_models import fit_to_samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 FORMULA = "H2O"
 TEMPLATE_KWARGS = {"enable_thinking": False}
 FIT_MAX_STEPS = 400
-FIT_MARGIN = 1.0
 WAIT_S = 300.0
 
 
@@ -66,34 +62,6 @@ def split_samples(chat: ChatModel) -> list[tuple[list[int], list[int]]]:
     return [(list(sample.ids), list(sample.loss_mask)) for sample in trajectory.samples]
 
 
-def fit_to_samples(model_dir: Path, samples: list[tuple[list[int], list[int]]], vocab_size: int) -> None:
-    """Train the weights until greedy decoding reproduces every sample's generated tokens with a
-    margin; write them back in place (same tensor names and dtypes)."""
-    model = load_hf_model(model_dir).requires_grad_(True).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batches = [(torch.tensor([ids]), torch.tensor(mask[1:], dtype=torch.bool)) for ids, mask in samples]
-    for _ in range(FIT_MAX_STEPS):
-        loss, margin = 0.0, float("inf")
-        for inputs, trained in batches:
-            logits = model(inputs)[0, :-1]
-            targets = inputs[0, 1:]
-            margin = min(margin, greedy_margin(logits[trained, :vocab_size], targets[trained]))
-            loss = loss + torch.nn.functional.cross_entropy(logits[trained], targets[trained])
-        if margin >= FIT_MARGIN:
-            break
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    else:
-        raise AssertionError(f"fixture: the fit did not reach a greedy margin of {FIT_MARGIN} in {FIT_MAX_STEPS} steps")
-    weights = model_dir / "model.safetensors"
-    with safe_open(str(weights), framework="pt") as f:
-        metadata, dtypes = f.metadata(), {key: f.get_tensor(key).dtype for key in f.keys()}
-    state = model.state_dict()
-    save_file({key: state[key].detach().to(dtype).contiguous() for key, dtype in dtypes.items()},
-              str(weights), metadata=metadata)
-
-
 @pytest.fixture(scope="module")
 def splitting_qwen3_dir(chat_model_dir_with_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model_dir = tmp_path_factory.mktemp("history-split") / "qwen3-thinking-off"
@@ -104,7 +72,7 @@ def splitting_qwen3_dir(chat_model_dir_with_weights: Path, tmp_path_factory: pyt
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small trains faster on one thread on a loaded machine
     try:
-        fit_to_samples(model_dir, samples, chat.vocab_size)
+        fit_to_samples(model_dir, samples, chat.vocab_size, max_steps=FIT_MAX_STEPS)
     finally:
         torch.set_num_threads(threads)
     return model_dir

@@ -22,8 +22,6 @@ import msgspec
 import nats
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from rollmesh.chat import ChatModel
 from rollmesh.engine.models import load_hf_model
@@ -35,6 +33,7 @@ from rollmesh.messages.token_trace import NO_VERSION
 from rollmesh.rollout.molar_mass import MolarMassTask
 from rollmesh.training.warm_start import conversation_sequence
 from conftest import REPO_ROOT
+from fitted_models import fit_to_samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -47,7 +46,6 @@ REASONING = ("I will ask calc.", "calc answered.")
 FIT_MAX_STEPS = 400
 # Every assistant token must win greedy decoding by at least this many logits: far above the
 # float noise between the engine's paged decode and one full forward.
-FIT_MARGIN = 1.0
 # fp32: the engine's incremental, paged forward against one full forward of the same weights.
 LOGPROB_ATOL = 1e-4
 ROLLOUT_TIMEOUT_S = 300.0
@@ -65,41 +63,6 @@ def demonstrated_conversation() -> list[dict]:
     return [*task.messages(task_input), *follow]
 
 
-def fit_to_conversation(model_dir: Path, ids: list[int], loss_mask: list[int], vocab_size: int) -> None:
-    """Train the directory's weights until greedy decoding reproduces the assistant's tokens of
-    ``ids`` with a margin, then write them back in place (same tensor names and dtypes)."""
-    model = load_hf_model(model_dir).requires_grad_(True).train()
-    inputs = torch.tensor([ids])
-    targets = inputs[0, 1:]
-    trained = torch.tensor(loss_mask[1:], dtype=torch.bool)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(FIT_MAX_STEPS):
-        logits = model(inputs)[0, :-1]
-        if greedy_margin(logits[trained, :vocab_size], targets[trained]) >= FIT_MARGIN:
-            break
-        loss = torch.nn.functional.cross_entropy(logits[trained], targets[trained])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    else:
-        raise AssertionError(f"fixture: the fit did not reach a greedy margin of {FIT_MARGIN} "
-                             f"in {FIT_MAX_STEPS} steps")
-    weights = model_dir / "model.safetensors"
-    with safe_open(str(weights), framework="pt") as f:
-        metadata, dtypes = f.metadata(), {key: f.get_tensor(key).dtype for key in f.keys()}
-    state = model.state_dict()
-    save_file({key: state[key].detach().to(dtype).contiguous() for key, dtype in dtypes.items()},
-              str(weights), metadata=metadata)
-
-
-def greedy_margin(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    """The smallest lead of each target's logit over the best other id (negative: one loses)."""
-    with torch.no_grad():
-        chosen = logits.gather(1, targets[:, None])[:, 0]
-        others = logits.scatter(1, targets[:, None], float("-inf")).max(dim=-1).values
-        return float((chosen - others).min())
-
-
 @pytest.fixture(scope="module")
 def tool_calling_qwen3_dir(chat_model_dir_with_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the session's Qwen3-template directory whose weights follow the conversation."""
@@ -112,7 +75,7 @@ def tool_calling_qwen3_dir(chat_model_dir_with_weights: Path, tmp_path_factory: 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        fit_to_conversation(model_dir, ids, loss_mask, chat.vocab_size)
+        fit_to_samples(model_dir, [(ids, loss_mask)], chat.vocab_size, max_steps=FIT_MAX_STEPS)
     finally:
         torch.set_num_threads(threads)
     return model_dir

@@ -23,8 +23,6 @@ import openai
 import pytest
 import ray
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ray_actors import stop_and_kill
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
@@ -33,12 +31,12 @@ from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.chat import ChatModel, TokenSample, ToolCall, check_trajectory
 from rollmesh.chat.token_check import special_token_ids
 from rollmesh.config import InferenceConfig, ModelConfig
-from rollmesh.engine.models import load_hf_model
 from rollmesh.messages.token_trace import NO_VERSION, TokenTrace
 from rollmesh.serve_apps import build_inference_app, deploy_inference_app, shutdown_inference_app
 from rollmesh.serve_apps.chat_messages import template_messages
 from rollmesh.serve_apps.http_shapes import ChatMessage
 from rollmesh.training.warm_start import conversation_sequence
+from fitted_models import fit_to_samples
 from serve_models import CALC
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -49,7 +47,6 @@ QUESTION = {"role": "user", "content": "molar mass of H2O and NaCl?"}
 RESULTS = ("18.015", "58.44")
 ANSWER = "18.015 and 58.44"
 FIT_MAX_STEPS = 600
-FIT_MARGIN = 1.0  # every assistant token wins greedy decoding by this many logits
 MAX_TOKENS = 48
 
 
@@ -63,35 +60,6 @@ def conversation() -> list[dict]:
             {"role": "assistant", "content": "", "tool_calls": [calls[1]]},
             {"role": "tool", "tool_call_id": "call_1", "content": RESULTS[1]},
             {"role": "assistant", "content": ANSWER, "tool_calls": []}]
-
-
-def fit_to_conversation(model_dir: Path, ids: list[int], loss_mask: list[int], vocab_size: int) -> None:
-    """Train the directory's weights in place until greedy decoding reproduces the assistant tokens
-    of ``ids`` with a margin (as tests/test_mesh_token_exact.py fits its Qwen3 model)."""
-    model = load_hf_model(model_dir).requires_grad_(True).train()
-    inputs = torch.tensor([ids])
-    targets = inputs[0, 1:]
-    trained = torch.tensor(loss_mask[1:], dtype=torch.bool)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(FIT_MAX_STEPS):
-        logits = model(inputs)[0, :-1][trained, :vocab_size]
-        with torch.no_grad():
-            chosen = logits.gather(1, targets[trained][:, None])[:, 0]
-            others = logits.scatter(1, targets[trained][:, None], float("-inf")).max(dim=-1).values
-        if float((chosen - others).min()) >= FIT_MARGIN:
-            break
-        loss = torch.nn.functional.cross_entropy(logits, targets[trained])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    else:
-        raise AssertionError(f"fixture: no greedy margin of {FIT_MARGIN} in {FIT_MAX_STEPS} steps")
-    weights = model_dir / "model.safetensors"
-    with safe_open(str(weights), framework="pt") as f:
-        metadata, dtypes = f.metadata(), {key: f.get_tensor(key).dtype for key in f.keys()}
-    state = model.state_dict()
-    save_file({key: state[key].detach().to(dtype).contiguous() for key, dtype in dtypes.items()},
-              str(weights), metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -112,7 +80,7 @@ def deployed(ray_session: None, nats_server: EmbeddedNatsServer, demo_model_dir:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small trains faster on one thread than on two contended
     try:
-        fit_to_conversation(model_dir, ids, mask, chat.vocab_size)
+        fit_to_samples(model_dir, [(ids, mask)], chat.vocab_size, max_steps=FIT_MAX_STEPS)
     finally:
         torch.set_num_threads(threads)
 
