@@ -28,7 +28,7 @@ import pytest
 import ray
 
 from ray_actors import stop_and_kill
-from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
+from serve_models import start_inference_workers
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.chat import ChatModel
@@ -84,14 +84,8 @@ def deployed(
         run_dir=str(tmp_path_factory.mktemp("serve-run")),
     )
     inference = InferenceConfig(max_batch=8)
-    prefill = ray.remote(PrefillWorkerActor).options(
-        name=f"prefill-{namespace}", namespace=namespace, num_cpus=0
-    ).remote(f"prefill-{namespace}", mesh, model, inference)
-    decode = ray.remote(DecodeWorkerActor).options(
-        name=f"decode-{namespace}", namespace=namespace, num_cpus=0
-    ).remote(f"decode-{namespace}", mesh, model, inference)
+    prefill, decode = start_inference_workers(namespace, mesh, model, inference)
     try:
-        ray.get([prefill.start.remote(), decode.start.remote()], timeout=60)
         app = build_inference_app(
             prefill_actor_names=[f"prefill-{namespace}"],
             decode_actor_names=[f"decode-{namespace}"],

@@ -24,11 +24,10 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import ray
 import torch
 
 from ray_actors import stop_and_kill
-from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
+from serve_models import start_inference_workers
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.chat import ChatModel
@@ -97,14 +96,8 @@ def deployed(
     mesh = MeshContext(namespace=namespace, nats_url=nats_server.url,
                        run_dir=str(tmp_path_factory.mktemp("serve-moe-run")))
     inference = InferenceConfig(max_batch=4)
-    prefill = ray.remote(PrefillWorkerActor).options(
-        name=f"prefill-{namespace}", namespace=namespace, num_cpus=0
-    ).remote(f"prefill-{namespace}", mesh, model, inference)
-    decode = ray.remote(DecodeWorkerActor).options(
-        name=f"decode-{namespace}", namespace=namespace, num_cpus=0
-    ).remote(f"decode-{namespace}", mesh, model, inference)
+    prefill, decode = start_inference_workers(namespace, mesh, model, inference)
     try:
-        ray.get([prefill.start.remote(), decode.start.remote()], timeout=60)
         served = describe_served_model(model)
         app = build_inference_app(
             prefill_actor_names=[f"prefill-{namespace}"],

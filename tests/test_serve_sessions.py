@@ -21,11 +21,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import ray
 import torch
 
 from ray_actors import stop_and_kill
-from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.chat import ChatModel, TokenSample, ToolCall, check_trajectory
@@ -37,7 +35,7 @@ from rollmesh.serve_apps.chat_messages import template_messages
 from rollmesh.serve_apps.http_shapes import ChatMessage
 from rollmesh.training.warm_start import conversation_sequence
 from fitted_models import fit_to_samples
-from serve_models import CALC
+from serve_models import CALC, start_inference_workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -89,14 +87,8 @@ def deployed(ray_session: None, nats_server: EmbeddedNatsServer, demo_model_dir:
     mesh = MeshContext(namespace=namespace, nats_url=nats_server.url,
                        run_dir=str(tmp_path_factory.mktemp("sessions-run")))
     inference = InferenceConfig(max_batch=4)
-    prefill = ray.remote(PrefillWorkerActor).options(
-        name=f"prefill-{namespace}", namespace=namespace, num_cpus=0
-    ).remote(f"prefill-{namespace}", mesh, model, inference)
-    decode = ray.remote(DecodeWorkerActor).options(
-        name=f"decode-{namespace}", namespace=namespace, num_cpus=0
-    ).remote(f"decode-{namespace}", mesh, model, inference)
+    prefill, decode = start_inference_workers(namespace, mesh, model, inference)
     try:
-        ray.get([prefill.start.remote(), decode.start.remote()], timeout=60)
         app = build_inference_app(
             prefill_actor_names=[f"prefill-{namespace}"], decode_actor_names=[f"decode-{namespace}"],
             ray_namespace=namespace, model=model, model_name=MODEL_NAME, api_key=API_KEY)
