@@ -34,11 +34,13 @@ from typing import Any
 import msgspec
 import nats
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from nats_cluster import LocalNatsCluster, free_ports
 from cluster_test_tasks import HOLD_DIR_ENV
+from rollmesh.bus.outage import is_transient
 from rollmesh.bus.streams import rollout_results_stream
 from rollmesh.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
 from rollmesh.launcher import with_role_resources
@@ -313,6 +315,21 @@ def wait_held(hold_dir: Path, timeout_s: float = 120.0) -> list[str]:
     return held
 
 
+async def fetch_through_elections(pull: Any, *, timeout_s: float, deadline: float) -> list[Any]:
+    """Up to 50 messages, or none when ``timeout_s`` passes with nothing to read. The worker node's
+    loss can leave the consumer's raft group electing a leader, and its fetches answer 503 until
+    one is chosen: that is retried (until ``deadline``) as the mesh's own consumers do."""
+    while True:
+        try:
+            return await pull.fetch(50, timeout=timeout_s)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return []
+        except nats.js.errors.APIError as exc:
+            if not is_transient(exc) or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.2)  # backoff between fetches, not synchronization
+
+
 async def results_of(nats_url: str, namespace: str, ids: list[str]) -> dict[str, list[dict]]:
     """Every result in the results stream for ``ids`` (waits until each has one)."""
     nc = await nats.connect(servers=nats_url.split(","), max_reconnect_attempts=-1,
@@ -326,23 +343,18 @@ async def results_of(nats_url: str, namespace: str, ids: list[str]) -> dict[str,
         deadline = time.monotonic() + RESULTS_TIMEOUT_S
         while any(not answers for answers in found.values()):
             assert time.monotonic() < deadline, f"no result for {[i for i, a in found.items() if not a]}"
-            try:
-                msgs = await pull.fetch(50, timeout=1.0)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue
+            msgs = await fetch_through_elections(pull, timeout_s=1.0, deadline=deadline)
             for msg in msgs:
                 body = json.loads(msg.data)
                 if body.get("rollout_id") in found:
                     found[body["rollout_id"]].append(body)
                 await msg.ack()
         # Anything published twice would be in the stream by now too: read what is left.
-        try:
-            for msg in await pull.fetch(50, timeout=2.0):
-                body = json.loads(msg.data)
-                if body.get("rollout_id") in found:
-                    found[body["rollout_id"]].append(body)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            pass
+        for msg in await fetch_through_elections(pull, timeout_s=2.0,
+                                                 deadline=time.monotonic() + RESULTS_TIMEOUT_S):
+            body = json.loads(msg.data)
+            if body.get("rollout_id") in found:
+                found[body["rollout_id"]].append(body)
         return found
     finally:
         await nc.close()
