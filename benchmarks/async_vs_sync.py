@@ -86,7 +86,7 @@ from rollmesh.training.trainer_logic import TrainerLogic
 
 NAMESPACE = "bench"
 TOOL_MEDIAN_S, TOOL_SIGMA, TOOL_CAP_S = 2.0, 1.2, 60.0
-TRAINER = TrainerConfig(group_size=4, groups_per_step=4)
+TRAINER = TrainerConfig(n_samples_per_prompt=4, groups_per_step=4)
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=40)  # the demo's
 MAX_TURNS = 4  # the demo's
 WARM_START = dict(steps=120, batch_size=64, lr=3e-3, exact_fraction=1.0)
@@ -237,12 +237,12 @@ class Tally:
 
 
 def requests(seed: int, task: MolarMassTask, delays: dict[str, float]) -> Iterator[RolloutRequested]:
-    """Groups of ``group_size`` rollouts on one formula each; each rollout has its own delay, the
+    """Groups of ``n_samples_per_prompt`` rollouts on one formula each; each rollout has its own delay, the
     n-th rollout the n-th draw of one seeded sequence (so the same in both pipelines)."""
     inputs, draws = random.Random(seed), random.Random(seed + 1)
     for index in range(10**9):
         task_input = task.sample_task_inputs(inputs, 1, held_out=False)[0]
-        for member in range(TRAINER.group_size):
+        for member in range(TRAINER.n_samples_per_prompt):
             rollout_id = f"g{index:06d}-{member}"
             delays[rollout_id] = min(TOOL_CAP_S, draws.lognormvariate(math.log(TOOL_MEDIAN_S), TOOL_SIGMA))
             yield RolloutRequested(
@@ -340,7 +340,7 @@ async def drive_async(runner: RolloutRunner, work: Iterator[RolloutRequested], t
 
 async def drive_sync(runner: RolloutRunner, work: Iterator[RolloutRequested], tally: Tally,
                      engine: LocalEngine, slots: int) -> None:
-    batch_size = TRAINER.group_size * TRAINER.groups_per_step
+    batch_size = TRAINER.n_samples_per_prompt * TRAINER.groups_per_step
     limit = asyncio.Semaphore(slots)
 
     async def one(request: RolloutRequested) -> None:
@@ -383,7 +383,7 @@ def main() -> None:
         ours["per_hour"] / base["per_hour"] if base["per_hour"] else float("inf"),
         trainer_idle_ours=ours["trainer_idle"], trainer_idle_baseline=base["trainer_idle"],
         ours_detail=ours, baseline_detail=base, seconds=args.seconds, slots=args.slots, seed=args.seed,
-        group_size=TRAINER.group_size, groups_per_step=TRAINER.groups_per_step,
+        n_samples_per_prompt=TRAINER.n_samples_per_prompt, groups_per_step=TRAINER.groups_per_step,
         max_staleness=TRAINER.max_staleness, tool_delay=f"lognormal median {TOOL_MEDIAN_S}s sigma "
         f"{TOOL_SIGMA} cap {TOOL_CAP_S}s", sandbox="bwrap (in-process broker)",
     )

@@ -170,7 +170,7 @@ async def run(args: argparse.Namespace) -> dict:
     config = load_config(overrides={
         "namespace": namespace,
         "serve.enabled": False,
-        "trainer.group_size": GROUP_SIZE,
+        "trainer.n_samples_per_prompt": GROUP_SIZE,
         "trainer.groups_per_step": GROUPS_PER_STEP,
         "rollout.max_concurrent": 32,
     })

@@ -27,7 +27,7 @@ from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.training.grpo import PolicySample
 
 SAMPLES, LENGTH, TRAINED = 16, 128, 96
-TRAINER = dict(lr=1e-5, ppo_epochs=1, group_size=2, groups_per_step=8)
+TRAINER = dict(lr=1e-5, ppo_epochs=1, n_samples_per_prompt=2, groups_per_step=8)
 
 
 def batch(vocab: int) -> list[PolicySample]:

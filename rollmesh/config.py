@@ -19,6 +19,7 @@ from msgspec import Meta
 
 from rollmesh.config_paths import resolve_config_paths
 from rollmesh.config_types import ConfigSection, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt
+from rollmesh.run_config import StageConfig, stage_names, stage_trainer_config
 from rollmesh.observability_config import (
     TRACE_EXPORTER_KINDS,
     TRACE_EXPORTERS_PATTERN,
@@ -121,6 +122,13 @@ RETIRED_MODEL_KEYS = {
     **{key: "the model directory's config.json (model.path)"
        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")},
     "seed": "demo.seed (the demo model's random weights)",
+}
+# Other keys that were renamed or replaced, by dotted path, and what replaced each.
+RETIRED_KEYS = {
+    **{f"model.{key}": replacement for key, replacement in RETIRED_MODEL_KEYS.items()},
+    "trainer.group_size": "trainer.n_samples_per_prompt",
+    "trainer.train_truncated": 'trainer.overlong ("train" for true, "mask" for false)',
+    "demo.prefetch_steps": "max_groups_ahead (of an rl stage in [[stages]], in groups)",
 }
 
 
@@ -271,8 +279,6 @@ class DemoConfig(ConfigSection):
     rl_steps: PositiveInt = 30
     eval_every: PositiveInt = 10
     eval_size: PositiveInt = 64
-    # Training requests kept in flight ahead of the trainer, in steps' worth of groups.
-    prefetch_steps: PositiveInt = 2
     seed: int = 0
 
 
@@ -293,8 +299,15 @@ class RollmeshConfig(ConfigSection):
     demo: DemoConfig = DemoConfig()
     dashboard: DashboardConfig = DashboardConfig()
     security: SecurityConfig = SecurityConfig()
+    # A training job's stages, run in order by `rollmesh train` (rollmesh/run_config.py).
+    stages: list[StageConfig] = []
 
     def __post_init__(self) -> None:
+        for name, stage in zip(stage_names(self.stages), self.stages):
+            try:
+                stage_trainer_config(self.trainer, stage)
+            except (msgspec.ValidationError, TypeError, ValueError) as exc:
+                raise ValueError(f"stage {name!r}: trainer settings: {exc}") from exc
         if self.rollout.work_heartbeat_s >= self.nats.rollout_ack_wait_s:
             # Else a live rollout's request would be redelivered to a second worker.
             raise ValueError("rollout.work_heartbeat_s must be below nats.rollout_ack_wait_s")
@@ -379,14 +392,13 @@ def _refuse_retired_keys(raw: dict[str, Any], *, source: str,
                          env: dict[str, tuple[str, Any]] | None = None) -> None:
     """A key that no longer exists gets an error naming what replaced it (not msgspec's plain
     "unknown field")."""
-    model = raw.get("model")
-    if not isinstance(model, dict):
-        return
-    for key, replacement in RETIRED_MODEL_KEYS.items():
-        if key in model:
-            variable = (env or {}).get(f"model.{key}", (None,))[0]
-            raise ConfigError(f"model.{key} is gone: use {replacement}", source=variable or source,
-                              path=f"model.{key}")
+    for dotted, replacement in RETIRED_KEYS.items():
+        section, _, key = dotted.partition(".")
+        table = raw.get(section)
+        if isinstance(table, dict) and key in table:
+            variable = (env or {}).get(dotted, (None,))[0]
+            raise ConfigError(f"{dotted} is gone: use {replacement}", source=variable or source,
+                              path=dotted)
 
 
 def _error_path(message: str) -> str:

@@ -1,8 +1,9 @@
-"""Which config fields name security files, and what a relative one is relative to.
+"""Which config fields name files (security files, stages' datasets), and what a relative one is
+relative to.
 
 Knows the raw config tree (decoded TOML or JSON, before msgspec) and the standard library only.
 A relative path in a config file is relative to the directory of that file, so a config and its
-``pki/`` travel together and work from any working directory; one set by an environment override
+``pki/`` (or a run file and its datasets) travel together and work from any working directory; one set by an environment override
 or on the command line is relative to the working directory. ``load_config`` makes them all
 absolute (``~`` expanded), so the run's ``config.json`` holds absolute paths and a command that
 reads it works from anywhere. Other paths (``run_root``, ``model.path``, ...) are left as given.
@@ -29,7 +30,7 @@ CREDENTIALS_PATH_FIELDS = ("creds_file", "nkey_seed_file", "password_file")
 
 
 def resolve_config_paths(tree: dict[str, Any], base: Path) -> None:
-    """Make every relative security path in ``tree`` absolute against ``base``, in place (the
+    """Make every relative security or dataset path in ``tree`` absolute against ``base``, in place (the
     raw tree, before it becomes frozen Structs). Values of the wrong type are left for the
     config's validation to refuse."""
     for dotted in SECURITY_PATH_FIELDS:
@@ -42,6 +43,10 @@ def resolve_config_paths(tree: dict[str, Any], base: Path) -> None:
         if isinstance(role, dict):
             for leaf in CREDENTIALS_PATH_FIELDS:
                 _resolve_field(role, leaf, base)
+    stages = tree.get("stages")
+    for stage in stages if isinstance(stages, list) else []:
+        if isinstance(stage, dict):
+            _resolve_field(stage, "data", base)
 
 
 def absolute_path(value: str, base: Path) -> str:

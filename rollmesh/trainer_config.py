@@ -44,7 +44,7 @@ class MegatronConfig(ConfigSection):
 class TrainerConfig(ConfigSection):
     lr: PositiveFloat = 3e-4
     weight_decay: float = 0.0
-    group_size: PositiveInt = 8
+    n_samples_per_prompt: PositiveInt = 8
     groups_per_step: PositiveInt = 16
     # Two passes per batch: with four the trainer took most of a 2-core machine and learned no faster.
     ppo_epochs: PositiveInt = 2
@@ -55,10 +55,20 @@ class TrainerConfig(ConfigSection):
     grad_clip: PositiveFloat = 1.0
     # Admission: the largest version lag of generated tokens a trajectory may have.
     max_staleness: NonNegInt = 2
-    # Whether rollouts whose last turn was cut by max_new_tokens (RolloutCompleted.finish_reason
-    # "truncated") are trained; false: each is counted in its group and masked out, like a failure.
-    train_truncated: bool = True
+    # Rollouts whose last turn was cut by max_new_tokens (RolloutCompleted.finish_reason
+    # "truncated"): "train" trains them as they are; "mask" counts each in its group and masks it
+    # out, like a failure (DAPO's overlong filtering); "penalty" trains it with the reward
+    # overlong_penalty instead of its own.
+    overlong: Literal["train", "mask", "penalty"] = "train"
+    overlong_penalty: float = -1.0
+    # Dynamic sampling (DAPO): a group whose rewards are all equal has no advantage to learn from
+    # under GRPO; it is consumed without counting toward groups_per_step, and the feeder of a
+    # `rollmesh train` job publishes a new prompt in its place.
+    drop_uniform_groups: bool = False
+    # Full checkpoints (weights, optimizer, RNG) every this many steps (0: none), of which the
+    # newest keep_checkpoints are kept (0: all).
     checkpoint_every: NonNegInt = 0
+    keep_checkpoints: NonNegInt = 0
     torch_threads: PositiveInt = 1
     seed: int = 0
     # The policy loss (training/losses.py): "ppo_clip" averages over every trained token of the

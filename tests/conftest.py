@@ -147,7 +147,7 @@ async def mesh(nats_server: EmbeddedNatsServer, ray_session: None) -> AsyncItera
         "namespace": "mesh" + uuid.uuid4().hex[:8],
         "nats.url": nats_server.url,
         "serve.enabled": False,
-        "trainer.group_size": 2,
+        "trainer.n_samples_per_prompt": 2,
         "trainer.groups_per_step": 1,
         "sandbox.readonly_paths": [str(gate_dir)],
         "rollout.tasks": ["rollmesh.rollout.molar_mass:MolarMassTask",

@@ -113,12 +113,12 @@ def test_up_spawns_a_foreground_child_for_the_run_dir_it_chose(tmp_path):
 
 def test_demo_options_become_config_overrides():
     args = build_parser().parse_args(["demo", "--rl-steps", "3", "--sft-steps", "0", "--eval-every", "2",
-                                      "--eval-size", "4", "--groups-per-step", "2", "--group-size", "4",
+                                      "--eval-size", "4", "--groups-per-step", "2", "--n-samples-per-prompt", "4",
                                       "--no-serve"])
     config = load_config(overrides={k: v for k, v in demo_overrides(args).items() if v is not None},
                          environ={})
     assert (config.demo.rl_steps, config.demo.sft_steps, config.demo.eval_every, config.demo.eval_size) == (3, 0, 2, 4)
-    assert (config.trainer.groups_per_step, config.trainer.group_size) == (2, 4)
+    assert (config.trainer.groups_per_step, config.trainer.n_samples_per_prompt) == (2, 4)
     assert config.serve.enabled is False
 
 
@@ -143,7 +143,7 @@ def test_request_lines_are_decoded_with_line_numbers_for_the_bad_ones():
 
 def test_sampled_requests_share_one_input_per_group_and_respect_held_out():
     config = load_config(environ={})
-    args = build_parser().parse_args(["submit", "--task", "molar_mass", "--count", "5", "--group-size", "2",
+    args = build_parser().parse_args(["submit", "--task", "molar_mass", "--count", "5", "--n-samples-per-prompt", "2",
                                       "--seed", "3", "--held-out", "--purpose", "eval"])
     requests = sample_requests(args, config)
     assert len({r.rollout_id for r in requests}) == 5

@@ -117,7 +117,7 @@ async def test_submit_task_wait_prints_a_table_and_fails_when_a_rollout_failed(
     worker = await play_rollout_worker(nats_client, namespace, answer)
     try:
         code = await asyncio.to_thread(main, [
-            "submit", "--task", "molar_mass", "--count", "3", "--group-size", "3", "--wait", "--timeout", "30",
+            "submit", "--task", "molar_mass", "--count", "3", "--n-samples-per-prompt", "3", "--wait", "--timeout", "30",
             "--nats-url", nats_server.url, "--namespace", namespace])
     finally:
         worker.cancel()
@@ -135,7 +135,7 @@ async def test_submit_task_wait_exits_zero_when_every_rollout_completed(
     worker = await play_rollout_worker(nats_client, namespace, lambda request: completed(request.rollout_id, 0.5))
     try:
         code = await asyncio.to_thread(main, [
-            "submit", "--task", "molar_mass", "--count", "2", "--group-size", "2", "--wait", "--timeout", "30",
+            "submit", "--task", "molar_mass", "--count", "2", "--n-samples-per-prompt", "2", "--wait", "--timeout", "30",
             "--nats-url", nats_server.url, "--namespace", namespace])
     finally:
         worker.cancel()

@@ -45,17 +45,17 @@ def test_default_config_runs_everything_on_one_machine():
 
 
 def test_a_file_sets_what_it_names_and_defaults_fill_the_rest(tmp_path):
-    config = load_config(write_toml(tmp_path, 'namespace = "exp1"\n[trainer]\ngroup_size = 4\n'), environ={})
+    config = load_config(write_toml(tmp_path, 'namespace = "exp1"\n[trainer]\nn_samples_per_prompt = 4\n'), environ={})
     assert config.namespace == "exp1"
-    assert config.trainer == TrainerConfig(group_size=4)
+    assert config.trainer == TrainerConfig(n_samples_per_prompt=4)
 
 
 def test_env_override_sets_a_field_parsed_as_a_toml_scalar(tmp_path):
-    config = load_config(environ={"ROLLMESH_TRAINER__LR": "1e-3", "ROLLMESH_TRAINER__GROUP_SIZE": "4",
+    config = load_config(environ={"ROLLMESH_TRAINER__LR": "1e-3", "ROLLMESH_TRAINER__N_SAMPLES_PER_PROMPT": "4",
                                   "ROLLMESH_ROLLOUT__PROGRESS_EVENTS": "false",
                                   "ROLLMESH_ROLLOUT__TASKS": '["pkg.mod:Task"]'})
     assert config.trainer.lr == 1e-3
-    assert config.trainer.group_size == 4
+    assert config.trainer.n_samples_per_prompt == 4
     assert config.rollout.progress_events is False
     assert config.rollout.tasks == ["pkg.mod:Task"]
 
@@ -88,7 +88,7 @@ def test_explicit_overrides_win_over_env():
     pytest.param({"ROLLMESH_TRAINER__LEARNING_RATE": "1e-3"}, id="unknown field"),
     pytest.param({"ROLLMESH_TRAINERS__LR": "1e-3"}, id="unknown section"),
     pytest.param({"ROLLMESH_TRAINER__LR": "-1"}, id="out of range"),
-    pytest.param({"ROLLMESH_TRAINER__GROUP_SIZE": "eight"}, id="wrong type"),
+    pytest.param({"ROLLMESH_TRAINER__N_SAMPLES_PER_PROMPT": "eight"}, id="wrong type"),
 ])
 def test_a_bad_env_override_is_a_config_error(environ):
     with pytest.raises(ConfigError):
@@ -129,6 +129,18 @@ def test_config_is_frozen():
     config = RollmeshConfig()
     with pytest.raises(AttributeError):
         config.trainer.lr = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("section", "key", "value", "replacement"), [
+    ("trainer", "group_size", "8", "trainer.n_samples_per_prompt"),
+    ("trainer", "train_truncated", "false", "trainer.overlong"),
+    ("demo", "prefetch_steps", "2", "max_groups_ahead"),
+])
+def test_a_renamed_key_is_a_config_error_naming_its_one_new_name(tmp_path, section, key, value, replacement):
+    path = write_toml(tmp_path, f"[{section}]\n{key} = {value}\n")
+    with pytest.raises(ConfigError, match=f"{section}.{key} is gone: use {replacement}") as raised:
+        load_config(path, environ={})
+    assert raised.value.path == f"{section}.{key}"
 
 
 # --- the model -------------------------------------------------------------------------------

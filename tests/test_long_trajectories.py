@@ -135,7 +135,7 @@ async def test_a_128k_token_rollout_is_stored_published_by_reference_admitted_wh
     trainer_nc = await connect_bus(nats_server.url, name="pytest-trainer", connect_timeout_s=5.0)
     try:
         model = ModelConfig(path=str(long_model_dir))
-        config = TrainerConfig(lr=1e-3, group_size=2, groups_per_step=1, ppo_epochs=1)
+        config = TrainerConfig(lr=1e-3, n_samples_per_prompt=2, groups_per_step=1, ppo_epochs=1)
         torch.set_num_threads(1)
         backend = LastWindowBackend(model, config)
         before = {name: tensor.clone() for name, tensor in backend.state_dict().items()}
@@ -182,7 +182,7 @@ async def test_a_completed_rollout_whose_stored_trace_is_gone_is_counted_lost_an
     await store.delete(str(gone["trajectory_ref"]))  # expired before the trainer got to it
 
     model = ModelConfig(path=str(long_model_dir))
-    config = TrainerConfig(lr=1e-3, group_size=2, groups_per_step=1, ppo_epochs=1)
+    config = TrainerConfig(lr=1e-3, n_samples_per_prompt=2, groups_per_step=1, ppo_epochs=1)
     bus = RecordingPublisher()
     logic = TrainerLogic(config, model, TorchTrainerBackend(model, config), bus, run_dir=tmp_path,
                          clock=lambda: 500.0, trajectories=store)
@@ -216,7 +216,7 @@ async def test_a_trajectory_the_store_cannot_give_now_fails_the_delivery_and_its
     refs = {"memory/a/completed": short, "memory/b/completed": short}
     store = FlakyStore(refs)
     model = ModelConfig(path=str(long_model_dir))
-    config = TrainerConfig(lr=1e-3, group_size=2, groups_per_step=1, ppo_epochs=1)
+    config = TrainerConfig(lr=1e-3, n_samples_per_prompt=2, groups_per_step=1, ppo_epochs=1)
     bus = RecordingPublisher()
     logic = TrainerLogic(config, model, TorchTrainerBackend(model, config), bus, run_dir=tmp_path,
                          clock=lambda: 500.0, trajectories=store)  # type: ignore[arg-type]

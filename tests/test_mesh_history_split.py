@@ -92,7 +92,7 @@ async def split_mesh(splitting_qwen3_dir: Path, nats_server, ray_session):
         "model.chat_template_kwargs": TEMPLATE_KWARGS,
         "rollout.strict_tokenization": True,
         "rollout.history_rewrite": "split",
-        "trainer.group_size": 2,
+        "trainer.n_samples_per_prompt": 2,
         "trainer.groups_per_step": 1,
     })
     mesh = Mesh(config, run_dir=new_run_dir(REPO_ROOT / ".rollmesh" / "test-runs"))

@@ -66,7 +66,7 @@ def test_quickstart_up_submit_down(tmp_path: Path) -> None:
 def test_smoke_sized_demo_writes_summary_and_curve(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo-run"
     demo = run(["demo", "--run-dir", str(run_dir), "--rl-steps", "3", "--sft-steps", "10",
-                "--eval-every", "2", "--eval-size", "8", "--groups-per-step", "2", "--group-size", "4",
+                "--eval-every", "2", "--eval-size", "8", "--groups-per-step", "2", "--n-samples-per-prompt", "4",
                 "--no-serve"], timeout=400, cwd=tmp_path)
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -78,7 +78,7 @@ async def secured_mesh(ray_session: None) -> AsyncIterator[SecuredMesh]:
         "security.nats_tls": {field: getattr(nats_tls, field) for field in nats_tls.__struct_fields__},
         "serve.enabled": True, "serve.port": free_port(), "serve.api_key_file": str(api_key_file),
         "serve.tls_cert_file": str(pki / "server.pem"), "serve.tls_key_file": str(pki / "server.key"),
-        "trainer.group_size": 2, "trainer.groups_per_step": 1,
+        "trainer.n_samples_per_prompt": 2, "trainer.groups_per_step": 1,
         # No declared accelerators: the session's mesh may hold them all.
         "scheduler.total_gpus": 0, "scheduler.grants": {},
     })

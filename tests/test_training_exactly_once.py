@@ -83,7 +83,7 @@ async def test_a_restarted_trainer_resumes_from_the_last_durable_step_and_never_
 
 async def test_trajectories_of_a_step_lost_with_the_trainer_are_trained_again_exactly_once(tmp_path, trainer):
     bus = RecordingPublisher()
-    first = trainer(tmp_path, bus, group_size=3)
+    first = trainer(tmp_path, bus, n_samples_per_prompt=3)
     await first.start()
     # Two of a group of three arrive; the trainer dies before the group (and so the step) exists.
     waiting = [asyncio.create_task(first.handle_completed(m, context()))
@@ -95,7 +95,7 @@ async def test_trajectories_of_a_step_lost_with_the_trainer_are_trained_again_ex
     assert not (tmp_path / "trainer" / "ledger.jsonl").exists()
 
     bus2 = RecordingPublisher()
-    second = trainer(tmp_path, bus2, group_size=3)
+    second = trainer(tmp_path, bus2, n_samples_per_prompt=3)
     await second.start()
     assert second.step == 0
     await asyncio.wait_for(deliver(second, completed("a", "g", 1.0), completed("b", "g", 0.0),

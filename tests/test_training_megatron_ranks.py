@@ -154,7 +154,7 @@ async def test_a_trainer_on_megatron_ranks_restarted_from_a_checkpoint_resumes_b
 
     from rollmesh.training.trainer_logic import TrainerLogic
 
-    config = TrainerConfig(lr=1e-3, group_size=2, groups_per_step=1, ppo_epochs=1, checkpoint_every=1,
+    config = TrainerConfig(lr=1e-3, n_samples_per_prompt=2, groups_per_step=1, ppo_epochs=1, checkpoint_every=1,
                            backend="megatron", megatron=TP2)
 
     def logic(run_dir, backend):

@@ -38,7 +38,7 @@ TOKENS = [5, 81, 58, 32, 65, 58, 7]
 
 def build_trainer(run_dir: Path, bus: RecordingPublisher, model: ModelConfig, **config) -> TrainerLogic:
     torch.set_num_threads(1)
-    trainer_config = TrainerConfig(**{"lr": 1e-3, "group_size": 2, "groups_per_step": 1, "ppo_epochs": 1, **config})
+    trainer_config = TrainerConfig(**{"lr": 1e-3, "n_samples_per_prompt": 2, "groups_per_step": 1, "ppo_epochs": 1, **config})
     return TrainerLogic(trainer_config, model, TorchTrainerBackend(model, trainer_config), bus,
                         run_dir=run_dir, clock=lambda: 500.0)
 
@@ -150,7 +150,7 @@ async def test_eval_completions_are_ignored(trainer):
 
 async def test_eval_failures_are_ignored(trainer):
     bus = RecordingPublisher()
-    logic = trainer(bus, group_size=1)
+    logic = trainer(bus, n_samples_per_prompt=1)
     eval_failure = RolloutFailed(rollout_id="e", kind="inference_error", reason="x", purpose="eval")
     assert await deliver(logic, eval_failure) == [None]
     assert bus.published == []
@@ -158,7 +158,7 @@ async def test_eval_failures_are_ignored(trainer):
 
 async def test_trajectories_beyond_max_staleness_are_counted_as_dropped_and_not_trained(trainer):
     bus = RecordingPublisher()
-    logic = trainer(bus, group_size=3, max_staleness=0)
+    logic = trainer(bus, n_samples_per_prompt=3, max_staleness=0)
     await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0), completed("c", "g1", 0.0))
     assert logic.version == 1
 
@@ -182,7 +182,7 @@ async def test_version_lag_within_max_staleness_is_trained_and_reported(trainer)
 
 async def test_a_failed_member_is_masked_out_of_the_group_statistics(trainer):
     bus = RecordingPublisher()
-    logic = trainer(bus, group_size=3)
+    logic = trainer(bus, n_samples_per_prompt=3)
     assert await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0), failed("x", "g")) == [None] * 3
 
     (step,) = bus.messages(TRAINER_STEPPED)
@@ -190,9 +190,9 @@ async def test_a_failed_member_is_masked_out_of_the_group_statistics(trainer):
     assert step.reward_mean == pytest.approx(0.5)  # not 1/3: a failure is not a zero reward
 
 
-async def test_truncated_rollouts_are_masked_and_counted_when_train_truncated_is_false(trainer):
+async def test_truncated_rollouts_are_masked_and_counted_when_overlong_is_mask(trainer):
     bus = RecordingPublisher()
-    logic = trainer(bus, group_size=3, train_truncated=False)
+    logic = trainer(bus, n_samples_per_prompt=3, overlong="mask")
     cut = msgspec.structs.replace(completed("t", "g", 1.0), finish_reason="truncated")
     assert await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0), cut) == [None] * 3
 

@@ -59,6 +59,7 @@ from rollmesh.messages.subjects import (
     SIM_STARTED,
     SIM_SUBMITTED,
     TRAINER_STEPPED,
+    GROUP_DROPPED,
     WEIGHTS_ACTIVATED,
     WEIGHTS_PUBLISHED,
 )
@@ -244,7 +245,7 @@ def _rollout_worker(ns: str) -> _Lists:
 
 def _trainer(ns: str) -> _Lists:
     publish = [
-        *_subjects(ns, WEIGHTS_PUBLISHED, TRAINER_STEPPED, CHECKPOINT_SAVED),
+        *_subjects(ns, WEIGHTS_PUBLISHED, TRAINER_STEPPED, GROUP_DROPPED, CHECKPOINT_SAVED),
         *_shell(ns), *_consume(rollout_results_stream(ns)),
         *_object_bucket(routed_experts_bucket(ns), write=False),
         *_object_bucket(trajectories_bucket(ns), write=False),
@@ -284,7 +285,8 @@ def _client(ns: str) -> _Lists:
     # Publish rollout requests, read progress and results (trainer steps are training progress),
     # with the stored trajectories of long results.
     return [*_subjects(ns, ROLLOUT_REQUESTED), *_object_bucket(trajectories_bucket(ns), write=False)], \
-        _subjects(ns, ROLLOUT_PROGRESSED, ROLLOUT_COMPLETED, ROLLOUT_FAILED, TRAINER_STEPPED), False
+        _subjects(ns, ROLLOUT_PROGRESSED, ROLLOUT_COMPLETED, ROLLOUT_FAILED, TRAINER_STEPPED,
+                  GROUP_DROPPED), False
 
 
 def _dashboard(ns: str) -> _Lists:

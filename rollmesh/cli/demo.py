@@ -24,7 +24,7 @@ DEMO_OVERRIDES = {
     "eval_size": "demo.eval_size",
     "seed": "demo.seed",
     "groups_per_step": "trainer.groups_per_step",
-    "group_size": "trainer.group_size",
+    "n_samples_per_prompt": "trainer.n_samples_per_prompt",
     "namespace": "namespace",
     "nats_url": "nats.url",
     "ray_address": "ray.address",
@@ -44,7 +44,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     size.add_argument("--eval-every", type=positive_int, metavar="N", help="evaluate every N RL steps")
     size.add_argument("--eval-size", type=positive_int, metavar="N", help="held-out prompts per evaluation")
     size.add_argument("--groups-per-step", type=positive_int, metavar="N", help="GRPO groups per trainer step")
-    size.add_argument("--group-size", type=positive_int, metavar="N", help="rollouts per GRPO group")
+    size.add_argument("--n-samples-per-prompt", type=positive_int, metavar="N", help="rollouts per GRPO group")
     size.add_argument("--seed", type=int, metavar="S", help="demo seed")
     demo.add_argument("--no-serve", action="store_true", help="do not deploy the Serve inference app")
     demo.add_argument("--namespace", type=namespace_arg, metavar="NS", help="subject namespace")
@@ -67,7 +67,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     config = load_cli_config(args, demo_overrides(args))
     run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config.run_root)
     print(f"demo: {config.demo.sft_steps} warm-start steps, {config.demo.rl_steps} RL steps of "
-          f"{config.trainer.groups_per_step} groups x {config.trainer.group_size} rollouts; "
+          f"{config.trainer.groups_per_step} groups x {config.trainer.n_samples_per_prompt} rollouts; "
           f"run dir {run_dir}", flush=True)
     summary = asyncio.run(run_demo(config, run_dir=run_dir, report=lambda line: print(line, flush=True)))
     print_summary(summary, run_dir)

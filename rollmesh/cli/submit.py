@@ -54,8 +54,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     sampled.add_argument("--held-out", action="store_true", help="sample held-out (evaluation) inputs")
     sampled.add_argument("--purpose", choices=("train", "eval"), default="train",
                          help="train: the trainer learns from them; eval: it does not (default: %(default)s)")
-    sampled.add_argument("--group-size", type=positive_int, default=None, metavar="G",
-                         help="rollouts per GRPO group sharing one input (default: config trainer.group_size)")
+    sampled.add_argument("--n-samples-per-prompt", type=positive_int, default=None, metavar="G",
+                         help="rollouts per GRPO group sharing one input (default: config trainer.n_samples_per_prompt)")
     sampled.add_argument("--max-new-tokens", type=positive_int, default=40, metavar="N",
                          help="tokens per generation (default: %(default)s)")
     sampled.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature (default: %(default)s)")
@@ -98,12 +98,12 @@ def parse_request_lines(lines: list[str]) -> ParsedRequests:
 
 
 def sample_requests(args: argparse.Namespace, config: RollmeshConfig) -> list[RolloutRequested]:
-    """``--count`` requests of ``--task``, ``--group-size`` per group sharing one input."""
+    """``--count`` requests of ``--task``, ``--n-samples-per-prompt`` per group sharing one input."""
     task = _find_task(args.task, config.rollout.tasks)
     if not callable(getattr(task, "sample_task_inputs", None)):
         raise CliError(f"task {task.name!r} cannot sample its own inputs; use --file", exit_code=EXIT_USAGE)
-    group_size = args.group_size or config.trainer.group_size
-    groups = -(-args.count // group_size)
+    n_samples = args.n_samples_per_prompt or config.trainer.n_samples_per_prompt
+    groups = -(-args.count // n_samples)
     rng = random.Random(args.seed)
     inputs = task.sample_task_inputs(rng, groups, held_out=args.held_out)
     batch = f"cli-{uuid.uuid4().hex[:8]}"
@@ -111,7 +111,7 @@ def sample_requests(args: argparse.Namespace, config: RollmeshConfig) -> list[Ro
     now = time.time()
     requests = [
         RolloutRequested(rollout_id=f"{batch}-{index:04d}", task=task.name,
-                         task_input=inputs[index // group_size], group_id=f"{batch}-g{index // group_size:03d}",
+                         task_input=inputs[index // n_samples], group_id=f"{batch}-g{index // n_samples:03d}",
                          purpose=args.purpose, sampling=sampling, max_turns=args.max_turns, requested_at=now)
         for index in range(args.count)
     ]
@@ -147,9 +147,9 @@ def run_submit(args: argparse.Namespace) -> int:
     else:
         parsed = ParsedRequests()
         requests = sample_requests(args, config)
-        group_size = args.group_size or config.trainer.group_size
-        if args.purpose == "train" and len(requests) % group_size:
-            print(f"warning: {len(requests)} requests do not fill groups of {group_size}; the trainer "
+        n_samples = args.n_samples_per_prompt or config.trainer.n_samples_per_prompt
+        if args.purpose == "train" and len(requests) % n_samples:
+            print(f"warning: {len(requests)} requests do not fill groups of {n_samples}; the trainer "
                   "only trains full groups", file=sys.stderr)
     if not requests:
         print("nothing to publish", file=sys.stderr)

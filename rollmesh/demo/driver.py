@@ -1,7 +1,7 @@
 """Drives a running mesh through the demo: warm start, asynchronous RL, periodic held-out evals.
 
 Knows the bus (it is a NATS client like any user's), the trainer actor handle and the task
-plugin; the RL itself happens in the actors. Training requests are kept ``prefetch_steps`` steps
+plugin; the RL itself happens in the actors. Training requests are kept ``DEMO_GROUPS_AHEAD`` groups
 ahead of the trainer, so rollouts and training overlap and tokens carry several weight versions.
 """
 
@@ -44,6 +44,8 @@ _log = structlog.get_logger("rollmesh.demo")
 DEMO_TASK = "rollmesh.rollout.molar_mass:MolarMassTask"
 # Room for the tool call, the tool's output and the answer.
 MAX_NEW_TOKENS = 40
+# Training groups kept in flight beyond what the trainer consumed (two steps' worth).
+DEMO_GROUPS_AHEAD = 32
 
 
 class DemoDriver:
@@ -104,7 +106,7 @@ class DemoDriver:
         # warm-started weights alone; later ones run alongside training.
         self.curve.evaluations.append(await self._evaluate(publisher, 0))
         evaluations: list[asyncio.Task[tuple[int, float]]] = []
-        window = trainer_config.groups_per_step * (1 + demo.prefetch_steps)
+        window = trainer_config.groups_per_step + DEMO_GROUPS_AHEAD
         total_groups = demo.rl_steps * trainer_config.groups_per_step
         rl_started = time.monotonic()
         while self.groups_published < min(window, total_groups):
@@ -141,7 +143,7 @@ class DemoDriver:
         self.groups_published += 1
         task_input = self.task.sample_task_inputs(self.rng, 1, held_out=False)[0]
         group_id = f"train-{index:06d}"
-        for member in range(self.config.trainer.group_size):
+        for member in range(self.config.trainer.n_samples_per_prompt):
             await publisher.publish(ROLLOUT_REQUESTED, self._request(
                 f"{group_id}-{member}", task_input, group_id=group_id, purpose="train"))
 

@@ -61,7 +61,7 @@ from rollmesh.messages.sim_jobs import (
 )
 from rollmesh.messages.subjects import ALL_SUBJECTS, Subject, check_namespace
 from rollmesh.messages.token_trace import NO_VERSION, TokenTrace, TokenTraceError
-from rollmesh.messages.trainer import TrainerStepped
+from rollmesh.messages.trainer import GroupDropped, TrainerStepped
 from rollmesh.messages.weights import WeightsActivated, WeightsPublished
 
 __all__ = [
@@ -123,6 +123,7 @@ __all__ = [
     "TokenTraceError",
     "TraceNotInlineError",
     "TrainerStepped",
+    "GroupDropped",
     "WeightsActivated",
     "WeightsPublished",
     "WireMessage",

@@ -120,7 +120,7 @@ class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed", omit_d
     num_tokens: int = 0
     weight_version: int = -1
     # "stop": the last turn ended with an end-of-turn token; "truncated": it was cut by
-    # max_new_tokens or the model's context, and no further turn ran (trainer.train_truncated).
+    # max_new_tokens or the model's context, and no further turn ran (trainer.overlong).
     finish_reason: RolloutFinishReason = "stop"
     # Differences between the trajectory and a whole render of its conversation, by kind
     # ("special", "non_assistant", "assistant", "history_rewrite"; docs/multi-turn-tokens.md);

@@ -58,7 +58,7 @@ from rollmesh.messages.sim_jobs import (
     SimJobStarted,
     SimJobSubmitted,
 )
-from rollmesh.messages.trainer import TrainerStepped
+from rollmesh.messages.trainer import GroupDropped, TrainerStepped
 from rollmesh.messages.weights import WeightsActivated, WeightsPublished
 
 M = TypeVar("M", bound=WireMessage)
@@ -131,6 +131,9 @@ ROLLOUT_FAILED = Subject("rl.{ns}.rollout.failed", RolloutFailed, "json")
 WEIGHTS_PUBLISHED = Subject("rl.{ns}.weights.published", WeightsPublished)
 WEIGHTS_ACTIVATED = Subject("rl.{ns}.weights.activated", WeightsActivated)
 TRAINER_STEPPED = Subject("rl.{ns}.trainer.stepped", TrainerStepped, "json")
+# Core NATS, like TRAINER_STEPPED: a restarted trainer re-admits the group's redelivered members
+# and sends it again, and the next durable step lists the group.
+GROUP_DROPPED = Subject("rl.{ns}.trainer.group_dropped", GroupDropped, "json")
 CHECKPOINT_SAVED = Subject("rl.{ns}.ckpt.saved", CheckpointSaved)
 CHECKPOINT_CONVERTED = Subject("rl.{ns}.ckpt.converted", CheckpointConverted)
 CHECKPOINT_FAILED = Subject("rl.{ns}.ckpt.failed", CheckpointConversionFailed)
@@ -180,6 +183,7 @@ ALL_SUBJECTS: tuple[Subject, ...] = (
     WEIGHTS_PUBLISHED,
     WEIGHTS_ACTIVATED,
     TRAINER_STEPPED,
+    GROUP_DROPPED,
     CHECKPOINT_SAVED,
     CHECKPOINT_CONVERTED,
     CHECKPOINT_FAILED,

@@ -32,3 +32,19 @@ class TrainerStepped(WireMessage, frozen=True, tag="trainer.stepped"):
     # Rollouts whose samples the step trained on (num_samples counts their samples); 0 from
     # senders that predate it.
     num_rollouts: int = 0
+    # The group ids the step consumed, trained or dropped (a `rollmesh train` feeder's groups name
+    # their stage, epoch and dataset row: rollmesh/train/prompt_ids.py), and how many of them
+    # dynamic sampling dropped (trainer.drop_uniform_groups).
+    groups: list[str] = []
+    dropped_groups: int = 0
+
+
+class GroupDropped(WireMessage, frozen=True, tag="trainer.group_dropped"):
+    """Dynamic sampling (trainer.drop_uniform_groups) set a complete group aside: its rewards were
+    all equal, so it teaches nothing and does not count toward a step. Sent as the group
+    completes, so a feeder can publish a prompt in its place at once; the group's members are
+    recorded as consumed with the next durable step (TrainerStepped.groups)."""
+
+    group_id: str
+    reward: float
+    step: int

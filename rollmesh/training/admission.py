@@ -123,6 +123,13 @@ class GroupMember:
 class Group:
     group_id: str
     members: list[GroupMember] = field(default_factory=list)
+    # Dropped by dynamic sampling (trainer.drop_uniform_groups): consumed, never trained.
+    dropped: bool = False
+
+    def is_uniform(self) -> bool:
+        """True when its trainable members' rewards are all equal (or it has none): under GRPO
+        every advantage is then zero and the group teaches nothing."""
+        return len(set(self.rewards())) <= 1
 
     def trainable_samples(self) -> list[PolicySample]:
         """Members with a sample get group-relative advantages; failed/stale ones are masked out
@@ -141,25 +148,38 @@ class Group:
 
 
 class GroupBuffer:
-    """Collects members by group id until ``group_size`` arrived (trained, stale or failed)."""
+    """Collects members by group id until ``group_size`` arrived (trained, stale or failed).
 
-    def __init__(self, group_size: int) -> None:
+    With ``drop_uniform``, a complete group whose rewards are all equal is set aside (``dropped``)
+    instead of made ready: it does not count toward a step, and rides along with the next one so
+    that its members are recorded as consumed when that step is durable."""
+
+    def __init__(self, group_size: int, *, drop_uniform: bool = False) -> None:
         self.group_size = group_size
+        self.drop_uniform = drop_uniform
         self._open: dict[str, Group] = {}
         self.ready: list[Group] = []
+        self.dropped: list[Group] = []
 
     def add(self, group_id: str, member: GroupMember) -> Group | None:
+        """The group when this member completes it (ready or dropped), else None."""
         group = self._open.setdefault(group_id, Group(group_id))
         group.members.append(member)
         if len(group.members) < self.group_size:
             return None
         del self._open[group_id]
-        self.ready.append(group)
+        if self.drop_uniform and group.is_uniform():
+            group.dropped = True
+            self.dropped.append(group)
+        else:
+            self.ready.append(group)
         return group
 
     def take(self, count: int) -> list[Group]:
+        """``count`` ready groups, and every dropped group waiting to be recorded."""
         taken, self.ready = self.ready[:count], self.ready[count:]
-        return taken
+        dropped, self.dropped = self.dropped, []
+        return taken + dropped
 
     def open_groups(self) -> int:
         return len(self._open)

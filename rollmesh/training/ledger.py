@@ -31,6 +31,9 @@ class LedgerEntry:
     num_bytes: int = 0
     keys: list[str] = field(default_factory=list)
     recorded_at: float = 0.0
+    # The group ids of ``keys``, trained or dropped: what a `rollmesh train` feeder's resume reads
+    # as the prompts consumed (its group ids name stage, epoch and dataset row).
+    groups: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ acknowledges the redelivered trajectories without training them again. Checkpoin
 (``training_state.py``), so a restart at a checkpointed step is exact: it trains on as if never
 stopped. Admission: the generation lag of a trajectory's tokens (tool waits excluded;
 ``admission.py``) must be at most ``max_staleness``; the PPO ratio corrects the older tokens. A
-rollout cut by ``max_new_tokens`` is trained unless ``train_truncated`` is false (then masked in
-its group). A rollout split into several samples (``rollout.history_rewrite = "split"``) is one
+rollout cut by ``max_new_tokens`` is trained as is, masked in its group, or trained with a penalty
+reward (``overlong``); with ``drop_uniform_groups`` a group whose rewards are all equal is consumed
+without counting toward a step (dynamic sampling). A rollout split into several samples (``rollout.history_rewrite = "split"``) is one
 group member and one idempotency key; each of its samples trains with the member's advantage.
 """
 
@@ -47,6 +48,7 @@ from rollmesh.engine.weight_buckets import (
 )
 from rollmesh.messages import (
     CheckpointSaved,
+    GroupDropped,
     RolloutCompleted,
     RolloutFailed,
     TokenTrace,
@@ -56,6 +58,7 @@ from rollmesh.messages import (
 )
 from rollmesh.messages.subjects import (
     CHECKPOINT_SAVED,
+    GROUP_DROPPED,
     ROLLOUT_COMPLETED,
     ROLLOUT_FAILED,
     TRAINER_STEPPED,
@@ -125,7 +128,7 @@ class TrainerLogic:
         self.clock = clock
         self.version = 0
         self.step = 0
-        self.buffer = GroupBuffer(config.group_size)
+        self.buffer = GroupBuffer(config.n_samples_per_prompt, drop_uniform=config.drop_uniform_groups)
         # Idempotency keys consumed by a durable step (from the ledger) or waiting in a group.
         self._seen: set[str] = set()
         self._consumed: dict[str, asyncio.Future[None]] = {}
@@ -137,6 +140,7 @@ class TrainerLogic:
         self.duplicates = 0
         self.lost_trajectories = 0
         self.skipped_truncated = 0
+        self.dropped_groups = 0
         self.resumed_from_step: int | None = None
         # Trajectories admitted and waiting for the step that trains them.
         metrics.observe(metrics_catalog.QUEUE_DEPTH, self,
@@ -170,7 +174,7 @@ class TrainerLogic:
     def subscriptions(self) -> list[Subscription]:
         # Every trajectory of a step waits un-acked until the step is durable, so the consumer
         # must allow a few steps' worth of messages in flight.
-        in_flight = self.config.group_size * self.config.groups_per_step * 4
+        in_flight = self.config.n_samples_per_prompt * self.config.groups_per_step * 4
         return [
             Subscription(ROLLOUT_COMPLETED, self.handle_completed, "jetstream",
                          durable="trainer_completed", max_concurrent=in_flight),
@@ -182,22 +186,26 @@ class TrainerLogic:
         return {"step": self.step, "version": self.version, "dropped_stale": self.dropped_stale,
                 "ungrouped": self.ungrouped, "duplicates": self.duplicates,
                 "lost_trajectories": self.lost_trajectories, "skipped_truncated": self.skipped_truncated,
+                "dropped_groups": self.dropped_groups,
                 "resumed_from_step": self.resumed_from_step, "consumed": len(self._seen),
                 "open_groups": self.buffer.open_groups(), "ready_groups": len(self.buffer.ready)}
 
     async def handle_completed(self, message: RolloutCompleted, ctx: MessageContext) -> None:
         if message.purpose != "train" or await self._seen_before(_key(message), ctx):
             return
-        if not message.group_id and self.config.group_size > 1:
+        if not message.group_id and self.config.n_samples_per_prompt > 1:
             # GRPO needs a group; an ungrouped trajectory would wait forever for its peers.
             self.ungrouped += 1
             return
-        if message.finish_reason == "truncated" and not self.config.train_truncated:
-            # Cut by max_new_tokens, and trainer.train_truncated says not to train such rollouts:
+        reward = message.reward
+        if message.finish_reason == "truncated" and self.config.overlong == "mask":
+            # Cut by max_new_tokens, and trainer.overlong says not to train such rollouts:
             # counted in its group, so the group completes, but masked out like a failure.
             self.skipped_truncated += 1
             await self._admit(message.group_id or message.rollout_id, GroupMember(_key(message), 0.0, None), ctx)
             return
+        if message.finish_reason == "truncated" and self.config.overlong == "penalty":
+            reward = self.config.overlong_penalty
         try:
             traces = await self._traces(message)
         except (TrajectoryLostError, TokenTraceError) as exc:
@@ -225,7 +233,7 @@ class TrainerLogic:
             samples = [PolicySample.from_trace(trace, 0.0, routed_experts=rows) for trace in traces]
         else:
             self.dropped_stale += 1
-        member = GroupMember(_key(message), message.reward, samples[0] if samples else None, lag,
+        member = GroupMember(_key(message), reward, samples[0] if samples else None, lag,
                              raw_version_lag=version_lag(versions, self.version), split_samples=samples[1:])
         await self._admit(message.group_id or message.rollout_id, member, ctx)
 
@@ -256,7 +264,7 @@ class TrainerLogic:
     async def handle_failed(self, message: RolloutFailed, ctx: MessageContext) -> None:
         if message.purpose != "train" or await self._seen_before(_key(message), ctx):
             return
-        if not message.group_id and self.config.group_size > 1:
+        if not message.group_id and self.config.n_samples_per_prompt > 1:
             return
         # Counted in its group (so the group completes) but masked out of its statistics.
         await self._admit(message.group_id or message.rollout_id,
@@ -278,7 +286,12 @@ class TrainerLogic:
     async def _admit(self, group_id: str, member: GroupMember, ctx: MessageContext) -> None:
         consumed = asyncio.get_running_loop().create_future()
         self._consumed[member.rollout_id] = consumed
-        self.buffer.add(group_id, member)
+        group = self.buffer.add(group_id, member)
+        if group is not None and group.dropped:
+            self.dropped_groups += 1
+            rewards = group.rewards()
+            await self.publisher.publish(GROUP_DROPPED, GroupDropped(
+                group_id=group_id, reward=rewards[0] if rewards else 0.0, step=self.step))
         if len(self.buffer.ready) >= self.config.groups_per_step:
             await self._train_ready_groups()
         await self._until_durable(consumed, ctx)
@@ -331,6 +344,8 @@ class TrainerLogic:
         admitted = [member for group in groups for member in group.members if member.sample]
         lags = summarize_lags(member.version_lag for member in admitted)
         keys = [member.rollout_id for group in groups for member in group.members]
+        group_ids = [group.group_id for group in groups]
+        dropped = sum(1 for group in groups if group.dropped)
         with self.busy.busy(), _tracer.start_as_current_span(
             conventions.SPAN_TRAIN_STEP,
             attributes={"step": self.step + 1, "samples": len(samples), "groups": len(groups),
@@ -339,9 +354,9 @@ class TrainerLogic:
             stats: dict[str, float] = {"loss": 0.0}
             if samples:
                 stats = await asyncio.to_thread(self._policy_step, samples)
-                await self._commit_step(self.step + 1, keys, new_weights=True)
+                await self._commit_step(self.step + 1, keys, group_ids, new_weights=True)
             else:
-                await self._commit_step(self.step + 1, keys, new_weights=False)
+                await self._commit_step(self.step + 1, keys, group_ids, new_weights=False)
         message = TrainerStepped(
             step=self.step, weight_version=self.version, loss=float(stats.get("loss", 0.0)),
             reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
@@ -349,7 +364,7 @@ class TrainerLogic:
             dropped_stale=self.dropped_stale, duration_s=self.clock() - started,
             version_lag_p50=lags.p50, version_lag_p90=lags.p90, version_lag_histogram=lags.histogram,
             max_raw_version_lag=max((member.raw_version_lag for member in admitted), default=0),
-            num_rollouts=trained,
+            num_rollouts=trained, groups=group_ids, dropped_groups=dropped,
         )
         await self.publisher.publish(TRAINER_STEPPED, message)
         metrics.record(metrics_catalog.TRAINER_STEP_DURATION, message.duration_s)
@@ -364,14 +379,16 @@ class TrainerLogic:
         return_freed_memory()  # the step's activations and gradients, back to the OS
         return stats
 
-    async def _commit_step(self, step: int, keys: list[str], *, new_weights: bool) -> None:
+    async def _commit_step(self, step: int, keys: list[str], group_ids: list[str] = (), *,
+                           new_weights: bool) -> None:
         """Make a step durable: its weights file (when it trained), then its ledger line; only
         then does the step count, and are its weights announced."""
         weights = await self._write_weights(step) if new_weights else self._last_weights
         entry = LedgerEntry(
             step=step, weight_version=weights.version if weights else self.version,
             weights_path=weights.path if weights else "", sha256=weights.sha256 if weights else "",
-            num_bytes=weights.num_bytes if weights else 0, keys=keys, recorded_at=self.clock())
+            num_bytes=weights.num_bytes if weights else 0, keys=keys, recorded_at=self.clock(),
+            groups=list(group_ids))
         await asyncio.to_thread(self.ledger.append, entry)
         # The version only advances once the step is durable: a failed save must not make the
         # redelivered trajectories look one version staler than they are.

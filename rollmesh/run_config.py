@@ -1,0 +1,132 @@
+"""The config of a training job: ``[[stages]]`` (what ``rollmesh train`` runs, in order), their
+data, rewards and stopping rules.
+
+Knows msgspec and the config's own types; nothing of NATS, Ray or torch. A ``RUN.toml`` is an
+ordinary rollmesh config file, so these sections sit in ``RollmeshConfig`` beside the mesh's own
+(docs/training.md).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from rollmesh.config_types import ConfigSection, NonNegInt, PositiveInt
+from rollmesh.messages.base import SamplingParams
+from rollmesh.trainer_config import TrainerConfig
+
+StageKind = Literal["midtrain", "sft", "rl"]
+OverlongPolicy = Literal["train", "mask", "penalty"]
+
+
+class FieldMap(ConfigSection):
+    """Which column of a dataset row holds each field (as slime's ``--input-key``, ``--label-key``).
+    A row gives its prompt as ``prompt`` (a string: one user message) or ``messages`` (OpenAI chat
+    messages); ``answer`` (or ``label``) is what rewards check the model against."""
+
+    prompt: str = "prompt"
+    messages: str = "messages"
+    answer: str = "answer"
+    label: str = "label"
+    tools: str = "tools"
+    metadata: str = "metadata"
+
+
+class RewardSpec(ConfigSection):
+    """One reward of a stage: a built-in by ``name`` (``math``, ``exact_match``) or a function by
+    import path ``fn = "package.module:function"``, weighted in the stage's total. ``args`` are
+    keyword arguments the reward is called with."""
+
+    name: str = ""
+    fn: str = ""
+    weight: float = 1.0
+    args: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        if bool(self.name) == bool(self.fn):
+            raise ValueError("a reward has exactly one of name (a built-in) or fn (an import path)")
+        if self.fn and (":" not in self.fn or self.fn.startswith(":") or self.fn.endswith(":")):
+            raise ValueError(f"reward fn {self.fn!r} must look like 'package.module:function'")
+
+    @property
+    def label(self) -> str:
+        """The reward's metric name: the built-in's name, or the function's."""
+        return self.name or self.fn.rpartition(":")[2]
+
+
+class StageConfig(ConfigSection):
+    """One stage of a training job. It starts from the previous stage's weights (the first from
+    ``model.path``) and stops after ``steps`` trainer steps, ``epochs`` passes over its data, or
+    ``tokens`` trained tokens: exactly one of them."""
+
+    kind: StageKind
+    name: str = ""  # "": named by its kind (stage_names), numbered when a kind repeats
+    # The dataset: a JSONL file (relative to the config file), one row per prompt or example.
+    data: str = ""
+    fields: FieldMap = FieldMap()
+    # Read in file order, or shuffled by ``seed`` (a new order each epoch).
+    shuffle: bool = True
+    seed: int = 0
+    steps: NonNegInt = 0
+    epochs: NonNegInt = 0
+    tokens: NonNegInt = 0
+    # This stage's trainer settings, over [trainer] (e.g. {lr = 1e-5, n_samples_per_prompt = 8}).
+    trainer: dict[str, Any] = {}
+    # RL: a task plugin by import path, or "" for the built-in one that speaks the dataset's rows
+    # (prompt or messages; rewards from ``rewards``).
+    task: str = ""
+    rewards: list[RewardSpec] = []
+    sampling: SamplingParams = SamplingParams(max_new_tokens=256)
+    max_turns: Annotated[int, Meta(ge=1, le=1000)] = 1
+    # A system message put before each row's prompt ("": none).
+    system_prompt: str = ""
+    # Groups published beyond what the trainer has consumed: bounds the work a slow trainer leaves
+    # queued, and how stale the last of it can be.
+    max_groups_ahead: PositiveInt = 32
+
+    def __post_init__(self) -> None:
+        rules = [rule for rule in ("steps", "epochs", "tokens") if getattr(self, rule)]
+        if len(rules) != 1:
+            raise ValueError(f"a stage stops by exactly one of steps, epochs or tokens "
+                             f"(got {', '.join(rules) or 'none'})")
+        if self.kind == "rl" and self.tokens:
+            raise ValueError("an rl stage stops by steps or epochs")
+        if self.kind == "rl" and not self.task and not self.rewards:
+            raise ValueError("an rl stage on a dataset needs rewards (e.g. [[stages.rewards]] name = \"math\")")
+        if self.task and self.rewards:
+            raise ValueError("a task plugin rewards its own rollouts: give task or rewards, not both")
+        if not self.data and not self.task:
+            raise ValueError("a stage needs data (a dataset file)")
+
+
+def stage_names(stages: list[StageConfig]) -> list[str]:
+    """Each stage's name: its own, else its kind, numbered from 2 when a kind repeats."""
+    names: list[str] = []
+    for stage in stages:
+        base = stage.name or stage.kind
+        name, number = base, 1
+        while name in names:
+            number += 1
+            name = f"{base}-{number}"
+        names.append(name)
+    return names
+
+
+def stage_trainer_config(base: TrainerConfig, stage: StageConfig) -> TrainerConfig:
+    """The trainer settings a stage runs with: ``[trainer]`` with the stage's ``trainer`` table
+    over it (tables merged key by key, so ``{megatron = {data_parallel = 2}}`` keeps the rest)."""
+    if not stage.trainer:
+        return base
+    return msgspec.convert(_merged(msgspec.to_builtins(base), stage.trainer), TrainerConfig)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
