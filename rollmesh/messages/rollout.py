@@ -133,6 +133,10 @@ class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed", omit_d
     # where each is stored ("<bucket>/<object>") when the samples do not fit inline. [] = one sample.
     split_samples: list[TokenTrace] = []
     split_sample_refs: list[str] = []
+    # Each named reward's own score, for logging: a stage's rewards by label ("math",
+    # "exact_match"), a dict reward's keys as "<label>/<key>"; ``reward`` is their weighted total.
+    # {} for a task whose reward is one float, and from older senders.
+    reward_components: dict[str, float] = {}
 
     def token_trace(self) -> TokenTrace:
         """The rollout's (first) sample, from ``trajectory`` or an older sender's flat fields;
@@ -164,6 +168,10 @@ FailureKind = Literal[
     # The trajectory differs from a whole render of its conversation in text the model did not
     # generate (rollout.strict_tokenization): a bug in appending. Masked, never retried.
     "tokenization_error",
+    # The reward could not be computed (its worker process died, a reward function raised, a
+    # reward server is down): not the model's fault, so retried like the infrastructure, then
+    # masked; never a zero.
+    "reward_error",
 ]
 
 
@@ -185,7 +193,10 @@ class RolloutFailed(WireMessage, frozen=True, tag="rollout.failed"):
 
 # Failure kinds that are the infrastructure's fault, not the task's: retried up to a budget, and
 # when the budget is spent, masked out of group statistics (never scored as a zero reward).
-INFRA_FAILURE_KINDS: frozenset[str] = frozenset({"sandbox_error", "sandbox_timeout", "inference_error"})
+# A reward_error is retried too: a reward server that is down may be back, and a retry resumes
+# after the last turn, so it only computes the reward again.
+INFRA_FAILURE_KINDS: frozenset[str] = frozenset({"sandbox_error", "sandbox_timeout", "inference_error",
+                                                 "reward_error"})
 
 
 class SavedToolCall(msgspec.Struct, frozen=True, kw_only=True):
