@@ -20,12 +20,15 @@ from rollmesh.engine.weight_buckets import load_published, read_manifest
 from rollmesh.messages import RolloutCompleted, RolloutFailed, TokenTrace
 from rollmesh.messages.subjects import (
     CHECKPOINT_SAVED,
+    GROUP_DROPPED,
     ROLLOUT_COMPLETED,
     TRAINER_STEPPED,
     WEIGHTS_PUBLISHED,
 )
 from rollmesh.rollout.molar_mass import MolarMassTask
 from rollmesh.training.torch_backend import TorchTrainerBackend
+from rollmesh.training.checkpoint_retention import prune_checkpoints
+from rollmesh.training.ledger import TrainingLedger
 from rollmesh.training.trainer_logic import TrainerLogic
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -210,6 +213,54 @@ async def test_truncated_rollouts_are_trained_by_default(trainer):
 
     (step,) = bus.messages(TRAINER_STEPPED)
     assert (step.num_samples, logic.stats()["skipped_truncated"]) == (2, 0)
+
+
+async def test_truncated_rollouts_train_with_the_overlong_penalty_as_their_reward(trainer):
+    bus = RecordingPublisher()
+    logic = trainer(bus, n_samples_per_prompt=3, overlong="penalty", overlong_penalty=-2.0)
+    cut = msgspec.structs.replace(completed("t", "g", 1.0), finish_reason="truncated")
+    assert await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0), cut) == [None] * 3
+
+    (step,) = bus.messages(TRAINER_STEPPED)
+    assert step.num_samples == 3
+    assert step.reward_mean == pytest.approx((1.0 + 0.0 - 2.0) / 3)  # not (1 + 0 + 1) / 3
+
+
+async def test_dynamic_sampling_drops_a_uniform_group_announces_it_and_records_it_with_the_next_step(trainer, tmp_path):
+    bus = RecordingPublisher()
+    logic = trainer(bus, drop_uniform_groups=True)
+    # All right: nothing to learn. It does not make a step; it is announced at once.
+    uniform = asyncio.ensure_future(deliver(logic, completed("a", "rl/0/1", 1.0), completed("b", "rl/0/1", 1.0)))
+    async def announced() -> None:
+        while not bus.messages(GROUP_DROPPED):
+            await asyncio.sleep(0.01)  # polls the recording bus; the wait is bounded below
+
+    await asyncio.wait_for(announced(), STEP_TIMEOUT_S)
+    (dropped,) = bus.messages(GROUP_DROPPED)
+    assert (dropped.group_id, dropped.reward) == ("rl/0/1", 1.0)
+    assert bus.messages(TRAINER_STEPPED) == [] and not uniform.done()  # un-acked until a step records it
+
+    await deliver(logic, completed("c", "rl/0/2", 1.0), completed("d", "rl/0/2", 0.0))
+    assert await uniform == [None, None]
+    (step,) = bus.messages(TRAINER_STEPPED)
+    assert (step.num_groups, step.dropped_groups, step.num_samples) == (2, 1, 2)
+    assert sorted(step.groups) == ["rl/0/1", "rl/0/2"]
+    state = TrainingLedger(tmp_path / "trainer" / "ledger.jsonl").read()
+    assert sorted(state.last.groups) == ["rl/0/1", "rl/0/2"]
+    assert state.consumed == {"a", "b", "c", "d"}
+
+
+def test_keep_checkpoints_removes_all_but_the_newest_with_their_training_state(tmp_path):
+    for step in (2, 4, 6):
+        (tmp_path / f"iter_{step:07d}").mkdir()
+        (tmp_path / f"iter_{step:07d}" / "common.pt").write_bytes(b"x")
+        (tmp_path / f"step_{step:08d}.trainer_state.pt").write_bytes(b"x")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("6")
+    assert prune_checkpoints(tmp_path, 2) == [2]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "iter_0000004", "iter_0000006", "latest_checkpointed_iteration.txt",
+        "step_00000004.trainer_state.pt", "step_00000006.trainer_state.pt"]
+    assert prune_checkpoints(tmp_path, 0) == []  # 0: keep all
 
 
 async def test_a_group_whose_rewards_are_all_equal_contributes_no_samples_and_publishes_no_weights(trainer):

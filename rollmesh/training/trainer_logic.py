@@ -76,6 +76,7 @@ from rollmesh.training.admission import (
 )
 from rollmesh.training.grpo import PolicySample
 from rollmesh.training.heap import return_freed_memory
+from rollmesh.training.checkpoint_retention import prune_checkpoints
 from rollmesh.training.ledger import LedgerEntry, TrainingLedger
 from rollmesh.telemetry import conventions, metrics, metrics_catalog
 from rollmesh.training.torch_backend import TrainerBackend
@@ -461,6 +462,9 @@ class TrainerLogic:
         message = CheckpointSaved(step=self.step, weight_version=self.version, path=str(path),
                                   format=layout, model_config=model_config)
         await self.publisher.publish(CHECKPOINT_SAVED, message)
+        removed = await asyncio.to_thread(prune_checkpoints, self.checkpoint_dir, self.config.keep_checkpoints)
+        if removed:
+            _log.info("checkpoints_pruned", steps=removed, kept=self.config.keep_checkpoints)
         return message
 
 
