@@ -1,0 +1,54 @@
+"""The built-in rewards, by the name a ``[[stages.rewards]]`` entry gives: ``math`` and
+``exact_match``.
+
+Knows the reward types and the math checker; nothing of Ray, NATS or the agent loop. Each is
+``function(sample, **args) -> float``; ``check_builtin_args`` checks a spec's ``args`` at config
+load, so a typo fails before any training starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rollmesh.rewards.errors import RewardInputError
+from rollmesh.rewards.math_answer import DEFAULT_TIMEOUT_S, math_reward
+from rollmesh.rewards.reward_input import RewardInput
+
+
+def math_equal(sample: RewardInput, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
+    """1.0 when math-verify finds the final answer equal to the row's answer (``\\boxed{}``,
+    fractions, LaTeX and plain expressions alike), else 0.0; a check past ``timeout_s`` is 0.0."""
+    return math_reward(sample, timeout_s=timeout_s)
+
+
+def exact_match(sample: RewardInput, *, case_sensitive: bool = True) -> float:
+    """1.0 when the final answer is the row's answer, surrounding whitespace aside, else 0.0."""
+    if sample.answer is None:
+        raise RewardInputError("exact_match", "the row has no answer to compare with")
+    final, answer = sample.final_text.strip(), sample.answer.strip()
+    if not case_sensitive:
+        final, answer = final.casefold(), answer.casefold()
+    return 1.0 if final == answer else 0.0
+
+
+BUILTIN_REWARDS: dict[str, Callable[..., float]] = {"math": math_equal, "exact_match": exact_match}
+# Each argument a built-in takes, with the types it accepts.
+_ARG_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "math": {"timeout_s": (int, float)},
+    "exact_match": {"case_sensitive": (bool,)},
+}
+
+
+def check_builtin_args(name: str, args: dict[str, Any]) -> str:
+    """What is wrong with ``args`` for the built-in ``name`` ("" when nothing is)."""
+    accepted = _ARG_TYPES[name]
+    for key, value in args.items():
+        if key not in accepted:
+            return f"unknown argument {key!r} (it takes {', '.join(sorted(accepted)) or 'none'})"
+        types = accepted[key]
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            return f"argument {key!r} must be {' or '.join(t.__name__ for t in types)}, not {value!r}"
+    if name == "math" and args.get("timeout_s", DEFAULT_TIMEOUT_S) <= 0:
+        return f"argument 'timeout_s' must be above 0, not {args['timeout_s']!r}"
+    return ""
