@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from rollmesh.data import EpochOrder
@@ -29,6 +30,7 @@ def test_each_shuffled_epoch_reads_every_row_once_in_a_new_order() -> None:
     assert all(sorted(indices) == list(range(50)) for indices in epochs)
     assert len({tuple(indices) for indices in epochs}) == 3
     assert epoch(EpochOrder(50, shuffle=True, seed=8), 0) != epochs[0]
+    assert epochs[2] == list(np.random.default_rng([7, 2]).permutation(50))
 
 
 def test_the_order_is_only_its_seed_rows_and_shuffle() -> None:
