@@ -69,3 +69,15 @@ class TrainerActor(RoleActor):
 
     async def version(self) -> int:
         return self.trainer.version if self.trainer else 0
+
+    async def step(self) -> int:
+        """The last durable step (what a training job's stage counts its steps from)."""
+        assert self.trainer is not None, "start() first"
+        return self.trainer.step
+
+    async def consumed_groups(self, group_ids: list[str]) -> list[str]:
+        """Which of ``group_ids`` a durable step consumed, from the ledger: what a resumed
+        training job's feeder no longer waits for."""
+        assert self.trainer is not None, "start() first"
+        state = await asyncio.to_thread(self.trainer.ledger.read)
+        return [group_id for group_id in group_ids if state is not None and group_id in state.groups]

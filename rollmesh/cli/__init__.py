@@ -24,6 +24,7 @@ from rollmesh.cli import (
     sched as cli_sched,
     serve as cli_serve,
     submit as cli_submit,
+    train as cli_train,
     watch as cli_watch,
 )
 from rollmesh.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _add_global_options(common, suppress=True)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (cli_mesh, cli_submit, cli_watch, cli_demo, cli_serve, cli_sandbox, cli_convert, cli_sched,
+    for module in (cli_mesh, cli_submit, cli_watch, cli_train, cli_demo, cli_serve, cli_sandbox, cli_convert, cli_sched,
                    cli_dashboard, cli_check_template):
         module.register(subparsers, common)
     return parser

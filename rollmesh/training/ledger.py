@@ -43,6 +43,8 @@ class LedgerState:
     last: LedgerEntry
     consumed: frozenset[str]
     entries: int
+    # Every group id a step consumed (LedgerEntry.groups).
+    groups: frozenset[str] = frozenset()
 
 
 class TrainingLedger:
@@ -57,6 +59,7 @@ class TrainingLedger:
             return None
         last: LedgerEntry | None = None
         consumed: set[str] = set()
+        groups: set[str] = set()
         entries = 0
         for line in text.splitlines():
             try:
@@ -65,7 +68,8 @@ class TrainingLedger:
                 continue  # torn by a crash mid-write: that step never happened
             last, entries = entry, entries + 1
             consumed.update(entry.keys)
-        return None if last is None else LedgerState(last, frozenset(consumed), entries)
+            groups.update(entry.groups)
+        return None if last is None else LedgerState(last, frozenset(consumed), entries, frozenset(groups))
 
     def append(self, entry: LedgerEntry) -> None:
         """Durable on return (written and fsynced)."""

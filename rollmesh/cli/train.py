@@ -1,0 +1,148 @@
+"""``rollmesh train RUN.toml``: run a training job's ``[[stages]]`` on a mesh.
+
+Knows argparse, the config loader, the checks a run file must pass before anything starts, and
+how to reach a mesh: one of its own (started here, stopped at the end), or a running one, attached
+with ``--run-dir`` (its mesh.json) or ``--nats-url`` and ``--ray-address``. ``--resume RUN_DIR``
+continues a stopped or killed job from its run directory (its config.json and data cursor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from rollmesh.cli.errors import EXIT_OK, EXIT_USAGE, CliError
+from rollmesh.cli.target import model_dir_arg, namespace_arg
+from rollmesh.config import RUN_CONFIG_FILE, ConfigError, RollmeshConfig, load_config, load_run_config
+from rollmesh.mesh_info import MeshNotFoundError, new_run_dir, read_mesh_info
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    train = subparsers.add_parser(
+        "train", parents=[common], help="run a training job: the [[stages]] of a run file",
+        description="Run RUN.toml's [[stages]] in order on a mesh (started here, or a running one with "
+                    "--run-dir or --nats-url and --ray-address), then write the final Hugging Face "
+                    "checkpoint (final_model/) and summary.json into the run directory. RUN.toml is "
+                    "an ordinary rollmesh config file (docs/training.md).")
+    train.add_argument("run_file", nargs="?", type=Path, metavar="RUN.toml", help="the run file")
+    train.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                       help="continue the stopped or killed job of RUN_DIR: no prompt is skipped or repeated")
+    where = train.add_argument_group("which mesh (default: start one, stopped at the end)")
+    where.add_argument("--run-dir", type=Path, metavar="DIR",
+                       help="the run directory: a running mesh's (attach to it) or a new one")
+    where.add_argument("--nats-url", metavar="URL", help="attach to the mesh on this NATS server (with --ray-address)")
+    where.add_argument("--ray-address", metavar="ADDR", help="the attached mesh's Ray cluster (with --nats-url)")
+    train.add_argument("--namespace", type=namespace_arg, metavar="NS", help="subject namespace")
+    train.add_argument("--model", type=model_dir_arg, metavar="DIR", help="the model directory (model.path)")
+    train.add_argument("--no-serve", action="store_true", help="do not deploy the Serve inference app")
+    train.set_defaults(handler=run_train_command)
+
+
+def run_train_command(args: argparse.Namespace) -> int:
+    config, run_dir = _job_config(args)
+    check_run_file(config)
+    attach = _attach_target(args, config)
+    if run_dir is None:
+        run_dir = attach["run_dir"] if attach and attach.get("run_dir") else new_run_dir(config.run_root)
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"train: {len(config.stages)} stage(s); run dir {run_dir}", flush=True)
+    summary = asyncio.run(_run(config, run_dir, attach))
+    print(f"summary: {run_dir / 'summary.json'}")
+    print(f"final model: {summary['final_model']}")
+    return EXIT_OK
+
+
+def _job_config(args: argparse.Namespace) -> tuple[RollmeshConfig, Path | None]:
+    overrides = {"namespace": args.namespace, "model.path": args.model, "nats.url": args.nats_url,
+                 "ray.address": args.ray_address, "serve.enabled": False if args.no_serve else None}
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    try:
+        if args.resume is not None:
+            if args.run_file or args.run_dir or args.config:
+                raise CliError("--resume continues a job with its own config: it takes no RUN.toml, "
+                               "--run-dir or --config", exit_code=EXIT_USAGE)
+            if not (args.resume / RUN_CONFIG_FILE).is_file():
+                raise CliError(f"{args.resume} holds no job to resume (no {RUN_CONFIG_FILE})", exit_code=EXIT_USAGE)
+            return load_run_config(args.resume, overrides=overrides), args.resume
+        if args.run_file is None:
+            raise CliError("give a run file (rollmesh train RUN.toml) or --resume RUN_DIR", exit_code=EXIT_USAGE)
+        if args.config is not None:
+            raise CliError("the run file is the config: give RUN.toml or --config, not both", exit_code=EXIT_USAGE)
+        if args.run_root is not None:
+            overrides["run_root"] = str(args.run_root)
+        return load_config(args.run_file, overrides=overrides), args.run_dir
+    except ConfigError as exc:
+        raise CliError(f"bad config: {exc}", exit_code=EXIT_USAGE) from exc
+
+
+def check_run_file(config: RollmeshConfig) -> None:
+    """Everything a run file can get wrong, found before any mesh starts (a usage error)."""
+    from rollmesh.train.checks import RunFileError, check_stages
+
+    try:
+        check_stages(config)
+    except RunFileError as exc:
+        raise CliError(f"bad run file: {exc}", exit_code=EXIT_USAGE) from exc
+
+
+def _attach_target(args: argparse.Namespace, config: RollmeshConfig) -> dict[str, Any] | None:
+    """How to reach a running mesh, or None to start one."""
+    if bool(args.nats_url) != bool(args.ray_address):
+        raise CliError("attaching by address needs both --nats-url and --ray-address", exit_code=EXIT_USAGE)
+    if args.nats_url:
+        return {"nats_url": args.nats_url, "namespace": config.namespace, "ray_address": args.ray_address,
+                "ray_namespace": f"rollmesh-{config.namespace}", "token_file": "", "run_dir": args.run_dir}
+    if args.run_dir is None or args.resume is not None:
+        return None
+    try:
+        info = read_mesh_info(args.run_dir, run_root=config.run_root)
+    except MeshNotFoundError:
+        return None  # no mesh running there: the job starts its own in that directory
+    return {"nats_url": info.nats_url, "namespace": info.namespace, "ray_address": info.ray_address,
+            "ray_namespace": info.ray_namespace, "token_file": info.ray_auth_token_file,
+            "run_dir": Path(info.run_dir)}
+
+
+async def _run(config: RollmeshConfig, run_dir: Path, attach: dict[str, Any] | None) -> dict[str, Any]:
+    from rollmesh.train.job import MeshHandle, TrainJob, mesh_config_for
+    from rollmesh.train.progress import step_reporter
+
+    with step_reporter(sys.stdout) as (report, on_step):
+        job = TrainJob(config, run_dir=run_dir, run_name=run_dir.name, report=report, on_step=on_step)
+        if attach is not None:
+            with _attached_ray(attach):
+                import ray
+
+                trainer = ray.get_actor("trainer", namespace=attach["ray_namespace"])
+                return await job.run(MeshHandle(attach["nats_url"], attach["namespace"], trainer))
+        from rollmesh.launcher import Mesh
+
+        mesh = Mesh(mesh_config_for(config), run_dir=run_dir)
+        info = await mesh.start()
+        report(f"mesh up: NATS {info.nats_url}")
+        try:
+            return await job.run(MeshHandle(info.nats_url, info.namespace, mesh.trainer,
+                                            credentials=mesh.runtime.bus_credentials.get("mesh")))
+        finally:
+            await mesh.stop()
+
+
+def _attached_ray(attach: dict[str, Any]) -> ExitStack:
+    import ray
+
+    from rollmesh.local_ray import LocalRayEnvironment
+
+    stack = ExitStack()
+    if attach["token_file"]:  # a Ray the mesh started: loopback, its token
+        host = attach["ray_address"].rsplit(":", 1)[0].strip("[]")
+        environment = LocalRayEnvironment(token_file=attach["token_file"], node_ip_address=host)
+        environment.apply()
+        stack.callback(environment.restore)
+    ray.init(address=attach["ray_address"], include_dashboard=False, log_to_driver=False)
+    stack.callback(ray.shutdown)
+    return stack

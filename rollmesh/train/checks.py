@@ -1,0 +1,57 @@
+"""What a run file must get right before a training job starts anything.
+
+Knows the config, rollmesh.data and the rewards' loader; nothing of the mesh. Each problem is a
+``RunFileError`` naming the stage and what to fix: an unknown kind is refused by the config's own
+types; here, a missing dataset or a field mapping that fits none of its first rows, a reward that
+does not import, a task plugin that does not load.
+"""
+
+from __future__ import annotations
+
+from rollmesh.config import RollmeshConfig
+from rollmesh.data import DatasetError, check_dataset
+from rollmesh.rewards.combined import check_reward_specs
+from rollmesh.rewards.errors import RewardError
+from rollmesh.rollout.tasks import load_task
+from rollmesh.run_config import stage_names, stage_trainer_config
+
+# Stage kinds `rollmesh train` runs today; "sft" and "midtrain" are config-valid and arrive with
+# the supervised stages.
+RUNNABLE_KINDS = frozenset({"rl"})
+
+
+class RunFileError(ValueError):
+    def __init__(self, reason: str, *, stage: str = "") -> None:
+        super().__init__(f"stage {stage!r}: {reason}" if stage else reason)
+        self.stage = stage
+        self.reason = reason
+
+
+def check_stages(config: RollmeshConfig) -> None:
+    if not config.stages:
+        raise RunFileError("the run file has no [[stages]]")
+    first_trainer = stage_trainer_config(config.trainer, config.stages[0])
+    for name, stage in zip(stage_names(config.stages), config.stages):
+        if stage.kind not in RUNNABLE_KINDS:
+            raise RunFileError(f"kind {stage.kind!r} cannot run yet: rollmesh train runs "
+                               f"{', '.join(sorted(RUNNABLE_KINDS))} stages", stage=name)
+        if stage_trainer_config(config.trainer, stage) != first_trainer:
+            raise RunFileError("its trainer settings differ from the first stage's: a trainer restart "
+                               "between stages is not supported yet", stage=name)
+        if stage.epochs and not stage.data:
+            raise RunFileError("epochs count passes over data: give data, or stop by steps", stage=name)
+        if stage.data:
+            try:
+                # A task plugin's rows are its own inputs: only the file is checked.
+                check_dataset(stage.data, **({} if stage.task else {"fields": stage.fields, "kind": stage.kind}))
+            except DatasetError as exc:
+                raise RunFileError(str(exc), stage=name) from exc
+        if stage.task:
+            try:
+                load_task(stage.task)
+            except Exception as exc:  # any import or construction error: the plugin is unusable
+                raise RunFileError(f"task {stage.task!r} does not load: {exc!r}", stage=name) from exc
+        try:
+            check_reward_specs(stage.rewards)
+        except RewardError as exc:
+            raise RunFileError(str(exc), stage=name) from exc

@@ -1,0 +1,226 @@
+"""A training job: the run file's ``[[stages]]``, in order, on a mesh this process starts or one it
+attaches to; then the final checkpoint and ``summary.json``.
+
+Knows the mesh launcher, the bus, Ray actor handles (the trainer's) and the feeder; the training
+itself happens in the actors. Its files, in the run directory: ``train/feeder.json`` (the data
+cursor, feeder_cursor.py), ``train/steps.jsonl`` (one line per trainer step, so a resumed job's
+summary covers the steps before the stop), ``summary.json`` and ``final_model/`` (the final
+Hugging Face checkpoint with its tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from rollmesh.bus.connection import connect_bus
+from rollmesh.bus.publisher import BusPublisher
+from rollmesh.bus.security import BusCredentials
+from rollmesh.bus.tls import client_tls_context
+from rollmesh.config import RollmeshConfig
+from rollmesh.demo.curve import window_mean
+from rollmesh.messages import CheckpointConverted
+from rollmesh.messages.subjects import CHECKPOINT_CONVERTED
+from rollmesh.run_config import stage_names, stage_trainer_config
+from rollmesh.train.feeder import JobEvents, RlStageFeeder, StepRecord
+from rollmesh.train.feeder_cursor import FeederCursor, read_cursor, write_cursor
+from rollmesh.train.feeder_window import StagePlan, stage_steps
+from rollmesh.train.prompt_source import prompt_source
+
+_log = structlog.get_logger("rollmesh.train")
+STEPS_FILE = "steps.jsonl"
+FINAL_MODEL_DIR = "final_model"
+# The resharder converts the final checkpoint to Hugging Face format: seconds for small models.
+CONVERT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class MeshHandle:
+    """What a job needs of a mesh: its bus, its namespace and its trainer actor."""
+
+    nats_url: str
+    namespace: str
+    trainer: Any
+    credentials: BusCredentials | None = None
+
+
+class TrainJob:
+    def __init__(self, config: RollmeshConfig, *, run_dir: Path, run_name: str,
+                 report: Callable[[str], None] = print,
+                 on_step: Callable[[StepRecord], None] | None = None) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.run_name = run_name
+        self.report = report
+        self.on_step = on_step or (lambda record: report(record.line()))
+        self.names = stage_names(config.stages)
+        self.records: list[StepRecord] = _read_steps(self.run_dir)
+        self.failures: dict[str, int] = {}
+        self.rollouts = 0
+        self.bad_rows = 0
+
+    async def run(self, mesh: MeshHandle) -> dict[str, Any]:
+        nc = await connect_bus(mesh.nats_url, name="rollmesh-train", connect_timeout_s=10,
+                               credentials=mesh.credentials,
+                               tls=client_tls_context(self.config.security.nats_tls))
+        events, converted = JobEvents(), asyncio.Queue[CheckpointConverted]()
+
+        async def on_converted(msg) -> None:
+            converted.put_nowait(CHECKPOINT_CONVERTED.decode(msg.data))
+
+        subscriptions = [*await events.subscribe(nc, mesh.namespace),
+                         await nc.subscribe(CHECKPOINT_CONVERTED.format(mesh.namespace), cb=on_converted)]
+        try:
+            publisher = BusPublisher(nc, nc.jetstream(), mesh.namespace)
+            cursor = read_cursor(self.run_dir) or FeederCursor()
+            for index, (name, stage) in enumerate(zip(self.names, self.config.stages)):
+                if name in cursor.done_stages:
+                    continue
+                cursor = await self._run_rl_stage(index, cursor, mesh, publisher, events)
+            return await self._finish(mesh, converted)
+        finally:
+            for subscription in subscriptions:
+                await subscription.unsubscribe()
+            await nc.close()
+
+    async def _run_rl_stage(self, index: int, cursor: FeederCursor, mesh: MeshHandle,
+                            publisher: BusPublisher, events: JobEvents) -> FeederCursor:
+        name, stage = self.names[index], self.config.stages[index]
+        trainer_config = stage_trainer_config(self.config.trainer, stage)
+        trainer_step = await mesh.trainer.step.remote()
+        if cursor.stage != name:  # the stage starts now, at the trainer's current step
+            cursor = FeederCursor(stage_index=index, stage=name, start_step=trainer_step,
+                                  done_stages=list(cursor.done_stages))
+            write_cursor(self.run_dir, cursor)
+        else:  # resumed: what the trainer consumed while nobody was watching is not awaited
+            consumed = await mesh.trainer.consumed_groups.remote(list(cursor.outstanding))
+            cursor = cursor.with_(outstanding=sorted(set(cursor.outstanding) - set(consumed)))
+        source = prompt_source(stage, name, on_bad_row=lambda error: self.report(f"skipped bad row: {error}"))
+        try:
+            plan = StagePlan(name=name, stage_index=index, groups_per_step=trainer_config.groups_per_step,
+                             max_groups_ahead=stage.max_groups_ahead,
+                             steps=stage_steps(steps=stage.steps, epochs=stage.epochs, num_rows=source.num_rows,
+                                               groups_per_step=trainer_config.groups_per_step))
+            self.report(f"stage {name} ({stage.kind}): {plan.steps} steps of {plan.groups_per_step} groups x "
+                        f"{trainer_config.n_samples_per_prompt} rollouts, from trainer step {cursor.start_step}")
+            feeder = RlStageFeeder(stage=stage, plan=plan, source=source, cursor=cursor, publisher=publisher,
+                                   events=events, run_dir=self.run_dir, run_name=self.run_name,
+                                   n_samples_per_prompt=trainer_config.n_samples_per_prompt,
+                                   report=self._record_step)
+            await feeder.run(trainer_step)
+        finally:
+            source.close()
+        self.rollouts += feeder.train_rollouts
+        for kind, count in feeder.failures.items():
+            self.failures[kind] = self.failures.get(kind, 0) + count
+        self.bad_rows += getattr(source, "bad_rows", 0)
+        cursor = feeder.window.cursor.with_(done_stages=[*cursor.done_stages, name])
+        write_cursor(self.run_dir, cursor)
+        return cursor
+
+    def _record_step(self, record: StepRecord) -> None:
+        self.records.append(record)
+        path = self.run_dir / "train" / STEPS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as handle:
+            handle.write(json.dumps(asdict(record)) + "\n")
+        self.on_step(record)
+
+    async def _finish(self, mesh: MeshHandle, converted: asyncio.Queue[CheckpointConverted]) -> dict[str, Any]:
+        checkpoint = await mesh.trainer.save_checkpoint.remote()
+        export = await asyncio.wait_for(_converted_from(converted, checkpoint), CONVERT_TIMEOUT_S)
+        final = link_final_model(Path(export.hf_path), self.run_dir / FINAL_MODEL_DIR)
+        summary = self.summary(checkpoint=checkpoint, final_model=str(final))
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def summary(self, **extra: Any) -> dict[str, Any]:
+        stages = []
+        for name, stage in zip(self.names, self.config.stages):
+            records = [record for record in self.records if record.stage == name]
+            stages.append({"name": name, "kind": stage.kind, "steps": len(records),
+                           "first": _metrics(records[0]) if records else None,
+                           "last": _metrics(records[-1]) if records else None})
+        rl = [name for name, stage in zip(self.names, self.config.stages) if stage.kind == "rl"]
+        last_rl = [record.reward for record in self.records if rl and record.stage == rl[-1]]
+        return {
+            "first_window_reward": window_mean(last_rl, 0.1, last=False),
+            "last_window_reward": window_mean(last_rl, 0.1, last=True),
+            # No [[eval]] datasets yet: no evaluation reward to report.
+            "eval_reward_first": None,
+            "eval_reward_last": None,
+            "steps": len(last_rl),
+            "rollouts": self.rollouts,
+            "weight_versions": max((record.weight_version for record in self.records), default=0),
+            "stages": stages,
+            "reward_per_step": last_rl,
+            "failures": self.failures,
+            "bad_rows": self.bad_rows,
+            **extra,
+        }
+
+
+def _metrics(record: StepRecord) -> dict[str, Any]:
+    return {"reward": record.reward, "loss": record.loss, "tokens_per_s": record.tokens_per_s,
+            "trainer_idle_pct": record.trainer_idle_pct, "rewards": record.rewards}
+
+
+def _read_steps(run_dir: Path) -> list[StepRecord]:
+    path = run_dir / "train" / STEPS_FILE
+    records = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(StepRecord(**json.loads(line)))
+            except (ValueError, TypeError):
+                continue  # a line torn by a kill
+    return records
+
+
+async def _converted_from(queue: asyncio.Queue[CheckpointConverted], checkpoint_path: str) -> CheckpointConverted:
+    while True:
+        converted = await queue.get()
+        if converted.source_path == checkpoint_path:
+            return converted
+
+
+def link_final_model(export_dir: Path, final_dir: Path) -> Path:
+    """The export's files, hard-linked (copied across filesystems) into ``final_dir``."""
+    staging = final_dir.with_name(final_dir.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for source in export_dir.iterdir():
+        if source.is_file():
+            try:
+                os.link(source, staging / source.name)
+            except OSError:
+                shutil.copy2(source, staging / source.name)
+    shutil.rmtree(final_dir, ignore_errors=True)
+    staging.replace(final_dir)
+    return final_dir
+
+
+def mesh_config_for(config: RollmeshConfig) -> RollmeshConfig:
+    """The config a job's own mesh starts with: the first stage's trainer settings, and every
+    stage's task plugin and reward functions known to the rollout workers."""
+    stages = config.stages
+    trainer = stage_trainer_config(config.trainer, stages[0]) if stages else config.trainer
+    tasks = list(config.rollout.tasks)
+    functions = list(config.rollout.reward_functions)
+    for stage in stages:
+        if stage.task and stage.task not in tasks:
+            tasks.append(stage.task)
+        for spec in stage.rewards:
+            if spec.fn and spec.fn not in functions:
+                functions.append(spec.fn)
+    rollout = msgspec.structs.replace(config.rollout, tasks=tasks, reward_functions=functions)
+    return msgspec.structs.replace(config, trainer=trainer, rollout=rollout)

@@ -1,0 +1,137 @@
+"""The training job's plain logic: prompt ids, the durable cursor, the feeder's window, the prompt
+sources and the run-file checks (no NATS, no Ray)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rollmesh.config import RollmeshConfig, TrainerConfig
+from rollmesh.run_config import StageConfig
+from rollmesh.train.checks import RunFileError, check_stages
+from rollmesh.train.feeder_cursor import FeederCursor, read_cursor, write_cursor
+from rollmesh.train.feeder_window import FeederWindow, StagePlan, stage_steps
+from rollmesh.train.prompt_ids import PromptRef, parse_group_id
+from rollmesh.train.prompt_source import prompt_source
+
+pytestmark = pytest.mark.unit
+
+
+def rl_stage(data: Path, **fields) -> StageConfig:
+    return msgspec.convert({"kind": "rl", "data": str(data), "steps": 2,
+                            "rewards": [{"name": "exact_match"}], **fields}, StageConfig)
+
+
+def write_rows(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def test_a_group_id_names_stage_epoch_and_row_and_parses_back():
+    ref = PromptRef("rl-2", 3, 41)
+    assert ref.group_id == "rl-2/e3/i41"
+    assert parse_group_id(ref.group_id) == ref
+    assert ref.rollout_id("run7", 1) == "run7-rl-2-e3-i41-1"
+    assert parse_group_id("demo-g001") is None  # another client's group
+
+
+def test_the_cursor_round_trips_and_a_fresh_run_has_none(tmp_path):
+    assert read_cursor(tmp_path) is None
+    cursor = FeederCursor(stage_index=1, stage="rl", start_step=4, next_position=9, outstanding=["rl/e0/i3"])
+    write_cursor(tmp_path, cursor)
+    assert read_cursor(tmp_path) == cursor
+
+
+def plan(steps: int = 3, groups_per_step: int = 2, ahead: int = 2) -> StagePlan:
+    return StagePlan(name="rl", stage_index=0, steps=steps, groups_per_step=groups_per_step, max_groups_ahead=ahead)
+
+
+def test_the_window_keeps_groups_per_step_plus_max_ahead_outstanding_and_never_more_than_the_stage_needs():
+    window = FeederWindow(plan(steps=3, groups_per_step=2, ahead=2), FeederCursor(stage="rl", start_step=10))
+    assert window.wanted(10) == 4  # 2 + 2 ahead, of the 6 the stage needs
+    for position in range(4):
+        window.published(f"rl/e0/i{position}", position + 1)
+    assert window.wanted(10) == 0
+    window.consumed(["rl/e0/i0", "rl/e0/i1"])  # step 11
+    assert window.wanted(11) == 2  # 4 still needed, 2 outstanding
+    window.published("rl/e0/i4", 5)
+    window.published("rl/e0/i5", 6)
+    window.consumed(["rl/e0/i2", "rl/e0/i3"])  # step 12: 2 needed, 2 outstanding
+    assert window.wanted(12) == 0 and not window.finished(12)
+    window.consumed(["rl/e0/i4", "rl/e0/i5"])
+    assert window.finished(13) and window.wanted(13) == 0 and window.cursor.outstanding == []
+
+
+def test_a_dropped_group_frees_its_place_once_and_is_counted():
+    window = FeederWindow(plan(steps=1, groups_per_step=2, ahead=0), FeederCursor(stage="rl", start_step=0))
+    window.published("rl/e0/i0", 1)
+    window.published("rl/e0/i1", 2)
+    assert window.wanted(0) == 0
+    window.dropped("rl/e0/i1")
+    window.dropped("rl/e0/i1")  # announced again by a restarted trainer: still one replacement
+    assert window.wanted(0) == 1 and window.cursor.dropped == 1
+
+
+def test_stage_steps_cover_every_row_of_every_epoch_in_whole_steps():
+    assert stage_steps(steps=7, epochs=0, num_rows=100, groups_per_step=4) == 7
+    assert stage_steps(steps=0, epochs=1, num_rows=500, groups_per_step=4) == 125
+    assert stage_steps(steps=0, epochs=2, num_rows=5, groups_per_step=4) == 3  # 10 rows, rounded up
+
+
+def test_a_dataset_stage_makes_the_dataset_tasks_input_and_reports_bad_rows(tmp_path):
+    data = write_rows(tmp_path / "d.jsonl", [{"question": "1+1?", "solution": 2}, "not json",
+                                            {"messages": [{"role": "system", "content": "own"},
+                                                          {"role": "user", "content": "2+2?"}], "solution": "4"}])
+    stage = rl_stage(data, shuffle=False, system_prompt="Be brief.",
+                     fields={"prompt": "question", "answer": "solution"})
+    bad: list[Exception] = []
+    source = prompt_source(stage, "rl", on_bad_row=bad.append)
+    position, ref, task_input = source.at(0)
+    assert (position, ref.group_id, source.task) == (1, "rl/e0/i0", "dataset")
+    assert task_input["messages"] == [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "1+1?"}]
+    assert task_input["answer"] == "2" and task_input["rewards"] == [{"name": "exact_match", "fn": "", "weight": 1.0, "args": {}}]
+    position, ref, task_input = source.at(position)  # the bad line is skipped and reported
+    assert (position, ref.index) == (3, 2) and len(bad) == 1 and ":2:" in str(bad[0])
+    assert [m["role"] for m in task_input["messages"]] == ["system", "user"]  # its own system kept, not two
+    assert source.at(position)[1] == PromptRef("rl", 1, 0)  # the next epoch
+    source.close()
+
+
+def test_a_task_plugin_stage_without_data_samples_the_same_input_for_the_same_position():
+    stage = msgspec.convert({"kind": "rl", "task": "rollmesh.rollout.molar_mass:MolarMassTask", "steps": 1},
+                            StageConfig)
+    first, again = prompt_source(stage, "rl"), prompt_source(stage, "rl")
+    assert first.at(5) == again.at(5) and first.at(5) != first.at(6)
+    assert first.task == "molar_mass"
+
+
+def config_with(*stages: StageConfig, trainer: TrainerConfig = TrainerConfig()) -> RollmeshConfig:
+    return msgspec.structs.replace(RollmeshConfig(), stages=list(stages), trainer=trainer)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"data": "missing.jsonl"}, "missing.jsonl: no such file"),
+    ({"fields": {"prompt": "nope", "messages": "nope2"}}, "nope"),
+    ({"rewards": [{"fn": "no_such_module_x:f"}]}, "no_such_module_x"),
+    ({"kind": "sft"}, "cannot run yet"),
+])
+def test_a_bad_run_file_is_refused_before_anything_starts(tmp_path, change, message):
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2"}])
+    fields = {"kind": "rl", "data": str(data), "steps": 2, "rewards": [{"name": "exact_match"}], **change}
+    if "data" in change:
+        fields["data"] = str(tmp_path / change["data"])
+    if change.get("kind") == "sft":
+        fields.pop("rewards")
+    with pytest.raises(RunFileError, match=message):
+        check_stages(config_with(msgspec.convert(fields, StageConfig)))
+
+
+def test_stages_with_different_trainer_settings_are_refused_until_the_trainer_can_restart(tmp_path):
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2"}])
+    with pytest.raises(RunFileError, match="trainer settings differ"):
+        check_stages(config_with(rl_stage(data), rl_stage(data, trainer={"lr": 1e-6})))
+    check_stages(config_with(rl_stage(data), rl_stage(data)))
