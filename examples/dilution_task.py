@@ -17,7 +17,7 @@ import random
 from typing import Any
 
 from rollmesh.chat import ToolCall
-from rollmesh.rollout.tasks import Conversation, PythonTool, SandboxCommand, TaskInputError
+from rollmesh.rollout.tasks import PythonTool, RewardInput, SandboxCommand, TaskInputError
 from rollmesh.sandbox.tool_paths import python_for_sandbox
 
 SYSTEM = "You are a lab assistant. Answer with the volume in mL only, with three decimals."
@@ -57,9 +57,9 @@ class DilutionTask:
         args = call.arguments
         return PythonTool(lambda: stock_volume_ml(args["stock_molar"], args["target_molar"], args["volume_ml"]))
 
-    def reward(self, task_input: dict[str, Any], conversation: Conversation) -> float:
-        expected = stock_volume_ml(**self._read(task_input))
-        return 1.0 if conversation.finish_reason == "stop" and conversation.final_text.strip() == expected else 0.0
+    def reward(self, sample: RewardInput) -> float:
+        expected = stock_volume_ml(**self._read(sample.row))  # row: the request's task_input
+        return 1.0 if sample.finish_reason == "stop" and sample.final_text.strip() == expected else 0.0
 
     def sample_task_inputs(self, rng: random.Random, count: int, *, held_out: bool) -> list[dict[str, Any]]:
         """Random dilutions (``rollmesh submit --task dilution``); held-out ones use odd stock molarities."""

@@ -156,10 +156,15 @@ class RolloutConfig(ConfigSection):
     num_workers: PositiveInt = 1
     # Rollouts one worker runs concurrently (each mostly waits on inference or a tool).
     max_concurrent: PositiveInt = 256
-    # Registered task plugins, by import path "module:Class".
+    # Registered task plugins, by import path "module:Class". "dataset" (DatasetTask) is the
+    # built-in one that RL stages on a dataset use (docs/task-plugins.md).
     tasks: list[str] = msgspec.field(
-        default_factory=lambda: ["rollmesh.rollout.molar_mass:MolarMassTask"]
+        default_factory=lambda: ["rollmesh.rollout.molar_mass:MolarMassTask",
+                                 "rollmesh.rollout.dataset_task:DatasetTask"]
     )
+    # The reward functions ("package.module:function") a request to the "dataset" task may name:
+    # a request is data, so only these are imported. `rollmesh train` fills it from its stages.
+    reward_functions: list[str] = []
     tool_timeout_s: PositiveFloat = 10.0
     progress_events: bool = True
     # One sandbox lease per rollout: its profile, its TTL, and how often a running rollout

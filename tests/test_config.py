@@ -41,7 +41,8 @@ def write_toml(tmp_path: Path, text: str) -> Path:
 def test_default_config_runs_everything_on_one_machine():
     config = load_config(environ={})
     assert config.nats.url is None and config.ray.address is None  # embedded server, local Ray
-    assert config.rollout.tasks == ["rollmesh.rollout.molar_mass:MolarMassTask"]
+    assert config.rollout.tasks == ["rollmesh.rollout.molar_mass:MolarMassTask",
+                                    "rollmesh.rollout.dataset_task:DatasetTask"]
 
 
 def test_a_file_sets_what_it_names_and_defaults_fill_the_rest(tmp_path):

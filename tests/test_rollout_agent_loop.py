@@ -809,3 +809,84 @@ async def test_a_conversation_the_template_will_not_render_whole_fails_strict_ro
         assert "tool results must follow calls" in result.reason
     else:
         assert isinstance(result, RolloutCompleted) and result.tokenization_mismatches == {}
+
+
+# --- rewards -----------------------------------------------------------------------------------
+
+def graded_reward(sample, *, bonus: float = 0.0) -> dict[str, float]:
+    """An import-path reward of the dataset task's rollouts below (``test_rollout_agent_loop:graded_reward``)."""
+    return {"answered": 1.0 if sample.final_text else 0.0, "bonus": bonus}
+
+
+class FlakyRewardTask(MolarMassTask):
+    """Its reward is unavailable the first ``failures`` times (a reward server down), then a dict."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    def reward(self, sample):
+        from rollmesh.rewards.errors import RewardUnavailableError
+
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise RewardUnavailableError("judge", "connection refused")
+        return {"correct": super().reward(sample), "format": 0.5}
+
+
+async def test_a_reward_that_cannot_be_computed_fails_the_rollout_as_reward_error_never_a_zero():
+    engine, bus = ScriptedEngine([tool_call(), answer()]), sandbox_bus()
+    result = await run(engine, bus, tasks=[FlakyRewardTask(failures=5)], infra_retries=1)
+
+    assert isinstance(result, RolloutFailed)
+    assert result.kind == "reward_error" and "connection refused" in result.reason
+    assert (result.turns, result.infra_failures) == (2, 2)
+    assert len(engine.calls) == 2, "the retry scored the finished conversation again, generating nothing"
+
+
+async def test_a_reward_error_is_retried_and_the_dict_rewards_components_ride_on_the_completion():
+    task = FlakyRewardTask(failures=1)
+    engine, bus = ScriptedEngine([tool_call(), answer()]), sandbox_bus()
+    result = await run(engine, bus, tasks=[task], infra_retries=1)
+
+    assert isinstance(result, RolloutCompleted) and result.infra_failures == 1 and task.calls == 2
+    assert (result.reward, result.reward_components) == (1.5, {"correct": 1.0, "format": 0.5})
+    assert len(engine.calls) == 2
+
+
+def dataset_request(rewards: list[dict], answer_text: str | None = "42") -> RolloutRequested:
+    row = {"question": "What is 6 times 7?", "solution": answer_text}
+    return request(task="dataset", task_input={
+        "messages": [{"role": "user", "content": row["question"]}], "row": row, "answer": answer_text,
+        "rewards": rewards})
+
+
+async def test_a_dataset_rollout_is_scored_by_its_weighted_rewards_each_logged_by_name():
+    from rollmesh.rollout.dataset_task import DatasetTask
+
+    rewards = [{"name": "exact_match", "weight": 2.0},
+               {"fn": "test_rollout_agent_loop:graded_reward", "weight": 0.5, "args": {"bonus": 1.0}}]
+    engine, bus = ScriptedEngine([answer("42")]), sandbox_bus()
+    result = await run(engine, bus, dataset_request(rewards), tasks=[DatasetTask()],
+                       reward_functions=["test_rollout_agent_loop:graded_reward"])
+
+    assert isinstance(result, RolloutCompleted), result
+    assert result.reward == 2.0 * 1.0 + 0.5 * 2.0
+    assert result.reward_components == {"exact_match": 1.0, "graded_reward": 2.0,
+                                        "graded_reward/answered": 1.0, "graded_reward/bonus": 1.0}
+    assert ROLLOUT_COMPLETED.decode(ROLLOUT_COMPLETED.encode(result)).reward_components == result.reward_components
+
+
+@pytest.mark.parametrize(("rewards", "answer_text", "reason"), [
+    ([{"fn": "test_rollout_agent_loop:graded_reward"}], "42", "rollout.reward_functions"),
+    ([{"name": "exact_match"}], None, "no answer"),
+    ([{"name": "exact_match", "weight": "heavy"}], "42", "task_input.rewards"),
+])
+async def test_a_dataset_rollout_whose_rewards_cannot_score_it_fails_as_invalid_request(rewards, answer_text, reason):
+    from rollmesh.rollout.dataset_task import DatasetTask
+
+    engine, bus = ScriptedEngine([answer("42")]), sandbox_bus()
+    result = await run(engine, bus, dataset_request(rewards, answer_text), tasks=[DatasetTask()], infra_retries=2)
+
+    assert isinstance(result, RolloutFailed) and result.kind == "invalid_request", result
+    assert reason in result.reason and result.infra_failures == 0

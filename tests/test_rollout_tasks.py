@@ -19,8 +19,8 @@ from rollmesh.rollout.molar_mass import (
     true_molar_mass,
 )
 from rollmesh.rollout.tasks import (
-    Conversation,
     DemonstrableTask,
+    RewardInput,
     SandboxCommand,
     Task,
     TaskInputError,
@@ -45,11 +45,11 @@ def calc(formula: str, index: int = 0) -> ToolCall:
 
 
 def conversation(*formulas: str, final: str = MASS, finish_reason: str = "stop",
-                 calls: list[ToolCall] | None = None) -> Conversation:
+                 calls: list[ToolCall] | None = None) -> RewardInput:
     made = calls if calls is not None else [calc(formula, i) for i, formula in enumerate(formulas)]
-    return Conversation(messages=TASK.messages(INPUT), tool_calls=made,
-                        tool_outputs=[ToolOutput(True, MASS) for _ in made], final_text=final,
-                        finish_reason=finish_reason)  # type: ignore[arg-type]
+    return RewardInput(row=INPUT, messages=TASK.messages(INPUT), tool_calls=made,
+                       tool_outputs=[ToolOutput(True, MASS) for _ in made], final_text=final,
+                       finish_reason=finish_reason)  # type: ignore[arg-type]
 
 
 # --- MolarMassTask -----------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def test_true_molar_mass_matches_the_documented_example():
 
 
 def test_molar_mass_reward_is_one_for_the_exact_formula_tool_call_exact_answer_and_a_stopped_turn():
-    assert TASK.reward(INPUT, conversation(FORMULA)) == 1.0
+    assert TASK.reward(conversation(FORMULA)) == 1.0
 
 
 @pytest.mark.parametrize("episode", [
@@ -72,16 +72,16 @@ def test_molar_mass_reward_is_one_for_the_exact_formula_tool_call_exact_answer_a
                  id="another tool"),
 ])
 def test_molar_mass_reward_is_zero_without_all_of_tool_call_exact_answer_and_a_stopped_turn(episode):
-    assert TASK.reward(INPUT, episode) == 0.0
+    assert TASK.reward(episode) == 0.0
 
 
 def test_molar_mass_reward_accepts_a_correct_call_after_a_wrong_one():
-    assert TASK.reward(INPUT, conversation("K2", FORMULA)) == 1.0
+    assert TASK.reward(conversation("K2", FORMULA)) == 1.0
 
 
 def test_molar_mass_reward_accepts_calc_without_a_formula_for_the_questions_compound():
     no_formula = ToolCall(id="call_0", name="calc", arguments={})
-    assert TASK.reward(INPUT, conversation(calls=[no_formula])) == 1.0
+    assert TASK.reward(conversation(calls=[no_formula])) == 1.0
 
 
 def test_molar_mass_asks_one_user_question_naming_the_formula_and_declares_calc():
@@ -148,9 +148,9 @@ def test_demonstration_with_the_tool_is_a_rewarded_episode():
     assert follow == [{"role": "assistant", "content": "", "tool_calls": [no_formula]},
                       {"role": "tool", "tool_call_id": "call_0", "content": MASS},
                       {"role": "assistant", "content": MASS, "tool_calls": []}]
-    rewarded = Conversation(messages=[*TASK.messages(INPUT), *follow], tool_calls=follow[0]["tool_calls"],
-                            tool_outputs=[ToolOutput(True, MASS)], final_text=follow[-1]["content"])
-    assert TASK.reward(INPUT, rewarded) == 1.0
+    rewarded = RewardInput(row=INPUT, messages=[*TASK.messages(INPUT), *follow], tool_calls=follow[0]["tool_calls"],
+                           tool_outputs=[ToolOutput(True, MASS)], final_text=follow[-1]["content"])
+    assert TASK.reward(rewarded) == 1.0
 
 
 def test_inexact_demonstration_calls_the_tool_and_rounds_its_result_which_earns_nothing():
@@ -160,9 +160,9 @@ def test_inexact_demonstration_calls_the_tool_and_rounds_its_result_which_earns_
         mass = true_molar_mass(formula)
         assert [call.name for call in call_turn["tool_calls"]] == ["calc"] and result["content"] == mass
         assert answer["content"] == f"{float(mass):.1f}" != mass
-        episode = Conversation(messages=[], tool_calls=call_turn["tool_calls"], tool_outputs=[ToolOutput(True, mass)],
-                               final_text=answer["content"])
-        assert TASK.reward({"formula": formula}, episode) == 0.0
+        episode = RewardInput(row={"formula": formula}, messages=[], tool_calls=call_turn["tool_calls"],
+                              tool_outputs=[ToolOutput(True, mass)], final_text=answer["content"])
+        assert TASK.reward(episode) == 0.0
 
 
 def test_demo_formulas_weigh_100_to_1000_so_every_answer_has_seven_characters():

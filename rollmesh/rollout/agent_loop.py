@@ -38,6 +38,7 @@ sees.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -71,6 +72,8 @@ from rollmesh.messages.subjects import (
     ROLLOUT_FAILED,
     ROLLOUT_REQUESTED,
 )
+from rollmesh.rewards.errors import RewardInputError, RewardUnavailableError
+from rollmesh.rewards.reward_input import RewardInput, RewardScore, score_of
 from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.rollout_sandbox import RolloutSandbox
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates
@@ -114,6 +117,8 @@ class RolloutRunner:
         self.chat = chat
         self.special_ids = special_token_ids(chat.directory.tokenizer)
         self.tasks = tasks
+        # The import-path rewards a request may name (the dataset task's): the config's, no others.
+        tasks.allow_reward_functions(config.reward_functions)
         self.publisher = publisher
         self.sandbox = sandbox or SandboxBrokerClient(publisher)
         self.leases = RolloutSandbox(self.sandbox, config)
@@ -284,7 +289,7 @@ class RolloutRunner:
         finally:
             await self.leases.release(lease_id, request.rollout_id)
         mismatches = self._check_tokens(run, trajectory)
-        reward = task.reward(request.task_input, conversation)
+        score = await self._reward(task, request, conversation, turns=run.state.turn)
         # The tokens past the model's context can only be a tool result the model never read.
         # history_rewrite = "split": one trace per training sample, each trained with the reward.
         # A sample split off after the last turn (its tool results, when the rollout then ended)
@@ -300,7 +305,7 @@ class RolloutRunner:
             raise RolloutError("internal_error", f"trajectory not stored: {exc}", turns=run.state.turn) from exc
         return RolloutCompleted(
             rollout_id=request.rollout_id, task=request.task, group_id=request.group_id,
-            purpose=request.purpose, reward=reward, turns=run.state.turn,
+            purpose=request.purpose, reward=score.total, turns=run.state.turn,
             tool_calls=len(conversation.tool_calls), prompt_len=run.state.prompt_len,
             # The text of a stored trace is left out too (it is as long): decode its ids. Split
             # samples: the last one's, the conversation as the template last rendered it.
@@ -310,9 +315,32 @@ class RolloutRunner:
             attempts=run.state.attempts, infra_failures=run.state.infra_failures,
             num_tokens=sum(len(trace) for trace in traces), weight_version=traces[-1].last_version(),
             finish_reason=conversation.finish_reason, tokenization_mismatches=mismatches,
-            malformed_tool_calls=conversation.malformed_tool_calls,
+            malformed_tool_calls=conversation.malformed_tool_calls, reward_components=score.components,
             **carried,  # type: ignore[arg-type]
         )
+
+    async def _reward(self, task: Task, request: RolloutRequested, conversation: RewardInput, *,
+                      turns: int) -> RewardScore:
+        """The task's reward of the finished conversation, run in a thread: a reward may block
+        (a math check in its worker process, a reward server) and the worker's other rollouts
+        must not wait on it. A row the reward cannot score is ``invalid_request``; a reward that
+        cannot be computed (its worker died, it raised, it returned no number) is ``reward_error``
+        (retried: the retry resumes after the last turn and only scores again), never a zero."""
+        answer = request.task_input.get("answer")
+        sample = dataclasses.replace(conversation, row=request.task_input,
+                                     answer=answer if isinstance(answer, str) else None)
+        try:
+            value = await asyncio.to_thread(task.reward, sample)
+        except (RewardInputError, TaskInputError) as exc:
+            raise RolloutError("invalid_request", str(exc), turns=turns) from exc
+        except RewardUnavailableError as exc:
+            raise RolloutError("reward_error", str(exc), turns=turns) from exc
+        except Exception as exc:  # the task's own reward failed: not the model's fault
+            raise RolloutError("reward_error", f"task {task.name!r}: its reward raised {exc!r}", turns=turns) from exc
+        try:
+            return score_of(value)
+        except ValueError as exc:
+            raise RolloutError("reward_error", f"task {task.name!r}: {exc}", turns=turns) from exc
 
     def _tools(self, task: Task) -> list[dict]:
         tools = task.tools()

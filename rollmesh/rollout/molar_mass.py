@@ -30,7 +30,7 @@ from functools import cache
 from typing import Any
 
 from rollmesh.chat import ToolCall, make_call_id
-from rollmesh.rollout.tasks import Conversation, SandboxCommand, TaskInputError
+from rollmesh.rollout.tasks import RewardInput, SandboxCommand, TaskInputError
 from rollmesh.sandbox.tool_paths import python_for_sandbox, tool_script_path
 
 ELEMENTS = ("H", "C", "N", "O", "S", "Na", "Cl", "K", "Ca", "Fe", "Mg", "P")
@@ -113,11 +113,11 @@ class MolarMassTask:
         """The formula a calc call is about: its own, or the question's when it gives none."""
         return call.arguments.get("formula", self._formula(task_input))
 
-    def reward(self, task_input: dict[str, Any], conversation: Conversation) -> float:
-        formula = self._formula(task_input)
+    def reward(self, sample: RewardInput) -> float:
+        formula = self._formula(sample.row)
         called_correctly = any(call.name == "calc" and call.arguments.get("formula", formula) == formula
-                               for call in conversation.tool_calls)
-        answered = conversation.finish_reason == "stop" and conversation.final_text == true_molar_mass(formula)
+                               for call in sample.tool_calls)
+        answered = sample.finish_reason == "stop" and sample.final_text == true_molar_mass(formula)
         return 1.0 if called_correctly and answered else 0.0
 
     def sample_task_inputs(self, rng: random.Random, count: int, *, held_out: bool) -> list[dict[str, Any]]:

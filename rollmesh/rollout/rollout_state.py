@@ -15,15 +15,15 @@ import msgspec
 
 from rollmesh.chat import ToolCall
 from rollmesh.messages import RolloutState, SavedToolCall
-from rollmesh.rollout.tasks import Conversation, ToolOutput
+from rollmesh.rollout.tasks import RewardInput, ToolOutput
 from rollmesh.rollout.trajectory import RolloutTrajectory
 
 
-def conversation_of(state: RolloutState) -> Conversation:
+def conversation_of(state: RolloutState) -> RewardInput:
     """The conversation as saved (``finish_reason`` "stop" until the state says otherwise)."""
     calls = [ToolCall(id=call.call_id, name=call.name, arguments=dict(call.arguments), index=number)
              for number, call in enumerate(state.tool_calls)]
-    return Conversation(
+    return RewardInput(
         messages=[dict(message) for message in state.messages], tool_calls=calls,
         tool_outputs=[ToolOutput(call.ok, call.output) for call in state.tool_calls],
         final_text=state.final_text, finish_reason="truncated" if state.finish_reason == "truncated" else "stop",
@@ -31,7 +31,7 @@ def conversation_of(state: RolloutState) -> Conversation:
     )
 
 
-def with_progress(state: RolloutState, *, trajectory: RolloutTrajectory, conversation: Conversation, turn: int,
+def with_progress(state: RolloutState, *, trajectory: RolloutTrajectory, conversation: RewardInput, turn: int,
                   now: float, ended: bool, **changes: object) -> RolloutState:
     """``state`` after ``turn`` turns; ``ended``: the rollout's last turn has run."""
     calls = [SavedToolCall(name=call.name, argument=json.dumps(call.arguments, ensure_ascii=False), ok=output.ok,

@@ -27,7 +27,7 @@ from rollmesh.ports import MessageContext, Publisher, RoutedExpertsStore, StateS
 from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.rollout_sandbox import RolloutSandbox
 from rollmesh.rollout.rollout_state import conversation_of, with_progress
-from rollmesh.rollout.tasks import Conversation, Task
+from rollmesh.rollout.tasks import RewardInput, Task
 from rollmesh.rollout.tool_runner import ToolRunner
 from rollmesh.rollout.trajectory import RolloutTrajectory
 from rollmesh.telemetry import conventions
@@ -69,7 +69,7 @@ class RolloutTurns:
         self.routed_experts = routed_experts
 
     async def run(self, run: RolloutRun, task: Task, tools: list[dict], trajectory: RolloutTrajectory,
-                  lease_id: str, save: Callable[[RolloutState], Awaitable[None]]) -> Conversation:
+                  lease_id: str, save: Callable[[RolloutState], Awaitable[None]]) -> RewardInput:
         """The attempt's turns from the last saved one; ``save`` keeps the state after each turn."""
         request = run.request
         saved = conversation_of(run.state)
@@ -128,7 +128,8 @@ class RolloutTurns:
             snapshot_id = run.state.snapshot_id
             if ran_tools and self.config.snapshot_workspace:
                 snapshot_id = await self.leases.snapshot(lease_id, request.rollout_id) or snapshot_id
-            conversation = Conversation(trajectory.messages, calls, outputs, final_text, finish_reason, malformed)
+            conversation = RewardInput(messages=trajectory.messages, tool_calls=calls, tool_outputs=outputs,
+                                       final_text=final_text, finish_reason=finish_reason, malformed_tool_calls=malformed)
             run.state = with_progress(run.state, trajectory=trajectory, conversation=conversation, turn=turn,
                                       now=self.clock(), ended=ended, tool_wait_s=run.state.tool_wait_s + tool_wait_s,
                                       snapshot_id=snapshot_id, **experts)

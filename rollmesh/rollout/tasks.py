@@ -12,12 +12,16 @@ from __future__ import annotations
 import importlib
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from rollmesh.chat import ToolCall
+# What a reward sees lives with the rewards; re-exported here, where task plugins import from.
+from rollmesh.rewards.reward_input import FinishReason, RewardInput, RewardScore, ToolOutput
 
-FinishReason = Literal["stop", "truncated"]
+__all__ = ["DemonstrableTask", "FinishReason", "ImportsRewardFunctions", "PythonTool", "RewardInput",
+           "RewardScore", "SandboxCommand", "Task", "TaskInputError", "TaskRegistry", "ToolAction",
+           "ToolOutput", "UnknownTaskError", "load_task"]
 
 
 @dataclass(frozen=True)
@@ -40,36 +44,6 @@ class PythonTool:
 ToolAction = SandboxCommand | PythonTool
 
 
-@dataclass(frozen=True)
-class ToolOutput:
-    """What a tool returned; ``ok`` is False when it failed (non-zero exit, timeout, exception)."""
-
-    ok: bool
-    text: str
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """What the reward function sees: the whole conversation and what happened in it.
-
-    ``messages``: the task's messages, then every assistant turn as the OpenAI message parsed from
-    its exact tokens (``content``, ``tool_calls`` in the OpenAI shape) and every tool result
-    (``{"role": "tool", "tool_call_id", "content"}``), in order. ``tool_calls``: the well-formed
-    calls the model made, in order, with ``tool_outputs`` one per call. ``final_text``: the content
-    of the last assistant turn when it called no tool ("" otherwise). ``finish_reason``: "stop"
-    when the last turn ended with an end-of-turn token, "truncated" when it was cut (by
-    ``max_new_tokens`` or the model's context). ``malformed_tool_calls``: calls that could not be
-    run (bad JSON, unknown tool, arguments not matching the schema); the model was told why.
-    """
-
-    messages: list[dict[str, Any]]
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    tool_outputs: list[ToolOutput] = field(default_factory=list)
-    final_text: str = ""
-    finish_reason: FinishReason = "stop"
-    malformed_tool_calls: int = 0
-
-
 @runtime_checkable
 class Task(Protocol):
     name: str
@@ -87,7 +61,14 @@ class Task(Protocol):
         """What answers a well-formed ``call`` (its arguments already match the tool's schema)."""
         ...
 
-    def reward(self, task_input: dict[str, Any], conversation: Conversation) -> float: ...
+    def reward(self, sample: RewardInput) -> float | dict[str, float] | RewardScore:
+        """The finished rollout's reward: a float, or a dict of named floats whose total is its
+        ``"reward"`` key if present, else the sum of its values (each key is logged on its own),
+        or a ``RewardScore`` (a total and its named components, as ``CombinedReward`` gives).
+        ``sample.row`` is the request's task_input. Raise ``rollmesh.rewards.errors.
+        RewardUnavailableError`` when the reward cannot be computed now (a server down): the
+        rollout fails as ``reward_error``, retried and then masked, never scored as a zero."""
+        ...
 
 
 @runtime_checkable
@@ -109,6 +90,14 @@ class DemonstrableTask(Task, Protocol):
         ``{"role": "tool", "tool_call_id": str, "content": str}``, answering the calls in order.
         """
         ...
+
+
+@runtime_checkable
+class ImportsRewardFunctions(Protocol):
+    """A task whose requests name reward functions by import path: it imports only those the
+    mesh's config allows (a request is data; what it makes a worker import is the config's say)."""
+
+    def allow_reward_functions(self, import_paths: list[str]) -> None: ...
 
 
 class TaskInputError(ValueError):
@@ -152,6 +141,13 @@ class TaskRegistry:
 
     def names(self) -> list[str]:
         return sorted(self._tasks)
+
+    def allow_reward_functions(self, import_paths: list[str]) -> None:
+        """Tell the tasks that score by import-path rewards named in requests (the built-in
+        ``dataset`` task) which ones this mesh may import: ``rollout.reward_functions``."""
+        for task in self._tasks.values():
+            if isinstance(task, ImportsRewardFunctions):
+                task.allow_reward_functions(import_paths)
 
 
 def load_task(import_path: str) -> Task:
