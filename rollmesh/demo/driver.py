@@ -1,8 +1,9 @@
 """Drives a running mesh through the demo: warm start, asynchronous RL, periodic held-out evals.
 
 Knows the bus (it is a NATS client like any user's), the trainer actor handle and the task
-plugin; the RL itself happens in the actors. Training requests are kept ``DEMO_GROUPS_AHEAD`` groups
-ahead of the trainer, so rollouts and training overlap and tokens carry several weight versions.
+plugin; the RL itself happens in the actors. The RL is an rl stage fed by the same feeder as a
+`rollmesh train` job's (rollmesh/train/feeder.py): groups are kept ``max_groups_ahead`` ahead of
+the trainer, so rollouts and training overlap and tokens carry several weight versions.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 
 from rollmesh.bus.connection import connect_bus
+from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.security import BusCredentials
 from rollmesh.bus.tls import client_tls_context
-from rollmesh.bus.publisher import BusPublisher
 from rollmesh.config import RollmeshConfig
 from rollmesh.demo.curve import RewardCurve
 from rollmesh.messages import (
@@ -29,23 +31,32 @@ from rollmesh.messages import (
     RolloutFailed,
     RolloutRequested,
     SamplingParams,
-    TrainerStepped,
 )
 from rollmesh.messages.subjects import (
     CHECKPOINT_CONVERTED,
     ROLLOUT_COMPLETED,
     ROLLOUT_FAILED,
     ROLLOUT_REQUESTED,
-    TRAINER_STEPPED,
 )
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
+from rollmesh.run_config import StageConfig
+from rollmesh.train.feeder import JobEvents, RlStageFeeder, StepRecord
+from rollmesh.train.feeder_cursor import FeederCursor
+from rollmesh.train.feeder_window import StagePlan
+from rollmesh.train.prompt_source import prompt_source
 
 _log = structlog.get_logger("rollmesh.demo")
 DEMO_TASK = "rollmesh.rollout.molar_mass:MolarMassTask"
 # Room for the tool call, the tool's output and the answer.
-MAX_NEW_TOKENS = 40
-# Training groups kept in flight beyond what the trainer consumed (two steps' worth).
-DEMO_GROUPS_AHEAD = 32
+DEMO_SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=40)
+DEMO_MAX_TURNS = 4
+
+
+def demo_rl_stage(config: RollmeshConfig) -> StageConfig:
+    """The demo's RL as a stage: the molar-mass task sampling its own formulas."""
+    return msgspec.convert({"kind": "rl", "name": "rl", "task": DEMO_TASK, "steps": config.demo.rl_steps,
+                            "seed": config.demo.seed, "sampling": msgspec.to_builtins(DEMO_SAMPLING),
+                            "max_turns": DEMO_MAX_TURNS}, StageConfig)
 
 
 class DemoDriver:
@@ -61,29 +72,26 @@ class DemoDriver:
         self.run_dir = Path(run_dir)
         self.report = report
         self.task: DemonstrableTask = load_task(DEMO_TASK)  # type: ignore[assignment]
-        self.rng = random.Random(self.demo.seed)
         self.eval_inputs = self.task.sample_task_inputs(random.Random(self.demo.seed + 1),
                                                         self.demo.eval_size, held_out=True)
         self.curve = RewardCurve()
-        self.groups_published = 0
         self.train_rollouts = 0
         self.failures: dict[str, int] = {}
         self._eval_rewards: dict[str, list[float]] = {}
         self._eval_done: dict[str, asyncio.Event] = {}
         self._eval_counts: dict[str, int] = {}
-        self._stepped = asyncio.Queue[TrainerStepped]()
         self._converted = asyncio.Queue[CheckpointConverted]()
         self._last_version = 0
+        self._nc: Any = None
 
     async def run(self) -> dict[str, Any]:
-        nc = await connect_bus(self.nats_url, name="rollmesh-demo", connect_timeout_s=10,
-                               credentials=self.credentials,
-                               tls=client_tls_context(self.config.security.nats_tls))
+        nc = self._nc = await connect_bus(self.nats_url, name="rollmesh-demo", connect_timeout_s=10,
+                                          credentials=self.credentials,
+                                          tls=client_tls_context(self.config.security.nats_tls))
         publisher = BusPublisher(nc, nc.jetstream(), self.config.namespace)
         subscriptions = [
             await nc.subscribe(ROLLOUT_COMPLETED.format(self.config.namespace), cb=self._on_completed),
             await nc.subscribe(ROLLOUT_FAILED.format(self.config.namespace), cb=self._on_failed),
-            await nc.subscribe(TRAINER_STEPPED.format(self.config.namespace), cb=self._on_stepped),
             await nc.subscribe(CHECKPOINT_CONVERTED.format(self.config.namespace), cb=self._on_converted),
         ]
         try:
@@ -106,23 +114,35 @@ class DemoDriver:
         # warm-started weights alone; later ones run alongside training.
         self.curve.evaluations.append(await self._evaluate(publisher, 0))
         evaluations: list[asyncio.Task[tuple[int, float]]] = []
-        window = trainer_config.groups_per_step + DEMO_GROUPS_AHEAD
-        total_groups = demo.rl_steps * trainer_config.groups_per_step
         rl_started = time.monotonic()
-        while self.groups_published < min(window, total_groups):
-            await self._publish_group(publisher)
-        for step in range(1, demo.rl_steps + 1):
-            stepped = await self._stepped.get()
-            self._last_version = stepped.weight_version
-            self.curve.step_rewards.append(stepped.reward_mean)
-            self.report(f"step {stepped.step:4d}/{demo.rl_steps}  reward {stepped.reward_mean:.3f}  "
-                        f"weights v{stepped.weight_version}  samples {stepped.num_samples:3d}  "
-                        f"max lag {stepped.max_version_lag}  {time.monotonic() - rl_started:6.1f}s")
-            consumed = stepped.step * trainer_config.groups_per_step
-            while self.groups_published < min(consumed + window, total_groups):
-                await self._publish_group(publisher)
-            if step % demo.eval_every == 0 and step < demo.rl_steps:
-                evaluations.append(asyncio.create_task(self._evaluate(publisher, step)))
+
+        def on_step(record: StepRecord) -> None:
+            self._last_version = record.weight_version
+            self.curve.step_rewards.append(record.reward)
+            self.report(f"step {record.step:4d}/{demo.rl_steps}  reward {record.reward:.3f}  "
+                        f"weights v{record.weight_version}  {record.tokens_per_s:6.0f} tok/s  "
+                        f"trainer idle {record.trainer_idle_pct:3.0f}%  {time.monotonic() - rl_started:6.1f}s")
+            if record.step % demo.eval_every == 0 and record.step < demo.rl_steps:
+                evaluations.append(asyncio.create_task(self._evaluate(publisher, record.step)))
+
+        stage = demo_rl_stage(self.config)
+        plan = StagePlan(name="rl", stage_index=0, steps=demo.rl_steps,
+                         groups_per_step=trainer_config.groups_per_step, max_groups_ahead=stage.max_groups_ahead)
+        start_step = await self.trainer.step.remote()
+        events = JobEvents()
+        subscriptions = await events.subscribe(self._nc, self.config.namespace)
+        feeder = RlStageFeeder(stage=stage, plan=plan, source=prompt_source(stage, "rl"),
+                               cursor=FeederCursor(stage="rl", start_step=start_step), publisher=publisher,
+                               events=events, run_dir=self.run_dir, run_name=self.run_dir.name,
+                               n_samples_per_prompt=trainer_config.n_samples_per_prompt, report=on_step)
+        try:
+            await feeder.run(start_step)
+        finally:
+            for subscription in subscriptions:
+                await subscription.unsubscribe()
+        self.train_rollouts = feeder.train_rollouts
+        for kind, count in feeder.failures.items():
+            self.failures[kind] = self.failures.get(kind, 0) + count
         evaluations.append(asyncio.create_task(self._evaluate(publisher, demo.rl_steps)))
         self.curve.evaluations.extend(await asyncio.gather(*evaluations))
         rl_s = time.monotonic() - rl_started
@@ -137,15 +157,6 @@ class DemoDriver:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.curve.plot(self.run_dir / "reward_curve.png")
         return summary
-
-    async def _publish_group(self, publisher: BusPublisher) -> None:
-        index = self.groups_published
-        self.groups_published += 1
-        task_input = self.task.sample_task_inputs(self.rng, 1, held_out=False)[0]
-        group_id = f"train-{index:06d}"
-        for member in range(self.config.trainer.n_samples_per_prompt):
-            await publisher.publish(ROLLOUT_REQUESTED, self._request(
-                f"{group_id}-{member}", task_input, group_id=group_id, purpose="train"))
 
     async def _evaluate(self, publisher: BusPublisher, step: int) -> tuple[int, float]:
         """Held-out prompts never trained on; sampled like training so the numbers compare."""
@@ -166,8 +177,7 @@ class DemoDriver:
         return RolloutRequested(
             rollout_id=f"{self.config.namespace}-{rollout_id}", task=self.task.name,
             task_input=task_input, group_id=group_id, purpose=purpose,  # type: ignore[arg-type]
-            sampling=SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS),
-            max_turns=4, requested_at=time.time(),
+            sampling=DEMO_SAMPLING, max_turns=DEMO_MAX_TURNS, requested_at=time.time(),
         )
 
     def _eval_result(self, group_id: str, reward: float | None) -> None:
@@ -185,17 +195,12 @@ class DemoDriver:
         completed: RolloutCompleted = ROLLOUT_COMPLETED.decode(msg.data)
         if completed.purpose == "eval":
             self._eval_result(completed.group_id, completed.reward)
-        else:
-            self.train_rollouts += 1
 
     async def _on_failed(self, msg) -> None:
         failed: RolloutFailed = ROLLOUT_FAILED.decode(msg.data)
-        self.failures[failed.kind] = self.failures.get(failed.kind, 0) + 1
         if failed.purpose == "eval":
+            self.failures[failed.kind] = self.failures.get(failed.kind, 0) + 1
             self._eval_result(failed.group_id, None)
-
-    async def _on_stepped(self, msg) -> None:
-        await self._stepped.put(TRAINER_STEPPED.decode(msg.data))
 
     async def _on_converted(self, msg) -> None:
         await self._converted.put(CHECKPOINT_CONVERTED.decode(msg.data))
