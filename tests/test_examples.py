@@ -3,6 +3,9 @@
 examples/bare_nats_client.py runs as a subprocess against the session's nats-server; the test plays
 the mesh's rollout worker (reads the stored request, publishes its completion). Its default, the
 latest run's mesh.json, is also run against a real mesh in test_readme_commands.py.
+examples/make_arithmetic_data.py runs as the README runs it, into a temporary folder, and
+examples/train_rl.toml is loaded and checked there as `rollmesh train` checks a run file before
+anything starts (test_train_job.py runs `rollmesh train` itself).
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +29,12 @@ from rollmesh.bus.streams import ensure_streams
 from rollmesh.config import load_config
 from rollmesh.messages import RolloutCompleted
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_REQUESTED
+from rollmesh.train.checks import RunFileError, check_stages
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BARE_CLIENT = REPO_ROOT / "examples" / "bare_nats_client.py"
+ARITHMETIC_DATA = REPO_ROOT / "examples" / "make_arithmetic_data.py"
+TRAIN_RL = REPO_ROOT / "examples" / "train_rl.toml"
 
 
 @pytest.mark.unit
@@ -217,3 +226,71 @@ async def test_the_task_plugin_example_loads_by_import_path_and_a_rollout_of_it_
     assert exec_request.argv[-2:] == ["-c", "print(0.5 * 100 / 10)"]
     results = [m for m in states.states["d-1"].messages if m["role"] == "tool"]
     assert [(m["tool_call_id"], m["content"]) for m in results] == [("call_0", "5.0"), ("call_1", "5.000")]
+
+
+def make_arithmetic_data(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ARITHMETIC_DATA), "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_the_arithmetic_data_is_right_eval_rows_are_held_out_and_a_seed_writes_the_same_files(tmp_path):
+    done = make_arithmetic_data(tmp_path / "a", "--train", "300", "--eval", "60", "--seed", "3", "--max-operand", "20")
+    assert done.returncode == 0, done.stderr
+    train = read_rows(tmp_path / "a" / "arithmetic_train.jsonl")
+    held_out = read_rows(tmp_path / "a" / "arithmetic_eval.jsonl")
+    assert (len(train), len(held_out)) == (300, 60)
+    operators = set()
+    for row in train + held_out:
+        a, op, b = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", row["prompt"]).groups()
+        assert row["answer"] == str(int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert int(row["answer"]) >= 0 and max(int(a), int(b)) <= 20
+        operators.add(op)
+    assert operators == {"+", "-"}
+    prompts = [row["prompt"] for row in train]
+    assert len(set(prompts)) == len(prompts)
+    assert not set(prompts) & {row["prompt"] for row in held_out}
+    again = make_arithmetic_data(tmp_path / "b", "--train", "300", "--eval", "60", "--seed", "3", "--max-operand", "20")
+    assert again.returncode == 0, again.stderr
+    for name in ("arithmetic_train.jsonl", "arithmetic_eval.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    # More rows than there are distinct problems: refused, nothing written.
+    refused = make_arithmetic_data(tmp_path / "c", "--train", "600", "--eval", "100", "--max-operand", "20")
+    assert refused.returncode == 2 and "distinct problems" in refused.stderr
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_the_rl_example_run_file_loads_and_passes_the_run_file_checks_on_the_generated_data(tmp_path):
+    # The run file's data path is relative to the run file: a copy beside the generated data/.
+    done = make_arithmetic_data(tmp_path / "data", "--train", "40", "--eval", "8")
+    assert done.returncode == 0, done.stderr
+    run_file = Path(shutil.copy(TRAIN_RL, tmp_path / "train_rl.toml"))
+    config = load_config(run_file, environ={})
+    check_stages(config)
+    (stage,) = config.stages
+    assert stage.kind == "rl" and stage.data == str(tmp_path / "data" / "arithmetic_train.jsonl")
+    assert [spec.name for spec in stage.rewards] == ["math"]
+    assert config.model.path == "" and not config.serve.enabled  # the embedded demo model, no Serve app
+    # Without its data the same file is refused before anything starts.
+    (tmp_path / "data" / "arithmetic_train.jsonl").unlink()
+    with pytest.raises(RunFileError, match="arithmetic_train.jsonl"):
+        check_stages(load_config(run_file, environ={}))
+
+
+@pytest.mark.unit
+def test_the_readmes_data_command_writes_where_the_rl_example_reads():
+    readme = (REPO_ROOT / "README.md").read_text()
+    (command,) = [line.split("  #")[0] for line in readme.splitlines()
+                  if line.startswith("python examples/make_arithmetic_data.py")]
+    words = shlex.split(command)
+    out = REPO_ROOT / words[words.index("--out") + 1]  # the README's commands run from the repo root
+    (stage,) = load_config(TRAIN_RL, environ={}).stages
+    assert Path(stage.data) == out / "arithmetic_train.jsonl"
+    assert "rollmesh train examples/train_rl.toml" in readme
