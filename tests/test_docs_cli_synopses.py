@@ -133,7 +133,8 @@ SYNOPSES = [shown for shown in SHOWN if shown.synopsis]
 def test_the_docs_show_a_synopsis_of_every_command_they_describe():
     shown = {synopsis.command for synopsis in SYNOPSES}
     assert {("up",), ("down",), ("submit",), ("watch",), ("demo",), ("convert",), ("serve",),
-            ("sandbox", "run"), ("sandbox", "lease"), ("sched", "simulate"), ("dashboard",)} <= shown
+            ("sandbox", "run"), ("sandbox", "lease"), ("sched", "simulate"), ("dashboard",),
+            ("train",)} <= shown
 
 
 @pytest.mark.parametrize("synopsis", SYNOPSES, ids=lambda shown: shown.where)
