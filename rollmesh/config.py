@@ -373,9 +373,10 @@ def save_run_config(run_dir: str | Path, config: RollmeshConfig) -> Path:
     return path
 
 
-def load_run_config(run_dir: str | Path, *, overrides: dict[str, Any] | None = None) -> RollmeshConfig:
+def load_run_config(run_dir: str | Path, *, overrides: dict[str, Any] | None = None,
+                    file_name: str = RUN_CONFIG_FILE) -> RollmeshConfig:
     """The config a run was started with (``save_run_config``), with ``overrides`` on top."""
-    source = Path(run_dir) / RUN_CONFIG_FILE
+    source = Path(run_dir) / file_name
     try:
         raw = msgspec.json.decode(source.read_bytes())
     except (OSError, msgspec.DecodeError) as exc:

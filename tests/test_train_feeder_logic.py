@@ -13,6 +13,7 @@ from rollmesh.config import RollmeshConfig, TrainerConfig
 from rollmesh.run_config import StageConfig
 from rollmesh.train.checks import RunFileError, check_stages
 from rollmesh.train.feeder_cursor import FeederCursor, read_cursor, write_cursor
+from rollmesh.train.job import TrainerSettingsError, check_trainer_settings
 from rollmesh.train.feeder_window import FeederWindow, StagePlan, stage_steps
 from rollmesh.train.prompt_ids import PromptRef, parse_group_id
 from rollmesh.train.prompt_source import prompt_source
@@ -135,3 +136,12 @@ def test_stages_with_different_trainer_settings_are_refused_until_the_trainer_ca
     with pytest.raises(RunFileError, match="trainer settings differ"):
         check_stages(config_with(rl_stage(data), rl_stage(data, trainer={"lr": 1e-6})))
     check_stages(config_with(rl_stage(data), rl_stage(data)))
+
+
+def test_an_attached_trainer_running_other_settings_is_refused_naming_them():
+    wanted = TrainerConfig(groups_per_step=2, n_samples_per_prompt=2)
+    check_trainer_settings("rl", msgspec.to_builtins(wanted), wanted)
+    running = msgspec.to_builtins(TrainerConfig(groups_per_step=2, n_samples_per_prompt=3, lr=1e-5))
+    with pytest.raises(TrainerSettingsError) as refused:
+        check_trainer_settings("rl", running, wanted)
+    assert refused.value.fields == ["lr", "n_samples_per_prompt"] and "trainer.lr" in str(refused.value)

@@ -129,6 +129,31 @@ weight = 0.5
         path.name for path in final.iterdir()}
 
 
+def test_a_job_attaches_to_a_running_mesh_which_outlives_it(tmp_path):
+    run_file = write_job(tmp_path, rows=8, stop="steps = 1", namespace="trainattach")
+    run_dir, env = tmp_path / "mesh", job_env(tmp_path)
+    # The run file is an ordinary config: the mesh starts with its trainer and rollout settings.
+    up = subprocess.run([*ROLLMESH, "--config", str(run_file), "up", "--run-dir", str(run_dir), "--timeout", "240"],
+                        capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=tmp_path, env=env)
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        job = subprocess.run([*ROLLMESH, "train", str(run_file), "--run-dir", str(run_dir)], capture_output=True,
+                             text=True, timeout=JOB_TIMEOUT_S, cwd=tmp_path, env=env)
+        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        assert "mesh up" not in job.stdout  # attached: it started no mesh of its own
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1
+        assert (run_dir / "mesh.json").exists()  # the mesh outlives the job
+
+        # A run directory holds one job: another is refused (resume this one, or go elsewhere).
+        again = subprocess.run([*ROLLMESH, "train", str(run_file), "--run-dir", str(run_dir)], capture_output=True,
+                               text=True, timeout=120, cwd=tmp_path, env=env)
+        assert again.returncode == 2 and "already holds a training job" in again.stderr, again.stderr[-2000:]
+    finally:
+        down = subprocess.run([*ROLLMESH, "down", "--run-dir", str(run_dir), "--timeout", "60"],
+                              capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
 @pytest.mark.parametrize(("stage", "message"), [
     ('kind = "rl"\ndata = "nowhere.jsonl"\nsteps = 1\n[[stages.rewards]]\nname = "math"', "nowhere.jsonl: no such file"),
     ('kind = "rl"\ndata = "arith.jsonl"\nsteps = 1\n[[stages.rewards]]\nfn = "no_such_pkg_q:f"', "no_such_pkg_q"),

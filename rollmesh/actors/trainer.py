@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.bus.publisher import BusPublisher
@@ -69,6 +72,10 @@ class TrainerActor(RoleActor):
 
     async def version(self) -> int:
         return self.trainer.version if self.trainer else 0
+
+    async def settings(self) -> dict[str, Any]:
+        """The trainer config it runs with (a training job checks its stage against it)."""
+        return msgspec.to_builtins(self.config)
 
     async def step(self) -> int:
         """The last durable step (what a training job's stage counts its steps from)."""

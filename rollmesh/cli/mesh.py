@@ -212,7 +212,7 @@ def _refuse_live_mesh(run_dir: Path) -> None:
         info = read_mesh_info(run_dir, run_root=run_dir.parent)
     except (MeshNotFoundError, msgspec.DecodeError):
         return
-    if _is_alive(info.pid):
+    if mesh_process_alive(info.pid):
         raise CliError(f"a mesh (pid {info.pid}) already runs in {run_dir}; stop it with "
                        f"`rollmesh down --run-dir {run_dir}`")
 
@@ -239,7 +239,7 @@ def run_down(args: argparse.Namespace) -> int:
     config = load_cli_config(args)
     info = read_cli_mesh_info(args, config)
     mesh_file = Path(info.run_dir) / MESH_FILE
-    if not _is_alive(info.pid) or not _looks_like_rollmesh(info.pid):
+    if not mesh_process_alive(info.pid) or not _looks_like_rollmesh(info.pid):
         mesh_file.unlink(missing_ok=True)
         print(f"no mesh process {info.pid} is running; removed the stale {mesh_file}")
         return EXIT_OK
@@ -298,7 +298,7 @@ def _session_members(session_id: int) -> list[int]:
 def _wait_exit(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     delay = 0.05
-    while _is_alive(pid):
+    while mesh_process_alive(pid):
         if time.monotonic() > deadline:
             return False
         time.sleep(delay)
@@ -306,7 +306,7 @@ def _wait_exit(pid: int, timeout_s: float) -> bool:
     return True
 
 
-def _is_alive(pid: int) -> bool:
+def mesh_process_alive(pid: int) -> bool:
     if pid <= 0:
         return False
     try:

@@ -3,7 +3,8 @@
 Knows argparse, the config loader, the checks a run file must pass before anything starts, and
 how to reach a mesh: one of its own (started here, stopped at the end), or a running one, attached
 with ``--run-dir`` (its mesh.json) or ``--nats-url`` and ``--ray-address``. ``--resume RUN_DIR``
-continues a stopped or killed job from its run directory (its config.json and data cursor).
+continues a stopped or killed job from its run directory (its train/job.json and data cursor),
+attached to the mesh running there if there is one, else on a mesh of its own started again.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from rollmesh.cli.errors import EXIT_OK, EXIT_USAGE, CliError
+from rollmesh.cli.mesh import mesh_process_alive
 from rollmesh.cli.target import model_dir_arg, namespace_arg
-from rollmesh.config import RUN_CONFIG_FILE, ConfigError, RollmeshConfig, load_config, load_run_config
+from rollmesh.config import ConfigError, RollmeshConfig, load_config, load_run_config
 from rollmesh.mesh_info import MeshNotFoundError, new_run_dir, read_mesh_info
 
 
@@ -49,6 +51,8 @@ def run_train_command(args: argparse.Namespace) -> int:
     if run_dir is None:
         run_dir = attach["run_dir"] if attach and attach.get("run_dir") else new_run_dir(config.run_root)
     run_dir = Path(run_dir).resolve()
+    if args.resume is None:
+        _refuse_earlier_job(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"train: {len(config.stages)} stage(s); run dir {run_dir}", flush=True)
     summary = asyncio.run(_run(config, run_dir, attach))
@@ -66,9 +70,7 @@ def _job_config(args: argparse.Namespace) -> tuple[RollmeshConfig, Path | None]:
             if args.run_file or args.run_dir or args.config:
                 raise CliError("--resume continues a job with its own config: it takes no RUN.toml, "
                                "--run-dir or --config", exit_code=EXIT_USAGE)
-            if not (args.resume / RUN_CONFIG_FILE).is_file():
-                raise CliError(f"{args.resume} holds no job to resume (no {RUN_CONFIG_FILE})", exit_code=EXIT_USAGE)
-            return load_run_config(args.resume, overrides=overrides), args.resume
+            return _resumed_job_config(args.resume, overrides), args.resume
         if args.run_file is None:
             raise CliError("give a run file (rollmesh train RUN.toml) or --resume RUN_DIR", exit_code=EXIT_USAGE)
         if args.config is not None:
@@ -78,6 +80,26 @@ def _job_config(args: argparse.Namespace) -> tuple[RollmeshConfig, Path | None]:
         return load_config(args.run_file, overrides=overrides), args.run_dir
     except ConfigError as exc:
         raise CliError(f"bad config: {exc}", exit_code=EXIT_USAGE) from exc
+
+
+def _resumed_job_config(run_dir: Path, overrides: dict[str, Any]) -> RollmeshConfig:
+    """The job's own config (train/job.json), whether it started its mesh or attached to one."""
+    from rollmesh.train.job import job_config_path
+
+    job_file = job_config_path(run_dir)
+    if not job_file.is_file():
+        raise CliError(f"{run_dir} holds no training job to resume (no {job_file.relative_to(run_dir)})",
+                       exit_code=EXIT_USAGE)
+    return load_run_config(job_file.parent, overrides=overrides, file_name=job_file.name)
+
+
+def _refuse_earlier_job(run_dir: Path) -> None:
+    """A run directory holds one training job: a new one would mix its cursor and steps with it."""
+    from rollmesh.train.job import job_config_path
+
+    if job_config_path(run_dir).is_file():
+        raise CliError(f"{run_dir} already holds a training job: continue it with "
+                       f"`rollmesh train --resume {run_dir}`, or give another --run-dir", exit_code=EXIT_USAGE)
 
 
 def check_run_file(config: RollmeshConfig) -> None:
@@ -97,12 +119,15 @@ def _attach_target(args: argparse.Namespace, config: RollmeshConfig) -> dict[str
     if args.nats_url:
         return {"nats_url": args.nats_url, "namespace": config.namespace, "ray_address": args.ray_address,
                 "ray_namespace": f"rollmesh-{config.namespace}", "token_file": "", "run_dir": args.run_dir}
-    if args.run_dir is None or args.resume is not None:
+    run_dir = args.resume if args.resume is not None else args.run_dir
+    if run_dir is None:
         return None
     try:
-        info = read_mesh_info(args.run_dir, run_root=config.run_root)
+        info = read_mesh_info(run_dir, run_root=config.run_root)
     except MeshNotFoundError:
         return None  # no mesh running there: the job starts its own in that directory
+    if not mesh_process_alive(info.pid):
+        return None  # the mesh.json of a mesh that was killed: the job starts its mesh again
     return {"nats_url": info.nats_url, "namespace": info.namespace, "ray_address": info.ray_address,
             "ray_namespace": info.ray_namespace, "token_file": info.ray_auth_token_file,
             "run_dir": Path(info.run_dir)}

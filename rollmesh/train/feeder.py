@@ -57,6 +57,10 @@ class StepRecord:
     trainer_idle_pct: float
     weight_version: int
     rewards: dict[str, float] = field(default_factory=dict)  # each named reward's mean
+    # The stage's training rollouts that completed, and those that failed by kind, since the
+    # previous step: summed over steps.jsonl, they count a resumed job's whole run.
+    rollouts: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
         return (f"stage={self.stage} kind={self.kind} step={self.step} reward={self.reward:.4f} "
@@ -180,7 +184,8 @@ class RlStageFeeder:
             stage=self.plan.name, kind=self.stage.kind, step=self.window.steps_done(stepped.step),
             trainer_step=stepped.step, reward=stepped.reward_mean, loss=stepped.loss,
             tokens_per_s=tally.tokens / interval_s if interval_s > 0 else 0.0,
-            trainer_idle_pct=idle, weight_version=stepped.weight_version, rewards=tally.means())
+            trainer_idle_pct=idle, weight_version=stepped.weight_version, rewards=tally.means(),
+            rollouts=tally.rollouts, failures=dict(tally.failures))
 
     async def _fill(self, trainer_step: int) -> None:
         for _ in range(self.window.wanted(trainer_step)):

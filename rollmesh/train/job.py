@@ -26,7 +26,7 @@ from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.security import BusCredentials
 from rollmesh.bus.tls import client_tls_context
-from rollmesh.config import RollmeshConfig
+from rollmesh.config import RollmeshConfig, TrainerConfig
 from rollmesh.demo.curve import window_mean
 from rollmesh.messages import CheckpointConverted
 from rollmesh.messages.subjects import CHECKPOINT_CONVERTED
@@ -38,9 +38,32 @@ from rollmesh.train.prompt_source import prompt_source
 
 _log = structlog.get_logger("rollmesh.train")
 STEPS_FILE = "steps.jsonl"
+# The job's whole config (its stages included), what `rollmesh train --resume` runs again; beside
+# the mesh's config.json, which an attached mesh's run directory holds for the mesh.
+JOB_CONFIG_FILE = "job.json"
 FINAL_MODEL_DIR = "final_model"
 # The resharder converts the final checkpoint to Hugging Face format: seconds for small models.
 CONVERT_TIMEOUT_S = 600.0
+
+
+class TrainerSettingsError(RuntimeError):
+    """The mesh's trainer runs with other settings than the stage's (an attached mesh started with
+    another config): groups would not add up to its steps."""
+
+    def __init__(self, stage: str, fields: list[str]) -> None:
+        super().__init__(f"stage {stage!r}: the mesh's trainer runs with other settings "
+                         f"({', '.join('trainer.' + field for field in fields)}); start the mesh with "
+                         f"this run file, or let rollmesh train start its own")
+        self.stage = stage
+        self.fields = fields
+
+
+def check_trainer_settings(stage: str, running: dict[str, Any], wanted: TrainerConfig) -> None:
+    """TrainerSettingsError unless the mesh's trainer (its ``settings()``) runs as the stage wants."""
+    actual = msgspec.convert(running, TrainerConfig)
+    if actual != wanted:
+        raise TrainerSettingsError(stage, sorted(key for key in wanted.__struct_fields__
+                                                 if getattr(actual, key) != getattr(wanted, key)))
 
 
 @dataclass(frozen=True)
@@ -64,11 +87,10 @@ class TrainJob:
         self.on_step = on_step or (lambda record: report(record.line()))
         self.names = stage_names(config.stages)
         self.records: list[StepRecord] = _read_steps(self.run_dir)
-        self.failures: dict[str, int] = {}
-        self.rollouts = 0
         self.bad_rows = 0
 
     async def run(self, mesh: MeshHandle) -> dict[str, Any]:
+        save_job_config(self.run_dir, self.config)
         nc = await connect_bus(mesh.nats_url, name="rollmesh-train", connect_timeout_s=10,
                                credentials=mesh.credentials,
                                tls=client_tls_context(self.config.security.nats_tls))
@@ -96,6 +118,7 @@ class TrainJob:
                             publisher: BusPublisher, events: JobEvents) -> FeederCursor:
         name, stage = self.names[index], self.config.stages[index]
         trainer_config = stage_trainer_config(self.config.trainer, stage)
+        check_trainer_settings(name, await mesh.trainer.settings.remote(), trainer_config)
         trainer_step = await mesh.trainer.step.remote()
         if cursor.stage != name:  # the stage starts now, at the trainer's current step
             cursor = FeederCursor(stage_index=index, stage=name, start_step=trainer_step,
@@ -119,9 +142,6 @@ class TrainJob:
             await feeder.run(trainer_step)
         finally:
             source.close()
-        self.rollouts += feeder.train_rollouts
-        for kind, count in feeder.failures.items():
-            self.failures[kind] = self.failures.get(kind, 0) + count
         self.bad_rows += getattr(source, "bad_rows", 0)
         cursor = feeder.window.cursor.with_(done_stages=[*cursor.done_stages, name])
         write_cursor(self.run_dir, cursor)
@@ -152,6 +172,10 @@ class TrainJob:
                            "last": _metrics(records[-1]) if records else None})
         rl = [name for name, stage in zip(self.names, self.config.stages) if stage.kind == "rl"]
         last_rl = [record.reward for record in self.records if rl and record.stage == rl[-1]]
+        failures: dict[str, int] = {}
+        for record in self.records:
+            for kind, count in record.failures.items():
+                failures[kind] = failures.get(kind, 0) + count
         return {
             "first_window_reward": window_mean(last_rl, 0.1, last=False),
             "last_window_reward": window_mean(last_rl, 0.1, last=True),
@@ -159,14 +183,27 @@ class TrainJob:
             "eval_reward_first": None,
             "eval_reward_last": None,
             "steps": len(last_rl),
-            "rollouts": self.rollouts,
+            "rollouts": sum(record.rollouts for record in self.records if rl and record.stage == rl[-1]),
             "weight_versions": max((record.weight_version for record in self.records), default=0),
             "stages": stages,
             "reward_per_step": last_rl,
-            "failures": self.failures,
+            "failures": failures,
+            # Met by this process (a resumed job reads its rows again and reports them again).
             "bad_rows": self.bad_rows,
             **extra,
         }
+
+
+def job_config_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "train" / JOB_CONFIG_FILE
+
+
+def save_job_config(run_dir: Path, config: RollmeshConfig) -> None:
+    path = job_config_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(".tmp")
+    staging.write_bytes(msgspec.json.format(msgspec.json.encode(config)))
+    staging.replace(path)
 
 
 def _metrics(record: StepRecord) -> dict[str, Any]:
