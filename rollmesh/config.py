@@ -19,7 +19,7 @@ from msgspec import Meta
 
 from rollmesh.config_paths import resolve_config_paths
 from rollmesh.config_types import ConfigSection, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt
-from rollmesh.run_config import StageConfig, stage_names, stage_trainer_config
+from rollmesh.run_config import EvalConfig, StageConfig, TrackingConfig, stage_names, stage_trainer_config
 from rollmesh.observability_config import (
     TRACE_EXPORTER_KINDS,
     TRACE_EXPORTERS_PATTERN,
@@ -304,8 +304,11 @@ class RollmeshConfig(ConfigSection):
     demo: DemoConfig = DemoConfig()
     dashboard: DashboardConfig = DashboardConfig()
     security: SecurityConfig = SecurityConfig()
-    # A training job's stages, run in order by `rollmesh train` (rollmesh/run_config.py).
+    # A training job's stages, run in order by `rollmesh train`, its held-out evaluations and the
+    # trackers it reports to (rollmesh/run_config.py, docs/training.md).
     stages: list[StageConfig] = []
+    eval: list[EvalConfig] = []
+    tracking: TrackingConfig = TrackingConfig()
 
     def __post_init__(self) -> None:
         for name, stage in zip(stage_names(self.stages), self.stages):

@@ -43,10 +43,11 @@ def resolve_config_paths(tree: dict[str, Any], base: Path) -> None:
         if isinstance(role, dict):
             for leaf in CREDENTIALS_PATH_FIELDS:
                 _resolve_field(role, leaf, base)
-    stages = tree.get("stages")
-    for stage in stages if isinstance(stages, list) else []:
-        if isinstance(stage, dict):
-            _resolve_field(stage, "data", base)
+    for table in ("stages", "eval"):
+        entries = tree.get(table)
+        for entry in entries if isinstance(entries, list) else []:
+            if isinstance(entry, dict):
+                _resolve_field(entry, "data", base)
 
 
 def absolute_path(value: str, base: Path) -> str:

@@ -8,6 +8,7 @@ ordinary rollmesh config file, so these sections sit in ``RollmeshConfig`` besid
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -18,6 +19,7 @@ from rollmesh.messages.base import SamplingParams
 from rollmesh.trainer_config import TrainerConfig
 
 StageKind = Literal["midtrain", "sft", "rl"]
+_STAGE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 OverlongPolicy = Literal["train", "mask", "penalty"]
 
 
@@ -85,8 +87,20 @@ class StageConfig(ConfigSection):
     # Groups published beyond what the trainer has consumed: bounds the work a slow trainer leaves
     # queued, and how stale the last of it can be.
     max_groups_ahead: PositiveInt = 32
+    # sft and midtrain: examples are packed into rows of at most max_seq_len tokens (0: the
+    # model's context), positions and attention reset at each example's start, and each step
+    # trains about batch_tokens real tokens. sft puts the loss on the tokens of these roles'
+    # messages (the template's rendering of each, its end-of-turn included); midtrain on every
+    # token of the text.
+    max_seq_len: NonNegInt = 0
+    batch_tokens: PositiveInt = 8192
+    loss_roles: list[Literal["system", "user", "assistant", "tool"]] = msgspec.field(
+        default_factory=lambda: ["assistant"])
 
     def __post_init__(self) -> None:
+        if not _STAGE_NAME.match(self.name or self.kind):
+            raise ValueError(f"stage name {self.name!r}: letters, digits, '_' and '-' only (it names "
+                             f"rollouts and subjects' keys)")
         rules = [rule for rule in ("steps", "epochs", "tokens") if getattr(self, rule)]
         if len(rules) != 1:
             raise ValueError(f"a stage stops by exactly one of steps, epochs or tokens "
@@ -99,13 +113,69 @@ class StageConfig(ConfigSection):
             raise ValueError("a task plugin rewards its own rollouts: give task or rewards, not both")
         if not self.data and not self.task:
             raise ValueError("a stage needs data (a dataset file)")
+        if self.kind != "rl" and (self.task or self.rewards):
+            raise ValueError(f"a {self.kind} stage trains on its data's tokens: it takes no task or rewards")
 
 
-def stage_names(stages: list[StageConfig]) -> list[str]:
-    """Each stage's name: its own, else its kind, numbered from 2 when a kind repeats."""
+class EvalConfig(ConfigSection):
+    """A held-out evaluation (``[[eval]]``): its prompts are rolled out with their own sampling,
+    ``n_samples`` each, and scored by their rewards, never trained on. It runs before training
+    (``eval_before_train``), every ``eval_every`` trainer steps, and after the last step."""
+
+    name: str = ""  # "": "eval", numbered when several
+    # A JSONL file of prompts (as an rl stage's), or a task plugin sampling held-out inputs.
+    data: str = ""
+    fields: FieldMap = FieldMap()
+    task: str = ""
+    # Prompts per evaluation: the first ``size`` rows in file order (0: all), or ``size`` inputs a
+    # task plugin samples (held out) by ``seed``.
+    size: NonNegInt = 0
+    seed: int = 0
+    rewards: list[RewardSpec] = []
+    sampling: SamplingParams = SamplingParams(max_new_tokens=256)
+    n_samples: PositiveInt = 1
+    # The k of pass@k (each at most n_samples); []: 1 and n_samples.
+    pass_k: list[PositiveInt] = []
+    max_turns: Annotated[int, Meta(ge=1, le=1000)] = 1
+    system_prompt: str = ""
+    eval_every: NonNegInt = 0
+    eval_before_train: bool = True
+
+    def __post_init__(self) -> None:
+        if not _STAGE_NAME.match(self.name or "eval"):
+            raise ValueError(f"eval name {self.name!r}: letters, digits, '_' and '-' only")
+        if not self.data and not self.task:
+            raise ValueError("an eval needs data (a dataset file) or a task plugin")
+        if self.task and not self.data and not self.size:
+            raise ValueError("an eval of a task plugin's own inputs needs size")
+        if not self.task and not self.rewards:
+            raise ValueError("an eval on a dataset needs rewards")
+        if self.task and self.rewards:
+            raise ValueError("a task plugin rewards its own rollouts: give task or rewards, not both")
+        if any(k > self.n_samples for k in self.pass_k):
+            raise ValueError(f"pass_k {self.pass_k}: each k is at most n_samples ({self.n_samples})")
+
+
+class TrackingConfig(ConfigSection):
+    """Experiment trackers a training job reports to: the run's config, per-step scalars and the
+    evaluations' sample tables."""
+
+    backends: list[Literal["tensorboard", "wandb", "mlflow"]] = msgspec.field(
+        default_factory=lambda: ["tensorboard"])
+    project: str = "rollmesh"
+    run_name: str = ""  # "": the run directory's name
+    # MLflow: "" is sqlite:///<run dir>/mlflow.db (recent MLflow refuses the plain file store).
+    mlflow_tracking_uri: str = ""
+    # W&B: "" follows WANDB_MODE (online by default); "offline" writes a run `wandb sync` uploads.
+    wandb_mode: Literal["", "online", "offline", "disabled"] = ""
+
+
+def stage_names(stages: list[StageConfig] | list[EvalConfig]) -> list[str]:
+    """Each stage's (or eval's) name: its own, else its kind ("eval"), numbered from 2 when one
+    repeats."""
     names: list[str] = []
     for stage in stages:
-        base = stage.name or stage.kind
+        base = stage.name or getattr(stage, "kind", "eval")
         name, number = base, 1
         while name in names:
             number += 1
