@@ -17,7 +17,9 @@ when every trained sample carries them.
 
 Padding: batches are right-padded, and a padded position is never a target (mask 0) nor, in a
 causal model, seen by a real one, so the pad id only has to be a valid embedding row: the
-checkpoint's ``eos_token_id``, else 0.
+checkpoint's ``eos_token_id``, else 0. Supervised steps take packed rows (``packing``): the
+model gets each row's reset positions and block-diagonal causal mask, so a packed row trains what
+its examples would train one by one.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import torch
 from torch import nn
@@ -37,6 +39,7 @@ from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
 from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
 from rollmesh.training.optimizer_adamw import AdamWConfig, MixedPrecisionAdamW
 from rollmesh.training.optimizer_offload import ChunkedOffloadAdamW
+from rollmesh.training.packing import PackedBatch, PackedRow, as_rows, collate_rows
 from rollmesh.training.router_replay import batch_rows, forward_with_replay, replay_tensor
 
 # What ``trainer.precision`` picks (``TorchTrainerBackend._new_optimizer``).
@@ -44,7 +47,9 @@ Optimizer = torch.optim.AdamW | MixedPrecisionAdamW | ChunkedOffloadAdamW
 
 
 class TrainerBackend(Protocol):
-    def sft_step(self, sequences: list[tuple[list[int], list[int]]], *, lr: float) -> float: ...
+    # PackedRows -> {"loss", "tokens", "trained_tokens", ...}; (tokens, mask) pairs -> the loss.
+    def sft_step(self, sequences: list[PackedRow] | list[tuple[list[int], list[int]]], *,
+                 lr: float) -> dict[str, float] | float: ...
 
     def policy_step(self, samples: list[PolicySample], *,
                     current_version: int | None = None) -> dict[str, float]: ...
@@ -141,19 +146,46 @@ class TorchTrainerBackend:
         optimizer.step()
         return grad_norm
 
-    def sft_step(self, sequences: list[tuple[list[int], list[int]]], *, lr: float) -> float:
-        """One supervised step on (tokens, loss_mask) pairs; loss only where the mask is 1."""
+    @overload
+    def sft_step(self, sequences: list[PackedRow], *, lr: float) -> dict[str, float]: ...
+
+    @overload
+    def sft_step(self, sequences: list[tuple[list[int], list[int]]], *, lr: float) -> float: ...
+
+    def sft_step(self, sequences, *, lr: float):
+        """One supervised step; loss only where the mask is 1, its mean over the trained tokens.
+
+        ``PackedRow`` s (``packing``): returns {"loss", "tokens" (real, padding excluded),
+        "trained_tokens", "rows", "grad_norm"}. Plain (tokens, loss_mask) pairs (the demo's warm
+        start): each is a one-example row, and the loss alone comes back, as a float."""
         self._pin_threads()
         if self._sft_optimizer is None:
             # The warm start has its own optimizer so RL starts with fresh Adam moments.
             self._sft_optimizer = self._new_optimizer(lr)
         self._reference = None  # RL has not started yet: the reference is taken after this
-        samples = [PolicySample(tokens, mask, [0.0] * len(tokens), 0.0) for tokens, mask in sequences]
-        batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
-        logprobs = token_logprobs(self.model(batch.inputs), batch.targets)
-        loss = -(logprobs * batch.mask).sum() / batch.mask.sum().clamp(min=1.0)
-        self._apply(self._sft_optimizer, loss)
-        return float(loss.detach())
+        loss, batch = self.sft_loss(as_rows(sequences))
+        grad_norm = self._apply(self._sft_optimizer, loss)
+        if not any(isinstance(item, PackedRow) for item in sequences):
+            return float(loss.detach())
+        return {"loss": float(loss.detach()), "tokens": float(batch.tokens),
+                "trained_tokens": float(batch.trained_tokens), "rows": float(len(sequences)),
+                "grad_norm": grad_norm}
+
+    def sft_loss(self, rows: list[PackedRow]) -> tuple[torch.Tensor, PackedBatch]:
+        """The differentiable SFT loss of ``rows`` (token mean over trained targets) and their
+        batch. Every row runs with its positions reset per example and a block-diagonal causal
+        mask, so no token sees another example; a batch of one-example rows runs plain causal
+        (the same arithmetic, and sdpa's causal kernel instead of a dense mask)."""
+        batch = collate_rows(rows, pad_id=self.pad_id)
+        device = next(self.model.parameters()).device
+        inputs = batch.inputs.to(device)
+        if all(len(row.segment_lengths) == 1 for row in rows):
+            logits = self.model(inputs)
+        else:
+            logits = self.model(inputs, positions=batch.positions.to(device), attn_mask=batch.attention.to(device))
+        mask = batch.mask.to(device)
+        logprobs = token_logprobs(logits, batch.targets.to(device))
+        return -(logprobs * mask).sum() / mask.sum().clamp(min=1.0), batch
 
     def policy_step(self, samples: list[PolicySample], *,
                     current_version: int | None = None) -> dict[str, float]:

@@ -91,7 +91,10 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         paged: PagedAttention | None = None,
         layer_index: int = 0,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``attn_mask``: boolean [B, 1, T, T], True where a query may attend a key (packed
+        rows' block-diagonal causal mask); None: plain causal."""
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
@@ -103,11 +106,12 @@ class Attention(nn.Module):
         if paged is not None:
             out = paged.attend(layer_index, q, k, v)
             return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-        mask = None
+        mask = attn_mask
         if self.sliding_window is not None and seq > self.sliding_window:
             i = torch.arange(seq, device=x.device)
             dist = i[:, None] - i[None, :]
-            mask = (dist >= 0) & (dist < self.sliding_window)
+            window = (dist >= 0) & (dist < self.sliding_window)
+            mask = window if mask is None else mask & window
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_kv_heads != self.num_heads
         )
@@ -145,9 +149,11 @@ class DecoderLayer(nn.Module):
         paged: PagedAttention | None = None,
         layer_index: int = 0,
         replay: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> FeedForwardOutput:
-        """``replay``: recorded expert ids [B*T, top_k] for a sparse layer (routing replay)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, paged, layer_index)
+        """``replay``: recorded expert ids [B*T, top_k] for a sparse layer (routing replay);
+        ``attn_mask``: as ``Attention.forward``'s."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, paged, layer_index, attn_mask)
         feed_forward = getattr(self, self.feed_forward_name)
         h = self.post_attention_layernorm(x)
         out = feed_forward(h) if replay is None else feed_forward(h, replay)
@@ -186,11 +192,13 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
-        return self.forward_with_routes(input_ids, routed_experts)[0]
+    def forward(self, input_ids: torch.Tensor, routed_experts: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_with_routes(input_ids, routed_experts, positions=positions, attn_mask=attn_mask)[0]
 
     def forward_with_routes(
-        self, input_ids: torch.Tensor, routed_experts: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, routed_experts: torch.Tensor | None = None, *,
+        positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B, T, V] and, for MoE models, routed expert ids [B, T, sparse layers, top_k].
 
@@ -198,15 +206,23 @@ class CausalLM(nn.Module):
         ``config.moe.sparse_layers``. Dense models return None for the routes. ``routed_experts``
         (same layout, any integer dtype) replays recorded ids instead of each router's top k
         (see ``rollmesh.training.router_replay``); the routes returned are then those ids.
+
+        Packed rows (``rollmesh.training.packing``): ``positions`` [B, T] (reset per example) and
+        ``attn_mask`` [B, 1, T, T] boolean, True where a query may attend a key; by default
+        positions 0..T-1 and a plain causal mask.
         """
         batch, seq = input_ids.shape
         x = self.model.embed_tokens(input_ids)
-        positions = torch.arange(seq, device=input_ids.device)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        if positions is None:
+            cos, sin = rope_cos_sin(torch.arange(seq, device=input_ids.device), self.config.head_dim,
+                                    self.config.rope_theta, x.dtype)
+        else:  # [B*T, D] -> [B, 1, T, D]: broadcast over the heads, as forward_paged does
+            cos, sin = rope_cos_sin(positions.reshape(-1), self.config.head_dim, self.config.rope_theta, x.dtype)
+            cos, sin = cos.view(batch, 1, seq, -1), sin.view(batch, 1, seq, -1)
         replays = self.layer_replays(routed_experts)
         routes = []
         for layer, replay in zip(self.model.layers, replays):
-            x, routed = layer(x, cos, sin, replay=replay)
+            x, routed = layer(x, cos, sin, replay=replay, attn_mask=attn_mask)
             if routed is not None:
                 routes.append(routed.view(batch, seq, -1))
         logits = self.lm_head(self.model.norm(x))
