@@ -151,7 +151,10 @@ async def mesh(nats_server: EmbeddedNatsServer, ray_session: None) -> AsyncItera
         "trainer.groups_per_step": 1,
         "sandbox.readonly_paths": [str(gate_dir)],
         "rollout.tasks": ["rollmesh.rollout.molar_mass:MolarMassTask",
-                          "mesh_test_tasks:GatedMolarMassTask", "mesh_test_tasks:SlowToolMolarMassTask"],
+                          "mesh_test_tasks:GatedMolarMassTask", "mesh_test_tasks:SlowToolMolarMassTask",
+                          "rollmesh.rollout.dataset_task:DatasetTask"],
+        # The import-path rewards of tests/test_train_evaluation.py's dataset evals.
+        "rollout.reward_functions": ["eval_test_rewards:always_one", "eval_test_rewards:final_text_length"],
         # Short timers, so a killed actor's work is redelivered and its role restarted within
         # seconds (tests/test_mesh_recovery.py).
         "nats.rollout_ack_wait_s": 6.0,
