@@ -9,12 +9,14 @@ dashboard), write ``mesh.json``. ``stop`` undoes it backwards.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import ray
 import structlog
 
 from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
@@ -24,9 +26,9 @@ from rollmesh.actors.role_base import MeshContext
 from rollmesh.actors.rollout_worker import RolloutWorkerActor
 from rollmesh.actors.sandbox_broker import SandboxBrokerActor
 from rollmesh.actors.trainer import TrainerActor
-from rollmesh.config import RollmeshConfig, save_run_config
+from rollmesh.config import RollmeshConfig, TrainerConfig, save_run_config
 from rollmesh.mesh_info import MeshInfo, nats_url_for_clients, new_run_dir, write_mesh_info
-from rollmesh.mesh_runtime import MeshRuntime
+from rollmesh.mesh_runtime import ACTOR_STOP_TIMEOUT_S, MeshRuntime
 from rollmesh.model_source import resolve_model
 from rollmesh.scheduling.grants import GpuScheduler
 from rollmesh.telemetry.tracing import effective_telemetry
@@ -78,7 +80,7 @@ class Mesh:
         # (joining a cluster, its nodes must declare them instead).
         runtime.start_ray(resources=GpuScheduler(config.scheduler, clock=time.time,
                                                  new_id=lambda: "").ray_resources())
-        mesh = MeshContext(namespace=config.namespace, nats_url=nats_url,
+        self._context = mesh = MeshContext(namespace=config.namespace, nats_url=nats_url,
                            run_dir=str(self.run_dir.resolve()),
                            telemetry=config.telemetry, nats=config.nats,
                            credentials=runtime.bus_credentials, nats_tls=config.security.nats_tls)
@@ -128,6 +130,31 @@ class Mesh:
         _log.info("mesh_ready", run_dir=str(self.run_dir), nats_url=nats_url, serve_url=runtime.serve_url)
         return self.info
 
+    async def restart_trainer(self, trainer_config: TrainerConfig) -> Any:
+        """The trainer actor again, with ``trainer_config`` (a training job's next stage): the
+        old one stopped and killed for good, a new one spawned under the same name. It resumes
+        from the ledger's last durable step (the previous stage's weights) with fresh optimizers:
+        a new stage's settings (its lr among them) start a new optimizer."""
+        # The supervisor pauses meanwhile: it would take the new actor, not yet started, for a
+        # crashed one and start it a second time.
+        await self.runtime.supervisor.stop()
+        old = self.runtime.actors.pop("trainer")
+        try:
+            await asyncio.wait_for(old.stop.remote(), timeout=ACTOR_STOP_TIMEOUT_S)
+        except Exception as exc:  # a dying actor is killed all the same
+            _log.warning("actor_stop_failed", actor="trainer", error=repr(exc))
+        ray.kill(old, no_restart=True)
+        await _name_released("trainer", self.ray_namespace)
+        self.config = msgspec.structs.replace(self.config, trainer=trainer_config)
+        scheduler = self.runtime.actors["gpu-scheduler"]
+        self.trainer = await self.runtime.spawn(
+            "trainer", TrainerActor, self._context.only("trainer"), trainer_config, self.config.model,
+            options=self._placed("trainer", await scheduler.actor_options.remote("trainer")))
+        await self.trainer.reset_optimizers.remote()
+        self.runtime.supervisor.start()
+        _log.info("trainer_restarted", lr=trainer_config.lr)
+        return self.trainer
+
     def _api_key(self) -> str:
         from rollmesh.serve_apps import required_api_key
 
@@ -142,6 +169,19 @@ class Mesh:
     async def stop(self) -> None:
         await self.runtime.stop()
         (self.run_dir / "mesh.json").unlink(missing_ok=True)
+
+
+async def _name_released(name: str, namespace: str, *, timeout_s: float = 60.0) -> None:
+    """Wait until no live actor holds ``name`` (a killed one lets it go asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"actor name {name!r} still taken {timeout_s:.0f} s after its actor was killed")
+        await asyncio.sleep(0.2)  # polls Ray's registry; bounded by the deadline
 
 
 def with_role_resources(options: dict[str, Any], extra: dict[str, float]) -> dict[str, Any]:

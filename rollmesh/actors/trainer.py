@@ -17,6 +17,7 @@ from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
 from rollmesh.bus.trajectory_store import ObjectStoreTrajectories
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, TrainerConfig
+from rollmesh.run_config import StageConfig
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
 from rollmesh.training.torch_backend import TrainerBackend, build_trainer_backend
 from rollmesh.training.trainer_logic import TrainerLogic
@@ -72,6 +73,22 @@ class TrainerActor(RoleActor):
 
     async def version(self) -> int:
         return self.trainer.version if self.trainer else 0
+
+    async def supervised_step(self, stage: dict[str, Any], name: str, *, position: int, tokens_before: int,
+                              end_position: int | None = None) -> dict[str, Any]:
+        """One step of supervised stage ``name`` (``stage``: its StageConfig as built-ins)."""
+        assert self.trainer is not None, "start() first"
+        return await self.trainer.supervised_step(msgspec.convert(stage, StageConfig), name, position=position,
+                                                  tokens_before=tokens_before, end_position=end_position)
+
+    async def stage_cursor(self, name: str) -> dict[str, Any]:
+        """Supervised stage ``name``'s place as its last durable step recorded it ({}: none)."""
+        assert self.trainer is not None, "start() first"
+        return await asyncio.to_thread(self.trainer.ledger.stage_cursor, name)
+
+    async def reset_optimizers(self) -> None:
+        assert self.trainer is not None, "start() first"
+        await self.trainer.reset_optimizers()
 
     async def settings(self) -> dict[str, Any]:
         """The trainer config it runs with (a training job checks its stage against it)."""

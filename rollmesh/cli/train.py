@@ -152,7 +152,8 @@ async def _run(config: RollmeshConfig, run_dir: Path, attach: dict[str, Any] | N
         report(f"mesh up: NATS {info.nats_url}")
         try:
             return await job.run(MeshHandle(info.nats_url, info.namespace, mesh.trainer,
-                                            credentials=mesh.runtime.bus_credentials.get("mesh")))
+                                            credentials=mesh.runtime.bus_credentials.get("mesh"),
+                                            restart_trainer=mesh.restart_trainer))
         finally:
             await mesh.stop()
 

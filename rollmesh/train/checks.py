@@ -13,12 +13,7 @@ from rollmesh.data import DatasetError, check_dataset
 from rollmesh.rewards.combined import check_reward_specs
 from rollmesh.rewards.errors import RewardError
 from rollmesh.rollout.tasks import load_task
-from rollmesh.run_config import stage_names, stage_trainer_config
-
-# Stage kinds `rollmesh train` runs today; "sft" and "midtrain" are config-valid and arrive with
-# the supervised stages.
-RUNNABLE_KINDS = frozenset({"rl"})
-
+from rollmesh.run_config import stage_names
 
 class RunFileError(ValueError):
     def __init__(self, reason: str, *, stage: str = "") -> None:
@@ -30,14 +25,7 @@ class RunFileError(ValueError):
 def check_stages(config: RollmeshConfig) -> None:
     if not config.stages:
         raise RunFileError("the run file has no [[stages]]")
-    first_trainer = stage_trainer_config(config.trainer, config.stages[0])
     for name, stage in zip(stage_names(config.stages), config.stages):
-        if stage.kind not in RUNNABLE_KINDS:
-            raise RunFileError(f"kind {stage.kind!r} cannot run yet: rollmesh train runs "
-                               f"{', '.join(sorted(RUNNABLE_KINDS))} stages", stage=name)
-        if stage_trainer_config(config.trainer, stage) != first_trainer:
-            raise RunFileError("its trainer settings differ from the first stage's: a trainer restart "
-                               "between stages is not supported yet", stage=name)
         if stage.epochs and not stage.data:
             raise RunFileError("epochs count passes over data: give data, or stop by steps", stage=name)
         if stage.data:

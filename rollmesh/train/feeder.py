@@ -51,7 +51,7 @@ class StepRecord:
     kind: str
     step: int  # the stage's own step, from 1
     trainer_step: int
-    reward: float
+    reward: float | None  # None for a supervised stage (its line says reward=nan)
     loss: float
     tokens_per_s: float
     trainer_idle_pct: float
@@ -63,7 +63,8 @@ class StepRecord:
     failures: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
-        return (f"stage={self.stage} kind={self.kind} step={self.step} reward={self.reward:.4f} "
+        reward = "nan" if self.reward is None else f"{self.reward:.4f}"
+        return (f"stage={self.stage} kind={self.kind} step={self.step} reward={reward} "
                 f"loss={self.loss:.4f} tokens_per_s={self.tokens_per_s:.1f} "
                 f"trainer_idle_pct={self.trainer_idle_pct:.1f}")
 

@@ -14,7 +14,7 @@ import asyncio
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from rollmesh.train.feeder import JobEvents, RlStageFeeder, StepRecord
 from rollmesh.train.feeder_cursor import FeederCursor, read_cursor, write_cursor
 from rollmesh.train.feeder_window import StagePlan, stage_steps
 from rollmesh.train.prompt_source import prompt_source
+from rollmesh.train.supervised_stage import run_supervised_stage
 
 _log = structlog.get_logger("rollmesh.train")
 STEPS_FILE = "steps.jsonl"
@@ -66,14 +67,28 @@ def check_trainer_settings(stage: str, running: dict[str, Any], wanted: TrainerC
                                                  if getattr(actual, key) != getattr(wanted, key)))
 
 
-@dataclass(frozen=True)
+@dataclass
 class MeshHandle:
-    """What a job needs of a mesh: its bus, its namespace and its trainer actor."""
+    """What a job needs of a mesh: its bus, its namespace and its trainer actor; and, for a mesh
+    the job started, how to restart the trainer with a stage's settings (None when attached)."""
 
     nats_url: str
     namespace: str
     trainer: Any
     credentials: BusCredentials | None = None
+    restart_trainer: Callable[[TrainerConfig], Awaitable[Any]] | None = None
+
+    async def trainer_for(self, stage: str, wanted: TrainerConfig) -> Any:
+        """The trainer, running with ``wanted``: as it is, or restarted from the last durable step
+        (the previous stage's weights) with a fresh optimizer."""
+        running = await self.trainer.settings.remote()
+        try:
+            check_trainer_settings(stage, running, wanted)
+        except TrainerSettingsError:
+            if self.restart_trainer is None:
+                raise
+            self.trainer = await self.restart_trainer(wanted)
+        return self.trainer
 
 
 class TrainJob:
@@ -104,10 +119,20 @@ class TrainJob:
         try:
             publisher = BusPublisher(nc, nc.jetstream(), mesh.namespace)
             cursor = read_cursor(self.run_dir) or FeederCursor()
+            if mesh.restart_trainer is None:
+                # Attached: the trainer cannot be restarted, so every stage still to run must fit
+                # it; found now, before the first stage trains anything.
+                running = await mesh.trainer.settings.remote()
+                for name, stage in zip(self.names, self.config.stages):
+                    if name not in cursor.done_stages:
+                        check_trainer_settings(name, running, stage_trainer_config(self.config.trainer, stage))
             for index, (name, stage) in enumerate(zip(self.names, self.config.stages)):
                 if name in cursor.done_stages:
                     continue
-                cursor = await self._run_rl_stage(index, cursor, mesh, publisher, events)
+                if stage.kind == "rl":
+                    cursor = await self._run_rl_stage(index, cursor, mesh, publisher, events)
+                else:
+                    cursor = await self._run_supervised_stage(index, cursor, mesh)
             return await self._finish(mesh, converted)
         finally:
             for subscription in subscriptions:
@@ -118,7 +143,7 @@ class TrainJob:
                             publisher: BusPublisher, events: JobEvents) -> FeederCursor:
         name, stage = self.names[index], self.config.stages[index]
         trainer_config = stage_trainer_config(self.config.trainer, stage)
-        check_trainer_settings(name, await mesh.trainer.settings.remote(), trainer_config)
+        await mesh.trainer_for(name, trainer_config)
         trainer_step = await mesh.trainer.step.remote()
         if cursor.stage != name:  # the stage starts now, at the trainer's current step
             cursor = FeederCursor(stage_index=index, stage=name, start_step=trainer_step,
@@ -147,11 +172,26 @@ class TrainJob:
         write_cursor(self.run_dir, cursor)
         return cursor
 
+    async def _run_supervised_stage(self, index: int, cursor: FeederCursor, mesh: MeshHandle) -> FeederCursor:
+        name, stage = self.names[index], self.config.stages[index]
+        trainer = await mesh.trainer_for(name, stage_trainer_config(self.config.trainer, stage))
+        if cursor.stage != name:
+            cursor = FeederCursor(stage_index=index, stage=name, start_step=await trainer.step.remote(),
+                                  done_stages=list(cursor.done_stages))
+            write_cursor(self.run_dir, cursor)
+        await run_supervised_stage(trainer, stage, name, start_step=cursor.start_step,
+                                   record=self._record_step, report=self.report)
+        cursor = cursor.with_(done_stages=[*cursor.done_stages, name])
+        write_cursor(self.run_dir, cursor)
+        return cursor
+
     def _record_step(self, record: StepRecord) -> None:
         self.records.append(record)
         path = self.run_dir / "train" / STEPS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as handle:
+            if handle.tell() and not _ends_with_newline(path):
+                handle.write("\n")  # after a line torn by a kill, start a fresh one
             handle.write(json.dumps(asdict(record)) + "\n")
         self.on_step(record)
 
@@ -209,6 +249,12 @@ def save_job_config(run_dir: Path, config: RollmeshConfig) -> None:
 def _metrics(record: StepRecord) -> dict[str, Any]:
     return {"reward": record.reward, "loss": record.loss, "tokens_per_s": record.tokens_per_s,
             "trainer_idle_pct": record.trainer_idle_pct, "rewards": record.rewards}
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as handle:
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) == b"\n"
 
 
 def _read_steps(run_dir: Path) -> list[StepRecord]:

@@ -35,7 +35,8 @@ def step_reporter(stream: TextIO) -> Iterator[tuple[Callable[[str], None], Calla
             if record.stage not in bars:
                 bars[record.stage] = progress.add_task(f"{record.stage} ({record.kind})", total=None, metrics="")
             progress.update(bars[record.stage], completed=record.step,
-                            metrics=f"reward {record.reward:.3f}  loss {record.loss:.3f}  "
+                            metrics=(f"reward {record.reward:.3f}  " if record.reward is not None else "")
+                            + f"loss {record.loss:.3f}  "
                                     f"{record.tokens_per_s:.0f} tok/s  trainer idle {record.trainer_idle_pct:.0f}%")
 
         yield (lambda text: progress.console.print(text, highlight=False)), on_step

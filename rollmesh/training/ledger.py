@@ -34,6 +34,9 @@ class LedgerEntry:
     # The group ids of ``keys``, trained or dropped: what a `rollmesh train` feeder's resume reads
     # as the prompts consumed (its group ids name stage, epoch and dataset row).
     groups: list[str] = field(default_factory=list)
+    # A supervised stage's place, recorded with the step that trained up to it (atomic with its
+    # weights): {"stage": name, "next_position": int, "tokens": int} ({} for rl steps).
+    cursor: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,22 @@ class LedgerState:
 class TrainingLedger:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+
+    def stage_cursor(self, stage: str) -> dict:
+        """The newest cursor recorded for supervised stage ``stage`` ({} when none)."""
+        found: dict = {}
+        try:
+            lines = self.path.read_text().splitlines()
+        except FileNotFoundError:
+            return found
+        for line in lines:
+            try:
+                cursor = json.loads(line).get("cursor") or {}
+            except (ValueError, AttributeError):
+                continue
+            if cursor.get("stage") == stage:
+                found = cursor
+        return found
 
     def read(self) -> LedgerState | None:
         """None when no step was ever recorded."""

@@ -39,6 +39,7 @@ from rollmesh.ports import (
 )
 from rollmesh.chat import ChatModel
 from rollmesh.config import ModelConfig, TrainerConfig
+from rollmesh.run_config import StageConfig
 from rollmesh.engine.weight_buckets import (
     MANIFEST_FILE,
     load_published,
@@ -77,6 +78,8 @@ from rollmesh.training.admission import (
 from rollmesh.training.grpo import PolicySample
 from rollmesh.training.heap import return_freed_memory
 from rollmesh.training.checkpoint_retention import prune_checkpoints
+from rollmesh.training.packing import pack_sequences
+from rollmesh.training.supervised import SupervisedSource, model_context
 from rollmesh.training.ledger import LedgerEntry, TrainingLedger
 from rollmesh.telemetry import conventions, metrics, metrics_catalog
 from rollmesh.training.torch_backend import TrainerBackend
@@ -142,6 +145,7 @@ class TrainerLogic:
         self.lost_trajectories = 0
         self.skipped_truncated = 0
         self.dropped_groups = 0
+        self._supervised: SupervisedSource | None = None
         self.resumed_from_step: int | None = None
         # Trajectories admitted and waiting for the step that trains them.
         metrics.observe(metrics_catalog.QUEUE_DEPTH, self,
@@ -381,7 +385,7 @@ class TrainerLogic:
         return stats
 
     async def _commit_step(self, step: int, keys: list[str], group_ids: list[str] = (), *,
-                           new_weights: bool) -> None:
+                           new_weights: bool, cursor: dict | None = None) -> None:
         """Make a step durable: its weights file (when it trained), then its ledger line; only
         then does the step count, and are its weights announced."""
         weights = await self._write_weights(step) if new_weights else self._last_weights
@@ -389,7 +393,7 @@ class TrainerLogic:
             step=step, weight_version=weights.version if weights else self.version,
             weights_path=weights.path if weights else "", sha256=weights.sha256 if weights else "",
             num_bytes=weights.num_bytes if weights else 0, keys=keys, recorded_at=self.clock(),
-            groups=list(group_ids))
+            groups=list(group_ids), cursor=dict(cursor or {}))
         await asyncio.to_thread(self.ledger.append, entry)
         # The version only advances once the step is durable: a failed save must not make the
         # redelivered trajectories look one version staler than they are.
@@ -440,6 +444,50 @@ class TrainerLogic:
         batch = await asyncio.to_thread(
             lambda: [conversation_sequence(chat, messages, tools=tools) for messages, tools in conversations])
         return await asyncio.to_thread(self.backend.sft_step, batch, lr=lr)
+
+    async def supervised_step(self, stage: StageConfig, name: str, *, position: int, tokens_before: int,
+                              end_position: int | None = None) -> dict[str, Any]:
+        """One step of a supervised stage (sft, midtrain): the next ``batch_tokens`` of its data
+        from ``position``, packed and trained, then made durable with the stage's new place in
+        the ledger (atomic with its weights: a resumed stage reads on from the ledger, never
+        twice). Its weights are announced like an RL step's."""
+        source = await self._supervised_source(stage, name)
+        started = self.clock()
+        batch = await asyncio.to_thread(source.batch, position, end_position=end_position)
+        stats: dict[str, float] = {"loss": 0.0}
+        async with self._train_lock:
+            with self.busy.busy(), _tracer.start_as_current_span(
+                    "supervised_step", attributes={"step": self.step + 1, "stage": name,
+                                                   "examples": len(batch.sequences), "tokens": batch.tokens}):
+                if batch.sequences:
+                    rows = pack_sequences(batch.sequences, source.max_seq_len)
+                    result = await asyncio.to_thread(self.backend.sft_step, rows, lr=self.config.lr)
+                    stats = result if isinstance(result, dict) else {"loss": float(result)}
+                await self._commit_step(
+                    self.step + 1, [], batch.groups, new_weights=bool(batch.sequences),
+                    cursor={"stage": name, "next_position": batch.next_position,
+                            "tokens": tokens_before + batch.tokens})
+        return {"step": self.step, "weight_version": self.version, "loss": float(stats.get("loss", 0.0)),
+                "tokens": batch.tokens, "trained_tokens": batch.trained_tokens,
+                "examples": len(batch.sequences), "next_position": batch.next_position, "epoch": batch.epoch,
+                "mismatches": batch.mismatches, "bad_rows": batch.bad_rows, "num_rows": source.num_rows,
+                "duration_s": self.clock() - started}
+
+    async def reset_optimizers(self) -> None:
+        """Fresh optimizer moments with this trainer's settings (a new stage: a restored state
+        would carry the last stage's lr). Reloading the weights in place is the backends' way to
+        start the optimizer (and the KL reference) afresh."""
+        await asyncio.to_thread(lambda: self.backend.load_state_dict(self.backend.state_dict()))
+
+    async def _supervised_source(self, stage: StageConfig, name: str) -> SupervisedSource:
+        """The stage's data, opened once (its offset index is built in one pass)."""
+        if self._supervised is None or self._supervised.name != name:
+            if self._supervised is not None:
+                self._supervised.close()
+            chat = await self._chat_model()
+            max_seq_len = stage.max_seq_len or model_context(self.model_config.path)
+            self._supervised = await asyncio.to_thread(SupervisedSource, stage, name, chat, max_seq_len=max_seq_len)
+        return self._supervised
 
     async def _chat_model(self) -> ChatModel:
         """The model directory's tokenizer and formats, loaded once (a tokenizer load: off the loop)."""
