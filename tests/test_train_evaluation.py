@@ -21,6 +21,7 @@ import pytest
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.chat import ChatModel
+from rollmesh.data import EmptyDatasetError
 from rollmesh.messages import RolloutCompleted, SamplingParams, TokenTrace
 from rollmesh.messages.subjects import ROLLOUT_REQUESTED
 from rollmesh.run_config import EvalConfig, RewardSpec
@@ -136,3 +137,13 @@ def test_final_answer_is_what_the_reward_sees(demo_model_dir: Path) -> None:
     assert final_answer(_completed(chat, call), chat) == ""
     assert final_answer(_completed(chat, "four", stored=True), chat) is None
     assert final_answer(_completed(chat, "four"), None) is None
+
+
+async def test_an_eval_without_a_good_row_is_a_typed_error(nats_client, namespace: str, tmp_path: Path) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"question": "no prompt field"}) + "\n")
+    evaluation = Evaluation(EvalConfig(name="held", data=str(data), rewards=REWARDS), name="held", run_name="r",
+                            run_dir=tmp_path, publisher=RecordingPublisher(), nc=nats_client, namespace=namespace)
+    with pytest.raises(EmptyDatasetError) as error:
+        await evaluation.run(0)
+    assert error.value.path == data and evaluation.bad_rows == 1

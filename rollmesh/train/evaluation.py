@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from rollmesh.data import BadRowError, map_row, open_dataset
+from rollmesh.data import BadRowError, EmptyDatasetError, map_row, open_dataset
 from rollmesh.messages import RolloutCompleted, RolloutFailed, RolloutRequested
 from rollmesh.messages.rollout import TraceNotInlineError
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_REQUESTED
@@ -181,7 +181,7 @@ class Evaluation:
                 task_input = dataset_task_input(row, system_prompt=config.system_prompt, rewards=rewards)
                 prompts.append(EvalPrompt(last_user_text(task_input["messages"]), task_input))
         if not prompts:
-            raise ValueError(f"eval {self.name!r}: no good row in {config.data}")
+            raise EmptyDatasetError(config.data, bad_rows=self.bad_rows)
         return prompts
 
     def _plugin_text(self, task_input: dict[str, Any]) -> str:
