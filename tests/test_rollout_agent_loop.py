@@ -875,6 +875,8 @@ async def test_a_dataset_rollout_is_scored_by_its_weighted_rewards_each_logged_b
     assert result.reward_components == {"exact_match": 1.0, "graded_reward": 2.0,
                                         "graded_reward/answered": 1.0, "graded_reward/bonus": 1.0}
     assert ROLLOUT_COMPLETED.decode(ROLLOUT_COMPLETED.encode(result)).reward_components == result.reward_components
+    # The final answer the rewards saw travels with the result (evaluation tables show it).
+    assert result.final_text == "42"
 
 
 @pytest.mark.parametrize(("rewards", "answer_text", "reason"), [

@@ -94,10 +94,13 @@ def test_offline_run_holds_the_project_name_and_config(wandb_run) -> None:
 
 
 def test_scalars_of_each_step_are_history_rows(wandb_run) -> None:
-    rows = {}
+    # Each log call is a history row of its own, against trainer_step (W&B's own step only counts
+    # rows): an evaluation finishing after a later step is still logged at its step.
+    rows: dict[int, dict] = {}
     for history in records_of(wandb_run, "history"):
         row = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in history.item}
-        rows[history.step.num] = {key: value for key, value in row.items() if key.startswith(("rl/", "eval/"))}
+        rows.setdefault(row["trainer_step"], {}).update(
+            {key: value for key, value in row.items() if key.startswith(("rl/", "eval/"))})
     assert rows[1] == {"rl/reward": 0.25, "rl/loss": 1.5}
     assert {k: v for k, v in rows[2].items() if "samples" not in k} == {
         "rl/reward": 0.75, "eval/arith/mean@4": 0.5}

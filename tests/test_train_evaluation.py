@@ -20,12 +20,11 @@ import pytest
 
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.publisher import BusPublisher
-from rollmesh.chat import ChatModel
 from rollmesh.data import EmptyDatasetError
-from rollmesh.messages import RolloutCompleted, SamplingParams, TokenTrace
+from rollmesh.messages import SamplingParams
 from rollmesh.messages.subjects import ROLLOUT_REQUESTED
 from rollmesh.run_config import EvalConfig, RewardSpec
-from rollmesh.train.evaluation import TIMED_OUT, Evaluation, final_answer
+from rollmesh.train.evaluation import TIMED_OUT, Evaluation
 
 from fakes import RecordingPublisher
 
@@ -59,7 +58,7 @@ async def test_an_evaluation_scores_its_samples_counts_failures_and_writes_its_t
         evaluation = Evaluation(
             _eval_config(tmp_path), name="held", run_name="evaltest", run_dir=tmp_path / "run",
             publisher=BusPublisher(nc, nc.jetstream(), mesh.namespace), nc=nc, namespace=mesh.namespace,
-            chat=ChatModel.from_config(mesh.config.model), timeout_s=WAIT_S, on_bad_row=bad_rows.append)
+            timeout_s=WAIT_S, on_bad_row=bad_rows.append)
         # Two evaluations at once (two steps): each waits for its own group's outcomes only.
         first, second = await asyncio.gather(evaluation.run(0), evaluation.run(7))
     finally:
@@ -82,9 +81,9 @@ async def test_an_evaluation_scores_its_samples_counts_failures_and_writes_its_t
         for row in scored:
             assert row["failed"] == "" and row["reward"] == 1.0
             assert row["rewards"]["exact_match"] == 0.0 and row["rewards"]["always_one"] == 1.0
-            # The completion is the final answer the reward saw, read again from the tokens (the
-            # untrained model is cut by max_new_tokens, so both are "" here: final_answer's own
-            # test below has answers that end).
+            # The completion is the final answer the reward saw (RolloutCompleted.final_text; the
+            # untrained model is cut by max_new_tokens, so both are "" here: the agent loop's
+            # tests check final_text on answers that end).
             assert isinstance(row["completion"], str)
             assert len(row["completion"]) == row["rewards"]["final_text_length"]
         for row in failed:
@@ -113,37 +112,3 @@ async def test_outcomes_that_never_come_count_as_failed_after_the_timeout(nats_c
     assert result.metrics == {"prompts": 3, "samples": 0, "failed": 9}
     assert {row["failed"] for row in result.rows} == {TIMED_OUT}
     assert len(result.path.read_text().splitlines()) == 9
-
-
-def _completed(chat: ChatModel, answer: str, *, end: bool = True, stored: bool = False) -> RolloutCompleted:
-    prompt = chat.encode(chat.render([{"role": "user", "content": "What is two plus two?"}],
-                                     add_generation_prompt=True))
-    generated = chat.encode(answer) + ([min(chat.end_of_turn_ids)] if end else [])
-    ids = prompt + generated
-    trace = TokenTrace(ids=ids, loss_mask=[0] * len(prompt) + [1] * len(generated), logprobs=[0.0] * len(ids),
-                       versions=[-1] * len(prompt) + [0] * len(generated))
-    return RolloutCompleted(rollout_id="r", task="dataset", group_id="g", purpose="eval", reward=0.0, turns=1,
-                            tool_calls=0, prompt_len=len(prompt), finish_reason="stop" if end else "truncated",
-                            trajectory=None if stored else trace, trajectory_ref="bucket/r" if stored else "")
-
-
-def test_final_answer_is_what_the_reward_sees(demo_model_dir: Path) -> None:
-    """As rollmesh/rollout/rollout_turns.py sets RewardInput.final_text: the last turn's content
-    when it ended and called no tool, else ""; None where the tokens are not at hand."""
-    chat = ChatModel.load(demo_model_dir)
-    assert final_answer(_completed(chat, "four"), chat) == "four"
-    assert final_answer(_completed(chat, "four", end=False), chat) == ""
-    call = '<tool_call>\n{"name": "calc", "arguments": {}}\n</tool_call>'
-    assert final_answer(_completed(chat, call), chat) == ""
-    assert final_answer(_completed(chat, "four", stored=True), chat) is None
-    assert final_answer(_completed(chat, "four"), None) is None
-
-
-async def test_an_eval_without_a_good_row_is_a_typed_error(nats_client, namespace: str, tmp_path: Path) -> None:
-    data = tmp_path / "bad.jsonl"
-    data.write_text(json.dumps({"question": "no prompt field"}) + "\n")
-    evaluation = Evaluation(EvalConfig(name="held", data=str(data), rewards=REWARDS), name="held", run_name="r",
-                            run_dir=tmp_path, publisher=RecordingPublisher(), nc=nats_client, namespace=namespace)
-    with pytest.raises(EmptyDatasetError) as error:
-        await evaluation.run(0)
-    assert error.value.path == data and evaluation.bad_rows == 1

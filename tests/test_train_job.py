@@ -33,10 +33,14 @@ def answered(sample):
 '''
 
 
-def write_job(tmp_path: Path, *, rows: int, stop: str, extra_rewards: str = "", namespace: str) -> Path:
+def write_job(tmp_path: Path, *, rows: int, stop: str, extra_rewards: str = "", namespace: str,
+              before: str = "") -> Path:
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps({"question": f"What is {i} + {i % 5}?", "solution": str(i + i % 5)}) + "\n"
                             for i in range(rows)))
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"What is {i} + 1?"}, {"role": "assistant", "content": str(i + 1)}]}) + "\n"
+        for i in range(rows)))
     run_file = tmp_path / "run.toml"
     run_file.write_text(f'''
 namespace = "{namespace}"
@@ -51,6 +55,7 @@ enabled = false
 rollout_ack_wait_s = 6.0
 [rollout]
 work_heartbeat_s = 1.5
+{before}
 [[stages]]
 kind = "rl"
 data = "arith.jsonl"
@@ -80,9 +85,17 @@ def ledger_groups(run_dir: Path) -> collections.Counter[str]:
     return groups
 
 
-def test_a_killed_job_resumes_trains_every_prompt_once_and_leaves_lines_a_summary_and_the_final_model(tmp_path):
+def test_an_sft_then_rl_job_killed_mid_rl_resumes_trains_every_prompt_once_and_leaves_its_results(tmp_path):
     rows = 16  # one epoch: 8 steps of 2 groups
-    run_file = write_job(tmp_path, rows=rows, stop="epochs = 1", namespace="trainjob", extra_rewards='''
+    # A supervised warm start first, with its own lr: the trainer is restarted between the stages.
+    run_file = write_job(tmp_path, rows=rows, stop="epochs = 1", namespace="trainjob", before='''
+[[stages]]
+kind = "sft"
+data = "chat.jsonl"
+steps = 2
+batch_tokens = 64
+trainer = {lr = 1e-3}
+''', extra_rewards='''
 [[stages.rewards]]
 fn = "job_rewards:answered"
 weight = 0.5
@@ -93,9 +106,9 @@ weight = 0.5
                                  stderr=subprocess.STDOUT, cwd=tmp_path, env=env, start_new_session=True)
     steps_file = run_dir / "train" / "steps.jsonl"
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not (steps_file.exists() and len(steps_file.read_text().splitlines()) >= 2):
+    while not (steps_file.exists() and steps_file.read_text().count('"kind": "rl"') >= 2):
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the job made no two steps"
+        assert time.monotonic() < deadline, "the job made no two rl steps"
         time.sleep(0.2)  # polling a file another process writes; bounded by the deadline
     os.killpg(first.pid, signal.SIGKILL)  # the job, its NATS server and its Ray, mid-stage
     first.wait()
@@ -104,6 +117,9 @@ weight = 0.5
                              timeout=JOB_TIMEOUT_S, cwd=tmp_path, env=env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     refs = [parse_group_id(group) for group in ledger_groups(run_dir).elements()]
+    sft = [ref for ref in refs if ref.stage == "sft"]
+    refs = [ref for ref in refs if ref.stage != "sft"]
+    assert sft and all(ref.epoch == 0 for ref in sft)  # the warm start's examples, by row
     assert all(ref is not None and (ref.stage, ref.epoch) == ("rl", 0) for ref in refs)
     consumed = collections.Counter(ref.index for ref in refs)
     assert sorted(consumed) == list(range(rows))  # none skipped
@@ -119,7 +135,9 @@ weight = 0.5
     for key in ("first_window_reward", "last_window_reward", "eval_reward_first", "eval_reward_last",
                 "steps", "rollouts", "weight_versions", "stages"):
         assert key in summary
-    (stage,) = summary["stages"]
+    warm, stage = summary["stages"]
+    assert (warm["name"], warm["kind"], warm["steps"]) == ("sft", "sft", 2) and warm["last"]["reward"] is None
+    assert warm["last"]["loss"] < warm["first"]["loss"] or warm["first"]["loss"] > 0
     assert (stage["name"], stage["kind"]) == ("rl", "rl") and stage["steps"] == summary["steps"] <= 8
     # Each named reward is its own metric: the built-in's and the import path's (with its parts).
     assert {"math", "answered", "answered/chars"} <= set(stage["last"]["rewards"])

@@ -134,28 +134,43 @@ def _attach_target(args: argparse.Namespace, config: RollmeshConfig) -> dict[str
 
 
 async def _run(config: RollmeshConfig, run_dir: Path, attach: dict[str, Any] | None) -> dict[str, Any]:
-    from rollmesh.train.job import MeshHandle, TrainJob, mesh_config_for
+    from rollmesh.tracking import TrackerError
+    from rollmesh.train.job import TrainJob
     from rollmesh.train.progress import step_reporter
 
     with step_reporter(sys.stdout) as (report, on_step):
         job = TrainJob(config, run_dir=run_dir, run_name=run_dir.name, report=report, on_step=on_step)
-        if attach is not None:
-            with _attached_ray(attach):
-                import ray
-
-                trainer = ray.get_actor("trainer", namespace=attach["ray_namespace"])
-                return await job.run(MeshHandle(attach["nats_url"], attach["namespace"], trainer))
-        from rollmesh.launcher import Mesh
-
-        mesh = Mesh(mesh_config_for(config), run_dir=run_dir)
-        info = await mesh.start()
-        report(f"mesh up: NATS {info.nats_url}")
         try:
-            return await job.run(MeshHandle(info.nats_url, info.namespace, mesh.trainer,
-                                            credentials=mesh.runtime.bus_credentials.get("mesh"),
-                                            restart_trainer=mesh.restart_trainer))
+            trackers = job.open_trackers()  # a tracker that cannot open stops the job before a mesh starts
+        except TrackerError as exc:
+            raise CliError(f"cannot open the experiment tracker: {exc}", exit_code=EXIT_USAGE) from exc
+        try:
+            return await _run_job(job, config, run_dir, attach, report)
         finally:
-            await mesh.stop()
+            trackers.close()
+
+
+async def _run_job(job: Any, config: RollmeshConfig, run_dir: Path, attach: dict[str, Any] | None,
+                   report: Any) -> dict[str, Any]:
+    from rollmesh.train.job import MeshHandle, mesh_config_for
+
+    if attach is not None:
+        with _attached_ray(attach):
+            import ray
+
+            trainer = ray.get_actor("trainer", namespace=attach["ray_namespace"])
+            return await job.run(MeshHandle(attach["nats_url"], attach["namespace"], trainer))
+    from rollmesh.launcher import Mesh
+
+    mesh = Mesh(mesh_config_for(config), run_dir=run_dir)
+    info = await mesh.start()
+    report(f"mesh up: NATS {info.nats_url}")
+    try:
+        return await job.run(MeshHandle(info.nats_url, info.namespace, mesh.trainer,
+                                        credentials=mesh.runtime.bus_credentials.get("mesh"),
+                                        restart_trainer=mesh.restart_trainer))
+    finally:
+        await mesh.stop()
 
 
 def _attached_ray(attach: dict[str, Any]) -> ExitStack:

@@ -39,7 +39,8 @@ class RewardCurve:
             **extra,
         }
 
-    def plot(self, path: Path) -> Path:
+    def plot(self, path: Path, *, title: str = "rollmesh demo: molar mass with a sandboxed calculator",
+             reward_label: str = "reward (exact answer via the calculator tool)") -> Path:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -57,9 +58,13 @@ class RewardCurve:
             axes.plot([s for s, _ in self.evaluations], [r for _, r in self.evaluations], "o-",
                       color="#e6550d", label="held-out eval reward")
         axes.set_xlabel("RL step")
-        axes.set_ylabel("reward (exact answer via the calculator tool)")
-        axes.set_ylim(-0.02, 1.02)
-        axes.set_title("rollmesh demo: molar mass with a sandboxed calculator")
+        axes.set_ylabel(reward_label)
+        rewards = self.step_rewards + [reward for _, reward in self.evaluations]
+        if rewards and (min(rewards) < 0 or max(rewards) > 1):  # a reward beyond [0, 1]: its own scale
+            axes.set_ylim(min(rewards) - 0.05, max(rewards) + 0.05)
+        else:
+            axes.set_ylim(-0.02, 1.02)
+        axes.set_title(title)
         axes.grid(alpha=0.3)
         axes.legend(loc="lower right")
         figure.tight_layout()

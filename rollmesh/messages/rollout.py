@@ -137,6 +137,9 @@ class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed", omit_d
     # "exact_match"), a dict reward's keys as "<label>/<key>"; ``reward`` is their weighted total.
     # {} for a task whose reward is one float, and from older senders.
     reward_components: dict[str, float] = {}
+    # The final answer the reward saw (RewardInput.final_text): the last turn's content when it
+    # ended cleanly and called no tool, else "". Sent even when the trace is stored, for tables.
+    final_text: str = ""
 
     def token_trace(self) -> TokenTrace:
         """The rollout's (first) sample, from ``trajectory`` or an older sender's flat fields;

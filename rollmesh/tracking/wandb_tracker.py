@@ -16,6 +16,10 @@ from typing import Any
 import wandb
 
 
+# Every metric's x axis: the training job's trainer step.
+STEP_KEY = "trainer_step"
+
+
 class WandbTracker:
     backend = "wandb"
 
@@ -29,6 +33,8 @@ class WandbTracker:
         try:
             self._run = wandb.init(project=project, name=run_name, dir=str(run_dir), config=config,
                                    mode=mode or None, settings=settings)
+            self._run.define_metric(STEP_KEY)
+            self._run.define_metric("*", step_metric=STEP_KEY)
         except BaseException:
             wandb.teardown()  # a refused init (no API key online) leaves wandb-core running
             raise
@@ -40,12 +46,14 @@ class WandbTracker:
         return Path(self._run.dir).parent
 
     def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
-        self._run.log(scalars, step=step)
+        # Against trainer_step, not W&B's own step: an evaluation of step 4 finishes after step 5
+        # was logged, and W&B drops a step= below its current one.
+        self._run.log({**scalars, STEP_KEY: step})
 
     def log_table(self, name: str, step: int, rows: list[dict[str, Any]]) -> None:
         columns = list(dict.fromkeys(key for row in rows for key in row))
         table = wandb.Table(columns=columns, data=[[row.get(c) for c in columns] for row in rows])
-        self._run.log({name: table}, step=step)
+        self._run.log({name: table, STEP_KEY: step})
 
     def close(self) -> None:
         if self._closed:

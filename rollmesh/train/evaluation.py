@@ -25,7 +25,6 @@ import structlog
 
 from rollmesh.data import BadRowError, EmptyDatasetError, map_row, open_dataset
 from rollmesh.messages import RolloutCompleted, RolloutFailed, RolloutRequested
-from rollmesh.messages.rollout import TraceNotInlineError
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_REQUESTED
 from rollmesh.ports import Publisher
 from rollmesh.rollout.tasks import DemonstrableTask, Task, load_task
@@ -57,20 +56,18 @@ class EvalResult:
 
 
 class Evaluation:
-    """``await run(step)`` evaluates once. ``chat`` (a ``rollmesh.chat.ChatModel`` of the mesh's
-    model) reads each sample's final answer from its tokens; without it the table's completions
-    are null and majority@n is left out. Table rows: ``prompt``, ``completion``, ``reward``,
+    """``await run(step)`` evaluates once. Table rows: ``prompt``, ``completion``, ``reward``,
     ``rewards`` (each named reward's score), ``prompt_index``, ``sample``, ``failed`` (the
     failure kind, "" for a scored sample)."""
 
     def __init__(self, config: EvalConfig, *, name: str, run_name: str, run_dir: Path | str,
-                 publisher: Publisher, nc: Any, namespace: str, chat: Any = None,
+                 publisher: Publisher, nc: Any, namespace: str,
                  timeout_s: float = DEFAULT_TIMEOUT_S, threshold: float = 1.0,
                  on_bad_row: Callable[[BadRowError], None] | None = None) -> None:
         self.config, self.name, self.run_name = config, name, run_name
         self.run_dir = Path(run_dir)
         self.publisher, self.nc, self.namespace = publisher, nc, namespace
-        self.chat, self.timeout_s, self.threshold = chat, timeout_s, threshold
+        self.timeout_s, self.threshold = timeout_s, threshold
         self.on_bad_row = on_bad_row
         self.task: Task | None = load_task(config.task) if config.task else None
         self.task_name = self.task.name if self.task is not None else DATASET_TASK
@@ -145,7 +142,7 @@ class Evaluation:
         if not isinstance(outcome, RolloutCompleted):
             row["failed"] = outcome.kind if outcome is not None else TIMED_OUT
             return EvalSample(p, s, None, failed=row["failed"]), row
-        completion = final_answer(outcome, self.chat, tools=self.tools)
+        completion = final_answer(outcome)
         row.update(completion=completion, reward=outcome.reward, rewards=dict(outcome.reward_components))
         answer = None if completion is None else normalize_answer(completion, math=self.math)
         return EvalSample(p, s, outcome.reward, answer), row
@@ -204,33 +201,10 @@ def last_user_text(messages: list[dict[str, Any]]) -> str:
     return ""
 
 
-def final_answer(completed: RolloutCompleted, chat: Any, *, tools: list[dict[str, Any]] | None = None) -> str | None:
-    """The final answer the rollout's reward saw, read again from its exact tokens as the rollout
-    worker reads it (rollmesh/rollout/rollout_turns.py): the content of the last generated turn
-    when that turn ended with an end-of-turn token and called no tool, else "". None when it
-    cannot be known here: no ``chat``, or the trajectory is in the object store, not inline."""
-    if chat is None:
-        return None
-    try:
-        trace = completed.token_traces()[-1]
-    except TraceNotInlineError:
-        return None
-    if completed.finish_reason == "truncated":
-        return ""
-    mask = trace.loss_mask
-    end = len(mask)
-    while end and not mask[end - 1]:
-        end -= 1
-    start = end
-    while start and mask[start - 1]:
-        start -= 1
-    if start == end:
-        return ""
-    try:
-        parsed = chat.parse_turn(trace.ids[start:end], tools=tools, prompt_ids=trace.ids[:start])
-    except Exception:  # a turn the parser refuses: its text is still the model's answer
-        return chat.decode(trace.ids[start:end], skip_special_tokens=True).strip()
-    return "" if parsed.tool_calls or parsed.malformed else parsed.content
+def final_answer(completed: RolloutCompleted) -> str:
+    """The final answer the rollout's reward saw (RolloutCompleted.final_text, as the rollout
+    worker took it: the last turn's content when it ended cleanly and called no tool, else "")."""
+    return completed.final_text
 
 
 def _write_table(path: Path, rows: list[dict[str, Any]]) -> None:

@@ -61,6 +61,7 @@ class StepRecord:
     # previous step: summed over steps.jsonl, they count a resumed job's whole run.
     rollouts: int = 0
     failures: dict[str, int] = field(default_factory=dict)
+    max_version_lag: int = 0  # the step's (TrainerStepped.max_version_lag)
 
     def line(self) -> str:
         reward = "nan" if self.reward is None else f"{self.reward:.4f}"
@@ -186,7 +187,7 @@ class RlStageFeeder:
             trainer_step=stepped.step, reward=stepped.reward_mean, loss=stepped.loss,
             tokens_per_s=tally.tokens / interval_s if interval_s > 0 else 0.0,
             trainer_idle_pct=idle, weight_version=stepped.weight_version, rewards=tally.means(),
-            rollouts=tally.rollouts, failures=dict(tally.failures))
+            rollouts=tally.rollouts, failures=dict(tally.failures), max_version_lag=stepped.max_version_lag)
 
     async def _fill(self, trainer_step: int) -> None:
         for _ in range(self.window.wanted(trainer_step)):

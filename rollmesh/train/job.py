@@ -27,10 +27,13 @@ from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.security import BusCredentials
 from rollmesh.bus.tls import client_tls_context
 from rollmesh.config import RollmeshConfig, TrainerConfig
-from rollmesh.demo.curve import window_mean
+from rollmesh.demo.curve import RewardCurve, window_mean
 from rollmesh.messages import CheckpointConverted
 from rollmesh.messages.subjects import CHECKPOINT_CONVERTED
 from rollmesh.run_config import stage_names, stage_trainer_config
+from rollmesh.tracking import Trackers, open_trackers
+from rollmesh.train.eval_schedule import EvalSchedule
+from rollmesh.train.evaluation import Evaluation
 from rollmesh.train.feeder import JobEvents, RlStageFeeder, StepRecord
 from rollmesh.train.feeder_cursor import FeederCursor, read_cursor, write_cursor
 from rollmesh.train.feeder_window import StagePlan, stage_steps
@@ -103,6 +106,16 @@ class TrainJob:
         self.names = stage_names(config.stages)
         self.records: list[StepRecord] = _read_steps(self.run_dir)
         self.bad_rows = 0
+        self.trackers: Trackers | None = None
+        self.evals: EvalSchedule | None = None
+
+    def open_trackers(self) -> Trackers:
+        """The job's trackers, opened (and its config logged) before any training: one that
+        cannot open is a TrackerError now, not a surprise after hours of training."""
+        if self.trackers is None:
+            self.trackers = open_trackers(self.config.tracking, run_dir=self.run_dir, run_name=self.run_name,
+                                          config=msgspec.to_builtins(self.config))
+        return self.trackers
 
     async def run(self, mesh: MeshHandle) -> dict[str, Any]:
         save_job_config(self.run_dir, self.config)
@@ -116,9 +129,17 @@ class TrainJob:
 
         subscriptions = [*await events.subscribe(nc, mesh.namespace),
                          await nc.subscribe(CHECKPOINT_CONVERTED.format(mesh.namespace), cb=on_converted)]
+        trackers = self.open_trackers()
         try:
             publisher = BusPublisher(nc, nc.jetstream(), mesh.namespace)
+            self.evals = EvalSchedule(
+                self.config.eval, run_dir=self.run_dir, trackers=trackers, report=self.report,
+                make=lambda config, name: Evaluation(
+                    config, name=name, run_name=self.run_name, run_dir=self.run_dir, publisher=publisher, nc=nc,
+                    namespace=mesh.namespace, on_bad_row=lambda error: self.report(f"skipped bad row: {error}")))
             cursor = read_cursor(self.run_dir) or FeederCursor()
+            if not cursor.stage:  # a fresh job: the baseline, before anything trains
+                self.evals.before_training(await mesh.trainer.step.remote())
             if mesh.restart_trainer is None:
                 # Attached: the trainer cannot be restarted, so every stage still to run must fit
                 # it; found now, before the first stage trains anything.
@@ -133,8 +154,12 @@ class TrainJob:
                     cursor = await self._run_rl_stage(index, cursor, mesh, publisher, events)
                 else:
                     cursor = await self._run_supervised_stage(index, cursor, mesh)
+            await self.evals.after_training(await mesh.trainer.step.remote())
             return await self._finish(mesh, converted)
         finally:
+            if self.evals is not None:
+                await asyncio.gather(*self.evals._running, return_exceptions=True)
+            trackers.close()
             for subscription in subscriptions:
                 await subscription.unsubscribe()
             await nc.close()
@@ -194,6 +219,10 @@ class TrainJob:
                 handle.write("\n")  # after a line torn by a kill, start a fresh one
             handle.write(json.dumps(asdict(record)) + "\n")
         self.on_step(record)
+        if self.trackers is not None:
+            self.trackers.log_scalars(record.trainer_step, step_scalars(record))
+        if self.evals is not None:
+            self.evals.after_step(record.trainer_step)
 
     async def _finish(self, mesh: MeshHandle, converted: asyncio.Queue[CheckpointConverted]) -> dict[str, Any]:
         checkpoint = await mesh.trainer.save_checkpoint.remote()
@@ -201,6 +230,9 @@ class TrainJob:
         final = link_final_model(Path(export.hf_path), self.run_dir / FINAL_MODEL_DIR)
         summary = self.summary(checkpoint=checkpoint, final_model=str(final))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        RewardCurve(step_rewards=summary["reward_per_step"], evaluations=self.evals.mean_rewards() if self.evals else []
+                    ).plot(self.run_dir / "reward_curve.png", title=f"rollmesh train: {self.run_name}",
+                           reward_label="reward (last rl stage; evaluations: the first [[eval]]'s mean)")
         return summary
 
     def summary(self, **extra: Any) -> dict[str, Any]:
@@ -212,6 +244,7 @@ class TrainJob:
                            "last": _metrics(records[-1]) if records else None})
         rl = [name for name, stage in zip(self.names, self.config.stages) if stage.kind == "rl"]
         last_rl = [record.reward for record in self.records if rl and record.stage == rl[-1]]
+        evaluated = self.evals.mean_rewards() if self.evals is not None else []
         failures: dict[str, int] = {}
         for record in self.records:
             for kind, count in record.failures.items():
@@ -219,13 +252,14 @@ class TrainJob:
         return {
             "first_window_reward": window_mean(last_rl, 0.1, last=False),
             "last_window_reward": window_mean(last_rl, 0.1, last=True),
-            # No [[eval]] datasets yet: no evaluation reward to report.
-            "eval_reward_first": None,
-            "eval_reward_last": None,
+            # The first [[eval]]'s mean reward, at its first and last evaluation (null: no [[eval]]).
+            "eval_reward_first": evaluated[0][1] if evaluated else None,
+            "eval_reward_last": evaluated[-1][1] if evaluated else None,
             "steps": len(last_rl),
             "rollouts": sum(record.rollouts for record in self.records if rl and record.stage == rl[-1]),
             "weight_versions": max((record.weight_version for record in self.records), default=0),
             "stages": stages,
+            "evaluations": [entry for entry in (self.evals.results if self.evals else []) if entry["metrics"]],
             "reward_per_step": last_rl,
             "failures": failures,
             # Met by this process (a resumed job reads its rows again and reports them again).
@@ -244,6 +278,18 @@ def save_job_config(run_dir: Path, config: RollmeshConfig) -> None:
     staging = path.with_suffix(".tmp")
     staging.write_bytes(msgspec.json.format(msgspec.json.encode(config)))
     staging.replace(path)
+
+
+def step_scalars(record: StepRecord) -> dict[str, float]:
+    """A step's scalars for the trackers, under its stage's name."""
+    scalars = {f"{record.stage}/loss": record.loss, f"{record.stage}/tokens_per_s": record.tokens_per_s,
+               f"{record.stage}/trainer_idle_pct": record.trainer_idle_pct,
+               f"{record.stage}/weight_version": float(record.weight_version)}
+    if record.reward is not None:
+        scalars[f"{record.stage}/reward"] = record.reward
+        scalars[f"{record.stage}/max_version_lag"] = float(record.max_version_lag)
+        scalars.update({f"{record.stage}/rewards/{name}": value for name, value in record.rewards.items()})
+    return scalars
 
 
 def _metrics(record: StepRecord) -> dict[str, Any]:
@@ -294,15 +340,15 @@ def link_final_model(export_dir: Path, final_dir: Path) -> Path:
 
 def mesh_config_for(config: RollmeshConfig) -> RollmeshConfig:
     """The config a job's own mesh starts with: the first stage's trainer settings, and every
-    stage's task plugin and reward functions known to the rollout workers."""
+    stage's and eval's task plugin and reward functions known to the rollout workers."""
     stages = config.stages
     trainer = stage_trainer_config(config.trainer, stages[0]) if stages else config.trainer
     tasks = list(config.rollout.tasks)
     functions = list(config.rollout.reward_functions)
-    for stage in stages:
-        if stage.task and stage.task not in tasks:
-            tasks.append(stage.task)
-        for spec in stage.rewards:
+    for entry in [*stages, *config.eval]:
+        if entry.task and entry.task not in tasks:
+            tasks.append(entry.task)
+        for spec in entry.rewards:
             if spec.fn and spec.fn not in functions:
                 functions.append(spec.fn)
     rollout = msgspec.structs.replace(config.rollout, tasks=tasks, reward_functions=functions)

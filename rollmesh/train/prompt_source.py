@@ -16,16 +16,11 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from rollmesh.data import BadRowError, EmptyDatasetError, EpochOrder, PromptReader, open_dataset
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
 from rollmesh.run_config import StageConfig
+from rollmesh.train.dataset_input import DATASET_TASK, dataset_task_input, reward_entries
 from rollmesh.train.prompt_ids import PromptRef
-
-# The built-in task that speaks dataset rows (rollmesh/rollout/dataset_task.py).
-DATASET_TASK = "dataset"
-
 
 class PromptSource:
     """``at(position) -> (next_position, PromptRef, task_input)``; ``task`` names the task."""
@@ -48,7 +43,7 @@ class DatasetPrompts(PromptSource):
         self.reader = PromptReader(self.dataset, stage.fields, "rl", self.order, on_bad_row)
         self._plugin_bad_rows = 0
         self.task = load_task(stage.task).name if stage.task else DATASET_TASK
-        self._rewards = [msgspec.to_builtins(spec) for spec in stage.rewards]
+        self._rewards = reward_entries(stage.rewards)
 
     @property
     def bad_rows(self) -> int:
@@ -58,12 +53,8 @@ class DatasetPrompts(PromptSource):
         if self.stage.task:
             return self._plugin_row(position)
         next_position, row, epoch, index = self.reader.read(position)
-        messages = row.messages
-        if self.stage.system_prompt and not (messages and messages[0].get("role") == "system"):
-            # A row that brings its own system message keeps it: never two.
-            messages = [{"role": "system", "content": self.stage.system_prompt}, *messages]
-        return next_position, PromptRef(self.name, epoch, index), {
-            "messages": messages, "row": row.raw, "answer": row.answer, "rewards": self._rewards}
+        return next_position, PromptRef(self.name, epoch, index), dataset_task_input(
+            row, system_prompt=self.stage.system_prompt, rewards=self._rewards)
 
     def _plugin_row(self, position: int) -> tuple[int, PromptRef, dict[str, Any]]:
         """A task plugin's row is its task input as it is: any JSON object (the plugin checks it)."""
