@@ -129,3 +129,38 @@ def test_megatron_tp2_checkpoint_exports_back_to_the_gathered_weights(runs, name
         expected.pop("lm_head.weight")
     assert exported.keys() == expected.keys()
     assert all(torch.equal(exported[key], expected[key]) for key in expected)
+
+
+def test_megatron_tp2_packed_sft_row_matches_its_examples_run_separately(tmp_path):
+    """One packed row of 3 examples (block-diagonal mask, RoPE at reset positions) trains as the
+    3 examples right-padded (today's path) and as the torch backend's step on them; the same
+    tokens as one example, boundary targets masked alike but attention not reset, do not."""
+    from rollmesh.training.packing import PackedRow, pack_sequences
+
+    directory = save_random_llama(MODELS["untied"], tmp_path / "llama")
+    rng = np.random.default_rng(1)
+    examples = [(rng.integers(3, TINY["vocab_size"], n).tolist(), [0] * 3 + [1] * (n - 3)) for n in (9, 14, 6)]
+    (row,) = pack_sequences(examples, max_seq_len=64)
+    starts = {sum(row.segment_lengths[:i]) for i in range(len(row.segment_lengths))}
+    unreset = PackedRow(row.ids, [0 if t in starts else m for t, m in enumerate(row.loss_mask)], (len(row.ids),))
+    torch_backend = TorchTrainerBackend(ModelConfig(path=str(directory)), TrainerConfig(**TRAINER))
+    samples = _samples(torch_backend)
+    torch_backend.policy_step(samples, current_version=0)  # as the worker: a policy step, then SFT
+    torch_backend._sft_optimizer = torch_backend._new_optimizer(TRAINER["lr"])
+    grads = record_step_grads(torch_backend, torch_backend._sft_optimizer)
+    torch_loss = torch_backend.sft_step(examples, lr=TRAINER["lr"])
+    torch_after = torch_backend.state_dict()
+    case = dict(hf_path=str(directory), trainer=TRAINER, layout=dict(tp=2), samples=samples)
+    job = {"separate": dict(case, sft=examples), "packed": dict(case, sft=[row]), "unreset": dict(case, sft=[unreset])}
+    torch.save(job, tmp_path / "job.pt")
+    runs = run_worker(tmp_path / "job.pt", tmp_path / "out.pt", world=2)
+
+    packed = runs["packed"]["sft_loss"]
+    assert packed["tokens"] == 29 and packed["trained_tokens"] == 29 - 9 and packed["rows"] == 1
+    assert packed["loss"] == pytest.approx(runs["separate"]["sft_loss"], rel=1e-5)
+    assert packed["loss"] == pytest.approx(torch_loss, rel=1e-5)
+    for name in ("packed", "separate"):
+        settled, _, unsettled = adam_step_diffs(runs[name]["after_sft"], torch_after, grads)
+        assert settled < 0.01 * TRAINER["lr"] and unsettled < 0.01, name
+    assert runs["unreset"]["sft_loss"]["trained_tokens"] == packed["trained_tokens"]
+    assert abs(runs["unreset"]["sft_loss"]["loss"] - torch_loss) > 1e-3

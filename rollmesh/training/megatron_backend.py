@@ -38,6 +38,11 @@ How a step runs:
   memory for big vocabularies, but the entropy term would need its own vocab-parallel form.
 - Decoupled PPO's proximal logprobs are the first epoch's (as ``losses.policy_epochs``); the KL
   reference's come from a forward-only pass with the reference shards swapped in.
+- Supervised steps on packed rows (``packing``): each microbatch carries its rows' positions and
+  block-diagonal causal mask, and the stage runs RoPE at those positions (``MegatronLlama
+  .run_stage``). Not megatron's packed THD format (``PackedSeqParams``): that needs Transformer
+  Engine's attention, absent on the CPU path and untestable here, so it is not used even where
+  Transformer Engine is installed; the dense mask costs O(T^2) attention per row instead.
 - Routing replay (R3): an MoE model's forwards route to the samples' recorded experts when
   ``router_replay.batch_rows`` finds them (the torch backend's rule; stat ``router_replay``).
   Every rank checks every sample's rows (cheap, and a bad row fails every rank alike instead of
@@ -71,6 +76,7 @@ from rollmesh.training.megatron_optimizer import (
     zero_grads,
 )
 from rollmesh.training.megatron_pipeline import LossFn, Microbatch, PipelineStepResult, forward_backward
+from rollmesh.training.packing import PackedBatch, PackedRow, as_rows, block_causal_mask, collate_rows
 from rollmesh.training.router_replay import batch_rows, rank_sample_indices
 
 # policy_loss's stats that are counts (summed over microbatches); the others are means.
@@ -79,10 +85,13 @@ _COUNTED_STATS = frozenset({"trained_tokens", "stale_tokens", "samples_trained",
 
 @dataclasses.dataclass(frozen=True)
 class _Piece:
-    """A microbatch's samples for the loss: its index in the step, its rows of the batch."""
+    """A microbatch's samples for the loss: its index in the step, its rows of the batch; for
+    packed rows also their positions [B, T] and attention mask [B, 1, T, T] (True = masked)."""
 
     index: int
     batch: PolicyBatch
+    positions: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 class MegatronTrainerBackend:
@@ -114,14 +123,24 @@ class MegatronTrainerBackend:
         return build_adamw([self.model], lr=lr, weight_decay=self.config.weight_decay,
                            clip_grad=self.config.grad_clip, distributed_optimizer=self.distributed_optimizer)
 
-    def sft_step(self, sequences: list[tuple[list[int], list[int]]], *, lr: float) -> float:
-        """One supervised step on (tokens, loss_mask) pairs; loss only where the mask is 1 (its
-        token mean over the whole batch)."""
+    def sft_step(self, sequences: list[PackedRow] | list[tuple[list[int], list[int]]], *,
+                 lr: float) -> dict[str, float] | float:
+        """One supervised step; loss only where the mask is 1 (its token mean over the whole
+        batch). ``PackedRow`` s (``packing``): rows run with reset positions and a block-diagonal
+        causal mask (a megatron mask: the CPU path has no Transformer Engine for the packed THD
+        format), and the torch backend's {"loss", "tokens", "trained_tokens", "rows"} come back
+        (no "grad_norm": megatron's optimizer step keeps it). Plain (tokens, loss_mask) pairs: one
+        row each, run plain causal as before, and the loss alone comes back."""
         if self._sft_optimizer is None:
             self._sft_optimizer = self._new_optimizer(lr)  # RL keeps its own, fresh moments
         self._reference = None
-        samples = [PolicySample(tokens, mask, [0.0] * len(tokens), 0.0) for tokens, mask in sequences]
-        microbatches = self._microbatches(PolicyBatch.collate(samples, pad_id=self.pad_id), None)
+        rows = as_rows(sequences)
+        packed = collate_rows(rows, pad_id=self.pad_id)
+        zeros = torch.zeros_like(packed.mask)
+        batch = PolicyBatch(inputs=packed.inputs, targets=packed.targets, mask=packed.mask,
+                            behaviour_logprobs=zeros, advantages=torch.zeros(len(rows)))
+        several = any(len(row.segment_lengths) > 1 for row in rows)
+        microbatches = self._microbatches(batch, None, packed if several else None)
 
         def loss_fn(logits: torch.Tensor, microbatch: Microbatch):
             piece: PolicyBatch = microbatch.extra.batch
@@ -131,7 +150,10 @@ class MegatronTrainerBackend:
         zero_grads([self.model], self._sft_optimizer)
         result = self._pass(microbatches, loss_fn)
         step(self._sft_optimizer)
-        return result.loss
+        if not any(isinstance(item, PackedRow) for item in sequences):
+            return result.loss
+        return {"loss": result.loss, "tokens": float(packed.tokens), "trained_tokens": float(packed.trained_tokens),
+                "rows": float(len(rows))}
 
     def policy_step(self, samples: list[PolicySample], *,
                     current_version: int | None = None) -> dict[str, float]:
@@ -176,9 +198,11 @@ class MegatronTrainerBackend:
             return None
         return batch_rows(samples, num_experts=self.net.spec.num_experts, routing_shape=shape)
 
-    def _microbatches(self, batch: PolicyBatch, rows: list[np.ndarray] | None) -> list[Microbatch]:
+    def _microbatches(self, batch: PolicyBatch, rows: list[np.ndarray] | None,
+                      packed: PackedBatch | None = None) -> list[Microbatch]:
         """This DP rank's share of ``batch`` as microbatches of one shape on every DP rank,
-        padded with blank samples (module docstring), each with its replay targets."""
+        padded with blank samples (module docstring), each with its replay targets and, given
+        the ``packed`` rows ``batch`` was made of, their positions and block-diagonal mask."""
         total = batch.inputs.shape[0]
         share = list(rank_sample_indices(total, rank=self.dp_rank, world_size=self.dp))
         largest = -(-total // self.dp)
@@ -194,7 +218,10 @@ class MegatronTrainerBackend:
                 blank = np.zeros((0, *self.net.routing_shape), dtype=np.uint8)
                 routes = self.net.replay_targets([rows[i] for i in picked] + [blank] * (size - len(picked)), length)
             inputs = F.pad(piece.inputs, (0, length - piece.inputs.shape[1]), value=self.pad_id)
-            out.append(Microbatch(inputs, _Piece(index, piece), routes))
+            positions = mask = None
+            if packed is not None:
+                positions, mask = _packed_layout(packed, picked, size, length)
+            out.append(Microbatch(inputs, _Piece(index, piece, positions, mask), routes))
         return out
 
     def _pass(self, microbatches: list[Microbatch], loss_fn: LossFn, *,
@@ -204,7 +231,15 @@ class MegatronTrainerBackend:
         self.net.clear_routes()
         with torch.set_grad_enabled(not forward_only):
             return forward_backward(self.model, microbatches, loss_fn, vocab_size=self.net.spec.vocab_size,
-                                    forward_only=forward_only, run_stage=self.net.run_stage)
+                                    forward_only=forward_only, run_stage=self._run_stage)
+
+    def _run_stage(self, stage: torch.nn.Module, microbatch: Microbatch, positions: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+        """The pipeline's plain positions and causal mask, or a packed microbatch's own."""
+        own = getattr(microbatch.extra, "positions", None)
+        if own is not None:
+            positions, mask = own, microbatch.extra.mask
+        return self.net.run_stage(stage, microbatch, positions, mask)
 
     def _reference_logprobs(self, microbatches: list[Microbatch]) -> dict[int, torch.Tensor]:
         """The KL reference's target logprobs per microbatch (on the last stage; empty elsewhere)."""
@@ -293,6 +328,23 @@ def _blank_padded(batch: PolicyBatch, picked: list[int], size: int) -> PolicyBat
 
     return dataclasses.replace(batch, **{f.name: rows(getattr(batch, f.name)) for f in dataclasses.fields(batch)
                                          if getattr(batch, f.name) is not None})
+
+
+def _packed_layout(packed: PackedBatch, picked: list[int], size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [size, length] and megatron's mask [size, 1, length, length] (True = masked) of
+    the ``picked`` packed rows, blank rows after them: positions 0.., one segment of padding
+    (as ``packing`` pads: never a target, and no query row is fully masked)."""
+    def rows(tensor: torch.Tensor, fill: int) -> torch.Tensor:
+        tensor = torch.cat([tensor[picked], tensor.new_full((size - len(picked), tensor.shape[1]), fill)])
+        return F.pad(tensor, (0, length - tensor.shape[1]), value=fill)
+
+    positions = rows(packed.positions, 0)
+    segments = rows(packed.segments, -1)
+    padding = segments == -1
+    # Padding positions count on from 0 (any values do); real ones keep theirs.
+    ramp = torch.arange(length).expand(size, length)
+    positions = torch.where(padding, ramp, positions)
+    return positions, ~block_causal_mask(segments)
 
 
 def _merged_stats(result: PipelineStepResult, loss: LossName) -> dict[str, float]:

@@ -37,6 +37,12 @@ same ids. ``RouterReplay`` also lists every instance in a class-level list, whic
 methods act on: the list is cleared when a model is built, and this class drives its own
 routers' instances, never the list.
 
+Packed rows (supervised steps, ``packing``): megatron's packed (THD) format needs Transformer
+Engine, which the CPU path lacks, so a packed microbatch runs as any other with a block-diagonal
+causal mask (the caller's) and positions reset per example. megatron-core's RoPE ignores
+``position_ids`` (it rotates by 0..T-1), so ``run_stage`` makes this stage's rotary embedding
+answer each token's own position for that forward (``_rope_at``).
+
 Vocabulary: padded only to a multiple of the TP degree (not to Megatron-LM's 128); the padded
 logits are cut off by ``megatron_pipeline``: a padded row's logit (0) would otherwise enter the
 softmax.
@@ -44,8 +50,9 @@ softmax.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -309,7 +316,35 @@ class MegatronLlama:
                   mask: torch.Tensor) -> torch.Tensor:
         """One microbatch's forward through this rank's stage (``stage``: the model or its DDP
         wrapper; ``megatron_pipeline``'s ``run_stage``), every router set to replay
-        ``microbatch.routes`` (``replay_targets``) or, when None, to route by its own top k."""
+        ``microbatch.routes`` (``replay_targets``) or, when None, to route by its own top k;
+        ``positions`` [B, T] (RoPE's, ``_rope_at``) and ``mask`` (True = masked) as given."""
+        with self._rope_at(positions):
+            return self._run_stage(stage, microbatch, positions, mask)
+
+    @contextlib.contextmanager
+    def _rope_at(self, positions: torch.Tensor) -> Iterator[None]:
+        """While a forward runs: this stage's RoPE at ``positions`` [B, T] (each token's own),
+        not megatron's 0..T-1, when they differ (packed rows). The frequencies become [T, B, 1,
+        dim], which megatron's rotation broadcasts over the heads as it does [T, 1, 1, dim]."""
+        rotary = getattr(self.model, "rotary_pos_emb", None)
+        plain = torch.arange(positions.shape[1], device=positions.device)
+        if rotary is None or bool((positions == plain).all()):
+            yield
+            return
+        original = rotary.forward
+
+        def at_positions(_max_seq_len: int, *args, **kwargs) -> torch.Tensor:
+            table = original(int(positions.max()) + 1, *args, **kwargs)  # [P, 1, 1, dim]
+            return table[:, 0, 0][positions.t()].unsqueeze(2)
+
+        rotary.forward = at_positions
+        try:
+            yield
+        finally:
+            del rotary.forward
+
+    def _run_stage(self, stage: torch.nn.Module, microbatch: Microbatch, positions: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         routes = microbatch.routes

@@ -175,7 +175,8 @@ class MegatronRanks:
             return self._collect(method, timeout_s=self.layout.call_timeout_s)
 
     # TrainerBackend
-    def sft_step(self, sequences, *, lr: float) -> float:
+    def sft_step(self, sequences, *, lr: float) -> dict[str, float] | float:
+        """PackedRows -> their stats; (tokens, mask) pairs -> the loss (``MegatronTrainerBackend``)."""
         return self._call("sft_step", sequences, lr=lr)[0]
 
     def policy_step(self, samples, *, current_version: int | None = None) -> dict[str, float]:
