@@ -134,7 +134,9 @@ def test_megatron_tp2_checkpoint_exports_back_to_the_gathered_weights(runs, name
 def test_megatron_tp2_packed_sft_row_matches_its_examples_run_separately(tmp_path):
     """One packed row of 3 examples (block-diagonal mask, RoPE at reset positions) trains as the
     3 examples right-padded (today's path) and as the torch backend's step on them; the same
-    tokens as one example, boundary targets masked alike but attention not reset, do not."""
+    tokens as one example, boundary targets masked alike but attention not reset, do not.
+    (RoPE is relative: under the block mask, positions not reset change only rounding, which
+    this cannot see; the mask is what it proves.)"""
     from rollmesh.training.packing import PackedRow, pack_sequences
 
     directory = save_random_llama(MODELS["untied"], tmp_path / "llama")

@@ -1,7 +1,9 @@
 """Sequence packing (``rollmesh.training.packing``) and packed SFT steps on the torch backend:
 first-fit decreasing, reset positions, the block-diagonal mask, the boundary target, and the
 proof that matters: one packed row of 3 examples has the loss and gradients of the 3 examples run
-separately (right-padded, plain causal), while a row without the resets does not.
+separately (right-padded, plain causal), while a row without the resets does not. RoPE is
+relative, so under the block mask positions not reset would change only rounding: the attention
+reset is what these losses prove.
 """
 
 from __future__ import annotations
