@@ -129,6 +129,14 @@ RETIRED_KEYS = {
     "trainer.group_size": "trainer.n_samples_per_prompt",
     "trainer.train_truncated": 'trainer.overlong ("train" for true, "mask" for false)',
     "demo.prefetch_steps": "max_groups_ahead (of an rl stage in [[stages]], in groups)",
+    # The demo is a run file now (rollmesh/deploy_defaults/demo.toml), sized by its CLI options.
+    "demo.sft_steps": "the demo run file's warm_start stage steps (rollmesh demo --sft-steps)",
+    "demo.sft_batch": "the demo run file's warm_start stage batch_tokens",
+    "demo.sft_lr": "the demo run file's warm_start stage trainer = {lr = ...}",
+    "demo.warm_start_exact_fraction": "rollmesh.demo.run_file.EXACT_FRACTION (the demonstrations' share of exact answers)",
+    "demo.rl_steps": "the demo run file's rl stage steps (rollmesh demo --rl-steps)",
+    "demo.eval_every": "[[eval]] eval_every (rollmesh demo --eval-every)",
+    "demo.eval_size": "[[eval]] size (rollmesh demo --eval-size)",
 }
 
 
@@ -273,17 +281,9 @@ class ServeConfig(ConfigSection):
 
 
 class DemoConfig(ConfigSection):
-    sft_steps: NonNegInt = 300
-    sft_batch: PositiveInt = 64
-    sft_lr: PositiveFloat = 3e-3
-    # Share of warm-start demonstrations whose answer is exactly right (the rest answer almost right:
-    # the molar-mass task rounds the tool's result), so RL starts low and has something to learn.
-    warm_start_exact_fraction: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.3
-    # The training reward is near its plateau by step 20-30 (measured 2026-12-01), and an RL step
-    # takes about 13 s on 2 cores: 30 steps keep the demo within its 10 minutes.
-    rl_steps: PositiveInt = 30
-    eval_every: PositiveInt = 10
-    eval_size: PositiveInt = 64
+    """The demo's model: its random weights' seed. The demo itself is a run file
+    (rollmesh/deploy_defaults/demo.toml) that `rollmesh demo` sizes from its options."""
+
     seed: int = 0
 
 

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from rollmesh.cli import build_parser, main
-from rollmesh.cli.demo import demo_overrides
+from rollmesh.cli.demo import DEMO_SIZES, demo_overrides
 from rollmesh.cli.events import weight_versions
 from rollmesh.cli.mesh import child_command
 from rollmesh.cli.submit import parse_request_lines, sample_requests
 from rollmesh.config import load_config
+from rollmesh.demo.run_file import demo_job_config
 from rollmesh.rollout.molar_mass import is_held_out
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -111,15 +112,22 @@ def test_up_spawns_a_foreground_child_for_the_run_dir_it_chose(tmp_path):
     assert child_args.foreground and child_args.no_serve and child_args.namespace == "ns1"
 
 
-def test_demo_options_become_config_overrides():
+def test_demo_options_size_the_demo_run_file(tmp_path):
     args = build_parser().parse_args(["demo", "--rl-steps", "3", "--sft-steps", "0", "--eval-every", "2",
                                       "--eval-size", "4", "--groups-per-step", "2", "--n-samples-per-prompt", "4",
                                       "--no-serve"])
     config = load_config(overrides={k: v for k, v in demo_overrides(args).items() if v is not None},
                          environ={})
-    assert (config.demo.rl_steps, config.demo.sft_steps, config.demo.eval_every, config.demo.eval_size) == (3, 0, 2, 4)
     assert (config.trainer.groups_per_step, config.trainer.n_samples_per_prompt) == (2, 4)
     assert config.serve.enabled is False
+    # The sizes go into the demo's run file: no warm start (0 steps), 3 RL steps, its evaluation.
+    job = demo_job_config(config, tmp_path, **{size: getattr(args, size) for size in DEMO_SIZES})
+    assert [(stage.kind, stage.steps) for stage in job.stages] == [("rl", 3)]
+    assert (job.eval[0].eval_every, job.eval[0].size) == (2, 4)
+    with_warm_start = demo_job_config(config, tmp_path, rl_steps=3, sft_steps=5)
+    warm = with_warm_start.stages[0]
+    assert (warm.kind, warm.steps) == ("sft", 5)
+    assert len(Path(warm.data).read_text().splitlines()) == 5 * 64  # its demonstrations, written
 
 
 def test_request_lines_are_decoded_with_line_numbers_for_the_bad_ones():

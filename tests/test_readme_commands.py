@@ -79,5 +79,10 @@ def test_smoke_sized_demo_writes_summary_and_curve(tmp_path: Path) -> None:
     assert summary["weight_versions"] >= 1
     assert len(summary["reward_per_step"]) == 3
     assert (run_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert Path(summary["hf_export"], "model.safetensors.index.json").exists()
-    assert "step    3/3" in demo.stdout
+    assert Path(summary["final_model"], "model.safetensors.index.json").exists()
+    # The demo is a training job: its warm start an sft stage, its RL an rl stage, its evals [[eval]].
+    assert [(stage["name"], stage["kind"], stage["steps"]) for stage in summary["stages"]] == [
+        ("warm_start", "sft", 10), ("rl", "rl", 3)]
+    assert "stage=rl kind=rl step=3 " in demo.stdout
+    assert [entry["step"] for entry in summary["evaluations"]] == sorted(entry["step"] for entry in summary["evaluations"])
+    assert len(summary["evaluations"]) >= 2  # before training, every 2 steps, at the end

@@ -1,7 +1,9 @@
-"""``rollmesh demo``: start a mesh, warm-start the tiny model, run asynchronous GRPO, summarise.
+"""``rollmesh demo``: ``rollmesh train`` on the built-in demo run file (rollmesh/demo/run_file.py):
+warm-start the tiny model (an sft stage), train it with asynchronous GRPO (an rl stage), evaluate
+held-out formulas ([[eval]]), summarise.
 
-Knows the demo driver (``run_demo``) and the config overrides that shrink it; the mesh itself is
-started and stopped by ``run_demo``. Prints the reward per step as it goes, then the summary and
+Knows the options that size it and the config overrides of the mesh's; the job itself is the
+training job's (rollmesh/cli/train.py). Prints a line per step as it goes, then the summary and
 where ``summary.json`` and ``reward_curve.png`` are.
 """
 
@@ -16,12 +18,8 @@ from rollmesh.cli.errors import EXIT_OK
 from rollmesh.cli.target import load_cli_config, namespace_arg, positive_int
 from rollmesh.mesh_info import new_run_dir
 
-# CLI option -> config field it overrides.
+# CLI option -> the mesh config's field it overrides (the run file's sizes: DEMO_SIZES).
 DEMO_OVERRIDES = {
-    "rl_steps": "demo.rl_steps",
-    "sft_steps": "demo.sft_steps",
-    "eval_every": "demo.eval_every",
-    "eval_size": "demo.eval_size",
     "seed": "demo.seed",
     "groups_per_step": "trainer.groups_per_step",
     "n_samples_per_prompt": "trainer.n_samples_per_prompt",
@@ -54,6 +52,10 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     demo.set_defaults(handler=run_demo_command)
 
 
+# CLI options that size the demo's run file (its stages and evaluation).
+DEMO_SIZES = ("rl_steps", "sft_steps", "eval_every", "eval_size")
+
+
 def demo_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {field: getattr(args, option) for option, field in DEMO_OVERRIDES.items()}
     if args.no_serve:
@@ -62,14 +64,18 @@ def demo_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
-    from rollmesh.demo import run_demo
+    from rollmesh.cli.train import run_job
+    from rollmesh.demo.run_file import demo_job_config
 
-    config = load_cli_config(args, demo_overrides(args))
-    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config.run_root)
-    print(f"demo: {config.demo.sft_steps} warm-start steps, {config.demo.rl_steps} RL steps of "
-          f"{config.trainer.groups_per_step} groups x {config.trainer.n_samples_per_prompt} rollouts; "
-          f"run dir {run_dir}", flush=True)
-    summary = asyncio.run(run_demo(config, run_dir=run_dir, report=lambda line: print(line, flush=True)))
+    run_dir = (Path(args.run_dir) if args.run_dir else new_run_dir(load_cli_config(args).run_root)).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = demo_job_config(load_cli_config(args, demo_overrides(args)), run_dir,
+                             **{size: getattr(args, size) for size in DEMO_SIZES})
+    warm = next((stage.steps for stage in config.stages if stage.kind == "sft"), 0)
+    rl = next(stage for stage in config.stages if stage.kind == "rl")
+    print(f"demo: {warm} warm-start steps, {rl.steps} RL steps of {config.trainer.groups_per_step} groups x "
+          f"{config.trainer.n_samples_per_prompt} rollouts; run dir {run_dir}", flush=True)
+    summary = asyncio.run(run_job(config, run_dir, None))
     print_summary(summary, run_dir)
     return EXIT_OK
 
@@ -100,3 +106,4 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     console.print(table)
     console.print(f"summary: {run_dir / 'summary.json'}", highlight=False)
     console.print(f"reward curve: {run_dir / 'reward_curve.png'}", highlight=False)
+    console.print(f"final model: {summary['final_model']}", highlight=False)

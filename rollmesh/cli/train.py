@@ -55,7 +55,7 @@ def run_train_command(args: argparse.Namespace) -> int:
         _refuse_earlier_job(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"train: {len(config.stages)} stage(s); run dir {run_dir}", flush=True)
-    summary = asyncio.run(_run(config, run_dir, attach))
+    summary = asyncio.run(run_job(config, run_dir, attach))
     print(f"summary: {run_dir / 'summary.json'}")
     print(f"final model: {summary['final_model']}")
     return EXIT_OK
@@ -133,7 +133,8 @@ def _attach_target(args: argparse.Namespace, config: RollmeshConfig) -> dict[str
             "run_dir": Path(info.run_dir)}
 
 
-async def _run(config: RollmeshConfig, run_dir: Path, attach: dict[str, Any] | None) -> dict[str, Any]:
+async def run_job(config: RollmeshConfig, run_dir: Path, attach: dict[str, Any] | None) -> dict[str, Any]:
+    """The job of ``config`` in ``run_dir``: on the mesh ``attach`` names, else one started here."""
     from rollmesh.tracking import TrackerError
     from rollmesh.train.job import TrainJob
     from rollmesh.train.progress import step_reporter

@@ -1,8 +1,8 @@
-"""The demo: warm start, then asynchronous GRPO on the molar-mass tool task, with evaluation.
-
-Public names: ``run_demo`` (start a mesh, drive it, stop it) and ``DemoDriver`` (drive a running mesh).
+"""The demo: ``rollmesh train`` on a built-in run file (run_file.py): a warm start (sft stage),
+asynchronous GRPO on the molar-mass tool task (rl stage) and held-out evaluations ([[eval]]).
+``demo_model`` builds its tiny model; ``curve`` draws reward curves.
 """
 
-from rollmesh.demo.driver import DemoDriver, run_demo
+from rollmesh.demo.run_file import DEMO_RUN_FILE, demo_job_config, write_demonstrations
 
-__all__ = ["DemoDriver", "run_demo"]
+__all__ = ["DEMO_RUN_FILE", "demo_job_config", "write_demonstrations"]

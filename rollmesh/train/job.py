@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import shutil
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -118,6 +119,7 @@ class TrainJob:
         return self.trackers
 
     async def run(self, mesh: MeshHandle) -> dict[str, Any]:
+        self._started = time.monotonic()
         save_job_config(self.run_dir, self.config)
         nc = await connect_bus(mesh.nats_url, name="rollmesh-train", connect_timeout_s=10,
                                credentials=mesh.credentials,
@@ -228,7 +230,8 @@ class TrainJob:
         checkpoint = await mesh.trainer.save_checkpoint.remote()
         export = await asyncio.wait_for(_converted_from(converted, checkpoint), CONVERT_TIMEOUT_S)
         final = link_final_model(Path(export.hf_path), self.run_dir / FINAL_MODEL_DIR)
-        summary = self.summary(checkpoint=checkpoint, final_model=str(final))
+        summary = self.summary(checkpoint=checkpoint, final_model=str(final),
+                               wall_s=round(time.monotonic() - self._started, 2))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         RewardCurve(step_rewards=summary["reward_per_step"], evaluations=self.evals.mean_rewards() if self.evals else []
                     ).plot(self.run_dir / "reward_curve.png", title=f"rollmesh train: {self.run_name}",
