@@ -48,6 +48,10 @@ def resolve_config_paths(tree: dict[str, Any], base: Path) -> None:
         for entry in entries if isinstance(entries, list) else []:
             if isinstance(entry, dict):
                 _resolve_field(entry, "data", base)
+                sources = entry.get("mixture")
+                for source in sources if isinstance(sources, list) else []:
+                    if isinstance(source, dict):
+                        _resolve_field(source, "data", base)
 
 
 def absolute_path(value: str, base: Path) -> str:

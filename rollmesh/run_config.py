@@ -9,6 +9,7 @@ ordinary rollmesh config file, so these sections sit in ``RollmeshConfig`` besid
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -58,6 +59,20 @@ class RewardSpec(ConfigSection):
         return self.name or self.fn.rpartition(":")[2]
 
 
+class MixtureSource(ConfigSection):
+    """One dataset of an rl stage's mixture (``[[stages.mixture]]``): its file, its share of the
+    stage's prompts (weights are relative) and its own field mapping."""
+
+    data: str
+    weight: Annotated[float, Meta(gt=0.0)] = 1.0
+    fields: FieldMap = FieldMap()
+    name: str = ""  # "": the file's name without its suffix; it names the source's prompts
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.data).stem
+
+
 class StageConfig(ConfigSection):
     """One stage of a training job. It starts from the previous stage's weights (the first from
     ``model.path``) and stops after ``steps`` trainer steps, ``epochs`` passes over its data, or
@@ -68,6 +83,9 @@ class StageConfig(ConfigSection):
     # The dataset: a JSONL file (relative to the config file), one row per prompt or example.
     data: str = ""
     fields: FieldMap = FieldMap()
+    # Several datasets with weights instead of ``data`` (rl stages; each read in its own order, over
+    # its own epochs; the stage interleaves them by weight, deterministically).
+    mixture: list[MixtureSource] = []
     # Read in file order, or shuffled by ``seed`` (a new order each epoch).
     shuffle: bool = True
     seed: int = 0
@@ -111,7 +129,18 @@ class StageConfig(ConfigSection):
             raise ValueError("an rl stage on a dataset needs rewards (e.g. [[stages.rewards]] name = \"math\")")
         if self.task and self.rewards:
             raise ValueError("a task plugin rewards its own rollouts: give task or rewards, not both")
-        if not self.data and not self.task:
+        if self.mixture:
+            if self.kind != "rl" or self.data or self.task:
+                raise ValueError("a mixture is an rl stage's data on the built-in dataset task: "
+                                 "give mixture instead of data and task")
+            if self.epochs:
+                raise ValueError("a mixture's datasets each have their own epochs: stop it by steps")
+            labels = [source.label for source in self.mixture]
+            bad = [label for label in labels if not _STAGE_NAME.match(label)]
+            if bad or len(set(labels)) != len(labels):
+                raise ValueError(f"mixture names {labels}: each unique, letters, digits, '_' and '-' only "
+                                 f"(give name = ... where a file's stem is not)")
+        elif not self.data and not self.task:
             raise ValueError("a stage needs data (a dataset file)")
         if self.kind != "rl" and (self.task or self.rewards):
             raise ValueError(f"a {self.kind} stage trains on its data's tokens: it takes no task or rewards")

@@ -138,3 +138,28 @@ def test_an_attached_trainer_running_other_settings_is_refused_naming_them():
     with pytest.raises(TrainerSettingsError) as refused:
         check_trainer_settings("rl", running, wanted)
     assert refused.value.fields == ["lr", "n_samples_per_prompt"] and "trainer.lr" in str(refused.value)
+
+
+def test_a_mixture_interleaves_its_datasets_by_weight_and_replays_to_a_position_out_of_turn(tmp_path):
+    easy = write_rows(tmp_path / "easy.jsonl", [{"prompt": f"easy {i}", "answer": str(i)} for i in range(5)])
+    hard = write_rows(tmp_path / "hard.jsonl", [{"question": f"hard {i}", "answer": str(i)} for i in range(3)])
+    stage = msgspec.convert({"kind": "rl", "steps": 2, "rewards": [{"name": "exact_match"}], "shuffle": False,
+                             "mixture": [{"data": str(easy), "weight": 3.0},
+                                         {"data": str(hard), "weight": 1.0, "fields": {"prompt": "question"}}]},
+                            StageConfig)
+    source = prompt_source(stage, "rl")
+    refs, position = [], 0
+    for _ in range(12):
+        position, ref, task_input = source.at(position)
+        refs.append(ref.group_id)
+    # 3 easy for each hard, each source in its own order over its own epochs.
+    assert [group.split("/")[0] for group in refs] == ["rl.easy", "rl.easy", "rl.hard", "rl.easy"] * 3
+    assert refs[:4] == ["rl.easy/e0/i0", "rl.easy/e0/i1", "rl.hard/e0/i0", "rl.easy/e0/i2"]
+    assert "rl.easy/e1/i0" in refs  # 9 easy prompts from 5 rows: the second epoch began
+    assert [group for group in refs if group.startswith("rl.hard")] == [f"rl.hard/e0/i{i}" for i in range(3)]
+    index = int(refs[-1].rsplit("/i", 1)[1])
+    assert task_input["messages"] == [{"role": "user", "content": f"easy {index}"}]  # its own field mapping
+    # A resumed feeder asks for a position out of turn: the same prompt as in the first pass.
+    again = prompt_source(stage, "rl")
+    assert again.at(7)[1].group_id == refs[7] and again.at(2)[1].group_id == refs[2]
+    check_stages(config_with(stage))

@@ -34,6 +34,11 @@ def check_stages(config: RollmeshConfig) -> None:
                 check_dataset(stage.data, **({} if stage.task else {"fields": stage.fields, "kind": stage.kind}))
             except DatasetError as exc:
                 raise RunFileError(str(exc), stage=name) from exc
+        for source in stage.mixture:
+            try:
+                check_dataset(source.data, fields=source.fields, kind="rl")
+            except DatasetError as exc:
+                raise RunFileError(f"mixture {source.label!r}: {exc}", stage=name) from exc
         if stage.task:
             try:
                 load_task(stage.task)

@@ -171,7 +171,8 @@ class RlStageFeeder:
 
     def _tally(self, outcome: RolloutCompleted | RolloutFailed, tally: RolloutTally) -> None:
         ref = parse_group_id(outcome.group_id)
-        if outcome.purpose != "train" or ref is None or ref.stage != self.plan.name:
+        # A mixture's prompts are named "<stage>.<source>": stage names hold no dot.
+        if outcome.purpose != "train" or ref is None or ref.stage.split(".")[0] != self.plan.name:
             return
         tally.add(outcome)
         if isinstance(outcome, RolloutFailed):

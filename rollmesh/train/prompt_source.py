@@ -5,6 +5,7 @@ Knows the stage config, rollmesh.data and task plugins; nothing of NATS. Two sou
 - a dataset (``data``): each good row, in the stage's order over epochs. With the built-in
   ``dataset`` task, the row's messages (after the stage's system prompt) are the prompt and the
   stage's rewards score it; with a task plugin (``task``), the row is the plugin's task input.
+- a mixture of datasets (``mixture``), interleaved by weight (``MixturePrompts``);
 - a task plugin that samples its own inputs (``task`` without ``data``, as the demo's molar-mass
   task): position p's input is sampled from a generator seeded by (seed, p), so it is the same
   on resume.
@@ -93,8 +94,67 @@ class SampledPrompts(PromptSource):
         pass
 
 
+class MixturePrompts(PromptSource):
+    """Several datasets interleaved by weight (smooth weighted round robin: deterministic, and
+    each source's share of any stretch of positions is within one prompt of its weight's). Each
+    source reads its own rows in its own order over its own epochs; a prompt is named
+    ``<stage>.<source>/e<epoch>/i<index>``. A position's source depends on every position before
+    it, so the interleaving is replayed from 0 to reach a position out of turn (on resume)."""
+
+    def __init__(self, stage: StageConfig, name: str, *,
+                 on_bad_row: Callable[[BadRowError], None] | None = None) -> None:
+        self.stage, self.name = stage, name
+        self.task = DATASET_TASK
+        self.sources = []
+        for number, source in enumerate(stage.mixture):
+            dataset = open_dataset(source.data)
+            order = EpochOrder(len(dataset), shuffle=stage.shuffle, seed=stage.seed + number)
+            self.sources.append((source, dataset, PromptReader(dataset, source.fields, "rl", order, on_bad_row)))
+        self.num_rows = sum(len(dataset) for _, dataset, _ in self.sources)
+        self._weights = [source.weight for source, _, _ in self.sources]
+        self._rewards = reward_entries(stage.rewards)
+        self._reset()
+
+    @property
+    def bad_rows(self) -> int:
+        return sum(reader.bad_rows for _, _, reader in self.sources)
+
+    def _reset(self) -> None:
+        self._position = 0
+        self._credit = [0.0] * len(self.sources)
+        self._next = [0] * len(self.sources)  # each source's own next position
+
+    def _pick(self) -> int:
+        total = sum(self._weights)
+        for index, weight in enumerate(self._weights):
+            self._credit[index] += weight
+        chosen = max(range(len(self._weights)), key=lambda index: (self._credit[index], -index))
+        self._credit[chosen] -= total
+        return chosen
+
+    def at(self, position: int) -> tuple[int, PromptRef, dict[str, Any]]:
+        if position < self._position:
+            self._reset()
+        while self._position < position:  # replay the positions before this one
+            chosen = self._pick()
+            self._next[chosen] = self.sources[chosen][2].read(self._next[chosen])[0]
+            self._position += 1
+        chosen = self._pick()
+        source, _, reader = self.sources[chosen]
+        self._next[chosen], row, epoch, index = reader.read(self._next[chosen])
+        self._position += 1
+        return position + 1, PromptRef(f"{self.name}.{source.label}", epoch, index), dataset_task_input(
+            row, system_prompt=self.stage.system_prompt, rewards=self._rewards)
+
+    def close(self) -> None:
+        for _, dataset, _ in self.sources:
+            dataset.close()
+
+
 def prompt_source(stage: StageConfig, name: str, *,
                   on_bad_row: Callable[[BadRowError], None] | None = None) -> PromptSource:
+    if stage.mixture:
+        return MixturePrompts(stage, name, on_bad_row=on_bad_row)
     if stage.data:
         return DatasetPrompts(stage, name, on_bad_row=on_bad_row)
     return SampledPrompts(stage, name)
