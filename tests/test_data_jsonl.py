@@ -87,11 +87,12 @@ def test_a_missing_file_is_a_typed_error_at_open_and_at_check(tmp_path: Path) ->
         assert isinstance(caught.value, ValueError)
 
 
-def test_a_directory_or_an_unknown_suffix_is_a_format_error(tmp_path: Path) -> None:
-    with pytest.raises(DatasetFormatError, match="a directory"):
-        open_dataset(tmp_path)
-    with pytest.raises(DatasetFormatError, match="'.parquet'"):
-        open_dataset(write(tmp_path / "d.parquet", "PAR1"))
+def test_an_unknown_suffix_is_a_format_error_naming_the_formats_read(tmp_path: Path) -> None:
+    # Directories and .parquet files are the datasets library's (tests/test_data_parquet.py).
+    with pytest.raises(DatasetFormatError, match="'.csv'.*JSONL.*Parquet.*save_to_disk"):
+        open_dataset(write(tmp_path / "d.csv", "a,b\n"))
+    with pytest.raises(DatasetFormatError, match="not a file"):
+        JsonlDataset(tmp_path)
 
 
 def test_check_dataset_counts_rows_and_refuses_an_empty_file(tmp_path: Path) -> None:

@@ -2,12 +2,21 @@
 
 Plain logic: imports neither ray, nats nor torch. ``dataset`` is the ``Dataset`` protocol and
 opening one by path (``check_dataset`` for config loading); ``jsonl`` reads a JSONL file through an
-index of line offsets (8 bytes a row); ``rows`` maps a raw row to a ``PromptRow`` by the stage's
-``fields`` and kind; ``order`` is the reading order over epochs (file order or seeded shuffles);
-``reader`` reads rows in that order, reporting and skipping bad ones; ``errors`` holds the typed
-errors. docs/datasets.md describes the formats.
+index of line offsets (8 bytes a row); ``arrow_datasets`` reads Parquet files and ``datasets``
+saved to disk as memory-mapped Arrow through the ``datasets`` library; ``rows`` maps a raw row to
+a ``PromptRow`` by the stage's ``fields`` and kind; ``order`` is the reading order over epochs
+(file order or seeded shuffles); ``reader`` reads rows in that order, reporting and skipping bad
+ones; ``errors`` holds the typed errors. docs/datasets.md describes the formats.
 """
 
+from rollmesh.data.arrow_datasets import (
+    DATASETS_CACHE_ENV,
+    PARQUET_SUFFIXES,
+    ArrowDataset,
+    ParquetDataset,
+    SavedDataset,
+    datasets_cache_dir,
+)
 from rollmesh.data.dataset import JSONL_SUFFIXES, Dataset, check_dataset, open_dataset
 from rollmesh.data.errors import (
     BadRowError,
@@ -23,8 +32,11 @@ from rollmesh.data.reader import PromptReader
 from rollmesh.data.rows import ROLES, PromptRow, map_row
 
 __all__ = [
+    "DATASETS_CACHE_ENV",
     "JSONL_SUFFIXES",
+    "PARQUET_SUFFIXES",
     "ROLES",
+    "ArrowDataset",
     "BadRowError",
     "Dataset",
     "DatasetError",
@@ -34,9 +46,12 @@ __all__ = [
     "EmptyDatasetError",
     "EpochOrder",
     "JsonlDataset",
+    "ParquetDataset",
     "PromptReader",
     "PromptRow",
+    "SavedDataset",
     "check_dataset",
+    "datasets_cache_dir",
     "map_row",
     "open_dataset",
 ]

@@ -1,9 +1,10 @@
 """What a stage reads its data through (the ``Dataset`` protocol), and opening one by its path.
 
-Today a dataset is a JSONL file (``.jsonl``, ``.ndjson``); Parquet and Hugging Face ``datasets``
-saved to disk join behind the same four names. ``check_dataset`` is what config loading calls, so
-a missing file or a field mapping that fits no row fails before any training starts. Knows the
-formats' readers and row mapping; nothing of reading order, NATS, Ray or torch.
+A dataset is a JSONL file (``.jsonl``, ``.ndjson``: jsonl.py), a Parquet file (``.parquet``) or a
+directory written by Hugging Face ``datasets``' ``save_to_disk`` (both arrow_datasets.py), behind
+the same names. ``check_dataset`` is what config loading calls, so a missing file or a field
+mapping that fits no row fails before any training starts. Knows the formats' readers and row
+mapping; nothing of reading order, NATS, Ray or torch.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from rollmesh.data.arrow_datasets import PARQUET_SUFFIXES, open_arrow_dataset
 from rollmesh.data.errors import BadRowError, DatasetFormatError, DatasetNotFoundError, EmptyDatasetError
 from rollmesh.data.jsonl import JsonlDataset
 from rollmesh.data.rows import map_row
@@ -35,7 +37,8 @@ class Dataset(Protocol):
         ...
 
     def row_label(self, index: int) -> int:
-        """Row ``index``'s 1-based number as the file counts it (a JSONL line number)."""
+        """Row ``index``'s 1-based number as the file counts it (a JSONL line number; a table's
+        row number for Parquet and saved datasets)."""
         ...
 
     def close(self) -> None:
@@ -52,12 +55,13 @@ def open_dataset(path: Path | str) -> Dataset:
     path = Path(path)
     if not path.exists():
         raise DatasetNotFoundError(path)
-    if path.is_dir():
-        raise DatasetFormatError(path, "a directory: Hugging Face datasets saved to disk are not "
-                                       "read yet; give a JSONL file")
+    if path.is_dir() or path.suffix.lower() in PARQUET_SUFFIXES:
+        return open_arrow_dataset(path)
     if path.suffix.lower() not in JSONL_SUFFIXES:
         raise DatasetFormatError(path, f"unknown format {path.suffix or '(no suffix)'!r}: rollmesh "
-                                       f"reads JSONL ({', '.join(JSONL_SUFFIXES)})")
+                                       f"reads JSONL ({', '.join(JSONL_SUFFIXES)}), Parquet "
+                                       f"({', '.join(PARQUET_SUFFIXES)}) and directories written by "
+                                       "datasets' save_to_disk")
     return JsonlDataset(path)
 
 

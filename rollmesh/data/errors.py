@@ -6,7 +6,8 @@ loader's ``except ValueError`` turns one found at load into a config error. Fore
 
     DatasetError               root of every dataset error (path)
     +-- DatasetNotFoundError   the dataset file does not exist
-    +-- DatasetFormatError     not a file rollmesh reads (a directory, an unknown suffix) (reason)
+    +-- DatasetFormatError     not a dataset rollmesh reads (an unknown suffix, a directory that is
+    |                          no saved dataset, a DatasetDict of several splits) (reason)
     +-- DatasetReadError       the file could not be read, or changed since it was indexed (reason)
     +-- BadRowError            one row cannot be used (row: 1-based, as the file counts it; reason)
     +-- EmptyDatasetError      no row of the dataset can be used (bad_rows: how many are bad)
@@ -33,7 +34,8 @@ class DatasetNotFoundError(DatasetError):
 
 
 class DatasetFormatError(DatasetError):
-    """A path rollmesh cannot read as a dataset: a directory, or a suffix it does not know."""
+    """A path rollmesh cannot read as a dataset: a suffix it does not know, a directory that
+    ``datasets``' ``save_to_disk`` did not write, a saved DatasetDict with several splits."""
 
     def __init__(self, path: Path | str, reason: str) -> None:
         super().__init__(f"dataset {path}: {reason}", path=path)
@@ -52,8 +54,9 @@ class BadRowError(DatasetError):
     """One row cannot be used: not JSON, not an object, a missing field or a wrong type.
 
     ``row`` is the 1-based number a person finds the row by (a JSONL file's line number, blank
-    lines counted); ``reason`` names the field as the row spells it and the config key that maps
-    it, e.g. ``no 'question' field (fields.prompt)``. The message reads ``path:row: reason``."""
+    lines counted; a Parquet or saved dataset's row number); ``reason`` names the field as the row
+    spells it and the config key that maps it, e.g. ``no 'question' field (fields.prompt)``. The
+    message reads ``path:row: reason``."""
 
     def __init__(self, path: Path | str, row: int, reason: str) -> None:
         super().__init__(f"{path}:{row}: {reason}", path=path)
