@@ -6,6 +6,7 @@ failure; a row without usable tests is the row's fault."""
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -64,6 +65,14 @@ def test_a_partly_wrong_solution_scores_the_fraction_passed_or_nothing(sandboxes
 
 def test_test_functions_in_a_string_are_each_a_test(sandboxes):
     assert score(sandboxes, "def add(a, b):\n    return abs(a + b)", tests=TEST_CODE) == 0.5
+
+
+def test_rollouts_scoring_at_once_each_get_their_own_sandbox(sandboxes):
+    solutions = ["def add(a, b):\n    return a + b", "def add(a, b):\n    return abs(a) + abs(b)",
+                 "def add(a, b):\n    return 0"]
+    with ThreadPoolExecutor(len(solutions)) as pool:  # rewards run in threads, as the agent loop runs them
+        scores = list(pool.map(lambda code: score(sandboxes, code), solutions))
+    assert scores == pytest.approx([1.0, 2 / 3, 1 / 3])
 
 
 def test_a_hanging_test_is_cut_by_the_timeout_and_the_others_still_count(sandboxes):

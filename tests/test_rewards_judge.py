@@ -53,6 +53,11 @@ def test_the_prompt_is_filled_and_the_score_scaled():
                                     "Reply with Score: 0-10. {\"json\": 1}"}]}
 
 
+def test_the_last_score_in_the_judges_answer_counts():
+    with reward_server(judged("A Score: 2 would be harsh; a Score: 10 too kind.\nScore: 7")) as server:
+        assert judge(server.url) == pytest.approx(0.7)
+
+
 def test_a_placeholder_in_the_response_is_left_as_the_model_wrote_it():
     with reward_server(judged("score=1")) as server:
         judge_reward(sample(response="see {answer}"), url=server.url, model="m", prompt="{response}|{answer}")

@@ -6,8 +6,8 @@ the reward types; nothing of Ray, NATS or the agent loop. The prompt is a templa
 or a file ``prompt_file``) in which ``{question}`` (the last user message the model was given),
 ``{answer}`` (the row's reference answer) and ``{response}`` (the final answer) are replaced;
 nothing else in it is touched, so a template may hold braces of its own (a JSON example). The
-judge's reply is searched with ``score_regex``; its first group is a number, or a word that
-``labels`` maps to a number (``{yes = 1.0, no = 0.0}``); the number is divided by
+judge's reply is searched with ``score_regex``: the first group of its last match is a number, or
+a word that ``labels`` maps to a number (``{yes = 1.0, no = 0.0}``); the number is divided by
 ``max_score``. A judge that does not answer, or whose answer holds no score in range, is a
 ``RewardUnavailableError``: the judge failed, not the model, so it is never a zero.
 """
@@ -88,7 +88,10 @@ def fill_prompt(template: str, sample: RewardInput) -> str:
 
 def read_score(text: str, *, score_regex: str, labels: dict[str, float], max_score: float) -> float:
     """The judge's score in [0, 1]; ``RewardUnavailableError`` when ``text`` holds none."""
-    match = re.search(score_regex, text)
+    # The last match: a judge that reasons first may quote scores before it gives its own.
+    match = None
+    for match in re.finditer(score_regex, text):
+        pass
     if match is None:
         raise RewardUnavailableError("judge", f"no score in the judge's answer ({score_regex!r}): {text[:200]!r}")
     found = match.group(1)
