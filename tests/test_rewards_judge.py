@@ -73,6 +73,11 @@ def test_a_prompt_file_and_yes_no_labels(tmp_path):
     assert server.requests[0].body["messages"][0]["content"] == "Is It is 4. the same as 4? Answer yes or no."
 
 
+def test_a_prompt_file_the_worker_cannot_read_is_a_typed_failure(tmp_path):
+    with pytest.raises(RewardUnavailableError, match="cannot be read here"):
+        judge_reward(sample(), url="http://127.0.0.1:9", model="m", prompt_file=str(tmp_path / "gone.txt"))
+
+
 def test_a_503_is_retried_and_then_the_score_comes():
     with reward_server(lambda request, n: (503, {}) if n == 0 else (200, completion("Score: 10"))) as server:
         assert judge(server.url) == 1.0

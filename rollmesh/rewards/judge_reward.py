@@ -116,7 +116,11 @@ def judge_reward(sample: RewardInput, *, url: str, model: str, prompt: str = "",
                  timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5,
                  headers: dict[str, str] | None = None, api_key_env: str = "") -> float:
     """The judge's score of ``sample``'s final answer, scaled into [0, 1] by ``max_score``."""
-    template = prompt or Path(prompt_file).read_text(encoding="utf-8")
+    try:
+        # Read on the rollout worker, where the reward runs: the run file's checks saw it on theirs.
+        template = prompt or Path(prompt_file).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RewardUnavailableError("judge", f"prompt_file {prompt_file!r} cannot be read here: {exc}") from exc
     content = fill_prompt(template, sample)
     sent, secret = request_headers("judge", headers or {}, api_key_env)
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
