@@ -892,3 +892,62 @@ async def test_a_dataset_rollout_whose_rewards_cannot_score_it_fails_as_invalid_
 
     assert isinstance(result, RolloutFailed) and result.kind == "invalid_request", result
     assert reason in result.reason and result.infra_failures == 0
+
+
+class GreetingCoach:
+    """An environment (rollmesh/rollout/environments.py): a user who asks again until greeted."""
+
+    name = "greeting_coach"
+
+    def __init__(self) -> None:
+        self.turns: list[str] = []
+
+    def reset(self, sample: dict) -> "EnvReset":
+        from rollmesh.rollout.environments import EnvReset
+
+        self.target = sample["word"]
+        return EnvReset(messages=[{"role": "user", "content": f"Say {self.target}."}])
+
+    def step(self, assistant_message: dict) -> "EnvStep":
+        from rollmesh.rollout.environments import EnvStep
+
+        self.turns.append(assistant_message["content"])
+        if self.target in assistant_message["content"]:
+            return EnvStep(messages=[], done=True, reward={"greeted": 1.0, "turns": float(len(self.turns))})
+        return EnvStep(messages=[{"role": "user", "content": f"No. Say {self.target}."}], done=False)
+
+
+async def test_an_environment_answers_each_turn_until_done_and_gives_the_reward():
+    engine, bus = ScriptedEngine([answer("hi"), answer("hello")]), sandbox_bus()
+    result = await run(engine, bus, request(task="greeting_coach", task_input={"word": "hello"}),
+                       tasks=[GreetingCoach()])
+
+    assert isinstance(result, RolloutCompleted), result
+    assert (result.turns, result.final_text) == (2, "hello")
+    assert result.reward_components == {"greeted": 1.0, "turns": 2.0}
+    # The environment's reply is in the conversation the second turn was generated from, as the
+    # template renders a user turn, and it is not trained.
+    second_prompt = chat().decode(engine.calls[1]["input_ids"])
+    assert "No. Say hello." in second_prompt
+    assert bus.requested(SANDBOX_EXEC) == []  # no tools: nothing ran in the sandbox
+
+
+async def test_a_retried_environment_rollout_replays_its_saved_turns_into_a_fresh_instance():
+    engine = ScriptedEngine([answer("hi"), RuntimeError("decode worker died"), answer("hello")])
+    result = await run(engine, sandbox_bus(), request(task="greeting_coach", task_input={"word": "hello"}),
+                       tasks=[GreetingCoach()], infra_retries=1)
+
+    assert isinstance(result, RolloutCompleted), result
+    # The retry's instance saw the saved first turn again, then the new one: two turns, not one.
+    assert result.reward_components == {"greeted": 1.0, "turns": 2.0}
+    assert result.infra_failures == 1
+
+
+async def test_an_episode_cut_before_its_end_scores_zero_and_max_turns_ends_it():
+    engine = ScriptedEngine([answer("hi"), answer("hey")])
+    result = await run(engine, sandbox_bus(), request(task="greeting_coach", task_input={"word": "hello"}, max_turns=2),
+                       tasks=[GreetingCoach()])
+    assert isinstance(result, RolloutCompleted) and (result.turns, result.reward) == (2, 0.0)
+    failed = await run(ScriptedEngine([]), sandbox_bus(), request(task="greeting_coach", task_input={}),
+                       tasks=[GreetingCoach()])
+    assert isinstance(failed, RolloutFailed) and failed.kind == "invalid_request" and "reset" in failed.reason

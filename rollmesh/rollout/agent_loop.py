@@ -78,7 +78,8 @@ from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.rollout_sandbox import RolloutSandbox
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates
 from rollmesh.rollout.rollout_turns import RolloutRun, RolloutTurns, trace_id_of
-from rollmesh.rollout.tasks import Task, TaskInputError, TaskRegistry, UnknownTaskError
+from rollmesh.rollout.environments import EnvironmentRollout
+from rollmesh.rollout.tasks import Task, TaskInputError, TaskRegistry, UnknownTaskError, is_environment
 from rollmesh.rollout.tool_runner import ToolRunner
 from rollmesh.rollout.trajectory import RolloutTrajectory
 from rollmesh.rollout.trajectory_offload import COMPLETED_OBJECT, OffloadingRolloutStates, place_traces
@@ -268,6 +269,8 @@ class RolloutRunner:
     async def _attempt(self, run: RolloutRun) -> RolloutCompleted:
         request = run.request
         task = self._task(request)
+        if is_environment(task):  # a fresh instance per rollout, where its saved turns left it
+            task = await asyncio.to_thread(self._environment, task, run)
         tools = self._tools(task)
         if run.state.messages:  # resumed (after a crash or an infrastructure failure)
             try:
@@ -422,6 +425,18 @@ class RolloutRunner:
                 await ctx.in_progress()
             except Exception as exc:  # NATS away for a moment: the next beat tries again
                 _log.warning("work_heartbeat_failed", error=repr(exc))
+
+    def _environment(self, registered: Task, run: RolloutRun) -> EnvironmentRollout:
+        try:
+            environment = EnvironmentRollout.fresh(registered, run.request.task_input)  # type: ignore[arg-type]
+            if run.state.messages:
+                environment.replay(run.state.messages)
+        except TaskInputError as exc:
+            raise RolloutError("invalid_request", str(exc)) from exc
+        except Exception as exc:  # the environment's own code failed: not the policy's doing
+            raise RolloutError("internal_error", f"environment {registered.name!r}: {exc!r}",
+                               turns=run.state.turn) from exc
+        return environment
 
     def _task(self, request: RolloutRequested) -> Task:
         try:

@@ -11,6 +11,7 @@ that fills the model's context; a turn that calls no tool is the answer.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from rollmesh.engine.protocols import GenerateOptions, InferenceEngine
 from rollmesh.messages import RolloutProgressed, RolloutRequested, RolloutState, SamplingParams
 from rollmesh.messages.subjects import ROLLOUT_PROGRESSED
 from rollmesh.ports import MessageContext, Publisher, RoutedExpertsStore, StateStoreError
+from rollmesh.rollout.environments import EnvironmentRollout, EnvStep
 from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.rollout_sandbox import RolloutSandbox
 from rollmesh.rollout.rollout_state import conversation_of, with_progress
@@ -111,6 +113,18 @@ class RolloutTurns:
                 if not ids or ids[-1] not in self.chat.end_of_turn_ids:
                     # Cut by max_new_tokens (or a client stop string): no more turns on a broken turn.
                     finish_reason = "truncated"
+                elif isinstance(task, EnvironmentRollout):
+                    # An environment answers the whole turn; it says when the episode is over.
+                    tool_started = self.clock()
+                    answered = await self._step_environment(task, self.chat.assistant_message(parsed), turn)
+                    tool_wait_s = self.clock() - tool_started
+                    if answered.messages:
+                        self._append(trajectory, answered.messages, turn)
+                    ran_tools = not answered.done  # another turn follows
+                    if not ran_tools:
+                        final_text = parsed.content
+                    elif len(trajectory) >= self.max_seq_len:
+                        finish_reason = "truncated"
                 elif parsed.tool_calls or parsed.malformed:
                     ran_tools = True
                     tool_started = self.clock()
@@ -145,6 +159,17 @@ class RolloutTurns:
             if ended:
                 return conversation
         return conversation_of(run.state)  # max_turns was reached before this attempt
+
+    async def _step_environment(self, environment: EnvironmentRollout, message: dict, turn: int) -> EnvStep:
+        try:
+            answered = await asyncio.to_thread(environment.step, message)
+        except Exception as exc:  # the environment's own code failed: not the policy's doing
+            raise RolloutError("internal_error", f"turn {turn}: environment {environment.name!r}: {exc!r}",
+                               turns=turn) from exc
+        if not answered.done and not answered.messages:
+            raise RolloutError("internal_error", f"turn {turn}: environment {environment.name!r} is not done "
+                               "but gave no message to answer the turn", turns=turn)
+        return answered
 
     def _append(self, trajectory: RolloutTrajectory, messages: list[dict], turn: int) -> None:
         try:

@@ -21,7 +21,7 @@ from rollmesh.rewards.reward_input import FinishReason, RewardInput, RewardScore
 
 __all__ = ["DemonstrableTask", "FinishReason", "ImportsRewardFunctions", "PythonTool", "RewardInput",
            "RewardScore", "SandboxCommand", "Task", "TaskInputError", "TaskRegistry", "ToolAction",
-           "ToolOutput", "UnknownTaskError", "load_task"]
+           "ToolOutput", "UnknownTaskError", "is_environment", "load_task"]
 
 
 @dataclass(frozen=True)
@@ -128,9 +128,11 @@ class TaskRegistry:
         return cls([load_task(path) for path in paths])
 
     def register(self, task: Task) -> None:
-        if not isinstance(task, Task):
-            raise TypeError(f"{task!r} does not implement the Task protocol "
-                            "(name, messages, tools, tool_action, reward)")
+        """A task plugin, or an environment (rollmesh/rollout/environments.py: name, reset, step),
+        which the agent loop instantiates afresh for each rollout."""
+        if not isinstance(task, Task) and not is_environment(task):
+            raise TypeError(f"{task!r} implements neither the Task protocol (name, messages, tools, "
+                            "tool_action, reward) nor the Environment one (name, reset, step)")
         self._tasks[task.name] = task
 
     def get(self, name: str) -> Task:
@@ -148,6 +150,12 @@ class TaskRegistry:
         for task in self._tasks.values():
             if isinstance(task, ImportsRewardFunctions):
                 task.allow_reward_functions(import_paths)
+
+
+def is_environment(plugin: object) -> bool:
+    """True for an environment (``name``, ``reset``, ``step``) that is not also a task plugin."""
+    return (not isinstance(plugin, Task) and isinstance(getattr(plugin, "name", None), str)
+            and callable(getattr(plugin, "reset", None)) and callable(getattr(plugin, "step", None)))
 
 
 def load_task(import_path: str) -> Task:
