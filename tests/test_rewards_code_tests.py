@@ -91,9 +91,10 @@ def test_code_that_ignores_the_test_timeout_is_killed_and_what_passed_before_cou
     "def add(a, b) return a + b",  # does not compile
     "import os\nprint('x pass 0')\nos._exit(0)",  # leaves before any test, pretending
     "raise SystemExit(0)",
+    "hoard = []\nwhile True:\n    hoard.append(bytearray(8 * 1024 * 1024))",  # past its memory: killed or MemoryError
 ])
 def test_a_solution_that_does_not_load_scores_zero(sandboxes, code):
-    assert score(sandboxes, code, timeout_s=1.0) == 0.0
+    assert score(sandboxes, code, timeout_s=1.0, memory_mb=64) == 0.0
 
 
 def test_an_empty_answer_scores_zero_without_a_sandbox():
