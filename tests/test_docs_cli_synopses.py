@@ -115,7 +115,7 @@ def shown_commands() -> list[Shown]:
             continuation = [span for span in spans if span.startswith("--")]
             for span in spans:
                 words = span.split()
-                if words[0] != "rollmesh" or len(words) < 2:
+                if len(words) < 2 or words[0] != "rollmesh":
                     continue
                 command = command_of(words[1:])
                 synopsis = "[" in span
