@@ -73,11 +73,17 @@ def test_a_503_is_retried_and_then_the_reward_comes():
 
 
 def test_a_server_that_stays_down_fails_every_caller_typed_after_the_retries():
-    with reward_server(lambda request, n: (503, {"error": "down"})) as server:
+    def call(text: str) -> RewardUnavailableError:
         with pytest.raises(RewardUnavailableError, match=r"HTTP 503 after 3 attempt\(s\)") as failed:
-            http_reward(sample("x"), url=server.url, retries=2, backoff_s=0.01, batch_window_s=0)
-    assert failed.value.reward == "http"
-    assert len(server.requests) == 3
+            http_reward(sample(text), url=server.url, retries=2, backoff_s=0.01, batch_window_s=NEVER,
+                        max_batch=3)
+        return failed.value
+
+    with reward_server(lambda request, n: (503, {"error": "down"})) as server:
+        with ThreadPoolExecutor(3) as pool:
+            failures = list(pool.map(call, ["a", "b", "c"]))
+    assert [failure.reward for failure in failures] == ["http"] * 3
+    assert len(server.requests) == 3  # one batch, tried three times
 
 
 def test_a_server_not_listening_is_unreachable():

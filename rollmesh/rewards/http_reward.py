@@ -127,7 +127,6 @@ class _Batcher:
 
     def __init__(self, settings: _Settings) -> None:
         self.settings = settings
-        self.posts = 0  # POSTs sent so far (each batch counts once, retries aside)
         self._waiting: list[tuple[dict[str, Any], Future]] = []
         self._opened = 0.0  # when the oldest waiting call arrived
         self._changed = threading.Condition()
@@ -148,6 +147,16 @@ class _Batcher:
         return future
 
     def _flush_all(self) -> None:
+        try:
+            self._flush_until_idle()
+        except BaseException as exc:  # a bug here: the waiting calls hear of it, the next starts anew
+            with self._changed:
+                waiting, self._waiting, self._flusher = self._waiting, [], None
+            for _, future in waiting:
+                future.set_exception(RewardUnavailableError("http", f"the batch sender failed: {exc!r}"))
+            raise
+
+    def _flush_until_idle(self) -> None:
         settings = self.settings
         with httpx.Client(timeout=settings.timeout_s) as client:
             while True:
@@ -168,7 +177,6 @@ class _Batcher:
         try:
             headers, secret = request_headers("http", dict(settings.headers), settings.api_key_env)
             body = json.dumps({"samples": [sample for sample, _ in batch]}, default=str).encode()
-            self.posts += 1
             answer = post_json("http", client, settings.url, body, headers=headers, secret=secret,
                                retries=settings.retries, backoff_s=settings.backoff_s)
             rewards = answer.get("rewards") if isinstance(answer, dict) else None
@@ -210,6 +218,8 @@ def http_reward(sample: RewardInput, *, url: str, timeout_s: float = 30.0, retri
         value = batcher_for(settings).submit(payload).result(timeout=patience)
     except TimeoutError as exc:
         raise RewardUnavailableError("http", f"{url}: no result within {patience:.0f} s") from exc
+    except RewardUnavailableError as exc:  # the batch's one error: each caller raises its own
+        raise RewardUnavailableError("http", exc.reason) from exc
     try:
         score_of(value)
     except ValueError as exc:
