@@ -7,9 +7,10 @@ Knows the sandbox backends (``rollmesh.sandbox``), the runner it copies in
 Why a fresh sandbox and not the rollout's own: the agent loop gives its lease back before it
 scores, and a reward gets a ``RewardInput``, no sandbox handle. Handing rewards the rollout's lease
 would change the agent loop (score while still leased, and call the broker from the reward's
-thread); a sandbox of its own costs a bubblewrap start per score (tens of milliseconds) and is
+thread); a sandbox of its own costs a bubblewrap start per score (a fraction of a second) and is
 as isolated: the same backend, no network, a read-only minimal root, its own uid and cgroup
-where the host allows. The model's code never runs in the rollout worker's process. The
+where the host allows, and none of the files a rollout's tools left behind (which could shadow
+a module the tests import). The model's code never runs in the rollout worker's process. The
 sandbox is the host's bubblewrap, not the broker's profile: it needs ``bwrap`` (and, as root,
 ``setpriv``) where the rollout worker runs.
 
