@@ -38,7 +38,7 @@ class FieldMap(ConfigSection):
 
 
 class RewardSpec(ConfigSection):
-    """One reward of a stage: a built-in by ``name`` (``math``, ``exact_match``) or a function by
+    """One reward of a stage: a built-in by ``name`` (``math``, ``exact_match``, ``http``, ``judge``, ``code_tests``) or a function by
     import path ``fn = "package.module:function"``, weighted in the stage's total. ``args`` are
     keyword arguments the reward is called with."""
 
@@ -80,7 +80,8 @@ class StageConfig(ConfigSection):
 
     kind: StageKind
     name: str = ""  # "": named by its kind (stage_names), numbered when a kind repeats
-    # The dataset: a JSONL file (relative to the config file), one row per prompt or example.
+    # The dataset: a JSONL or Parquet file or a `datasets` save_to_disk directory (relative to the
+    # config file), one row per prompt or example.
     data: str = ""
     fields: FieldMap = FieldMap()
     # Several datasets with weights instead of ``data`` (rl stages; each read in its own order, over
@@ -152,7 +153,7 @@ class EvalConfig(ConfigSection):
     (``eval_before_train``), every ``eval_every`` trainer steps, and after the last step."""
 
     name: str = ""  # "": "eval", numbered when several
-    # A JSONL file of prompts (as an rl stage's), or a task plugin sampling held-out inputs.
+    # A dataset of prompts (as an rl stage's), or a task plugin (or environment) sampling held-out inputs.
     data: str = ""
     fields: FieldMap = FieldMap()
     task: str = ""
