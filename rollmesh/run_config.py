@@ -38,9 +38,9 @@ class FieldMap(ConfigSection):
 
 
 class RewardSpec(ConfigSection):
-    """One reward of a stage: a built-in by ``name`` (``math``, ``exact_match``, ``http``, ``judge``, ``code_tests``) or a function by
-    import path ``fn = "package.module:function"``, weighted in the stage's total. ``args`` are
-    keyword arguments the reward is called with."""
+    """One reward of a stage: a built-in by ``name`` (``math``, ``exact_match``, ``http``,
+    ``judge``, ``code_tests``) or a function by import path ``fn = "package.module:function"``,
+    weighted in the stage's total. ``args`` are keyword arguments the reward is called with."""
 
     name: str = ""
     fn: str = ""
@@ -153,7 +153,7 @@ class EvalConfig(ConfigSection):
     (``eval_before_train``), every ``eval_every`` trainer steps, and after the last step."""
 
     name: str = ""  # "": "eval", numbered when several
-    # A dataset of prompts (as an rl stage's), or a task plugin (or environment) sampling held-out inputs.
+    # A dataset of prompts (as an rl stage's), or a task plugin sampling held-out inputs.
     data: str = ""
     fields: FieldMap = FieldMap()
     task: str = ""
