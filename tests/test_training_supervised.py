@@ -95,3 +95,19 @@ async def test_a_supervised_step_is_durable_with_its_place_and_a_restarted_train
     groups = ledger.read().last.groups
     assert second["step"] == 2 and groups[0] == f"sft/e0/i{first['next_position']}"
     assert ledger.stage_cursor("sft")["tokens"] == first["tokens"] + second["tokens"]
+
+
+async def test_supervised_steps_save_full_checkpoints_every_checkpoint_every_and_keep_the_newest(tmp_path, demo_model_dir):
+    data = write_rows(tmp_path / "sft.jsonl", chat_rows(8))
+    torch.set_num_threads(1)
+    config = TrainerConfig(lr=1e-3, checkpoint_every=1, keep_checkpoints=1)
+    model_config = ModelConfig(path=str(demo_model_dir))
+    logic = TrainerLogic(config, model_config, TorchTrainerBackend(model_config, config), RecordingPublisher(),
+                         run_dir=tmp_path, clock=lambda: 500.0)
+    await logic.start()
+    position = 0
+    for _ in range(2):
+        position = (await logic.supervised_step(sft_stage(data, batch_tokens=40), "sft", position=position,
+                                                tokens_before=0))["next_position"]
+    kept = sorted(path.name for path in (tmp_path / "checkpoints").iterdir() if path.name.startswith(("iter_", "step_")))
+    assert kept == ["iter_0000002", "step_00000002.trainer_state.pt"]

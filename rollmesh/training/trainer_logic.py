@@ -467,6 +467,8 @@ class TrainerLogic:
                     self.step + 1, [], batch.groups, new_weights=bool(batch.sequences),
                     cursor={"stage": name, "next_position": batch.next_position,
                             "tokens": tokens_before + batch.tokens})
+        if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
+            await self.save_checkpoint()  # as an RL step's: weights, optimizer, RNG, pruned to keep_checkpoints
         return {"step": self.step, "weight_version": self.version, "loss": float(stats.get("loss", 0.0)),
                 "tokens": batch.tokens, "trained_tokens": batch.trained_tokens,
                 "examples": len(batch.sequences), "next_position": batch.next_position, "epoch": batch.epoch,
