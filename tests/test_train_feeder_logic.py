@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from rollmesh.config import RollmeshConfig, TrainerConfig
-from rollmesh.run_config import StageConfig
+from rollmesh.run_config import EvalConfig, StageConfig
 from rollmesh.train.checks import RunFileError, check_stages
 from rollmesh.train.feeder_cursor import FeederCursor, read_cursor, write_cursor
 from rollmesh.train.job import TrainerSettingsError, check_trainer_settings
@@ -163,3 +163,14 @@ def test_a_mixture_interleaves_its_datasets_by_weight_and_replays_to_a_position_
     again = prompt_source(stage, "rl")
     assert again.at(7)[1].group_id == refs[7] and again.at(2)[1].group_id == refs[2]
     check_stages(config_with(stage))
+
+
+def test_an_eval_whose_data_or_reward_cannot_load_is_refused_before_anything_starts(tmp_path):
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2"}])
+    missing = msgspec.convert({"name": "held", "data": str(tmp_path / "gone.jsonl"), "rewards": [{"name": "math"}]},
+                              EvalConfig)
+    with pytest.raises(RunFileError, match="eval held.*gone.jsonl: no such file"):
+        check_stages(msgspec.structs.replace(config_with(rl_stage(data)), eval=[missing]))
+    bad_reward = msgspec.convert({"data": str(data), "rewards": [{"fn": "no_such_module_y:f"}]}, EvalConfig)
+    with pytest.raises(RunFileError, match="no_such_module_y"):
+        check_stages(msgspec.structs.replace(config_with(rl_stage(data)), eval=[bad_reward]))

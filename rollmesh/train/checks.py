@@ -48,3 +48,19 @@ def check_stages(config: RollmeshConfig) -> None:
             check_reward_specs(stage.rewards)
         except RewardError as exc:
             raise RunFileError(str(exc), stage=name) from exc
+    for name, evaluation in zip(stage_names(config.eval), config.eval):
+        where = f"eval {name}"
+        if evaluation.data:
+            try:
+                check_dataset(evaluation.data, **({} if evaluation.task else {"fields": evaluation.fields, "kind": "rl"}))
+            except DatasetError as exc:
+                raise RunFileError(str(exc), stage=where) from exc
+        if evaluation.task:
+            try:
+                load_task(evaluation.task)
+            except Exception as exc:  # any import or construction error: the plugin is unusable
+                raise RunFileError(f"task {evaluation.task!r} does not load: {exc!r}", stage=where) from exc
+        try:
+            check_reward_specs(evaluation.rewards)
+        except RewardError as exc:
+            raise RunFileError(str(exc), stage=where) from exc

@@ -53,6 +53,13 @@ class EvalSchedule:
         running, self._running = self._running, []
         await asyncio.gather(*running)
 
+    async def cancel(self) -> None:
+        """Stop the evaluations still running (a job that failed); idempotent."""
+        running, self._running = self._running, []
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
     def _start(self, evaluation: Evaluation, step: int) -> None:
         if any(result["name"] == evaluation.name and result["step"] == step for result in self.results):
             return  # done before a stop, or already asked for at this step

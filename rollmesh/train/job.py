@@ -140,8 +140,6 @@ class TrainJob:
                     config, name=name, run_name=self.run_name, run_dir=self.run_dir, publisher=publisher, nc=nc,
                     namespace=mesh.namespace, on_bad_row=lambda error: self.report(f"skipped bad row: {error}")))
             cursor = read_cursor(self.run_dir) or FeederCursor()
-            if not cursor.stage:  # a fresh job: the baseline, before anything trains
-                self.evals.before_training(await mesh.trainer.step.remote())
             if mesh.restart_trainer is None:
                 # Attached: the trainer cannot be restarted, so every stage still to run must fit
                 # it; found now, before the first stage trains anything.
@@ -149,6 +147,8 @@ class TrainJob:
                 for name, stage in zip(self.names, self.config.stages):
                     if name not in cursor.done_stages:
                         check_trainer_settings(name, running, stage_trainer_config(self.config.trainer, stage))
+            if not cursor.stage:  # a fresh job: the baseline, before anything trains
+                self.evals.before_training(await mesh.trainer.step.remote())
             for index, (name, stage) in enumerate(zip(self.names, self.config.stages)):
                 if name in cursor.done_stages:
                     continue
@@ -160,7 +160,7 @@ class TrainJob:
             return await self._finish(mesh, converted)
         finally:
             if self.evals is not None:
-                await asyncio.gather(*self.evals._running, return_exceptions=True)
+                await self.evals.cancel()  # a job that failed does not wait for its evaluations
             trackers.close()
             for subscription in subscriptions:
                 await subscription.unsubscribe()
