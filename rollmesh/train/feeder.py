@@ -77,6 +77,10 @@ class JobEvents:
         self.trainer = asyncio.Queue[TrainerStepped | GroupDropped]()
         self.rollouts = asyncio.Queue[RolloutCompleted | RolloutFailed]()
 
+    def _keep(self, outcome: RolloutCompleted | RolloutFailed) -> None:
+        if outcome.purpose == "train" and parse_group_id(outcome.group_id) is not None:
+            self.rollouts.put_nowait(outcome)
+
     async def subscribe(self, nc: Any, namespace: str) -> list[Any]:
         async def on_stepped(msg) -> None:
             self.trainer.put_nowait(TRAINER_STEPPED.decode(msg.data))
@@ -84,11 +88,13 @@ class JobEvents:
         async def on_dropped(msg) -> None:
             self.trainer.put_nowait(GROUP_DROPPED.decode(msg.data))
 
+        # Only the feeder's own training rollouts are kept: evaluations and other clients'
+        # rollouts would pile up while no rl stage reads the queue (a supervised stage).
         async def on_completed(msg) -> None:
-            self.rollouts.put_nowait(ROLLOUT_COMPLETED.decode(msg.data))
+            self._keep(ROLLOUT_COMPLETED.decode(msg.data))
 
         async def on_failed(msg) -> None:
-            self.rollouts.put_nowait(ROLLOUT_FAILED.decode(msg.data))
+            self._keep(ROLLOUT_FAILED.decode(msg.data))
 
         return [await nc.subscribe(TRAINER_STEPPED.format(namespace), cb=on_stepped),
                 await nc.subscribe(GROUP_DROPPED.format(namespace), cb=on_dropped),
