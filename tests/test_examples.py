@@ -3,9 +3,10 @@
 examples/bare_nats_client.py runs as a subprocess against the session's nats-server; the test plays
 the mesh's rollout worker (reads the stored request, publishes its completion). Its default, the
 latest run's mesh.json, is also run against a real mesh in test_readme_commands.py.
-examples/make_arithmetic_data.py runs as the README runs it, into a temporary folder, and
-examples/train_rl.toml is loaded and checked there as `rollmesh train` checks a run file before
-anything starts (test_train_job.py runs `rollmesh train` itself).
+examples/make_arithmetic_data.py runs as the README runs it, into a temporary folder, and the
+examples' run files (train_midtrain, train_sft, train_rl, train_pipeline) are loaded and checked
+there as `rollmesh train` checks a run file before anything starts (test_train_job.py runs
+`rollmesh train` itself; benchmarks/README.md records the pipeline's measured run).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from rollmesh.train.checks import RunFileError, check_stages
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BARE_CLIENT = REPO_ROOT / "examples" / "bare_nats_client.py"
 ARITHMETIC_DATA = REPO_ROOT / "examples" / "make_arithmetic_data.py"
-TRAIN_RL = REPO_ROOT / "examples" / "train_rl.toml"
+# Each example run file and the kinds of its stages, in order.
+RUN_FILES = {"train_midtrain.toml": ["midtrain"], "train_sft.toml": ["sft"], "train_rl.toml": ["rl"],
+             "train_pipeline.toml": ["midtrain", "sft", "rl"]}
 
 
 @pytest.mark.unit
@@ -255,9 +258,25 @@ def test_the_arithmetic_data_is_right_eval_rows_are_held_out_and_a_seed_writes_t
     prompts = [row["prompt"] for row in train]
     assert len(set(prompts)) == len(prompts)
     assert not set(prompts) & {row["prompt"] for row in held_out}
+    # The sft and midtrain files are the training rows, row for row: the eval rows stay held out.
+    # Half the demonstrations (--sft-exact 0.5, by seed) answer exactly, the rest off by one.
+    sft = read_rows(tmp_path / "a" / "arithmetic_sft.jsonl")
+    assert [[m["role"] for m in item["messages"]] for item in sft] == [["user", "assistant"]] * len(train)
+    assert [item["messages"][0]["content"] for item in sft] == prompts
+    errors = [int(item["messages"][1]["content"]) - int(row["answer"]) for item, row in zip(sft, train)]
+    assert set(errors) == {-1, 0, 1} and 0.35 < errors.count(0) / len(errors) < 0.65
+    assert all(int(item["messages"][1]["content"]) >= 0 for item in sft)
+    exact = make_arithmetic_data(tmp_path / "exact", "--train", "300", "--eval", "60", "--seed", "3",
+                                 "--max-operand", "20", "--sft-exact", "1")
+    assert exact.returncode == 0, exact.stderr
+    assert [item["messages"][1]["content"] for item in read_rows(tmp_path / "exact" / "arithmetic_sft.jsonl")] == [
+        row["answer"] for row in train]
+    text = read_rows(tmp_path / "a" / "arithmetic_text.jsonl")
+    assert [item["text"] for item in text] == [
+        row["prompt"].removeprefix("What is ").removesuffix("?") + " = " + row["answer"] for row in train]
     again = make_arithmetic_data(tmp_path / "b", "--train", "300", "--eval", "60", "--seed", "3", "--max-operand", "20")
     assert again.returncode == 0, again.stderr
-    for name in ("arithmetic_train.jsonl", "arithmetic_eval.jsonl"):
+    for name in ("arithmetic_train.jsonl", "arithmetic_eval.jsonl", "arithmetic_sft.jsonl", "arithmetic_text.jsonl"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     # More rows than there are distinct problems: refused, nothing written.
     refused = make_arithmetic_data(tmp_path / "c", "--train", "600", "--eval", "100", "--max-operand", "20")
@@ -267,30 +286,36 @@ def test_the_arithmetic_data_is_right_eval_rows_are_held_out_and_a_seed_writes_t
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
-def test_the_rl_example_run_file_loads_and_passes_the_run_file_checks_on_the_generated_data(tmp_path):
-    # The run file's data path is relative to the run file: a copy beside the generated data/.
+@pytest.mark.parametrize("name", sorted(RUN_FILES))
+def test_each_example_run_file_loads_and_passes_the_run_file_checks_on_the_generated_data(tmp_path, name):
+    # The run file's data paths are relative to the run file: a copy beside the generated data/.
     done = make_arithmetic_data(tmp_path / "data", "--train", "40", "--eval", "8")
     assert done.returncode == 0, done.stderr
-    run_file = Path(shutil.copy(TRAIN_RL, tmp_path / "train_rl.toml"))
+    run_file = Path(shutil.copy(REPO_ROOT / "examples" / name, tmp_path / name))
     config = load_config(run_file, environ={})
     check_stages(config)
-    (stage,) = config.stages
-    assert stage.kind == "rl" and stage.data == str(tmp_path / "data" / "arithmetic_train.jsonl")
-    assert [spec.name for spec in stage.rewards] == ["math"]
+    assert [stage.kind for stage in config.stages] == RUN_FILES[name]
+    assert all(Path(stage.data).parent == tmp_path / "data" for stage in config.stages + config.eval)
+    for stage in config.stages:
+        assert [spec.name for spec in stage.rewards] == (["math"] if stage.kind == "rl" else [])
     assert config.model.path == "" and not config.serve.enabled  # the embedded demo model, no Serve app
-    # Without its data the same file is refused before anything starts.
-    (tmp_path / "data" / "arithmetic_train.jsonl").unlink()
-    with pytest.raises(RunFileError, match="arithmetic_train.jsonl"):
+    # Without its data the same file is refused before anything starts, naming the file.
+    missing = Path(config.stages[-1].data)
+    missing.unlink()
+    with pytest.raises(RunFileError, match=missing.name):
         check_stages(load_config(run_file, environ={}))
 
 
 @pytest.mark.unit
-def test_the_readmes_data_command_writes_where_the_rl_example_reads():
+def test_the_readmes_data_command_writes_where_the_example_run_files_read():
     readme = (REPO_ROOT / "README.md").read_text()
     (command,) = [line.split("  #")[0] for line in readme.splitlines()
                   if line.startswith("python examples/make_arithmetic_data.py")]
     words = shlex.split(command)
     out = REPO_ROOT / words[words.index("--out") + 1]  # the README's commands run from the repo root
-    (stage,) = load_config(TRAIN_RL, environ={}).stages
-    assert Path(stage.data) == out / "arithmetic_train.jsonl"
-    assert "rollmesh train examples/train_rl.toml" in readme
+    written = {"arithmetic_train.jsonl", "arithmetic_eval.jsonl", "arithmetic_sft.jsonl", "arithmetic_text.jsonl"}
+    for name in RUN_FILES:
+        config = load_config(REPO_ROOT / "examples" / name, environ={})
+        for part in config.stages + config.eval:
+            assert Path(part.data).parent == out and Path(part.data).name in written, (name, part.data)
+    assert "rollmesh train examples/train_pipeline.toml" in readme
