@@ -113,6 +113,19 @@ weight = 0.5
     os.killpg(first.pid, signal.SIGKILL)  # the job, its NATS server and its Ray, mid-stage
     first.wait()
 
+    # Stopped again by SIGTERM once it is back: the mesh it started is stopped with it (exit 130).
+    with open(tmp_path / "second.log", "w") as log:
+        second = subprocess.Popen([*ROLLMESH, "train", "--resume", str(run_dir)], stdout=log,
+                                  stderr=subprocess.STDOUT, cwd=tmp_path, env=env, start_new_session=True)
+    while "mesh up" not in (tmp_path / "second.log").read_text():  # (mesh.json: the killed one's is there)
+        assert second.poll() is None, (tmp_path / "second.log").read_text()[-3000:]
+        assert time.monotonic() < deadline + JOB_TIMEOUT_S, "the resumed job started no mesh"
+        time.sleep(0.2)  # polling a file another process writes; bounded by the deadline
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(timeout=JOB_TIMEOUT_S) == 130, (tmp_path / "second.log").read_text()[-3000:]
+    assert not (run_dir / "mesh.json").exists()  # the mesh was stopped, not left behind
+    assert subprocess.run(["pgrep", "-g", str(second.pid)], capture_output=True).returncode == 1  # nothing left
+
     resumed = subprocess.run([*ROLLMESH, "train", "--resume", str(run_dir)], capture_output=True, text=True,
                              timeout=JOB_TIMEOUT_S, cwd=tmp_path, env=env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

@@ -27,9 +27,7 @@ from rollmesh.cli import (
     train as cli_train,
     watch as cli_watch,
 )
-from rollmesh.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError
-
-EXIT_INTERRUPTED = 130
+from rollmesh.cli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, CliError
 
 
 def _add_global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:

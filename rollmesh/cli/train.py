@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from rollmesh.cli.errors import EXIT_OK, EXIT_USAGE, CliError
+from rollmesh.cli.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliError
 from rollmesh.cli.mesh import mesh_process_alive
 from rollmesh.cli.target import model_dir_arg, namespace_arg
 from rollmesh.config import ConfigError, RollmeshConfig, load_config, load_run_config
@@ -55,7 +56,11 @@ def run_train_command(args: argparse.Namespace) -> int:
         _refuse_earlier_job(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"train: {len(config.stages)} stage(s); run dir {run_dir}", flush=True)
-    summary = asyncio.run(run_job(config, run_dir, attach))
+    try:
+        summary = asyncio.run(run_job(config, run_dir, attach))
+    except asyncio.CancelledError:  # SIGINT or SIGTERM: the mesh it started is stopped
+        print(f"train: stopped; continue with `rollmesh train --resume {run_dir}`", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     print(f"summary: {run_dir / 'summary.json'}")
     print(f"final model: {summary['final_model']}")
     return EXIT_OK
@@ -151,20 +156,31 @@ async def run_job(config: RollmeshConfig, run_dir: Path, attach: dict[str, Any] 
             trackers.close()
 
 
+def _cancel_on_signals() -> None:
+    """SIGINT and SIGTERM cancel the job (whose mesh, if it started one, is then stopped):
+    installed again after Ray starts, as ray.init takes SIGTERM for itself."""
+    loop, job = asyncio.get_running_loop(), asyncio.current_task()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, job.cancel)
+
+
 async def _run_job(job: Any, config: RollmeshConfig, run_dir: Path, attach: dict[str, Any] | None,
                    report: Any) -> dict[str, Any]:
     from rollmesh.train.job import MeshHandle, mesh_config_for
 
+    _cancel_on_signals()
     if attach is not None:
         with _attached_ray(attach):
             import ray
 
             trainer = ray.get_actor("trainer", namespace=attach["ray_namespace"])
+            _cancel_on_signals()
             return await job.run(MeshHandle(attach["nats_url"], attach["namespace"], trainer))
     from rollmesh.launcher import Mesh
 
     mesh = Mesh(mesh_config_for(config), run_dir=run_dir)
-    info = await mesh.start()
+    info = await mesh.start()  # a start cut short (a signal) stops what came up (Mesh.start)
+    _cancel_on_signals()
     report(f"mesh up: NATS {info.nats_url}")
     try:
         return await job.run(MeshHandle(info.nats_url, info.namespace, mesh.trainer,
