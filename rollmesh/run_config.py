@@ -169,6 +169,9 @@ class EvalConfig(ConfigSection):
     max_turns: Annotated[int, Meta(ge=1, le=1000)] = 1
     system_prompt: str = ""
     eval_every: NonNegInt = 0
+    # The stages whose trainer steps eval_every counts ([]: every stage's; e.g. ["rl"] to leave
+    # a long supervised warm start unevaluated).
+    stages: list[str] = []
     eval_before_train: bool = True
 
     def __post_init__(self) -> None:

@@ -174,3 +174,33 @@ def test_an_eval_whose_data_or_reward_cannot_load_is_refused_before_anything_sta
     bad_reward = msgspec.convert({"data": str(data), "rewards": [{"fn": "no_such_module_y:f"}]}, EvalConfig)
     with pytest.raises(RunFileError, match="no_such_module_y"):
         check_stages(msgspec.structs.replace(config_with(rl_stage(data)), eval=[bad_reward]))
+
+
+async def test_eval_every_counts_only_the_named_stages_steps_and_a_step_is_evaluated_once(tmp_path):
+    from rollmesh.tracking import Trackers
+    from rollmesh.train.eval_schedule import EvalSchedule
+    from rollmesh.train.evaluation import EvalResult
+
+    ran: list[int] = []
+
+    class Recorded:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def run(self, step: int) -> EvalResult:
+            ran.append(step)
+            return EvalResult(self.name, step, {"mean@1": 0.5}, [], tmp_path / f"{step}.jsonl")
+
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2"}])
+    config = msgspec.convert({"data": str(data), "rewards": [{"name": "math"}], "eval_every": 2,
+                              "stages": ["rl"]}, EvalConfig)
+    schedule = EvalSchedule([config], make=lambda cfg, name: Recorded(name), run_dir=tmp_path,
+                            trackers=Trackers([]), report=lambda line: None)
+    schedule.before_training(0)
+    for step in range(1, 5):
+        schedule.after_step(step, "warm_start")  # a supervised stage: not counted
+    for step in range(5, 9):
+        schedule.after_step(step, "rl")
+    await schedule.after_training(8)  # step 8 was evaluated already: not twice
+    assert sorted(ran) == [0, 6, 8]
+    assert schedule.mean_rewards() == [(0, 0.5), (6, 0.5), (8, 0.5)]

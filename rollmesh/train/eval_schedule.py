@@ -39,8 +39,10 @@ class EvalSchedule:
             if config.eval_before_train:
                 self._start(evaluation, trainer_step)
 
-    def after_step(self, trainer_step: int) -> None:
+    def after_step(self, trainer_step: int, stage: str = "") -> None:
         for evaluation, config in zip(self.evaluations, self.configs):
+            if config.stages and stage not in config.stages:
+                continue
             if config.eval_every and trainer_step % config.eval_every == 0:
                 self._start(evaluation, trainer_step)
 

@@ -224,7 +224,7 @@ class TrainJob:
         if self.trackers is not None:
             self.trackers.log_scalars(record.trainer_step, step_scalars(record))
         if self.evals is not None:
-            self.evals.after_step(record.trainer_step)
+            self.evals.after_step(record.trainer_step, record.stage)
 
     async def _finish(self, mesh: MeshHandle, converted: asyncio.Queue[CheckpointConverted]) -> dict[str, Any]:
         checkpoint = await mesh.trainer.save_checkpoint.remote()
