@@ -29,12 +29,15 @@ import httpx
 import nats
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 SUBMITTED = 3
 API_KEY = "dashboard-test-key"
 # Generous: two shared cores, and the page only refreshes once a second.
-PAGE_TIMEOUT_MS = 120_000
+# A guard against a hang, never a timing assertion: on a loaded 2-core machine, with the session
+# mesh still recovering from an earlier test's restarted actors, rollouts can take minutes.
+# ROLLMESH_TEST_WAIT_S sets it, as for the suite's other mesh tests.
+PAGE_TIMEOUT_MS = int(float(os.environ.get("ROLLMESH_TEST_WAIT_S", "240")) * 1000)
 
 
 def free_port() -> int:
