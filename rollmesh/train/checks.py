@@ -13,7 +13,7 @@ from rollmesh.data import DatasetError, check_dataset
 from rollmesh.rewards.combined import check_reward_specs
 from rollmesh.rewards.errors import RewardError
 from rollmesh.rollout.tasks import load_task
-from rollmesh.run_config import stage_names
+from rollmesh.run_config import EvalConfig, StageConfig, stage_names
 
 class RunFileError(ValueError):
     def __init__(self, reason: str, *, stage: str = "") -> None:
@@ -28,39 +28,30 @@ def check_stages(config: RollmeshConfig) -> None:
     for name, stage in zip(stage_names(config.stages), config.stages):
         if stage.epochs and not stage.data:
             raise RunFileError("epochs count passes over data: give data, or stop by steps", stage=name)
-        if stage.data:
-            try:
-                # A task plugin's rows are its own inputs: only the file is checked.
-                check_dataset(stage.data, **({} if stage.task else {"fields": stage.fields, "kind": stage.kind}))
-            except DatasetError as exc:
-                raise RunFileError(str(exc), stage=name) from exc
         for source in stage.mixture:
             try:
                 check_dataset(source.data, fields=source.fields, kind="rl")
             except DatasetError as exc:
                 raise RunFileError(f"mixture {source.label!r}: {exc}", stage=name) from exc
-        if stage.task:
-            try:
-                load_task(stage.task)
-            except Exception as exc:  # any import or construction error: the plugin is unusable
-                raise RunFileError(f"task {stage.task!r} does not load: {exc!r}", stage=name) from exc
-        try:
-            check_reward_specs(stage.rewards)
-        except RewardError as exc:
-            raise RunFileError(str(exc), stage=name) from exc
+        _check_inputs(stage, kind=stage.kind, where=name)
     for name, evaluation in zip(stage_names(config.eval), config.eval):
-        where = f"eval {name}"
-        if evaluation.data:
-            try:
-                check_dataset(evaluation.data, **({} if evaluation.task else {"fields": evaluation.fields, "kind": "rl"}))
-            except DatasetError as exc:
-                raise RunFileError(str(exc), stage=where) from exc
-        if evaluation.task:
-            try:
-                load_task(evaluation.task)
-            except Exception as exc:  # any import or construction error: the plugin is unusable
-                raise RunFileError(f"task {evaluation.task!r} does not load: {exc!r}", stage=where) from exc
+        _check_inputs(evaluation, kind="rl", where=f"eval {name}")
+
+
+def _check_inputs(entry: StageConfig | EvalConfig, *, kind: str, where: str) -> None:
+    """A stage's or an eval's dataset, task plugin and rewards."""
+    if entry.data:
         try:
-            check_reward_specs(evaluation.rewards)
-        except RewardError as exc:
+            # A task plugin's rows are its own inputs: only the file is checked.
+            check_dataset(entry.data, **({} if entry.task else {"fields": entry.fields, "kind": kind}))
+        except DatasetError as exc:
             raise RunFileError(str(exc), stage=where) from exc
+    if entry.task:
+        try:
+            load_task(entry.task)
+        except Exception as exc:  # any import or construction error: the plugin is unusable
+            raise RunFileError(f"task {entry.task!r} does not load: {exc!r}", stage=where) from exc
+    try:
+        check_reward_specs(entry.rewards)
+    except RewardError as exc:
+        raise RunFileError(str(exc), stage=where) from exc
