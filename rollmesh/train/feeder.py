@@ -117,7 +117,7 @@ class RolloutTally:
             return
         self.rollouts += 1
         self.tokens += outcome.num_tokens
-        for name, value in getattr(outcome, "reward_components", {}).items():
+        for name, value in outcome.reward_components.items():
             self.components.setdefault(name, []).append(value)
 
     def means(self) -> dict[str, float]:

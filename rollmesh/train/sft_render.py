@@ -65,7 +65,7 @@ def render_chat_example(chat: ChatModel, messages: Sequence[Mapping[str, Any]], 
     if "assistant" in loss_roles:
         reference = _template_assistant_mask(chat, messages, tools)
         if reference is None:
-            reference = _located_assistant_mask(messages, text, ids, offsets, eot)
+            reference = _located_assistant_mask(messages, text, offsets, eot_texts)
         if reference is not None and len(reference) == len(ids):
             ours = _trimmed(ids, _token_mask(offsets, spans.get("assistant", [])), eot)
             mismatches = sum(1 for mine, theirs in zip(ours, reference) if mine != theirs)
@@ -179,36 +179,15 @@ def _template_assistant_mask(chat: ChatModel, messages: list[dict[str, Any]],
     return list(rendered["assistant_masks"])
 
 
-def _located_assistant_mask(messages: list[dict[str, Any]], text: str, ids: Sequence[int],
-                            offsets: Sequence[tuple[int, int]], end_of_turn: frozenset[int]) -> list[int] | None:
-    """Assistant contents located in order in the whole text, each with the end-of-turn token
-    that follows it; None when a turn has no plain content to find (tool calls render in the
-    family's own syntax)."""
-    spans, cursor = [], 0
-    for message in messages:
-        content = message.get("content")
+def _located_assistant_mask(messages: list[dict[str, Any]], text: str,
+                            offsets: Sequence[tuple[int, int]], eot_texts: tuple[str, ...]) -> list[int] | None:
+    """Each assistant content located in the whole text with its end-of-turn (``_located_span``);
+    None when a turn has no plain content to find (tool calls render in the family's syntax)."""
+    spans = []
+    for index, message in enumerate(messages):
         if message.get("role") != "assistant":
-            # Earlier messages' contents are passed over: an answer may repeat a question's text.
-            if isinstance(content, str) and content and (found := text.find(content, cursor)) >= 0:
-                cursor = found + len(content)
             continue
-        if not isinstance(content, str) or not content or message.get("tool_calls"):
+        if message.get("tool_calls") or (span := _located_span(messages, index, text, eot_texts)) is None:
             return None
-        found = text.find(content, cursor)
-        if found < 0:
-            return None
-        spans.append((found, found + len(content)))
-        cursor = found + len(content)
-    mask = _token_mask(offsets, spans)
-    index = 0
-    while index < len(mask):  # each content run takes the end-of-turn token right after it
-        if mask[index] and (index + 1 == len(mask) or not mask[index + 1]):
-            after = index + 1
-            while after < len(ids) and ids[after] not in end_of_turn and not text[offsets[after][0]:offsets[after][1]].strip():
-                after += 1
-            if after < len(ids) and ids[after] in end_of_turn:
-                for j in range(index + 1, after + 1):
-                    mask[j] = 1
-                index = after
-        index += 1
-    return mask
+        spans.append(span)
+    return _token_mask(offsets, spans)
