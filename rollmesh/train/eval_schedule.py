@@ -19,6 +19,7 @@ from typing import Any
 from rollmesh.run_config import EvalConfig, stage_names
 from rollmesh.tracking import Trackers
 from rollmesh.train.evaluation import Evaluation, EvalResult
+from rollmesh.training.ledger import append_line
 
 EVALS_FILE = "evals.jsonl"
 
@@ -73,9 +74,7 @@ class EvalSchedule:
         record = {"name": result.name, "step": step, "metrics": result.metrics, "table": str(result.path)}
         self.results = [entry for entry in self.results
                         if not (entry["name"] == result.name and entry["step"] == step)] + [record]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        append_line(self.path, json.dumps(record))
         self.trackers.log_scalars(step, {f"eval/{result.name}/{key}": float(value)
                                          for key, value in result.metrics.items()})
         self.trackers.log_table(f"eval/{result.name}", step, result.rows)

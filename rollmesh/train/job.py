@@ -39,6 +39,7 @@ from rollmesh.train.feeder import JobEvents, RlStageFeeder, StepRecord
 from rollmesh.train.feeder_cursor import FeederCursor, read_cursor, write_cursor
 from rollmesh.train.feeder_window import StagePlan, stage_steps
 from rollmesh.train.prompt_source import prompt_source
+from rollmesh.training.ledger import append_line
 from rollmesh.train.supervised_stage import run_supervised_stage
 
 _log = structlog.get_logger("rollmesh.train")
@@ -214,12 +215,7 @@ class TrainJob:
 
     def _record_step(self, record: StepRecord) -> None:
         self.records.append(record)
-        path = self.run_dir / "train" / STEPS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as handle:
-            if handle.tell() and not _ends_with_newline(path):
-                handle.write("\n")  # after a line torn by a kill, start a fresh one
-            handle.write(json.dumps(asdict(record)) + "\n")
+        append_line(self.run_dir / "train" / STEPS_FILE, json.dumps(asdict(record)))
         self.on_step(record)
         if self.trackers is not None:
             self.trackers.log_scalars(record.trainer_step, step_scalars(record))
@@ -298,12 +294,6 @@ def step_scalars(record: StepRecord) -> dict[str, float]:
 def _metrics(record: StepRecord) -> dict[str, Any]:
     return {"reward": record.reward, "loss": record.loss, "tokens_per_s": record.tokens_per_s,
             "trainer_idle_pct": record.trainer_idle_pct, "rewards": record.rewards}
-
-
-def _ends_with_newline(path: Path) -> bool:
-    with path.open("rb") as handle:
-        handle.seek(-1, os.SEEK_END)
-        return handle.read(1) == b"\n"
 
 
 def _read_steps(run_dir: Path) -> list[StepRecord]:

@@ -92,16 +92,23 @@ class TrainingLedger:
 
     def append(self, entry: LedgerEntry) -> None:
         """Durable on return (written and fsynced)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps(asdict(entry), separators=(",", ":")) + "\n"
-        with open(self.path, "a") as handle:
-            if handle.tell() and not self._ends_with_newline():
-                handle.write("\n")  # after a torn line, start a fresh one
-            handle.write(line)
+        append_line(self.path, json.dumps(asdict(entry), separators=(",", ":")), fsync=True)
+
+
+def append_line(path: Path, line: str, *, fsync: bool = False) -> None:
+    """``line`` as the file's last line; after a line torn by a crash, on a fresh one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        if handle.tell() and not _ends_with_newline(path):
+            handle.write("\n")
+        handle.write(line + "\n")
+        if fsync:
             handle.flush()
             os.fsync(handle.fileno())
 
-    def _ends_with_newline(self) -> bool:
-        with open(self.path, "rb") as handle:
-            handle.seek(-1, os.SEEK_END)
-            return handle.read(1) == b"\n"
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) == b"\n"
