@@ -18,6 +18,7 @@ from rollmesh.training.losses import (
     LossSettings,
     k3_kl,
     policy_loss,
+    tempered,
     token_entropy,
     token_logprobs,
 )
@@ -173,6 +174,18 @@ def test_collate_carries_versions_and_the_infra_failed_flag_shifted_like_the_tok
     batch = PolicyBatch.collate([fresh, failed], pad_id=PAD_ID)
     assert batch.versions.tolist() == [[4, 5, -1], [-1, -1, -1]]  # no versions: unknown, -1
     assert batch.infra_failed.tolist() == [False, True]
+
+    assert batch.temperatures is None  # every sample at temperature 1: nothing to scale
+
+
+def test_tempered_divides_each_row_by_its_temperature_and_leaves_greedy_and_blank_rows_alone():
+    logits = torch.tensor([[[2.0, -1.0]], [[2.0, -1.0]], [[2.0, -1.0]]])
+    samples = [PolicySample([1, 2], [0, 1], [0.0, -0.1], 1.0, temperature=t) for t in (2.0, 0.0, 1.0)]
+    temperatures = PolicyBatch.collate(samples, pad_id=PAD_ID).temperatures
+    assert temperatures.tolist() == [2.0, 0.0, 1.0]
+    # Greedy (0) trains at 1, as does a blank padding row (megatron pads microbatches with zeros).
+    assert tempered(logits, temperatures).tolist() == [[[1.0, -0.5]], [[2.0, -1.0]], [[2.0, -1.0]]]
+    assert tempered(logits, None) is logits
 
 
 # --- decoupled PPO with truncated importance sampling ------------------------------------------
@@ -422,6 +435,32 @@ def test_backend_decoupled_ppo_on_on_policy_samples_has_unit_weights_and_ratios(
     assert stats["is_capped_fraction"] == 0.0
     assert stats["entropy"] > 0.0
     assert set(stats) >= {"loss", "grad_norm", "clip_fraction", "mean_ratio"}
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.7])
+def test_backend_ratios_are_one_on_tokens_the_engine_sampled_at_the_rollouts_temperature(backend_with, temperature):
+    """The engine's behaviour logprobs are of the tempered distribution (engine/sampling.py); a
+    sample carrying that temperature has ratio 1 on its first epoch, and one without it does not."""
+    from rollmesh.engine.sampling import sample_tokens
+
+    backend = backend_with(ppo_epochs=1)
+    generator = torch.Generator().manual_seed(0)
+    tokens, logprobs = [1, 5, 6], [0.0, 0.0, 0.0]
+    with torch.no_grad():
+        for _ in range(6):  # what the engine would generate, one token at a time
+            last = backend.model(torch.tensor([tokens]))[:, -1]
+            chosen, logprob = sample_tokens(last, torch.tensor([temperature]), torch.tensor([1.0]), generator)
+            tokens.append(int(chosen[0]))
+            logprobs.append(float(logprob[0]))
+    mask = [0, 0, 0] + [1] * 6
+
+    def mean_ratio(sample_temperature: float) -> float:
+        fresh = backend_with(ppo_epochs=1)  # the same seed: the same weights as ``backend``
+        return fresh.policy_step([PolicySample(tokens, mask, logprobs, 1.0, temperature=sample_temperature),
+                                  PolicySample(tokens, mask, logprobs, -1.0, temperature=sample_temperature)])["mean_ratio"]
+
+    assert mean_ratio(temperature) == pytest.approx(1.0, abs=1e-5)
+    assert abs(mean_ratio(1.0) - 1.0) > 1e-2
 
 
 def test_backend_stale_tokens_steer_nothing(backend_with):

@@ -45,18 +45,19 @@ CASES = {"tied": ("tied", TRAINER), "untied": ("untied", TRAINER),
 PROBE = torch.tensor([[5, 17, 42, 99, 7, 250, 3, 11, 64, 128, 299, 0], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
 
 
-def _samples(backend: TorchTrainerBackend) -> list[PolicySample]:
+def _samples(backend: TorchTrainerBackend, *, tempered: bool = True) -> list[PolicySample]:
     """Right-padded samples, behaviour logprobs off the model's by noise (ratio != 1), mixed-sign
-    advantages, a prompt masked out."""
+    advantages, a prompt masked out, and (``tempered``) two sampled at a temperature other than 1."""
     rng = np.random.default_rng(0)
     out = []
-    for length, advantage in ((14, 1.0), (9, -0.5), (11, 0.7)):
+    for length, advantage, temperature in ((14, 1.0, 1.0), (9, -0.5, 0.8), (11, 0.7, 1.3)):
         tokens = rng.integers(3, TINY["vocab_size"], length).tolist()
         with torch.no_grad():
             ids = torch.tensor([tokens])
             own = token_logprobs(backend.model(ids[:, :-1]), ids[:, 1:])[0].numpy()
         behaviour = (own + rng.normal(0, 0.1, own.shape)).tolist()
-        out.append(PolicySample(tokens, [0] * 4 + [1] * (length - 4), [0.0, *behaviour], advantage))
+        out.append(PolicySample(tokens, [0] * 4 + [1] * (length - 4), [0.0, *behaviour], advantage,
+                                temperature=temperature if tempered else 1.0))
     return out
 
 
@@ -146,8 +147,10 @@ def test_megatron_tp2_packed_sft_row_matches_its_examples_run_separately(tmp_pat
     starts = {sum(row.segment_lengths[:i]) for i in range(len(row.segment_lengths))}
     unreset = PackedRow(row.ids, [0 if t in starts else m for t, m in enumerate(row.loss_mask)], (len(row.ids),))
     torch_backend = TorchTrainerBackend(ModelConfig(path=str(directory)), TrainerConfig(**TRAINER))
-    samples = _samples(torch_backend)
-    torch_backend.policy_step(samples, current_version=0)  # as the worker: a policy step, then SFT
+    # As the worker: a policy step, then SFT. Untempered: this test is about the SFT step, and
+    # its tolerances are Adam's reduction noise after the plain step.
+    samples = _samples(torch_backend, tempered=False)
+    torch_backend.policy_step(samples, current_version=0)
     torch_backend._sft_optimizer = torch_backend._new_optimizer(TRAINER["lr"])
     grads = record_step_grads(torch_backend, torch_backend._sft_optimizer)
     torch_loss = torch_backend.sft_step(examples, lr=TRAINER["lr"])

@@ -432,3 +432,19 @@ async def test_a_moe_rollouts_recorded_expert_rows_reach_the_policy_step(trainer
     assert await deliver(logic, *messages) == [None, None]
     assert sorted(int(sample.routed_experts[0, 0, 0]) for sample in trained) == [0, 1]
     assert all(np.array_equal(sample.routed_experts, rows[rid]) for sample, rid in zip(trained, "ab"))
+
+
+async def test_the_rollouts_sampling_temperature_reaches_the_policy_step(trainer):
+    logic = trainer(RecordingPublisher())
+    trained: list = []
+    policy_step = logic.backend.policy_step
+
+    def recording(samples, **kwargs):
+        trained.extend(samples)
+        return policy_step(samples, **kwargs)
+
+    logic.backend.policy_step = recording
+    messages = [msgspec.structs.replace(completed(rid, "g", reward), temperature=0.7)
+                for rid, reward in (("a", 1.0), ("b", 0.0))]
+    assert await deliver(logic, *messages) == [None, None]
+    assert [sample.temperature for sample in trained] == [0.7, 0.7]

@@ -140,6 +140,10 @@ class RolloutCompleted(WireMessage, frozen=True, tag="rollout.completed", omit_d
     # The final answer the reward saw (RewardInput.final_text): the last turn's content when it
     # ended cleanly and called no tool, else "". Sent even when the trace is stored, for tables.
     final_text: str = ""
+    # The sampling temperature its tokens were drawn at (RolloutRequested.sampling): the trainer
+    # divides its logits by it, so its logprobs are of the distribution the behaviour logprobs
+    # are of. 1.0 from older senders (and omitted on the wire at 1.0); 0 (greedy) trains at 1.
+    temperature: Annotated[float, Meta(ge=0.0, le=10.0)] = 1.0
 
     def token_trace(self) -> TokenTrace:
         """The rollout's (first) sample, from ``trajectory`` or an older sender's flat fields;

@@ -319,7 +319,7 @@ class RolloutRunner:
             num_tokens=sum(len(trace) for trace in traces), weight_version=traces[-1].last_version(),
             finish_reason=conversation.finish_reason, tokenization_mismatches=mismatches,
             malformed_tool_calls=conversation.malformed_tool_calls, reward_components=score.components,
-            final_text=conversation.final_text,
+            final_text=conversation.final_text, temperature=request.sampling.temperature,
             **carried,  # type: ignore[arg-type]
         )
 

@@ -35,6 +35,8 @@ class PolicySample:
     versions: list[int] | None = None
     # An infrastructure failure: the sample trains nothing and counts in no normalisation.
     infra_failed: bool = False
+    # The temperature its tokens were sampled at (``losses.tempered``); 0 (greedy) counts as 1.
+    temperature: float = 1.0
     # Routing replay (MoE): the experts the inference engine chose at each training input
     # position, [len(tokens) - 1, sparse layers, top_k] as ``router_replay.compact_rows`` keeps
     # them (uint8/uint16); None for a dense model or when none were recorded. Left out of ==
@@ -42,10 +44,10 @@ class PolicySample:
     routed_experts: np.ndarray | None = field(default=None, compare=False)
 
     @classmethod
-    def from_trace(cls, trace: TokenTrace, advantage: float, *,
+    def from_trace(cls, trace: TokenTrace, advantage: float, *, temperature: float = 1.0,
                    routed_experts: np.ndarray | None = None) -> PolicySample:
         return cls(trace.ids, trace.loss_mask, trace.logprobs, advantage, versions=trace.versions,
-                   routed_experts=routed_experts)
+                   temperature=temperature, routed_experts=routed_experts)
 
 
 def group_advantages(rewards: list[float]) -> list[float] | None:
@@ -70,6 +72,8 @@ class PolicyBatch:
     advantages: torch.Tensor  # [B]
     versions: torch.Tensor | None = None  # [B, T-1] long, the target token's version; None: unknown
     infra_failed: torch.Tensor | None = None  # [B] bool; None: no sample failed
+    # [B] float, each sample's sampling temperature (``losses.tempered``); None: all 1.
+    temperatures: torch.Tensor | None = None
 
     @classmethod
     def collate(cls, samples: list[PolicySample], *, pad_id: int) -> "PolicyBatch":
@@ -93,4 +97,6 @@ class PolicyBatch:
             advantages=torch.tensor([sample.advantage for sample in samples], dtype=torch.float32),
             versions=versions[:, 1:],
             infra_failed=torch.tensor([sample.infra_failed for sample in samples], dtype=torch.bool),
+            temperatures=(None if all(sample.temperature == 1.0 for sample in samples)
+                          else torch.tensor([sample.temperature for sample in samples], dtype=torch.float32)),
         )

@@ -84,6 +84,20 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
 
 
+def tempered(logits: torch.Tensor, temperatures: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` [B, T, V] divided by each row's sampling temperature ([B]; None: all 1), so
+    that their logprobs, ratios, KL and entropy are of the distribution the engine sampled from
+    (engine/sampling.py: its behaviour logprobs are the tempered ones). A temperature of 0
+    (greedy) or a blank padding row's counts as 1. Top-p is not applied: a token the engine drew
+    from a truncated distribution has a behaviour logprob above the full distribution's, which
+    the clipped ratio bounds; RL sampling usually keeps top_p = 1 for that reason."""
+    if temperatures is None:
+        return logits
+    scale = temperatures.to(device=logits.device, dtype=logits.dtype)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return logits / scale[:, None, None]
+
+
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the next-token distribution at each position, from the full logits."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -224,7 +238,7 @@ def policy_epochs(batch: PolicyBatch, settings: LossSettings, *, epochs: int,
     proximal: torch.Tensor | None = None
     stats: dict[str, float] = {}
     for _ in range(epochs):
-        step_logits = logits()
+        step_logits = tempered(logits(), batch.temperatures)
         new_logprobs = token_logprobs(step_logits, batch.targets)
         if settings.decoupled and proximal is None:
             proximal = new_logprobs.detach()

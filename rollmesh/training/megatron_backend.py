@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from rollmesh.engine.models import read_safetensors
 from rollmesh.training.grpo import PolicyBatch, PolicySample
-from rollmesh.training.losses import LossName, LossSettings, policy_loss, token_logprobs
+from rollmesh.training.losses import LossName, LossSettings, policy_loss, tempered, token_logprobs
 from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
 from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
 from rollmesh.training.megatron_model import MegatronLlama, UnsupportedMegatronModelError
@@ -170,7 +170,7 @@ class MegatronTrainerBackend:
 
         def loss_fn(logits: torch.Tensor, microbatch: Microbatch):
             index, piece = microbatch.extra.index, microbatch.extra.batch
-            logits = logits[:, : piece.targets.shape[1]]
+            logits = tempered(logits[:, : piece.targets.shape[1]], piece.temperatures)
             new_logprobs = token_logprobs(logits, piece.targets)
             if settings.decoupled:
                 proximal.setdefault(index, new_logprobs.detach())
@@ -250,7 +250,8 @@ class MegatronTrainerBackend:
 
         def record(logits: torch.Tensor, microbatch: Microbatch):
             piece = microbatch.extra.batch
-            recorded[microbatch.extra.index] = token_logprobs(logits[:, : piece.targets.shape[1]], piece.targets)
+            logits = tempered(logits[:, : piece.targets.shape[1]], piece.temperatures)
+            recorded[microbatch.extra.index] = token_logprobs(logits, piece.targets)
             return torch.zeros(()), 0, {}
 
         # Swap the reference shards in for one forward-only pass, then the live ones back (the

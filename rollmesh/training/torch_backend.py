@@ -34,7 +34,7 @@ from torch import nn
 
 from rollmesh.engine.models import CausalLM, CheckpointKeysError, load_hf_model
 from rollmesh.training.grpo import PolicyBatch, PolicySample
-from rollmesh.training.losses import LossSettings, policy_epochs, token_logprobs
+from rollmesh.training.losses import LossSettings, policy_epochs, tempered, token_logprobs
 from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
 from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
 from rollmesh.training.optimizer_adamw import AdamWConfig, MixedPrecisionAdamW
@@ -235,7 +235,8 @@ class TorchTrainerBackend:
         if self._reference is None:
             self._reference = copy.deepcopy(self.model).requires_grad_(False).eval()
         with torch.no_grad():
-            return token_logprobs(self._logits(self._reference, batch.inputs, routes), batch.targets)
+            logits = tempered(self._logits(self._reference, batch.inputs, routes), batch.temperatures)
+            return token_logprobs(logits, batch.targets)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}

@@ -229,7 +229,8 @@ class TrainerLogic(SupervisedTraining):
             # a RolloutFailed, counted in its group with no sample (handle_failed). Routed-expert
             # rows follow one sequence's positions: a split rollout's samples train without replay.
             rows = await self._routed_rows(message) if len(traces) == 1 else None
-            samples = [PolicySample.from_trace(trace, 0.0, routed_experts=rows) for trace in traces]
+            samples = [PolicySample.from_trace(trace, 0.0, temperature=message.temperature, routed_experts=rows)
+                       for trace in traces]
         else:
             self.dropped_stale += 1
         member = GroupMember(_key(message), reward, samples[0] if samples else None, lag,
