@@ -43,6 +43,9 @@ class MegatronConfig(ConfigSection):
 
 class TrainerConfig(ConfigSection):
     lr: PositiveFloat = 3e-4
+    # RL: the first lr_warmup_steps policy steps of a fresh optimizer (the stage's first, or
+    # after a restart) ramp the lr linearly up to lr (training/lr_schedule.py). 0: none.
+    lr_warmup_steps: NonNegInt = 0
     weight_decay: float = 0.0
     n_samples_per_prompt: PositiveInt = 8
     groups_per_step: PositiveInt = 16

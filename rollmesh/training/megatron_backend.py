@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from rollmesh.engine.models import read_safetensors
 from rollmesh.training.grpo import PolicyBatch, PolicySample
 from rollmesh.training.losses import LossName, LossSettings, policy_loss, tempered, token_logprobs
+from rollmesh.training.lr_schedule import set_lr, warmup_lr
 from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
 from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
 from rollmesh.training.megatron_model import MegatronLlama, UnsupportedMegatronModelError
@@ -116,6 +117,7 @@ class MegatronTrainerBackend:
         self.pad_id = eos if eos is not None and 0 <= eos < self.net.spec.vocab_size else 0
         self.optimizer = self._new_optimizer(trainer_config.lr)
         self._sft_optimizer = None
+        self._policy_steps = 0  # since the RL optimizer was made: the lr warmup's position
         # The KL reference: a copy of this rank's shards, taken at the first policy step.
         self._reference: dict[str, torch.Tensor] | None = None
 
@@ -161,6 +163,8 @@ class MegatronTrainerBackend:
         ``losses.policy_epochs``), each rank training its DP share; an MoE model replays the
         samples' recorded experts in every forward when ``replay_rows`` finds them (stat
         ``router_replay``)."""
+        set_lr(self.optimizer, warmup_lr(self.config.lr, self._policy_steps, self.config.lr_warmup_steps))
+        self._policy_steps += 1
         settings = self.loss_settings
         batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
         rows = self.replay_rows(samples)
@@ -275,6 +279,7 @@ class MegatronTrainerBackend:
         KL reference, as in the torch backend."""
         self.net.load_hf_state_dict(weights)
         self.optimizer = self._new_optimizer(self.config.lr)
+        self._policy_steps = 0
         self._reference = None
 
     def save_checkpoint(self, out_dir: Path, *, iteration: int, weight_version: int = 0) -> tuple[Path, str]:
@@ -300,7 +305,7 @@ class MegatronTrainerBackend:
         """This rank's own state, no collective: its optimizer's (its shards' moments; the
         distributed optimizer's shard of them), RNG state, KL reference shards and layout."""
         return {"optimizer": optimizer_state(self.optimizer), "torch_rng": torch.get_rng_state(),
-                "reference": self._reference, **self._layout()}
+                "reference": self._reference, "policy_steps": self._policy_steps, **self._layout()}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Restore this rank's ``training_state`` (same layout and optimizer) after
@@ -316,6 +321,7 @@ class MegatronTrainerBackend:
             raise UnsupportedMegatronModelError("training state of the other optimizer (distributed or not)",
                                                 field="distributed_optimizer", path=str(self.model_config.path))
         load_optimizer_state(self.optimizer, state["optimizer"])
+        self._policy_steps = state.get("policy_steps", self.config.lr_warmup_steps)
         torch.set_rng_state(state["torch_rng"])
         self._reference = state.get("reference")
 

@@ -35,6 +35,7 @@ from torch import nn
 from rollmesh.engine.models import CausalLM, CheckpointKeysError, load_hf_model
 from rollmesh.training.grpo import PolicyBatch, PolicySample
 from rollmesh.training.losses import LossSettings, policy_epochs, tempered, token_logprobs
+from rollmesh.training.lr_schedule import set_lr, warmup_lr
 from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
 from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
 from rollmesh.training.optimizer_adamw import AdamWConfig, MixedPrecisionAdamW
@@ -119,6 +120,8 @@ class TorchTrainerBackend:
         self.pad_id = training_pad_id(self.model)
         self.optimizer = self._new_optimizer(trainer_config.lr)
         self._sft_optimizer: Optimizer | None = None
+        # Policy steps since the RL optimizer was made: the lr warmup's position (lr_schedule).
+        self._policy_steps = 0
         # The KL reference: a frozen copy of the weights RL started from, taken at the first
         # policy step (after the warm start), only when kl_coef > 0. It costs one more copy of
         # the weights, without gradients or optimizer moments (a quarter more than the weights,
@@ -200,6 +203,9 @@ class TorchTrainerBackend:
             # warm-started weights, not from the ones the RL optimizer was built on.
             self._sft_optimizer = None
             self.optimizer = self._new_optimizer(self.config.lr)
+            self._policy_steps = 0
+        set_lr(self.optimizer, warmup_lr(self.config.lr, self._policy_steps, self.config.lr_warmup_steps))
+        self._policy_steps += 1
         settings = self.loss_settings
         batch = PolicyBatch.collate(samples, pad_id=self.pad_id)
         routes = self.replay_routes(samples, batch.inputs.shape[1])
@@ -248,6 +254,7 @@ class TorchTrainerBackend:
         names (what ``state_dict`` gives and the inference workers load)."""
         load_hf_weights_in_place(self.model, weights)
         self.optimizer = self._new_optimizer(self.config.lr)
+        self._policy_steps = 0  # fresh moments warm up again
         self._reference = None
 
     def save_checkpoint(self, out_dir: Path, *, iteration: int, weight_version: int = 0) -> tuple[Path, str]:
@@ -273,6 +280,7 @@ class TorchTrainerBackend:
         counts, the RNG states, and the KL reference's weights when there is one."""
         return {
             "optimizer": self.optimizer.state_dict(),
+            "policy_steps": self._policy_steps,
             "torch_rng": torch.get_rng_state(),
             "reference": None if self._reference is None else self._reference.state_dict(),
         }
@@ -283,6 +291,8 @@ class TorchTrainerBackend:
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Restore ``training_state`` after ``load_state_dict`` of the same step's weights."""
         self.optimizer.load_state_dict(state["optimizer"])
+        # A state saved before the warmup existed: its optimizer is past any warmup.
+        self._policy_steps = state.get("policy_steps", self.config.lr_warmup_steps)
         torch.set_rng_state(state["torch_rng"])
         if state.get("reference") is not None:
             self._reference = copy.deepcopy(self.model).requires_grad_(False).eval()
