@@ -5,6 +5,8 @@ which imports mlflow; this module stays quick.)"""
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,9 @@ pytestmark = pytest.mark.unit
 class RecordingTracker:
     """A tracker that records its calls, and fails on the step it is told to."""
 
-    def __init__(self, backend: str, fail_at_step: int | None = None) -> None:
+    def __init__(self, backend: str, fail_at_step: int | None = None, run_id: str | None = None) -> None:
         self.backend = backend
+        self.run_id = run_id
         self.fail_at_step = fail_at_step
         self.steps: list[int] = []
         self.tables: list[str] = []
@@ -77,7 +80,8 @@ def test_tracker_failing_to_open_is_a_tracker_error_and_closes_those_opened(monk
 def test_run_name_defaults_to_the_tracking_config_then_the_run_directory(monkeypatch, tmp_path) -> None:
     names: list[str] = []
 
-    def record(tracking: TrackingConfig, run_dir: Path, run_name: str, config: dict) -> RecordingTracker:
+    def record(tracking: TrackingConfig, run_dir: Path, run_name: str, config: dict,
+               resume_id: str | None) -> RecordingTracker:
         names.append(run_name)
         return RecordingTracker("tensorboard")
 
@@ -88,6 +92,25 @@ def test_run_name_defaults_to_the_tracking_config_then_the_run_directory(monkeyp
     open_trackers(TrackingConfig(run_name="from-config"), run_dir=run_dir, run_name="given",
                   config={}).close()
     assert names == ["run-7", "from-config", "given"]
+
+
+def test_a_resumed_job_continues_the_runs_its_run_directory_recorded(monkeypatch, tmp_path) -> None:
+    resumed: list[tuple[str, str | None]] = []
+
+    def opener(backend: str):
+        def open_run(tracking, run_dir, run_name, config, resume_id) -> RecordingTracker:
+            resumed.append((backend, resume_id))
+            return RecordingTracker(backend, run_id=None if backend == "tensorboard" else resume_id or f"{backend}-1")
+        return open_run
+
+    for backend in ("tensorboard", "wandb", "mlflow"):
+        monkeypatch.setitem(trackers_module._OPENERS, backend, opener(backend))
+    tracking = TrackingConfig(backends=["tensorboard", "wandb", "mlflow"])
+    open_trackers(tracking, run_dir=tmp_path, config={}).close()
+    assert json.loads((tmp_path / trackers_module.RUNS_FILE).read_text()) == {"wandb": "wandb-1", "mlflow": "mlflow-1"}
+    open_trackers(tracking, run_dir=tmp_path, config={}).close()  # rollmesh train --resume
+    assert resumed == [("tensorboard", None), ("wandb", None), ("mlflow", None),
+                       ("tensorboard", None), ("wandb", "wandb-1"), ("mlflow", "mlflow-1")]
 
 
 def test_markdown_table_keeps_each_row_on_one_line_and_escapes_cells() -> None:

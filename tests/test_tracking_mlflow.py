@@ -101,3 +101,18 @@ def test_flat_params_are_dotted_keys_with_lists_as_json() -> None:
               "tracking": {}, "name": "run"}
     assert flat_params(config) == {"trainer.lr": 1e-5, "trainer.megatron.data_parallel": 2,
                                    "stages": '[{"kind": "rl"}]', "tracking": {}, "name": "run"}
+
+
+def test_a_resumed_job_logs_on_into_the_same_run(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    tracking = TrackingConfig(backends=["mlflow"], project="tiny-math")
+    with open_trackers(tracking, run_dir=tmp_path, config=CONFIG) as trackers:
+        trackers.log_scalars(1, {"rl/reward": 0.25})
+    with open_trackers(tracking, run_dir=tmp_path, config=CONFIG) as trackers:  # rollmesh train --resume
+        trackers.log_scalars(2, {"rl/reward": 0.5})
+    from mlflow import MlflowClient
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("tiny-math").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "rl/reward")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.25), (2, 0.5)]
+    assert run.info.status == "FINISHED"

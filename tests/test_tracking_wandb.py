@@ -140,3 +140,14 @@ def test_mode_unset_follows_wandb_mode_from_the_environment(wandb_env, tmp_path)
     finally:
         wandb_env.delenv("WANDB_MODE")
     assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_a_resumed_job_continues_the_same_wandb_run(wandb_env, tmp_path) -> None:
+    tracking = TrackingConfig(backends=["wandb"], project="tiny-math", wandb_mode="offline")
+    for step in (1, 2):  # the job, then rollmesh train --resume
+        with open_trackers(tracking, run_dir=tmp_path, config=CONFIG) as trackers:
+            trackers.log_scalars(step, {"rl/reward": 0.25 * step})
+    first, second = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    ids = {run.run_id for directory in (first, second) for run in records_of(directory, "run")}
+    # Offline, each session is its own folder of the one run (wandb sync --append joins them).
+    assert len(ids) == 1 and first.name.endswith(ids.pop())

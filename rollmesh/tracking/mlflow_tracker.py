@@ -7,7 +7,8 @@ them in ``./mlruns`` of the working directory). The config is logged twice: as p
 keys (values cut to MLflow's length limit) for searching, and whole as the artifact
 ``config.json``. Sample tables are the artifacts ``tables/<name>_step<step>.json``. MLflow names
 allow only letters, digits and ``_-. :/``: ``mean@4`` is logged as ``mean_at_4``, any other
-character as ``_``.
+character as ``_``. ``resume_id`` continues that run: it is marked running again, and its
+params and config, logged when it was created, are not logged twice.
 """
 
 from __future__ import annotations
@@ -31,11 +32,16 @@ class MlflowTracker:
     backend = "mlflow"
 
     def __init__(self, run_dir: Path, *, tracking_uri: str, experiment: str, run_name: str,
-                 config: dict[str, Any]) -> None:
+                 config: dict[str, Any], resume_id: str | None = None) -> None:
         run_dir = Path(run_dir).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.tracking_uri = tracking_uri or f"sqlite:///{run_dir / DATABASE}"
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self._closed = False
+        if resume_id is not None:
+            self.run_id = self.client.get_run(resume_id).info.run_id  # a run that is gone raises
+            self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+            return
         found = self.client.get_experiment_by_name(experiment)
         if found is not None:
             experiment_id = found.experiment_id
@@ -45,7 +51,6 @@ class MlflowTracker:
             location = None if tracking_uri else (run_dir / ARTIFACTS_DIR).as_uri()
             experiment_id = self.client.create_experiment(experiment, artifact_location=location)
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-        self._closed = False
         params = [Param(key, str(value)[:MAX_PARAM_VAL_LENGTH])
                   for key, value in flat_params(config).items()]
         for start in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):

@@ -25,6 +25,7 @@ _NOT_IN_TAGS = re.compile(r"[^-/\w.]")
 
 class TensorBoardTracker:
     backend = "tensorboard"
+    run_id = None  # a resumed job's events are new files in the same directory: nothing to continue
 
     def __init__(self, run_dir: Path, config: dict[str, Any]) -> None:
         self.directory = Path(run_dir) / TRAIN_DIR

@@ -4,10 +4,15 @@ Knows the ``Tracker`` protocol, ``TrackingConfig`` and which module holds each b
 any backend stores a run. A tracker that fails to open is a ``TrackerError`` from ``open_trackers``
 (the job has not started yet, so refusing costs nothing); one that fails later is dropped with a
 warning, because trackers only observe a run and must never stop it.
+
+A run directory holds one job, so it holds one run of each backend: the run ids are kept in
+``<run_dir>/trackers.json``, and a job resumed there (``rollmesh train --resume``) continues
+those runs instead of opening new ones.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,11 +24,17 @@ from rollmesh.tracking.errors import TrackerError
 
 _log = structlog.get_logger("rollmesh.tracking")
 
+# {backend: run id} of the runs a run directory's job logs to.
+RUNS_FILE = "trackers.json"
+
 
 class Tracker(Protocol):
     """One backend's run. Rows of a table are flat dicts of str, int and float."""
 
     backend: str
+    # The backend's id of the run, to continue it on resume; None: nothing to continue (a
+    # TensorBoard run is its directory).
+    run_id: str | None
 
     def log_scalars(self, step: int, scalars: dict[str, float]) -> None: ...
 
@@ -33,26 +44,26 @@ class Tracker(Protocol):
 
 
 def _open_tensorboard(tracking: TrackingConfig, run_dir: Path, run_name: str,
-                      config: dict[str, Any]) -> Tracker:
+                      config: dict[str, Any], resume_id: str | None) -> Tracker:
     from rollmesh.tracking.tensorboard_tracker import TensorBoardTracker
     return TensorBoardTracker(run_dir, config)
 
 
 def _open_wandb(tracking: TrackingConfig, run_dir: Path, run_name: str,
-                config: dict[str, Any]) -> Tracker:
+                config: dict[str, Any], resume_id: str | None) -> Tracker:
     from rollmesh.tracking.wandb_tracker import WandbTracker
     return WandbTracker(run_dir, project=tracking.project, run_name=run_name,
-                        mode=tracking.wandb_mode, config=config)
+                        mode=tracking.wandb_mode, config=config, resume_id=resume_id)
 
 
 def _open_mlflow(tracking: TrackingConfig, run_dir: Path, run_name: str,
-                 config: dict[str, Any]) -> Tracker:
+                 config: dict[str, Any], resume_id: str | None) -> Tracker:
     from rollmesh.tracking.mlflow_tracker import MlflowTracker
     return MlflowTracker(run_dir, tracking_uri=tracking.mlflow_tracking_uri,
-                         experiment=tracking.project, run_name=run_name, config=config)
+                         experiment=tracking.project, run_name=run_name, config=config, resume_id=resume_id)
 
 
-_OPENERS: dict[str, Callable[[TrackingConfig, Path, str, dict[str, Any]], Tracker]] = {
+_OPENERS: dict[str, Callable[[TrackingConfig, Path, str, dict[str, Any], str | None], Tracker]] = {
     "tensorboard": _open_tensorboard,
     "wandb": _open_wandb,
     "mlflow": _open_mlflow,
@@ -62,15 +73,18 @@ _OPENERS: dict[str, Callable[[TrackingConfig, Path, str, dict[str, Any]], Tracke
 def open_trackers(tracking: TrackingConfig, *, run_dir: Path | str, run_name: str = "",
                   config: dict[str, Any]) -> Trackers:
     """Open a run in each of ``tracking.backends`` and log ``config`` (the job's whole config as
-    builtins) to it once. ``run_name`` "" is ``tracking.run_name``, else the run directory's name.
-    Raises ``TrackerError`` naming the first backend that cannot open (the others are closed)."""
+    builtins) to it once; or continue the runs ``<run_dir>/trackers.json`` names (a resumed job).
+    ``run_name`` "" is ``tracking.run_name``, else the run directory's name. Raises
+    ``TrackerError`` naming the first backend that cannot open (the others are closed)."""
     run_dir = Path(run_dir)
     run_name = run_name or tracking.run_name or run_dir.resolve().name
+    runs_file = run_dir / RUNS_FILE
+    previous: dict[str, str] = json.loads(runs_file.read_text()) if runs_file.is_file() else {}
     opened: list[Tracker] = []
     try:
         for backend in dict.fromkeys(tracking.backends):  # a backend listed twice opens once
             try:
-                opened.append(_OPENERS[backend](tracking, run_dir, run_name, config))
+                opened.append(_OPENERS[backend](tracking, run_dir, run_name, config, previous.get(backend)))
             except TrackerError:
                 raise
             except Exception as exc:  # the backend's own failure, in its own words
@@ -78,6 +92,10 @@ def open_trackers(tracking: TrackingConfig, *, run_dir: Path | str, run_name: st
     except BaseException:
         Trackers(opened).close()
         raise
+    runs = {**previous, **{tracker.backend: tracker.run_id for tracker in opened if tracker.run_id}}
+    if runs != previous:
+        runs_file.parent.mkdir(parents=True, exist_ok=True)
+        runs_file.write_text(json.dumps(runs, indent=2) + "\n")
     return Trackers(opened)
 
 

@@ -6,6 +6,10 @@ network and no account: the run is written under ``<run_dir>/wandb/offline-run-*
 capture, no system metrics or machine metadata (which probe cloud metadata endpoints), no code,
 git or pip snapshot. wandb's service process (wandb-core) is shut down by ``close`` so nothing
 outlives the tracker; a process therefore holds one wandb tracker at a time.
+
+``resume_id`` continues a run (W&B's ``resume="allow"``): online, the same run goes on; offline,
+each session is its own ``offline-run-*`` folder with the same run id, and ``wandb sync --append``
+uploads the later ones into it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ class WandbTracker:
     backend = "wandb"
 
     def __init__(self, run_dir: Path, *, project: str, run_name: str, mode: str,
-                 config: dict[str, Any]) -> None:
+                 config: dict[str, Any], resume_id: str | None = None) -> None:
         settings = wandb.Settings(
             console="off", x_disable_stats=True, x_disable_meta=True, x_disable_machine_info=True,
             disable_git=True, disable_code=True, save_code=False, x_save_requirements=False,
@@ -32,13 +36,18 @@ class WandbTracker:
         # mode None: wandb follows WANDB_MODE (online when unset), as "" promises.
         try:
             self._run = wandb.init(project=project, name=run_name, dir=str(run_dir), config=config,
-                                   mode=mode or None, settings=settings)
+                                   mode=mode or None, settings=settings, id=resume_id,
+                                   resume="allow" if resume_id else None)
             self._run.define_metric(STEP_KEY)
             self._run.define_metric("*", step_metric=STEP_KEY)
         except BaseException:
             wandb.teardown()  # a refused init (no API key online) leaves wandb-core running
             raise
         self._closed = False
+
+    @property
+    def run_id(self) -> str:
+        return self._run.id
 
     @property
     def directory(self) -> Path:
