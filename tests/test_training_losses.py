@@ -477,3 +477,39 @@ def test_backend_stale_tokens_steer_nothing(backend_with):
     assert stats["trained_tokens"] == 0.0 and stats["loss"] == 0.0
     after = everything_stale.state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_logprob_mismatch_is_the_first_epochs_mean_gap_over_generated_trained_tokens():
+    """By hand: trained tokens (mask 1, healthy sample) the engine generated (version >= 0);
+    the gap is |proximal - behaviour| (the first epoch's logprobs), not the current epoch's."""
+    new = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -1.0, -3.0]])
+    proximal = torch.tensor([[-1.1, -0.4, -9.0], [-0.3, -1.5, -7.0]])
+    # Sample 0's third token is masked (tool); sample 1's third was forced (version -1).
+    batch = batch_of(MASK, BEHAVIOUR, ADVANTAGES, versions=[[3, 3, -1], [2, 2, -1]])
+    _, stats = policy_loss(new, batch, PPO, proximal_logprobs=proximal)
+    # |-1.1 - -1.0| = 0.1, |-0.4 - -0.8| = 0.4, |-0.3 - -0.2| = 0.1, |-1.5 - -0.9| = 0.6
+    assert stats["logprob_mismatch"] == pytest.approx((0.1 + 0.4 + 0.1 + 0.6) / 4, rel=1e-6)
+    # Without proximal logprobs (the first epoch) it is the new logprobs' gap, versions unknown:
+    # every trained token counts, the forced one too (|-3 - -1| = 2).
+    _, stats = policy_loss(new, batch_of(MASK, BEHAVIOUR, ADVANTAGES), PPO)
+    assert stats["logprob_mismatch"] == pytest.approx((0.0 + 0.3 + 0.0 + 0.1 + 2.0) / 5, rel=1e-6)
+    # An infrastructure-failed sample counts nowhere.
+    _, stats = policy_loss(new, batch_of(MASK, BEHAVIOUR, ADVANTAGES, infra_failed=[False, True]), PPO)
+    assert stats["logprob_mismatch"] == pytest.approx(0.3 / 2, rel=1e-6)
+
+
+def test_policy_epochs_report_the_first_epochs_logprob_mismatch():
+    """Two epochs whose logits the "update" moves: the stat stays the first epoch's gap."""
+    from rollmesh.training.losses import policy_epochs
+
+    batch = batch_of([[1, 1]], [[math.log(0.5), math.log(0.5)]], [1.0])
+    logits = torch.zeros(1, 2, 2, requires_grad=True)  # uniform over 2 tokens: logprob log 0.5
+    shift = {"value": 0.0}
+
+    def update(loss):
+        shift["value"] += 1.0  # the next epoch's logits differ: target 0's logprob changes
+        return 0.0
+
+    stats = policy_epochs(batch, PPO, epochs=2, update=update,
+                          logits=lambda: logits + torch.tensor([shift["value"], 0.0]))
+    assert stats["logprob_mismatch"] == 0.0 and stats["mean_ratio"] != pytest.approx(1.0)

@@ -448,3 +448,20 @@ async def test_the_rollouts_sampling_temperature_reaches_the_policy_step(trainer
                 for rid, reward in (("a", 1.0), ("b", 0.0))]
     assert await deliver(logic, *messages) == [None, None]
     assert [sample.temperature for sample in trained] == [0.7, 0.7]
+
+
+async def test_trainer_stepped_carries_the_policy_steps_logprob_mismatch(trainer):
+    logic = trainer(bus := RecordingPublisher())
+    reported: list[dict] = []
+    policy_step = logic.backend.policy_step
+
+    def recording(samples, **kwargs):
+        reported.append(policy_step(samples, **kwargs))
+        return reported[-1]
+
+    logic.backend.policy_step = recording
+    assert await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0)) == [None, None]
+    assert await deliver(logic, completed("c", "g2", 1.0), completed("d", "g2", 1.0)) == [None, None]
+    trained, untrained = bus.messages(TRAINER_STEPPED)
+    assert trained.logprob_mismatch == reported[0]["logprob_mismatch"] and trained.logprob_mismatch > 0
+    assert untrained.num_samples == 0 and untrained.logprob_mismatch is None

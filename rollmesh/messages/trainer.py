@@ -37,6 +37,10 @@ class TrainerStepped(WireMessage, frozen=True, tag="trainer.stepped"):
     # dynamic sampling dropped (trainer.drop_uniform_groups).
     groups: list[str] = []
     dropped_groups: int = 0
+    # Train-versus-rollout logprob mismatch: mean |trainer logprob - behaviour logprob| over the
+    # step's trained generated tokens, the trainer's taken before the update (training/losses.py).
+    # None: the step trained nothing, or the sender predates it.
+    logprob_mismatch: float | None = None
 
 
 class GroupDropped(WireMessage, frozen=True, tag="trainer.group_dropped"):

@@ -62,6 +62,7 @@ class StepRecord:
     rollouts: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     max_version_lag: int = 0  # the step's (TrainerStepped.max_version_lag)
+    logprob_mismatch: float | None = None  # the step's (TrainerStepped.logprob_mismatch)
 
     def line(self) -> str:
         reward = "nan" if self.reward is None else f"{self.reward:.4f}"
@@ -194,7 +195,8 @@ class RlStageFeeder:
             trainer_step=stepped.step, reward=stepped.reward_mean, loss=stepped.loss,
             tokens_per_s=tally.tokens / interval_s if interval_s > 0 else 0.0,
             trainer_idle_pct=idle, weight_version=stepped.weight_version, rewards=tally.means(),
-            rollouts=tally.rollouts, failures=dict(tally.failures), max_version_lag=stepped.max_version_lag)
+            rollouts=tally.rollouts, failures=dict(tally.failures), max_version_lag=stepped.max_version_lag,
+            logprob_mismatch=stepped.logprob_mismatch)
 
     async def _fill(self, trainer_step: int) -> None:
         for _ in range(self.window.wanted(trainer_step)):

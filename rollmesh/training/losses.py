@@ -23,6 +23,12 @@ m_it is 1 only where the loss mask is 1 (never a prompt or tool token), the samp
 infrastructure failure, and the token's version lag (trainer version - token version) is at most
 ``max_token_lag``: masked tokens count in neither the numerator nor the denominator.
 
+Stat ``logprob_mismatch``: mean |log pi_first - log mu| over the trained tokens the engine
+generated (version >= 0, or every trained token when versions are unknown), where log pi_first
+is the trainer's logprob at the step's first epoch (before any update). The first thing to check
+after an engine, kernel or precision change: it is the train-versus-rollout gap of the same
+weights plus the off-policy gap of older versions, never what this step's update moved.
+
 Why decoupled PPO: behaviour logprobs come from older weights (asynchronous RL) and from another
 engine (numerically different kernels), so clipping against them mixes "how far did this update
 move the policy" with "how off-policy was the data". Clipping against the trainer's own logprobs
@@ -164,8 +170,10 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The selected loss (module docstring) and its statistics.
 
-    ``proximal_logprobs``: the trainer's logprobs before this update (detached); defaults to
-    ``new_logprobs`` detached, which is right at the first epoch. ``reference_logprobs``: needed
+    ``proximal_logprobs``: the trainer's logprobs before this update (detached; the first
+    epoch's); defaults to ``new_logprobs`` detached, which is right at the first epoch. Besides
+    the decoupled loss, they give the ``logprob_mismatch`` stat (module docstring), so a backend
+    passes them at every epoch, decoupled or not. ``reference_logprobs``: needed
     when ``kl_coef`` > 0; ``logits`` (full vocabulary): needed when ``entropy_coef`` > 0;
     ``current_version``: needed when ``max_token_lag`` is set."""
     trained, stale = trained_token_mask(batch, max_token_lag=settings.max_token_lag,
@@ -183,8 +191,10 @@ def policy_loss(
     advantages = advantages[:, None]
 
     stats: dict[str, float] = {}
+    proximal = new_logprobs.detach() if proximal_logprobs is None else torch.where(trained, proximal_logprobs, zeros)
+    generated = trained if batch.versions is None else trained & (batch.versions >= 0)
+    stats["logprob_mismatch"] = _token_mean((proximal - behaviour).abs(), generated.float())
     if settings.decoupled:
-        proximal = new_logprobs.detach() if proximal_logprobs is None else torch.where(trained, proximal_logprobs, zeros)
         ratio = torch.exp(new_logprobs - proximal)
         raw_weight = torch.exp(proximal - behaviour)
         weight = torch.clamp(raw_weight, max=settings.is_cap)
@@ -240,7 +250,7 @@ def policy_epochs(batch: PolicyBatch, settings: LossSettings, *, epochs: int,
     for _ in range(epochs):
         step_logits = tempered(logits(), batch.temperatures)
         new_logprobs = token_logprobs(step_logits, batch.targets)
-        if settings.decoupled and proximal is None:
+        if proximal is None:  # the first epoch's: decoupled PPO's proximal, logprob_mismatch's
             proximal = new_logprobs.detach()
         loss, stats = policy_loss(
             new_logprobs, batch, settings, proximal_logprobs=proximal, reference_logprobs=reference_logprobs,

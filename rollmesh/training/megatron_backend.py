@@ -176,8 +176,8 @@ class MegatronTrainerBackend:
             index, piece = microbatch.extra.index, microbatch.extra.batch
             logits = tempered(logits[:, : piece.targets.shape[1]], piece.temperatures)
             new_logprobs = token_logprobs(logits, piece.targets)
-            if settings.decoupled:
-                proximal.setdefault(index, new_logprobs.detach())
+            # The first epoch's: decoupled PPO's proximal logprobs, and logprob_mismatch's.
+            proximal.setdefault(index, new_logprobs.detach())
             loss, stats = policy_loss(
                 new_logprobs, piece, settings, proximal_logprobs=proximal.get(index),
                 reference_logprobs=reference.get(index), current_version=current_version,

@@ -365,6 +365,7 @@ class TrainerLogic(SupervisedTraining):
             version_lag_p50=lags.p50, version_lag_p90=lags.p90, version_lag_histogram=lags.histogram,
             max_raw_version_lag=max((member.raw_version_lag for member in admitted), default=0),
             num_rollouts=trained, groups=group_ids, dropped_groups=dropped,
+            logprob_mismatch=stats.get("logprob_mismatch"),
         )
         await self.publisher.publish(TRAINER_STEPPED, message)
         metrics.record(metrics_catalog.TRAINER_STEP_DURATION, message.duration_s)
