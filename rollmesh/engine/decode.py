@@ -39,10 +39,17 @@ from torch import nn
 from rollmesh.engine.batch_sampler import BatchSampler
 # DecodeStats and FinishedSequence are also imported from here (rollmesh.engine.decode) by callers.
 from rollmesh.engine.decode_state import ActiveSequence, DecodeStats, FinishedSequence
-from rollmesh.engine.errors import CapacityError, DuplicateRequestError, KvCapacityError
+from rollmesh.engine.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    EngineBusyError,
+    KvCapacityError,
+    MemoryReleasedError,
+)
 from rollmesh.engine.guided_decoding import GuidedDecoder
 from rollmesh.engine.kv_allocation import KvAllocator
 from rollmesh.engine.kv_pages import KvBlockPool, PagedAttention
+from rollmesh.engine.memory_release import MemoryMoveStats, ReleasableWeights
 from rollmesh.engine.paged_model import model_device
 from rollmesh.engine.prefill import PrefillResult, run_prefill
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, Detokenizer, FinishReason, GenerateOptions
@@ -94,6 +101,7 @@ class DecodeEngine:
         )
         self.sessions = SessionCache()
         self.kv = KvAllocator(self.pool, self.sessions, max_batch=max_batch)
+        self.memory = ReleasableWeights(model, self.weights, self.pool)
         self._device = model_device(model)
         self._active: list[ActiveSequence] = []
         self._by_id: dict[str, ActiveSequence] = {}
@@ -179,7 +187,11 @@ class DecodeEngine:
         self, prompt_len: int, sampling: SamplingParams, session_id: str | None = None
     ) -> bool:
         """True when a batch slot is free and the request's blocks are (after evicting other
-        parked sessions if it must; the request's own session counts as room)."""
+        parked sessions if it must; the request's own session counts as room). Also True while
+        the memory is released: admitting then fails the request with the retryable
+        MemoryReleasedError instead of keeping it waiting for as long as the loan lasts."""
+        if self.memory.released:
+            return True
         if len(self._active) >= self.max_batch:
             return False
         own = self.sessions.blocks_of(session_id)
@@ -301,6 +313,27 @@ class DecodeEngine:
         """Free every parked session's KV (e.g. an operator's cache flush); blocks freed."""
         return self.kv.drop_sessions()
 
+    @property
+    def memory_released(self) -> bool:
+        return self.memory.released
+
+    def release_memory(self) -> MemoryMoveStats:
+        """Move the weights and the parked sessions' KV to host memory and free the device's
+        (the GPU scheduler lends the accelerator). Only between steps of an idle engine
+        (``EngineBusyError`` otherwise: ``LocalEngine.release_memory`` drains first); until
+        ``resume_memory`` every request is refused with the retryable MemoryReleasedError."""
+        if self._active or self._finished:
+            raise EngineBusyError(len(self._active) + len(self._finished), "requests in flight")
+        return self.memory.release()
+
+    def resume_memory(self) -> MemoryMoveStats:
+        """Bring the weights and parked KV back (sessions keep their prefixes). Weights staged
+        while released wait in ``take_deferred_weights`` for the caller to stage them."""
+        return self.memory.resume()
+
+    def take_deferred_weights(self) -> tuple[dict[str, torch.Tensor], int] | None:
+        return self.memory.take_deferred()
+
     # -- weights ---------------------------------------------------------------------------
 
     @property
@@ -308,8 +341,9 @@ class DecodeEngine:
         return self.weights.current_version
 
     def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
-        """Keep new weights for the next step boundary (any thread); see WeightStager.stage."""
-        return self.weights.stage(state_dict, version)
+        """Keep new weights for the next step boundary (any thread); see WeightStager.stage.
+        While the memory is released they wait on the host until ``resume_memory``."""
+        return self.memory.stage(state_dict, version)
 
     def pop_activation(self) -> int | None:
         """The newest weight version activated since the last call (by a step), or None."""
@@ -358,6 +392,8 @@ class DecodeEngine:
         version); returns its stop checker, its token budget clipped to the context."""
         if request_id in self._by_id:
             raise DuplicateRequestError(request_id)
+        if self.memory.released:
+            raise MemoryReleasedError(request_id=request_id)
         check_options(options, prompt_len, self.model, request_id=request_id)
         if options.grammar is not None:  # an invalid grammar fails here, before any admission
             self.guided.compile(options.grammar, request_id=request_id)

@@ -8,13 +8,16 @@
     ├── CapacityError(max_batch, request_id)            every decode slot is taken
     ├── EngineStoppedError(request_id)                  the loop stopped with it in flight
     ├── VersionUnavailableError(min_version, current)   retryable: weights not yet that new
+    ├── MemoryReleasedError(request_id)                 retryable: memory lent out (GPU scheduler)
+    ├── EngineBusyError(active, reason)                 a release needs an idle engine
     ├── KvCapacityError(blocks_needed, blocks_total)    the request can never fit the KV pool
     ├── DecodeStepError(weight_version, request_ids)    a batched step failed; its batch fails
     └── WeightsError(version, path)
         ├── WeightsMismatchError(reason)                a state dict that does not fit the model
         ├── StaleWeightsError(current_version)          older than the active version
         ├── WeightsChecksumError(expected, actual)
-        └── WeightsFileError(reason)                    unwritable, unreadable or malformed file
+        ├── WeightsFileError(reason)                    unwritable, unreadable or malformed file
+        └── WeightsUnavailableError(reason)             no memory copy here: read the files
 """
 
 from __future__ import annotations
@@ -106,6 +109,29 @@ class VersionUnavailableError(EngineError):
         self.request_id = request_id
 
 
+class MemoryReleasedError(EngineError):
+    """The engine's weights and KV are in host memory: the GPU scheduler lent its accelerator
+    (``scheduler.lend_role_accelerators``). Retryable: on another worker now, or on this one once
+    the scheduler takes the accelerator back and the memory is resumed."""
+
+    retryable = True
+
+    def __init__(self, *, request_id: str | None = None) -> None:
+        super().__init__(f"the engine's memory is released, its accelerator lent (request {request_id}); "
+                         "retryable: send it to another worker, or again after the memory is resumed")
+        self.request_id = request_id
+
+
+class EngineBusyError(EngineError):
+    """Memory can be released only by an idle engine: ``active`` requests (or staged weights)
+    still need it. The caller drains first (``LocalEngine.release_memory`` does)."""
+
+    def __init__(self, active: int, reason: str) -> None:
+        super().__init__(f"cannot release the engine's memory: {reason} ({active} requests active)")
+        self.active = active
+        self.reason = reason
+
+
 class KvCapacityError(InvalidRequestError):
     """The prompt plus its token budget needs more KV blocks than the whole pool holds."""
 
@@ -164,4 +190,13 @@ class WeightsChecksumError(WeightsError):
 class WeightsFileError(WeightsError):
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"{path}: {reason}", path=path)
+        self.reason = reason
+
+
+class WeightsUnavailableError(WeightsError):
+    """The shared-memory copy of a version cannot be read here (another node, its holder gone or
+    restarted, the version released): the caller reads the files instead."""
+
+    def __init__(self, version: int, reason: str) -> None:
+        super().__init__(f"weights version {version} are not in shared memory here: {reason}", version=version)
         self.reason = reason

@@ -1,6 +1,6 @@
 """Paged KV cache: a pool of fixed-size blocks, and the attention view one forward pass uses.
 
-Knows torch only. The pool is one tensor [layers, 2 (K/V), blocks * block_size, kv_heads,
+Knows torch (and memory_release's host copies) only. The pool is one tensor [layers, 2 (K/V), blocks * block_size, kv_heads,
 head_dim]; a sequence owns a list of blocks (its page table) and its token at position p lives in
 slot ``blocks[p // block_size] * block_size + p % block_size``. Blocks are handed out from a free
 list, so sequences of any length join and leave without moving anyone else's KV.
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from rollmesh.engine.memory_release import HOST, to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,9 @@ class KvBlockPool:
         )
         # Popped from the end: the lowest-numbered blocks are reused first (better locality).
         self._free = list(range(num_blocks - 1, -1, -1))
+        # While the memory is lent (offload_to_host): the blocks in use and their pages on the host.
+        self._host: tuple[list[int], torch.Tensor | None] | None = None
+        self._device = self.kv.device
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -89,6 +94,39 @@ class KvBlockPool:
         """Store pages made by another pool with the same layout and block size."""
         paged = self.kv.view(*self.kv.shape[:2], self.num_blocks, self.block_size, *self.kv.shape[3:])
         paged[:, :, torch.as_tensor(blocks, dtype=torch.long)] = pages.to(self.kv.dtype)
+
+    # -- lending the memory (memory_release) ------------------------------------------------
+
+    @property
+    def offloaded(self) -> bool:
+        return self._host is not None
+
+    def offload_to_host(self) -> int:
+        """Copy the blocks in use (parked sessions) to host memory and free the pool tensor;
+        returns the bytes copied. Free blocks hold nothing worth keeping, so an idle pool moves
+        only what its sessions parked. Nothing may read or write the pool until ``restore``."""
+        if self._host is not None:
+            return 0
+        free = set(self._free)
+        used = [block for block in range(self.num_blocks) if block not in free]
+        pages = self.read_pages(used) if used else None
+        self._device = self.kv.device
+        self._host = (used, None if pages is None else to_device(pages, HOST))
+        self.kv = torch.empty(0, dtype=self.layout.dtype, device=self._device)
+        return 0 if pages is None else pages.numel() * pages.element_size()
+
+    def restore(self) -> int:
+        """Allocate the pool again on its device and put the kept blocks back; bytes copied."""
+        if self._host is None:
+            return 0
+        used, pages = self._host
+        layout = self.layout
+        self.kv = torch.zeros(layout.num_layers, 2, self.num_blocks * self.block_size, layout.num_kv_heads,
+                              layout.head_dim, dtype=layout.dtype, device=self._device)
+        if pages is not None:
+            self.write_pages(used, pages.to(self._device, non_blocking=True))
+        self._host = None
+        return 0 if pages is None else pages.numel() * pages.element_size()
 
 
 class PagedAttention:

@@ -5,10 +5,19 @@ DecodeLoop in separate actors and passes the PrefillResult through the object st
 aggregated actor mode wraps this same DecodeLoop). Prompts are prefilled by the decode engine
 between steps, reusing their session's parked KV. Leaves ``torch.set_num_threads`` to the
 process owner.
+
+Lending its memory (``release_memory`` / ``resume_memory``, for the GPU scheduler): from the
+release on, new requests are refused with the retryable ``MemoryReleasedError``, while those
+already accepted finish; then the weights and parked KV go to host memory. Refused rather than
+queued: the memory comes back only when the scheduler takes the accelerator back from a
+simulation job (up to that job's preemption grace, minutes), and a request queued that long would
+hold its caller invisibly, where a typed refusal lets the router send it to a worker that has
+its memory (and a client retry).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 import torch
@@ -17,6 +26,8 @@ from torch import nn
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
 from rollmesh.engine.decode import DecodeEngine, DecodeStats
+from rollmesh.engine.errors import EngineBusyError, MemoryReleasedError
+from rollmesh.engine.memory_release import MemoryMoveStats
 from rollmesh.engine.paged_model import build_inference_model, load_tokenizer
 from rollmesh.engine.protocols import (
     DEFAULT_OPTIONS,
@@ -72,6 +83,9 @@ class LocalEngine:
             self.model, inference_config, seed=seed, tokenizer=tokenizer, version=version
         )
         self.decode_loop = DecodeLoop(self.decode_engine)
+        self._in_flight = 0
+        self._idle: asyncio.Event | None = None  # made on first use: it binds to its loop
+        self._releasing = False  # from the start of a release until the resume
 
     async def __aenter__(self) -> "LocalEngine":
         await self.start()
@@ -94,8 +108,12 @@ class LocalEngine:
         request_id: str,
         options: GenerateOptions = DEFAULT_OPTIONS,
     ) -> GenerationResult:
+        self._accept(request_id)
         self.decode_loop.start()
-        finished = await self.decode_loop.submit(request_id, list(input_ids), sampling, options)
+        try:
+            finished = await self.decode_loop.submit(request_id, list(input_ids), sampling, options)
+        finally:
+            self._one_done()
         return finished.as_generation_result()
 
     async def generate_stream(
@@ -108,6 +126,7 @@ class LocalEngine:
     ) -> AsyncIterator[TokenDelta | GenerationResult]:
         """``generate``, yielding the tokens as they are sampled (``rollmesh.engine.token_stream``)
         and the GenerationResult last; closing it early aborts the request."""
+        self._accept(request_id)
         self.decode_loop.start()
         pieces = self.decode_loop.stream(request_id, list(input_ids), sampling, options)
         try:
@@ -115,6 +134,63 @@ class LocalEngine:
                 yield piece if isinstance(piece, TokenDelta) else piece.as_generation_result()
         finally:
             await pieces.aclose()
+            self._one_done()
+
+    # -- lending the memory ------------------------------------------------------------------
+
+    @property
+    def memory_released(self) -> bool:
+        return self.decode_engine.memory_released
+
+    async def release_memory(self) -> MemoryMoveStats:
+        """Refuse new requests, let the accepted ones finish (and a staged weight update
+        activate), then move the weights and parked KV to host memory."""
+        self._releasing = True
+        self.decode_loop.start()
+        try:
+            while True:
+                await self._wait_idle()
+                staged = self.decode_engine.weights.staged_version
+                if staged is not None:  # work for the loop, which is awake for it
+                    await self.decode_loop.wait_weights_activated(staged)
+                    continue
+                try:
+                    return self.decode_engine.release_memory()
+                except EngineBusyError:
+                    continue  # staged from another thread meanwhile
+        except BaseException:
+            self._releasing = False
+            raise
+
+    async def resume_memory(self) -> MemoryMoveStats:
+        """Weights and parked KV back on the device; requests accepted again. Weights published
+        while released are staged now and activate at the next step."""
+        stats = self.decode_engine.resume_memory()
+        self._releasing = False
+        deferred = self.decode_engine.take_deferred_weights()
+        if deferred is not None:
+            self.decode_loop.start()
+            self.decode_loop.stage_weights(*deferred)
+        return stats
+
+    def _accept(self, request_id: str) -> None:
+        if self._releasing:
+            raise MemoryReleasedError(request_id=request_id)
+        self._in_flight += 1
+        if self._idle is not None:
+            self._idle.clear()
+
+    def _one_done(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def _wait_idle(self) -> None:
+        if self._in_flight == 0:
+            return
+        if self._idle is None:
+            self._idle = asyncio.Event()
+        await self._idle.wait()
 
     def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
         """Stage weights for the next boundary; callable from any thread."""

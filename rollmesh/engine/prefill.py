@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rollmesh.engine.errors import MemoryReleasedError
 from rollmesh.engine.kv_pages import KvBlockPool, PagedAttention
+from rollmesh.engine.memory_release import MemoryMoveStats, ReleasableWeights
 from rollmesh.engine.paged_model import model_device
 from rollmesh.engine.request_checks import validate_prompt
 from rollmesh.engine.weight_staging import WeightStager
@@ -89,6 +91,7 @@ class PrefillEngine:
         blocks = -(-model.max_seq_len // block_size)
         self.pool = KvBlockPool(model.kv_layout(), num_blocks=blocks, block_size=block_size,
                                 device=model_device(model))
+        self.memory = ReleasableWeights(model, self.weights, self.pool)
 
     @property
     def current_version(self) -> int:
@@ -102,6 +105,8 @@ class PrefillEngine:
     @torch.inference_mode()
     def prefill(self, input_ids: list[int], *, request_id: str | None = None) -> PrefillResult:
         input_ids = validate_prompt(input_ids, self.model, request_id=request_id)
+        if self.memory.released:
+            raise MemoryReleasedError(request_id=request_id)
         self.weights.apply_staged()
         blocks = self.pool.allocate(self.pool.blocks_for(len(input_ids)))
         try:
@@ -116,8 +121,23 @@ class PrefillEngine:
         )
 
     def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
-        """Keep new weights for the next call boundary (any thread); see WeightStager.stage."""
-        return self.weights.stage(state_dict, version)
+        """Keep new weights for the next call boundary (any thread); see WeightStager.stage.
+        While the memory is released they wait on the host until ``resume_memory``."""
+        return self.memory.stage(state_dict, version)
+
+    def release_memory(self) -> MemoryMoveStats:
+        """Weights to host memory, the scratch KV pool freed (it holds no prompt between calls);
+        ``prefill`` raises the retryable MemoryReleasedError until ``resume_memory``. Between
+        calls only, like weight swaps (staged weights are activated first)."""
+        return self.memory.release(apply_staged=True)
+
+    def resume_memory(self) -> MemoryMoveStats:
+        """Weights back on the device (and the newest version staged meanwhile staged now)."""
+        stats = self.memory.resume()
+        deferred = self.memory.take_deferred()
+        if deferred is not None:
+            self.weights.stage(*deferred)
+        return stats
 
     def apply_staged_weights(self) -> int | None:
         """Swap staged weights in now (between calls); the activated version, or None."""
