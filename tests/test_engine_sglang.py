@@ -1,16 +1,14 @@
 """The SGLang backend against a fake SGLang HTTP server, its launcher, and (GPU only) a real SGLang.
 
 SGLang pins a CUDA torch and cannot live in this venv, so on CPU the server is faked at its true
-edge, the HTTP API: ``FakeSGLang`` answers the native endpoints with the field names of SGLang's
-``http_server.py`` / ``tokenizer_manager.py`` (see ``rollmesh/engine/sglang_client.py``) and
-records every request. The gpu-marked test launches the real thing
+edge, the HTTP API: ``FakeSGLang`` (tests/sglang_fake.py, each behaviour with its upstream
+source) answers the native endpoints as SGLang does and records every request. The gpu-marked test launches the real thing
 (``scripts/gpu/check_sglang.sh``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
 import pickle
 import subprocess
@@ -22,7 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_asyncio
-from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
@@ -52,155 +49,9 @@ from rollmesh.engine.sglang_server import (
     pick_free_port,
 )
 from rollmesh.messages.base import SamplingParams
+from sglang_fake import EOS, SHAPE, FakeSGLang, encode_rows, expert
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
-
-SHAPE = RoutedExpertsShape(num_layers=3, top_k=2, num_experts=8)
-EOS = 2
-
-
-def expert(position: int, layer: int, k: int, num_experts: int = SHAPE.num_experts) -> int:
-    """The fake's routing rule: a pure function of the absolute position, so slices can be checked."""
-    return (position * 7 + layer * 3 + k) % num_experts
-
-
-def encode_rows(rows: np.ndarray) -> str:
-    return base64.b64encode(rows.astype("<i4").tobytes()).decode()
-
-
-class FakeSGLang:
-    """Fakes one SGLang server's native HTTP API (the edge: SGLang cannot run on this machine).
-
-    ``/generate`` answers ``completion_len`` tokens 100, 101, ... (fewer if ``max_new_tokens`` is
-    smaller, then finish "length", else EOS), logprob ``-0.5 - i/10``, and routed experts from
-    ``expert()`` for ``[start, seqlen - 1)``; with ``honour_start_len=False`` it returns the full
-    range like builds that ignore ``routed_experts_start_len``. ``fail_status`` makes the next
-    generate answer that status. ``hold`` keeps generates waiting until a pause or ``release``.
-    ``legacy`` serves model info only at ``/get_model_info`` (builds before ``/model_info``).
-    """
-
-    def __init__(self, *, label: str = "0", honour_start_len: bool = True, legacy: bool = False) -> None:
-        self.label = label
-        self.honour_start_len = honour_start_len
-        self.legacy = legacy
-        self.completion_len = 4
-        self.context_len = 64
-        self.finish_reason: dict[str, Any] | None = None
-        self.fail_status: int | None = None
-        self.requests: list[tuple[str, Any]] = []
-        self.traceparents: list[tuple[str, str | None]] = []  # (path, traceparent header)
-        self.hold = False
-        self._released = asyncio.Event()
-        self._aborted = False
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-
-    def bodies(self, path: str) -> list[Any]:
-        return [body for p, body in self.requests if p == path]
-
-    async def start(self) -> str:
-        @web.middleware
-        async def record_traceparent(request: web.Request, handler: Any) -> web.StreamResponse:
-            self.traceparents.append((request.path, request.headers.get("traceparent")))
-            return await handler(request)
-
-        app = web.Application(middlewares=[record_traceparent])
-        app.router.add_post("/generate", self._generate)
-        app.router.add_get("/health_generate", self._health)
-        app.router.add_get("/get_model_info", self._model_info)
-        app.router.add_get("/model_info", self._model_info)
-        app.router.add_post("/pause_generation", self._pause)
-        app.router.add_post("/continue_generation", self._ok("/continue_generation"))
-        app.router.add_post("/flush_cache", self._flush)
-        app.router.add_post("/update_weights_from_disk", self._update)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
-        return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    def release(self) -> None:
-        self._released.set()
-
-    async def _generate(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.requests.append(("/generate", body))
-        if self.fail_status is not None:
-            status, self.fail_status = self.fail_status, None
-            return web.json_response({"error": {"message": f"scripted {status}"}}, status=status)
-        prompt = body["input_ids"]
-        if len(prompt) > self.context_len:
-            return web.json_response({"error": {"message": (
-                f"The input ({len(prompt)} tokens) is longer than the model's context length "
-                f"({self.context_len} tokens).")}}, status=400)
-        if self.hold:
-            await self._released.wait()
-        budget = body["sampling_params"]["max_new_tokens"]
-        n = min(budget, self.completion_len)
-        if self._aborted:
-            n, finish = min(n, 2), {"type": "abort", "message": "Abort before update weights"}
-        elif self.finish_reason is not None:
-            finish = self.finish_reason
-        else:
-            finish = {"type": "length", "length": budget} if n == budget else {"type": "stop", "matched": EOS}
-        output_ids = [100 + i for i in range(n)]
-        meta: dict[str, Any] = {
-            "id": body.get("rid"), "finish_reason": finish, "prompt_tokens": len(prompt),
-            "completion_tokens": n, "cached_tokens": len(prompt) // 2,
-            "weight_version": self.label,
-            "output_token_logprobs": [(-0.5 - i / 10, t, None) for i, t in enumerate(output_ids)],
-        }
-        if body.get("return_routed_experts"):
-            start = body.get("routed_experts_start_len", 0) if self.honour_start_len else 0
-            positions = range(start, len(prompt) + n - 1)
-            rows = np.array([[[expert(p, layer, k) for k in range(SHAPE.top_k)]
-                              for layer in range(SHAPE.num_layers)] for p in positions])
-            meta["routed_experts"] = encode_rows(rows.reshape(-1, SHAPE.num_layers, SHAPE.top_k))
-        return web.json_response({"text": "", "output_ids": output_ids, "meta_info": meta})
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def _model_info(self, request: web.Request) -> web.Response:
-        if self.legacy and request.path == "/model_info":
-            return web.json_response({"detail": "Not Found"}, status=404)
-        return web.json_response({"model_path": "/fake", "is_generation": True, "weight_version": self.label})
-
-    async def _pause(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.requests.append(("/pause_generation", body))
-        if body.get("mode") == "abort":
-            self._aborted = True
-            self._released.set()
-        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
-
-    def _ok(self, path: str):
-        async def handler(request: web.Request) -> web.Response:
-            self.requests.append((path, await request.json() if request.can_read_body else None))
-            self._aborted = False
-            return web.json_response({"message": "ok", "status": "ok"})
-        return handler
-
-    async def _flush(self, request: web.Request) -> web.Response:
-        self.requests.append(("/flush_cache", None))
-        return web.Response(text="Cache flushed.\n")
-
-    async def _update(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.requests.append(("/update_weights_from_disk", body))
-        if not Path(body["model_path"]).exists():
-            return web.json_response({"success": False, "message": f"no such path {body['model_path']}",
-                                      "num_paused_requests": 0}, status=400)
-        self.label = body["weight_version"]
-        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
-                                  "num_paused_requests": 0})
-
 
 @pytest_asyncio.fixture
 async def fake() -> Any:
@@ -252,10 +103,10 @@ async def test_generate_maps_tokens_logprobs_finish_and_one_version_per_token(en
     fake.label = "3"
     result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=16), request_id="r-2")
 
-    assert result.token_ids == [100, 101, 102, 103]
-    assert result.logprobs == pytest.approx([-0.5, -0.6, -0.7, -0.8])
+    assert result.token_ids == [100, 101, 102, 103, EOS]  # SGLang keeps the EOS id in output_ids
+    assert result.logprobs == pytest.approx([-0.5, -0.6, -0.7, -0.8, -0.9])
     # SGLang's label at emission, recorded for every token (not a per-token truth).
-    assert result.versions == [3, 3, 3, 3]
+    assert result.versions == [3, 3, 3, 3, 3]
     assert result.finish_reason == "eos"
     assert (result.prompt_len, result.request_id, result.cached_tokens) == (len(PROMPT), "r-2", 3)
     assert result.routed_experts is None
@@ -312,8 +163,9 @@ async def test_routed_experts_come_back_compact_for_the_asked_slice(engine, fake
     assert result.routed_experts.shape == (seq_end - 3, SHAPE.num_layers, SHAPE.top_k)
     assert result.routed_experts.dtype == np.uint8
     assert result.routed_experts_start == 3
-    assert result.routed_experts[0, 1, 1] == expert(3, 1, 1)
-    assert result.routed_experts[-1, 2, 0] == expert(seq_end - 1, 2, 0)
+    # Column j is sparse layer SHAPE.sparse_layers[j]: SGLang's dense-layer column is gone.
+    assert result.routed_experts[0, 1, 1] == expert(3, 2, 1)
+    assert result.routed_experts[-1, 0, 0] == expert(seq_end - 1, 0, 0)
     assert engine.statistics().start_len_ignored == 0
 
 
@@ -338,7 +190,7 @@ def test_routed_experts_use_uint16_beyond_256_experts():
 
 
 @pytest.mark.parametrize(("rows", "match"), [
-    (np.zeros((5, 3, 2)), "5 routed-expert rows, expected 3"),  # neither the slice nor the full range
+    (np.zeros((5, 3, 2)), "30 expert ids fit no reading"),  # neither the slice nor the full range
     (np.full((3, 3, 2), 8), "outside"),
 ])
 def test_routed_experts_that_fit_no_reading_are_refused(rows, match):
@@ -393,7 +245,7 @@ async def test_pause_update_resume_and_flush_reach_every_server(fake, tmp_path):
     await second.start()
     try:
         async with SGLangEngine([fake.url, second.url]) as eng:
-            await eng.pause("retract")
+            await eng.pause()
             await eng.update_weights_from_disk(str(tmp_path), 7)
             await eng.resume()
             await eng.flush_cache()
@@ -404,10 +256,11 @@ async def test_pause_update_resume_and_flush_reach_every_server(fake, tmp_path):
     for server in (fake, second):
         assert [path for path, _ in server.requests] == [
             "/pause_generation", "/update_weights_from_disk", "/continue_generation", "/flush_cache"]
-        assert server.bodies("/pause_generation") == [{"mode": "retract"}]
+        # In place, and no flush while paused: the defaults that keep SGLang's scheduler alive.
+        assert server.bodies("/pause_generation") == [{"mode": "in_place"}]
         assert server.bodies("/update_weights_from_disk") == [{
             "model_path": str(tmp_path), "weight_version": "7",
-            "flush_cache": True, "abort_all_requests": False}]
+            "flush_cache": False, "abort_all_requests": False}]
 
 
 async def test_a_failed_weight_load_is_a_weights_error_and_older_versions_are_refused(engine, tmp_path):
@@ -505,13 +358,13 @@ def test_sglang_errors_survive_pickling_with_their_fields():
 # -- the launcher ---------------------------------------------------------------------------
 
 
-def test_launch_argv_carries_model_port_tp_version_and_extra_flags():
-    spec = SGLangServerSpec(model_path="/m", port=30001, python="/venv/bin/python", tp=2,
+def test_launch_argv_carries_model_port_version_flags_and_extra_args():
+    spec = SGLangServerSpec(model_path="/m", port=30001, python="/venv/bin/python", flags=["--tp-size", "2"],
                             enable_return_routed_experts=True, extra_args=["--mem-fraction-static", "0.5"])
     assert spec.argv() == [
         "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/m",
-        "--host", "127.0.0.1", "--port", "30001", "--tp", "2", "--weight-version", "0",
-        "--enable-return-routed-experts", "--mem-fraction-static", "0.5",
+        "--host", "127.0.0.1", "--port", "30001", "--weight-version", "0",
+        "--enable-return-routed-experts", "--tp-size", "2", "--mem-fraction-static", "0.5",
     ]
 
 

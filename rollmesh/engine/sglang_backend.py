@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -39,6 +39,7 @@ from rollmesh.engine.sglang_client import (
     SGLangResponseError,
     build_generate_payload,
     parse_generate_response,
+    stop_ids_for,
 )
 from rollmesh.messages.base import SamplingParams
 
@@ -65,9 +66,21 @@ class SGLangEngine:
         generate_timeout_s: float | None = None,
         admin_timeout_s: float = 600.0,
         http: httpx.AsyncClient | None = None,
+        end_of_turn_ids: Iterable[int] = (),
+        encode: Callable[[str], list[int]] | None = None,
+        skip_tokenizer_init: bool = False,
+        admin_urls: Sequence[str] | None = None,
     ) -> None:
+        """``end_of_turn_ids``: the model's end-of-turn ids (its tokenizer's), sent as
+        ``stop_token_ids`` so a turn ends where the local engine ends it. ``skip_tokenizer_init``:
+        the servers run with ``--skip-tokenizer-init``, so stop strings go as their token ids
+        (``encode``: the model's tokenizer, text -> ids). ``admin_urls``: where pause, weight and
+        version calls go when they are not the generate URLs (a PD router in front of its
+        prefill and decode servers)."""
         if not base_urls:
             raise ValueError("SGLangEngine needs at least one server URL")
+        if skip_tokenizer_init and encode is None:
+            raise ValueError("skip_tokenizer_init needs encode (the model's tokenizer) for stop strings")
         self._owns_http = http is None
         # No pool limit: every in-flight generate holds a connection for its whole duration.
         self._http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
@@ -76,7 +89,13 @@ class SGLangEngine:
                          admin_timeout_s=admin_timeout_s)
             for url in base_urls
         ]
+        self.admin_servers = self.servers if admin_urls is None else [
+            SGLangClient(url, self._http, admin_timeout_s=admin_timeout_s) for url in admin_urls]
         self.routed_experts_shape = routed_experts_shape
+        self.end_of_turn_ids = sorted(set(end_of_turn_ids))
+        self.skip_tokenizer_init = skip_tokenizer_init
+        self._encode = encode
+        self._paused: PauseMode | None = None
         self._versions: dict[str, int | None] = {s.base_url: None for s in self.servers}
         self._round_robin = itertools.count()
         self._requests = 0
@@ -112,13 +131,21 @@ class SGLangEngine:
         server = self.server_for(options.session_id)
         if options.min_version is not None:
             await self._require_version(server, options.min_version, request_id)
-        payload = build_generate_payload(input_ids, sampling, request_id=request_id, options=options)
+        stop_string_ids: list[int] = []
+        if self.skip_tokenizer_init and sampling.stop:
+            assert self._encode is not None
+            stop_string_ids = stop_ids_for(list(sampling.stop), self._encode, request_id=request_id)
+        payload = build_generate_payload(
+            input_ids, sampling, request_id=request_id, options=options,
+            stop_token_ids=[*self.end_of_turn_ids, *stop_string_ids],
+            stop_strings=not self.skip_tokenizer_init)
         body = await server.generate(payload)
         self._requests += 1
         try:
             answer = parse_generate_response(
                 body, prompt_len=len(input_ids), request_id=request_id, options=options,
                 shape=self.routed_experts_shape,
+                stop_string_ids=frozenset(stop_string_ids) - frozenset(self.end_of_turn_ids),
             )
         except (ValueError, TypeError, IndexError, KeyError) as exc:
             raise SGLangResponseError(server.base_url, "/generate", str(exc), request_id=request_id) from exc
@@ -165,20 +192,31 @@ class SGLangEngine:
     async def current_version(self) -> int:
         """The version every server has reached (the oldest among them), asked afresh."""
         versions = await self._on_every_server(lambda s: s.weight_version())
-        for server, version in zip(self.servers, versions):
-            self._versions[server.base_url] = version
+        if self.admin_servers is not self.servers:  # behind a router: it serves the oldest
+            self._versions = dict.fromkeys(self._versions, min(versions))
+        for server, version in zip(self.admin_servers, versions):
+            if server.base_url in self._versions:
+                self._versions[server.base_url] = version
         return min(versions)
 
     async def update_weights_from_disk(
         self, path: str, version: int, *, load_format: str | None = None,
-        flush_cache: bool = True, abort_all_requests: bool = False,
+        flush_cache: bool = False, abort_all_requests: bool = False,
     ) -> None:
         """Every server loads ``path`` and labels it ``version``.
 
         SGLang waits for running requests before loading unless generation is paused (``pause``)
-        or ``abort_all_requests``. Pass ``flush_cache=False`` after ``pause("in_place")``: SGLang
-        cannot flush while paused requests hold KV.
+        or ``abort_all_requests``. The prefix cache is not flushed by default: after a pause that
+        keeps requests (``in_place``, ``retract``) the flush fails, and SGLang's scheduler asserts
+        it succeeded (``assert flush_cache_success`` in its weight updater) and dies; fixed only
+        on the sglang-miles branch (sglang#31962). So ``flush_cache=True`` while so paused is
+        refused here.
         """
+        if flush_cache and self._paused in ("in_place", "retract"):
+            raise InvalidRequestError(
+                f"flush_cache after pause({self._paused!r}) kills SGLang's scheduler (assert "
+                "flush_cache_success): requests still wait; pause with 'abort' to flush",
+                field="flush_cache")
         newest = max((v for v in self._versions.values() if v is not None), default=None)
         if newest is not None and version < newest:
             raise StaleWeightsError(version, newest)
@@ -193,16 +231,27 @@ class SGLangEngine:
             raise
         self._versions = dict.fromkeys(self._versions, version)
 
-    async def pause(self, mode: PauseMode = "retract") -> None:
-        """Pause every server. ``abort`` returns running requests now (finish_reason "abort",
-        partial output kept); ``retract`` recomputes their KV after ``resume``; ``in_place`` keeps
-        their old-weight KV."""
+    async def pause(self, mode: PauseMode = "in_place") -> None:
+        """Pause every server. ``in_place`` (default) keeps running requests and their old-weight
+        KV, to continue after ``resume``; ``retract`` recomputes their KV after ``resume``;
+        ``abort`` returns them now (finish_reason "abort", partial output kept)."""
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"{mode!r} is not one of {PAUSE_MODES}", field="mode")
+        self._paused = mode  # before the call: a server may pause even if another fails
         await self._on_every_server(lambda s: s.pause_generation(mode))
 
     async def resume(self) -> None:
         await self._on_every_server(lambda s: s.continue_generation())
+        self._paused = None
+
+    async def swap_weights_from_disk(self, path: str, version: int, *,
+                                     pause_mode: PauseMode = "in_place") -> None:
+        """Pause, load ``path`` as ``version`` without flushing, continue (also after a failure)."""
+        await self.pause(pause_mode)
+        try:
+            await self.update_weights_from_disk(path, version, flush_cache=False)
+        finally:
+            await self.resume()
 
     async def flush_cache(self) -> None:
         await self._on_every_server(lambda s: s.flush_cache())
@@ -212,7 +261,7 @@ class SGLangEngine:
 
     async def _on_every_server(self, call: Callable[[SGLangClient], Awaitable[T]]) -> list[T]:
         """``call`` on all servers at once; every call finishes before the first error is raised."""
-        outcomes = await asyncio.gather(*(call(s) for s in self.servers), return_exceptions=True)
+        outcomes = await asyncio.gather(*(call(s) for s in self.admin_servers), return_exceptions=True)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         for extra in errors[1:]:
             _log.warning("sglang_admin_call_failed", error=str(extra))

@@ -1,4 +1,4 @@
-"""One SGLang server over HTTP, and the mapping between its native JSON and our engine types.
+"""One SGLang server over HTTP, and the mapping between its native JSON and our engine types (routed-expert rows: ``sglang_routes``).
 
 Knows SGLang's native HTTP API and httpx; knows nothing of processes (``sglang_server``), of
 several servers or weight versions over time (``sglang_backend``), nor of Ray or NATS. SGLang's
@@ -24,9 +24,14 @@ versions of each file; commits named where the index named them):
   ``weight_version`` (the server's label when the output is emitted), ``output_token_logprobs``
   as ``(logprob, token_id, text|None)``, ``routed_experts`` as base64 of int32 bytes.
 - ``sampling_params.py``: ``SamplingParams(json_schema, regex, ebnf, structural_tag)``, strings;
-  ``GenerateOptions.grammar`` goes out under its kind's name. Not checked here: that every SGLang
-  build reads xgrammar's newer structural-tag form (``{"type": "structural_tag", "format"}``) and
-  reports logprobs after the grammar's mask, as the local engine does.
+  ``GenerateOptions.grammar`` goes out under its kind's name. ``stop_token_ids`` end a generation
+  at any of those ids (finish_reason ``{"type": "stop", "matched": <id>}``, the id kept in
+  ``output_ids``). Under ``--skip-tokenizer-init`` ``SamplingParams.normalize`` calls
+  ``raise_if_tokenizer_required``, which refuses any ``stop`` string with a ValueError that
+  ``/generate`` answers as a 400 (sglang#27882): so stop strings go out as ``stop_token_ids``
+  there, each one token of the model's tokenizer (``stop_ids_for``). Not checked here: that every
+  SGLang build reads xgrammar's newer structural-tag form (``{"type": "structural_tag",
+  "format"}``) and reports logprobs after the grammar's mask, as the local engine does.
 
     EngineError
     ├── SGLangUnavailableError(url, reason)           retryable: refused, timed out, 503
@@ -40,17 +45,16 @@ active), so a server that traces requests can join the caller's trace; others ig
 
 from __future__ import annotations
 
-import base64
-import binascii
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
-import numpy as np
 
 from rollmesh.bus.trace_headers import inject_trace_headers
 from rollmesh.engine.errors import EngineError, InvalidRequestError, WeightsError
 from rollmesh.engine.protocols import FinishReason, GenerateOptions, GenerationResult
+from rollmesh.engine.sglang_routes import RoutedExpertsShape, decode_routed_experts
 from rollmesh.messages.base import SamplingParams
 
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -91,35 +95,30 @@ class SGLangResponseError(EngineError):
         self.request_id = request_id
 
 
-@dataclass(frozen=True, slots=True)
-class RoutedExpertsShape:
-    """What a routed-expert row looks like: SGLang sends flat int32, so the client must know it."""
-
-    num_layers: int  # MoE layers that route (SGLang's row has one entry per such layer)
-    top_k: int
-    num_experts: int
-
-    @property
-    def dtype(self) -> type[np.unsignedinteger]:
-        return np.uint8 if self.num_experts <= 256 else np.uint16
-
-
 # -- request and response mapping (plain functions) -----------------------------------------
 
 
 def build_generate_payload(
-    input_ids: list[int], sampling: SamplingParams, *, request_id: str, options: GenerateOptions
+    input_ids: list[int], sampling: SamplingParams, *, request_id: str, options: GenerateOptions,
+    stop_token_ids: list[int] | None = None, stop_strings: bool = True,
 ) -> dict[str, Any]:
     """The ``/generate`` body: token ids in, output logprobs always on (we need behaviour logprobs),
     with SGLang's ``top_logprobs_num`` when the caller asks for alternatives. Never streamed: the
-    Serve app streams through the torch engine's decode actors; this backend answers whole."""
+    Serve app streams through the torch engine's decode actors; this backend answers whole.
+
+    ``stop_token_ids``: ids that end the generation (the model's end-of-turn ids, as the local
+    engine stops at, and under ``--skip-tokenizer-init`` the ids of the stop strings).
+    ``stop_strings=False`` leaves ``sampling.stop`` out: a server without a tokenizer answers 400
+    to any stop string (sglang#27882)."""
     sampling_params: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "max_new_tokens": sampling.max_new_tokens,
     }
-    if sampling.stop:
+    if sampling.stop and stop_strings:
         sampling_params["stop"] = list(sampling.stop)
+    if stop_token_ids:
+        sampling_params["stop_token_ids"] = sorted(set(stop_token_ids))
     if options.grammar is not None:
         # SGLang's own names for the three kinds (SamplingParams json_schema / ebnf /
         # structural_tag, each a string), compiled by its grammar backend (xgrammar by default).
@@ -142,6 +141,23 @@ def build_generate_payload(
     return payload
 
 
+def stop_ids_for(stops: list[str], encode: Callable[[str], list[int]], *,
+                 request_id: str | None = None) -> list[int]:
+    """The token id of each stop string, for a server without a tokenizer
+    (``--skip-tokenizer-init``). A stop string that is not one token of the model's tokenizer
+    cannot be matched on ids by SGLang, so the request is refused here, before SGLang answers 400."""
+    ids = []
+    for stop in stops:
+        encoded = encode(stop)
+        if len(encoded) != 1:
+            raise InvalidRequestError(
+                f"stop string {stop!r} is {len(encoded)} tokens; under --skip-tokenizer-init "
+                "(inference.sglang.skip_tokenizer_init) SGLang matches stops on single token ids only",
+                field="sampling.stop", request_id=request_id)
+        ids.append(encoded[0])
+    return ids
+
+
 def parse_weight_version(label: object) -> int:
     """SGLang's weight label as our int version; raises ValueError when it is not one."""
     if label is None or label == _UNSET_LABEL:
@@ -155,14 +171,19 @@ def parse_weight_version(label: object) -> int:
     raise ValueError(f"weight_version {label!r} is not an integer (rollmesh labels versions 0, 1, ...)")
 
 
-def parse_finish_reason(raw: object, *, request_id: str | None = None) -> FinishReason:
-    """Map SGLang's finish_reason dict; a 4xx-coded abort is SGLang refusing the request."""
+def parse_finish_reason(raw: object, *, request_id: str | None = None,
+                        stop_string_ids: frozenset[int] = frozenset()) -> FinishReason:
+    """Map SGLang's finish_reason dict; a 4xx-coded abort is SGLang refusing the request.
+    ``stop_string_ids``: the ids stop strings were sent as (``--skip-tokenizer-init``)."""
     kind = raw.get("type") if isinstance(raw, dict) else raw
     if kind == "length":
         return "length"
     if kind == "stop":
-        # A matched token id (or ids) is the model's EOS; a matched string is one of our stops.
+        # A matched token id (or ids) is the model's EOS, unless it stands for one of our stop
+        # strings; a matched string is one of our stops.
         matched = raw.get("matched") if isinstance(raw, dict) else None
+        if isinstance(matched, int) and matched in stop_string_ids:
+            return "stop"
         return "stop" if isinstance(matched, str) else "eos"
     if kind == "abort":
         status = raw.get("status_code") if isinstance(raw, dict) else None
@@ -170,39 +191,6 @@ def parse_finish_reason(raw: object, *, request_id: str | None = None) -> Finish
             raise InvalidRequestError(str(raw.get("message")), field="request", request_id=request_id)
         return "abort"
     raise ValueError(f"unknown finish_reason {raw!r}")
-
-
-def decode_routed_experts(
-    encoded: str, shape: RoutedExpertsShape, *, seqlen: int, start_len: int
-) -> tuple[np.ndarray, bool]:
-    """Base64 int32 rows -> compact [rows, layers, top_k] for ``[start_len, seqlen - 1)``.
-
-    Returns the rows and whether the server ignored ``routed_experts_start_len`` (some builds
-    return the full ``[0, seqlen - 1)`` anyway; joining those per-turn blobs over-counts and
-    crashes replay, strands-sglang PR #72), in which case the rows are sliced here.
-    Raises ValueError for a payload that fits neither length or holds out-of-range experts.
-    """
-    try:
-        flat = np.frombuffer(base64.b64decode(encoded, validate=True), dtype="<i4")
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"routed_experts is not base64 of int32: {exc}") from exc
-    per_row = shape.num_layers * shape.top_k
-    if flat.size % per_row:
-        raise ValueError(f"{flat.size} expert ids do not split into rows of {shape.num_layers}x{shape.top_k}")
-    rows = flat.reshape(-1, shape.num_layers, shape.top_k)
-    full_rows, wanted_rows = seqlen - 1, max(0, seqlen - 1 - start_len)
-    ignored_start = False
-    if len(rows) != wanted_rows:
-        if start_len > 0 and len(rows) == full_rows:
-            rows, ignored_start = rows[start_len:], True
-        else:
-            raise ValueError(
-                f"{len(rows)} routed-expert rows, expected {wanted_rows} "
-                f"(positions [{start_len}, {full_rows}))"
-            )
-    if rows.size and (rows.min() < 0 or rows.max() >= shape.num_experts):
-        raise ValueError(f"expert ids outside [0, {shape.num_experts})")
-    return rows.astype(shape.dtype), ignored_start
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +204,7 @@ class GenerateAnswer:
 
 def parse_generate_response(
     body: dict[str, Any], *, prompt_len: int, request_id: str, options: GenerateOptions,
-    shape: RoutedExpertsShape | None,
+    shape: RoutedExpertsShape | None, stop_string_ids: frozenset[int] = frozenset(),
 ) -> GenerateAnswer:
     """A ``/generate`` answer as a GenerationResult; raises ValueError where it breaks the contract.
 
@@ -238,7 +226,8 @@ def parse_generate_response(
         raise ValueError("output_token_logprobs token ids differ from output_ids")
     # orjson writes a non-finite float as null; the only one a logprob can be is -inf.
     logprobs = [float("-inf") if entry[0] is None else float(entry[0]) for entry in entries]
-    finish_reason = parse_finish_reason(meta.get("finish_reason"), request_id=request_id)
+    finish_reason = parse_finish_reason(meta.get("finish_reason"), request_id=request_id,
+                                        stop_string_ids=stop_string_ids)
     top_logprobs = _top_logprobs(meta, len(token_ids)) if options.top_logprobs else None
     version = parse_weight_version(meta.get("weight_version"))
     routed, start, ignored = None, 0, False
@@ -329,10 +318,10 @@ class SGLangClient:
         except ValueError as exc:
             raise SGLangResponseError(self.base_url, self._model_info_path, str(exc)) from exc
 
-    async def is_healthy(self) -> bool:
+    async def is_healthy(self, path: str = "/health_generate") -> bool:
         """One token generated end to end (SGLang's /health_generate); False while starting."""
         try:
-            response = await self._send("GET", "/health_generate", None, self.admin_timeout_s)
+            response = await self._send("GET", path, None, self.admin_timeout_s)
         except SGLangUnavailableError:
             return False
         return response.status_code == 200
@@ -353,7 +342,7 @@ class SGLangClient:
 
     async def update_weights_from_disk(
         self, model_path: str, version: int, *, load_format: str | None = None,
-        flush_cache: bool = True, abort_all_requests: bool = False,
+        flush_cache: bool = False, abort_all_requests: bool = False,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model_path": model_path,
@@ -374,6 +363,49 @@ class SGLangClient:
             raise WeightsError(f"SGLang at {self.base_url} did not load {model_path}: "
                                f"{answer.get('message')}", version=version, path=model_path)
         return answer
+
+    # Weights without files (``sglang_weight_sync``). Payloads are SGLang's io_struct.py
+    # ``InitWeightsUpdateGroupReqInput`` / ``DestroyWeightsUpdateGroupReqInput`` /
+    # ``UpdateWeightsFromDistributedReqInput`` (names, dtypes as torch's names without "torch.",
+    # shapes, group_name, flush_cache, weight_version) / ``UpdateWeightsFromTensorReqInput``
+    # (serialized_named_tensors: one base64 ForkingPickler dump per TP rank, load_format,
+    # flush_cache, weight_version); http_server.py answers each ``{success, message}``, 200 or 400.
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        """Join the trainer's broadcast group; returns once every member joined."""
+        await self._weights_call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}, None)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._weights_call("/destroy_weights_update_group", {"group_name": group_name}, None)
+
+    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str, version: int,
+                                              flush_cache: bool = False) -> None:
+        """Receive one bucket, broadcast by rank 0 of ``group_name`` tensor by tensor in this order,
+        and label the weights ``version``; returns once loaded."""
+        await self._weights_call("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache, "weight_version": str(version)}, version)
+
+    async def update_weights_from_tensor(self, *, serialized_named_tensors: list[str], version: int,
+                                         flush_cache: bool = False, load_format: str | None = None) -> None:
+        """Load tensors shared by CUDA IPC handles (a colocated trainer); returns once loaded."""
+        await self._weights_call("/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+            "flush_cache": flush_cache, "weight_version": str(version)}, version)
+
+    async def _weights_call(self, endpoint: str, body: dict[str, Any], version: int | None) -> None:
+        response = await self._send("POST", endpoint, body, self.admin_timeout_s)
+        if response.status_code == 400:
+            raise WeightsError(f"SGLang at {self.base_url} refused {endpoint}: {error_message(response)}",
+                               version=version)
+        answer = self._json(response, endpoint)
+        if not answer.get("success", False):
+            raise WeightsError(f"SGLang at {self.base_url} failed {endpoint}: {answer.get('message')}",
+                               version=version)
 
     # -- transport --------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
-"""Launch and stop one SGLang server process (``python -m sglang.launch_server``).
+"""Launch and stop one SGLang server process (``python -m sglang.launch_server``), or the router
+of a prefill/decode pair (``python -m sglang_router.launch_router --pd-disaggregation``).
 
-Knows SGLang's launch flags, POSIX process groups and the health probe of ``sglang_client``;
-knows nothing of generation or weights. The server runs from its own Python (``spec.python``,
+Knows the launch command's fixed flags, POSIX process groups and the health probe of
+``sglang_client``; the flags a config asks for come in as ``flags`` (``sglang_launch``); knows
+nothing of generation or weights. The server runs from its own Python (``spec.python``,
 typically a separate venv: SGLang pins a CUDA torch our venv must not get), in its own process
 group so that stopping it also stops the scheduler and detokenizer processes it forks. Its output
 goes to a log file rather than a pipe so nobody has to keep draining it. Readiness is
@@ -11,10 +13,12 @@ goes to a log file rather than a pipe so nobody has to keep draining it. Readine
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -44,13 +48,17 @@ class SGLangServerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     port: int
     python: str = "python3"  # an interpreter that has sglang installed
     host: str = "127.0.0.1"
-    tp: int = 1
     enable_return_routed_experts: bool = False
     # SGLang labels weights "default" unless told; a number keeps every label an int version.
     weight_version: int = 0
+    # The flags of inference.sglang's typed keys (``sglang_launch.server_flags``), then extra_args.
+    flags: list[str] = []
     extra_args: list[str] = []
     env: dict[str, str] = {}
     ready_timeout_s: float = 900.0
+    # SGLang's own probe: one token generated end to end. Node ranks > 0 of a multi-node server
+    # serve no HTTP; they are not launched through this class.
+    health_path: str = "/health_generate"
 
     @property
     def url(self) -> str:
@@ -62,12 +70,37 @@ class SGLangServerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             "--model-path", self.model_path,
             "--host", self.host,
             "--port", str(self.port),
-            "--tp", str(self.tp),
             "--weight-version", str(self.weight_version),
         ]
         if self.enable_return_routed_experts:
             argv.append("--enable-return-routed-experts")
-        return argv + list(self.extra_args)
+        return argv + list(self.flags) + list(self.extra_args)
+
+
+class SGLangRouterSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The router of a prefill/decode pair (sgl-model-gateway's ``launch_router``): it sends each
+    request to a prefill server, which hands its KV to a decode server by the transfer backend."""
+
+    port: int
+    prefill: list[tuple[str, int]]  # (server URL, its --disaggregation-bootstrap-port)
+    decode: list[str]
+    python: str = "python3"  # an interpreter that has sglang-router installed
+    host: str = "127.0.0.1"
+    env: dict[str, str] = {}
+    ready_timeout_s: float = 900.0
+    health_path: str = "/health"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        argv = [self.python, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        for url, bootstrap_port in self.prefill:
+            argv += ["--prefill", url, str(bootstrap_port)]
+        for url in self.decode:
+            argv += ["--decode", url]
+        return argv + ["--host", self.host, "--port", str(self.port)]
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
@@ -80,7 +113,7 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
 class SGLangServer:
     """One SGLang server child process: ``start`` waits until healthy, ``stop`` ends its group."""
 
-    def __init__(self, spec: SGLangServerSpec, log_path: Path) -> None:
+    def __init__(self, spec: SGLangServerSpec | SGLangRouterSpec, log_path: Path) -> None:
         self.spec = spec
         self.log_path = Path(log_path)
         self._process: subprocess.Popen[bytes] | None = None
@@ -119,6 +152,7 @@ class SGLangServer:
                 self.spec.argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, **self.spec.env},
                 start_new_session=True,  # its own process group: stop() signals the whole tree
+                preexec_fn=_end_with_parent,
             )
 
     async def wait_healthy(self) -> None:
@@ -130,7 +164,7 @@ class SGLangServer:
                 exit_code = self._process.poll() if self._process is not None else None
                 if exit_code is not None:
                     self._fail(f"exited with code {exit_code}")
-                if await client.is_healthy():
+                if await client.is_healthy(self.spec.health_path):
                     return
                 if time.monotonic() > deadline:
                     self._fail(f"not healthy within {self.spec.ready_timeout_s}s")
@@ -161,6 +195,18 @@ class SGLangServer:
     def _fail(self, reason: str) -> None:
         raise SGLangServerStartError(self.url, reason, log_path=str(self.log_path),
                                      log_tail=self.log_tail())
+
+
+def _end_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that launched it dies (Linux
+    PR_SET_PDEATHSIG), so an actor killed outright leaves no server holding its GPUs. SGLang's
+    launch_server ends its own children on SIGTERM."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
