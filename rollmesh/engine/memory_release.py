@@ -147,3 +147,57 @@ class ReleasableWeights:
             self._deferred = ({name: tensor.detach().to(HOST, copy=True) for name, tensor in state_dict.items()},
                               version)
             return True
+
+
+class StorageSwap:
+    """Tensors whose device storage is emptied in place and refilled (the FSDP way): every view
+    and every holder of them (an optimizer's flat views, its state dicts) stays valid, where
+    swapping ``.data`` would leave them on the old storage. What the trainer uses between steps.
+
+    Tensors already in host memory are skipped (``include_host`` moves them too, so CPU tests
+    exercise the same path): on a CPU trainer, offload and reload run and move nothing."""
+
+    def __init__(self, *, include_host: bool = False) -> None:
+        self.include_host = include_host
+        self._kept: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        self._offloaded = False  # also when nothing had to move (a CPU trainer)
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded
+
+    def offload(self, tensors: Iterable[torch.Tensor]) -> MemoryMoveStats:
+        started = time.perf_counter()
+        if self._offloaded:
+            return MemoryMoveStats(0.0, 0)
+        self._offloaded = True
+        seen: set[int] = set()
+        devices: set[torch.device] = set()
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            # Host tensors mapped from a file (safetensors) cannot be resized: they stay. Device
+            # tensors always can.
+            if (tensor.device == HOST and not self.include_host) or storage.nbytes() == 0 \
+                    or storage.data_ptr() in seen or not storage.resizable():
+                continue
+            seen.add(storage.data_ptr())
+            devices.add(tensor.device)
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device=HOST,
+                               pin_memory=tensor.device.type == "cuda")
+            host.untyped_storage().copy_(storage, non_blocking=True)
+            self._kept.append((storage, host))
+        settle(*devices)  # the copies are done before the storage goes
+        for storage, _ in self._kept:
+            storage.resize_(0)
+        settle(*devices)
+        return MemoryMoveStats(time.perf_counter() - started, sum(host.numel() for _, host in self._kept))
+
+    def reload(self) -> MemoryMoveStats:
+        started = time.perf_counter()
+        kept, self._kept = self._kept, []
+        self._offloaded = False
+        for storage, host in kept:
+            storage.resize_(host.numel())
+            storage.copy_(host.untyped_storage(), non_blocking=True)
+        settle(*{storage.device for storage, _ in kept})
+        return MemoryMoveStats(time.perf_counter() - started, sum(host.numel() for _, host in kept))

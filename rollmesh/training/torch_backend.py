@@ -32,6 +32,7 @@ from typing import Any, Protocol, overload
 import torch
 from torch import nn
 
+from rollmesh.engine.memory_release import MemoryMoveStats, StorageSwap
 from rollmesh.engine.models import CausalLM, CheckpointKeysError, load_hf_model
 from rollmesh.training.grpo import PolicyBatch, PolicySample
 from rollmesh.training.losses import LossSettings, policy_epochs, tempered, token_logprobs
@@ -45,6 +46,15 @@ from rollmesh.training.router_replay import batch_rows, forward_with_replay, rep
 
 # What ``trainer.precision`` picks (``TorchTrainerBackend._new_optimizer``).
 Optimizer = torch.optim.AdamW | MixedPrecisionAdamW | ChunkedOffloadAdamW
+
+
+class TrainerOffloadedError(RuntimeError):
+    """A step, a save or a weight read while the trainer's memory is in host memory
+    (``TorchTrainerBackend.offload``): ``reload`` first. ``operation`` names what was called."""
+
+    def __init__(self, operation: str) -> None:
+        super().__init__(f"{operation}: the trainer's memory is offloaded (its accelerator lent); reload first")
+        self.operation = operation
 
 
 class TrainerBackend(Protocol):
@@ -127,6 +137,8 @@ class TorchTrainerBackend:
         # the weights, without gradients or optimizer moments (a quarter more than the weights,
         # gradients and two AdamW moments training holds), and one no-grad forward per step.
         self._reference: torch.nn.Module | None = None
+        # Between steps the accelerator may be lent (offload / reload): what was moved to the host.
+        self._swap = StorageSwap()
 
     def _new_optimizer(self, lr: float) -> Optimizer:
         """torch's AdamW (fp32), or the mixed-precision AdamW whose fp32 state stays on the device
@@ -161,6 +173,7 @@ class TorchTrainerBackend:
         ``PackedRow`` s (``packing``): returns {"loss", "tokens" (real, padding excluded),
         "trained_tokens", "rows", "grad_norm"}. Plain (tokens, loss_mask) pairs (the demo's warm
         start): each is a one-example row, and the loss alone comes back, as a float."""
+        self._check_resident("sft_step")
         self._pin_threads()
         if self._sft_optimizer is None:
             # The warm start has its own optimizer so RL starts with fresh Adam moments.
@@ -197,6 +210,7 @@ class TorchTrainerBackend:
         ``current_version``: the weight version being trained, which ``max_token_lag`` measures
         token ages against. An MoE model routes every forward (new, proximal, reference) to the
         samples' recorded experts when ``replay_routes`` finds them (stat ``router_replay``)."""
+        self._check_resident("policy_step")
         self._pin_threads()
         if self._sft_optimizer is not None:
             # RL after a warm start: fresh moments, and (bf16) master weights taken from the
@@ -245,6 +259,7 @@ class TorchTrainerBackend:
             return token_logprobs(logits, batch.targets)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        self._check_resident("state_dict")
         return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
 
     def load_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
@@ -262,6 +277,7 @@ class TorchTrainerBackend:
         its format): a Megatron-LM save root (``iter_NNNNNNN``, torch_dist, format
         "megatron_torch_dist"; ``megatron_checkpoint``). Reads the live weights: call it between
         steps, never during one. ``weight_version`` is the megatron backend's concern."""
+        self._check_resident("save_checkpoint")
         weights = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
         run_args = {"lr": self.config.lr, "weight_decay": self.config.weight_decay,
                     "clip_grad": self.config.grad_clip, "seed": self.config.seed}
@@ -288,6 +304,37 @@ class TorchTrainerBackend:
     def close(self) -> None:
         """Nothing to release: the model lives in this process."""
 
+    # -- lending the accelerator between steps (the GPU scheduler) -------------------------------
+
+    @property
+    def offloaded(self) -> bool:
+        return self._swap.offloaded
+
+    def offload(self) -> MemoryMoveStats:
+        """Between steps: the weights, the optimizers' state and the KL reference to host memory
+        (pinned), gradients dropped (the next step recomputes them), the device's cached blocks
+        returned, so the GPU scheduler can lend the accelerator (``scheduler.lend_role_accelerators``).
+        Storage is emptied in place, so the optimizers keep their references. On CPU it all lives
+        in host memory already: a no-op that still runs and reports (0 bytes moved). Steps, saves
+        and weight reads raise ``TrainerOffloadedError`` until ``reload``."""
+        optimizers = [self.optimizer, *([self._sft_optimizer] if self._sft_optimizer is not None else [])]
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        if self._reference is not None:
+            tensors += [*self._reference.parameters(), *self._reference.buffers()]
+        for optimizer in optimizers:
+            tensors += _optimizer_tensors(optimizer)
+        return self._swap.offload(tensors)
+
+    def reload(self) -> MemoryMoveStats:
+        """Everything ``offload`` moved back on the device, where it was."""
+        return self._swap.reload()
+
+    def _check_resident(self, operation: str) -> None:
+        if self._swap.offloaded:
+            raise TrainerOffloadedError(operation)
+
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Restore ``training_state`` after ``load_state_dict`` of the same step's weights."""
         self.optimizer.load_state_dict(state["optimizer"])
@@ -297,3 +344,11 @@ class TorchTrainerBackend:
         if state.get("reference") is not None:
             self._reference = copy.deepcopy(self.model).requires_grad_(False).eval()
             self._reference.load_state_dict(state["reference"])
+
+
+def _optimizer_tensors(optimizer: Optimizer) -> list[torch.Tensor]:
+    """The state tensors an optimizer holds (moments, fp32 master weights; host-resident ones
+    are skipped by the move)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+    return [tensor for state in optimizer.named_state().values() for tensor in state]
