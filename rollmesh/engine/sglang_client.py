@@ -364,6 +364,25 @@ class SGLangClient:
                                f"{answer.get('message')}", version=version, path=model_path)
         return answer
 
+    # Lending the accelerator (``scheduler.lend_role_accelerators``). http_server.py (sglang main,
+    # 9c0549b727fe): POST ``/release_memory_occupation`` and ``/resume_memory_occupation`` take
+    # io_struct.py's ``ReleaseMemoryOccupationReqInput`` / ``ResumeMemoryOccupationReqInput``
+    # (``tags``: "weights", "kv_cache" (newer builds also "cuda_graph"); absent: all) and answer 200
+    # with an empty body, or an error body. Memory really goes back to the device only on a server
+    # started with ``--enable-memory-saver``; without it the calls succeed and free nothing.
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._memory_call("/release_memory_occupation", tags)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._memory_call("/resume_memory_occupation", tags)
+
+    async def _memory_call(self, endpoint: str, tags: list[str] | None) -> None:
+        body = {} if tags is None else {"tags": tags}
+        response = await self._send("POST", endpoint, body, self.admin_timeout_s)
+        if response.status_code != 200:
+            raise SGLangHTTPError(self.base_url, endpoint, response.status_code, error_message(response))
+
     # Weights without files (``sglang_weight_sync``). Payloads are SGLang's io_struct.py
     # ``InitWeightsUpdateGroupReqInput`` / ``DestroyWeightsUpdateGroupReqInput`` /
     # ``UpdateWeightsFromDistributedReqInput`` (names, dtypes as torch's names without "torch.",
