@@ -91,6 +91,12 @@ class TrainerConfig(ConfigSection):
     # Each weight version is published as safetensors buckets of at most this many bytes plus a
     # manifest of their sha256 (engine/weight_buckets.py).
     weight_bucket_bytes: PositiveInt = 512 << 20
+    # How a version reaches the inference engines (engine/weight_memory.py): "files" (buckets on
+    # disk, what every worker can read); "memory" (the same buckets in the Ray object store's shared
+    # memory for workers on the trainer's node, files for the rest, files written after the
+    # announcement); "nccl" (SGLang servers: an NCCL broadcast, engine/sglang_weight_sync.py);
+    # "auto": "memory" when the trainer runs on CUDA, "files" on CPU.
+    weight_sync: Literal["auto", "files", "memory", "nccl"] = "auto"
     # Rollout routing replay (MoE "hf" models): when every trained sample carries the experts
     # the inference engine chose, the trainer's forwards route to those (training/router_replay.py).
     router_replay: bool = True

@@ -465,3 +465,68 @@ async def test_trainer_stepped_carries_the_policy_steps_logprob_mismatch(trainer
     trained, untrained = bus.messages(TRAINER_STEPPED)
     assert trained.logprob_mismatch == reported[0]["logprob_mismatch"] and trained.logprob_mismatch > 0
     assert untrained.num_samples == 0 and untrained.logprob_mismatch is None
+
+
+# -- trainer.weight_sync = "memory" ------------------------------------------------------------
+
+
+class HeldBuckets:
+    """The trainer's shared-memory seam (``HoldsWeightBuckets``) as a dict of serialised versions."""
+
+    def __init__(self) -> None:
+        self.held = {}
+
+    def put(self, serialized):
+        from rollmesh.engine.weight_memory import MemoryLocation
+
+        self.held[serialized.version] = serialized
+        return MemoryLocation("trainer", "node-a")
+
+
+def memory_trainer(run_dir: Path, bus: RecordingPublisher, model_dir: Path, memory: HeldBuckets,
+                   latest=None) -> TrainerLogic:
+    torch.set_num_threads(1)
+    config = TrainerConfig(lr=1e-3, n_samples_per_prompt=2, groups_per_step=1, ppo_epochs=1, weight_sync="memory")
+    model = ModelConfig(path=str(model_dir))
+    return TrainerLogic(config, model, TorchTrainerBackend(model, config), bus, run_dir=run_dir, clock=lambda: 500.0,
+                        memory=memory, latest_weights=latest)
+
+
+async def test_in_memory_mode_a_version_is_announced_from_memory_before_its_files_exist_then_written(
+        tmp_path, demo_model_dir):
+    bus, memory = RecordingPublisher(), HeldBuckets()
+    logic = memory_trainer(tmp_path, bus, demo_model_dir, memory)
+    bus.hold(WEIGHTS_PUBLISHED)
+    step = asyncio.create_task(deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0)))
+    (announced,) = await asyncio.wait_for(bus.wait_published(WEIGHTS_PUBLISHED), STEP_TIMEOUT_S)
+    assert (announced.version, announced.memory_holder, announced.memory_node) == (1, "trainer", "node-a")
+    assert not Path(announced.path).exists(), "announced only after the files were written"
+    assert announced.sha256 == memory.held[1].manifest_sha256
+    bus.release(WEIGHTS_PUBLISHED)
+    assert await step == [None, None]
+
+    (stepped,) = bus.messages(TRAINER_STEPPED)
+    assert stepped.weight_version == 1 and bus.messages(WEIGHTS_PUBLISHED) == [announced]  # announced once
+    from_files = load_published(announced.path, announced.sha256)  # durable, the same bytes
+    assert all(torch.equal(from_files[k], t) for k, t in logic.backend.state_dict().items())
+    assert TrainingLedger(tmp_path / "trainer" / "ledger.jsonl").read().last.weights_path == announced.path
+
+
+async def test_a_trainer_resumed_in_memory_mode_numbers_past_a_version_announced_but_never_recorded(
+        tmp_path, demo_model_dir):
+    first_bus = RecordingPublisher()
+    first = memory_trainer(tmp_path, first_bus, demo_model_dir, HeldBuckets())
+    await deliver(first, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
+    (recorded,) = first_bus.messages(WEIGHTS_PUBLISHED)
+    # Version 2 was announced, then the trainer died before its ledger line.
+    lost = msgspec.structs.replace(recorded, version=2)
+
+    async def latest():
+        return lost
+
+    bus = RecordingPublisher()
+    resumed = memory_trainer(tmp_path, bus, demo_model_dir, HeldBuckets(), latest=latest)
+    await resumed.start()
+    assert resumed.version == 1  # the weights it holds are the ledger's
+    await deliver(resumed, completed("c", "g2", 1.0), completed("d", "g2", 0.0))
+    assert [m.version for m in bus.messages(WEIGHTS_PUBLISHED)] == [1, 3]  # the re-announcement, then past 2

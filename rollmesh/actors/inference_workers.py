@@ -5,7 +5,8 @@ Knows Ray only through the launcher (no ray import here). The KV pages made by
 ObjectRef straight to ``DecodeWorkerActor.generate``, so the KV travels through the Ray object
 store, never through the caller. ``DecodeWorkerActor.generate_prompt`` prefills on the decode
 worker itself: the aggregated mode, and the later turns of a session whose KV is parked there.
-Both follow weight versions over NATS (``WeightFollower``). ``generate_stream`` and
+Both follow weight versions over NATS (``WeightFollower``), reading a version from the trainer's
+shared memory when it is on their node (``weight_object_store``), else from its files. ``generate_stream`` and
 ``generate_prompt_stream`` are the same as async generators: called with
 ``num_returns="streaming"`` they send each piece of tokens (``rollmesh.engine.token_stream``) as it
 is sampled, then the FinishedSequence; cancelling the task aborts the request.
@@ -20,6 +21,7 @@ from typing import Any
 from opentelemetry import trace
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.weight_object_store import ObjectStoreWeightFetcher
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.bus.last_message import last_message
 from rollmesh.bus.publisher import BusPublisher
@@ -103,7 +105,7 @@ class PrefillWorkerActor(RoleActor):
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         return WeightFollower(_PrefillWeights(self.engine), publisher, worker=self.name, role=self.role,
-                              latest=_latest_weights(publisher))
+                              latest=_latest_weights(publisher), memory=ObjectStoreWeightFetcher())
 
     async def prefill(self, input_ids: list[int], request_id: str = "",
                       trace_headers: dict[str, str] | None = None) -> PrefillResult:
@@ -147,7 +149,7 @@ class DecodeWorkerActor(RoleActor):
         metrics.observe(metrics_catalog.QUEUE_DEPTH, self, lambda actor: [
             (actor.loop.num_waiting(), {"queue": "decode", "worker": actor.name})])
         return WeightFollower(_DecodeWeights(self.loop), publisher, worker=self.name, role=self.role,
-                              latest=_latest_weights(publisher))
+                              latest=_latest_weights(publisher), memory=ObjectStoreWeightFetcher())
 
     async def generate(self, prefill: PrefillResult, sampling: SamplingParams, request_id: str,
                        trace_headers: dict[str, str] | None = None,

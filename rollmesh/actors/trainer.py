@@ -1,6 +1,7 @@
 """The trainer actor: GRPO on admitted trajectories, weight versions out, checkpoints on demand.
 
-Knows the training package and the shell; no ray import.
+Knows the training package and the shell; no ray import (the object store's weight holder,
+``weight_object_store``, is the one piece that knows Ray).
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ from typing import Any
 import msgspec
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.weight_object_store import ObjectStoreWeightHolder
+from rollmesh.bus.last_message import last_message
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
 from rollmesh.bus.trajectory_store import ObjectStoreTrajectories
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, TrainerConfig
+from rollmesh.engine.weight_memory import resolve_weight_sync
+from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
 from rollmesh.run_config import StageConfig
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
 from rollmesh.training.torch_backend import TrainerBackend, build_trainer_backend
@@ -33,6 +38,7 @@ class TrainerActor(RoleActor):
         self.model_config = model_config
         self.trainer: TrainerLogic | None = None
         self.backend: TrainerBackend | None = None
+        self.weight_holder: ObjectStoreWeightHolder | None = None
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         # The megatron backend starts its rank processes here: seconds, off the event loop.
@@ -41,6 +47,15 @@ class TrainerActor(RoleActor):
         self.backend = backend = await asyncio.to_thread(build_trainer_backend, self.model_config, self.config,
                                                          log_dir=log_dir)
         assert isinstance(publisher, BusPublisher), "the shell's publisher is a BusPublisher"
+        import torch  # the device decides "auto"
+
+        # Workers on this node read a version from this actor's shared memory (weight_bucket_refs).
+        if resolve_weight_sync(self.config.weight_sync, cuda=torch.cuda.is_available()) == "memory":
+            self.weight_holder = ObjectStoreWeightHolder(self.name)
+
+        async def latest_weights():
+            return await last_message(publisher.jetstream, publisher.namespace, WEIGHTS_PUBLISHED)
+
         self.trainer = TrainerLogic(self.config, self.model_config, backend, publisher,
                                     run_dir=Path(self.mesh.run_dir),
                                     in_progress_every_s=self.mesh.nats.rollout_ack_wait_s / 3, busy=self.busy,
@@ -50,7 +65,8 @@ class TrainerActor(RoleActor):
                                     # Only long rollouts carry a reference into it (the
                                     # rollout workers create it, with its TTL).
                                     trajectories=ObjectStoreTrajectories(publisher.jetstream, publisher.namespace,
-                                                                         replicas=self.mesh.nats.replicas))
+                                                                         replicas=self.mesh.nats.replicas),
+                                    memory=self.weight_holder, latest_weights=latest_weights)
         return self.trainer
 
     async def stop(self) -> None:
@@ -70,6 +86,11 @@ class TrainerActor(RoleActor):
     async def save_checkpoint(self) -> str:
         assert self.trainer is not None, "start() first"
         return (await self.trainer.save_checkpoint()).path
+
+    async def weight_bucket_refs(self, version: int) -> list | None:
+        """The object refs of ``version``'s manifest and buckets in this node's shared memory (None:
+        not held), for an inference worker on this node (``ObjectStoreWeightFetcher``)."""
+        return None if self.weight_holder is None else self.weight_holder.refs(version)
 
     async def version(self) -> int:
         return self.trainer.version if self.trainer else 0

@@ -12,13 +12,23 @@ on disk is refused by name. Buckets bound what one read or write holds at a time
 reader verify and decode one bucket while the next is read. ``load_published`` reads both this
 layout and the single ``save_weights`` file, which operators still hand to
 ``/update_weights_from_disk``.
+
+The same buckets can travel without files (``serialize_buckets`` then ``weight_memory``): the
+bytes and both sha256 levels are identical, only the medium differs. ``decode_bucket`` reads a
+bucket from any buffer (a Ray shared-memory object, a file's bytes) without copying it: the
+tensors are views of the buffer (the stager copies them). Hand-rolled rather than safetensors'
+``load``, which takes ``bytes`` only and would copy a shared-memory bucket once more; the format
+is an 8-byte little-endian header length, a JSON header, then the data.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
+import struct
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,31 +76,65 @@ def version_directory(weights_dir: Path, version: int) -> Path:
     return Path(weights_dir) / f"v{version:06d}"
 
 
-def write_buckets(state_dict: Mapping[str, torch.Tensor], weights_dir: Path, *, version: int,
-                  bucket_bytes: int) -> PublishedBuckets:
-    """Publish ``state_dict`` as version ``version`` under ``weights_dir`` (atomically: the
-    directory appears complete or not at all)."""
-    final = version_directory(weights_dir, version)
+@dataclass(frozen=True)
+class SerializedWeights:
+    """One version's buckets in memory: the manifest and each bucket's safetensors bytes."""
+
+    version: int
+    manifest: bytes
+    manifest_sha256: str
+    buckets: list[tuple[WeightBucket, bytes]]
+    total_bytes: int
+    gather_s: float
+    serialize_s: float  # buckets serialised and hashed
+
+
+def serialize_buckets(state_dict: Mapping[str, torch.Tensor], *, version: int,
+                      bucket_bytes: int) -> SerializedWeights:
+    """``state_dict`` as buckets of at most ``bucket_bytes`` (a larger tensor gets one alone),
+    each hashed, and the manifest naming them."""
     started = time.perf_counter()
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state_dict.items()}
     gathered = time.perf_counter()
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
     plan = plan_shards(sizes, bucket_bytes) if tensors else []
     buckets = []
+    for number, names in enumerate(plan, start=1):
+        file = f"bucket-{number:05d}-of-{len(plan):05d}.safetensors"
+        try:
+            data = save_safetensors({name: tensors[name] for name in names})
+        except (SafetensorError, RuntimeError, ValueError) as exc:
+            raise WeightsFileError(file, f"cannot publish version {version}: {exc}") from exc
+        buckets.append((WeightBucket(file, hashlib.sha256(data).hexdigest(), len(data), list(names)), data))
+    total = sum(bucket.num_bytes for bucket, _ in buckets)
+    manifest = msgspec.json.encode(WeightsManifest(MANIFEST_FORMAT, version, total, [b for b, _ in buckets]))
+    return SerializedWeights(version, manifest, hashlib.sha256(manifest).hexdigest(), buckets, total,
+                             gathered - started, time.perf_counter() - gathered)
+
+
+def write_serialized(serialized: SerializedWeights, weights_dir: Path) -> Path:
+    """Write serialised buckets as their version's directory (atomically: it appears complete or
+    not at all, the manifest written last); returns the manifest's path."""
+    final = version_directory(weights_dir, serialized.version)
     try:
         with staged_directory(final) as staging:
-            for number, names in enumerate(plan, start=1):
-                file = f"bucket-{number:05d}-of-{len(plan):05d}.safetensors"
-                data = save_safetensors({name: tensors[name] for name in names})
-                (staging / file).write_bytes(data)
-                buckets.append(WeightBucket(file, hashlib.sha256(data).hexdigest(), len(data), list(names)))
-            manifest = msgspec.json.encode(WeightsManifest(MANIFEST_FORMAT, version,
-                                                           sum(b.num_bytes for b in buckets), buckets))
-            (staging / MANIFEST_FILE).write_bytes(manifest)  # last: it names the rest
-    except (CheckpointWriteError, SafetensorError, RuntimeError, ValueError) as exc:
+            for bucket, data in serialized.buckets:
+                (staging / bucket.file).write_bytes(data)
+            (staging / MANIFEST_FILE).write_bytes(serialized.manifest)  # last: it names the rest
+    except CheckpointWriteError as exc:
         raise WeightsFileError(str(final), f"cannot publish: {exc}") from exc
-    return PublishedBuckets(final / MANIFEST_FILE, hashlib.sha256(manifest).hexdigest(),
-                            sum(b.num_bytes for b in buckets), gathered - started, time.perf_counter() - gathered)
+    return final / MANIFEST_FILE
+
+
+def write_buckets(state_dict: Mapping[str, torch.Tensor], weights_dir: Path, *, version: int,
+                  bucket_bytes: int) -> PublishedBuckets:
+    """Publish ``state_dict`` as version ``version`` under ``weights_dir`` (atomically: the
+    directory appears complete or not at all)."""
+    serialized = serialize_buckets(state_dict, version=version, bucket_bytes=bucket_bytes)
+    started = time.perf_counter()
+    manifest_path = write_serialized(serialized, weights_dir)
+    return PublishedBuckets(manifest_path, serialized.manifest_sha256, serialized.total_bytes, serialized.gather_s,
+                            serialized.serialize_s + time.perf_counter() - started)
 
 
 def read_manifest(path: Path, expected_sha256: str | None) -> WeightsManifest:
@@ -98,18 +142,62 @@ def read_manifest(path: Path, expected_sha256: str | None) -> WeightsManifest:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise WeightsFileError(str(path), f"cannot read: {exc}") from exc
+    return decode_manifest(data, expected_sha256, where=str(path))
+
+
+def decode_manifest(data: bytes | memoryview, expected_sha256: str | None, *, where: str) -> WeightsManifest:
+    """A manifest's bytes, checked against ``expected_sha256`` (from ``WeightsPublished``)."""
     if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256.lower():
-        raise WeightsChecksumError(str(path), expected_sha256, hashlib.sha256(data).hexdigest())
+        raise WeightsChecksumError(where, expected_sha256, hashlib.sha256(data).hexdigest())
     try:
         manifest = msgspec.json.decode(data, type=WeightsManifest)
     except msgspec.DecodeError as exc:
-        raise WeightsFileError(str(path), f"not a weights manifest: {exc}") from exc
+        raise WeightsFileError(where, f"not a weights manifest: {exc}") from exc
     if manifest.format != MANIFEST_FORMAT:
-        raise WeightsFileError(str(path), f"manifest format {manifest.format!r}, this reader knows {MANIFEST_FORMAT!r}")
+        raise WeightsFileError(where, f"manifest format {manifest.format!r}, this reader knows {MANIFEST_FORMAT!r}")
     for bucket in manifest.buckets:
         if Path(bucket.file).name != bucket.file:  # data from disk: no path may leave the directory
-            raise WeightsFileError(str(path), f"bad bucket name {bucket.file!r}")
+            raise WeightsFileError(where, f"bad bucket name {bucket.file!r}")
     return manifest
+
+
+# safetensors' dtype names (its format spec) as torch dtypes.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def decode_bucket(data, bucket: WeightBucket, *, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of one bucket held in ``data`` (any contiguous buffer), checked against the
+    manifest's sha256 and tensor names first. The tensors are views of ``data`` (which they keep
+    alive): copy them before writing to them."""
+    view = memoryview(data).cast("B")
+    actual = hashlib.sha256(view).hexdigest()
+    if actual != bucket.sha256:
+        raise WeightsChecksumError(where, bucket.sha256, actual)
+    try:
+        (header_len,) = struct.unpack_from("<Q", view, 0)
+        header = json.loads(bytes(view[8:8 + header_len]))
+        header.pop("__metadata__", None)
+        start = 8 + header_len
+        tensors = {}
+        with warnings.catch_warnings():  # read-only buffers: the views are only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            for name, entry in header.items():
+                begin, end = entry["data_offsets"]
+                if not 0 <= begin <= end <= len(view) - start:
+                    raise ValueError(f"{name} lies outside the bucket")
+                dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+                flat = (torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=start + begin)
+                        if end > begin else torch.empty(0, dtype=torch.uint8))
+                tensors[name] = flat.view(dtype).reshape(entry["shape"])
+    except (struct.error, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise WeightsFileError(where, f"not a safetensors bucket: {exc!r}") from exc
+    if sorted(tensors) != sorted(bucket.tensors):
+        raise WeightsFileError(where, "holds other tensors than the manifest names")
+    return tensors
 
 
 def read_buckets(manifest_path: Path, expected_sha256: str | None = None) -> Iterator[dict[str, torch.Tensor]]:

@@ -1,10 +1,13 @@
 """Follows the trainer's weight versions for one inference worker: load, stage, acknowledge.
 
 Knows the engine's weight files, the mesh ports (rollmesh.ports) and the wire contract; not Ray,
-not nats-py. On ``WeightsPublished`` it loads the version (bucket manifest or single file) off the
-event loop, stages it (the engine swaps at its next step boundary, so no request is aborted) and
-publishes ``WeightsActivated``, with the load's duration, once the swap happened. On start it catches up with the newest version already published (``latest``), so
-a worker restarted after a crash serves the current weights, not its initial ones.
+not nats-py. On ``WeightsPublished`` it loads the version off the event loop: from shared memory
+when the message names a memory copy on this node (``memory``, see ``weight_memory``), else (or
+when that copy is gone) from the bucket manifest or single file at ``path``. It stages it (the
+engine swaps at its next step boundary, so no request is aborted) and publishes
+``WeightsActivated``, with the load's duration and source, once the swap happened. On start it
+catches up with the newest version already published (``latest``), so a worker restarted after a
+crash serves the current weights, not its initial ones.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import structlog
 import torch
 
 from rollmesh.ports import MessageContext, Publisher, Subscription
+from rollmesh.engine.errors import WeightsUnavailableError
 from rollmesh.engine.weight_buckets import load_published
+from rollmesh.engine.weight_memory import FetchesWeightBuckets, load_from_memory
 from rollmesh.messages import WeightsActivated, WeightsPublished
 from rollmesh.messages.subjects import WEIGHTS_ACTIVATED, WEIGHTS_PUBLISHED
 from rollmesh.telemetry import metrics, metrics_catalog
@@ -53,8 +58,10 @@ class WeightFollower:
         role: str,
         clock: Callable[[], float] = time.time,
         latest: LatestWeights | None = None,
+        memory: FetchesWeightBuckets | None = None,
     ) -> None:
         self.engine = engine
+        self.memory = memory
         self.publisher = publisher
         self.worker = worker
         self.role = role
@@ -83,9 +90,7 @@ class WeightFollower:
             # Read, verify and stage (a checked copy) off the event loop: decoding goes on, and
             # the only pause is the swap itself at the next step boundary.
             started = time.perf_counter()
-            staged = await asyncio.to_thread(
-                lambda: self.engine.stage_weights(load_published(message.path, message.sha256),
-                                                  message.version))
+            staged, source = await asyncio.to_thread(self._load_and_stage, message)
             load_s = time.perf_counter() - started
             if not staged:
                 return
@@ -100,6 +105,19 @@ class WeightFollower:
                 in_flight=self.engine.num_active(),
                 load_s=load_s,
                 activated_at=self.clock(),
+                source=source,
             ),
         )
+
+    def _load_and_stage(self, message: WeightsPublished) -> tuple[bool, str]:
+        """Stage the version (a checked copy); (staged, where it was read). Runs on a thread."""
+        if self.memory is not None and self.memory.reachable(message):
+            try:
+                # The state dict is views of shared memory; staging copies it, so the memory can
+                # be let go of as soon as this returns.
+                state = load_from_memory(message, self.memory).state_dict
+                return self.engine.stage_weights(state, message.version), "memory"
+            except WeightsUnavailableError as exc:
+                _log.warning("weights_memory_unavailable", weight_version=message.version, reason=exc.reason)
+        return self.engine.stage_weights(load_published(message.path, message.sha256), message.version), "files"
 

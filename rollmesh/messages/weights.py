@@ -1,6 +1,7 @@
 """Weight-version events. Knows msgspec only.
 
-Events carry a reference (a safetensors file) and its checksum, never tensors.
+Events carry references (a bucket manifest's path; the Ray actor holding the same buckets in
+its node's shared memory) and checksums, never tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ class WeightsPublished(WireMessage, frozen=True, tag="weights.published"):
     # Where the publication's time went: copying the weights off the model, then writing them.
     gather_s: float = 0.0
     write_s: float = 0.0
+    # The same buckets in the Ray object store of node ``memory_node``, held for readers by the Ray
+    # actor ``memory_holder`` ("": files only; ``trainer.weight_sync``). A reader on that node
+    # fetches them from shared memory and checks them against ``sha256`` as it would the files;
+    # any other reader, or one that finds them gone, reads ``path``.
+    memory_holder: str = ""
+    memory_node: str = ""
 
 
 class WeightsActivated(WireMessage, frozen=True, tag="weights.activated"):
@@ -31,3 +38,6 @@ class WeightsActivated(WireMessage, frozen=True, tag="weights.activated"):
     # the pause, at the next step boundary).
     load_s: float = 0.0
     activated_at: float = 0.0
+    # Where the worker read the version: "memory" (shared memory), "files", or "nccl" (a broadcast
+    # into SGLang servers); "" from workers that predate the field.
+    source: str = ""

@@ -15,13 +15,16 @@ rollout cut by ``max_new_tokens`` is trained as is, masked in its group, or trai
 reward (``overlong``); with ``drop_uniform_groups`` a group whose rewards are all equal is consumed
 without counting toward a step (dynamic sampling). A rollout split into several samples (``rollout.history_rewrite = "split"``) is one
 group member and one idempotency key; each of its samples trains with the member's advantage.
+With ``memory`` (``trainer.weight_sync = "memory"``, ``engine/weight_memory.py``) a version is
+put into shared memory and announced first, then written and recorded: workers on this node never
+wait on the disk, and ``start`` numbers past any version announced but never made durable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +45,12 @@ from rollmesh.engine.weight_buckets import (
     MANIFEST_FILE,
     load_published,
     remove_published,
+    serialize_buckets,
     version_directory,
     write_buckets,
+    write_serialized,
 )
+from rollmesh.engine.weight_memory import HoldsWeightBuckets
 from rollmesh.messages import (
     CheckpointSaved,
     GroupDropped,
@@ -107,8 +113,17 @@ class TrainerLogic(SupervisedTraining):
         routed_experts: RoutedExpertsStore | None = None,
         busy: BusyClock | None = None,
         trajectories: TrajectoryStore | None = None,
+        memory: HoldsWeightBuckets | None = None,
+        latest_weights: Callable[[], Awaitable[WeightsPublished | None]] | None = None,
     ) -> None:
         self.config = config
+        # Versions go to shared memory and are announced before their files are written.
+        self.memory = memory
+        # The newest announced version (the weights stream): what a resumed trainer numbers past.
+        self.latest_weights = latest_weights
+        # The newest version number announced (memory mode announces before a step is durable,
+        # so it can run ahead of ``version``): the next version is numbered past it.
+        self._announced = 0
         # Train steps (the policy step and writing its weights) are the trainer's compute: the
         # GPU scheduler's busy time for what the trainer holds.
         self.busy = busy or BusyClock()
@@ -149,6 +164,7 @@ class TrainerLogic(SupervisedTraining):
         """Resume from the ledger: the last durable step's weights, version and consumed keys."""
         state = await asyncio.to_thread(self.ledger.read)
         if state is None:
+            await self._number_past_announced()
             return
         last = state.last
         if last.weights_path:
@@ -167,8 +183,20 @@ class TrainerLogic(SupervisedTraining):
         # otherwise the weights are exact and the optimizer's moments start afresh.
         exact = last.weights_path != "" and await asyncio.to_thread(
             restore_training_state, self.checkpoint_dir, self.backend, step=last.step, version=last.weight_version)
+        await self._number_past_announced()
         _log.info("trainer_resumed", step=self.step, weight_version=self.version,
                   consumed=len(state.consumed), exact=exact)
+
+    async def _number_past_announced(self) -> None:
+        """With versions announced before they are durable, one may have been announced and lost
+        (killed before its ledger line): the next version must not reuse its number, or two
+        different weights would carry it (workers skip a version number they already run)."""
+        if self.memory is None or self.latest_weights is None:
+            return
+        newest = await self.latest_weights()
+        if newest is not None and newest.version > self.version:
+            _log.warning("trainer_skips_lost_versions", ledger_version=self.version, announced=newest.version)
+            self._announced = newest.version
 
     def subscriptions(self) -> list[Subscription]:
         # Every trajectory of a step waits un-acked until the step is durable, so the consumer
@@ -383,8 +411,12 @@ class TrainerLogic(SupervisedTraining):
     async def _commit_step(self, step: int, keys: list[str], group_ids: list[str] = (), *,
                            new_weights: bool, cursor: dict | None = None) -> None:
         """Make a step durable: its weights file (when it trained), then its ledger line; only
-        then does the step count, and are its weights announced."""
-        weights = await self._write_weights(step) if new_weights else self._last_weights
+        then does the step count, and are its weights announced (with ``memory``: announced
+        first, from shared memory, then written and recorded)."""
+        if new_weights and self.memory is not None:
+            weights = await self._publish_weights_in_memory(step)
+        else:
+            weights = await self._write_weights(step) if new_weights else self._last_weights
         entry = LedgerEntry(
             step=step, weight_version=weights.version if weights else self.version,
             weights_path=weights.path if weights else "", sha256=weights.sha256 if weights else "",
@@ -395,7 +427,7 @@ class TrainerLogic(SupervisedTraining):
         # redelivered trajectories look one version staler than they are.
         self.step = step
         if new_weights and weights is not None:
-            await self._announce(weights)
+            await self._announce(weights, publish=self.memory is None)
 
     async def _write_weights(self, trainer_step: int) -> WeightsPublished:
         version = self.version + 1
@@ -408,10 +440,35 @@ class TrainerLogic(SupervisedTraining):
                                 num_bytes=published.total_bytes, trainer_step=trainer_step,
                                 published_at=self.clock(), gather_s=published.gather_s, write_s=published.write_s)
 
-    async def _announce(self, weights: WeightsPublished) -> None:
+    async def _publish_weights_in_memory(self, trainer_step: int) -> WeightsPublished:
+        """Serialise once, put into shared memory, announce, then write the same bytes to disk."""
+        assert self.memory is not None
+        version = max(self.version, self._announced) + 1
+        with _tracer.start_as_current_span("weights_save", attributes={
+                "weight_version": version, conventions.RL_WEIGHT_VERSION: version, "memory": True}) as span:
+            serialized = await asyncio.to_thread(serialize_buckets, self.backend.state_dict(), version=version,
+                                                 bucket_bytes=self.config.weight_bucket_bytes)
+            location = await asyncio.to_thread(self.memory.put, serialized)
+            span.set_attributes({"gather_s": serialized.gather_s, "write_s": serialized.serialize_s})
+        weights = WeightsPublished(
+            version=version, path=str(version_directory(self.weights_dir, version) / MANIFEST_FILE),
+            sha256=serialized.manifest_sha256, num_bytes=serialized.total_bytes, trainer_step=trainer_step,
+            published_at=self.clock(), gather_s=serialized.gather_s, write_s=serialized.serialize_s,
+            memory_holder=location.holder, memory_node=location.node)
         with _tracer.start_as_current_span("weights_publish", attributes={
-                "weight_version": weights.version, conventions.RL_WEIGHT_VERSION: weights.version}):
+                "weight_version": version, conventions.RL_WEIGHT_VERSION: version}):
             await self.publisher.publish(WEIGHTS_PUBLISHED, weights)
+        self._announced = version  # used, even if writing it fails below
+        # Durable after the announcement: a worker elsewhere (or one that finds the memory copy
+        # gone) reads these files, and a resumed trainer loads them.
+        await asyncio.to_thread(write_serialized, serialized, self.weights_dir)
+        return weights
+
+    async def _announce(self, weights: WeightsPublished, *, publish: bool = True) -> None:
+        if publish:
+            with _tracer.start_as_current_span("weights_publish", attributes={
+                    "weight_version": weights.version, conventions.RL_WEIGHT_VERSION: weights.version}):
+                await self.publisher.publish(WEIGHTS_PUBLISHED, weights)
         self.version = weights.version
         self._last_weights = weights
         remove_published(version_directory(self.weights_dir, weights.version - KEEP_WEIGHT_FILES) / MANIFEST_FILE)

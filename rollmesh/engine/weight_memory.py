@@ -1,0 +1,97 @@
+"""Weight versions without files: the trainer's buckets handed over in shared memory.
+
+Knows the bucket format (``weight_buckets``) and the wire contract; not Ray (the object store sits
+behind the two small Protocols below, implemented in ``rollmesh/actors/weight_object_store.py``).
+The trainer serialises a version once (``serialize_buckets``), puts the manifest and the bucket
+bytes into the store of its node, and announces ``WeightsPublished`` with ``memory_holder`` and
+``memory_node`` set besides the usual ``path``. An inference worker on that node reads the same
+bytes from shared memory: the manifest checked against the message's sha256, each bucket against
+the manifest's, exactly as on the file path, with no disk write, fsync or read in between.
+Anywhere the memory copy cannot serve (another node, a restarted trainer whose objects are gone, a
+worker catching up on an old version) the worker reads ``path``.
+
+``trainer.weight_sync`` picks the method (``resolve_weight_sync``):
+
+- ``"files"``: buckets on disk only (the durable path; what a restart reads);
+- ``"memory"``: the object store for workers on the trainer's node, files for the rest;
+- ``"nccl"``: SGLang servers receive an NCCL broadcast (``sglang_weight_sync``);
+- ``"auto"``: ``"memory"`` when the trainer runs on CUDA, else ``"files"``: on CPU a training step
+  takes seconds, so the announcement-before-durability trade (below) is not worth making there
+  by default, and the file path is what every other CPU test exercises.
+
+In ``"memory"`` mode the version is announced once it is in shared memory and before its files are
+durable: the files, then the ledger line, follow. A trainer that dies in between leaves a version
+announced that no ledger holds; the resumed trainer numbers its next version past the newest one
+announced (``TrainerLogic.start``), so no version number ever names two different weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from rollmesh.engine.errors import WeightsUnavailableError
+from rollmesh.engine.weight_buckets import SerializedWeights, decode_bucket, decode_manifest
+from rollmesh.messages import WeightsPublished
+
+WeightSync = Literal["auto", "files", "memory", "nccl"]
+
+
+def resolve_weight_sync(setting: WeightSync, *, cuda: bool) -> Literal["files", "memory", "nccl"]:
+    if setting == "auto":
+        return "memory" if cuda else "files"
+    return setting
+
+
+@dataclass(frozen=True)
+class MemoryLocation:
+    holder: str  # who answers for the objects (a Ray actor name)
+    node: str  # the node whose shared memory holds them
+
+
+class HoldsWeightBuckets(Protocol):
+    """The trainer's side: keeps the newest versions' bytes in shared memory."""
+
+    def put(self, serialized: SerializedWeights) -> MemoryLocation: ...
+
+
+class FetchesWeightBuckets(Protocol):
+    """An inference worker's side: the manifest and bucket buffers of an announced version."""
+
+    def reachable(self, message: WeightsPublished) -> bool:
+        """Whether the message's memory copy is on this worker's node."""
+        ...
+
+    def fetch(self, message: WeightsPublished) -> tuple[object, Sequence[object]]:
+        """(manifest buffer, bucket buffers in manifest order); blocking. Raises
+        ``WeightsUnavailableError``."""
+        ...
+
+
+@dataclass(frozen=True)
+class MemoryLoad:
+    state_dict: dict[str, torch.Tensor]  # views of shared memory: copy before writing
+    fetch_s: float
+    verify_s: float
+
+
+def load_from_memory(message: WeightsPublished, source: FetchesWeightBuckets) -> MemoryLoad:
+    """The announced version's state dict from shared memory, every byte sha256-checked."""
+    if not message.memory_holder:
+        raise WeightsUnavailableError(message.version, "announced with files only")
+    started = time.perf_counter()
+    manifest_buffer, bucket_buffers = source.fetch(message)
+    fetched = time.perf_counter()
+    where = f"{message.memory_holder}:v{message.version}"
+    manifest = decode_manifest(memoryview(manifest_buffer).cast("B"), message.sha256, where=where)
+    if len(bucket_buffers) != len(manifest.buckets):
+        raise WeightsUnavailableError(message.version, f"{len(bucket_buffers)} buckets held, "
+                                                       f"the manifest names {len(manifest.buckets)}")
+    state: dict[str, torch.Tensor] = {}
+    for bucket, buffer in zip(manifest.buckets, bucket_buffers):
+        state.update(decode_bucket(buffer, bucket, where=f"{where}/{bucket.file}"))
+    return MemoryLoad(state, fetched - started, time.perf_counter() - fetched)

@@ -1,0 +1,223 @@
+"""Weight versions through shared memory (``trainer.weight_sync = "memory"``): the same buckets and
+sha256 checks as the files, read from buffers; the follower's choice between memory and files;
+and (integration) the real Ray object store between a holder actor and this process."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from fakes import RecordingPublisher, StagingEngine
+from rollmesh.engine.errors import WeightsChecksumError, WeightsFileError, WeightsUnavailableError
+from rollmesh.engine.weight_buckets import (
+    SerializedWeights,
+    decode_bucket,
+    load_published,
+    serialize_buckets,
+    write_serialized,
+)
+from rollmesh.engine.weight_follower import WeightFollower
+from rollmesh.engine.weight_memory import MemoryLocation, load_from_memory, resolve_weight_sync
+from rollmesh.messages import WeightsPublished
+from rollmesh.messages.subjects import WEIGHTS_ACTIVATED
+
+pytestmark = pytest.mark.timeout(60)
+RAY_TIMEOUT_S = 300  # starting Ray on a loaded 2-core machine
+
+
+@pytest.fixture
+def state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {"embed": torch.randn(64, 16), "layer.0.w": torch.randn(16, 16), "layer.0.b": torch.randn(16),
+            "layer.1.w": torch.randn(16, 16).to(torch.bfloat16), "steps": torch.arange(5),
+            "mask": torch.tensor([True, False]), "empty": torch.zeros(0, 4)}
+
+
+class DictBuckets:
+    """The two memory seams over a dict: ``put`` keeps the serialised bytes as numpy arrays
+    (read-only, as Ray hands them out), ``fetch`` returns them; ``node`` is where they live."""
+
+    def __init__(self, node: str = "node-a") -> None:
+        self.node = node
+        self.held: dict[int, list[np.ndarray]] = {}
+        self.fetches = 0
+
+    def put(self, serialized: SerializedWeights) -> MemoryLocation:
+        arrays = [np.frombuffer(serialized.manifest, np.uint8)]
+        arrays += [np.frombuffer(data, np.uint8) for _, data in serialized.buckets]
+        self.held[serialized.version] = arrays
+        return MemoryLocation("trainer", self.node)
+
+    def reachable(self, message: WeightsPublished) -> bool:
+        return bool(message.memory_holder) and message.memory_node == self.node
+
+    def fetch(self, message: WeightsPublished) -> tuple[object, Sequence[object]]:
+        self.fetches += 1
+        if message.version not in self.held:
+            raise WeightsUnavailableError(message.version, "not held")
+        arrays = self.held[message.version]
+        return arrays[0], arrays[1:]
+
+
+def announce(serialized: SerializedWeights, location: MemoryLocation, weights_dir: Path) -> WeightsPublished:
+    return WeightsPublished(version=serialized.version, path=str(weights_dir / f"v{serialized.version:06d}" /
+                                                                 "manifest.json"),
+                            sha256=serialized.manifest_sha256, num_bytes=serialized.total_bytes,
+                            memory_holder=location.holder, memory_node=location.node)
+
+
+@pytest.mark.unit
+def test_a_bucket_decoded_from_a_buffer_equals_safetensors_own_reading(state):
+    serialized = serialize_buckets(state, version=1, bucket_bytes=1 << 20)
+    ((bucket, data),) = serialized.buckets
+    tensors = decode_bucket(np.frombuffer(data, np.uint8), bucket, where="test")
+    expected = load_safetensors(data)
+    assert tensors.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
+
+
+@pytest.mark.unit
+def test_memory_buckets_are_byte_for_byte_the_files_buckets(state, tmp_path):
+    serialized = serialize_buckets(state, version=3, bucket_bytes=2048)
+    manifest_path = write_serialized(serialized, tmp_path)
+    assert manifest_path.read_bytes() == serialized.manifest
+    for bucket, data in serialized.buckets:
+        assert (manifest_path.parent / bucket.file).read_bytes() == data
+    from_files = load_published(manifest_path, serialized.manifest_sha256)
+    holder = DictBuckets()
+    message = announce(serialized, holder.put(serialized), tmp_path)
+    from_memory = load_from_memory(message, holder).state_dict
+    assert from_memory.keys() == from_files.keys()
+    assert all(torch.equal(from_memory[k], from_files[k]) for k in from_files)
+
+
+@pytest.mark.unit
+def test_a_damaged_bucket_in_memory_is_refused_by_name(state, tmp_path):
+    serialized = serialize_buckets(state, version=1, bucket_bytes=2048)
+    holder = DictBuckets()
+    message = announce(serialized, holder.put(serialized), tmp_path)
+    damaged = holder.held[1][2].copy()
+    damaged[-1] ^= 0xFF
+    holder.held[1][2] = damaged
+    with pytest.raises(WeightsChecksumError, match=serialized.buckets[1][0].file):
+        load_from_memory(message, holder)
+
+
+@pytest.mark.unit
+def test_a_manifest_that_does_not_match_the_announced_sha256_is_refused(state, tmp_path):
+    serialized = serialize_buckets(state, version=1, bucket_bytes=2048)
+    holder = DictBuckets()
+    message = msgspec.structs.replace(announce(serialized, holder.put(serialized), tmp_path), sha256="0" * 64)
+    with pytest.raises(WeightsChecksumError):
+        load_from_memory(message, holder)
+
+
+@pytest.mark.unit
+def test_a_bucket_whose_header_points_outside_it_is_a_file_error(state):
+    serialized = serialize_buckets({"w": torch.ones(4)}, version=1, bucket_bytes=1 << 20)
+    ((bucket, data),) = serialized.buckets
+    truncated = data[:-4]
+    import hashlib
+    bucket = msgspec.structs.replace(bucket, sha256=hashlib.sha256(truncated).hexdigest())
+    with pytest.raises(WeightsFileError, match="outside"):
+        decode_bucket(truncated, bucket, where="test")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("setting", "cuda", "expected"), [
+    ("auto", False, "files"), ("auto", True, "memory"), ("memory", False, "memory"), ("files", True, "files"),
+    ("nccl", False, "nccl")])
+def test_auto_weight_sync_is_memory_on_cuda_and_files_on_cpu(setting, cuda, expected):
+    assert resolve_weight_sync(setting, cuda=cuda) == expected
+
+
+# -- the follower's choice --------------------------------------------------------------------
+
+
+def follower(engine: StagingEngine, bus: RecordingPublisher, memory: DictBuckets) -> WeightFollower:
+    return WeightFollower(engine, bus, worker="decode-0", role="decode", memory=memory)
+
+
+@pytest.mark.unit
+async def test_a_worker_on_the_trainers_node_stages_from_memory_without_touching_the_files(state, tmp_path):
+    serialized = serialize_buckets(state, version=1, bucket_bytes=2048)
+    memory = DictBuckets()
+    message = announce(serialized, memory.put(serialized), tmp_path)  # no files written at all
+    engine, bus = StagingEngine(), RecordingPublisher()
+    await follower(engine, bus, memory).handle_weights_published(message)
+    ((version, staged),) = engine.staged
+    assert version == 1 and all(torch.equal(staged[k], state[k]) for k in state)
+    (activated,) = bus.messages(WEIGHTS_ACTIVATED)
+    assert (activated.version, activated.source) == (1, "memory")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", ["other node", "holder lost it"])
+async def test_a_worker_reads_the_files_when_the_memory_copy_cannot_serve(state, tmp_path, case):
+    serialized = serialize_buckets(state, version=1, bucket_bytes=2048)
+    write_serialized(serialized, tmp_path)
+    trainer_side = DictBuckets(node="node-a")
+    message = announce(serialized, trainer_side.put(serialized), tmp_path)
+    worker_side = DictBuckets(node="node-b") if case == "other node" else trainer_side
+    if case == "holder lost it":
+        trainer_side.held.clear()
+    engine, bus = StagingEngine(), RecordingPublisher()
+    await follower(engine, bus, worker_side).handle_weights_published(message)
+    ((_, staged),) = engine.staged
+    assert all(torch.equal(staged[k], state[k]) for k in state)
+    assert bus.messages(WEIGHTS_ACTIVATED)[0].source == "files"
+    assert worker_side.fetches == (0 if case == "other node" else 1)
+
+
+# -- the real object store ------------------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(RAY_TIMEOUT_S)
+def test_buckets_put_by_a_holder_actor_are_read_here_from_shared_memory(ray_session, state, tmp_path):
+    import ray
+
+    from rollmesh.actors.weight_object_store import ObjectStoreWeightFetcher, ObjectStoreWeightHolder
+
+    @ray.remote(num_cpus=0)
+    class Holder:  # the trainer actor's part in this: put, and answer weight_bucket_refs
+        def __init__(self, name: str) -> None:
+            self.holder = ObjectStoreWeightHolder(name, keep=1)
+
+        def publish(self, tensors, version: int):
+            serialized = serialize_buckets(tensors, version=version, bucket_bytes=2048)
+            return self.holder.put(serialized), serialized.manifest_sha256, serialized.total_bytes
+
+        def weight_bucket_refs(self, version: int):
+            return self.holder.refs(version)
+
+    name = f"weights-holder-{uuid.uuid4().hex[:8]}"
+    holder = Holder.options(name=name).remote(name)
+    fetcher = ObjectStoreWeightFetcher(timeout_s=60)
+
+    def published(version: int) -> WeightsPublished:
+        location, sha256, num_bytes = ray.get(holder.publish.remote(state, version), timeout=60)
+        return WeightsPublished(version=version, path=str(tmp_path / "missing"), sha256=sha256,
+                                num_bytes=num_bytes, memory_holder=location.holder, memory_node=location.node)
+
+    first = published(1)
+    assert fetcher.reachable(first)
+    loaded = load_from_memory(first, fetcher).state_dict
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    del loaded
+
+    published(2)  # keep=1: version 1 is let go of
+    with pytest.raises(WeightsUnavailableError, match="no longer holds"):
+        load_from_memory(first, fetcher)
+
+    ray.kill(holder)
+    with pytest.raises(WeightsUnavailableError):
+        load_from_memory(first, fetcher)
