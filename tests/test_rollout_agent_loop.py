@@ -951,3 +951,23 @@ async def test_an_episode_cut_before_its_end_scores_zero_and_max_turns_ends_it()
     failed = await run(ScriptedEngine([]), sandbox_bus(), request(task="greeting_coach", task_input={}),
                        tasks=[GreetingCoach()])
     assert isinstance(failed, RolloutFailed) and failed.kind == "invalid_request" and "reset" in failed.reason
+
+
+@pytest.mark.parametrize("stray_calls", [0, 1])
+async def test_a_task_without_tools_runs_without_a_sandbox_lease(stray_calls):
+    """The dataset task declares no tools: no lease is taken, so none is heartbeated or
+    released; a tool call the model writes anyway is answered as malformed, not run. The
+    sampling temperature rides on the result, for the trainer's logprobs."""
+    from rollmesh.rollout.dataset_task import DatasetTask
+
+    turns = [tool_call()] * stray_calls + [answer("1/2")]
+    bus = sandbox_bus()
+    message = request(task="dataset", task_input={
+        "messages": [{"role": "user", "content": "What is 1/4 + 1/4?"}], "answer": "1/2",
+        "rewards": [{"name": "exact_match"}]}, sampling=SamplingParams(max_new_tokens=40, temperature=0.7))
+    result = await run(ScriptedEngine(turns), bus, message, tasks=[DatasetTask()], snapshot_workspace=True)
+    assert isinstance(result, RolloutCompleted), result
+    assert (result.reward, result.temperature) == (1.0, 0.7)
+    assert result.malformed_tool_calls == stray_calls
+    assert bus.requested(SANDBOX_LEASE) == [] and bus.requested(SANDBOX_EXEC) == []
+    assert bus.requested(SANDBOX_RELEASE) == []

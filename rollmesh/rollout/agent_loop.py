@@ -282,15 +282,20 @@ class RolloutRunner:
                                    turns=run.state.turn) from exc
         else:  # a new rollout (or one saved before chat messages: it starts over)
             run.state, trajectory = self._started(run.state, task, tools)
-        saved = run.state
-        lease_id = await self.leases.lease(request.rollout_id, held=saved.lease_id,
-                                           snapshot_id=saved.snapshot_id, turn=saved.turn)
-        run.state = msgspec.structs.replace(run.state, lease_id=lease_id)
-        try:
-            conversation = await self.leases.while_leased(
-                lease_id, request.rollout_id, self.turns.run(run, task, tools, trajectory, lease_id, self._save))
-        finally:
-            await self.leases.release(lease_id, request.rollout_id)
+        if tools:
+            saved = run.state
+            lease_id = await self.leases.lease(request.rollout_id, held=saved.lease_id,
+                                               snapshot_id=saved.snapshot_id, turn=saved.turn)
+            run.state = msgspec.structs.replace(run.state, lease_id=lease_id)
+            try:
+                conversation = await self.leases.while_leased(
+                    lease_id, request.rollout_id, self.turns.run(run, task, tools, trajectory, lease_id, self._save))
+            finally:
+                await self.leases.release(lease_id, request.rollout_id)
+        else:
+            # A task without tools runs nothing in a sandbox (a call the model writes anyway is
+            # malformed and answered without running): no lease, no heartbeats, no snapshots.
+            conversation = await self.turns.run(run, task, tools, trajectory, "", self._save)
         mismatches = self._check_tokens(run, trajectory)
         score = await self._reward(task, request, conversation, turns=run.state.turn)
         # The tokens past the model's context can only be a tool result the model never read.

@@ -140,7 +140,7 @@ class RolloutTurns:
                     final_text = parsed.content
             ended = not ran_tools or finish_reason == "truncated" or turn == request.max_turns
             snapshot_id = run.state.snapshot_id
-            if ran_tools and self.config.snapshot_workspace:
+            if ran_tools and lease_id and self.config.snapshot_workspace:
                 snapshot_id = await self.leases.snapshot(lease_id, request.rollout_id) or snapshot_id
             conversation = RewardInput(messages=trajectory.messages, tool_calls=calls, tool_outputs=outputs,
                                        final_text=final_text, finish_reason=finish_reason, malformed_tool_calls=malformed)
