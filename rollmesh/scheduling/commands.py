@@ -57,8 +57,13 @@ class ShrinkDecode:
 
 @dataclass(frozen=True)
 class StartJob:
+    """Start a job on ``accelerators``: ``borrowed`` of them ((run_id, role, count) each) are
+    devices of those roles' own, lent while the roles are idle (``role_devices_pinned``); the
+    rest are free ones."""
+
     job_id: str
     accelerators: int
+    borrowed: tuple[tuple[str, str, int], ...] = ()
     order: ClassVar[int] = 1
 
 

@@ -18,6 +18,13 @@ both run this same code. One pass after each event:
    can be asked to leave in time and saves more work before then than its restart costs (the
    head's start is then reclaimed like a reservation, from younger jobs only).
 5. Lend what is still idle to elastic roles (decode), taken back first, at once.
+
+Pinned devices (``role_devices_pinned``, the live scheduler with ``lend_role_accelerators``): the
+accelerators within a role's guarantee are its own devices (its actors keep them for life and
+lend their memory), so the role gets back exactly those. Its grants within the guarantee come
+from its own idle devices only, the jobs on them (``StartJob.borrowed``) are the ones preempted
+when its demand returns, and only free accelerators no role owns go past a guarantee or to
+elastic loans. A job takes unowned free accelerators first, then idle roles' own devices.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from rollmesh.scheduling.errors import (
 )
 from rollmesh.scheduling.fair_share import RoleDemand, fair_targets
 from rollmesh.scheduling.job_progress import JobProgress, ReleaseLeads, choose_victims
+from rollmesh.scheduling.pinned_devices import PinnedDevices
 from rollmesh.scheduling.workload import RoleShare, SimJob
 
 
@@ -88,16 +96,22 @@ class SchedulerStats:
     rl_queueing_s: dict[str, float]
 
 
-class LendingScheduler:
-    def __init__(self, capacity: int, *, max_loan_grace_s: float = 300.0, rl_wait_budget: float = 0.02) -> None:
+class LendingScheduler(PinnedDevices):
+    def __init__(self, capacity: int, *, max_loan_grace_s: float = 300.0, rl_wait_budget: float = 0.02,
+                 role_devices_pinned: bool = False) -> None:
         """``max_loan_grace_s``: a job with a longer grace period would hold RL's guaranteed
         accelerators past an announced reclaim, so it only runs on accelerators no role is
         guaranteed. ``rl_wait_budget``: the share of elapsed time by which preemption deadlines
         may run past RL's announced reservations in all (0: never past them). Jobs release some
         time before their deadline (they keep a margin for saving); a deadline that late asks
         them that much later, so they leave when RL starts instead of idling the accelerators
-        until it does. A job that uses its whole grace makes RL wait at most that long."""
+        until it does. A job that uses its whole grace makes RL wait at most that long.
+        ``role_devices_pinned``: a role's guaranteed accelerators are its own devices (module
+        docstring)."""
         self.capacity = capacity
+        self.role_devices_pinned = role_devices_pinned
+        # Pinned devices: job id -> {(run_id, role): that role's own devices the job runs on}.
+        self._borrowed: dict[str, dict[tuple[str, str], int]] = {}
         self.max_loan_grace_s = max_loan_grace_s
         self.rl_wait_budget = rl_wait_budget
         self._runs: dict[str, _Run] = {}
@@ -179,6 +193,7 @@ class LendingScheduler:
             self._leads.released(progress.job, progress.deadline - now)
         if progress.state != "queued":
             progress.release(now)
+            self._borrowed.pop(job_id, None)
             self._requeue(progress)
         return self._schedule(now)
 
@@ -186,6 +201,7 @@ class LendingScheduler:
         progress = self._jobs.pop(job_id, None)
         if progress is None:
             raise UnknownJobError(job_id=job_id)
+        self._borrowed.pop(job_id, None)
         if progress.state == "queued":
             self._queue.remove(progress)
         self._finished += 1
@@ -227,6 +243,7 @@ class LendingScheduler:
             if progress.state == "preempting" and progress.deadline <= now:
                 self._leads.released(progress.job, 0.0)
                 progress.release(now)
+                self._borrowed.pop(progress.job.job_id, None)
                 self._requeue(progress)
                 self._kills += 1
                 commands.append(KillJob(progress.job.job_id, reason="no release by the preemption deadline"))
@@ -240,6 +257,9 @@ class LendingScheduler:
                 taken = role.held - targets[run_id, name]
                 role.held -= taken
                 commands.append(ReclaimRole(run_id, name, taken, role.held))
+        if self.role_devices_pinned:
+            self._meet_pinned_demand(now, targets, commands)
+            return
         free = self._free()
         by_priority = sorted(self._roles(), key=lambda item: (-item[1].share.priority, item[0]))
         for (run_id, name), role in by_priority:
@@ -348,10 +368,14 @@ class LendingScheduler:
                 if job.grace_s > self.max_loan_grace_s:
                     spare -= job.accelerators
                 self._queue.remove(progress)
+                borrowed = self._place(job.accelerators)
+                if borrowed:
+                    self._borrowed[job.job_id] = borrowed
                 progress.start(now)
                 self._started += 1
                 lent = lent or clash is not None
-                commands.append(StartJob(job.job_id, job.accelerators))
+                commands.append(StartJob(job.job_id, job.accelerators,
+                                         tuple((run_id, role, n) for (run_id, role), n in borrowed.items())))
         return lent
 
     def _worth_lending(self, progress: JobProgress, now: float, clash: float) -> bool:
@@ -376,7 +400,7 @@ class LendingScheduler:
         return saved > job.restart_cost_s + (job.checkpoint_s or 0.0)
 
     def _lend_idle(self, now: float, lent_before: dict[tuple[str, str], int], commands: list[Command]) -> None:
-        free = self._free()
+        free = self._unowned_free() if self.role_devices_pinned else self._free()
         for (run_id, name), role in sorted(self._roles(), key=lambda item: (-item[1].share.priority, item[0])):
             if role.share.elastic_limit and role.demand > 0 and role.held >= role.demand:
                 role.lent = min(role.share.elastic_limit, free)
