@@ -94,7 +94,8 @@ class TrainerConfig(ConfigSection):
     # How a version reaches the inference engines (engine/weight_memory.py): "files" (buckets on
     # disk, what every worker can read); "memory" (the same buckets in the Ray object store's shared
     # memory for workers on the trainer's node, files for the rest, files written after the
-    # announcement); "nccl" (SGLang servers: an NCCL broadcast, engine/sglang_weight_sync.py);
+    # announcement); "nccl" (SGLang servers: an NCCL broadcast, engine/sglang_weight_sync.py; not
+    # yet driven by the mesh's trainer, which publishes files meanwhile and says so in its log);
     # "auto": "memory" when the trainer runs on CUDA, "files" on CPU.
     weight_sync: Literal["auto", "files", "memory", "nccl"] = "auto"
     # Rollout routing replay (MoE "hf" models): when every trained sample carries the experts

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import structlog
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.actors.weight_object_store import ObjectStoreWeightHolder
@@ -26,6 +27,8 @@ from rollmesh.run_config import StageConfig
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
 from rollmesh.training.torch_backend import TrainerBackend, build_trainer_backend
 from rollmesh.training.trainer_logic import TrainerLogic
+
+_log = structlog.get_logger("rollmesh.actors.trainer")
 
 
 class TrainerActor(RoleActor):
@@ -50,8 +53,13 @@ class TrainerActor(RoleActor):
         import torch  # the device decides "auto"
 
         # Workers on this node read a version from this actor's shared memory (weight_bucket_refs).
-        if resolve_weight_sync(self.config.weight_sync, cuda=torch.cuda.is_available()) == "memory":
+        sync = resolve_weight_sync(self.config.weight_sync, cuda=torch.cuda.is_available())
+        if sync == "memory":
             self.weight_holder = ObjectStoreWeightHolder(self.name)
+        elif sync == "nccl":
+            # engine/sglang_weight_sync.py is the sender; the mesh does not hand the trainer its
+            # SGLang servers yet, so versions go out as files meanwhile.
+            _log.warning("weight_sync_nccl_not_wired", publishing="files")
 
         async def latest_weights():
             return await last_message(publisher.jetstream, publisher.namespace, WEIGHTS_PUBLISHED)

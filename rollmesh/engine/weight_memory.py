@@ -14,7 +14,8 @@ worker catching up on an old version) the worker reads ``path``.
 
 - ``"files"``: buckets on disk only (the durable path; what a restart reads);
 - ``"memory"``: the object store for workers on the trainer's node, files for the rest;
-- ``"nccl"``: SGLang servers receive an NCCL broadcast (``sglang_weight_sync``);
+- ``"nccl"``: SGLang servers receive an NCCL broadcast (``sglang_weight_sync``; the mesh's
+  trainer does not drive it yet and publishes files meanwhile);
 - ``"auto"``: ``"memory"`` when the trainer runs on CUDA, else ``"files"``: on CPU a training step
   takes seconds, so the announcement-before-durability trade (below) is not worth making there
   by default, and the file path is what every other CPU test exercises.
