@@ -46,7 +46,8 @@ class FakeJob:
             self.exit_code.set_result(-9)
 
     async def wait(self) -> int:
-        return await self.exit_code
+        # Shielded: a waiter cancelled (the service closing) does not end the process.
+        return await asyncio.shield(self.exit_code)
 
     async def release(self) -> None:
         self.released = True
@@ -63,9 +64,11 @@ class FakeLauncher:
         self.ignoring = ignoring
         self.launched: list[FakeJob] = []
 
-    async def launch(self, job: SimJobSubmitted, *, attempt: int, accelerators: int) -> FakeJob:
+    async def launch(self, job: SimJobSubmitted, *, attempt: int, accelerators: int,
+                     borrowed: list[str] = ()) -> FakeJob:
         assert accelerators == job.accelerators
         handle = FakeJob(job, attempt, honours=job.job_id not in self.ignoring)
+        handle.borrowed = list(borrowed)
         self.launched.append(handle)
         return handle
 

@@ -19,6 +19,13 @@ Events in: ``SimJobSubmitted`` (durable: acked once written to the job ledger), 
 Busy time: ``record_busy`` takes each process's metric snapshot (the actor subscribes to them as
 the metrics hub does), whose ``rollmesh_role_busy_seconds`` says how long an RL role's worker
 computed; what a role holds counts as busy in that proportion (``role_busy.RoleBusyRates``).
+Lending the roles' own accelerators (``scheduler.lend_role_accelerators``; a ``RoleMemory`` port
+given): a role's demand may drop below its start grant. The core (with pinned role devices) then
+reclaims some of its own devices: their workers release their memory first (``RoleMemory.release``,
+awaited), and only then may a job start there (``StartJob.borrowed``: the launcher is told which
+devices). When the role's demand returns the core preempts the jobs on its devices; once they have
+left, its grant comes back and the workers resume their memory (``RoleMemory.resume``), so a role
+never computes on memory a job still uses.
 A job that exits on its own is finished (exit 0) or failed. ``tick`` runs the core's timers
 (deadlines, planned reclaims), which the actor calls at ``next_wakeup``. ``close`` (the mesh
 going down) preempts every running job the same way and leaves it unfinished in the ledger.
@@ -101,7 +108,22 @@ class JobHandle(Protocol):
 
 
 class JobLauncher(Protocol):
-    async def launch(self, job: SimJobSubmitted, *, attempt: int, accelerators: int) -> JobHandle: ...
+    async def launch(self, job: SimJobSubmitted, *, attempt: int, accelerators: int,
+                     borrowed: list[str]) -> JobHandle:
+        """``borrowed``: devices of roles' own (``RoleMemory.release`` named them) among the
+        job's ``accelerators``; the rest are free accelerators."""
+
+
+class RoleMemory(Protocol):
+    """The mesh's own roles' workers lending their memory, one device at a time."""
+
+    async def release(self, role: str, count: int) -> list[str]:
+        """``count`` of ``role``'s idle workers release their memory (engines: weights and KV to
+        host memory; the trainer: weights and optimizer state); returns their devices' names."""
+
+    async def resume(self, role: str, devices: list[str]) -> None:
+        """The workers on ``devices`` (released before, no job on them any more) bring their
+        memory back; returns once they can compute."""
 
 
 class RoleGroups(Protocol):
@@ -181,8 +203,17 @@ class LendingService:
     def __init__(self, core: LendingScheduler, *, run_id: str, roles: dict[str, RoleShare],
                  start_grants: dict[str, int], launcher: JobLauncher, role_groups: RoleGroups, publisher: Publisher,
                  clock: Callable[[], float], ledger: JobLedger, resource: str,
-                 account: UtilizationAccount, busy_rates: RoleBusyRates | None = None) -> None:
+                 account: UtilizationAccount, busy_rates: RoleBusyRates | None = None,
+                 role_memory: RoleMemory | None = None) -> None:
+        """``role_memory``: lend the roles' own accelerators (``scheduler.lend_role_accelerators``);
+        the core must pin role devices then."""
+        if role_memory is not None and not core.role_devices_pinned:
+            raise ValueError("lending roles' accelerators needs a core with role_devices_pinned=True")
         self.core = core
+        self.role_memory = role_memory
+        # Lent roles' devices: released and idle, by role; and those a job runs on, by job.
+        self.released_devices: dict[str, list[str]] = {}
+        self.job_devices: dict[str, list[tuple[str, str]]] = {}
         self.run_id = run_id
         self.launcher = launcher
         self.publisher = publisher
@@ -246,7 +277,9 @@ class LendingService:
     async def handle_demand(self, message: RoleDemandChanged, context: MessageContext) -> None:
         async with self._lock:
             run_id = message.run_id or self.run_id
-            floor = self.start_grants.get(message.role, 0) if run_id == self.run_id else 0
+            # What the role's own actors hold is a floor unless their memory can be lent.
+            lendable = self.role_memory is not None or run_id != self.run_id
+            floor = 0 if lendable else self.start_grants.get(message.role, 0)
             try:
                 commands = self.core.set_demand(run_id, {message.role: max(message.accelerators, floor)},
                                                 self.clock())
@@ -282,8 +315,8 @@ class LendingService:
         now = self.clock()
         for command in commands:
             match command:
-                case StartJob(job_id=job_id, accelerators=accelerators):
-                    await self._start(job_id, accelerators, now)
+                case StartJob(job_id=job_id, accelerators=accelerators, borrowed=borrowed):
+                    await self._start(job_id, accelerators, now, borrowed)
                 case RequestPreemption(job_id=job_id, deadline=deadline, reason=reason):
                     attempt = self.attempts[job_id]
                     attempt.state = "preempting"
@@ -314,6 +347,11 @@ class LendingService:
         own = self.start_grants.get(holder, 0) if run_id == self.run_id else 0
         extra = held - max(own, held - count)
         self.role_held[holder] = held
+        comes_back = min(own, held) - min(own, held - count)  # own devices lent before
+        if comes_back > 0 and self.role_memory is not None:
+            devices = self.released_devices.get(holder, [])
+            back, self.released_devices[holder] = devices[:comes_back], devices[comes_back:]
+            await self.role_memory.resume(holder, back)
         if extra > 0:
             for grant_id in await self.role_groups.grow(holder, extra):
                 await self.publisher.publish(GPU_GRANTED, GpuGranted(
@@ -331,12 +369,25 @@ class LendingService:
                 await self.publisher.publish(GPU_RELEASED, GpuReleased(
                     grant_id=grant_id, holder=holder, count=1, released_at=now))
             await self.role_groups.release(holder, picked)
+        lent = min(own, held + count) - min(own, held)  # own devices: their memory is lent
+        if lent > 0 and self.role_memory is not None:
+            released = await self.role_memory.release(holder, lent)
+            self.released_devices.setdefault(holder, []).extend(released)
 
-    async def _start(self, job_id: str, accelerators: int, now: float) -> None:
+    async def _start(self, job_id: str, accelerators: int, now: float,
+                     borrowed: tuple[tuple[str, str, int], ...] = ()) -> None:
         number = self.attempt_counts.get(job_id, 0) + 1
         self.attempt_counts[job_id] = number
         self.queued.discard(job_id)
-        handle = await self.launcher.launch(self.specs[job_id], attempt=number, accelerators=accelerators)
+        devices: list[tuple[str, str]] = []
+        for run_id, role, count in borrowed:
+            holder = self._holder(run_id, role)
+            idle = self.released_devices.get(holder, [])
+            devices += [(holder, device) for device in idle[:count]]
+            self.released_devices[holder] = idle[count:]
+        self.job_devices[job_id] = devices
+        handle = await self.launcher.launch(self.specs[job_id], attempt=number, accelerators=accelerators,
+                                            borrowed=[device for _, device in devices])
         self.attempts[job_id] = _Attempt(handle, number, now)
         await self.publisher.publish(SIM_STARTED, SimJobStarted(
             job_id=job_id, attempt=number, accelerators=accelerators, started_at=now))
@@ -348,6 +399,9 @@ class LendingService:
         code = await handle.wait()
         await handle.release()  # its accelerators go back to Ray before the core lends them again
         async with self._lock:
+            # Roles' devices it ran on are idle again (their memory still released).
+            for holder, device in self.job_devices.pop(job_id, []):
+                self.released_devices.setdefault(holder, []).append(device)
             attempt = self.attempts.pop(job_id)
             now = self.clock()
             if attempt.state == "killed":
