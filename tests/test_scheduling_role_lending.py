@@ -155,3 +155,16 @@ async def test_without_role_memory_a_role_keeps_its_start_grant_whatever_it_dema
                        ledger=JobLedger(tmp_path / "other.jsonl"), resource="rollmesh_gpu",
                        account=UtilizationAccount(2, start=clock.now), role_memory=object())
     await logic.close(wait_s=1.0)
+
+
+async def test_the_live_scheduler_refuses_role_lending_naming_what_the_mesh_lacks(tmp_path):
+    from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
+    from rollmesh.actors.role_base import MeshContext
+    from rollmesh.config import SchedulerConfig
+    from rollmesh.scheduling import RoleLendingUnavailableError
+
+    mesh = MeshContext(namespace="ns", nats_url="nats://127.0.0.1:1", run_dir=str(tmp_path))
+    actor = GpuSchedulerActor("gpu-scheduler", mesh, SchedulerConfig(total_gpus=2, lend_role_accelerators=True))
+    with pytest.raises(RoleLendingUnavailableError) as refused:
+        await actor.build_logic(RecordingPublisher())
+    assert any("release_memory" in missing for missing in refused.value.missing)

@@ -12,6 +12,9 @@ NATS events into its calls and its commands into the actions here:
   is removed when the role gives them back.
 What the mesh's own actors hold from config (``scheduler.grants``) stays theirs: Ray keeps an
 actor's resources for its whole life, so a role's demand never drops below its start grant.
+``scheduler.lend_role_accelerators`` (lending those too, their memory released: the plain logic in
+``LendingService`` with a ``RoleMemory`` port, tested on CPU with the local engine) is refused
+here with ``RoleLendingUnavailableError`` until the live pieces exist (``ROLE_LENDING_MISSING``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
 from rollmesh.messages.subjects import GPU_GRANTED, METRICS_REPORTED
 from rollmesh.ports import ActorLogic, Publisher, Subscription
 from rollmesh.scheduling.accounting import UtilizationAccount
+from rollmesh.scheduling.errors import RoleLendingUnavailableError
 from rollmesh.scheduling.grants import GpuScheduler
 from rollmesh.scheduling.lending import LendingScheduler
 from rollmesh.scheduling.lending_service import JobLedger, LendingService, whole_start_grants
@@ -41,6 +45,13 @@ from rollmesh.scheduling.workload import RoleShare
 from rollmesh.telemetry import metrics, metrics_catalog
 
 RL_ROLES = ("trainer", "prefill", "decode", "resharder")
+# What a live mesh still lacks to lend its roles' own accelerators: refused rather than half done.
+ROLE_LENDING_MISSING = [
+    "the role actors (prefill, decode, trainer) do not yet expose release_memory / resume_memory "
+    "(their engines and the torch trainer backend do)",
+    "a job on a borrowed device must run outside Ray's resource accounting (the role's actor keeps "
+    "the resource) with CUDA_VISIBLE_DEVICES set to that device, which SimJobRunner cannot do yet",
+]
 
 
 class RayJobHandle:
@@ -87,7 +98,10 @@ class RayJobLauncher:
             return {"num_gpus": accelerators}
         return {"resources": self.bundle(accelerators)}
 
-    async def launch(self, job: SimJobSubmitted, *, attempt: int, accelerators: int) -> RayJobHandle:
+    async def launch(self, job: SimJobSubmitted, *, attempt: int, accelerators: int,
+                     borrowed: list[str] = ()) -> RayJobHandle:
+        # Nothing is borrowed while role lending is refused (ROLE_LENDING_MISSING).
+        assert not borrowed, "jobs on roles' own devices are not placed by Ray yet"
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -228,6 +242,8 @@ class GpuSchedulerActor(RoleActor):
         self.logic_: SchedulerLogic | None = None
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
+        if self.config.lend_role_accelerators:
+            raise RoleLendingUnavailableError(ROLE_LENDING_MISSING)
         run_dir = Path(self.mesh.run_dir)
         start_grants = whole_start_grants(self.config.grants, self.config.total_gpus)
         elastic = self.config.elastic_decode if self.model_config is not None else 0

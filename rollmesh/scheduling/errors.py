@@ -9,7 +9,8 @@
     ├── UnknownRoleError        no registered RL run has this role
     ├── UnknownJobError         no live simulation job has this id (never submitted, or finished)
     ├── InvalidJobError         a simulation job the cluster can never run (or a duplicate id)
-    └── TraceFormatError        a workload trace or RL phases file that cannot be read
+    ├── TraceFormatError        a workload trace or RL phases file that cannot be read
+    └── RoleLendingUnavailableError  scheduler.lend_role_accelerators where the mesh cannot yet
 """
 
 from __future__ import annotations
@@ -86,3 +87,13 @@ class TraceFormatError(SchedulingError):
         self.path = path
         self.line = line
         self.reason = reason
+
+
+class RoleLendingUnavailableError(SchedulingError):
+    """``scheduler.lend_role_accelerators = true`` asked of a scheduler that cannot carry it out:
+    ``missing`` names what the live mesh lacks for it."""
+
+    def __init__(self, missing: list[str]) -> None:
+        super().__init__("scheduler.lend_role_accelerators is not available in a live mesh yet: "
+                         + "; ".join(missing) + ". Leave it false (the default).")
+        self.missing = missing
