@@ -19,6 +19,7 @@ from msgspec import Meta
 
 from rollmesh.config_paths import resolve_config_paths
 from rollmesh.config_types import ConfigSection, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt
+from rollmesh.inference_config import SGLangConfig
 from rollmesh.run_config import EvalConfig, StageConfig, TrackingConfig, stage_names, stage_trainer_config
 from rollmesh.observability_config import (
     TRACE_EXPORTER_KINDS,
@@ -41,7 +42,7 @@ from rollmesh.trainer_config import MegatronConfig, TrainerConfig
 __all__ = [
     "MAX_OUTPUT_CAP", "TRACE_EXPORTER_KINDS", "TRACE_EXPORTERS_PATTERN", "DashboardConfig", "MegatronConfig",
     "NatsCredentialsConfig", "NatsTlsConfig", "SandboxConfig", "SandboxLimitsConfig", "SandboxMaximaConfig",
-    "SandboxProfileConfig", "SecurityConfig", "TelemetryConfig", "TrainerConfig",
+    "SandboxProfileConfig", "SecurityConfig", "SGLangConfig", "TelemetryConfig", "TrainerConfig",
 ]
 
 
@@ -141,7 +142,12 @@ RETIRED_KEYS = {
 
 
 class InferenceConfig(ConfigSection):
+    # "local": the torch engine (prefill and decode actors, runs anywhere). "sglang": SGLang
+    # servers on GPU nodes, launched or attached to as [inference.sglang] says, one per decode
+    # worker; there are no prefill actors (SGLang prefills, or disaggregates itself with "pd").
+    backend: Literal["local", "sglang"] = "local"
     num_prefill_workers: PositiveInt = 1
+    # With backend "sglang": the servers launched (with inference.sglang.urls: one per URL instead).
     num_decode_workers: PositiveInt = 1
     # "disaggregated": prefill workers hand KV pages to decode workers through the object store.
     # "aggregated": decode workers also prefill (no prefill actors), for small deployments.
@@ -154,10 +160,22 @@ class InferenceConfig(ConfigSection):
     kv_block_size: PositiveInt = 16
     kv_blocks: NonNegInt = 0
 
+    # The SGLang servers (backend = "sglang"; docs/inference.md).
+    sglang: SGLangConfig = SGLangConfig()
+
     @property
     def prefill_worker_count(self) -> int:
-        """Prefill actors to spawn: none in the aggregated mode."""
+        """Prefill actors to spawn: none in the aggregated mode, nor with SGLang."""
+        if self.backend == "sglang":
+            return 0
         return self.num_prefill_workers if self.mode == "disaggregated" else 0
+
+    @property
+    def decode_worker_count(self) -> int:
+        """Decode actors to spawn: one per attached SGLang URL when there are any."""
+        if self.backend == "sglang" and self.sglang.urls:
+            return len(self.sglang.urls)
+        return self.num_decode_workers
 
 
 class RolloutConfig(ConfigSection):
@@ -322,6 +340,9 @@ class RollmeshConfig(ConfigSection):
                 stage_trainer_config(self.trainer, stage)
             except (msgspec.ValidationError, TypeError, ValueError) as exc:
                 raise ValueError(f"stage {name!r}: trainer settings: {exc}") from exc
+        if self.inference.backend == "sglang" and self.scheduler.elastic_decode:
+            # Lent decode workers run the torch engine; they would serve other weights and tokens.
+            raise ValueError("scheduler.elastic_decode needs inference.backend = 'local'")
         if self.rollout.work_heartbeat_s >= self.nats.rollout_ack_wait_s:
             # Else a live rollout's request would be redelivered to a second worker.
             raise ValueError("rollout.work_heartbeat_s must be below nats.rollout_ack_wait_s")
