@@ -2,7 +2,8 @@
 
 Knows the inference worker classes; the bus, Ray and Serve mechanics are ``MeshRuntime``'s. Not
 argparse or signals (the CLI owns those). The story: make a run directory, start the bus (embedded unless
-``nats.url``), start a local Ray, spawn one prefill and one decode worker, deploy the Serve app.
+``nats.url``), start a local Ray, spawn one prefill and one decode worker (with
+``inference.backend = "sglang"``: one SGLang worker, no prefill worker), deploy the Serve app.
 ``stop`` undoes it backwards, and a failed start stops whatever did come up.
 """
 
@@ -14,6 +15,7 @@ import structlog
 
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
 from rollmesh.actors.role_base import MeshContext
+from rollmesh.actors.sglang_worker import SGLangWorkerActor
 from rollmesh.config import RollmeshConfig
 from rollmesh.mesh_info import new_run_dir
 from rollmesh.mesh_runtime import MeshRuntime
@@ -65,7 +67,9 @@ class InferenceService:
         prefill_names = [PREFILL_NAME] if inference.prefill_worker_count else []
         for name in prefill_names:
             await runtime.spawn(name, PrefillWorkerActor, mesh, model, inference)
-        await runtime.spawn(DECODE_NAME, DecodeWorkerActor, mesh, model, inference)
+        # inference.backend = "sglang": the decode worker serves through SGLang (launched or attached).
+        decode_class = SGLangWorkerActor if inference.backend == "sglang" else DecodeWorkerActor
+        await runtime.spawn(DECODE_NAME, decode_class, mesh, model, inference)
         url = runtime.deploy_serve(prefill_names=prefill_names, decode_names=[DECODE_NAME],
                                    host=self.host, port=self.port, api_key=self._api_key)
         _log.info("inference_service_ready", run_dir=str(self.run_dir), url=url)

@@ -3,7 +3,7 @@
 Knows the role actor classes and the order they come up in; the bus, Ray and Serve mechanics are
 ``MeshRuntime``'s. The story: make the run directory, start or join the bus, start the metrics hub, start or join Ray,
 spawn the GPU scheduler (which grants accelerators first), sandbox broker, prefill and decode
-workers, trainer, resharder and rollout workers, deploy the Serve app (with the live
+workers (with ``inference.backend = "sglang"``: SGLang workers as the decode workers), trainer, resharder and rollout workers, deploy the Serve app (with the live
 dashboard), write ``mesh.json``. ``stop`` undoes it backwards.
 """
 
@@ -25,6 +25,7 @@ from rollmesh.actors.resharder import ResharderActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.actors.rollout_worker import RolloutWorkerActor
 from rollmesh.actors.sandbox_broker import SandboxBrokerActor
+from rollmesh.actors.sglang_worker import SGLangWorkerActor
 from rollmesh.actors.trainer import TrainerActor
 from rollmesh.config import RollmeshConfig, TrainerConfig, save_run_config
 from rollmesh.mesh_info import MeshInfo, nats_url_for_clients, new_run_dir, write_mesh_info
@@ -98,9 +99,11 @@ class Mesh:
             self.prefill_workers.append(await spawn(
                 f"prefill-{index}", PrefillWorkerActor, mesh.only("inference"), config.model, inference,
                 options=self._placed("prefill", await scheduler.actor_options.remote("prefill"))))
-        for index in range(inference.num_decode_workers):
+        # inference.backend = "sglang": each decode worker launches (or attaches to) SGLang servers.
+        decode_class = SGLangWorkerActor if inference.backend == "sglang" else DecodeWorkerActor
+        for index in range(inference.decode_worker_count):
             self.decode_workers.append(await spawn(
-                f"decode-{index}", DecodeWorkerActor, mesh.only("inference"), config.model, inference, index,
+                f"decode-{index}", decode_class, mesh.only("inference"), config.model, inference, index,
                 options=self._placed("decode", await scheduler.actor_options.remote("decode"))))
         self.trainer = await spawn("trainer", TrainerActor, mesh.only("trainer"), config.trainer, config.model,
                                    options=self._placed("trainer", await scheduler.actor_options.remote("trainer")))
@@ -113,7 +116,7 @@ class Mesh:
         if config.serve.enabled:
             runtime.deploy_serve(
                 prefill_names=[f"prefill-{i}" for i in range(inference.prefill_worker_count)],
-                decode_names=[f"decode-{i}" for i in range(inference.num_decode_workers)],
+                decode_names=[f"decode-{i}" for i in range(inference.decode_worker_count)],
                 host=config.serve.host, port=config.serve.port, api_key=api_key,
                 dashboard_nats_url=nats_url)
         self.info = MeshInfo(

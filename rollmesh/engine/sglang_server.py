@@ -198,9 +198,9 @@ class SGLangServer:
 
 
 def _end_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the process that launched it dies (Linux
-    PR_SET_PDEATHSIG), so an actor killed outright leaves no server holding its GPUs. SGLang's
-    launch_server ends its own children on SIGTERM."""
+    """In the child before exec: SIGTERM it when the thread that launched it ends (Linux
+    PR_SET_PDEATHSIG; an actor's event-loop thread lives as long as the actor), so an actor killed
+    outright leaves no server holding its GPUs. SGLang's launch_server ends its children on SIGTERM."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

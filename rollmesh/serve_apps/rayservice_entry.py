@@ -47,7 +47,7 @@ def app_builder(args: dict[str, Any]) -> Application:
     inference = config.inference
     return build_inference_app(
         prefill_actor_names=[f"prefill-{i}" for i in range(inference.prefill_worker_count)],
-        decode_actor_names=[f"decode-{i}" for i in range(inference.num_decode_workers)],
+        decode_actor_names=[f"decode-{i}" for i in range(inference.decode_worker_count)],
         # The launcher's Ray namespace (rollmesh.launcher.Mesh), where the workers are named.
         ray_namespace=f"rollmesh-{config.namespace}",
         model=config.model, api_key=api_key, telemetry=config.telemetry, sessions=config.serve,
