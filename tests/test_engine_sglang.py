@@ -2,16 +2,14 @@
 
 SGLang pins a CUDA torch and cannot live in this venv, so on CPU the server is faked at its true
 edge, the HTTP API: ``FakeSGLang`` (tests/sglang_fake.py, each behaviour with its upstream
-source) answers the native endpoints as SGLang does and records every request. The gpu-marked test launches the real thing
-(``scripts/gpu/check_sglang.sh``).
+source) answers the native endpoints as SGLang does and records every request. A real SGLang is tested on GPU machines by
+tests/test_engine_sglang_gpu.py (``scripts/gpu/check_sglang.sh``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import pickle
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -432,71 +430,6 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state not in ("Z", "X")
-
-
-# -- a real SGLang server (GPU machine) -----------------------------------------------------
-
-_GPU_SKIP = ("needs a CUDA GPU and an SGLang install (ROLLMESH_SGLANG_PYTHON); "
-             "run scripts/gpu/check_sglang.sh on a GPU machine")
-
-
-def _sglang_python_with_cuda() -> str | None:
-    """The SGLang interpreter when it sees a GPU. Asked of that interpreter, not of this venv,
-    whose torch is the CPU build."""
-    python, model = os.environ.get("ROLLMESH_SGLANG_PYTHON"), os.environ.get("ROLLMESH_SGLANG_MODEL")
-    if not python or not model:
-        return None
-    probe = subprocess.run([python, "-c", "import sglang, torch; assert torch.cuda.is_available()"],
-                           capture_output=True, timeout=120)
-    return python if probe.returncode == 0 else None
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(1200)
-async def test_real_sglang_generates_swaps_weights_and_returns_routed_experts(tmp_path):
-    python = _sglang_python_with_cuda()
-    if python is None:
-        pytest.skip(_GPU_SKIP)
-    model = os.environ["ROLLMESH_SGLANG_MODEL"]
-    moe = os.environ.get("ROLLMESH_SGLANG_MOE")  # "layers,top_k,experts" for an MoE checkpoint
-    shape = RoutedExpertsShape(*map(int, moe.split(","))) if moe else None
-    extra = os.environ.get("ROLLMESH_SGLANG_EXTRA_ARGS",
-                           "--skip-tokenizer-init --disable-cuda-graph --mem-fraction-static 0.3")
-    spec = SGLangServerSpec(model_path=model, port=pick_free_port(), python=python,
-                            enable_return_routed_experts=shape is not None, extra_args=extra.split())
-    log = tmp_path / "sglang.log"
-    async with SGLangServer(spec, log) as server, \
-            SGLangEngine([server.url], routed_experts_shape=shape, generate_timeout_s=300) as engine:
-        sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
-        first = await engine.generate(PROMPT, sampling, request_id="gpu-1")
-        assert 1 <= len(first.token_ids) <= 8 and len(first.logprobs) == len(first.token_ids)
-        assert all(lp <= 0.0 for lp in first.logprobs) and set(first.versions) == {0}
-        assert first.finish_reason in ("eos", "length")
-
-        await engine.pause("retract")
-        await engine.update_weights_from_disk(model, 1)
-        await engine.resume()
-        assert await engine.current_version() == 1
-        again = await engine.generate(PROMPT, sampling, request_id="gpu-2",
-                                      options=GenerateOptions(min_version=1))
-        assert set(again.versions) == {1}
-        assert again.token_ids == first.token_ids  # same weights reloaded, greedy
-        with pytest.raises(VersionUnavailableError):
-            await engine.generate(PROMPT, sampling, request_id="gpu-3",
-                                  options=GenerateOptions(min_version=2))
-
-        if shape is not None:
-            turn = PROMPT + first.token_ids
-            for start in (0, len(turn)):
-                options = GenerateOptions(return_routed_experts=True, routed_experts_start_len=start)
-                result = await engine.generate(turn, sampling, request_id=f"gpu-r3-{start}",
-                                               options=options)
-                rows = result.routed_experts
-                assert rows.shape == (len(turn) + len(result.token_ids) - 1 - start,
-                                      shape.num_layers, shape.top_k)
-                # SGLang's all-zeros regression (#23885) shows up as repeated experts in a row.
-                assert all(len(set(row)) == shape.top_k for row in rows.reshape(-1, shape.top_k))
-            print("start_len ignored by this build:", engine.statistics().start_len_ignored)
 
 
 def test_top_logprobs_ask_sglang_for_top_logprobs_num_and_read_output_top_logprobs():

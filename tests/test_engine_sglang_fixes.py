@@ -4,8 +4,8 @@ Against ``FakeSGLang`` (tests/sglang_fake.py), which does what SGLang does on ea
 upstream source cited there: stop strings under ``--skip-tokenizer-init`` (a 400, sglang#27882),
 a cache flush while paused requests wait (the scheduler's ``assert flush_cache_success`` kills it),
 routed-expert rows ``num_hidden_layers`` wide with dense layers in them, and the stop edge's one
-extra row. The same three regression cases run against a real SGLang in the gpu-marked test of
-tests/test_engine_sglang.py (scripts/gpu/check_sglang.sh).
+extra row. The same three regression cases run against a real SGLang in
+tests/test_engine_sglang_gpu.py (scripts/gpu/check_sglang.sh).
 """
 
 from __future__ import annotations
