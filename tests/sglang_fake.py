@@ -95,7 +95,7 @@ class FakeSGLang:
     def bodies(self, path: str) -> list[Any]:
         return [body for p, body in self.requests if p == path]
 
-    async def start(self) -> str:
+    async def start(self, port: int = 0) -> str:
         @web.middleware
         async def record_and_die(request: web.Request, handler: Any) -> web.StreamResponse:
             if self.crashed:  # a dead server answers nothing
@@ -115,7 +115,7 @@ class FakeSGLang:
         app.router.add_post("/update_weights_from_disk", self._update)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
