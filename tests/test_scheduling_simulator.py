@@ -232,3 +232,20 @@ def test_sched_simulate_replays_a_csv_alone_and_refuses_a_bad_trace(tmp_path, ca
     bad = write(tmp_path, "bad.swf", SWF_HEADER + "1 2 3\n")
     assert main(["sched", "simulate", str(bad)]) == 2
     assert "bad.swf:4" in capsys.readouterr().err
+
+
+def test_lending_a_roles_memory_costs_rl_its_release_then_its_resume(tmp_path):
+    # Two roles take turns on 4 accelerators: the prefill phase's 4 go to the trainer at 100.
+    spec = read_rl_phases(write(tmp_path, "swap.toml", (
+        'roles.prefill = { guaranteed = 2 }\nroles.trainer = { guaranteed = 2 }\n'
+        'phases = [{ name = "gen", duration_s = 100.0, demand = { prefill = 2 } },\n'
+        '  { name = "train", duration_s = 100.0, demand = { trainer = 2 } }]\n')))
+    free = simulate(LendingScheduler(4), 4, [], [spec])
+    assert free.rl_runs[0].makespan_s == pytest.approx(200.0)
+    costly = simulate(LendingScheduler(4), 4, [], [spec], role_release_s=5.0, role_resume_s=3.0)
+    # Resume before the first phase (3 s); at the change, prefill releases (5 s), then the
+    # trainer is granted and resumes (3 s): 11 s of waiting, the accelerators held idle.
+    assert costly.rl_runs[0].waited_s == pytest.approx(11.0)
+    assert costly.rl_runs[0].makespan_s == pytest.approx(211.0)
+    assert costly.totals.busy_s == pytest.approx(free.totals.busy_s)
+    assert costly.totals.allocated_s > free.totals.allocated_s

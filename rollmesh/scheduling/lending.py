@@ -289,6 +289,8 @@ class LendingScheduler(PinnedDevices):
         if head is not None and head.progress.state == "queued" and head.start > now:
             claims.append((head.start, head))
         chosen: set[str] = set()
+        if self.role_devices_pinned:  # roles' own devices first: only those serve their return
+            self._reclaim_own_devices_ahead(now, profile, chosen, commands)
 
         def ends(progress: JobProgress) -> float:
             return self._expected_end(progress, now)

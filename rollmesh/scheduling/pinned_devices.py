@@ -19,6 +19,7 @@ from rollmesh.scheduling.commands import Command, GrantRole
 from rollmesh.scheduling.job_progress import choose_victims
 
 if TYPE_CHECKING:
+    from rollmesh.scheduling.availability import Availability
     from rollmesh.scheduling.lending import _Role
 
 
@@ -92,3 +93,29 @@ class PinnedDevices:
                 borrowed[key] = taken
                 needed -= taken
         return borrowed
+
+    def _reclaim_own_devices_ahead(self, now: float, profile: Availability, chosen: set[str],
+                                   commands: list[Command]) -> None:
+        """Announced demand of a role past what it holds and its idle own devices: the jobs on its
+        own devices are asked to leave ``grace_s`` before it (the cheapest per device first),
+        since freeing any other accelerator would leave the role waiting for them."""
+        for key, role in self._roles():
+            for at, count in role.reservations:
+                need = min(count, role.share.guaranteed) - role.held - self._own_idle(key, role)
+                if at <= now or need <= 0:
+                    continue
+                on_own = sorted((p for p in self._jobs.values() if p.state == "running"
+                                 and p.job.job_id not in chosen and self._borrowed.get(p.job.job_id, {}).get(key)),
+                                key=lambda p: (p.preemption_cost(max(now, at - p.job.grace_s))
+                                               / self._borrowed[p.job.job_id][key], -p.seq))
+                for victim in on_own:
+                    if need <= 0:
+                        break
+                    need -= self._borrowed[victim.job.job_id][key]
+                    chosen.add(victim.job.job_id)
+                    profile.shift(at, self._expected_end(victim, now), victim.job.accelerators)
+                    request_at = at - victim.job.grace_s
+                    if request_at <= now:
+                        self._request(victim, now, "announced RL demand", commands)
+                    else:
+                        self._planned[victim.job.job_id] = request_at

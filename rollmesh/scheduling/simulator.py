@@ -8,6 +8,15 @@ computing on until twice its save time is left before the deadline; else run to 
 checkpoint before the deadline; else leave at once and lose the work since the last one), and plays each RL run phase by phase. A phase starts once every role holds its
 demand, so time an RL run spends waiting on accelerators is its slowdown.
 
+Roles lend their memory (``role_release_s``, ``role_resume_s``: the measured times of the engines'
+``release_memory`` / ``resume_memory``). Modelled serially, an upper bound on their cost: at a
+phase change where some role's demand falls, the run first holds everything for
+``role_release_s`` (the falling roles move their memory to the host) and only then changes its
+demand; a role given accelerators computes on them only ``role_resume_s`` later. Both count as
+RL waiting (slowdown) with the accelerators held and idle. (A resume on accelerators taken from
+jobs could overlap the release, and a run that resumed ahead of its phase could hide it; doing
+so needs both phases' demand at once, which costs preemptions.)
+
 Busy: a job computing (not reloading after a restart, not saving on request); an RL role's demand
 times its phase's busy fraction. Accelerators lent to an elastic role past its demand count as
 allocated, not busy: the trace does not say what extra decode workers would buy.
@@ -117,6 +126,7 @@ class _Run:
     waited_s: float = 0.0
     plan: int = 0  # bumped at each phase start: older announcements go stale
     ended_at: float | None = None
+    ready_at: dict[str, float] = field(default_factory=dict)  # role -> its memory is resumed by then
 
     def demand(self, index: int) -> dict[str, int]:
         phase = self.spec.phases[index]
@@ -131,10 +141,15 @@ def simulate(
     *,
     ignores_preemption: Collection[str] = (),
     sample_interval_s: float | None = None,
+    role_release_s: float = 0.0,
+    role_resume_s: float = 0.0,
 ) -> SimulationResult:
     """Replay until the last RL run ends (the measured window), or, without RL runs, until the
-    last job finishes. ``ignores_preemption``: job ids that never answer PreemptionRequested."""
-    return _Simulation(policy, capacity, jobs, rl_runs, ignores_preemption, sample_interval_s).run()
+    last job finishes. ``ignores_preemption``: job ids that never answer PreemptionRequested.
+    ``role_release_s`` / ``role_resume_s``: what lending a role's memory costs (module docstring)."""
+    simulation = _Simulation(policy, capacity, jobs, rl_runs, ignores_preemption, sample_interval_s)
+    simulation.release_s, simulation.resume_s = role_release_s, role_resume_s
+    return simulation.run()
 
 
 class _Simulation:
@@ -154,6 +169,7 @@ class _Simulation:
         self.now = 0.0
         self.finished = self.preemptions = self.kills = self.rejected = 0
         self.sim_allocated_s = 0.0
+        self.release_s = self.resume_s = 0.0
 
     def run(self) -> SimulationResult:
         for job in self.jobs.values():
@@ -162,6 +178,7 @@ class _Simulation:
             self.apply(self.policy.register_run(run.spec.run_id, dict(run.spec.roles), 0.0,
                                                 weight=run.spec.weight))
             self.request_phase(run)
+        self.rates()  # the first phases compute from 0, whether or not anything happens then
         while self.events and not self.rl_done():
             time, _, kind, args = heapq.heappop(self.events)
             self.advance(time)
@@ -309,20 +326,31 @@ class _Simulation:
 
     # --- RL runs --------------------------------------------------------------------------------
 
-    def request_phase(self, run: _Run) -> None:
+    def request_phase(self, run: _Run, *, requested_at: float | None = None) -> None:
         demand = run.demand(run.index)
         before = run.demand(run.index - 1) if run.index else {}
-        run.requested_at = self.now
+        run.requested_at = self.now if requested_at is None else requested_at
         run.started_at = None
         changed = {role: count for role, count in demand.items() if before.get(role) != count}
         self.apply(self.policy.set_demand(run.spec.run_id, changed, self.now))
         self.try_start(run)
+
+    def on_released(self, run_id: str) -> None:
+        """The falling roles' memory is on the host: the run's phase change goes ahead."""
+        self.request_phase(self.runs[run_id], requested_at=self.runs[run_id].requested_at)
+
+    def on_ready(self, run_id: str) -> None:
+        self.try_start(self.runs[run_id])
 
     def try_start(self, run: _Run) -> None:
         if run.started_at is not None or run.ended_at is not None:
             return
         demand = run.demand(run.index)
         if any(run.held.get(role, 0) < count for role, count in demand.items()):
+            return
+        ready = max((run.ready_at.get(role, 0.0) for role, count in demand.items() if count), default=0.0)
+        if ready > self.now:  # granted, but its memory is still coming back
+            self.push(ready, "ready", run.spec.run_id)
             return
         run.started_at = self.now
         run.waited_s += self.now - run.requested_at
@@ -352,6 +380,14 @@ class _Simulation:
         run = self.runs[run_id]
         if index + 1 < len(run.spec.phases):
             run.index = index + 1
+            before, after = run.demand(index), run.demand(index + 1)
+            if self.release_s > 0 and any(after[role] < before[role] for role in after):
+                run.started_at, run.requested_at = None, self.now  # waiting, from now
+                # What the next phase needs stays announced, now for when the release is done.
+                changed = {role: count for role, count in after.items() if before[role] != count}
+                self.apply(self.policy.reserve(run_id, changed, self.now + self.release_s, self.now))
+                self.push(self.now + self.release_s, "released", run_id)
+                return
             self.request_phase(run)
             return
         run.ended_at = self.now
@@ -370,7 +406,10 @@ class _Simulation:
                 self.kills += 1
                 self.stop(self.jobs[command.job_id])
             elif isinstance(command, (GrantRole, ReclaimRole)):
-                self.runs[command.run_id].held[command.role] = command.held
+                run = self.runs[command.run_id]
+                if isinstance(command, GrantRole) and self.resume_s > 0:
+                    run.ready_at[command.role] = self.now + self.resume_s
+                run.held[command.role] = command.held
                 touched.add(command.run_id)
             elif isinstance(command, (GrowDecode, ShrinkDecode)):
                 self.runs[command.run_id].lent[command.role] = command.lent
