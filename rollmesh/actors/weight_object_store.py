@@ -42,7 +42,7 @@ class ObjectStoreWeightHolder:
 
     def put(self, serialized: SerializedWeights) -> MemoryLocation:
         refs = [ray.put(np.frombuffer(serialized.manifest, dtype=np.uint8))]
-        refs += [ray.put(np.frombuffer(data, dtype=np.uint8)) for _, data in serialized.buckets]
+        refs += [ray.put(data) for _, data in serialized.buckets]  # uint8 arrays already
         self._held[serialized.version] = refs
         while len(self._held) > self.keep:
             self._held.popitem(last=False)  # readers that still borrow a ref keep its object alive
