@@ -69,3 +69,15 @@ def test_without_pinning_any_free_accelerator_serves_a_returning_role():
     scheduler.register_run("rl", {"trainer": RoleShare(guaranteed=2)}, 0.0)
     assert starts(scheduler.submit(job("a", 2), 0.0)) == {"a": ()}
     assert scheduler.set_demand("rl", {"trainer": 2}, 1.0) == [GrantRole("rl", "trainer", 2, 2)]
+
+
+def test_announced_demand_asks_the_jobs_on_the_roles_own_devices_a_grace_ahead():
+    scheduler = pinned()
+    scheduler.set_demand("rl", {"decode": 0}, 0.0)
+    assert starts(scheduler.submit(job("cheap", 2), 0.0)) == {"cheap": ()}
+    assert starts(scheduler.submit(job("lent", 2, restart_cost_s=600.0), 0.0)) == {"lent": (("rl", "decode", 2),)}
+    assert scheduler.reserve("rl", {"decode": 2}, at=500.0, now=10.0) == []
+    assert scheduler.next_wakeup() == 470.0  # grace 30 before the reservation
+    assert scheduler.tick(470.0) == [RequestPreemption("lent", deadline=500.0, reason="announced RL demand")]
+    assert scheduler.acknowledged("lent", 495.0) == []  # its devices wait for decode
+    assert scheduler.set_demand("rl", {"decode": 2}, 500.0) == [GrantRole("rl", "decode", 2, 2)]
