@@ -221,3 +221,19 @@ async def test_a_stopped_request_with_the_stop_edge_row_decodes_through_the_engi
     end = len(PROMPT) + len(result.token_ids) - 1
     assert result.finish_reason == "eos"
     assert result.routed_experts.tolist() == _sparse_rows(range(2, end))
+
+
+async def test_behind_a_pd_router_requests_go_to_the_router_and_versions_and_pauses_to_its_servers(servers, tmp_path):
+    # A real router answers with the label of the server that decoded: here all three say 3.
+    router, prefill, decode = [await servers(label="3") for _ in range(3)]
+    async with SGLangEngine([router.url], admin_urls=[prefill.url, decode.url]) as engine:
+        result = await engine.generate(PROMPT, SamplingParams(), request_id="pd-1",
+                                       options=GenerateOptions(min_version=3))
+        await engine.swap_weights_from_disk(str(tmp_path), 4)
+        assert await engine.current_version() == 4
+    assert result.token_ids and len(router.bodies("/generate")) == 1
+    assert router.bodies("/update_weights_from_disk") == [] and router.bodies("/pause_generation") == []
+    for server in (prefill, decode):
+        assert server.bodies("/generate") == []
+        assert [p for p, _ in server.requests] == ["/pause_generation", "/update_weights_from_disk",
+                                                   "/continue_generation"]

@@ -182,8 +182,11 @@ class SGLangEngine:
     async def _require_version(self, server: SGLangClient, min_version: int, request_id: str) -> None:
         known = self._versions[server.base_url]
         if known is None or known < min_version:
-            known = await server.weight_version()
-            self._versions[server.base_url] = known
+            if self.admin_servers is not self.servers:
+                known = await self.current_version()  # a router: its servers hold the versions
+            else:
+                known = await server.weight_version()
+                self._versions[server.base_url] = known
         if known < min_version:
             raise VersionUnavailableError(min_version, known, request_id=request_id)
 
