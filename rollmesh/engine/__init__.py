@@ -11,11 +11,13 @@ from rollmesh.engine.errors import (
     CapacityError,
     DecodeStepError,
     DuplicateRequestError,
+    EngineBusyError,
     EngineError,
     EngineStoppedError,
     InvalidGrammarError,
     InvalidRequestError,
     KvCapacityError,
+    MemoryReleasedError,
     PromptTooLongError,
     StaleWeightsError,
     WeightsChecksumError,
@@ -26,6 +28,7 @@ from rollmesh.engine.errors import (
 )
 from rollmesh.engine.kv_pages import KvBlockPool, KvLayout, PagedAttention
 from rollmesh.engine.local_engine import LocalEngine
+from rollmesh.engine.memory_release import MemoryMoveStats
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult
 from rollmesh.engine.paged_model import PagedCausalModel, build_inference_model, load_tokenizer
 from rollmesh.engine.protocols import (
@@ -50,6 +53,7 @@ __all__ = [
     "DecodeStepError",
     "Detokenizer",
     "DuplicateRequestError",
+    "EngineBusyError",
     "EngineError",
     "EngineStoppedError",
     "FinishReason",
@@ -64,6 +68,8 @@ __all__ = [
     "KvCapacityError",
     "KvLayout",
     "LocalEngine",
+    "MemoryMoveStats",
+    "MemoryReleasedError",
     "PagedAttention",
     "PagedCausalModel",
     "PrefillEngine",
