@@ -125,6 +125,10 @@ class EngineWeights:
     def num_active(self) -> int:
         return self.engine.decode_engine.num_active()
 
+    @property
+    def last_swap_seconds(self) -> float:
+        return self.engine.decode_engine.weights.last_swap_seconds
+
 
 class Activations:
     """The follower's publisher: keeps the WeightsActivated it announces."""
@@ -231,7 +235,7 @@ async def one_update(engine, trainer, follower, bus, path, version, workload):
     assert all(len(r.token_ids) == n for r, (_, n) in zip(results, workload)), "a request lost tokens"
     assert any(len(set(r.versions)) == 2 for r in results), "no request spanned the swap"
     return {"total": total, "publish": published - start, "load": activated.load_s,
-            "pause": engine.decode_engine.weights.last_swap_seconds}
+            "pause": activated.pause_s}
 
 
 if __name__ == "__main__":

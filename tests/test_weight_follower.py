@@ -101,3 +101,14 @@ async def test_a_file_that_does_not_match_its_checksum_is_never_staged(tmp_path)
     with pytest.raises(WeightsChecksumError):
         await follower(engine, bus).handle_weights_published(tampered)
     assert engine.staged == [] and bus.published == []
+
+
+async def test_weights_activated_reports_the_source_and_the_engines_swap_pause(tmp_path):
+    class TimedEngine(StagingEngine):
+        last_swap_seconds = 0.004
+
+    engine, bus = TimedEngine(), RecordingPublisher()
+    message, _ = weights_file(tmp_path, 1)
+    await follower(engine, bus).handle_weights_published(message)
+    (activated,) = bus.messages(WEIGHTS_ACTIVATED)
+    assert (activated.source, activated.pause_s) == ("files", 0.004)

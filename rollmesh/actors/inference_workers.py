@@ -61,6 +61,10 @@ class _PrefillWeights:
         self.engine.apply_staged_weights()
         return self.engine.current_version
 
+    @property
+    def last_swap_seconds(self) -> float:
+        return self.engine.weights.last_swap_seconds
+
     def num_active(self) -> int:
         return 0
 
@@ -78,6 +82,10 @@ class _DecodeWeights:
 
     async def wait_weights_activated(self, version: int) -> int:
         return await self.loop.wait_weights_activated(version)
+
+    @property
+    def last_swap_seconds(self) -> float:
+        return self.loop.engine.weights.last_swap_seconds
 
     def num_active(self) -> int:
         return self.loop.engine.num_active()

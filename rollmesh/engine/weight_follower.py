@@ -32,7 +32,8 @@ _log = structlog.get_logger("rollmesh.engine.weight_follower")
 
 
 class StagesWeights(Protocol):
-    """An engine that takes staged weights and says when they are live."""
+    """An engine that takes staged weights and says when they are live. One that also has a
+    ``last_swap_seconds`` (how long its last swap held it) gets it reported as ``pause_s``."""
 
     @property
     def current_version(self) -> int: ...
@@ -106,6 +107,8 @@ class WeightFollower:
                 load_s=load_s,
                 activated_at=self.clock(),
                 source=source,
+                # Engines that time their swap say how long generation stopped (0: unknown).
+                pause_s=getattr(self.engine, "last_swap_seconds", 0.0),
             ),
         )
 

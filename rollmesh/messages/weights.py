@@ -41,3 +41,6 @@ class WeightsActivated(WireMessage, frozen=True, tag="weights.activated"):
     # Where the worker read the version: "memory" (shared memory), "files", or "nccl" (a broadcast
     # into SGLang servers); "" from workers that predate the field.
     source: str = ""
+    # How long the swap held the engine: the only time generation stopped for this version.
+    # Publish -> activated is ``activated_at`` - ``WeightsPublished.published_at``.
+    pause_s: float = 0.0
