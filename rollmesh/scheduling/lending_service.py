@@ -30,7 +30,7 @@ A job that exits on its own is finished (exit 0) or failed. ``tick`` runs the co
 (deadlines, planned reclaims), which the actor calls at ``next_wakeup``. ``close`` (the mesh
 going down) preempts every running job the same way and leaves it unfinished in the ledger.
 
-Durability: the job ledger (``<run dir>/scheduler/jobs.jsonl``: submitted specs, then final
+Durability: the job ledger (``job_ledger``, ``<run dir>/scheduler/jobs.jsonl``: submitted specs, then final
 outcomes) is read back at start, and every unfinished job is queued again: its next attempt
 resumes from its own checkpoint directory. Jobs run in actors the scheduler owns, and each job's
 process dies with its runner (``sim_job_runner``), so a scheduler that crashed leaves no job
@@ -40,13 +40,10 @@ running on accelerators it no longer accounts for.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 
@@ -88,6 +85,7 @@ from rollmesh.scheduling.commands import (
     StartJob,
 )
 from rollmesh.scheduling.errors import SchedulingError
+from rollmesh.scheduling.job_ledger import JobLedger
 from rollmesh.scheduling.lending import LendingScheduler
 from rollmesh.scheduling.role_busy import RoleBusyRates
 from rollmesh.scheduling.workload import RoleShare, SimJob
@@ -168,35 +166,6 @@ def _core_job(spec: SimJobSubmitted) -> SimJob:
     return SimJob(job_id=spec.job_id, accelerators=spec.accelerators, expected_duration_s=spec.expected_duration_s,
                   grace_s=spec.grace_s, checkpoint_interval_s=spec.checkpoint_interval_s,
                   checkpoint_s=spec.checkpoint_s, restart_cost_s=spec.restart_cost_s)
-
-
-class JobLedger:
-    """Append-only: a ``submitted`` line per job, an ``ended`` line when it is done for good."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-    def unfinished(self) -> list[SimJobSubmitted]:
-        specs: dict[str, SimJobSubmitted] = {}
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line torn by a crash: its job was never acked, so it comes again
-                if record.get("event") == "submitted":
-                    specs[record["job"]["job_id"]] = msgspec.convert(record["job"], SimJobSubmitted)
-                elif record.get("event") == "ended":
-                    specs.pop(record["job_id"], None)
-        return list(specs.values())
-
-    def append(self, record: dict[str, Any]) -> None:
-        """Durable on return (written and fsynced): a submission is acked only after this."""
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
 
 
 class LendingService:
