@@ -30,6 +30,12 @@ class MegatronConfig(ConfigSection):
     # leaves the others waiting there, and the trainer must fail, not hang.
     start_timeout_s: PositiveFloat = 300.0
     call_timeout_s: PositiveFloat = 1800.0
+    # torch.distributed's rendezvous (training/megatron_devices.py): the address of global rank
+    # 0's node, reachable from every node, and a free port there (0: pick a free one, which only
+    # works when every rank runs on this node). RANK, WORLD_SIZE and LOCAL_RANK come from the
+    # launcher of the rank processes; each rank takes the GPU numbered LOCAL_RANK.
+    master_addr: str = "127.0.0.1"
+    master_port: Annotated[int, Meta(ge=0, le=65535)] = 0
 
     @property
     def world_size(self) -> int:
@@ -101,10 +107,12 @@ class TrainerConfig(ConfigSection):
     # Rollout routing replay (MoE "hf" models): when every trained sample carries the experts
     # the inference engine chose, the trainer's forwards route to those (training/router_replay.py).
     router_replay: bool = True
-    # The torch backend's arithmetic. "fp32": float32 weights and torch's AdamW. "bf16": bf16
-    # weights and gradients with fp32 master weights and Adam moments (training/optimizer_adamw.py),
-    # the precision of large-scale training; with optimizer_offload the fp32 state lives in host
-    # memory and visits the device in chunks (training/optimizer_offload.py).
+    # The trainer's arithmetic. "fp32": float32 weights and AdamW. "bf16": bf16 weights and
+    # gradients with fp32 master weights and Adam moments (the torch backend:
+    # training/optimizer_adamw.py; the megatron backend: megatron-core's mixed-precision
+    # optimizer), the precision of large-scale training; with optimizer_offload the fp32 state
+    # lives in host memory and visits the device in chunks (training/optimizer_offload.py; the
+    # megatron backend through training/megatron_offload.py).
     precision: Literal["fp32", "bf16"] = "fp32"
     optimizer_offload: bool = False
     # "torch": this process, CPU or one GPU. "megatron": megatron-core GPTModel on the ranks of
@@ -116,6 +124,6 @@ class TrainerConfig(ConfigSection):
         if self.optimizer_offload and self.precision != "bf16":
             raise ValueError('trainer.optimizer_offload needs trainer.precision = "bf16" (the offloaded '
                              "state is the fp32 master weights and moments of bf16 weights)")
-        if self.backend == "megatron" and (self.precision != "fp32" or self.optimizer_offload):
-            raise ValueError('trainer.precision and trainer.optimizer_offload are the torch backend\'s; '
-                             'the megatron backend trains in fp32')
+        if self.backend == "megatron" and self.optimizer_offload and self.megatron.distributed_optimizer:
+            raise ValueError("trainer.optimizer_offload keeps each rank's whole fp32 state in host memory; "
+                             "it does not combine with trainer.megatron.distributed_optimizer")

@@ -245,7 +245,8 @@ def test_the_megatron_backend_takes_the_default_demo_model():
 
 @pytest.mark.parametrize(("text", "message"), [
     ('[trainer]\noptimizer_offload = true\n', "optimizer_offload needs"),
-    ('[trainer]\nbackend = "megatron"\nprecision = "bf16"\n', "torch backend"),
+    ('[trainer]\nbackend = "megatron"\nprecision = "bf16"\noptimizer_offload = true\n'
+     "[trainer.megatron]\ndistributed_optimizer = true\n", "does not combine"),
     ("[trainer.megatron]\ndata_parallel = 3\nexpert_parallel = 2\n", "expert_parallel must divide"),
 ])
 def test_trainer_settings_that_cannot_run_together_are_config_errors(tmp_path, text, message):

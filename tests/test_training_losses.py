@@ -493,6 +493,10 @@ def test_logprob_mismatch_is_the_first_epochs_mean_gap_over_generated_trained_to
     # every trained token counts, the forced one too (|-3 - -1| = 2).
     _, stats = policy_loss(new, batch_of(MASK, BEHAVIOUR, ADVANTAGES), PPO)
     assert stats["logprob_mismatch"] == pytest.approx((0.0 + 0.3 + 0.0 + 0.1 + 2.0) / 5, rel=1e-6)
+    # A sample that carries no versions (all NO_VERSION once collated) counts all its trained tokens.
+    batch = batch_of(MASK, BEHAVIOUR, ADVANTAGES, versions=[[3, 3, -1], [-1, -1, -1]])
+    _, stats = policy_loss(new, batch, PPO, proximal_logprobs=proximal)
+    assert stats["logprob_mismatch"] == pytest.approx((0.1 + 0.4 + 0.1 + 0.6 + 6.0) / 5, rel=1e-6)
     # An infrastructure-failed sample counts nowhere.
     _, stats = policy_loss(new, batch_of(MASK, BEHAVIOUR, ADVANTAGES, infra_failed=[False, True]), PPO)
     assert stats["logprob_mismatch"] == pytest.approx(0.3 / 2, rel=1e-6)

@@ -24,7 +24,7 @@ infrastructure failure, and the token's version lag (trainer version - token ver
 ``max_token_lag``: masked tokens count in neither the numerator nor the denominator.
 
 Stat ``logprob_mismatch``: mean |log pi_first - log mu| over the trained tokens the engine
-generated (version >= 0, or every trained token when versions are unknown), where log pi_first
+generated (version >= 0; every trained token of a sample that carries no versions), where log pi_first
 is the trainer's logprob at the step's first epoch (before any update). The first thing to check
 after an engine, kernel or precision change: it is the train-versus-rollout gap of the same
 weights plus the off-policy gap of older versions, never what this step's update moved.
@@ -192,7 +192,12 @@ def policy_loss(
 
     stats: dict[str, float] = {}
     proximal = new_logprobs.detach() if proximal_logprobs is None else torch.where(trained, proximal_logprobs, zeros)
-    generated = trained if batch.versions is None else trained & (batch.versions >= 0)
+    generated = trained
+    if batch.versions is not None:
+        # A sample without any version (collated from one that carries none) is all unknown:
+        # all its trained tokens count; otherwise only those the engine generated.
+        unknown = ~(batch.versions >= 0).any(dim=1, keepdim=True)
+        generated = trained & ((batch.versions >= 0) | unknown)
     stats["logprob_mismatch"] = _token_mean((proximal - behaviour).abs(), generated.float())
     if settings.decoupled:
         ratio = torch.exp(new_logprobs - proximal)

@@ -5,8 +5,19 @@ parallel (EP, taken from the DP ranks) for MoE models, under any torch.distribut
 weights after the step): TP=2; PP=2 (tied and untied); DP=2 with the distributed optimizer;
 TP=2 x PP=2; PP=2 x DP=2; MoE at DP=2 x EP=2, TP=2 (sequence parallel), TP=2 x DP=2 x EP=2 and
 PP=2, with routing replay, also under activation recompute; a bit-for-bit resume from
-``training_state`` with either optimizer (``test_training_megatron_ranks``). Not run yet: MoE at
+``training_state`` with either optimizer (``test_training_megatron_ranks``); bf16 with fp32
+main parameters, and with the chunked optimizer offload, at TP=2 (``test_training_megatron_cuda``,
+whose CUDA cases and ``scripts/gpu/smoke.sh`` have not run on a GPU yet). Not run yet: MoE at
 PP x TP or PP x EP, and anything on GPUs.
+
+Devices (``megatron_devices``): the model is built on the CPU, then moved to the rank's device
+(GPU LOCAL_RANK, or the CPU), before megatron's DDP puts its gradient buffers beside it; every
+microbatch (inputs, the loss's tensors, replay routes, packed positions and masks) is moved there
+too, so collectives run on device tensors (NCCL's only kind). On CUDA megatron's RNG tracker is
+seeded first (its forwards fork the "model-parallel-rng" state). What leaves a rank is moved to
+the CPU by ``megatron_ranks``. ``trainer.precision = "bf16"``: bf16 parameters with megatron's
+fp32 main parameters (``megatron_optimizer``); ``trainer.optimizer_offload`` then keeps that
+fp32 state in host memory (``megatron_offload``, dense models).
 
 Knows megatron-core through ``megatron_model`` (the stage, its weights and routers),
 ``megatron_pipeline`` (forward/backward) and ``megatron_optimizer`` (DDP, optimizer), the loss
@@ -67,7 +78,9 @@ from rollmesh.training.losses import LossName, LossSettings, policy_loss, temper
 from rollmesh.training.lr_schedule import set_lr, warmup_lr
 from rollmesh.training.megatron_checkpoint import FORMAT as MEGATRON_FORMAT
 from rollmesh.training.megatron_checkpoint import save_megatron_checkpoint
+from rollmesh.training.megatron_devices import current_device, seed_model_parallel_rng
 from rollmesh.training.megatron_model import MegatronLlama, UnsupportedMegatronModelError
+from rollmesh.training.megatron_offload import MegatronOffloadAdamW, peak_device_bytes
 from rollmesh.training.megatron_optimizer import (
     build_adamw,
     load_optimizer_state,
@@ -107,10 +120,19 @@ class MegatronTrainerBackend:
         self.distributed_optimizer = trainer_config.megatron.distributed_optimizer
         self.dp, self.dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         torch.manual_seed(trainer_config.seed)
-        self.net = MegatronLlama(model_config.path, recompute=recompute)
+        self.device = current_device()
+        seed_model_parallel_rng(trainer_config.seed)
+        self.dtype = torch.bfloat16 if trainer_config.precision == "bf16" else torch.float32
+        self.offload = trainer_config.optimizer_offload
+        self.net = MegatronLlama(model_config.path, recompute=recompute, dtype=self.dtype, device=self.device)
+        if self.offload and self.net.spec.num_experts:
+            raise UnsupportedMegatronModelError("trainer.optimizer_offload takes dense models only "
+                                                "(training/megatron_offload.py)", field="num_experts",
+                                                path=str(model_config.path))
         self.net.load_hf_state_dict(read_safetensors(model_config.path, dtype=torch.float32))
         # This stage in megatron's DDP: what forward_backward runs and the optimizers step.
-        self.model = wrap_data_parallel(self.net.model, distributed_optimizer=self.distributed_optimizer)
+        self.model = wrap_data_parallel(self.net.model, distributed_optimizer=self.distributed_optimizer,
+                                        grad_reduce_in_fp32=not self.offload)
         self.model.train()
         eos = self.net.hf_config.eos_token_id
         # As the torch backend: any valid embedding row (padded positions are never targets).
@@ -122,8 +144,12 @@ class MegatronTrainerBackend:
         self._reference: dict[str, torch.Tensor] | None = None
 
     def _new_optimizer(self, lr: float):
+        if self.offload:
+            return MegatronOffloadAdamW(self.model, lr=lr, weight_decay=self.config.weight_decay,
+                                        clip_grad=self.config.grad_clip, device=self.device)
         return build_adamw([self.model], lr=lr, weight_decay=self.config.weight_decay,
-                           clip_grad=self.config.grad_clip, distributed_optimizer=self.distributed_optimizer)
+                           clip_grad=self.config.grad_clip, distributed_optimizer=self.distributed_optimizer,
+                           dtype=self.dtype)
 
     def sft_step(self, sequences: list[PackedRow] | list[tuple[list[int], list[int]]], *,
                  lr: float) -> dict[str, float] | float:
@@ -224,8 +250,9 @@ class MegatronTrainerBackend:
             inputs = F.pad(piece.inputs, (0, length - piece.inputs.shape[1]), value=self.pad_id)
             positions = mask = None
             if packed is not None:
-                positions, mask = _packed_layout(packed, picked, size, length)
-            out.append(Microbatch(inputs, _Piece(index, piece, positions, mask), routes))
+                positions, mask = (t.to(self.device) for t in _packed_layout(packed, picked, size, length))
+            out.append(Microbatch(inputs.to(self.device), _Piece(index, _on(piece, self.device), positions, mask),
+                                  routes))
         return out
 
     def _pass(self, microbatches: list[Microbatch], loss_fn: LossFn, *,
@@ -323,7 +350,22 @@ class MegatronTrainerBackend:
         load_optimizer_state(self.optimizer, state["optimizer"])
         self._policy_steps = state.get("policy_steps", self.config.lr_warmup_steps)
         torch.set_rng_state(state["torch_rng"])
-        self._reference = state.get("reference")
+        reference = state.get("reference")  # sent over as CPU tensors (megatron_ranks)
+        self._reference = None if reference is None else {name: t.to(self.device) for name, t in reference.items()}
+
+    def device_memory(self, *, reset: bool = True) -> dict[str, Any]:
+        """This rank's device and its peak allocated bytes since the last reset (None off CUDA),
+        then (``reset``) a new peak window: what ``trainer.optimizer_offload`` saves is read here."""
+        peak = peak_device_bytes(self.device)
+        if reset and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return {"device": str(self.device), "peak_bytes": peak}
+
+
+def _on(batch: PolicyBatch, device: torch.device) -> PolicyBatch:
+    """``batch`` with every tensor on ``device``."""
+    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+                                         if getattr(batch, f.name) is not None})
 
 
 def _blank_padded(batch: PolicyBatch, picked: list[int], size: int) -> PolicyBatch:

@@ -27,7 +27,9 @@ shard builder, clip_grads). A torch function mode builds such tensors on the CPU
 ``.cuda()`` return the tensor and names a CPU tensor's type as its CUDA twin's. Safe: on one CPU
 "device" placement cannot differ, and the type string is only read to pick the fp32 branch,
 never to convert. It costs a Python call per torch op: fine for CPU tests, never entered with
-CUDA. (Callers pass an explicit attention mask: the default causal mask is built on "cuda".)
+CUDA. (The core attention is ``megatron_attention.SdpaAttention``, which builds no default causal
+mask: megatron's own builds it on "cuda".) On CUDA none of this applies: megatron's CUDA RNG
+tracker is seeded instead (``megatron_devices.seed_model_parallel_rng``).
 """
 
 from __future__ import annotations

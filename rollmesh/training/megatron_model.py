@@ -1,6 +1,8 @@
-"""One rank's pipeline stage of a megatron-core GPTModel (local layer spec) built from a Hugging
-Face directory of the engine's families, its tensor-, pipeline- and expert-parallel weights
-moved to and from HF names, and its MoE routers driven by megatron-core's routing replay.
+"""One rank's pipeline stage of a megatron-core GPTModel (``megatron_attention``'s layer spec:
+Transformer Engine's where it imports, else the local one; attention on torch sdpa), in float32 or
+bf16, on the rank's device, built from a Hugging Face directory of the engine's families, its
+tensor-, pipeline- and expert-parallel weights moved to and from HF names, and its MoE routers
+driven by megatron-core's routing replay.
 
 Knows megatron-core (model, parallel state, ``RouterReplay``), the checkpoint package's maps
 (``arch_maps``: HF <-> canonical Megatron tensors, experts by global id; ``tp_reshard.rank_boxes``:
@@ -124,24 +126,28 @@ class _RMSNorm(torch.nn.RMSNorm):
     mode: each TP rank holds only its heads)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_megatron_only) -> None:
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)  # bf16 with a bf16 model
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def build_gpt_model(config: HFModelConfig, spec: ArchSpec, *, recompute: bool = False):
-    """This rank's pipeline stage of a float32, CPU-initialised local-spec GPTModel shaped like
-    ``config`` (random weights), its TP, PP and EP sizes from ``parallel_state``: layers split
+def build_gpt_model(config: HFModelConfig, spec: ArchSpec, *, recompute: bool = False,
+                    dtype: torch.dtype = torch.float32):
+    """This rank's pipeline stage of a CPU-initialised GPTModel of ``dtype`` (float32, or bf16:
+    then megatron's bf16 mode, activations between stages in bf16) shaped like ``config``
+    (random weights; layer spec and core attention: ``megatron_attention.gpt_layer_spec``), its
+    TP, PP and EP sizes from ``parallel_state``: layers split
     evenly over the stages, embeddings on the first, final norm and output layer on the last
     (a tied model's last stage holds a copy of the embedding as its output layer). Configured
     for ``megatron_pipeline.forward_backward``: per-token loss normalisation, float32
     activations between stages. ``recompute``: full activation recompute, one layer per
     checkpoint."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from rollmesh.training.megatron_attention import gpt_layer_spec
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     moe = config.moe
@@ -162,19 +168,14 @@ def build_gpt_model(config: HFModelConfig, spec: ArchSpec, *, recompute: bool = 
         # megatron's defaults are 0.1: HF models train without dropout, and CPU runs have no
         # model-parallel RNG to draw it from (megatron_cpu_shims).
         hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, use_cpu_initialization=True, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=True,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
         # megatron_pipeline: each microbatch's loss is a sum, the normaliser summed over all.
         calculate_per_token_loss=True, **moe_fields, **recompute_fields)
-    # The local spec's rotary embedding is non-interleaved (rotate_half), as HF's is.
-    layer = get_gpt_layer_local_spec(num_experts=moe.num_experts if moe else None, moe_grouped_gemm=False,
-                                     qk_layernorm=config.qk_norm, normalization="RMSNorm")
-    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = _RMSNorm
-    if config.qk_norm:
-        layer.submodules.self_attention.submodules.q_layernorm = _RMSNorm
-        layer.submodules.self_attention.submodules.k_layernorm = _RMSNorm
+    layer, final_norm, _ = gpt_layer_spec(num_experts=moe.num_experts if moe else None,
+                                          qk_layernorm=config.qk_norm, norm=_RMSNorm)
     block = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(transformer),
-                                       layer_norm=_RMSNorm)
+                                       layer_norm=final_norm)
     # RouterReplay keeps every router it ever made in a class-level list: drop the routers of
     # models built before, which would otherwise live as long as the process.
     RouterReplay.clear_global_router_replay_instances()
@@ -216,7 +217,8 @@ class MegatronLlama:
     """This rank's pipeline stage of an HF directory's model, with HF-named weights in and out
     and its routers driven per microbatch."""
 
-    def __init__(self, hf_path: str | Path, *, recompute: bool = False) -> None:
+    def __init__(self, hf_path: str | Path, *, recompute: bool = False, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         from megatron.core import parallel_state as ps
 
         self.hf_path = str(hf_path)
@@ -234,7 +236,10 @@ class MegatronLlama:
         self.arch_map: ArchMap = build_arch_map(self.spec)
         self.shapes = megatron_shapes(self.spec)
         self.layers_per_stage = self.spec.num_layers // self.pp
-        self.model = build_gpt_model(self.hf_config, self.spec, recompute=recompute)
+        self.dtype, self.device = dtype, torch.device(device)
+        # Built on the CPU (megatron's use_cpu_initialization), then moved whole to the rank's
+        # device before DDP wraps it: DDP puts its gradient buffers where the parameters are.
+        self.model = build_gpt_model(self.hf_config, self.spec, recompute=recompute, dtype=dtype).to(self.device)
         self.sequence_parallel = self.model.config.sequence_parallel
         self.local_experts = self.spec.num_experts // self.ep
         self.params = {self._global_name(name): p for name, p in self.model.named_parameters()}
@@ -303,7 +308,7 @@ class MegatronLlama:
         so only those are widened."""
         per_rank = length // self.tp
         window = slice(self.rank * per_rank, (self.rank + 1) * per_rank) if self.sequence_parallel else None
-        return replay_tensor(rows, length, positions=window)
+        return replay_tensor(rows, length, positions=window, device=self.device)
 
     def clear_routes(self) -> None:
         """Before a forward/backward pass: forget the replay targets of earlier passes (a
@@ -411,7 +416,7 @@ class MegatronLlama:
             if self.pp > 1:
                 owner = self._stage_of(name)  # a tied model's last-stage copy is not sent
                 if owner != self.pp_rank:
-                    whole = torch.empty(shape, dtype=torch.float32)
+                    whole = torch.empty(shape, dtype=self.dtype, device=self.device)
                 dist.broadcast(whole, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
             out.update(self.arch_map.to_hf(name, whole))
         if self.spec.tie_embeddings:
@@ -427,7 +432,7 @@ class MegatronLlama:
             return shard.clone()  # replicated: every rank holds it whole
         shards = [torch.empty_like(shard) for _ in range(size)]
         dist.all_gather(shards, shard.contiguous(), group=group)
-        whole = torch.empty(shape, dtype=shard.dtype)
+        whole = torch.empty(shape, dtype=shard.dtype, device=shard.device)
         for rank, piece in enumerate(shards):
             offset = 0
             for box in self._boxes(name, whole_box, rank):

@@ -42,8 +42,8 @@ import torch.distributed as dist
 from rollmesh.training.megatron_cpu_shims import megatron_cuda_on_cpu
 
 LossFn = Callable[[torch.Tensor, "Microbatch"], tuple[torch.Tensor, torch.Tensor | int, dict[str, float]]]
-# run_stage(stage, microbatch, positions, causal mask) -> the stage's output.
-RunStage = Callable[[torch.nn.Module, "Microbatch", torch.Tensor, torch.Tensor], torch.Tensor]
+# run_stage(stage, microbatch, positions, attention mask or None) -> the stage's output.
+RunStage = Callable[[torch.nn.Module, "Microbatch", torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class PipelineLayoutError(ValueError):
@@ -76,7 +76,7 @@ class PipelineStepResult:
 
 
 def _plain_stage(stage: torch.nn.Module, microbatch: Microbatch, positions: torch.Tensor,
-                 mask: torch.Tensor) -> torch.Tensor:
+                 mask: torch.Tensor | None) -> torch.Tensor:
     return stage(microbatch.inputs, positions, mask)
 
 
@@ -106,8 +106,10 @@ def forward_backward(model, microbatches: Sequence[Microbatch], loss_fn: LossFn,
     config.no_sync_func = model.no_sync
     device = microbatches[0].inputs.device
     positions = torch.arange(length, device=device)[None].expand(micro_batch_size, length)
-    # True = masked. Passed explicitly: megatron's default causal mask is built on "cuda".
-    causal = torch.triu(torch.ones(1, 1, length, length, dtype=torch.bool, device=device), diagonal=1)
+    # No mask: plain causal attention, which the stages' core attention
+    # (megatron_attention.SdpaAttention) runs itself, without a [seq, seq] mask; a run_stage
+    # that packs rows passes its own.
+    causal = None
 
     def reduce(logits_shard: torch.Tensor, microbatch: Microbatch):
         logits = gather_from_tensor_model_parallel_region(logits_shard)[..., :vocab_size]

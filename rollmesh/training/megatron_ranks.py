@@ -20,11 +20,19 @@ last durable step (the ledger), as after any other crash.
 
 Transfer. Arguments and answers are pickled over the connection, weights included: fine for
 models of a few GB on one machine; larger ones would publish their buckets from rank 0 itself.
+Answers are moved to the CPU first (``megatron_devices.to_host``): a pickled CUDA tensor would
+unpickle onto the trainer's GPU, or fail in a trainer without one.
+
+Placement (``megatron_devices``): each child gets the launcher variables (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE) and the rendezvous of ``trainer.megatron.master_addr`` /
+``master_port`` (port 0: a free one here), and takes GPU LOCAL_RANK; more ranks than this node's
+GPUs are refused before any starts (``TooManyRanksError``). Every rank is started on this node:
+ranks on other nodes would be started by their own launcher (torchrun, srun) with the same
+variables and rendezvous, and would need a way to reach this handle, which is not built.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import secrets
@@ -39,8 +47,18 @@ from multiprocessing.connection import Client, Connection, answer_challenge, del
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from rollmesh.training.megatron_devices import (
+    RankPlacement,
+    check_node_capacity,
+    init_rank,
+    placement_from_env,
+    to_host,
+)
+
 # Answered by every rank for itself (the others: rank 0 answers for all).
-PER_RANK_METHODS = frozenset({"training_state", "load_training_state"})
+PER_RANK_METHODS = frozenset({"training_state", "load_training_state", "device_memory"})
 
 
 class MegatronRanksFailed(RuntimeError):
@@ -76,6 +94,8 @@ class MegatronRanks:
     def __init__(self, model_config, trainer_config, *, log_dir: Path | None = None) -> None:
         self.layout = trainer_config.megatron
         self.world_size = self.layout.world_size
+        # Every rank runs here, one GPU each: refused before anything starts.
+        check_node_capacity(self.world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0)
         self._lock = threading.Lock()  # one call at a time: calls are collectives
         self._closed = False
         self._authkey = secrets.token_bytes(32)
@@ -85,7 +105,7 @@ class MegatronRanks:
                                                            os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": str(trainer_config.torch_threads)}
         host, port = self._server.getsockname()
-        master_port = _free_port()
+        master_port = self.layout.master_port or _free_port()
         self._logs = []
         self._processes: list[subprocess.Popen] = []
         self._connections: list[Connection | None] = [None] * self.world_size
@@ -95,10 +115,12 @@ class MegatronRanks:
                 log = (open(log_dir / f"megatron_rank{rank}.log", "ab") if log_dir is not None
                        else tempfile.TemporaryFile())
                 self._logs.append(log)
+                placement = RankPlacement(rank=rank, world_size=self.world_size, local_rank=rank,
+                                          local_world_size=self.world_size, master_addr=self.layout.master_addr,
+                                          master_port=master_port)
                 self._processes.append(subprocess.Popen(
-                    [sys.executable, "-m", "rollmesh.training.megatron_ranks", f"{host}:{port}", str(rank),
-                     str(self.world_size), str(master_port)],
-                    env=env, stdout=log, stderr=subprocess.STDOUT))
+                    [sys.executable, "-m", "rollmesh.training.megatron_ranks", f"{host}:{port}"],
+                    env={**env, **placement.environment()}, stdout=log, stderr=subprocess.STDOUT))
             self._accept(timeout_s=self.layout.start_timeout_s)
             for connection in self._connections:
                 _send(connection, (model_config, trainer_config))
@@ -201,6 +223,10 @@ class MegatronRanks:
                                       detail=f"saved by layout {state.get('layout')}, loading on {self._layout_key()}")
         self._call("load_training_state", per_rank_args=[(rank_state,) for rank_state in state["ranks"]])
 
+    def device_memory(self, *, reset: bool = True) -> list[dict[str, Any]]:
+        """Every rank's device and peak allocated bytes since the last call (None off CUDA)."""
+        return self._call("device_memory", reset=reset)
+
     def _layout_key(self) -> dict[str, int]:
         return {"tensor_parallel": self.layout.tensor_parallel, "pipeline_parallel": self.layout.pipeline_parallel,
                 "expert_parallel": self.layout.expert_parallel, "data_parallel": self.layout.data_parallel}
@@ -228,20 +254,10 @@ class MegatronRanks:
             log.close()
 
 
-def _init_distributed(layout, rank: int, world_size: int, master_port: int) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    backend = layout.dist_backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    # The collectives' own timeout: a rank whose peer died leaves its collective then, not never.
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=layout.call_timeout_s))
+def _init_distributed(layout, placement: RankPlacement) -> None:
+    """Join the process group on this rank's device (``megatron_devices.init_rank``), then
+    megatron-core's parallel state."""
+    init_rank(placement, configured_backend=layout.dist_backend, timeout_s=layout.call_timeout_s)
     from rollmesh.training.megatron_cpu_shims import install_cpu_shims
 
     install_cpu_shims()
@@ -252,17 +268,19 @@ def _init_distributed(layout, rank: int, world_size: int, master_port: int) -> N
         expert_model_parallel_size=layout.expert_parallel)
 
 
-def serve_rank(address: str, rank: int, world_size: int, master_port: int) -> None:
-    """One rank's process: connect, build the backend, answer calls until "close"."""
+def serve_rank(address: str) -> None:
+    """One rank's process (placed by the launcher variables, ``megatron_devices``): connect,
+    build the backend, answer calls until "close"."""
     host, port = address.rsplit(":", 1)
     connection = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("ROLLMESH_RANKS_AUTHKEY")))
+    rank = int(os.environ["RANK"])
     _send(connection, rank)
     model_config, trainer_config = _receive(connection)
     try:
-        import torch
-
+        layout = trainer_config.megatron
+        placement = placement_from_env(os.environ, master_addr=layout.master_addr, master_port=layout.master_port)
         torch.set_num_threads(trainer_config.torch_threads)
-        _init_distributed(trainer_config.megatron, rank, world_size, master_port)
+        _init_distributed(layout, placement)
         from rollmesh.training.megatron_backend import MegatronTrainerBackend
 
         backend = MegatronTrainerBackend(model_config, trainer_config)
@@ -279,7 +297,7 @@ def serve_rank(address: str, rank: int, world_size: int, master_port: int) -> No
             break
         try:
             result = getattr(backend, method)(*args, **kwargs)
-            _send(connection, ("ok", result if rank == 0 or method in PER_RANK_METHODS else None))
+            _send(connection, ("ok", to_host(result) if rank == 0 or method in PER_RANK_METHODS else None))
         except Exception:
             _send(connection, ("error", traceback.format_exc()))
     import torch.distributed as dist
@@ -289,4 +307,4 @@ def serve_rank(address: str, rank: int, world_size: int, master_port: int) -> No
 
 
 if __name__ == "__main__":
-    serve_rank(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    serve_rank(sys.argv[1])
