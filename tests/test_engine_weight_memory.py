@@ -223,3 +223,31 @@ def test_buckets_put_by_a_holder_actor_are_read_here_from_shared_memory(ray_sess
     ray.kill(holder)
     with pytest.raises(WeightsUnavailableError):
         load_from_memory(first, fetcher)
+
+
+@pytest.mark.unit
+async def test_a_worker_reading_files_waits_for_a_memory_announced_versions_files(state, tmp_path):
+    import asyncio
+    import threading
+
+    serialized = serialize_buckets(state, version=1, bucket_bytes=2048)
+    message = announce(serialized, DictBuckets(node="node-a").put(serialized), tmp_path)  # files not yet written
+    engine, bus = StagingEngine(), RecordingPublisher()
+    elsewhere = WeightFollower(engine, bus, worker="decode-0", role="decode", memory=DictBuckets(node="node-b"))
+    handler = asyncio.create_task(elsewhere.handle_weights_published(message))
+    writer = threading.Thread(target=write_serialized, args=(serialized, tmp_path))  # the trainer, after announcing
+    writer.start()
+    await asyncio.wait_for(handler, 30)
+    writer.join()
+    ((version, staged),) = engine.staged
+    assert version == 1 and all(torch.equal(staged[k], state[k]) for k in state)
+
+
+@pytest.mark.unit
+async def test_files_that_never_follow_a_memory_announcement_are_a_file_error(state, tmp_path):
+    serialized = serialize_buckets(state, version=1, bucket_bytes=2048)
+    message = announce(serialized, DictBuckets(node="node-a").put(serialized), tmp_path)
+    elsewhere = WeightFollower(StagingEngine(), RecordingPublisher(), worker="decode-0", role="decode",
+                               files_timeout_s=0.1)
+    with pytest.raises(WeightsFileError, match="not written within"):
+        await elsewhere.handle_weights_published(message)

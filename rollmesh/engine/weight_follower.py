@@ -7,7 +7,11 @@ when that copy is gone) from the bucket manifest or single file at ``path``. It 
 engine swaps at its next step boundary, so no request is aborted) and publishes
 ``WeightsActivated``, with the load's duration and source, once the swap happened. On start it
 catches up with the newest version already published (``latest``), so a worker restarted after a
-crash serves the current weights, not its initial ones.
+crash serves the current weights, not its initial ones. A version announced from shared memory is
+announced before its files are written (``trainer.weight_sync = "memory"``): a worker that reads
+the files then waits for the manifest to appear (``files_timeout_s``). It polls, with backoff: the
+trainer announces each version once (JetStream dedups by version), so no later event says the
+files are there.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Protocol
 
 import structlog
 import torch
 
 from rollmesh.ports import MessageContext, Publisher, Subscription
-from rollmesh.engine.errors import WeightsUnavailableError
+from rollmesh.engine.errors import WeightsFileError, WeightsUnavailableError
 from rollmesh.engine.weight_buckets import load_published
 from rollmesh.engine.weight_memory import FetchesWeightBuckets, load_from_memory
 from rollmesh.messages import WeightsActivated, WeightsPublished
@@ -60,9 +65,11 @@ class WeightFollower:
         clock: Callable[[], float] = time.time,
         latest: LatestWeights | None = None,
         memory: FetchesWeightBuckets | None = None,
+        files_timeout_s: float = 600.0,
     ) -> None:
         self.engine = engine
         self.memory = memory
+        self.files_timeout_s = files_timeout_s
         self.publisher = publisher
         self.worker = worker
         self.role = role
@@ -122,5 +129,18 @@ class WeightFollower:
                 return self.engine.stage_weights(state, message.version), "memory"
             except WeightsUnavailableError as exc:
                 _log.warning("weights_memory_unavailable", weight_version=message.version, reason=exc.reason)
+        if message.memory_holder:
+            wait_for_file(Path(message.path), self.files_timeout_s)
         return self.engine.stage_weights(load_published(message.path, message.sha256), message.version), "files"
+
+
+def wait_for_file(path: Path, timeout_s: float) -> None:
+    """Block until ``path`` exists (a published version's manifest, written last); raises
+    ``WeightsFileError`` after ``timeout_s``."""
+    deadline, delay = time.monotonic() + timeout_s, 0.01
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            raise WeightsFileError(str(path), f"not written within {timeout_s:g} s of its announcement")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
 
