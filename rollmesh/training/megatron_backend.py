@@ -6,9 +6,9 @@ weights after the step): TP=2; PP=2 (tied and untied); DP=2 with the distributed
 TP=2 x PP=2; PP=2 x DP=2; MoE at DP=2 x EP=2, TP=2 (sequence parallel), TP=2 x DP=2 x EP=2 and
 PP=2, with routing replay, also under activation recompute; a bit-for-bit resume from
 ``training_state`` with either optimizer (``test_training_megatron_ranks``); bf16 with fp32
-main parameters, and with the chunked optimizer offload, at TP=2 (``test_training_megatron_cuda``,
-whose CUDA cases and ``scripts/gpu/smoke.sh`` have not run on a GPU yet). Not run yet: MoE at
-PP x TP or PP x EP, and anything on GPUs.
+main parameters, and with the chunked optimizer offload, at TP=2 (``test_training_megatron_bf16``).
+Not run yet: MoE at PP x TP or PP x EP, and anything on GPUs (``test_training_megatron_cuda``
+and ``scripts/gpu/smoke.sh`` are written for them).
 
 Devices (``megatron_devices``): the model is built on the CPU, then moved to the rank's device
 (GPU LOCAL_RANK, or the CPU), before megatron's DDP puts its gradient buffers beside it; every
