@@ -3,7 +3,6 @@ weights written as a directory SGLang loads from disk."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import msgspec
 import pytest

@@ -11,6 +11,7 @@ rewarded; the tokens, logprobs and weight versions in the trajectory are the fak
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 import uuid
@@ -19,6 +20,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+import ray
 
 from rollmesh.chat import ChatModel
 from rollmesh.launcher import Mesh
@@ -34,7 +36,7 @@ from test_mesh_token_exact import assistant_segments, run_rollout
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 FORMULA = "H2O"
-LABEL = "7"  # the fake's weight label: every generated token must carry it
+LABEL = "0"  # the fake's weight label (a launched server starts at 0): every generated token carries it
 
 
 def episode(chat: ChatModel) -> tuple[list[int], list[int]]:
@@ -132,3 +134,24 @@ async def test_the_serve_app_generates_through_the_sglang_workers(sglang_mesh):
     assert body["output_ids"] == next_turn(ids, loss_mask, chat.end_of_turn_ids)(prompt)
     assert fake.bodies("/generate")[-1]["input_ids"] == prompt
     assert body["meta_info"]["weight_version"] in (LABEL, int(LABEL))
+
+
+async def test_a_published_version_reaches_sglang_as_a_model_directory_loaded_in_place(sglang_mesh):
+    mesh, info, fake, chat, _ = sglang_mesh
+    trainer = ray.get_actor("trainer", namespace=mesh.ray_namespace)
+    # One supervised step publishes version 1; the SGLang worker follows it.
+    await trainer.warm_start.remote("rollmesh.rollout.molar_mass:MolarMassTask", steps=1, batch_size=2,
+                                    lr=1e-4, exact_fraction=1.0, seed=0)
+    version = await trainer.version.remote()
+    give_up = asyncio.get_running_loop().time() + 120
+    while not fake.bodies("/update_weights_from_disk") and asyncio.get_running_loop().time() < give_up:
+        await asyncio.sleep(0.1)  # polls the fake's record; the worker's update is the signal
+    [update] = fake.bodies("/update_weights_from_disk")
+    directory = Path(update["model_path"])
+    assert (update["weight_version"], update["flush_cache"]) == (str(version), False)
+    assert (directory / "model.safetensors").is_file() and (directory / "config.json").is_file()
+    assert [p for p, _ in fake.requests if p not in ("/generate",)][-3:] == [
+        "/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+    assert fake.bodies("/pause_generation")[-1] == {"mode": "in_place"}
+    decode = ray.get_actor("decode-0", namespace=mesh.ray_namespace)
+    assert await decode.current_version.remote() == version == int(fake.label)
