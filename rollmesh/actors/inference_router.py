@@ -18,6 +18,12 @@ Ray streaming generator (``num_returns="streaming"``): each piece of tokens
 (``rollmesh.engine.token_stream``) comes back as its own object while the sequence decodes, and
 closing the stream early cancels the actor task, which aborts the request in the engine.
 
+Lent memory: a worker whose accelerator the GPU scheduler lent refuses with the retryable
+``MemoryReleasedError``; ``generate`` then tries another decode worker (a session moves there and
+is prefilled in full), and when every one refused, waits ``memory_retry_s`` and tries them all
+again, for up to ``memory_retry_timeout_s`` (the lending ends when the scheduler takes the
+accelerator back, within a job's preemption grace). Streams are not retried (a piece may be out).
+
 Elastic decode: workers the GPU scheduler lends to decode join with ``add_decode_worker`` and
 leave with ``remove_decode_worker``, after which nothing new is sent to them; a session that was
 there continues on another worker, which prefills it in full (its KV left with the worker).
@@ -25,7 +31,9 @@ there continues on another worker, which prefills it in full (its KV left with t
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,6 +43,7 @@ import ray
 from opentelemetry import trace
 
 from rollmesh.bus.trace_headers import inject_trace_headers
+from rollmesh.engine.errors import MemoryReleasedError
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
 from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.messages.base import SamplingParams
@@ -61,7 +70,8 @@ class InferenceRouter:
     """Implements ``rollmesh.engine.protocols.InferenceEngine`` over Ray actor handles."""
 
     def __init__(self, prefill_workers: list[Any], decode_workers: list[Any], *,
-                 max_sessions: int = DEFAULT_MAX_SESSIONS, model_name: str = "") -> None:
+                 max_sessions: int = DEFAULT_MAX_SESSIONS, model_name: str = "",
+                 memory_retry_s: float = 1.0, memory_retry_timeout_s: float = 600.0) -> None:
         """``model_name``: the served model, for the ``gen_ai.request.model`` span attribute."""
         if not decode_workers:
             raise ValueError("the router needs at least one decode worker")
@@ -73,18 +83,22 @@ class InferenceRouter:
         self._session_worker: OrderedDict[str, int] = OrderedDict()
         self._max_sessions = max_sessions
         self.model_name = model_name
+        self.memory_retry_s = memory_retry_s
+        self.memory_retry_timeout_s = memory_retry_timeout_s
 
     @property
     def aggregated(self) -> bool:
         return not self.prefill_workers
 
-    def decode_worker_for(self, session_id: str | None) -> tuple[int, bool]:
-        """(decode worker index, whether the session has been there before)."""
+    def decode_worker_for(self, session_id: str | None, refused: frozenset[int] = frozenset()) -> tuple[int, bool]:
+        """(decode worker index, whether the session has been there before); not one of
+        ``refused`` (their memory lent) while another is present."""
         if session_id and session_id in self._session_worker:
-            if self.decode_workers[self._session_worker[session_id]] is not None:
+            if self.decode_workers[self._session_worker[session_id]] is not None \
+                    and self._session_worker[session_id] not in refused:
                 self._session_worker.move_to_end(session_id)
                 return self._session_worker[session_id], True
-        index = _least_loaded(self._decode_in_flight, self.decode_workers)
+        index = _least_loaded(self._decode_in_flight, self.decode_workers, refused)
         if session_id:
             self._session_worker[session_id] = index
             while len(self._session_worker) > self._max_sessions:
@@ -99,7 +113,21 @@ class InferenceRouter:
         request_id: str,
         options: GenerateOptions = DEFAULT_OPTIONS,
     ) -> GenerationResult:
-        index, returning = self.decode_worker_for(options.session_id)
+        refused: set[int] = set()
+        deadline = time.monotonic() + self.memory_retry_timeout_s
+        while True:
+            try:
+                return await self._generate_once(input_ids, sampling, request_id, options, frozenset(refused))
+            except MemoryReleasedError as exc:
+                refused.add(exc.decode_worker)
+                if refused >= {i for i, worker in enumerate(self.decode_workers) if worker is not None}:
+                    if time.monotonic() + self.memory_retry_s > deadline:
+                        raise
+                    refused.clear()  # every worker's memory is lent: wait, then try them all again
+                    await asyncio.sleep(self.memory_retry_s)
+
+    async def _generate_once(self, input_ids, sampling, request_id, options, refused) -> GenerationResult:
+        index, returning = self.decode_worker_for(options.session_id, refused)
         local_prefill = self.aggregated or returning
         with _tracer.start_as_current_span(
             conventions.SPAN_GENERATE,
@@ -121,6 +149,9 @@ class InferenceRouter:
                 else:
                     finished = await self._prefill_then_decode(
                         decode, input_ids, sampling, request_id, headers, options)
+            except MemoryReleasedError as exc:
+                exc.decode_worker = index  # which worker refused (a prefill worker's refusal too)
+                raise
             finally:
                 self._decode_in_flight[index] -= 1
             result = finished.as_generation_result()
@@ -206,6 +237,6 @@ class InferenceRouter:
         return sorted(self._decode_names)
 
 
-def _least_loaded(in_flight: list[int], workers: list[Any | None]) -> int:
+def _least_loaded(in_flight: list[int], workers: list[Any | None], refused: frozenset[int] = frozenset()) -> int:
     present = [index for index, worker in enumerate(workers) if worker is not None]
-    return min(present, key=in_flight.__getitem__)
+    return min([index for index in present if index not in refused] or present, key=in_flight.__getitem__)
