@@ -21,6 +21,7 @@ from typing import Any
 from opentelemetry import trace
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.role_memory import MemoryGate, lent_memory
 from rollmesh.actors.weight_object_store import ObjectStoreWeightFetcher
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.bus.last_message import last_message
@@ -29,6 +30,7 @@ from rollmesh.bus.trace_headers import extract_trace_context
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
 from rollmesh.engine.decode import FinishedSequence
+from rollmesh.engine.errors import EngineBusyError
 from rollmesh.engine.local_engine import build_decode_engine
 from rollmesh.engine.paged_model import build_inference_model, load_tokenizer
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult
@@ -138,6 +140,15 @@ class PrefillWorkerActor(RoleActor):
         it; returns the active version (see ``update_weights_from_file`` below)."""
         return await update_weights_from_file(_PrefillWeights(self.engine), path, version)
 
+    async def release_memory(self) -> dict[str, Any]:
+        """Lend the accelerator (``scheduler.lend_role_accelerators``): weights to host memory, the
+        scratch KV freed; ``prefill`` refuses with the retryable MemoryReleasedError until resumed.
+        Prefill calls never overlap on this event loop, so this runs between two of them."""
+        return lent_memory(self.engine.release_memory())
+
+    async def resume_memory(self) -> dict[str, Any]:
+        return lent_memory(self.engine.resume_memory())
+
 
 class DecodeWorkerActor(RoleActor):
     role = "decode"
@@ -151,6 +162,7 @@ class DecodeWorkerActor(RoleActor):
         engine = build_decode_engine(build_inference_model(model_config), inference_config,
                                      seed=seed, tokenizer=load_tokenizer(model_config))
         self.loop = DecodeLoop(engine, self.busy)
+        self.memory_gate = MemoryGate()  # lending the accelerator: refuse, drain, then release
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         self.loop.start()
@@ -167,7 +179,8 @@ class DecodeWorkerActor(RoleActor):
             "decode", context=extract_trace_context(trace_headers or {}),
             attributes={"request_id": request_id, "prompt_tokens": prefill.num_tokens},
         ):
-            finished = await self.loop.submit(request_id, prefill, sampling, options)
+            with self.memory_gate.accept(request_id):
+                finished = await self.loop.submit(request_id, prefill, sampling, options)
             metrics.add(metrics_catalog.GENERATED_TOKENS, len(finished.token_ids), {"worker": self.name})
             return finished
 
@@ -179,7 +192,8 @@ class DecodeWorkerActor(RoleActor):
             "prefill_and_decode", context=extract_trace_context(trace_headers or {}),
             attributes={"request_id": request_id, "prompt_tokens": len(input_ids)},
         ) as span:
-            finished = await self.loop.submit(request_id, input_ids, sampling, options)
+            with self.memory_gate.accept(request_id):
+                finished = await self.loop.submit(request_id, input_ids, sampling, options)
             metrics.add(metrics_catalog.GENERATED_TOKENS, len(finished.token_ids), {"worker": self.name})
             span.set_attribute("cached_tokens", finished.cached_tokens)
             return finished
@@ -208,12 +222,13 @@ class DecodeWorkerActor(RoleActor):
                                               "stream": True})
         pieces = self.loop.stream(request_id, work, sampling, options)
         try:
-            async for piece in pieces:
-                if isinstance(piece, FinishedSequence):
-                    metrics.add(metrics_catalog.GENERATED_TOKENS, len(piece.token_ids),
-                                {"worker": self.name})
-                    span.set_attribute("cached_tokens", piece.cached_tokens)
-                yield piece
+            with self.memory_gate.accept(request_id):
+                async for piece in pieces:
+                    if isinstance(piece, FinishedSequence):
+                        metrics.add(metrics_catalog.GENERATED_TOKENS, len(piece.token_ids),
+                                    {"worker": self.name})
+                        span.set_attribute("cached_tokens", piece.cached_tokens)
+                    yield piece
         finally:
             await pieces.aclose()  # before the end (cancelled): aborts the request
             span.end()
@@ -221,6 +236,36 @@ class DecodeWorkerActor(RoleActor):
     async def drop_sessions(self) -> int:
         """Free every parked session's KV; returns the blocks freed."""
         return self.loop.engine.drop_sessions()
+
+    async def release_memory(self) -> dict[str, Any]:
+        """Lend the accelerator (``scheduler.lend_role_accelerators``): new requests are refused with
+        the retryable MemoryReleasedError, those accepted finish (and staged weights activate),
+        then the weights and parked KV go to host memory (as ``LocalEngine.release_memory``)."""
+        self.memory_gate.releasing = True
+        try:
+            while True:
+                await self.memory_gate.wait_idle()
+                staged = self.loop.engine.weights.staged_version
+                if staged is not None:  # work for the loop, which is awake for it
+                    await self.loop.wait_weights_activated(staged)
+                    continue
+                try:
+                    return lent_memory(self.loop.engine.release_memory())
+                except EngineBusyError:
+                    continue  # staged from the follower's thread meanwhile
+        except BaseException:
+            self.memory_gate.releasing = False
+            raise
+
+    async def resume_memory(self) -> dict[str, Any]:
+        """Weights and parked KV back; requests accepted again; weights published meanwhile
+        are staged now and activate at the next step."""
+        stats = self.loop.engine.resume_memory()
+        self.memory_gate.releasing = False
+        deferred = self.loop.engine.take_deferred_weights()
+        if deferred is not None:
+            self.loop.stage_weights(*deferred)
+        return lent_memory(stats)
 
     async def load(self) -> int:
         """Requests running or waiting here (the router balances on it)."""
