@@ -14,6 +14,7 @@ import msgspec
 import structlog
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.role_memory import lent_memory
 from rollmesh.actors.weight_object_store import ObjectStoreWeightHolder
 from rollmesh.bus.last_message import last_message
 from rollmesh.bus.publisher import BusPublisher
@@ -25,7 +26,8 @@ from rollmesh.engine.weight_memory import resolve_weight_sync
 from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
 from rollmesh.run_config import StageConfig
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
-from rollmesh.training.torch_backend import TrainerBackend, build_trainer_backend
+from rollmesh.scheduling.errors import RoleLendingUnavailableError
+from rollmesh.training.torch_backend import TorchTrainerBackend, TrainerBackend, build_trainer_backend
 from rollmesh.training.trainer_logic import TrainerLogic
 
 _log = structlog.get_logger("rollmesh.actors.trainer")
@@ -81,6 +83,22 @@ class TrainerActor(RoleActor):
         await super().stop()
         if self.backend is not None:
             await asyncio.to_thread(self.backend.close)
+
+    async def release_memory(self) -> dict[str, Any]:
+        """Lend the accelerator between steps (``scheduler.lend_role_accelerators``): the torch
+        backend's weights and optimizer state to host memory; steps refuse with
+        TrainerOffloadedError until ``resume_memory``. The megatron backend cannot offload
+        (RoleLendingUnavailableError; the scheduler refuses lending its trainer at start)."""
+        return lent_memory(await asyncio.to_thread(self._lending_backend().offload))
+
+    async def resume_memory(self) -> dict[str, Any]:
+        return lent_memory(await asyncio.to_thread(self._lending_backend().reload))
+
+    def _lending_backend(self) -> TorchTrainerBackend:
+        if not isinstance(self.backend, TorchTrainerBackend):
+            raise RoleLendingUnavailableError([f"the trainer's {self.config.backend} backend cannot offload its "
+                                               "memory (only trainer.backend = \"torch\" can)"])
+        return self.backend
 
     async def warm_start(self, task_path: str, *, steps: int, batch_size: int, lr: float,
                          exact_fraction: float, seed: int) -> dict[str, float]:
