@@ -88,7 +88,7 @@ class Mesh:
         # The model and inference settings are what a decode worker lent idle accelerators serves
         # (so the scheduler also holds the inference role's credentials, to hand them on).
         scheduler = await spawn("gpu-scheduler", GpuSchedulerActor, mesh.only("scheduler", "inference"),
-                                config.scheduler, config.model, config.inference,
+                                config.scheduler, config.model, config.inference, config.trainer,
                                 options=self._placed("scheduler"))
         # Grants first: each role's actor is then placed with the Ray resources it was granted.
         await scheduler.grant.remote(GRANT_HOLDERS)

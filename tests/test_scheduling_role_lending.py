@@ -157,14 +157,68 @@ async def test_without_role_memory_a_role_keeps_its_start_grant_whatever_it_dema
     await logic.close(wait_s=1.0)
 
 
-async def test_the_live_scheduler_refuses_role_lending_naming_what_the_mesh_lacks(tmp_path):
+async def test_the_live_scheduler_refuses_role_lending_where_a_role_cannot_lend_naming_why(tmp_path):
     from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
     from rollmesh.actors.role_base import MeshContext
-    from rollmesh.config import SchedulerConfig
+    from rollmesh.config import SchedulerConfig, TrainerConfig
     from rollmesh.scheduling import RoleLendingUnavailableError
 
     mesh = MeshContext(namespace="ns", nats_url="nats://127.0.0.1:1", run_dir=str(tmp_path))
-    actor = GpuSchedulerActor("gpu-scheduler", mesh, SchedulerConfig(total_gpus=2, lend_role_accelerators=True))
+    lending = SchedulerConfig(total_gpus=4, lend_role_accelerators=True,
+                              grants={"trainer": 1, "decode": 1, "resharder": 1})
+    actor = GpuSchedulerActor("gpu-scheduler", mesh, lending, None, InferenceConfig(backend="sglang"),
+                              TrainerConfig(backend="megatron"))
     with pytest.raises(RoleLendingUnavailableError) as refused:
         await actor.build_logic(RecordingPublisher())
-    assert any("release_memory" in missing for missing in refused.value.missing)
+    missing = " ".join(refused.value.missing)
+    assert "megatron" in missing and "SGLang" in missing and "'resharder'" in missing
+
+
+def test_role_lending_needs_one_worker_per_accelerator_of_a_lent_role():
+    from rollmesh.actors.gpu_scheduler import role_lending_refusals, role_workers_of
+
+    workers = role_workers_of(InferenceConfig(num_decode_workers=2))
+    assert workers["decode"] == ["decode-0", "decode-1"] and workers["trainer"] == ["trainer"]
+    fine = role_lending_refusals({"decode": 2, "prefill": 0}, workers, inference_backend="local",
+                                 trainer_backend="torch")
+    assert fine == []
+    (trainer,) = role_lending_refusals({"trainer": 1}, workers, inference_backend="local", trainer_backend="torch")
+    assert "TrainerOffloadedError" in trainer
+    (refusal,) = role_lending_refusals({"decode": 1}, workers, inference_backend="local", trainer_backend="torch")
+    assert "2 worker(s) on 1 accelerator(s)" in refusal
+
+
+async def test_the_trainer_actor_lends_the_torch_backends_memory_and_refuses_for_megatron(tmp_path, demo_model_dir):
+    from rollmesh.actors.role_base import MeshContext
+    from rollmesh.actors.trainer import TrainerActor
+    from rollmesh.config import TrainerConfig
+    from rollmesh.scheduling import RoleLendingUnavailableError
+    from rollmesh.training.torch_backend import TorchTrainerBackend
+
+    mesh = MeshContext(namespace="ns", nats_url="nats://127.0.0.1:1", run_dir=str(tmp_path))
+    model = ModelConfig(path=str(demo_model_dir))
+    actor = TrainerActor("trainer", mesh, TrainerConfig(), model)
+    actor.backend = TorchTrainerBackend(model, TrainerConfig())
+    released = await actor.release_memory()
+    assert actor.backend.offloaded and released["bytes_moved"] == 0  # on CPU it lives in host memory
+    await actor.resume_memory()
+    assert not actor.backend.offloaded
+    megatron = TrainerActor("trainer", mesh, TrainerConfig(backend="megatron"), model)
+    megatron.backend = object()  # what build_trainer_backend makes for megatron is not a torch backend
+    with pytest.raises(RoleLendingUnavailableError, match="megatron"):
+        await megatron.release_memory()
+
+
+def test_a_job_on_borrowed_devices_sees_exactly_them_and_ray_given_ones(tmp_path, monkeypatch):
+    from rollmesh.actors.sim_job_runner import SimJobRunner
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")  # what Ray gave the runner for a free GPU
+    borrowed_only = SimJobRunner("j", ["true"], job_dir=str(tmp_path), borrowed=["decode-0", "trainer"],
+                                 borrowed_cuda_devices=["2", "3"])
+    env = borrowed_only.job_environment(1)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["ROLLMESH_JOB_BORROWED"] == "decode-0,trainer"
+    mixed = SimJobRunner("j", ["true"], job_dir=str(tmp_path), borrowed=["decode-0"], borrowed_cuda_devices=["2"],
+                         ray_devices=True)
+    assert mixed.job_environment(1)["CUDA_VISIBLE_DEVICES"] == "2,5"
+    free_only = SimJobRunner("j", ["true"], job_dir=str(tmp_path)).job_environment(1)
+    assert free_only["CUDA_VISIBLE_DEVICES"] == "5" and "ROLLMESH_JOB_BORROWED" not in free_only

@@ -11,10 +11,12 @@ NATS events into its calls and its commands into the actions here:
   too, which the role's extra workers (e.g. a trainer's additional ranks) schedule into, and which
   is removed when the role gives them back.
 What the mesh's own actors hold from config (``scheduler.grants``) stays theirs: Ray keeps an
-actor's resources for its whole life, so a role's demand never drops below its start grant.
-``scheduler.lend_role_accelerators`` (lending those too, their memory released: the plain logic in
-``LendingService`` with a ``RoleMemory`` port, tested on CPU with the local engine) is refused
-here with ``RoleLendingUnavailableError`` until the live pieces exist (``ROLE_LENDING_MISSING``).
+actor's resources for its whole life, so by default a role's demand never drops below its start
+grant. With ``scheduler.lend_role_accelerators`` an idle role's own accelerators are lent too: its
+workers release their memory (``role_memory.ActorRoleMemory``, the ``RoleMemory`` port) and a job
+runs on their devices outside Ray's accounting (the workers keep the resource), its
+``CUDA_VISIBLE_DEVICES`` naming them. Layouts that cannot do that are refused at start with
+``RoleLendingUnavailableError`` naming why (``role_lending_refusals``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from typing import Any
 import msgspec
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.role_memory import ActorRoleMemory
 from rollmesh.actors.sim_job_runner import SimJobRunner
-from rollmesh.config import InferenceConfig, ModelConfig, SchedulerConfig
+from rollmesh.config import InferenceConfig, ModelConfig, SchedulerConfig, TrainerConfig
 from rollmesh.messages import GpuGranted, SchedulerStatus, SimJobSubmitted
 from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
 from rollmesh.messages.subjects import GPU_GRANTED, METRICS_REPORTED
@@ -45,13 +48,43 @@ from rollmesh.scheduling.workload import RoleShare
 from rollmesh.telemetry import metrics, metrics_catalog
 
 RL_ROLES = ("trainer", "prefill", "decode", "resharder")
-# What a live mesh still lacks to lend its roles' own accelerators: refused rather than half done.
-ROLE_LENDING_MISSING = [
-    "the role actors (prefill, decode, trainer) do not yet expose release_memory / resume_memory "
-    "(their engines and the torch trainer backend do)",
-    "a job on a borrowed device must run outside Ray's resource accounting (the role's actor keeps "
-    "the resource) with CUDA_VISIBLE_DEVICES set to that device, which SimJobRunner cannot do yet",
-]
+LENDING_ROLES = ("prefill", "decode", "trainer")  # whose worker actors release and resume memory
+
+
+def role_workers_of(inference: InferenceConfig | None) -> dict[str, list[str]]:
+    """The role worker actors' names, as the launcher spawns them."""
+    if inference is None:
+        return {"trainer": ["trainer"]}
+    return {"prefill": [f"prefill-{i}" for i in range(inference.prefill_worker_count)],
+            "decode": [f"decode-{i}" for i in range(inference.decode_worker_count)], "trainer": ["trainer"]}
+
+
+def role_lending_refusals(start_grants: dict[str, int], workers: dict[str, list[str]], *,
+                          inference_backend: str, trainer_backend: str | None) -> list[str]:
+    """Why this mesh cannot lend its roles' own accelerators ([]: it can). Only roles holding
+    accelerators from the start are lent, each worker on an accelerator of its own."""
+    refusals = []
+    for role, count in sorted(start_grants.items()):
+        if count <= 0:
+            continue
+        if role not in LENDING_ROLES:
+            refusals.append(f"role {role!r} holds {count} accelerator(s) but its actor cannot release its memory "
+                            f"(only {', '.join(LENDING_ROLES)} workers can)")
+        elif role == "decode" and inference_backend == "sglang":
+            refusals.append("the SGLang decode workers do not expose release_memory / resume_memory yet "
+                            "(SGLangClient.release_memory_occupation exists; the worker actor does not call it)")
+        elif role == "trainer" and trainer_backend != "torch":
+            refusals.append(f"the trainer's {trainer_backend or 'unknown'} backend cannot offload its memory "
+                            "(only trainer.backend = \"torch\" can)")
+        elif role == "trainer":
+            # TrainerActor.release_memory works; what would fail is a step falling due meanwhile.
+            refusals.append("the trainer does not yet hold its steps while offloaded: a step due then fails with "
+                            "TrainerOffloadedError and its trajectories are redelivered, then dead-lettered "
+                            "(grant the trainer no accelerators of its own to lend the others')")
+        elif len(workers.get(role, [])) != count:
+            refusals.append(f"role {role!r} has {len(workers.get(role, []))} worker(s) on {count} accelerator(s); "
+                            "lending needs one worker per accelerator")
+    return refusals
 
 
 class RayJobHandle:
@@ -76,7 +109,8 @@ class RayJobHandle:
         from ray.util.placement_group import remove_placement_group
 
         ray.kill(self.runner)
-        remove_placement_group(self.group)
+        if self.group is not None:  # None: the job ran on borrowed devices only
+            remove_placement_group(self.group)
 
     def checkpointed_at(self) -> float | None:
         times = [entry.stat().st_mtime for entry in self.checkpoint_dir.glob("*") if entry.is_file()]
@@ -84,9 +118,13 @@ class RayJobHandle:
 
 
 class RayJobLauncher:
-    def __init__(self, *, resource: str, jobs_dir: Path) -> None:
+    """``visible_devices``: a borrowed device (a role worker's name) -> the CUDA devices that
+    worker sees (``ActorRoleMemory.visible_devices``)."""
+
+    def __init__(self, *, resource: str, jobs_dir: Path, visible_devices: dict[str, str] | None = None) -> None:
         self.resource = resource
         self.jobs_dir = jobs_dir
+        self.visible_devices = visible_devices if visible_devices is not None else {}
 
     def bundle(self, accelerators: int) -> dict[str, float]:
         return {self.resource: float(accelerators)}
@@ -100,19 +138,26 @@ class RayJobLauncher:
 
     async def launch(self, job: SimJobSubmitted, *, attempt: int, accelerators: int,
                      borrowed: list[str] = ()) -> RayJobHandle:
-        # Nothing is borrowed while role lending is refused (ROLE_LENDING_MISSING).
-        assert not borrowed, "jobs on roles' own devices are not placed by Ray yet"
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        # One bundle on one node: the job's accelerators are where its process runs.
-        group = placement_group([self.bundle(accelerators)], strategy="STRICT_PACK")
-        await group.ready()
+        # Borrowed devices stay in their role workers' Ray resources: the job uses them outside
+        # Ray's accounting (the scheduler guarantees the workers released their memory first).
+        free = accelerators - len(borrowed)
+        options: dict[str, Any] = {"num_cpus": 0}
+        group = None
+        if free > 0:
+            # One bundle on one node: the job's accelerators are where its process runs. (With
+            # borrowed devices too, they are assumed on that node: not checked on a cluster.)
+            group = placement_group([self.bundle(free)], strategy="STRICT_PACK")
+            await group.ready()
+            options |= {**self.actor_resources(free), "scheduling_strategy": PlacementGroupSchedulingStrategy(group)}
         job_dir = self.jobs_dir / job.job_id
-        runner = ray.remote(SimJobRunner).options(
-            num_cpus=0, **self.actor_resources(accelerators), scheduling_strategy=PlacementGroupSchedulingStrategy(group),
-        ).remote(job.job_id, job.command, job_dir=str(job_dir))
+        runner = ray.remote(SimJobRunner).options(**options).remote(
+            job.job_id, job.command, job_dir=str(job_dir), borrowed=list(borrowed),
+            borrowed_cuda_devices=[self.visible_devices.get(device, "") for device in borrowed],
+            ray_devices=free > 0 and self.resource == "GPU")
         await runner.start.remote(attempt)
         return RayJobHandle(runner, group, job_dir / "checkpoint")
 
@@ -232,36 +277,52 @@ class GpuSchedulerActor(RoleActor):
     role = "gpu_scheduler"
 
     def __init__(self, name: str, mesh: MeshContext, config: SchedulerConfig,
-                 model_config: ModelConfig | None = None, inference_config: InferenceConfig | None = None) -> None:
+                 model_config: ModelConfig | None = None, inference_config: InferenceConfig | None = None,
+                 trainer_config: TrainerConfig | None = None, role_workers: dict[str, list[str]] | None = None,
+                 ) -> None:
+        """``trainer_config`` and ``role_workers`` (each role's worker actors' names; default: the
+        launcher's) matter only with ``scheduler.lend_role_accelerators``."""
         super().__init__(name, mesh)
         self.config = config
         # What a lent decode worker serves (elastic decode); None: no elastic decode.
         self.model_config = model_config
         self.inference_config = inference_config
+        self.trainer_config = trainer_config
+        self.role_workers = role_workers if role_workers is not None else role_workers_of(inference_config)
         self.scheduler = GpuScheduler(config, clock=time.time, new_id=lambda: uuid.uuid4().hex)
         self.logic_: SchedulerLogic | None = None
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
-        if self.config.lend_role_accelerators:
-            raise RoleLendingUnavailableError(ROLE_LENDING_MISSING)
         run_dir = Path(self.mesh.run_dir)
         start_grants = whole_start_grants(self.config.grants, self.config.total_gpus)
+        role_memory = None
+        if self.config.lend_role_accelerators:
+            refusals = role_lending_refusals(
+                start_grants, self.role_workers,
+                inference_backend=self.inference_config.backend if self.inference_config else "local",
+                trainer_backend=self.trainer_config.backend if self.trainer_config else None)
+            if refusals:
+                raise RoleLendingUnavailableError(refusals)
+            # The role workers live in the Ray job's namespace (the launcher's), found when lent.
+            role_memory = ActorRoleMemory(self.role_workers)
         elastic = self.config.elastic_decode if self.model_config is not None else 0
         roles = {role: RoleShare(guaranteed=start_grants.get(role, 0), elastic_limit=elastic if role == "decode" else 0)
                  for role in {*RL_ROLES, *start_grants}}
-        launcher = RayJobLauncher(resource=self.config.resource, jobs_dir=run_dir / "scheduler" / "jobs")
+        launcher = RayJobLauncher(resource=self.config.resource, jobs_dir=run_dir / "scheduler" / "jobs",
+                                  visible_devices=role_memory.visible_devices if role_memory else None)
         self.role_groups = RoleGrantGroups(launcher, prefix=self.mesh.namespace, drain_s=self.config.elastic_drain_s,
                                            start_decode_worker=self._start_decode_worker if elastic else None)
         now = time.time()
         lending = LendingService(
             LendingScheduler(self.config.total_gpus, max_loan_grace_s=self.config.max_loan_grace_s,
-                             rl_wait_budget=self.config.rl_wait_budget),
+                             rl_wait_budget=self.config.rl_wait_budget,
+                             role_devices_pinned=role_memory is not None),
             run_id=self.mesh.namespace, roles=roles, start_grants=start_grants, launcher=launcher,
             role_groups=self.role_groups, publisher=publisher, clock=time.time,
             ledger=JobLedger(run_dir / "scheduler" / "jobs.jsonl"), resource=self.config.resource,
             account=UtilizationAccount(self.config.total_gpus, start=now),
             # A process unheard of for three snapshot intervals no longer says how busy its role is.
-            busy_rates=RoleBusyRates(stale_s=3 * self.mesh.telemetry.metrics_report_s))
+            busy_rates=RoleBusyRates(stale_s=3 * self.mesh.telemetry.metrics_report_s), role_memory=role_memory)
         self.logic_ = SchedulerLogic(self.scheduler, publisher, lending, self.config)
         await self.logic_.start_lending()
         # The processes' metric snapshots (how long RL roles compute): telemetry, read like the

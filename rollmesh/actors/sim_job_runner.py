@@ -3,7 +3,11 @@
 Knows subprocess, signals and the job's directory; nothing of NATS or the policy (the scheduler
 actor speaks the preemption protocol and decides; this runs what it decides). No ray import: the
 scheduler actor makes it a Ray actor placed in the job's placement group, so Ray's resource
-accounting (and, with resource "GPU", ``CUDA_VISIBLE_DEVICES``) is the job's.
+accounting (and, with resource "GPU", ``CUDA_VISIBLE_DEVICES``) is the job's. A job on devices
+borrowed from the mesh's roles (``scheduler.lend_role_accelerators``) runs outside that accounting
+(the role workers keep the resource, their memory released): its ``CUDA_VISIBLE_DEVICES`` names
+the borrowed devices (and any Ray gave this runner for the free ones), ``ROLLMESH_JOB_BORROWED``
+the workers it borrowed them from.
 
 The job is the user's command, run in its own session (signals reach the whole process tree):
 - its environment names where it checkpoints (``ROLLMESH_JOB_CHECKPOINT_DIR``, the same
@@ -31,18 +35,33 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class SimJobRunner:
-    def __init__(self, job_id: str, command: list[str], *, job_dir: str) -> None:
+    def __init__(self, job_id: str, command: list[str], *, job_dir: str, borrowed: list[str] = (),
+                 borrowed_cuda_devices: list[str] = (), ray_devices: bool = False) -> None:
+        """``borrowed``: the role workers whose devices the job borrows; ``borrowed_cuda_devices``:
+        the CUDA devices each of them saw ("" with a declared custom resource: none);
+        ``ray_devices``: Ray gave this runner GPUs of its own too (its placement group's)."""
         self.job_id = job_id
         self.command = command
         self.job_dir = Path(job_dir)
+        self.borrowed = list(borrowed)
+        self.borrowed_cuda_devices = list(borrowed_cuda_devices)
+        self.ray_devices = ray_devices
         self.process: subprocess.Popen | None = None
+
+    def job_environment(self, attempt: int) -> dict[str, str]:
+        env = {**os.environ, "ROLLMESH_JOB_ID": self.job_id, "ROLLMESH_JOB_ATTEMPT": str(attempt),
+               "ROLLMESH_JOB_CHECKPOINT_DIR": str(self.job_dir / "checkpoint")}
+        if self.borrowed:
+            # Ray set this runner's CUDA_VISIBLE_DEVICES for its own (free) GPUs only, if any.
+            own = [env.get("CUDA_VISIBLE_DEVICES", "")] if self.ray_devices else []
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(d for d in [*self.borrowed_cuda_devices, *own] if d)
+            env["ROLLMESH_JOB_BORROWED"] = ",".join(self.borrowed)
+        return env
 
     def start(self, attempt: int) -> int:
         """Start the job's process (attempt 1, 2... after preemptions); returns its pid."""
-        checkpoints = self.job_dir / "checkpoint"
-        checkpoints.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "ROLLMESH_JOB_ID": self.job_id, "ROLLMESH_JOB_CHECKPOINT_DIR": str(checkpoints),
-               "ROLLMESH_JOB_ATTEMPT": str(attempt)}
+        (self.job_dir / "checkpoint").mkdir(parents=True, exist_ok=True)
+        env = self.job_environment(attempt)
         with open(self.job_dir / f"attempt_{attempt}.log", "ab") as log:
             self.process = subprocess.Popen(self.command, env=env, cwd=self.job_dir, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True,

@@ -10,7 +10,7 @@
     ├── UnknownJobError         no live simulation job has this id (never submitted, or finished)
     ├── InvalidJobError         a simulation job the cluster can never run (or a duplicate id)
     ├── TraceFormatError        a workload trace or RL phases file that cannot be read
-    └── RoleLendingUnavailableError  scheduler.lend_role_accelerators where the mesh cannot yet
+    └── RoleLendingUnavailableError  scheduler.lend_role_accelerators where the mesh cannot lend a role
 """
 
 from __future__ import annotations
@@ -94,6 +94,6 @@ class RoleLendingUnavailableError(SchedulingError):
     ``missing`` names what the live mesh lacks for it."""
 
     def __init__(self, missing: list[str]) -> None:
-        super().__init__("scheduler.lend_role_accelerators is not available in a live mesh yet: "
+        super().__init__("scheduler.lend_role_accelerators cannot be carried out by this mesh: "
                          + "; ".join(missing) + ". Leave it false (the default).")
         self.missing = missing
