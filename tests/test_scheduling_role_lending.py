@@ -175,7 +175,7 @@ async def test_the_live_scheduler_refuses_role_lending_where_a_role_cannot_lend_
 
 
 def test_role_lending_needs_one_worker_per_accelerator_of_a_lent_role():
-    from rollmesh.actors.gpu_scheduler import role_lending_refusals, role_workers_of
+    from rollmesh.actors.role_memory import role_lending_refusals, role_workers_of
 
     workers = role_workers_of(InferenceConfig(num_decode_workers=2))
     assert workers["decode"] == ["decode-0", "decode-1"] and workers["trainer"] == ["trainer"]

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
-from rollmesh.actors.role_memory import ActorRoleMemory
+from rollmesh.actors.role_memory import ActorRoleMemory, role_lending_refusals, role_workers_of
 from rollmesh.actors.sim_job_runner import SimJobRunner
 from rollmesh.config import InferenceConfig, ModelConfig, SchedulerConfig, TrainerConfig
 from rollmesh.messages import GpuGranted, SchedulerStatus, SimJobSubmitted
@@ -48,43 +48,6 @@ from rollmesh.scheduling.workload import RoleShare
 from rollmesh.telemetry import metrics, metrics_catalog
 
 RL_ROLES = ("trainer", "prefill", "decode", "resharder")
-LENDING_ROLES = ("prefill", "decode", "trainer")  # whose worker actors release and resume memory
-
-
-def role_workers_of(inference: InferenceConfig | None) -> dict[str, list[str]]:
-    """The role worker actors' names, as the launcher spawns them."""
-    if inference is None:
-        return {"trainer": ["trainer"]}
-    return {"prefill": [f"prefill-{i}" for i in range(inference.prefill_worker_count)],
-            "decode": [f"decode-{i}" for i in range(inference.decode_worker_count)], "trainer": ["trainer"]}
-
-
-def role_lending_refusals(start_grants: dict[str, int], workers: dict[str, list[str]], *,
-                          inference_backend: str, trainer_backend: str | None) -> list[str]:
-    """Why this mesh cannot lend its roles' own accelerators ([]: it can). Only roles holding
-    accelerators from the start are lent, each worker on an accelerator of its own."""
-    refusals = []
-    for role, count in sorted(start_grants.items()):
-        if count <= 0:
-            continue
-        if role not in LENDING_ROLES:
-            refusals.append(f"role {role!r} holds {count} accelerator(s) but its actor cannot release its memory "
-                            f"(only {', '.join(LENDING_ROLES)} workers can)")
-        elif role == "decode" and inference_backend == "sglang":
-            refusals.append("the SGLang decode workers do not expose release_memory / resume_memory yet "
-                            "(SGLangClient.release_memory_occupation exists; the worker actor does not call it)")
-        elif role == "trainer" and trainer_backend != "torch":
-            refusals.append(f"the trainer's {trainer_backend or 'unknown'} backend cannot offload its memory "
-                            "(only trainer.backend = \"torch\" can)")
-        elif role == "trainer":
-            # TrainerActor.release_memory works; what would fail is a step falling due meanwhile.
-            refusals.append("the trainer does not yet hold its steps while offloaded: a step due then fails with "
-                            "TrainerOffloadedError and its trajectories are redelivered, then dead-lettered "
-                            "(grant the trainer no accelerators of its own to lend the others')")
-        elif len(workers.get(role, [])) != count:
-            refusals.append(f"role {role!r} has {len(workers.get(role, []))} worker(s) on {count} accelerator(s); "
-                            "lending needs one worker per accelerator")
-    return refusals
 
 
 class RayJobHandle:

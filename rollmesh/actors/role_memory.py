@@ -7,7 +7,7 @@ finish, and only then move its memory (``LocalEngine`` does the same around its 
 devices this process sees, which a job borrowing the accelerator is given.
 Scheduler side: ``ActorRoleMemory`` is the ``RoleMemory`` port of ``LendingService`` over the
 role workers' Ray actors, found by name; a device is named by the worker holding it (one worker
-per accelerator: the scheduler actor refuses other layouts at start).
+per accelerator: ``role_lending_refusals`` names the layouts the scheduler actor refuses at start).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from rollmesh.config import InferenceConfig
 from rollmesh.engine.errors import MemoryReleasedError
 from rollmesh.engine.memory_release import MemoryMoveStats
 
@@ -87,3 +88,42 @@ class ActorRoleMemory:
     async def resume(self, role: str, devices: list[str]) -> None:
         await asyncio.gather(*(self._actor(name).resume_memory.remote() for name in devices))
         self.released.difference_update(devices)
+
+
+LENDING_ROLES = ("prefill", "decode", "trainer")  # whose worker actors release and resume memory
+
+
+def role_workers_of(inference: InferenceConfig | None) -> dict[str, list[str]]:
+    """The role worker actors' names, as the launcher spawns them."""
+    if inference is None:
+        return {"trainer": ["trainer"]}
+    return {"prefill": [f"prefill-{i}" for i in range(inference.prefill_worker_count)],
+            "decode": [f"decode-{i}" for i in range(inference.decode_worker_count)], "trainer": ["trainer"]}
+
+
+def role_lending_refusals(start_grants: dict[str, int], workers: dict[str, list[str]], *,
+                          inference_backend: str, trainer_backend: str | None) -> list[str]:
+    """Why this mesh cannot lend its roles' own accelerators ([]: it can). Only roles holding
+    accelerators from the start are lent, each worker on an accelerator of its own."""
+    refusals = []
+    for role, count in sorted(start_grants.items()):
+        if count <= 0:
+            continue
+        if role not in LENDING_ROLES:
+            refusals.append(f"role {role!r} holds {count} accelerator(s) but its actor cannot release its memory "
+                            f"(only {', '.join(LENDING_ROLES)} workers can)")
+        elif role == "decode" and inference_backend == "sglang":
+            refusals.append("the SGLang decode workers do not expose release_memory / resume_memory yet "
+                            "(SGLangClient.release_memory_occupation exists; the worker actor does not call it)")
+        elif role == "trainer" and trainer_backend != "torch":
+            refusals.append(f"the trainer's {trainer_backend or 'unknown'} backend cannot offload its memory "
+                            "(only trainer.backend = \"torch\" can)")
+        elif role == "trainer":
+            # TrainerActor.release_memory works; what would fail is a step falling due meanwhile.
+            refusals.append("the trainer does not yet hold its steps while offloaded: a step due then fails with "
+                            "TrainerOffloadedError and its trajectories are redelivered, then dead-lettered "
+                            "(grant the trainer no accelerators of its own to lend the others')")
+        elif len(workers.get(role, [])) != count:
+            refusals.append(f"role {role!r} has {len(workers.get(role, []))} worker(s) on {count} accelerator(s); "
+                            "lending needs one worker per accelerator")
+    return refusals
