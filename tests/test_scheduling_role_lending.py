@@ -222,3 +222,24 @@ def test_a_job_on_borrowed_devices_sees_exactly_them_and_ray_given_ones(tmp_path
     assert mixed.job_environment(1)["CUDA_VISIBLE_DEVICES"] == "2,5"
     free_only = SimJobRunner("j", ["true"], job_dir=str(tmp_path)).job_environment(1)
     assert free_only["CUDA_VISIBLE_DEVICES"] == "5" and "ROLLMESH_JOB_BORROWED" not in free_only
+
+
+async def test_a_worker_releasing_its_memory_refuses_new_requests_and_waits_for_accepted_ones():
+    from rollmesh.actors.role_memory import MemoryGate
+
+    gate, finish = MemoryGate(), asyncio.Event()
+
+    async def request(request_id: str) -> None:
+        with gate.accept(request_id):
+            await finish.wait()
+
+    accepted = asyncio.create_task(request("accepted"))
+    await asyncio.sleep(0)  # it is in flight
+    gate.releasing = True
+    with pytest.raises(MemoryReleasedError):
+        await request("new")
+    drained = asyncio.create_task(gate.wait_idle())
+    await asyncio.sleep(0)
+    assert not drained.done()  # the accepted request still holds the memory
+    finish.set()
+    await asyncio.wait_for(asyncio.gather(accepted, drained), 10)
