@@ -274,11 +274,12 @@ class SchedulerConfig(ConfigSection):
     # needs them; a worker gets elastic_drain_s between being announced gone and being stopped.
     elastic_decode: NonNegInt = 0
     elastic_drain_s: NonNegFloat = 2.0
-    # Lend the mesh's own roles' accelerators (their start grants) while a role is idle: its
-    # workers release their memory to the host (inference weights and KV, the trainer's weights
-    # and optimizer state), a simulation job runs there, and when the role's demand returns
-    # (RoleDemandChanged) the job is preempted and the memory resumed. Off: roles keep their
-    # start grants for life and only free accelerators are lent.
+    # Lend the mesh's own inference roles' accelerators (their start grants) while a role is
+    # idle: its workers release their weights and KV to host memory, a simulation job runs
+    # there, and when the role's demand returns (RoleDemandChanged) the job is preempted and the
+    # memory resumed. Refused at start while the trainer, the resharder or SGLang workers hold
+    # accelerators (docs/scheduler.md says why). Off: roles keep their start grants for life
+    # and only free accelerators are lent.
     lend_role_accelerators: bool = False
 
 
