@@ -15,6 +15,7 @@ import os
 # joining that Ray would then need.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import asyncio  # noqa: E402
 import uuid  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from collections.abc import AsyncIterator, Iterator  # noqa: E402
@@ -171,14 +172,28 @@ async def mesh(nats_server: EmbeddedNatsServer, ray_session: None) -> AsyncItera
     await test_mesh.stop()
 
 
+# How long the engines may take to activate the warm start's weights (a guard, not a timing).
+WARM_START_ACTIVATION_S = float(os.environ.get("ROLLMESH_TEST_WAIT_S", "240"))
+
+
 @pytest_asyncio.fixture(scope="session")
 async def tool_calling_mesh(mesh: TestMesh) -> TestMesh:
     """The mesh after a short supervised warm start: greedy decoding now calls the calculator."""
     import ray
 
     trainer = ray.get_actor("trainer", namespace=mesh.mesh.ray_namespace)
-    await trainer.warm_start.remote("rollmesh.rollout.molar_mass:MolarMassTask", steps=60,
-                                    batch_size=32, lr=3e-3, exact_fraction=1.0, seed=0)
+    result = await trainer.warm_start.remote("rollmesh.rollout.molar_mass:MolarMassTask", steps=60,
+                                             batch_size=32, lr=3e-3, exact_fraction=1.0, seed=0)
+    # The engines activate a published version on their own time: a rollout started before they
+    # did would begin on the untrained weights (a first token of version 0 derails greedy decoding).
+    inference = mesh.config.inference
+    workers = [ray.get_actor(name, namespace=mesh.mesh.ray_namespace)
+               for name in [f"prefill-{i}" for i in range(inference.prefill_worker_count)]
+               + [f"decode-{i}" for i in range(inference.decode_worker_count)]]
+    deadline = asyncio.get_running_loop().time() + WARM_START_ACTIVATION_S
+    while any([await worker.current_version.remote() < result["weight_version"] for worker in workers]):
+        assert asyncio.get_running_loop().time() < deadline, "the warm-started weights were never activated"
+        await asyncio.sleep(0.1)  # polling a condition, not a fixed wait
     return mesh
 
 

@@ -68,16 +68,24 @@ async def test_an_evaluation_scores_its_samples_counts_failures_and_writes_its_t
     for result, step in ((first, 0), (second, 7)):
         assert (result.name, result.step) == ("held", step)
         assert result.path == tmp_path / "run" / "eval" / "held" / f"step_{step}.jsonl"
-        # Three prompts (the bad row skipped, the fifth past size), two samples each; the
-        # answerless prompt's two samples failed and are left out of the statistics.
-        assert result.metrics == {"prompts": 3, "samples": 4, "failed": 2, "mean@2": 1.0,
-                                  "pass@1": 1.0, "pass@2": 1.0, "majority@2": 1.0}
         table = [json.loads(line) for line in result.path.read_text().splitlines()]
         assert table == result.rows
         assert [(row["prompt_index"], row["sample"]) for row in table] == [(0, 0), (0, 1), (1, 0), (1, 1),
                                                                              (2, 0), (2, 1)]
         assert [row["prompt"] for row in table[::2]] == ["What is two plus two?", "Name a colour.", "Say anything."]
-        scored, failed = table[:4], table[4:]
+        # The session's model samples at temperature 1 and, warm-started by other tests to call
+        # a tool, may write a call the tool-less task's render does not reproduce token for
+        # token: that sample fails (tokenization_error, strict tokenization) whatever this test
+        # does. Such failures are counted like any other; every other sample of the answered
+        # prompts is scored.
+        output_failures = [row for row in table[:4] if row["failed"]]
+        assert all(row["failed"] == "tokenization_error" for row in output_failures), output_failures
+        # Three prompts (the bad row skipped, the fifth past size), two samples each; the
+        # answerless prompt's two samples failed and are left out of the statistics.
+        assert result.metrics == {"prompts": 3, "samples": 4 - len(output_failures), "failed": 2 + len(output_failures),
+                                  "mean@2": 1.0, "pass@1": 1.0, "pass@2": 1.0, "majority@2": 1.0}
+        scored = [row for row in table[:4] if not row["failed"]]
+        failed = table[4:]
         for row in scored:
             assert row["failed"] == "" and row["reward"] == 1.0
             assert row["rewards"]["exact_match"] == 0.0 and row["rewards"]["always_one"] == 1.0
