@@ -152,8 +152,12 @@ weight = 0.5
     assert (warm["name"], warm["kind"], warm["steps"]) == ("sft", "sft", 2) and warm["last"]["reward"] is None
     assert warm["last"]["loss"] < warm["first"]["loss"] or warm["first"]["loss"] > 0
     assert (stage["name"], stage["kind"]) == ("rl", "rl") and stage["steps"] == summary["steps"] <= 8
-    # Each named reward is its own metric: the built-in's and the import path's (with its parts).
-    assert {"math", "answered", "answered/chars"} <= set(stage["last"]["rewards"])
+    # Each named reward is its own metric: the built-in's and the import path's (with its parts),
+    # on every step that recorded rollouts. (A step's record tallies the rollouts completed since
+    # the previous one: a last step whose rollouts all completed earlier records none.)
+    records = [json.loads(line) for line in (run_dir / "train" / "steps.jsonl").read_text().splitlines()]
+    tallied = [record["rewards"] for record in records if record["kind"] == "rl" and record["rollouts"]]
+    assert tallied and all({"math", "answered", "answered/chars"} <= set(rewards) for rewards in tallied)
     final = Path(summary["final_model"])
     assert final == run_dir / "final_model"
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"} <= {
