@@ -32,7 +32,6 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from rollmesh.scheduling.availability import Availability
 from rollmesh.scheduling.commands import (
@@ -55,45 +54,9 @@ from rollmesh.scheduling.errors import (
 )
 from rollmesh.scheduling.fair_share import RoleDemand, fair_targets
 from rollmesh.scheduling.job_progress import JobProgress, ReleaseLeads, choose_victims
+from rollmesh.scheduling.lending_state import HeadClaim, RoleState, RunState, SchedulerStats
 from rollmesh.scheduling.pinned_devices import PinnedDevices
 from rollmesh.scheduling.workload import RoleShare, SimJob
-
-
-@dataclass
-class _Role:
-    share: RoleShare
-    demand: int = 0
-    held: int = 0
-    lent: int = 0  # elastic loan past demand
-    reservations: list[tuple[float, int]] = field(default_factory=list)  # (at, demand), sorted
-    waiting_since: float | None = None
-
-
-@dataclass
-class _Run:
-    weight: float
-    roles: dict[str, _Role]
-
-
-@dataclass(frozen=True)
-class _HeadClaim:
-    """The queue head's expected start: where it fits for its whole expected duration."""
-
-    progress: JobProgress
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    jobs_submitted: int
-    jobs_started: int
-    jobs_finished: int
-    preemptions: int
-    kills: int
-    queued: int
-    # Seconds each RL role ("run/role") waited for accelerators it demanded.
-    rl_queueing_s: dict[str, float]
 
 
 class LendingScheduler(PinnedDevices):
@@ -114,12 +77,12 @@ class LendingScheduler(PinnedDevices):
         self._borrowed: dict[str, dict[tuple[str, str], int]] = {}
         self.max_loan_grace_s = max_loan_grace_s
         self.rl_wait_budget = rl_wait_budget
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, RunState] = {}
         self._jobs: dict[str, JobProgress] = {}
         self._queue: list[JobProgress] = []  # queued jobs in submission order
         self._seq = 0
         self._planned: dict[str, float] = {}  # job id -> when it must be asked to leave
-        self._head: _HeadClaim | None = None
+        self._head: HeadClaim | None = None
         self._started = self._finished = self._preemptions = self._kills = 0
         self._waited: dict[str, float] = {}
         # RL slack: seconds a reservation's preemption deadlines may run past it, budgeted.
@@ -141,7 +104,7 @@ class LendingScheduler(PinnedDevices):
             raise OverCommittedError(
                 resource="accelerators", total=self.capacity, held=guaranteed,
                 requested={f"{run_id}/{role}": share.guaranteed for role, share in roles.items()})
-        self._runs[run_id] = _Run(weight, {role: _Role(share) for role, share in roles.items()})
+        self._runs[run_id] = RunState(weight, {role: RoleState(share) for role, share in roles.items()})
         if self._budget_since is None:
             self._budget_since = now
         return self._schedule(now)
@@ -334,7 +297,7 @@ class LendingScheduler(PinnedDevices):
                     self._planned[victim.job.job_id] = request_at
 
     def _backfill(self, now: float, commands: list[Command]) -> bool:
-        """EASY: FIFO, and the first job that does not fit gets a start time (its ``_HeadClaim``)
+        """EASY: FIFO, and the first job that does not fit gets a start time (its ``HeadClaim``)
         that the jobs behind it may not delay, unless they are loans worth making that leave in
         time for it. Returns whether it lent any (a job started that must leave early)."""
         self._head = None
@@ -355,7 +318,7 @@ class LendingScheduler(PinnedDevices):
                 if job.accelerators > free:
                     if self._head is None:
                         start = profile.earliest_window(job.accelerators, end - now)
-                        self._head = _HeadClaim(progress, start, start + end - now)
+                        self._head = HeadClaim(progress, start, start + end - now)
                     continue
                 if job.grace_s > self.max_loan_grace_s and job.accelerators > spare:
                     continue
@@ -497,10 +460,10 @@ class LendingScheduler(PinnedDevices):
     def _guaranteed(self) -> int:
         return sum(role.share.guaranteed for _, role in self._roles())
 
-    def _roles(self) -> list[tuple[tuple[str, str], _Role]]:
+    def _roles(self) -> list[tuple[tuple[str, str], RoleState]]:
         return [((run_id, name), role) for run_id, run in self._runs.items() for name, role in run.roles.items()]
 
-    def _role(self, run_id: str, role: str) -> _Role:
+    def _role(self, run_id: str, role: str) -> RoleState:
         run = self._runs.get(run_id)
         if run is None or role not in run.roles:
             raise UnknownRoleError(run_id=run_id, role=role)

@@ -20,7 +20,7 @@ from rollmesh.scheduling.job_progress import choose_victims
 
 if TYPE_CHECKING:
     from rollmesh.scheduling.availability import Availability
-    from rollmesh.scheduling.lending import _Role
+    from rollmesh.scheduling.lending_state import RoleState
 
 
 class PinnedDevices:
@@ -67,7 +67,7 @@ class PinnedDevices:
                                          lambda p: self._expected_end(p, now)):
                 self._request(victim, now, "RL demand", commands)
 
-    def _own_idle(self, key: tuple[str, str], role: _Role) -> int:
+    def _own_idle(self, key: tuple[str, str], role: RoleState) -> int:
         """A role's own devices neither it nor a job uses (pinned devices; else 0)."""
         if not self.role_devices_pinned:
             return 0
