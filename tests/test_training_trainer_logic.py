@@ -70,6 +70,21 @@ def context() -> MessageContext:
     return MessageContext(subject=ROLLOUT_COMPLETED.format("test"))
 
 
+def record_policy_steps(logic: TrainerLogic) -> tuple[list, list[dict]]:
+    """(samples, stats): what each of the backend's policy steps is given and returns, from now on."""
+    samples: list = []
+    stats: list[dict] = []
+    policy_step = logic.backend.policy_step
+
+    def recording(step_samples, **kwargs):
+        samples.extend(step_samples)
+        stats.append(policy_step(step_samples, **kwargs))
+        return stats[-1]
+
+    logic.backend.policy_step = recording
+    return samples, stats
+
+
 async def deliver(logic: TrainerLogic, *messages: RolloutCompleted | RolloutFailed) -> list:
     """Deliver messages concurrently (as the shell does) and wait until every handler returned."""
     handlers = [logic.handle_completed(m, context()) if isinstance(m, RolloutCompleted)
@@ -419,14 +434,7 @@ async def test_a_moe_rollouts_recorded_expert_rows_reach_the_policy_step(trainer
     logic.routed_experts = store
     rows = {rid: np.full((6, 1, 2), index, dtype=np.uint16) for index, rid in enumerate("ab")}
     refs = {rid: await store.save_turn(rid, 0, 0, rows[rid]) for rid in "ab"}
-    trained: list = []
-    policy_step = logic.backend.policy_step
-
-    def recording(samples, **kwargs):
-        trained.extend(samples)
-        return policy_step(samples, **kwargs)
-
-    logic.backend.policy_step = recording
+    trained, _ = record_policy_steps(logic)
     messages = [msgspec.structs.replace(completed(rid, "g", reward), routed_experts_ref=refs[rid])
                 for rid, reward in (("a", 1.0), ("b", 0.0))]
     assert await deliver(logic, *messages) == [None, None]
@@ -436,14 +444,7 @@ async def test_a_moe_rollouts_recorded_expert_rows_reach_the_policy_step(trainer
 
 async def test_the_rollouts_sampling_temperature_reaches_the_policy_step(trainer):
     logic = trainer(RecordingPublisher())
-    trained: list = []
-    policy_step = logic.backend.policy_step
-
-    def recording(samples, **kwargs):
-        trained.extend(samples)
-        return policy_step(samples, **kwargs)
-
-    logic.backend.policy_step = recording
+    trained, _ = record_policy_steps(logic)
     messages = [msgspec.structs.replace(completed(rid, "g", reward), temperature=0.7)
                 for rid, reward in (("a", 1.0), ("b", 0.0))]
     assert await deliver(logic, *messages) == [None, None]
@@ -452,14 +453,7 @@ async def test_the_rollouts_sampling_temperature_reaches_the_policy_step(trainer
 
 async def test_trainer_stepped_carries_the_policy_steps_logprob_mismatch(trainer):
     logic = trainer(bus := RecordingPublisher())
-    reported: list[dict] = []
-    policy_step = logic.backend.policy_step
-
-    def recording(samples, **kwargs):
-        reported.append(policy_step(samples, **kwargs))
-        return reported[-1]
-
-    logic.backend.policy_step = recording
+    _, reported = record_policy_steps(logic)
     assert await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0)) == [None, None]
     assert await deliver(logic, completed("c", "g2", 1.0), completed("d", "g2", 1.0)) == [None, None]
     trained, untrained = bus.messages(TRAINER_STEPPED)
