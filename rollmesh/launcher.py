@@ -106,6 +106,7 @@ class Mesh:
                 f"decode-{index}", decode_class, mesh.only("inference"), config.model, inference, index,
                 options=self._placed("decode", await scheduler.actor_options.remote("decode"))))
         self.trainer = await spawn("trainer", TrainerActor, mesh.only("trainer"), config.trainer, config.model,
+                                   self._sglang_workers(),
                                    options=self._placed("trainer", await scheduler.actor_options.remote("trainer")))
         await spawn("resharder", ResharderActor, mesh.only("resharder"), config.resharder,
                     options=self._placed("resharder"))
@@ -152,7 +153,7 @@ class Mesh:
         scheduler = self.runtime.actors["gpu-scheduler"]
         self.trainer = await self.runtime.spawn(
             "trainer", TrainerActor, self._context.only("trainer"), trainer_config, self.config.model,
-            options=self._placed("trainer", await scheduler.actor_options.remote("trainer")))
+            self._sglang_workers(), options=self._placed("trainer", await scheduler.actor_options.remote("trainer")))
         await self.trainer.reset_optimizers.remote()
         self.runtime.supervisor.start()
         _log.info("trainer_restarted", lr=trainer_config.lr)
@@ -164,6 +165,12 @@ class Mesh:
         serve = self.config.serve
         return required_api_key(serve.api_key_file, os.environ, host=serve.host,
                                 security_enabled=self.config.security.enabled)
+
+    def _sglang_workers(self) -> list[str]:
+        """The decode workers that are SGLang workers: the trainer pushes weights into their
+        servers (``trainer.weight_sync``)."""
+        inference = self.config.inference
+        return [f"decode-{i}" for i in range(inference.decode_worker_count)] if inference.backend == "sglang" else []
 
     def _placed(self, role: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
         """Ray options for ``role``'s actors: its accelerator grant plus ``ray.role_resources``."""

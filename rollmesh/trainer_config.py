@@ -100,10 +100,12 @@ class TrainerConfig(ConfigSection):
     # How a version reaches the inference engines (engine/weight_memory.py): "files" (buckets on
     # disk, what every worker can read); "memory" (the same buckets in the Ray object store's shared
     # memory for workers on the trainer's node, files for the rest, files written after the
-    # announcement); "nccl" (SGLang servers: an NCCL broadcast, engine/sglang_weight_sync.py; not
-    # yet driven by the mesh's trainer, which publishes files meanwhile and says so in its log);
-    # "auto": "memory" when the trainer runs on CUDA, "files" on CPU.
-    weight_sync: Literal["auto", "files", "memory", "nccl"] = "auto"
+    # announcement); "nccl" (inference.backend = "sglang": each version, once durable, broadcast
+    # into the SGLang servers before it is announced, engine/sglang_weight_sync.py; gloo without
+    # CUDA; the files stay the fallback when a push fails); "ipc" (the same for SGLang servers on
+    # the trainer's own GPUs: CUDA IPC handles, /update_weights_from_tensor); "auto": "nccl" on
+    # CUDA with SGLang, "memory" on CUDA otherwise, "files" on CPU.
+    weight_sync: Literal["auto", "files", "memory", "nccl", "ipc"] = "auto"
     # Rollout routing replay (MoE "hf" models): when every trained sample carries the experts
     # the inference engine chose, the trainer's forwards route to those (training/router_replay.py).
     router_replay: bool = True

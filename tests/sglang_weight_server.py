@@ -140,4 +140,4 @@ def serve(port: int) -> None:
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -155,3 +155,32 @@ async def test_a_published_version_is_loaded_by_sglang_paused_in_place_without_a
     assert update == {"model_path": str(tmp_path / "v2"), "weight_version": "2", "flush_cache": False,
                       "abort_all_requests": False}
     assert msgspec.json.decode((tmp_path / "v2" / "config.json").read_bytes())["model_type"]
+
+
+async def test_a_version_the_trainer_pushed_is_adopted_without_files_and_an_unpushed_one_is_loaded(
+        fake, demo_model_dir, tmp_path):
+    from fakes import RecordingPublisher
+    from rollmesh.engine.weight_follower import WeightFollower
+    from rollmesh.messages import WeightsPublished
+    from rollmesh.messages.subjects import WEIGHTS_ACTIVATED
+
+    bus = RecordingPublisher()
+    async with SGLangEngine([fake.url]) as engine:
+        weights = SGLangDiskWeights(engine, model_dir=demo_model_dir, out_root=tmp_path / "dirs",
+                                    pushed_version=engine.current_version)
+        follower = WeightFollower(weights, bus, worker="decode-0", role="decode")
+        fake.label = "1"  # the trainer's push labels the servers once every bucket arrived
+        await follower.handle_weights_published(WeightsPublished(
+            version=1, path=str(tmp_path / "never-written" / "manifest.json"), sha256="0" * 64, num_bytes=1,
+            trainer_step=1))
+        assert weights.current_version == 1 and fake.bodies("/update_weights_from_disk") == []
+        # A push that failed leaves the old label: the announced files are loaded instead.
+        from rollmesh.engine.weight_buckets import write_buckets
+
+        published = write_buckets(load_hf_model(demo_model_dir).state_dict(), tmp_path / "weights", version=2,
+                                  bucket_bytes=1 << 30)
+        await follower.handle_weights_published(WeightsPublished(
+            version=2, path=str(published.manifest_path), sha256=published.manifest_sha256,
+            num_bytes=published.total_bytes, trainer_step=2))
+    assert [m.source for m in bus.messages(WEIGHTS_ACTIVATED)] == ["pushed", "files"]
+    assert [m.version for m in bus.messages(WEIGHTS_ACTIVATED)] == [1, 2] and fake.label == "2"

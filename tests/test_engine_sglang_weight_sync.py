@@ -2,13 +2,16 @@
 gloo group on CPU: group setup, bucketed broadcast, version label, pause and continue, and the
 colocated ``update_weights_from_tensor`` payload, against fake SGLang weight servers in their own
 processes (``sglang_weight_server``: each endpoint's upstream source is cited there) that receive
-the tensors and report their sha256. NCCL and CUDA IPC handles themselves need GPUs and a real
-SGLang: not exercised here (on CPU, ForkingPickler shares the tensors' memory by file descriptor)."""
+the tensors and report their sha256; and the trainer driving it (``TrainerLogic``'s publish path
+with ``SGLangWeightPush``). NCCL and CUDA IPC handles themselves need GPUs and a real SGLang: not
+exercised here (on CPU, ForkingPickler shares the tensors' memory by file descriptor)."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +21,7 @@ import torch
 from rollmesh.engine.errors import WeightsError
 from rollmesh.engine.sglang_client import SGLangClient
 from rollmesh.engine.sglang_server import pick_free_port
-from rollmesh.engine.sglang_weight_sync import SGLangWeightSync
+from rollmesh.engine.sglang_weight_sync import SGLangWeightPush, SGLangWeightSync
 from sglang_weight_server import serve, tensor_sha256
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
@@ -101,7 +104,9 @@ async def test_a_version_is_broadcast_in_buckets_between_pause_and_continue_and_
             buckets = events[start + 1:end]
             assert [kind for kind, *_ in buckets] == ["update_distributed"] * stats.buckets
             assert sorted(name for _, names, *_ in buckets for name in names) == sorted(state)
-            assert all(label == str(version) and paused and not flush for _, _, label, paused, flush in buckets)
+            assert all(paused and not flush for *_, paused, flush in buckets)
+            # Labelled with the last bucket only: a label means the whole version arrived.
+            assert [label for _, _, label, *_ in buckets] == [None] * (stats.buckets - 1) + [str(version)]
         assert await debug(server, "weights") == expected  # byte for byte, bf16 included
         assert await server.weight_version() == 2
 
@@ -120,3 +125,46 @@ async def test_a_bucket_for_a_group_the_server_never_joined_is_a_weights_error(s
     with pytest.raises(WeightsError, match="not found"):
         await servers[0].update_weights_from_distributed(names=["w"], dtypes=["float32"], shapes=[[2]],
                                                          group_name="nobody", version=1)
+
+
+async def test_the_trainer_pushes_each_durable_version_into_the_servers_before_announcing_it(
+        servers, tmp_path, demo_model_dir):
+    from fakes import RecordingPublisher
+    from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
+    from test_training_trainer_logic import build_trainer, completed, deliver
+    from rollmesh.config import ModelConfig
+
+    push = SGLangWeightPush([s.base_url for s in servers], method="nccl", bucket_bytes=1 << 20, timeout_s=120)
+    bus = RecordingPublisher()
+    logic = build_trainer(tmp_path, bus, ModelConfig(path=str(demo_model_dir)), weight_sync="nccl")
+    logic.push = push
+    bus.hold(WEIGHTS_PUBLISHED)
+    try:
+        step = asyncio.create_task(deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0)))
+        (announced,) = await asyncio.wait_for(bus.wait_published(WEIGHTS_PUBLISHED), 120)
+        # At the announcement the servers already run the version, and its files are durable.
+        assert [await server.weight_version() for server in servers] == [1, 1]
+        assert Path(announced.path).exists() and announced.memory_holder == ""
+        bus.release(WEIGHTS_PUBLISHED)
+        assert await step == [None, None]
+    finally:
+        await push.aclose()
+    expected = {name: tensor_sha256(t) for name, t in logic.backend.state_dict().items()}
+    for server in servers:
+        assert await debug(server, "weights") == expected
+        kinds = [event[0] for event in await debug(server, "events")]
+        assert kinds[:2] == ["init", "pause"] and kinds[-2:] == ["continue", "destroy"]
+    assert logic.push_failures == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: SGLang opens CUDA IPC handles only")
+async def test_colocated_servers_open_the_trainers_cuda_tensors_by_ipc_handle(servers, state):
+    """``trainer.weight_sync = "ipc"``: CPU tensors go to the GPU, and the server process maps them."""
+    push = SGLangWeightPush([servers[0].base_url], method="ipc", bucket_bytes=1 << 20)
+    try:
+        stats = await push.push(state, 4)
+    finally:
+        await push.aclose()
+    assert stats.buckets == 1 and await servers[0].weight_version() == 4
+    assert await debug(servers[0], "weights") == {name: tensor_sha256(t) for name, t in state.items()}

@@ -134,11 +134,12 @@ def test_a_bucket_whose_header_points_outside_it_is_a_file_error(state):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("setting", "cuda", "expected"), [
-    ("auto", False, "files"), ("auto", True, "memory"), ("memory", False, "memory"), ("files", True, "files"),
-    ("nccl", False, "nccl")])
-def test_auto_weight_sync_is_memory_on_cuda_and_files_on_cpu(setting, cuda, expected):
-    assert resolve_weight_sync(setting, cuda=cuda) == expected
+@pytest.mark.parametrize(("setting", "cuda", "sglang", "expected"), [
+    ("auto", False, False, "files"), ("auto", True, False, "memory"), ("auto", True, True, "nccl"),
+    ("auto", False, True, "files"), ("memory", False, False, "memory"), ("files", True, True, "files"),
+    ("nccl", False, True, "nccl"), ("ipc", True, True, "ipc")])
+def test_auto_weight_sync_is_nccl_with_sglang_memory_on_cuda_and_files_on_cpu(setting, cuda, sglang, expected):
+    assert resolve_weight_sync(setting, cuda=cuda, sglang=sglang) == expected
 
 
 # -- the follower's choice --------------------------------------------------------------------

@@ -524,3 +524,31 @@ async def test_a_trainer_resumed_in_memory_mode_numbers_past_a_version_announced
     assert resumed.version == 1  # the weights it holds are the ledger's
     await deliver(resumed, completed("c", "g2", 1.0), completed("d", "g2", 0.0))
     assert [m.version for m in bus.messages(WEIGHTS_PUBLISHED)] == [1, 3]  # the re-announcement, then past 2
+
+
+# -- trainer.weight_sync = "nccl" / "ipc": pushed into SGLang servers ---------------------------
+
+
+class BrokenPush:
+    """The push seam (``PushesWeights``) whose servers fail mid-broadcast."""
+
+    method = "nccl"
+
+    async def push(self, state_dict, version):
+        from rollmesh.engine.errors import WeightSyncError
+
+        raise WeightSyncError(version, self.method, "bucket 2 of 3: connection reset")
+
+
+async def test_a_failed_push_is_logged_typed_and_the_version_still_announced_as_files(trainer):
+    from structlog.testing import capture_logs
+
+    logic = trainer(bus := RecordingPublisher(), weight_sync="nccl")
+    logic.push = BrokenPush()
+    with capture_logs() as logs:
+        assert await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0)) == [None, None]
+    (announced,) = bus.messages(WEIGHTS_PUBLISHED)
+    assert announced.version == 1 and load_published(announced.path, announced.sha256)  # the fallback
+    (failure,) = [line for line in logs if line["event"] == "weights_push_failed"]
+    assert (failure["weight_version"], failure["method"], failure["fallback"]) == (1, "nccl", "files")
+    assert "connection reset" in failure["reason"] and logic.stats()["push_failures"] == 1

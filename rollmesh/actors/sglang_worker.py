@@ -10,7 +10,9 @@ actor: SGLang prefills itself, or disaggregates with its own router (``disaggreg
 Each worker launches its SGLang server(s) from the launch plan (``sglang_launch``) or attaches to
 ``inference.sglang.urls[index]``, waits until healthy, and stops what it launched when it stops.
 It follows ``WeightsPublished`` over NATS by writing each version as a model directory SGLang
-loads from disk (``SGLangDiskWeights``), paused ``in_place`` and without a cache flush.
+loads from disk (``SGLangDiskWeights``), paused ``in_place`` and without a cache flush, unless
+the trainer already pushed that version into its servers (``trainer.weight_sync = "nccl"`` or
+``"ipc"``; the trainer finds the servers through ``weight_sync_target``).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class SGLangWorkerActor(RoleActor):
         self.weights = SGLangDiskWeights(
             self.engine, model_dir=self.config.model_path or model_config.path,
             out_root=self.config.weights_dir or Path(mesh.run_dir) / "sglang-weights" / name,
-            pause_mode=self.config.pause_mode, in_flight=lambda: self._in_flight)
+            pause_mode=self.config.pause_mode, in_flight=lambda: self._in_flight,
+            pushed_version=self.engine.current_version)
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         for process in self.processes:  # servers before their router: it checks them at start
@@ -133,6 +136,13 @@ class SGLangWorkerActor(RoleActor):
 
     async def current_version(self) -> int:
         return self.weights.current_version
+
+    async def weight_sync_target(self) -> dict[str, Any]:
+        """What a trainer pushing versions without files needs (``trainer.weight_sync = "nccl"``
+        or ``"ipc"``): the servers' admin URLs, the GPUs of each (its weight-update group ranks:
+        SGLang's TP ranks) and the pause mode."""
+        return {"urls": list(self.plan.admin_urls), "gpus_per_server": self.config.tp_size,
+                "pause_mode": self.config.pause_mode}
 
     async def weight_versions(self) -> dict[str, int | None]:
         return {"current": self.weights.current_version, "staged": None}

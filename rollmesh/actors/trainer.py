@@ -1,12 +1,14 @@
 """The trainer actor: GRPO on admitted trajectories, weight versions out, checkpoints on demand.
 
 Knows the training package and the shell; no ray import (the object store's weight holder,
-``weight_object_store``, is the one piece that knows Ray).
+``weight_object_store``, and the SGLang servers' lookup, ``sglang_weight_receivers``, are the
+pieces that know Ray).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import structlog
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.actors.role_memory import lent_memory
+from rollmesh.actors.sglang_weight_receivers import find_weight_receivers
 from rollmesh.actors.weight_object_store import ObjectStoreWeightHolder
 from rollmesh.bus.last_message import last_message
 from rollmesh.bus.publisher import BusPublisher
@@ -22,6 +25,7 @@ from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
 from rollmesh.bus.trajectory_store import ObjectStoreTrajectories
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, TrainerConfig
+from rollmesh.engine.sglang_weight_sync import SGLangWeightPush
 from rollmesh.engine.weight_memory import resolve_weight_sync
 from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
 from rollmesh.run_config import StageConfig
@@ -37,9 +41,14 @@ class TrainerActor(RoleActor):
     role = "trainer"
     holds_accelerators = True
 
-    def __init__(self, name: str, mesh: MeshContext, config: TrainerConfig, model_config: ModelConfig) -> None:
+    def __init__(self, name: str, mesh: MeshContext, config: TrainerConfig, model_config: ModelConfig,
+                 sglang_workers: Sequence[str] = ()) -> None:
         super().__init__(name, mesh, torch_threads=config.torch_threads)
         self.config = config
+        # The SGLang decode workers' actor names (inference.backend = "sglang"): whose servers
+        # trainer.weight_sync = "nccl"/"ipc" pushes versions into.
+        self.sglang_workers = list(sglang_workers)
+        self.push: SGLangWeightPush | None = None
         self.model_config = model_config
         self.trainer: TrainerLogic | None = None
         self.backend: TrainerBackend | None = None
@@ -55,13 +64,20 @@ class TrainerActor(RoleActor):
         import torch  # the device decides "auto"
 
         # Workers on this node read a version from this actor's shared memory (weight_bucket_refs).
-        sync = resolve_weight_sync(self.config.weight_sync, cuda=torch.cuda.is_available())
+        sync = resolve_weight_sync(self.config.weight_sync, cuda=torch.cuda.is_available(),
+                                   sglang=bool(self.sglang_workers))
         if sync == "memory":
             self.weight_holder = ObjectStoreWeightHolder(self.name)
-        elif sync == "nccl":
-            # engine/sglang_weight_sync.py is the sender; the mesh does not hand the trainer its
-            # SGLang servers yet, so versions go out as files meanwhile.
-            _log.warning("weight_sync_nccl_not_wired", publishing="files")
+        elif sync in ("nccl", "ipc") and not self.sglang_workers:
+            # Only SGLang servers take pushed weights; the local engine's workers read files.
+            _log.warning("weight_sync_needs_sglang", weight_sync=sync, publishing="files")
+        elif sync in ("nccl", "ipc"):
+            receivers = await find_weight_receivers(self.sglang_workers)
+            self.push = SGLangWeightPush(receivers.urls, method=sync, gpus_per_server=receivers.gpus_per_server,
+                                         master_address=receivers.master_address,
+                                         bucket_bytes=self.config.weight_bucket_bytes,
+                                         pause_mode=receivers.pause_mode)
+            _log.info("weight_sync_push", method=sync, servers=receivers.urls)
 
         async def latest_weights():
             return await last_message(publisher.jetstream, publisher.namespace, WEIGHTS_PUBLISHED)
@@ -76,11 +92,13 @@ class TrainerActor(RoleActor):
                                     # rollout workers create it, with its TTL).
                                     trajectories=ObjectStoreTrajectories(publisher.jetstream, publisher.namespace,
                                                                          replicas=self.mesh.nats.replicas),
-                                    memory=self.weight_holder, latest_weights=latest_weights)
+                                    memory=self.weight_holder, latest_weights=latest_weights, push=self.push)
         return self.trainer
 
     async def stop(self) -> None:
         await super().stop()
+        if self.push is not None:
+            await self.push.aclose()
         if self.backend is not None:
             await asyncio.to_thread(self.backend.close)
 

@@ -17,7 +17,8 @@
         ├── StaleWeightsError(current_version)          older than the active version
         ├── WeightsChecksumError(expected, actual)
         ├── WeightsFileError(reason)                    unwritable, unreadable or malformed file
-        └── WeightsUnavailableError(reason)             no memory copy here: read the files
+        ├── WeightsUnavailableError(reason)             no memory copy here: read the files
+        └── WeightSyncError(method, reason)             a push into SGLang servers failed: files follow
 """
 
 from __future__ import annotations
@@ -199,4 +200,14 @@ class WeightsUnavailableError(WeightsError):
 
     def __init__(self, version: int, reason: str) -> None:
         super().__init__(f"weights version {version} are not in shared memory here: {reason}", version=version)
+        self.reason = reason
+
+
+class WeightSyncError(WeightsError):
+    """Pushing a version into SGLang servers without files (``method``: "nccl" or "ipc") failed;
+    the trainer announces the version's files and the servers load those instead."""
+
+    def __init__(self, version: int, method: str, reason: str) -> None:
+        super().__init__(f"weights version {version} not pushed by {method}: {reason}", version=version)
+        self.method = method
         self.reason = reason

@@ -401,20 +401,26 @@ class SGLangClient:
         await self._weights_call("/destroy_weights_update_group", {"group_name": group_name}, None)
 
     async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
-                                              shapes: list[list[int]], group_name: str, version: int,
+                                              shapes: list[list[int]], group_name: str, version: int | None,
                                               flush_cache: bool = False) -> None:
         """Receive one bucket, broadcast by rank 0 of ``group_name`` tensor by tensor in this order,
-        and label the weights ``version``; returns once loaded."""
-        await self._weights_call("/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": flush_cache, "weight_version": str(version)}, version)
+        and label the weights ``version`` (None: the label stays; SGLang sets it only when given);
+        returns once loaded."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "flush_cache": flush_cache}
+        if version is not None:
+            body["weight_version"] = str(version)
+        await self._weights_call("/update_weights_from_distributed", body, version)
 
-    async def update_weights_from_tensor(self, *, serialized_named_tensors: list[str], version: int,
+    async def update_weights_from_tensor(self, *, serialized_named_tensors: list[str], version: int | None,
                                          flush_cache: bool = False, load_format: str | None = None) -> None:
-        """Load tensors shared by CUDA IPC handles (a colocated trainer); returns once loaded."""
-        await self._weights_call("/update_weights_from_tensor", {
-            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
-            "flush_cache": flush_cache, "weight_version": str(version)}, version)
+        """Load tensors shared by CUDA IPC handles (a colocated trainer) and label them ``version``
+        (None: the label stays); returns once loaded."""
+        body = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+                "flush_cache": flush_cache}
+        if version is not None:
+            body["weight_version"] = str(version)
+        await self._weights_call("/update_weights_from_tensor", body, version)
 
     async def _weights_call(self, endpoint: str, body: dict[str, Any], version: int | None) -> None:
         response = await self._send("POST", endpoint, body, self.admin_timeout_s)

@@ -10,10 +10,16 @@ the servers were started. The protocol is the one Miles runs (radixark/miles
   at once while the trainer joins as rank 0; each call returns when all have joined.
 - ``publish(state_dict, version)``: pause every server, then bucket by bucket (at most
   ``bucket_bytes``): ``/update_weights_from_distributed`` (names, dtypes, shapes, the version
-  label) to every server while rank 0 broadcasts the bucket's tensors one by one in that order;
-  every server answers once it loaded the bucket. Then continue. The version label is set with
-  the first bucket, but no paused request emits a token before ``continue``.
+  label on the last bucket only) to every server while rank 0 broadcasts the bucket's tensors one
+  by one in that order; every server answers once it loaded the bucket. Then continue. A server
+  labelled with the version therefore holds all of it: a push that failed part way leaves the old
+  label, and the worker that then sees the announcement loads the version's files
+  (``SGLangDiskWeights.adopt_pushed``).
 - ``close``: ``/destroy_weights_update_group`` and the trainer's group destroyed.
+
+``SGLangWeightPush`` is what the trainer holds (``trainer.weight_sync = "nccl"`` or ``"ipc"``): it
+joins the group at the first version (and again after a failure) and turns every failure into a
+``WeightSyncError``, after which the trainer's announced files are the fallback.
 
 ``publish_ipc`` is the colocated variant (``/update_weights_from_tensor``): the trainer's CUDA
 tensors are shared as ForkingPickler CUDA IPC handles (SGLang's ``MultiprocessingSerializer``:
@@ -43,7 +49,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
+import httpx
 import structlog
 import torch
 import torch.distributed as dist
@@ -51,6 +59,7 @@ import torch.multiprocessing  # noqa: F401  registers torch's tensor reductions 
 from multiprocessing.reduction import ForkingPickler
 
 from rollmesh.checkpoint.hf_writer import plan_shards
+from rollmesh.engine.errors import WeightSyncError
 from rollmesh.engine.sglang_client import PauseMode, SGLangClient
 
 _log = structlog.get_logger("rollmesh.engine.sglang_weight_sync")
@@ -124,6 +133,9 @@ class SGLangWeightSync:
         self.timeout = timedelta(seconds=timeout_s)
         # Tensors travel from where NCCL can send them; gloo sends from the CPU.
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        # CUDA IPC on a GPU; on a CPU-only machine (the tests) ForkingPickler shares CPU memory.
+        self.ipc_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
         self._group: dist.ProcessGroup | None = None
 
     @property
@@ -159,11 +171,12 @@ class SGLangWeightSync:
         await self._on_every_server(lambda s: s.pause_generation(self.pause_mode))
         paused = time.perf_counter()
         try:
-            for names in plan:
+            for number, names in enumerate(plan, start=1):
                 tensors = [state_dict[name].detach().to(self.device).contiguous() for name in names]
+                label = version if number == len(plan) else None  # the label says "all of it"
                 updates = self._on_every_server(lambda s: s.update_weights_from_distributed(
                     names=list(names), dtypes=[dtype_name(t.dtype) for t in tensors],
-                    shapes=[list(t.shape) for t in tensors], group_name=self.group_name, version=version))
+                    shapes=[list(t.shape) for t in tensors], group_name=self.group_name, version=label))
                 await asyncio.gather(updates, asyncio.to_thread(self._broadcast, tensors))
         finally:
             # Never leave the servers paused, even when a bucket failed (they keep the old label
@@ -181,12 +194,15 @@ class SGLangWeightSync:
         await self._on_every_server(lambda s: s.pause_generation(self.pause_mode))
         paused = time.perf_counter()
         try:
-            for names in plan:
-                # Alive until every server answered: the servers read this memory in place.
-                named = [(name, state_dict[name].detach().contiguous()) for name in names]
+            for number, names in enumerate(plan, start=1):
+                # Alive until every server answered: the servers read this memory in place. CPU
+                # tensors (a trainer that hands its state dict to the host) go to the GPU first:
+                # SGLang opens CUDA IPC handles only.
+                named = [(name, state_dict[name].detach().to(self.ipc_device).contiguous()) for name in names]
                 payload = [serialize_for_ipc(named)] * tp_size
+                label = version if number == len(plan) else None
                 await self._on_every_server(lambda s: s.update_weights_from_tensor(
-                    serialized_named_tensors=payload, version=version))
+                    serialized_named_tensors=payload, version=label))
                 del named
         finally:
             await self._on_every_server(lambda s: s.continue_generation())
@@ -221,3 +237,48 @@ class SGLangWeightSync:
             _log.warning("sglang_weight_call_failed", error=str(extra))
         if errors:
             raise errors[0]
+
+
+class SGLangWeightPush:
+    """The trainer's push of each new version into the mesh's SGLang servers (``urls``: their
+    admin URLs): ``"nccl"`` broadcasts (over gloo where there is no CUDA), ``"ipc"`` shares the
+    tensors with colocated servers. ``push`` raises ``WeightSyncError`` on any failure, after
+    which the group is left and joined again for the next version."""
+
+    def __init__(self, urls: Sequence[str], *, method: Literal["nccl", "ipc"], gpus_per_server: int = 1,
+                 master_address: str = "127.0.0.1", bucket_bytes: int = 512 << 20,
+                 pause_mode: PauseMode = "in_place", timeout_s: float = 600.0) -> None:
+        self.method = method
+        self.gpus_per_server = gpus_per_server
+        self._http = httpx.AsyncClient()
+        servers = [SGLangClient(url, self._http, admin_timeout_s=timeout_s) for url in urls]
+        self.sync = SGLangWeightSync(servers, gpus_per_server=gpus_per_server,
+                                     backend="nccl" if torch.cuda.is_available() else "gloo",
+                                     master_address=master_address, bucket_bytes=bucket_bytes,
+                                     pause_mode=pause_mode, timeout_s=timeout_s)
+        self._joined = False
+
+    async def push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> WeightSyncStats:
+        try:
+            if self.method == "ipc":
+                return await self.sync.publish_ipc(state_dict, version, tp_size=self.gpus_per_server)
+            if not self._joined:
+                await self.sync.connect()
+                self._joined = True
+            return await self.sync.publish(state_dict, version)
+        except Exception as exc:
+            await self._leave()  # a broadcast cut short leaves the group unusable
+            raise WeightSyncError(version, self.method, f"{type(exc).__name__}: {exc}") from exc
+
+    async def _leave(self) -> None:
+        if not self._joined:
+            return
+        self._joined = False
+        try:
+            await self.sync.close()
+        except Exception as exc:  # the servers may be what failed; the next push joins afresh
+            _log.warning("sglang_weight_group_leave_failed", error=repr(exc))
+
+    async def aclose(self) -> None:
+        await self._leave()
+        await self._http.aclose()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -64,8 +64,11 @@ class SGLangDiskWeights:
     """
 
     def __init__(self, engine, *, model_dir: str | Path, out_root: str | Path,
-                 pause_mode: str = "in_place", in_flight: Callable[[], int] = lambda: 0) -> None:
+                 pause_mode: str = "in_place", in_flight: Callable[[], int] = lambda: 0,
+                 pushed_version: Callable[[], Awaitable[int]] | None = None) -> None:
         self.engine = engine  # an SGLangEngine (duck-typed: swap_weights_from_disk)
+        # The servers' label asked afresh (``SGLangEngine.current_version``: the oldest of them).
+        self.pushed_version = pushed_version
         self._in_flight = in_flight
         self.model_dir = Path(model_dir)
         self.out_root = Path(out_root)
@@ -80,6 +83,18 @@ class SGLangDiskWeights:
     def set_current_version(self, version: int) -> None:
         """The servers' own label when attached to or launched (``SGLangEngine.current_version``)."""
         self._current = version
+
+    async def adopt_pushed(self, version: int) -> bool:
+        """Whether every server already runs ``version``, pushed by the trainer without files
+        (``sglang_weight_sync``: the label is set with a push's last bucket, so a server labelled
+        with it holds all of it); then it is this worker's current version, and nothing is loaded."""
+        if self.pushed_version is None:
+            return False
+        labelled = await self.pushed_version()
+        if labelled < version:
+            return False
+        self._current = max(self._current, labelled)
+        return True
 
     def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
         if version <= self._current:

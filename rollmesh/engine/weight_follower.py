@@ -11,7 +11,9 @@ crash serves the current weights, not its initial ones. A version announced from
 announced before its files are written (``trainer.weight_sync = "memory"``): a worker that reads
 the files then waits for the manifest to appear (``files_timeout_s``). It polls, with backoff: the
 trainer announces each version once (JetStream dedups by version), so no later event says the
-files are there.
+files are there. An engine whose servers may already hold the version (the trainer pushed it
+into SGLang servers before announcing it, ``trainer.weight_sync = "nccl"``/``"ipc"``) says so
+through ``adopt_pushed``; nothing is then read, and the activation's source is ``"pushed"``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ _log = structlog.get_logger("rollmesh.engine.weight_follower")
 
 class StagesWeights(Protocol):
     """An engine that takes staged weights and says when they are live. One that also has a
-    ``last_swap_seconds`` (how long its last swap held it) gets it reported as ``pause_s``."""
+    ``last_swap_seconds`` (how long its last swap held it) gets it reported as ``pause_s``, and
+    one with ``async adopt_pushed(version) -> bool`` is asked first whether it already runs the
+    version (pushed into it without files)."""
 
     @property
     def current_version(self) -> int: ...
@@ -98,11 +102,15 @@ class WeightFollower:
             # Read, verify and stage (a checked copy) off the event loop: decoding goes on, and
             # the only pause is the swap itself at the next step boundary.
             started = time.perf_counter()
-            staged, source = await asyncio.to_thread(self._load_and_stage, message)
-            load_s = time.perf_counter() - started
-            if not staged:
-                return
-            version = await self.engine.wait_weights_activated(message.version)
+            adopt_pushed = getattr(self.engine, "adopt_pushed", None)
+            if adopt_pushed is not None and await adopt_pushed(message.version):
+                version, source, load_s = self.engine.current_version, "pushed", time.perf_counter() - started
+            else:
+                staged, source = await asyncio.to_thread(self._load_and_stage, message)
+                load_s = time.perf_counter() - started
+                if not staged:
+                    return
+                version = await self.engine.wait_weights_activated(message.version)
         _log.info("weights_activated", weight_version=version, role=self.role)
         await self.publisher.publish(
             WEIGHTS_ACTIVATED,

@@ -14,11 +14,16 @@ worker catching up on an old version) the worker reads ``path``.
 
 - ``"files"``: buckets on disk only (the durable path; what a restart reads);
 - ``"memory"``: the object store for workers on the trainer's node, files for the rest;
-- ``"nccl"``: SGLang servers receive an NCCL broadcast (``sglang_weight_sync``; the mesh's
-  trainer does not drive it yet and publishes files meanwhile);
-- ``"auto"``: ``"memory"`` when the trainer runs on CUDA, else ``"files"``: on CPU a training step
-  takes seconds, so the announcement-before-durability trade (below) is not worth making there
-  by default, and the file path is what every other CPU test exercises.
+- ``"nccl"``: with ``inference.backend = "sglang"``, each durable version is broadcast into the
+  SGLang servers (``sglang_weight_sync.SGLangWeightPush``; over gloo on a machine without CUDA)
+  before it is announced; its files are written first and stay the fallback;
+- ``"ipc"``: the same for SGLang servers colocated with the trainer (on its GPUs): the tensors
+  are shared by CUDA IPC handles (``/update_weights_from_tensor``), nothing is copied;
+- ``"auto"``: ``"nccl"`` on CUDA with SGLang servers, ``"memory"`` on CUDA otherwise, else
+  ``"files"``: on CPU a training step takes seconds, so the announcement-before-durability trade
+  (below) is not worth making there by default, and the file path is what every other CPU test
+  exercises. ``"ipc"`` is never chosen by ``"auto"``: only the operator knows the servers share
+  the trainer's GPUs.
 
 In ``"memory"`` mode the version is announced once it is in shared memory and before its files are
 durable: the files, then the ledger line, follow. A trainer that dies in between leaves a version
@@ -39,12 +44,14 @@ from rollmesh.engine.errors import WeightsUnavailableError
 from rollmesh.engine.weight_buckets import SerializedWeights, decode_bucket, decode_manifest
 from rollmesh.messages import WeightsPublished
 
-WeightSync = Literal["auto", "files", "memory", "nccl"]
+WeightSync = Literal["auto", "files", "memory", "nccl", "ipc"]
 
 
-def resolve_weight_sync(setting: WeightSync, *, cuda: bool) -> Literal["files", "memory", "nccl"]:
+def resolve_weight_sync(setting: WeightSync, *, cuda: bool,
+                        sglang: bool = False) -> Literal["files", "memory", "nccl", "ipc"]:
+    """What ``trainer.weight_sync`` means here (``sglang``: the mesh's engines are SGLang servers)."""
     if setting == "auto":
-        return "memory" if cuda else "files"
+        return ("nccl" if sglang else "memory") if cuda else "files"
     return setting
 
 

@@ -38,8 +38,9 @@ class WeightsActivated(WireMessage, frozen=True, tag="weights.activated"):
     # the pause, at the next step boundary).
     load_s: float = 0.0
     activated_at: float = 0.0
-    # Where the worker read the version: "memory" (shared memory), "files", or "nccl" (a broadcast
-    # into SGLang servers); "" from workers that predate the field.
+    # Where the worker read the version: "memory" (shared memory), "files", or "pushed" (the trainer
+    # pushed it into the worker's SGLang servers by NCCL broadcast or CUDA IPC before announcing
+    # it, trainer.weight_sync); "" from workers that predate the field.
     source: str = ""
     # How long the swap held the engine: the only time generation stopped for this version.
     # Publish -> activated is ``activated_at`` - ``WeightsPublished.published_at``.

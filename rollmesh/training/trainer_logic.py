@@ -17,7 +17,9 @@ without counting toward a step (dynamic sampling). A rollout split into several 
 group member and one idempotency key; each of its samples trains with the member's advantage.
 With ``memory`` (``trainer.weight_sync = "memory"``, ``engine/weight_memory.py``) a version is
 put into shared memory and announced first, then written and recorded: workers on this node never
-wait on the disk, and ``start`` numbers past any version announced but never made durable.
+wait on the disk, and ``start`` numbers past any version announced but never made durable. With
+``push`` (``"nccl"``/``"ipc"``: SGLang servers) a durable version is pushed into the servers
+before it is announced, the files staying the fallback (``trainer_weights.py``).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ from rollmesh.training.heap import return_freed_memory
 from rollmesh.training.checkpoint_retention import prune_checkpoints
 from rollmesh.training.supervised import SupervisedSource
 from rollmesh.training.trainer_supervised import SupervisedTraining
-from rollmesh.training.trainer_weights import WeightPublishing
+from rollmesh.training.trainer_weights import PushesWeights, WeightPublishing
 from rollmesh.training.ledger import LedgerEntry, TrainingLedger
 from rollmesh.telemetry import conventions, metrics, metrics_catalog
 from rollmesh.training.torch_backend import TrainerBackend
@@ -106,8 +108,12 @@ class TrainerLogic(SupervisedTraining, WeightPublishing):
         trajectories: TrajectoryStore | None = None,
         memory: HoldsWeightBuckets | None = None,
         latest_weights: Callable[[], Awaitable[WeightsPublished | None]] | None = None,
+        push: PushesWeights | None = None,
     ) -> None:
         self.config = config
+        # Each durable version goes into the SGLang servers without files before its announcement.
+        self.push = push
+        self.push_failures = 0
         # Versions go to shared memory and are announced before their files are written.
         self.memory = memory
         # The newest announced version (the weights stream): what a resumed trainer numbers past.
@@ -195,6 +201,7 @@ class TrainerLogic(SupervisedTraining, WeightPublishing):
                 "lost_trajectories": self.lost_trajectories, "skipped_truncated": self.skipped_truncated,
                 "dropped_groups": self.dropped_groups,
                 "resumed_from_step": self.resumed_from_step, "consumed": len(self._seen),
+                "push_failures": self.push_failures,
                 "open_groups": self.buffer.open_groups(), "ready_groups": len(self.buffer.ready)}
 
     async def handle_completed(self, message: RolloutCompleted, ctx: MessageContext) -> None:
@@ -407,6 +414,7 @@ class TrainerLogic(SupervisedTraining, WeightPublishing):
         # redelivered trajectories look one version staler than they are.
         self.step = step
         if new_weights and weights is not None:
+            await self._push_weights(weights.version)
             await self._announce(weights, publish=self.memory is None)
 
     async def _chat_model(self) -> ChatModel:

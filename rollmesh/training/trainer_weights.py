@@ -1,17 +1,24 @@
 """The trainer's weight publication: a step's new version written and announced, by file or from
-shared memory (``trainer.weight_sync``, ``engine/weight_memory.py``).
+shared memory, and pushed into SGLang servers without files (``trainer.weight_sync``,
+``engine/weight_memory.py``).
 
-Knows the engine's bucket format, the memory seam and the wire contract; not Ray, not nats-py. A
-mixin of ``TrainerLogic``, whose state it uses: ``backend``, ``config``, ``publisher``, ``clock``,
-``version``, ``weights_dir``, ``memory``, ``latest_weights``, ``_announced`` and
-``_last_weights``. ``_commit_step`` (in ``trainer_logic``) orders it with the ledger line.
+Knows the engine's bucket format, the memory and push seams and the wire contract; not Ray, not
+nats-py, not how the SGLang servers were found. A mixin of ``TrainerLogic``, whose state it uses:
+``backend``, ``config``, ``publisher``, ``clock``, ``version``, ``weights_dir``, ``memory``,
+``push``, ``latest_weights``, ``_announced`` and ``_last_weights``. ``_commit_step`` (in
+``trainer_logic``) orders it with the ledger line: with ``push``, files -> ledger line -> push ->
+announcement, so a pushed version is always durable, and a push that fails (a typed
+``WeightSyncError``, logged) leaves the announced files as the way the servers get it.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
+import torch
 from opentelemetry import trace
 
 from rollmesh.engine.weight_buckets import (
@@ -22,9 +29,13 @@ from rollmesh.engine.weight_buckets import (
     write_buckets,
     write_serialized,
 )
+from rollmesh.engine.errors import WeightSyncError
 from rollmesh.messages import WeightsPublished
 from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
 from rollmesh.telemetry import conventions
+
+if TYPE_CHECKING:  # the push itself (httpx, torch.distributed) is the actor's to build
+    from rollmesh.engine.sglang_weight_sync import WeightSyncStats
 
 _log = structlog.get_logger("rollmesh.trainer")
 _tracer = trace.get_tracer("rollmesh.trainer")
@@ -33,7 +44,41 @@ _tracer = trace.get_tracer("rollmesh.trainer")
 KEEP_WEIGHT_FILES = 8
 
 
+class PushesWeights(Protocol):
+    """Sends a version into inference servers without files (``SGLangWeightPush``)."""
+
+    method: str  # "nccl" or "ipc"
+
+    async def push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> WeightSyncStats:
+        """Raises ``WeightSyncError``; the servers then still hold (and label) the previous version."""
+        ...
+
+
 class WeightPublishing:
+    async def _push_weights(self, version: int) -> WeightSyncStats | None:
+        """Push the durable ``version`` into the servers before it is announced: a worker that
+        finds its servers labelled with it loads nothing. None when there is no push or it failed
+        (the files announced next are the fallback)."""
+        if self.push is None:
+            return None
+        method = self.push.method
+        with _tracer.start_as_current_span("weights_push", attributes={
+                "weight_version": version, conventions.RL_WEIGHT_VERSION: version, "method": method}) as span:
+            try:
+                state = await asyncio.to_thread(self.backend.state_dict)
+                stats = await self.push.push(state, version)
+            except Exception as exc:  # any failure: the files are there, announced next
+                error = exc if isinstance(exc, WeightSyncError) else WeightSyncError(version, method, repr(exc))
+                self.push_failures += 1
+                span.set_attribute("failed", True)
+                _log.warning("weights_push_failed", weight_version=version, method=method, reason=error.reason,
+                             fallback="files")
+                return None
+            span.set_attributes({"pause_s": stats.pause_s, "total_s": stats.total_s, "buckets": stats.buckets})
+        _log.info("weights_pushed", weight_version=version, method=method, buckets=stats.buckets,
+                  pause_s=round(stats.pause_s, 4), total_s=round(stats.total_s, 4))
+        return stats
+
     async def _number_past_announced(self) -> None:
         """With versions announced before they are durable, one may have been announced and lost
         (killed before its ledger line): the next version must not reuse its number, or two
