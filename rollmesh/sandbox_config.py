@@ -6,6 +6,7 @@ Knows msgspec only; part of the config tree ``rollmesh.config`` loads.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -31,18 +32,52 @@ class SandboxLimitsConfig(ConfigSection):
     max_output_bytes: Annotated[int, Meta(ge=1024, le=MAX_OUTPUT_CAP)] = MiB  # stdout + stderr
 
 
+class SandboxPythonConfig(ConfigSection):
+    """A profile's Python environment (``python = { packages = [...], requirements = FILE }``):
+    a virtual environment built once per content hash with the root's own python3, its packages
+    fetched by the host's pip, shown read-only at ``/.rollmesh/venv`` and first on PATH."""
+
+    packages: list[str] = []  # pip requirement specifiers, e.g. "numpy==2.4.6"
+    requirements: str | None = None  # a requirements file on the broker's host
+    # Install exactly what is listed, not the listed packages' own dependencies (pip --no-deps):
+    # for a package whose declared dependencies its tools never import.
+    no_deps: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.packages and self.requirements is None:
+            raise ValueError("python needs packages or a requirements file")
+        if any(not spec.strip() or spec.lstrip().startswith("-") for spec in self.packages):
+            raise ValueError(f"python.packages holds a blank entry or a pip option: {self.packages!r}")
+
+
+# root = "host" | "dir:PATH" | "oci:PATH" (see rollmesh/sandbox/images.py)
+_ROOT_KINDS = ("host", "dir:", "oci:")
+_HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
+
+
 class SandboxProfileConfig(SandboxLimitsConfig):
     """A named limit set (``[sandbox.profiles.<name>]``) and its warm pool: between ``warm_min``
     and ``warm_max`` fresh sandboxes are kept ready, as many as the recent lease rate times the
-    creation latency asks for."""
+    creation latency asks for. Its image: ``root`` (the root filesystem), ``python`` (a virtual
+    environment) and ``network_allow`` (host:port pairs reachable through an egress forwarder
+    outside the sandbox, which itself keeps no network)."""
 
     network: bool = False  # leases of this profile may ask for network
     warm_min: NonNegInt = 1
     warm_max: NonNegInt = 8
+    root: str = "host"  # "host", "dir:PATH" (an unpacked root) or "oci:PATH" (layout dir or tarball)
+    python: SandboxPythonConfig | None = None
+    network_allow: list[str] = []  # e.g. ["licenses.example.org:27000", "10.0.0.5:5025"]
 
     def __post_init__(self) -> None:
         if self.warm_min > self.warm_max:
             raise ValueError(f"warm_min {self.warm_min} is above warm_max {self.warm_max}")
+        if self.root != "host" and not (self.root.startswith(_ROOT_KINDS[1:]) and len(self.root) > 4):
+            raise ValueError(f"root {self.root!r} is not \"host\", \"dir:PATH\" or \"oci:PATH\"")
+        for target in self.network_allow:
+            found = _HOST_PORT.match(target)
+            if found is None or not 1 <= int(found["port"]) <= 65535:
+                raise ValueError(f"network_allow entry {target!r} is not host:port (port 1-65535)")
 
 
 class SandboxMaximaConfig(SandboxLimitsConfig):
@@ -95,6 +130,10 @@ class SandboxConfig(ConfigSection):
     # Host paths shown read-only inside sandboxes even where the sandbox's own mounts (its
     # private /tmp) would hide them: datasets, a task's files. rollmesh's tools are always shown.
     readonly_paths: list[str] = []
+    # Where unpacked image roots and profile Python environments are cached, by content hash
+    # (None: "sandbox-images" under the run directory). Shared across runs when set.
+    image_cache_dir: str | None = None
+
 
     def __post_init__(self) -> None:
         for name, profile in self.profiles.items():

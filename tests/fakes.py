@@ -194,7 +194,8 @@ class FakeSandboxBackend:
         self.execs_waiting = 0
         self.corrupt_stores = False
 
-    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False) -> FakeSandbox:
+    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False,
+                     profile: str = "default") -> FakeSandbox:
         if self.create_gate is not None:
             self.creates_waiting += 1
             try:

@@ -384,7 +384,7 @@ class SandboxBroker:
     async def _create(self, profile: str, limits: SandboxLimits, *, network: bool) -> Sandbox:
         async with self._creates:
             started = self._clock()
-            sandbox = await self.backend.create(self._new_id(), limits, network=network)
+            sandbox = await self.backend.create(self._new_id(), limits, network=network, profile=profile)
             self._pool.record_creation(profile, self._clock() - started)
         self.counts["sandboxes_created"] += 1
         return sandbox

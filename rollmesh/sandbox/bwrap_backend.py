@@ -12,7 +12,13 @@ nothing of leases. What a sandbox gets, and why:
   read-only, the merged-usr links (``/bin``, ``/lib``, ``/lib64``, ``/sbin``) as they are on the
   host, a few ``/etc`` files (the loader cache, nsswitch, localtime, alternatives; a synthesized
   passwd, group and hosts; with network also resolv.conf and the CA store), fresh ``/proc`` and
-  ``/dev``, then ``/`` and ``/dev`` remounted read-only (writes fail with EROFS).
+  ``/dev``, then ``/`` and ``/dev`` remounted read-only (writes fail with EROFS). A profile with
+  an image root (``dir:``/``oci:``, ``images.py``) shows that root instead, entry by entry
+  (``bwrap_mounts``), and runs the agent with the host's Python bound at ``/.rollmesh/python``
+  (``host_python``), since the root may have none; its Python environment is bound read-only at
+  ``/.rollmesh/venv`` and first on PATH.
+* ``network_allow``: still no network namespace access; a forwarder outside (``egress``) listens
+  on a Unix socket bound at ``/.rollmesh/egress.sock`` and connects only to the allowed pairs.
 * Writable only: ``/workspace`` (the cwd and HOME), a tmpfs of ``workspace_mb`` (the quota:
   ENOSPC past it), ``/tmp`` (as large, also the agent's tar spool) and ``/dev/shm`` (small).
   tmpfs pages are charged to the sandbox's memory cgroup, so files count as memory there.
@@ -34,12 +40,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rollmesh.sandbox.agent_client import START_TIMEOUT_S, AgentSandbox
 from rollmesh.sandbox.backend_check import check_backend
+from rollmesh.sandbox.bwrap_mounts import host_root_args, image_root_args
+from rollmesh.sandbox.egress import EGRESS_SOCKET, EgressForwarder
 from rollmesh.sandbox.errors import BackendFailedError, BackendUnavailableError, SandboxError
+from rollmesh.sandbox.host_python import HostPython, host_python
+from rollmesh.sandbox.images import SandboxImage
 from rollmesh.sandbox.limits import (
     CgroupManager,
     SandboxCgroup,
@@ -48,15 +58,13 @@ from rollmesh.sandbox.limits import (
     exec_rlimits,
     owned_cgroup_name,
 )
+from rollmesh.sandbox.python_env import ENV_MOUNT
 from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
 from rollmesh.sandbox.tool_paths import AGENT_DIR, AGENT_ENV, AGENT_FILES, SANDBOX_PATH, SYSTEM_PYTHON, TOOLS_DIR
 
 AGENT_MOUNT = "/.rollmesh"
 WORKSPACE = "/workspace"
 SHM_MB = 64
-MERGED_USR_LINKS = ("bin", "lib", "lib64", "lib32", "libx32", "sbin")
-ETC_FILES = ("ld.so.cache", "ld.so.conf", "nsswitch.conf", "localtime", "alternatives", "mime.types")
-ETC_NETWORK_FILES = ("resolv.conf", "hosts", "gai.conf", "ssl", "ca-certificates")
 
 
 class BwrapBackend:
@@ -65,7 +73,7 @@ class BwrapBackend:
 
     def __init__(self, *, bwrap: str | None = None, readonly_paths: Sequence[str] = (),
                  python: str = SYSTEM_PYTHON, use_cgroups: bool = True, uid_pool: UidPool | None = None,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, images: Mapping[str, SandboxImage] | None = None) -> None:
         found = bwrap or shutil.which("bwrap")
         if not found:
             raise BackendUnavailableError("bubblewrap is not installed", backend=self.name, reason="no bwrap on PATH")
@@ -73,6 +81,14 @@ class BwrapBackend:
         self.python = python
         self.start_timeout_s = start_timeout_s
         self.readonly_paths = [str(TOOLS_DIR), *(str(Path(p).resolve()) for p in readonly_paths)]
+        # Per profile (those with an image; the others get today's host view), prepared before
+        # any lease: the root's arguments are computed here once, not per sandbox.
+        self.images = dict(images or {})
+        self._root_args = {(name, network): image_root_args(image.root_dir, network=network)
+                           for name, image in self.images.items() if image.root_dir is not None
+                           for network in (False, True)}
+        self.host_python: HostPython | None = (
+            host_python(python) if any(i.root_dir is not None for i in self.images.values()) else None)
         self.cgroups: CgroupManager | None = None
         self.cgroup_reason = "disabled"
         if use_cgroups:
@@ -91,27 +107,35 @@ class BwrapBackend:
 
     # ---- create ------------------------------------------------------------------------------
 
-    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False) -> AgentSandbox:
+    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False,
+                     profile: str = "default") -> AgentSandbox:
+        image = self.images.get(profile)
         uid = self.uids.acquire() if self.uids is not None else None
         cgroup: SandboxCgroup | None = None
+        egress: EgressForwarder | None = None
         data_fds: list[int] = []
         try:
+            if image is not None and image.network_allow and not network:
+                egress = EgressForwarder(image.network_allow)
+                await egress.start()
             if self.cgroups is not None:
                 cgroup = self.cgroups.create(owned_cgroup_name(sandbox_id), memory_mb=limits.memory_mb, pids=limits.pids)
             sandbox_uid = uid.uid if uid is not None else os.getuid()
-            argv, data_fds = self.build_argv(limits, network=network, uid=sandbox_uid, cgroup=cgroup)
+            argv, data_fds = self.build_argv(limits, network=network, uid=sandbox_uid, cgroup=cgroup, image=image,
+                                             egress_socket=egress.socket_path if egress is not None else None)
         except (OSError, SandboxError) as exc:
-            _release(cgroup, uid)
+            _release(cgroup, uid, egress)
             raise BackendFailedError("could not prepare the sandbox", backend=self.name, reason=str(exc)) from exc
         info = SandboxInfo(sandbox_id=sandbox_id, backend=self.name, isolated=True, limits=limits,
-                           enforcement=self.enforcement(limits, network=network, cgroup=cgroup, uid=uid))
+                           enforcement=self.enforcement(limits, network=network, cgroup=cgroup, uid=uid,
+                                                        image=image, egress=egress is not None))
         try:
             # Without a cgroup, killing bwrap's session is enough: its pid-namespace init dies
             # with it (--die-with-parent) and takes every process in the namespace along.
             sandbox = await AgentSandbox.launch(
                 info, argv, env={"PATH": SANDBOX_PATH}, pass_fds=data_fds, start_timeout_s=self.start_timeout_s,
                 kill_tree=cgroup.kill_all if cgroup is not None else None,
-                cleanup=lambda: _release(cgroup, uid),
+                cleanup=lambda: _release(cgroup, uid, egress),
                 oom_kills=cgroup.oom_kills if cgroup is not None else None,
             )
         finally:
@@ -119,10 +143,11 @@ class BwrapBackend:
                 os.close(fd)
         return sandbox
 
-    def build_argv(self, limits: SandboxLimits, *, network: bool, uid: int,
-                   cgroup: SandboxCgroup | None) -> tuple[list[str], list[int]]:
+    def build_argv(self, limits: SandboxLimits, *, network: bool, uid: int, cgroup: SandboxCgroup | None,
+                   image: SandboxImage | None = None, egress_socket: str | None = None) -> tuple[list[str], list[int]]:
         """The full command line (cgroup join, uid switch, bwrap, agent) and the fds it reads
-        synthesized files from (the caller closes them once the sandbox started)."""
+        synthesized files from (the caller closes them once the sandbox started). ``image``: the
+        profile's (None: the host's minimal view, no environment)."""
         fds: list[int] = []
 
         def data(name: str, text: str) -> str:
@@ -145,21 +170,12 @@ class BwrapBackend:
         # --as-pid-1: the agent is the namespace's init, so no bwrap process inside holds the
         # host's pipes where code in the sandbox (same uid) could ptrace it, signals from inside
         # cannot kill the agent, and when it dies everything in the sandbox dies with it.
-        args += ["--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                 "--ro-bind", "/usr", "/usr"]
-        for link in MERGED_USR_LINKS:
-            host = Path("/") / link
-            if host.is_symlink():
-                args += ["--symlink", os.readlink(host), str(host)]
-            elif host.is_dir():
-                args += ["--ro-bind", str(host), str(host)]
-        args += ["--perms", "0755", "--dir", "/etc"]
-        for name in (*ETC_FILES, *(ETC_NETWORK_FILES if network else ())):
-            host = Path("/etc") / name
-            if host.is_symlink() and os.readlink(host).startswith("/usr/"):
-                args += ["--symlink", os.readlink(host), str(host)]
-            elif host.exists():
-                args += ["--ro-bind", str(host), str(host)]
+        args += ["--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        image_root = image is not None and image.root_dir is not None
+        if image_root:
+            args += self._root_args[(image.profile, network)]  # type: ignore[union-attr]
+        else:
+            args += host_root_args(network=network)
         args += ["--perms", "0644", "--ro-bind-data", data("passwd", _passwd(uid)), "/etc/passwd"]
         args += ["--perms", "0644", "--ro-bind-data", data("group", _group(uid)), "/etc/group"]
         if not network:
@@ -173,6 +189,18 @@ class BwrapBackend:
         args += ["--perms", "0755", "--dir", AGENT_MOUNT]
         for name in AGENT_FILES:
             args += ["--ro-bind", str(AGENT_DIR / name), f"{AGENT_MOUNT}/{name}"]
+        python = [self.python]
+        if image_root:
+            assert self.host_python is not None
+            for source, inside in self.host_python.binds:
+                args += ["--ro-bind", source, inside]
+            python = list(self.host_python.argv)
+        command_path = SANDBOX_PATH
+        if image is not None and image.venv is not None:
+            args += ["--ro-bind", str(image.venv), ENV_MOUNT]
+            command_path = f"{ENV_MOUNT}/bin:{SANDBOX_PATH}"
+        if egress_socket is not None:
+            args += ["--bind", egress_socket, EGRESS_SOCKET]
         for path in self.readonly_paths:
             args += ["--ro-bind-try", path, path]
         args += ["--remount-ro", "/", "--remount-ro", "/dev", "--chdir", WORKSPACE, "--clearenv"]
@@ -182,7 +210,7 @@ class BwrapBackend:
         config = {
             "workspace": WORKSPACE,
             "spool": "/tmp",
-            "path": SANDBOX_PATH,
+            "path": command_path,
             "max_output_bytes": limits.max_output_bytes,
             "exec_timeout_s": limits.exec_timeout_s,
             "exec_rlimits": exec_rlimits(cpu_s=limits.cpu_s, file_size_mb=limits.file_size_mb,
@@ -190,14 +218,20 @@ class BwrapBackend:
             "nproc": limits.pids,
             "child_oom_score_adj": 1000,
         }
-        args += ["--", self.python, "-I", "-S", f"{AGENT_MOUNT}/agent.py", json.dumps(config)]
+        args += ["--", *python, "-I", "-S", f"{AGENT_MOUNT}/agent.py", json.dumps(config)]
         return prefix + args, fds
 
     def enforcement(self, limits: SandboxLimits, *, network: bool, cgroup: SandboxCgroup | None,
-                    uid: UidLease | None) -> dict[str, str]:
+                    uid: UidLease | None, image: SandboxImage | None = None, egress: bool = False) -> dict[str, str]:
         by_cgroup = f"cgroup {cgroup.version}" if cgroup is not None else ""
+        root = f"read-only image root ({image.describe()})" if image is not None else "read-only minimal root"
+        if egress:
+            assert image is not None
+            net = f"none (own network namespace); egress forwarder outside to {', '.join(image.network_allow)}"
+        else:
+            net = "host network" if network else "none (own network namespace)"
         return {
-            "isolation": "bubblewrap namespaces (user, pid, net, ipc, uts, cgroup), read-only minimal root",
+            "isolation": f"bubblewrap namespaces (user, pid, net, ipc, uts, cgroup), {root}",
             "memory": by_cgroup or "rlimit (RLIMIT_AS per exec)",
             "pids": by_cgroup or "rlimit (RLIMIT_NPROC per sandbox user namespace)",
             "cgroups": by_cgroup or f"none: {self.cgroup_reason}",
@@ -205,7 +239,7 @@ class BwrapBackend:
             "cpu": "rlimit (RLIMIT_CPU per exec)",
             "file_size": "rlimit (RLIMIT_FSIZE per exec)",
             "uid": f"dedicated host uid {uid.uid}" if uid is not None else "the broker's uid",
-            "network": "host network" if network else "none (own network namespace)",
+            "network": net,
         }
 
     def self_test(self) -> None:
@@ -214,7 +248,9 @@ class BwrapBackend:
         check_backend(self)
 
 
-def _release(cgroup: SandboxCgroup | None, uid: UidLease | None) -> None:
+def _release(cgroup: SandboxCgroup | None, uid: UidLease | None, egress: EgressForwarder | None = None) -> None:
+    if egress is not None:
+        egress.close()
     if cgroup is not None:
         cgroup.kill_all()
         cgroup.remove()

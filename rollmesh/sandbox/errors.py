@@ -19,7 +19,13 @@ the boundary with ``raise X(...) from exc``::
     +-- CapacityError              no room for another sandbox now: answered "capacity"
     +-- ChecksumMismatchError      bytes whose sha256 is not the one announced (path)
     +-- SandboxRequestError        (client side) the broker answered error_kind, or could not be
-                                   reached (kind "unreachable"); retry_after_s, operation
+    |                              reached (kind "unreachable"); retry_after_s, operation
+    +-- ImageLayoutError           an OCI layout or docker-save tarball that cannot be read as
+    |                              one (image, reason): missing index, bad digest, zstd layer
+    +-- UnsafeImageError           an image layer's tar member that climbs out of the root or
+    |                              would be written through a link (image, member, reason)
+    +-- ImageBuildError            a profile's image (root, Python environment) could not be made
+                                   ready (profile, reason): at broker start, never in a lease
 """
 
 from __future__ import annotations
@@ -105,3 +111,26 @@ class SandboxRequestError(SandboxError):
         self.kind = kind
         self.operation = operation
         self.retry_after_s = retry_after_s
+
+
+class ImageLayoutError(SandboxError):
+    def __init__(self, message: str, *, image: str, reason: str = "") -> None:
+        super().__init__(f"{message}: {reason}" if reason else message)
+        self.image = image
+        self.reason = reason
+
+
+class UnsafeImageError(SandboxError):
+    def __init__(self, message: str, *, image: str, member: str, reason: str = "") -> None:
+        super().__init__(f"{message} ({member!r} in {image}): {reason}" if reason else message)
+        self.image = image
+        self.member = member
+        self.reason = reason
+
+
+class ImageBuildError(SandboxError):
+    def __init__(self, message: str, *, profile: str, reason: str = "") -> None:
+        super().__init__(f"sandbox profile {profile!r}: {message}: {reason}" if reason
+                         else f"sandbox profile {profile!r}: {message}")
+        self.profile = profile
+        self.reason = reason

@@ -47,7 +47,8 @@ class ProcessBackend:
         self.start_timeout_s = start_timeout_s
         log.warning("process sandbox backend isolates NOTHING: development only", backend=self.name)
 
-    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False) -> AgentSandbox:
+    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False,
+                     profile: str = "default") -> AgentSandbox:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", sandbox_id)[:64]
         if self.root_dir is not None:
             os.makedirs(self.root_dir, exist_ok=True)

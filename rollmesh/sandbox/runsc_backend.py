@@ -80,7 +80,8 @@ class RunscBackend:
         self._cgroup_base = f"{_own_cgroup('memory').rstrip('/')}/rollmesh-runsc"
         self._cgroup_parents = _missing_cgroup_dirs(self._cgroup_base)
 
-    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False) -> AgentSandbox:
+    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False,
+                     profile: str = "default") -> AgentSandbox:
         container = f"rollmesh-{re.sub(r'[^A-Za-z0-9_.-]', '_', sandbox_id)[:48]}-{uuid.uuid4().hex[:8]}"
         bundle = self.home / "bundles" / container
         bundle.mkdir(parents=True)

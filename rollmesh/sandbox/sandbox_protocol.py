@@ -117,7 +117,10 @@ class SandboxBackend(Protocol):
     name: str
     isolated: bool
 
-    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False) -> Sandbox:
+    async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False,
+                     profile: str = "default") -> Sandbox:
+        """``profile``: whose image (root, Python environment, egress) the sandbox shows; a
+        backend given no images for it shows its default root."""
         ...
 
     def self_test(self) -> None: ...
