@@ -61,7 +61,7 @@ class FakeSandbox:
 
     async def exec(self, argv: list[str] | None = None, *, shell: str | None = None, stdin: bytes = b"",
                    timeout_s: float | None = None, env: dict[str, str] | None = None,
-                   cwd: str | None = None, on_output: Any = None) -> ExecOutcome:
+                   cwd: str | None = None, on_output: Any = None, key: str = "") -> ExecOutcome:
         self._check_alive()
         self.execs.append({"argv": argv, "shell": shell, "stdin": stdin, "timeout_s": timeout_s,
                            "env": env, "cwd": cwd})

@@ -16,7 +16,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from rollmesh.sandbox import agent_wire as wire
 from rollmesh.sandbox.agent_pipes import DIED, AgentPipes
@@ -69,16 +70,19 @@ class AgentSandbox(AgentPipes):
         cleanup: Callable[[], None] | None = None,
         oom_kills: Callable[[], int] | None = None,
         graceful_exit_s: float = 0.0,
+        spawn: Callable[..., Awaitable[Any]] | None = None,
     ) -> AgentSandbox:
         """Spawn the agent (``argv``, which already holds every wrapper) and wait up to
         ``start_timeout_s`` for its hello; BackendFailedError (with the tail of what it said on
         stderr) when it exits or stays silent.
 
         No ``preexec_fn``: the broker runs inside a Ray actor, which has threads. The agent gets
-        a session of its own so no signal meant for the broker's group reaches it.
+        a session of its own so no signal meant for the broker's group reaches it. ``spawn``
+        replaces the fork here (the sandbox supervisor's: ``supervisor_client``); it returns
+        what ``subprocess.Popen`` would.
         """
         try:
-            process = await _spawn(list(argv), env=env, cwd=cwd, pass_fds=tuple(pass_fds))
+            process = await (spawn or _spawn)(list(argv), env=env, cwd=cwd, pass_fds=tuple(pass_fds))
         except OSError as exc:
             if cleanup is not None:
                 cleanup()
@@ -118,6 +122,7 @@ class AgentSandbox(AgentPipes):
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         on_output: OutputCallback | None = None,
+        key: str = "",
     ) -> ExecOutcome:
         if (argv is None) == (shell is None):
             raise ValueError("exec takes exactly one of argv and shell")
@@ -139,6 +144,8 @@ class AgentSandbox(AgentPipes):
             header["env"] = {str(k): str(v) for k, v in env.items()}
         if cwd not in (None, "", "."):
             header["cwd"] = cwd
+        if key:  # a supervisor attaches a second exec with this key to the first (the agent ignores it)
+            header["key"] = key
         out, err = bytearray(), bytearray()
         try:
             self._send(header, stdin)

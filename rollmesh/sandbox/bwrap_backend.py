@@ -42,6 +42,7 @@ import os
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollmesh.sandbox.agent_client import START_TIMEOUT_S, AgentSandbox
 from rollmesh.sandbox.backend_check import check_backend
@@ -62,6 +63,9 @@ from rollmesh.sandbox.python_env import ENV_MOUNT
 from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
 from rollmesh.sandbox.tool_paths import AGENT_DIR, AGENT_ENV, AGENT_FILES, SANDBOX_PATH, SYSTEM_PYTHON, TOOLS_DIR
 
+if TYPE_CHECKING:
+    from rollmesh.sandbox.supervisor_client import SupervisorClient
+
 AGENT_MOUNT = "/.rollmesh"
 WORKSPACE = "/workspace"
 SHM_MB = 64
@@ -70,6 +74,7 @@ SHM_MB = 64
 class BwrapBackend:
     name = "bwrap"
     isolated = True
+    supervisor: SupervisorClient | None = None  # set: sandboxes are spawned and held by it
 
     def __init__(self, *, bwrap: str | None = None, readonly_paths: Sequence[str] = (),
                  python: str = SYSTEM_PYTHON, use_cgroups: bool = True, uid_pool: UidPool | None = None,
@@ -132,12 +137,14 @@ class BwrapBackend:
         try:
             # Without a cgroup, killing bwrap's session is enough: its pid-namespace init dies
             # with it (--die-with-parent) and takes every process in the namespace along.
+            options: dict = {"kill_tree": cgroup.kill_all if cgroup is not None else None,
+                             "cleanup": lambda: _release(cgroup, uid, egress),
+                             "oom_kills": cgroup.oom_kills if cgroup is not None else None}
+            if self.supervisor is not None:
+                options = self.supervisor.launch_options(info, cgroup=cgroup, uid=uid, **options)
             sandbox = await AgentSandbox.launch(
                 info, argv, env={"PATH": SANDBOX_PATH}, pass_fds=data_fds, start_timeout_s=self.start_timeout_s,
-                kill_tree=cgroup.kill_all if cgroup is not None else None,
-                cleanup=lambda: _release(cgroup, uid, egress),
-                oom_kills=cgroup.oom_kills if cgroup is not None else None,
-            )
+                **options)
         finally:
             for fd in data_fds:
                 os.close(fd)

@@ -16,6 +16,7 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -23,6 +24,9 @@ from rollmesh.sandbox.agent_client import START_TIMEOUT_S, AgentSandbox
 from rollmesh.sandbox.limits import exec_rlimits
 from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
 from rollmesh.sandbox.tool_paths import AGENT_DIR, AGENT_ENV, SANDBOX_PATH, python_for_sandbox
+
+if TYPE_CHECKING:
+    from rollmesh.sandbox.supervisor_client import SupervisorClient
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +45,7 @@ ENFORCEMENT = {
 class ProcessBackend:
     name = "process"
     isolated = False
+    supervisor: SupervisorClient | None = None  # set: sandboxes are spawned and held by it
 
     def __init__(self, *, root_dir: str | Path | None = None, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.root_dir = str(root_dir) if root_dir is not None else None
@@ -68,9 +73,11 @@ class ProcessBackend:
         info = SandboxInfo(sandbox_id=sandbox_id, backend=self.name, isolated=False, limits=limits,
                            enforcement=dict(ENFORCEMENT))
         argv = [python_for_sandbox(), "-I", "-S", str(AGENT_DIR / "agent.py"), json.dumps(config)]
+        options: dict = {"cleanup": lambda: remove_tree(home), "graceful_exit_s": 1.0}
+        if self.supervisor is not None:
+            options = self.supervisor.launch_options(info, kill_tree=None, oom_kills=None, home=home, **options)
         return await AgentSandbox.launch(info, argv, env=dict(AGENT_ENV), cwd=workspace,
-                                         cleanup=lambda: remove_tree(home), graceful_exit_s=1.0,
-                                         start_timeout_s=self.start_timeout_s)
+                                         start_timeout_s=self.start_timeout_s, **options)
 
     def self_test(self) -> None:
         """Nothing to check: a plain subprocess always works."""

@@ -86,6 +86,7 @@ class Sandbox(Protocol):
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         on_output: OutputCallback | None = None,
+        key: str = "",  # the exec's id: a supervised sandbox runs one key once (sandbox.md)
     ) -> ExecOutcome: ...
 
     # Checksums: the sandbox side hashes what it stored or read. With ``expected_sha256`` (the
