@@ -127,6 +127,14 @@ class SandboxConfig(ConfigSection):
     max_snapshots: PositiveInt = 64
     max_snapshot_bytes: PositiveInt = 4096 * MiB
     snapshot_ttl_s: PositiveFloat = 3600.0
+    # Sandboxes outlive their broker (docs/sandbox.md): a per-node supervisor process holds
+    # them, the lease table is in JetStream KV, and a restarted broker re-adopts both. The
+    # supervisor exits once it holds no sandbox and no broker was connected for
+    # supervisor_idle_exit_s; an exec's result is kept exec_result_keep_s after it ended, for a
+    # request retried with the same exec_id. False: sandboxes are the broker's children.
+    supervisor: bool = True
+    supervisor_idle_exit_s: PositiveFloat = 60.0
+    exec_result_keep_s: PositiveFloat = 600.0
     # Host paths shown read-only inside sandboxes even where the sandbox's own mounts (its
     # private /tmp) would hide them: datasets, a task's files. rollmesh's tools are always shown.
     readonly_paths: list[str] = []

@@ -239,3 +239,23 @@ class SandboxReleaseReply(WireMessage, frozen=True, tag="sandbox.release_reply")
     released: bool = False
     error_kind: SandboxErrorKind = ""
     error: str = ""
+
+
+class SandboxLeaseRecord(WireMessage, frozen=True, tag="sandbox.lease_record"):
+    """A broker's lease, durable: the value of its key in the sandbox-lease KV bucket, written
+    when it is granted (and as its expiry moves), deleted when it ends. A restarted broker reads
+    its own (``broker``) and re-adopts each lease whose sandbox its node's supervisor still holds.
+    ``expires_at`` may lag the live lease's by up to ``expiry_slack_s``, never more."""
+
+    lease_id: str
+    holder: str
+    broker: str
+    sandbox_id: str
+    profile: str
+    limits: SandboxLimitsSpec
+    network: bool
+    ttl_s: float
+    expires_at: float
+    expiry_slack_s: float = 0.0
+    warmable: bool = False
+    warm: bool = False

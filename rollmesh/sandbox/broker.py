@@ -51,6 +51,7 @@ from rollmesh.ports import Publisher
 from rollmesh.sandbox.errors import CapacityError, RequestRefusedError
 from rollmesh.telemetry import metrics, metrics_catalog
 from rollmesh.sandbox.lease_terms import LeaseTerms, limits_spec, profile_limits, resolve_terms
+from rollmesh.sandbox.lease_store import LeaseJournal
 from rollmesh.sandbox.leases import Lease, LeaseTable
 from rollmesh.sandbox.sandbox_protocol import Sandbox, SandboxBackend, SandboxLimits
 from rollmesh.sandbox.snapshots import SnapshotStore
@@ -86,6 +87,7 @@ class SandboxBroker:
         publisher: Publisher | None = None,
         clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+        journal: LeaseJournal | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -104,6 +106,8 @@ class SandboxBroker:
         self._pending: dict[str, asyncio.Future[SandboxLeaseReply]] = {}
         self._pools_wanted = asyncio.Event()
         self._closed = False
+        self._journal = journal  # the durable lease table (lease_store), if any
+        self._execs: dict[tuple[str, str], asyncio.Future[SandboxExecReply]] = {}  # running, by exec_id
         _observe_broker(self)
 
     # -- leases ----------------------------------------------------------------------------
@@ -207,6 +211,20 @@ class SandboxBroker:
     # -- what runs in a leased sandbox ------------------------------------------------------
 
     async def exec(self, req: SandboxExecRequest) -> SandboxExecReply:
+        # A retried request (same exec_id) waits for the running exec instead of starting it
+        # again; across a broker restart the supervisor attaches it the same way (by key).
+        running = self._execs.get((req.lease_id, req.exec_id)) if req.exec_id else None
+        if running is not None:
+            self.counts["execs_reattached"] += 1
+            return await asyncio.shield(running)
+        if not req.exec_id:
+            return await self._exec(req)
+        task = asyncio.ensure_future(self._exec(req))
+        self._execs[(req.lease_id, req.exec_id)] = task
+        task.add_done_callback(lambda _: self._execs.pop((req.lease_id, req.exec_id), None))
+        return await asyncio.shield(task)
+
+    async def _exec(self, req: SandboxExecRequest) -> SandboxExecReply:
         started = time.monotonic()
         lease, kind, text = await self._live(req.lease_id)
         if lease is None:
@@ -272,6 +290,8 @@ class SandboxBroker:
         for lease in expired:
             await self._end(lease, "expired")
         self._snapshots.expire()
+        if self._journal is not None:
+            await self._journal.sync(self._leases.all())
         return len(expired)
 
     async def resize_pools(self) -> None:
@@ -304,6 +324,14 @@ class SandboxBroker:
             return False
         self._pool.add(profile, sandbox)
         return True
+
+    async def adopt(self, leases: list[Lease]) -> int:
+        """Leases a previous broker of this name granted, whose sandboxes live on
+        (``lease_store.readopt``); those that expired meanwhile are reaped at once (how many)."""
+        for lease in leases:
+            self._leases.add(lease)
+        self.counts["leases_adopted"] += len(leases)
+        return await self.reap_expired()
 
     async def close(self) -> None:
         """Destroy every sandbox, leased and warm (the broker is stopping)."""
@@ -362,6 +390,8 @@ class SandboxBroker:
                 self.counts["leases_granted"] += 1
                 self.counts["leases_warm" if warm else "leases_cold"] += 1
                 log.debug("sandbox leased", lease_id=lease.lease_id, holder=holder, warm=warm)
+            if self._journal is not None:
+                await self._journal.granted(leases)
             return leases
         finally:
             self._reserved -= len(holders)
@@ -408,6 +438,8 @@ class SandboxBroker:
         lease.transfers.clear()
         self.counts[{"released": "leases_released", "expired": "leases_expired"}.get(why, "leases_ended")] += 1
         log.info("sandbox lease ended", lease_id=lease.lease_id, holder=lease.holder, why=why)
+        if self._journal is not None:
+            await self._journal.ended(lease)
         await self._destroy(lease.sandbox, why)
 
     async def _destroy(self, sandbox: Sandbox, why: str) -> None:

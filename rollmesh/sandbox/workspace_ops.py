@@ -147,6 +147,7 @@ class WorkspaceOps:
                 timeout_s=req.timeout_s or lease.terms.limits.exec_timeout_s,
                 env=with_trace_context(dict(req.env)) or None, cwd=req.cwd or None,
                 on_output=self._streamer(lease, exec_id) if req.stream_output else None,
+                key=exec_id,
             )
             return exec_reply(outcome, exec_id)
         except Exception as exc:  # noqa: BLE001 - the runtime's failures are results, by contract

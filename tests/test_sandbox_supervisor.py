@@ -1,0 +1,111 @@
+"""Sandboxes that outlive their broker: the per-node supervisor holds real bubblewrap sandboxes
+(and their running execs) across the death of the process that spawned them, and a restarted
+broker re-adopts its leases from the KV lease table (the session's real nats-server), reaping
+those that expired while no broker was alive. The whole-mesh case (a broker actor SIGKILLed
+mid tool call) is in test_mesh_recovery.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sandbox_helpers import usable_bwrap
+from rollmesh.bus.sandbox_leases import KvSandboxLeases
+from rollmesh.config import SandboxConfig
+from rollmesh.messages.sandbox import SandboxExecRequest, SandboxLeaseRequest
+from rollmesh.sandbox import SandboxBroker
+from rollmesh.sandbox.lease_store import LeaseJournal, readopt
+from rollmesh.sandbox.supervisor_client import SupervisorClient
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+# Writes each step to the workspace as it goes: a second run would write every step twice.
+STEPS = "for i in 1 2 3 4; do echo step $i >> log; sleep 0.4; done; cat log"
+
+CHILD = textwrap.dedent("""
+    import asyncio, os, signal, sys
+    from rollmesh.sandbox.bwrap_backend import BwrapBackend
+    from rollmesh.sandbox.sandbox_protocol import SandboxLimits
+    from rollmesh.sandbox.supervisor_client import SupervisorClient
+
+    async def main(run_dir, steps):
+        backend = BwrapBackend()
+        backend.supervisor = SupervisorClient(run_dir, broker="child", idle_exit_s=5)
+        sandbox = await backend.create("outliver", SandboxLimits())
+        running = asyncio.ensure_future(sandbox.exec(shell=steps, key="the-exec"))
+        while b"step 1" not in (await sandbox.exec(shell="cat log 2>/dev/null")).stdout:
+            pass  # polled: the command is under way once its first step is in the workspace
+        assert not running.done()
+        os.kill(os.getpid(), signal.SIGKILL)  # as a broker dies: no goodbye to anyone
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+""")
+
+
+async def test_a_sandbox_and_its_running_exec_outlive_the_process_that_spawned_them(tmp_path):
+    usable_bwrap()
+    child = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", CHILD, str(tmp_path), STEPS],
+                                    capture_output=True, timeout=60)
+    assert child.returncode == -9, child.stderr.decode()[-2000:]
+    client = SupervisorClient(tmp_path, broker="child", idle_exit_s=5)
+    (entry,) = await asyncio.to_thread(client.held)
+    assert entry["sandbox_id"] == "outliver" and entry["exit_code"] is None
+    sandbox = await client.adopt(entry)
+    try:
+        # The same key attaches to the exec still running (or kept): its whole output, run once.
+        again = await sandbox.exec(shell="echo this must not run", key="the-exec")
+        assert (again.result, again.exit_code) == ("exit", 0)
+        assert again.stdout.decode().split("\n") == ["step 1", "step 2", "step 3", "step 4", ""]
+        after = await sandbox.exec(shell="cat log; echo $HOME", key="another")
+        assert after.stdout.decode() == "step 1\nstep 2\nstep 3\nstep 4\n/workspace\n"
+    finally:
+        await sandbox.destroy()
+    assert await asyncio.to_thread(client.held) == []
+    cgroups = entry["record"]["cgroup"]
+    assert cgroups is None or not any(Path(d).exists() for d in cgroups["dirs"])
+
+
+async def test_a_restarted_broker_readopts_its_leases_and_reaps_those_that_expired(tmp_path, nats_client,
+                                                                                   namespace):
+    now = [1000.0]
+    config = SandboxConfig(backend="bwrap", reap_interval_s=1.0)
+    store = KvSandboxLeases(nats_client.jetstream(), namespace)
+
+    def broker_on(run_dir: Path) -> tuple[SandboxBroker, SupervisorClient, LeaseJournal]:
+        backend = usable_bwrap()
+        backend.supervisor = SupervisorClient(run_dir, broker="sandbox-broker", idle_exit_s=5)
+        journal = LeaseJournal(store, "sandbox-broker", sync_interval_s=config.reap_interval_s)
+        return (SandboxBroker(config, backend, snapshot_dir=run_dir / "snaps", journal=journal,
+                              clock=lambda: now[0]), backend.supervisor, journal)
+
+    first, _, _ = broker_on(tmp_path)
+    kept = await first.lease(SandboxLeaseRequest(holder="rollout-kept", ttl_s=600.0))
+    lapsing = await first.lease(SandboxLeaseRequest(holder="rollout-lapsing", ttl_s=8.0))
+    assert not kept.error_kind and not lapsing.error_kind
+    wrote = await first.exec(SandboxExecRequest(lease_id=kept.lease_id, shell="echo state > kept.txt"))
+    assert wrote.exit_code == 0
+    # The first broker crashes (never closed). Time passes past the short lease's TTL and slack
+    # (8 / 4 + 1 s), within the long one's.
+    now[0] += 60.0
+    second, supervisor, journal = broker_on(tmp_path)
+    stats = await readopt(second, supervisor, journal)
+    assert (stats.adopted, stats.reaped, stats.orphans, stats.lost) == (2, 1, 0, 0)
+    assert second.counts["leases_expired"] == 1
+    reread = await second.exec(SandboxExecRequest(lease_id=kept.lease_id, shell="cat kept.txt"))
+    assert (reread.result, reread.stdout) == ("exit", b"state\n")  # the same sandbox
+    gone = await second.exec(SandboxExecRequest(lease_id=lapsing.lease_id, shell="true"))
+    assert gone.error_kind == "unknown_lease"
+    # A retried exec (same exec_id) while it runs waits for it: it runs once.
+    twice = await asyncio.gather(*(second.exec(SandboxExecRequest(
+        lease_id=kept.lease_id, exec_id="x1", shell="echo ran >> runs; sleep 0.3; cat runs")) for _ in range(2)))
+    assert [reply.stdout for reply in twice] == [b"ran\n", b"ran\n"]
+    assert [r.lease_id for r in await store.load("sandbox-broker")] == [kept.lease_id]
+    await second.close()  # an orderly stop destroys what it holds and forgets its leases
+    assert await store.load("sandbox-broker") == []
+    assert await asyncio.to_thread(supervisor.held) == []
