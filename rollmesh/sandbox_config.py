@@ -123,6 +123,13 @@ class SandboxConfig(ConfigSection):
     # Transfers: the largest file (or tar) moved, and the largest download chunk.
     max_transfer_bytes: PositiveInt = 1024 * MiB
     transfer_chunk_bytes: Annotated[int, Meta(ge=1024, le=6 * MiB)] = 4 * MiB
+    # The bulk data path: a file above this moves over a direct stream to its lease's broker
+    # (a Unix socket on the broker's node, else TCP on bulk_bind_host; TLS with the
+    # security.nats_tls certificates under security), opened with a one-time token the broker
+    # issues over NATS, which carries only control. A token not used in bulk_token_ttl_s lapses.
+    bulk_threshold_bytes: NonNegInt = 64 * 1024
+    bulk_bind_host: str = "127.0.0.1"  # "0.0.0.0": reachable from other nodes
+    bulk_token_ttl_s: PositiveFloat = 30.0
     # Snapshots kept by the broker (tars of workspaces): the least recently used go first.
     max_snapshots: PositiveInt = 64
     max_snapshot_bytes: PositiveInt = 4096 * MiB

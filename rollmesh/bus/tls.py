@@ -1,4 +1,5 @@
-"""TLS to NATS: the client's SSL context and the embedded server's ``tls { }`` block.
+"""TLS to NATS: the client's SSL context and the embedded server's ``tls { }`` block (and a server
+context from the same material, for the sandbox broker's bulk stream).
 
 Knows the standard library's ssl module and nats-server's config syntax; knows nothing of
 nats-py or Ray. Paths are checked up front, so a missing file is a clear error at startup rather
@@ -27,6 +28,24 @@ def client_tls_context(tls: NatsTlsConfig) -> ssl.SSLContext | None:
             context.load_cert_chain(str(_existing(tls.cert_file)), str(_existing(tls.key_file)))
     except ssl.SSLError as exc:
         raise BusSecurityError(f"unusable TLS material: {exc.reason or exc}") from exc
+    return context
+
+
+def server_tls_context(tls: NatsTlsConfig) -> ssl.SSLContext | None:
+    """A server's context from the NATS TLS material, for the sandbox broker's bulk stream: it
+    serves ``server_cert_file`` (else ``cert_file``) and, with ``verify``, requires a client
+    certificate signed by ``ca_file``. None when TLS is off or there is no certificate to serve."""
+    cert, key = (tls.server_cert_file, tls.server_key_file) if tls.server_cert_file else (tls.cert_file, tls.key_file)
+    if not tls.enabled or not cert:
+        return None
+    try:
+        context = ssl.create_default_context(
+            ssl.Purpose.CLIENT_AUTH, cafile=str(_existing(tls.ca_file)) if tls.ca_file else None)
+        context.load_cert_chain(str(_existing(cert)), str(_existing(key)))
+    except ssl.SSLError as exc:
+        raise BusSecurityError(f"unusable TLS material: {exc.reason or exc}") from exc
+    if tls.verify:
+        context.verify_mode = ssl.CERT_REQUIRED
     return context
 
 

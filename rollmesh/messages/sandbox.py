@@ -35,6 +35,7 @@ SandboxErrorKind = Literal[
     "sandbox_died",  # the leased sandbox is gone; the lease is useless
     "infra_error",  # the runtime failed (could not create a sandbox, ...): not the caller's fault
     "internal_error",  # the broker itself failed on this request
+    "bad_token",  # a bulk stream's token is unknown, spent, expired, or another lease's
 ]
 ExecResultKind = Literal[
     "", "exit", "timeout", "oom", "signal", "output_truncated", "sandbox_died", "infra_error"
@@ -129,6 +130,19 @@ class SandboxOutputProduced(WireMessage, frozen=True, tag="sandbox.output"):
     data: bytes
 
 
+class SandboxBulkTicket(Struct, frozen=True, kw_only=True):
+    """Where and how to open the direct stream of one bulk transfer (rollmesh/messages/
+    sandbox_bulk.py): a one-time token for this lease and file, usable until ``expires_at``."""
+
+    token: str
+    host: str = ""  # TCP ("" and port 0: not offered over TCP)
+    port: int = 0
+    tls: bool = False  # the TCP stream is TLS (with the security.nats_tls certificates)
+    unix_path: str = ""  # a Unix socket, for a client on the broker's node ("" when none)
+    node: str = ""  # the broker's node (host name and boot id): whether unix_path is reachable
+    expires_at: float = 0.0
+
+
 class SandboxUploadRequest(WireMessage, frozen=True, tag="sandbox.upload_request"):
     """One chunk of an upload; chunks of one upload share ``upload_id`` and come in order."""
 
@@ -145,6 +159,9 @@ class SandboxUploadRequest(WireMessage, frozen=True, tag="sandbox.upload_request
     offset: Annotated[int, Meta(ge=0)] = 0
     mode: Annotated[int, Meta(ge=0, le=0o7777)] = 0o644
     rollout_id: RolloutRef = ""
+    # Ask for a bulk ticket instead of sending ``data`` (empty then): the file's bytes go over
+    # the direct stream, with its sha256. A broker without a bulk path answers without a ticket.
+    bulk: bool = False
 
 
 class SandboxUploadReply(WireMessage, frozen=True, tag="sandbox.upload_reply"):
@@ -154,6 +171,7 @@ class SandboxUploadReply(WireMessage, frozen=True, tag="sandbox.upload_reply"):
     sha256: str = ""  # computed in the sandbox, of what it stored
     error_kind: SandboxErrorKind = ""
     error: str = ""
+    bulk: SandboxBulkTicket | None = None  # the answer to a request with ``bulk``
 
 
 class SandboxDownloadRequest(WireMessage, frozen=True, tag="sandbox.download_request"):
@@ -165,6 +183,9 @@ class SandboxDownloadRequest(WireMessage, frozen=True, tag="sandbox.download_req
     offset: Annotated[int, Meta(ge=0)] = 0
     max_bytes: Annotated[int, Meta(ge=1)] = 4 * 1024 * 1024
     rollout_id: RolloutRef = ""
+    # The client can take a bulk stream: a file above sandbox.bulk_threshold_bytes is then
+    # answered with a ticket (and its size and sha256) instead of its first chunk.
+    bulk: bool = False
 
 
 class SandboxDownloadReply(WireMessage, frozen=True, tag="sandbox.download_reply"):
@@ -175,6 +196,7 @@ class SandboxDownloadReply(WireMessage, frozen=True, tag="sandbox.download_reply
     eof: bool = False
     error_kind: SandboxErrorKind = ""
     error: str = ""
+    bulk: SandboxBulkTicket | None = None  # read it over the direct stream (no data here)
 
 
 class SandboxSnapshotRequest(WireMessage, frozen=True, tag="sandbox.snapshot_request"):

@@ -22,6 +22,7 @@ from typing import Any
 from rollmesh.sandbox import agent_wire as wire
 from rollmesh.sandbox.agent_pipes import DIED, AgentPipes
 from rollmesh.sandbox.agent_start import exit_reason, silence_reason
+from rollmesh.sandbox.agent_streams import StreamedUploads
 from rollmesh.sandbox.errors import (
     BackendFailedError,
     ChecksumMismatchError,
@@ -38,7 +39,7 @@ START_TIMEOUT_S = 60.0
 EXIT_WAIT_S = 5.0
 
 
-class AgentSandbox(AgentPipes):
+class AgentSandbox(AgentPipes, StreamedUploads):
     """A live sandbox whose agent this object spawned and owns. Use ``launch``."""
 
     def __init__(

@@ -16,6 +16,7 @@ sandbox is destroyed, never reused.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 import uuid
 from collections import Counter
@@ -48,6 +49,7 @@ from rollmesh.messages.sandbox import (
     SandboxUploadRequest,
 )
 from rollmesh.ports import Publisher
+from rollmesh.sandbox.bulk_server import BulkServer
 from rollmesh.sandbox.errors import CapacityError, RequestRefusedError
 from rollmesh.telemetry import metrics, metrics_catalog
 from rollmesh.sandbox.lease_terms import LeaseTerms, limits_spec, profile_limits, resolve_terms
@@ -324,6 +326,11 @@ class SandboxBroker:
             return False
         self._pool.add(profile, sandbox)
         return True
+
+    async def serve_bulk(self, *, tls: ssl.SSLContext | None = None, tcp: bool = True) -> BulkServer:
+        """Start the bulk data path's server (files above sandbox.bulk_threshold_bytes move over
+        it); the caller closes it before ``close``. Until then, uploads go over NATS."""
+        return await BulkServer.start(self._ops, bind_host=self.config.bulk_bind_host, tls=tls, tcp=tcp)
 
     async def adopt(self, leases: list[Lease]) -> int:
         """Leases a previous broker of this name granted, whose sandboxes live on

@@ -1,5 +1,10 @@
 """How rollouts and the CLI talk to the sandbox broker: typed calls over request/reply.
 
+Files above ``bulk_threshold_bytes`` move over the broker's bulk stream instead (``bulk_stream``:
+a ticket over NATS, then a direct socket), still verified by sha256 end to end; where the broker
+offers none, or its ticket is of no use here (TLS without ``bulk_tls``, another node with no TCP
+offered, a socket that does not open), the same call goes over NATS.
+
 Knows the sandbox messages and the ``Publisher`` port (its ``request``); nothing of NATS or Ray,
 so the same client runs over the bus or, in tests and the CLI's in-process mode, straight into a
 broker. A reply with ``error_kind`` set, or no reply at all, raises ``SandboxRequestError``
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ssl
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +26,7 @@ from typing import Any
 from rollmesh.messages import WireMessage
 from rollmesh.messages.sandbox import (
     ForkedLease,
+    SandboxDownloadReply,
     SandboxDownloadRequest,
     SandboxExecReply,
     SandboxExecRequest,
@@ -47,7 +54,8 @@ from rollmesh.messages.subjects import (
     Subject,
 )
 from rollmesh.ports import Publisher, RequestFailedError
-from rollmesh.sandbox.errors import SandboxRequestError
+from rollmesh.sandbox.bulk_stream import download_over_stream, stream_route, upload_over_stream
+from rollmesh.sandbox.errors import BulkStreamError, ChecksumMismatchError, SandboxRequestError
 
 # Below the embedded NATS server's 8 MiB max payload with room for the message around the data.
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
@@ -57,6 +65,8 @@ BROKER_GRACE_S = 30.0
 DEFAULT_EXEC_WAIT_S = 600.0
 # A capacity refusal is retried after its retry hint, but never waits longer than this at once.
 MAX_RETRY_WAIT_S = 10.0
+# Uploads above this ask for the bulk stream (sandbox.bulk_threshold_bytes' default).
+DEFAULT_BULK_THRESHOLD_BYTES = 64 * 1024
 
 
 # Hashing more than this goes to a thread: it drops the GIL, so it overlaps the event loop's work.
@@ -73,12 +83,18 @@ class SandboxBrokerClient:
     def __init__(self, requester: Publisher, *, timeout_s: float = BROKER_GRACE_S,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
-                 sleep: Callable[[float], Any] = asyncio.sleep) -> None:
+                 sleep: Callable[[float], Any] = asyncio.sleep,
+                 bulk_threshold_bytes: int | None = DEFAULT_BULK_THRESHOLD_BYTES,
+                 bulk_tls: ssl.SSLContext | None = None) -> None:
+        """``bulk_threshold_bytes`` None: never use the bulk stream. ``bulk_tls``: the context
+        a TLS bulk stream is verified with (the NATS client's)."""
         self._requester = requester
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self._new_id = new_id
         self._sleep = sleep
+        self.bulk_threshold_bytes = bulk_threshold_bytes
+        self.bulk_tls = bulk_tls
 
     async def lease(self, holder: str, *, profile: str = "default", ttl_s: float | None = None,
                     network: bool = False, limits: SandboxLimitsSpec = SandboxLimitsSpec(),
@@ -104,6 +120,10 @@ class SandboxBrokerClient:
                      mode: int = 0o644, rollout_id: str = "") -> SandboxUploadReply:
         """Store ``data`` at ``path`` (kind "tar": extract it into the directory ``path``),
         verified by sha256 end to end (ours of ``data`` against the sandbox's of what it stored)."""
+        if self.bulk_threshold_bytes is not None and len(data) > self.bulk_threshold_bytes:
+            stored = await self._upload_bulk(lease_id, path, data, kind=kind, mode=mode, rollout_id=rollout_id)
+            if stored is not None:
+                return stored
         if len(data) <= self.chunk_bytes:
             return await self._upload_one(lease_id, path, data, kind=kind, mode=mode, rollout_id=rollout_id)
         sha256 = hashlib.sha256(data).hexdigest()
@@ -139,14 +159,55 @@ class SandboxBrokerClient:
             lease_id=lease_id, path=path, data=data, size=len(data), sha256=sha256, kind=kind, mode=mode,
             rollout_id=rollout_id), "upload")
 
+    async def _upload_bulk(self, lease_id: str, path: str, data: bytes, *, kind: TransferKind,
+                           mode: int, rollout_id: str) -> SandboxUploadReply | None:
+        """Over the bulk stream; None when the broker gave no ticket this client can use (the
+        caller sends over NATS). The ticket's round trip overlaps hashing ``data``."""
+        hashing = asyncio.ensure_future(_sha256_hex(data))
+        try:
+            reply = await self._call(SANDBOX_UPLOAD, SandboxUploadRequest(
+                lease_id=lease_id, path=path, data=b"", size=len(data), sha256="", kind=kind, mode=mode,
+                rollout_id=rollout_id, bulk=True), "upload")
+        finally:
+            sha256 = await hashing
+        route = None if reply.bulk is None else stream_route(reply.bulk, self.bulk_tls)
+        if route is None:
+            return None
+        try:
+            done = await asyncio.wait_for(upload_over_stream(
+                reply.bulk, route, lease_id=lease_id, data=data, sha256=sha256, tls=self.bulk_tls),
+                self.timeout_s + len(data) / 2**20)
+        except BulkStreamError as exc:
+            if exc.reason == "unreachable":
+                return None  # nothing was sent: NATS still reaches the broker
+            raise SandboxRequestError(f"the bulk stream failed: {exc}", kind="transfer_error",
+                                      operation="upload") from exc
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise SandboxRequestError(f"the bulk stream failed: {exc!r}", kind="transfer_error",
+                                      operation="upload") from exc
+        if done.error_kind:
+            raise SandboxRequestError(done.error, kind=done.error_kind, operation="upload")
+        if done.size != len(data) or done.sha256 != sha256:
+            raise SandboxRequestError(f"{path!r}: the sandbox stored {done.size} bytes with sha256 "
+                                      f"{done.sha256}, not {len(data)} with {sha256}",
+                                      kind="checksum_mismatch", operation="upload")
+        return SandboxUploadReply(received=done.size, complete=True, size=done.size, sha256=done.sha256)
+
     async def download(self, lease_id: str, path: str, *, kind: TransferKind = "file",
                        rollout_id: str = "") -> bytes:
         """The file at ``path`` (kind "tar": a tar of the directory), verified by sha256."""
         download_id, parts, offset = self._new_id(), [], 0
+        bulk = self.bulk_threshold_bytes is not None
         while True:
             reply = await self._call(SANDBOX_DOWNLOAD, SandboxDownloadRequest(
                 lease_id=lease_id, path=path, kind=kind, download_id=download_id, offset=offset,
-                max_bytes=self.chunk_bytes, rollout_id=rollout_id), "download")
+                max_bytes=self.chunk_bytes, rollout_id=rollout_id, bulk=bulk), "download")
+            if reply.bulk is not None:
+                data = await self._download_bulk(reply, lease_id, path)
+                if data is not None:
+                    return data
+                download_id, bulk = self._new_id(), False  # a ticket of no use here: over NATS
+                continue
             parts.append(reply.data)
             offset += len(reply.data)
             if reply.eof:
@@ -158,6 +219,31 @@ class SandboxBrokerClient:
         if len(data) != reply.size or hashlib.sha256(data).hexdigest() != reply.sha256:
             raise SandboxRequestError(f"{path!r}: the {len(data)} bytes received do not match the "
                                       f"sandbox's size {reply.size} and sha256 {reply.sha256}",
+                                      kind="checksum_mismatch", operation="download")
+        return data
+
+    async def _download_bulk(self, reply: SandboxDownloadReply, lease_id: str, path: str) -> bytes | None:
+        route = stream_route(reply.bulk, self.bulk_tls)
+        if route is None:
+            return None
+        try:
+            done, data = await asyncio.wait_for(download_over_stream(
+                reply.bulk, route, lease_id=lease_id, tls=self.bulk_tls), self.timeout_s + reply.size / 2**20)
+        except ChecksumMismatchError as exc:
+            raise SandboxRequestError(f"{path!r}: {exc}", kind="checksum_mismatch", operation="download") from exc
+        except BulkStreamError as exc:
+            if exc.reason == "unreachable":
+                return None
+            raise SandboxRequestError(f"the bulk stream failed: {exc}", kind="transfer_error",
+                                      operation="download") from exc
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise SandboxRequestError(f"the bulk stream failed: {exc!r}", kind="transfer_error",
+                                      operation="download") from exc
+        if done.error_kind:
+            raise SandboxRequestError(done.error, kind=done.error_kind, operation="download")
+        if (done.size, done.sha256) != (reply.size, reply.sha256):
+            raise SandboxRequestError(f"{path!r}: the stream's {done.size} bytes with sha256 {done.sha256} "
+                                      f"are not the announced {reply.size} with {reply.sha256}",
                                       kind="checksum_mismatch", operation="download")
         return data
 

@@ -18,6 +18,10 @@ the boundary with ``raise X(...) from exc``::
     |                              (field): the caller's mistake, answered "invalid_request"
     +-- CapacityError              no room for another sandbox now: answered "capacity"
     +-- ChecksumMismatchError      bytes whose sha256 is not the one announced (path)
+    +-- BulkTokenError             a bulk stream's token is unknown, spent, expired or another
+    |                              lease's (reason, lease_id): answered "bad_token"
+    +-- BulkStreamError            a bulk stream broke off or broke its framing (reason,
+    |                              expected_bytes, received_bytes): answered "transfer_error"
     +-- SandboxRequestError        (client side) the broker answered error_kind, or could not be
     |                              reached (kind "unreachable"); retry_after_s, operation
     +-- ImageLayoutError           an OCI layout or docker-save tarball that cannot be read as
@@ -103,6 +107,24 @@ class ChecksumMismatchError(SandboxError):
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message)
         self.path = path
+
+
+class BulkTokenError(SandboxError):
+    """``reason``: "unknown", "spent" (used once already), "expired" or "other_lease". A token
+    refused for another lease is spent too: it was shown to the wrong place."""
+
+    def __init__(self, message: str, *, reason: str, lease_id: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.lease_id = lease_id
+
+
+class BulkStreamError(SandboxError):
+    def __init__(self, message: str, *, reason: str, expected_bytes: int = 0, received_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.expected_bytes = expected_bytes
+        self.received_bytes = received_bytes
 
 
 class SandboxRequestError(SandboxError):

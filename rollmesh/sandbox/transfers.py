@@ -37,6 +37,7 @@ class LeaseTransfers:
     def __init__(self) -> None:
         self._uploads: OrderedDict[str, _Upload] = OrderedDict()
         self._downloads: OrderedDict[str, Download] = OrderedDict()
+        self.closed = False  # its lease ended: a bulk stream still holding the lease stops here
 
     def add_chunk(self, req: SandboxUploadRequest) -> bytes | int:
         """Take one chunk: the whole file's bytes once complete, else how many bytes are held.
@@ -92,5 +93,7 @@ class LeaseTransfers:
         self._downloads.pop(download_id, None)
 
     def clear(self) -> None:
+        """The lease ended: every transfer goes."""
+        self.closed = True
         self._uploads.clear()
         self._downloads.clear()

@@ -8,18 +8,25 @@ End-to-end checksums, each file hashed once at each end: the client sends the sh
 file and the sandbox's agent hashes what it stored; they must be equal (corruption anywhere on the
 way in). Downloads carry the agent's sha256 of what it read, and the client checks the bytes it
 received against it. Snapshots, which stay in the broker, are also checked here.
+
+The bulk path: an upload asking for it (``bulk``), or a download above
+``sandbox.bulk_threshold_bytes`` whose client can take it, is answered with a one-time ticket
+while a bulk server listens (``bulk_endpoint``; ``bulk_server.py`` serves the stream and calls
+``store_bulk`` / ``read_bulk`` here). Without one, uploads get no ticket and go over NATS.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import Protocol
 
 import structlog
 from opentelemetry import propagate, trace
 
 from rollmesh.config import SandboxConfig
 from rollmesh.messages.sandbox import (
+    SandboxBulkTicket,
     SandboxDownloadReply,
     SandboxDownloadRequest,
     SandboxErrorKind,
@@ -30,10 +37,12 @@ from rollmesh.messages.sandbox import (
     SandboxUploadReply,
     SandboxUploadRequest,
 )
+from rollmesh.messages.sandbox_bulk import SandboxBulkDone
 from rollmesh.messages.subjects import SANDBOX_OUTPUT
 from rollmesh.ports import Publisher
 from rollmesh.telemetry import conventions
 from rollmesh.sandbox.errors import (
+    BulkStreamError,
     CapacityError,
     ChecksumMismatchError,
     RequestRefusedError,
@@ -42,6 +51,8 @@ from rollmesh.sandbox.errors import (
     UnsafeArchiveError,
     WorkspacePathError,
 )
+from rollmesh.sandbox.bulk_stream import PayloadPieces
+from rollmesh.sandbox.bulk_tokens import BulkGrant, BulkTokens
 from rollmesh.sandbox.leases import Lease
 from rollmesh.sandbox.sandbox_protocol import ExecOutcome, OutputCallback, OutputStream, Sandbox
 from rollmesh.sandbox.snapshots import SnapshotStore
@@ -99,6 +110,9 @@ class WorkspaceOps:
         self._new_id = new_id
         self._counts = counts
         self.running_execs = 0
+        self.bulk_tokens = BulkTokens(ttl_s=config.bulk_token_ttl_s)
+        # Set by the bulk server while it listens (a BulkEndpoint): what tickets advertise.
+        self.bulk_endpoint: _Advertiser | None = None
 
     # -- exec ------------------------------------------------------------------------------
 
@@ -200,6 +214,8 @@ class WorkspaceOps:
             return SandboxUploadReply(error_kind="transfer_error",
                                       error=f"{req.size} bytes is above sandbox.max_transfer_bytes "
                                             f"({self.config.max_transfer_bytes})")
+        if req.bulk:
+            return self._upload_ticket(lease, req)
         if req.upload_id and not req.sha256:
             return SandboxUploadReply(error_kind="invalid_request",
                                       error="a chunked upload must carry the whole file's sha256")
@@ -237,6 +253,10 @@ class WorkspaceOps:
                 found = await self._read(lease.sandbox, req.path, req.kind)
             except Exception as exc:  # noqa: BLE001
                 return self._transfer_failed(lease, SandboxDownloadReply, "download", req.path, exc)
+            if req.bulk and self.bulk_endpoint is not None and len(found.data) > self.config.bulk_threshold_bytes:
+                grant = self.bulk_tokens.issue("download", lease, req.path, kind=req.kind, download=found)
+                return SandboxDownloadReply(size=len(found.data), sha256=found.sha256,
+                                            bulk=self.bulk_endpoint.ticket(grant))
             lease.transfers.keep_download(req.download_id, found)
         size = len(found.data)
         end = min(size, req.offset + min(req.max_bytes, self.config.transfer_chunk_bytes))
@@ -246,6 +266,51 @@ class WorkspaceOps:
             self._counts["downloads"] += 1
         return SandboxDownloadReply(data=found.data[req.offset:end], offset=req.offset, size=size,
                                     sha256=found.sha256, eof=eof)
+
+    # -- the bulk path ---------------------------------------------------------------------
+
+    def _upload_ticket(self, lease: Lease, req: SandboxUploadRequest) -> SandboxUploadReply:
+        if self.bulk_endpoint is None:
+            return SandboxUploadReply(size=req.size)  # no ticket: the client sends over NATS
+        grant = self.bulk_tokens.issue("upload", lease, req.path, kind=req.kind, size=req.size, mode=req.mode)
+        return SandboxUploadReply(size=req.size, bulk=self.bulk_endpoint.ticket(grant))
+
+    async def store_bulk(self, grant: BulkGrant, pieces: PayloadPieces, sha256: str) -> SandboxBulkDone:
+        """Store a bulk upload's bytes as they arrive (a sandbox that takes a stream gets each
+        piece at once); the sandbox refuses them unless their sha256 is the client's, and a
+        stream that breaks off (``BulkStreamError``, raised) aborts it: nothing lands then."""
+        lease = grant.lease
+        refusal = _ended(lease)
+        if refusal is not None:
+            return refusal
+        put_stream = getattr(lease.sandbox, "put_stream", None)
+        try:
+            if put_stream is not None:
+                stored = await put_stream(grant.path, grant.size, pieces, kind=grant.kind, mode=grant.mode,
+                                          expected_sha256=sha256)
+            elif grant.kind == "tar":
+                stored = await lease.sandbox.put_tar(grant.path, await pieces.collect(),  # type: ignore[arg-type]
+                                                     expected_sha256=sha256, verify=False)
+            else:
+                stored = await lease.sandbox.put_file(grant.path, await pieces.collect(),  # type: ignore[arg-type]
+                                                      mode=grant.mode, expected_sha256=sha256, verify=False)
+        except BulkStreamError:
+            self._counts["upload_failures"] += 1
+            raise
+        except Exception as exc:  # noqa: BLE001
+            return self._transfer_failed(lease, SandboxBulkDone, "upload", grant.path, exc)
+        self._counts["uploads"] += 1
+        self._counts["bulk_uploads"] += 1
+        return SandboxBulkDone(size=stored.size, sha256=stored.sha256)
+
+    def read_bulk(self, grant: BulkGrant) -> tuple[SandboxBulkDone, bytes]:
+        """A bulk download's bytes (read from the sandbox when its ticket was issued)."""
+        refusal = _ended(grant.lease)
+        if refusal is not None or grant.download is None:
+            return refusal or SandboxBulkDone(error_kind="invalid_request", error="not a download"), b""
+        self._counts["downloads"] += 1
+        self._counts["bulk_downloads"] += 1
+        return SandboxBulkDone(size=len(grant.download.data), sha256=grant.download.sha256), grant.download.data
 
     async def _read(self, sandbox: Sandbox, path: str, kind: str, *, verify: bool = False) -> Download:
         """``verify``: hash the bytes here too (snapshots, which stay in the broker); downloads
@@ -284,3 +349,17 @@ class WorkspaceOps:
         log.info("sandbox transfer failed", lease_id=lease.lease_id, what=what, path=path, error_kind=kind,
                  error=text)
         return reply_type(error_kind=kind, error=text)
+
+
+class _Advertiser(Protocol):
+    def ticket(self, grant: BulkGrant) -> SandboxBulkTicket: ...
+
+
+def _ended(lease: Lease) -> SandboxBulkDone | None:
+    """Why a bulk transfer may no longer touch its lease's sandbox (None: it may)."""
+    if lease.transfers.closed:
+        return SandboxBulkDone(error_kind="unknown_lease", error=f"lease {lease.lease_id!r} ended")
+    if lease.died or not lease.sandbox.alive():
+        lease.died = True
+        return SandboxBulkDone(error_kind="sandbox_died", error="the sandbox died")
+    return None

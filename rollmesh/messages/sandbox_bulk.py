@@ -1,0 +1,45 @@
+"""The frames of the sandbox bulk stream: a direct socket from a client to a lease's broker for
+files above ``sandbox.bulk_threshold_bytes``, opened with a ticket an upload or download reply
+carried over NATS (``SandboxBulkTicket``). Knows msgspec only.
+
+One transfer per connection. A frame is a 4-byte big-endian length and one msgpack message:
+
+    client -> broker   frame(SandboxBulkHello)   upload: then exactly ``size`` raw bytes
+    broker -> client   frame(SandboxBulkDone)    download without error: then exactly ``size``
+                                                 raw bytes
+
+An upload's Done comes after the bytes are stored in the sandbox (or refused); ``error_kind``
+uses the broker replies' kinds ("bad_token", "transfer_error", "checksum_mismatch", ...).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta
+
+from rollmesh.messages.base import WireMessage
+from rollmesh.messages.sandbox import LeaseId, SandboxErrorKind, Sha256Hex
+
+# The largest frame either side reads: hello and done are a few hundred bytes.
+MAX_BULK_FRAME_BYTES = 64 * 1024
+
+
+class SandboxBulkHello(WireMessage, frozen=True, tag="sandbox.bulk_hello"):
+    """The first frame a client sends: which ticket, for which lease. An upload names the
+    size and sha256 of the bytes that follow; the sandbox refuses to store any others."""
+
+    token: Annotated[str, Meta(min_length=1, max_length=200)]
+    lease_id: LeaseId
+    size: Annotated[int, Meta(ge=0)] = 0
+    sha256: Sha256Hex = ""
+
+
+class SandboxBulkDone(WireMessage, frozen=True, tag="sandbox.bulk_done"):
+    """The broker's only frame: how the transfer ended. ``size`` and ``sha256`` are of what the
+    sandbox stored (upload) or read (download), hashed inside the sandbox."""
+
+    size: int = 0
+    sha256: str = ""
+    error_kind: SandboxErrorKind = ""
+    error: str = ""

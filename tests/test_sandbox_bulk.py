@@ -1,0 +1,197 @@
+"""The bulk data path: files above sandbox.bulk_threshold_bytes move over a direct stream to the
+broker (Unix socket, TCP, TLS), opened with a one-time token issued over NATS's request/reply
+(here: in process); every bad stream is refused with its typed error and nothing is stored.
+
+Broker and client run in this process on real sockets, against the process backend's real
+agents (the agent's own write-then-rename is what keeps a refused file out of the workspace).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import pytest_asyncio
+import trustme
+from fakes import ManualClock
+
+from rollmesh.bus.tls import client_tls_context, server_tls_context
+from rollmesh.config import NatsTlsConfig, SandboxConfig, SandboxProfileConfig
+from rollmesh.messages.sandbox import SandboxUploadRequest
+from rollmesh.messages.sandbox_bulk import SandboxBulkDone, SandboxBulkHello
+from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient
+from rollmesh.sandbox.bulk_stream import frame, read_frame, stream_route, upload_over_stream
+from rollmesh.sandbox.bulk_tokens import BulkTokens
+from rollmesh.sandbox.errors import BulkTokenError
+from rollmesh.sandbox.in_process import InProcessRequester
+from rollmesh.sandbox.leases import Lease
+from rollmesh.sandbox.process_backend import ProcessBackend
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+MIB = 1024 * 1024
+
+
+def make_broker(tmp_path: Path) -> SandboxBroker:
+    config = SandboxConfig(backend="process", profiles={"default": SandboxProfileConfig(warm_min=0)})
+    return SandboxBroker(config, ProcessBackend(root_dir=tmp_path / "boxes"), snapshot_dir=tmp_path / "snap")
+
+
+@pytest_asyncio.fixture
+async def broker(tmp_path: Path) -> AsyncIterator[SandboxBroker]:
+    broker = make_broker(tmp_path)
+    server = await broker.serve_bulk()
+    yield broker
+    await server.close()
+    await broker.close()
+
+
+async def ticket_for(broker: SandboxBroker, lease_id: str, path: str, size: int):
+    reply = await broker.upload(SandboxUploadRequest(lease_id=lease_id, path=path, data=b"", size=size,
+                                                     sha256="", bulk=True))
+    assert reply.error_kind == "" and reply.bulk is not None, reply
+    return reply.bulk
+
+
+async def workspace(client: SandboxBrokerClient, lease_id: str) -> list[str]:
+    """Every name in the workspace, hidden ones (an upload's temporary file) included."""
+    reply = await client.exec(lease_id, ["ls", "-A"])
+    return reply.stdout.decode().split()
+
+
+async def test_files_above_the_threshold_go_over_the_stream_verified_and_small_ones_over_nats(broker):
+    client = SandboxBrokerClient(InProcessRequester(broker))
+    lease = (await client.lease("bulk-1")).lease_id
+    big, small = os.urandom(MIB + 7), os.urandom(1000)
+    stored = await client.upload(lease, "big.bin", big)
+    assert stored.complete and stored.sha256 == hashlib.sha256(big).hexdigest()
+    await client.upload(lease, "small.bin", small)
+    assert broker.counts["bulk_uploads"] == 1 and broker.counts["uploads"] == 2
+    assert await client.download(lease, "big.bin") == big
+    assert await client.download(lease, "small.bin") == small
+    assert broker.counts["bulk_downloads"] == 1 and broker.counts["downloads"] == 2
+    tar = await client.download(lease, ".", kind="tar")  # a directory's tar, also above the threshold
+    await client.upload(lease, "copy", tar, kind="tar")
+    assert await client.download(lease, "copy/big.bin") == big
+    assert broker.counts["bulk_uploads"] == 2
+
+
+async def test_a_broker_without_a_bulk_server_takes_large_files_over_nats(tmp_path):
+    broker = make_broker(tmp_path)
+    try:
+        client = SandboxBrokerClient(InProcessRequester(broker))
+        lease = (await client.lease("bulk-2")).lease_id
+        data = os.urandom(MIB)
+        assert (await client.upload(lease, "f", data)).complete
+        assert await client.download(lease, "f") == data
+        assert broker.counts["bulk_uploads"] == broker.counts["bulk_downloads"] == 0
+    finally:
+        await broker.close()
+
+
+async def test_each_bad_stream_is_refused_typed_and_nothing_is_stored(broker):
+    client = SandboxBrokerClient(InProcessRequester(broker))
+    mine, other = (await client.lease("bulk-mine")).lease_id, (await client.lease("bulk-other")).lease_id
+    data = os.urandom(MIB)
+    sha = hashlib.sha256(data).hexdigest()
+
+    async def send(ticket, lease_id: str, payload: bytes = data, digest: str = sha) -> SandboxBulkDone:
+        return await upload_over_stream(ticket, "unix", lease_id=lease_id, data=payload, sha256=digest, tls=None)
+
+    ticket = await ticket_for(broker, mine, "forged", len(data))
+    forged = msgspec.structs.replace(ticket, token="not-a-token-the-broker-issued")
+    assert (await send(forged, mine)).error_kind == "bad_token"
+    # A token shown with another lease's id is refused, and spent: its own lease cannot use it either.
+    assert (await send(ticket, other)).error_kind == "bad_token"
+    assert (await send(ticket, mine)).error_kind == "bad_token"
+    wrong = await send(await ticket_for(broker, mine, "wrong-digest", len(data)), mine,
+                       digest=hashlib.sha256(b"other bytes").hexdigest())
+    assert wrong.error_kind == "checksum_mismatch"
+    # Truncated: the stream announces 1 MiB and ends after half of it.
+    ticket = await ticket_for(broker, mine, "truncated", len(data))
+    reader, writer = await asyncio.open_unix_connection(ticket.unix_path)
+    writer.write(frame(SandboxBulkHello(token=ticket.token, lease_id=mine, size=len(data), sha256=sha)))
+    writer.write(data[: len(data) // 2])
+    writer.write_eof()
+    truncated = await read_frame(reader, SandboxBulkDone)
+    writer.close()
+    assert truncated.error_kind == "transfer_error"
+    assert f"after {len(data) // 2} of {len(data)} bytes" in truncated.error
+    # One good upload, then the same token again: used once only.
+    ticket = await ticket_for(broker, mine, "good", len(data))
+    assert (await send(ticket, mine)).sha256 == sha
+    reused = await send(ticket, mine)
+    assert reused.error_kind == "bad_token" and "already used" in reused.error
+    assert await workspace(client, mine) == ["good"]
+    assert await workspace(client, other) == []
+
+
+def test_tokens_are_one_time_lapse_and_name_why_they_are_refused():
+    clock = ManualClock()
+    tokens = BulkTokens(ttl_s=30.0, clock=clock)
+    lease = Lease("lease-a", "holder", None, None, 0.0)  # type: ignore[arg-type]
+    grant = tokens.issue("upload", lease, "f", size=10)
+    with pytest.raises(BulkTokenError) as refused:
+        tokens.take(grant.token, "lease-b")
+    assert (refused.value.reason, refused.value.lease_id) == ("other_lease", "lease-b")
+    with pytest.raises(BulkTokenError) as refused:
+        tokens.take(grant.token, "lease-a")
+    assert refused.value.reason == "spent"
+    with pytest.raises(BulkTokenError) as refused:
+        tokens.take("never-issued", "lease-a")
+    assert refused.value.reason == "unknown"
+    late = tokens.issue("upload", lease, "f", size=10)
+    clock.advance(30.0)
+    with pytest.raises(BulkTokenError) as refused:
+        tokens.take(late.token, "lease-a")
+    assert refused.value.reason == "expired"
+    kept = [tokens.issue("download", lease, f"f{n}") for n in range(6)]  # at most 4 per lease live
+    assert len(tokens) == 4
+    assert tokens.take(kept[-1].token, "lease-a") is kept[-1]
+    with pytest.raises(BulkTokenError):
+        tokens.take(kept[0].token, "lease-a")
+
+
+@pytest.fixture(scope="module")
+def tls_material(tmp_path_factory: pytest.TempPathFactory) -> NatsTlsConfig:
+    directory = tmp_path_factory.mktemp("bulk-pki")
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    ca.cert_pem.write_to_path(str(directory / "ca.pem"))
+    server.cert_chain_pems[0].write_to_path(str(directory / "server.pem"))
+    server.private_key_pem.write_to_path(str(directory / "server.key"))
+    return NatsTlsConfig(enabled=True, ca_file=str(directory / "ca.pem"),
+                         server_cert_file=str(directory / "server.pem"),
+                         server_key_file=str(directory / "server.key"))
+
+
+async def test_the_tcp_stream_speaks_tls_and_a_client_without_the_ca_goes_over_nats(tmp_path, tls_material):
+    broker = make_broker(tmp_path)
+    server = await broker.serve_bulk(tls=server_tls_context(tls_material))
+    try:
+        client = SandboxBrokerClient(InProcessRequester(broker), bulk_tls=client_tls_context(tls_material))
+        lease = (await client.lease("bulk-tls")).lease_id
+        data = os.urandom(MIB)
+        ticket = await ticket_for(broker, lease, "over-tls", len(data))
+        assert ticket.tls and ticket.host == "127.0.0.1" and ticket.port > 0
+        done = await upload_over_stream(ticket, "tcp", lease_id=lease, data=data,
+                                        sha256=hashlib.sha256(data).hexdigest(), tls=client.bulk_tls)
+        assert (done.error_kind, done.size) == ("", len(data))
+        # From another node (no Unix socket) a client that cannot verify TLS has no route...
+        remote = msgspec.structs.replace(ticket, unix_path="")
+        assert stream_route(remote, client.bulk_tls) == "tcp" and stream_route(remote, None) is None
+        # ...and a plaintext connection to the TLS port stores nothing.
+        reader, writer = await asyncio.open_connection(ticket.host, ticket.port)
+        writer.write(frame(SandboxBulkHello(token=ticket.token, lease_id=lease, size=3, sha256="")))
+        await writer.drain()
+        assert await reader.read() == b""  # the handshake failed: closed
+        writer.close()
+        assert await client.download(lease, "over-tls") == data
+        assert await workspace(client, lease) == ["over-tls"]
+    finally:
+        await server.close()
+        await broker.close()
