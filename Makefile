@@ -54,3 +54,20 @@ sandbox-tools:
 
 browser-tools:
 	$(call apt_install_missing,chromium,chromium,the dashboard's browser test will fail)
+
+# Wheels for the sandbox image test (tests/test_sandbox_images.py), fetched once so nothing is
+# downloaded while tests run: numpy and ase, pinned, for the host's python3 (what that test's
+# environment is built with; sandbox roots default to the host). ase without its declared
+# scipy and matplotlib (~50 MB more), which `import ase` does not need.
+WHEELHOUSE := $(VENV)/wheelhouse
+SANDBOX_TEST_WHEELS := numpy==2.4.6 ase==3.29.0
+
+.PHONY: wheelhouse
+test: wheelhouse
+wheelhouse: $(WHEELHOUSE)/.complete
+
+$(WHEELHOUSE)/.complete: | $(BIN)/python
+	$(BIN)/python -m pip download --no-deps --only-binary=:all: -d $(WHEELHOUSE) \
+		--python-version "$$(/usr/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')" \
+		$(SANDBOX_TEST_WHEELS)
+	touch $@

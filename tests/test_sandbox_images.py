@@ -21,7 +21,8 @@ from rollmesh.config import SandboxConfig, SandboxProfileConfig
 from rollmesh.messages.sandbox import SandboxExecRequest, SandboxLeaseRequest, SandboxReleaseRequest
 from rollmesh.sandbox import SandboxBroker
 from rollmesh.sandbox.errors import ImageBuildError, ImageLayoutError, UnsafeImageError
-from rollmesh.sandbox.images import prepare_images
+from rollmesh.sandbox.backends import select_backend, select_configured_backend
+from rollmesh.sandbox.images import SandboxImage, prepare_images
 from rollmesh.sandbox.oci_layout import unpack_image
 from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 
@@ -101,11 +102,17 @@ def test_bad_image_keys_are_config_errors(profile: dict, error: str) -> None:
 
 
 @pytest.mark.unit
-def test_a_profile_whose_image_cannot_be_made_fails_naming_the_profile(tmp_path: Path, cache_dir: Path) -> None:
+def test_a_profile_whose_image_cannot_be_made_stops_the_broker_start_naming_it(tmp_path: Path) -> None:
     config = SandboxConfig(profiles={"chem": SandboxProfileConfig(root=f"oci:{tmp_path / 'nothing'}")})
-    with pytest.raises(ImageBuildError, match="'chem'") as caught:
-        prepare_images(config, cache_dir=cache_dir)
+    with pytest.raises(ImageBuildError, match="'chem'.*the path does not exist") as caught:
+        select_configured_backend(config, run_dir=tmp_path)  # what the broker actor runs at start
     assert caught.value.profile == "chem"
+
+
+@pytest.mark.unit
+def test_a_backend_that_cannot_show_images_refuses_them_instead_of_ignoring_them() -> None:
+    with pytest.raises(ImageBuildError, match="'lab'.*need the bwrap backend"):
+        select_backend("process", images={"lab": SandboxImage("lab", network_allow=("10.0.0.5:5025",))})
 
 
 # -- real sandboxes ----------------------------------------------------------------------------
@@ -184,3 +191,51 @@ async def test_a_profile_environment_holds_numpy_and_ase_and_hides_the_hosts_pac
         assert hidden.exit_code == 1 and b"ModuleNotFoundError" in hidden.stderr
     finally:
         await broker.close()
+
+
+EGRESS_CLIENT = """
+import socket, sys
+def ask(target):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect("/.rollmesh/egress.sock")
+    s.sendall(b"CONNECT " + target.encode() + b" HTTP/1.1\\r\\n\\r\\n")
+    head = s.recv(64).split(b"\\r\\n")[0].decode()
+    if " 200 " in head:
+        s.sendall(b"ping")
+        head += " " + s.recv(64).decode()
+    return head
+print(ask(sys.argv[1])); print(ask(sys.argv[2]))
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1].rsplit(":", 1)[1])), timeout=5)
+    print("direct: connected")
+except OSError as exc:
+    print("direct: refused", type(exc).__name__)
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+@needs_bwrap
+async def test_network_allow_reaches_an_allowed_target_and_refuses_others(tmp_path: Path, cache_dir: Path) -> None:
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"pong:" + await reader.read(4))
+        await writer.drain()
+        writer.close()
+
+    allowed = await asyncio.start_server(echo, "127.0.0.1", 0)
+    other = await asyncio.start_server(echo, "127.0.0.1", 0)
+    allowed_at, other_at = (f"127.0.0.1:{server.sockets[0].getsockname()[1]}" for server in (allowed, other))
+    profiles = {"lab": SandboxProfileConfig(network_allow=[allowed_at], warm_min=0, warm_max=0, **_small())}
+    broker = broker_with(SandboxConfig(profiles=profiles), cache_dir, tmp_path)
+    try:
+        done = await run_in(broker, "lab", ["/usr/bin/python3", "-I", "-c", EGRESS_CLIENT, allowed_at, other_at])
+        assert done.exit_code == 0, done.stderr
+        assert done.stdout.decode().splitlines() == [
+            "HTTP/1.1 200 Connection established pong:ping",  # through the forwarder, outside
+            "HTTP/1.1 403 Forbidden",  # not on the list: refused outside the sandbox
+            "direct: refused ConnectionRefusedError",  # the sandbox's own namespace reaches nothing
+        ]
+    finally:
+        await broker.close()
+        for server in (allowed, other):
+            server.close()

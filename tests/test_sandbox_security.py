@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import tarfile
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,9 +19,11 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from oci_images import host_binary_members
 from sandbox_helpers import usable_bwrap
 from rollmesh.sandbox.bwrap_backend import BwrapBackend
 from rollmesh.sandbox.errors import UnsafeArchiveError, WorkspacePathError
+from rollmesh.sandbox.images import SandboxImage
 from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 
 REPO = Path(__file__).resolve().parent.parent
@@ -241,3 +244,34 @@ async def test_another_sandboxs_workspace_is_not_visible(attacker, bystander) ->
     done = await attacker.exec(["/bin/sh", "-c", "cat /workspace/private.txt; cat /proc/*/root/workspace/private.txt; "
                                                   "grep -rs bystander-secret /tmp /workspace; true"])
     assert b"bystander-secret" not in done.stdout
+
+
+async def test_an_image_roots_links_to_host_paths_resolve_inside_the_sandbox(backend: BwrapBackend) -> None:
+    # A dir: root (cat and its libraries) whose links name host paths: a top-level `host -> /`,
+    # `leak -> <a host secret>`, `etc/leak -> <the same>`. bwrap shows links as links, so they
+    # resolve in the sandbox's own root; binding them would have resolved them on the host.
+    secret = REPO / f".rollmesh-test-secret-{uuid.uuid4().hex[:8]}"
+    secret.write_text("TOP-SECRET")
+    root = Path(tempfile.mkdtemp(prefix="rollmesh-dir-root-"))
+    try:
+        root.chmod(0o755)
+        for name, _, data in host_binary_members("/usr/bin/cat"):
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_bytes(data)  # type: ignore[arg-type]
+            (root / name).chmod(0o755)
+        (root / "etc").mkdir()
+        (root / "host").symlink_to("/")
+        (root / "leak").symlink_to(secret)
+        (root / "etc" / "leak").symlink_to(secret)
+        images = {"image": SandboxImage("image", root_dir=root)}
+        box = await usable_bwrap(use_cgroups=backend.cgroups is not None, images=images).create(
+            "dir-root", LIMITS, profile="image")
+        try:
+            done = await box.exec(["/usr/bin/cat", "/leak", "/etc/leak", f"/host{secret}", "/host/etc/shadow"])
+            assert done.exit_code == 1 and b"TOP-SECRET" not in done.stdout, done
+            assert done.stderr.count(b"No such file or directory") == 4, done.stderr
+        finally:
+            await box.destroy()
+    finally:
+        secret.unlink()
+        shutil.rmtree(root)

@@ -332,14 +332,16 @@ async def _mesh_client(mesh: Any, printer: _Printer | None) -> AsyncIterator[Any
 
 @asynccontextmanager
 async def _in_process_client(config: RollmeshConfig, printer: _Printer) -> AsyncIterator[Any]:
-    from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient, select_backend
+    from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient
+    from rollmesh.sandbox.backends import select_configured_backend
     from rollmesh.sandbox.in_process import InProcessRequester, OutputCallbackPublisher
 
     print("rollmesh: no running mesh found; using a sandbox broker in this process", file=sys.stderr)
     sandbox_config = config.sandbox
-    backend = select_backend(sandbox_config.backend, readonly_paths=sandbox_config.readonly_paths,
-                             start_timeout_s=sandbox_config.start_timeout_s)
     with tempfile.TemporaryDirectory(prefix="rollmesh-sandbox-") as scratch:
+        # Images go to sandbox.image_cache_dir when set, else to this scratch directory.
+        Path(scratch).chmod(0o755)  # sandboxes mount images from it as their own uids
+        backend = select_configured_backend(sandbox_config, run_dir=Path(scratch))
         broker = SandboxBroker(sandbox_config, backend, snapshot_dir=Path(scratch) / "snapshots",
                                publisher=OutputCallbackPublisher(printer.write))
         try:
