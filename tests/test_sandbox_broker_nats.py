@@ -73,9 +73,16 @@ async def test_lease_exec_streamed_transfer_heartbeat_and_release_over_nats(serv
     assert [(c.exec_id, c.stream, c.data) for c in chunks] == [
         ("e-7", "stdout", b"line 1\n"), ("e-7", "stdout", b"line 2\n"), ("e-7", "stderr", b"oops\n")]
 
-    big = os.urandom(6 * 1024 * 1024)  # larger than one chunk: goes up and down in two
+    big = os.urandom(6 * 1024 * 1024)  # above sandbox.bulk_threshold_bytes: over the bulk stream
     assert (await client.upload(lease.lease_id, "data/big.bin", big)).complete
     assert await client.download(lease.lease_id, "data/big.bin") == big
+    assert (broker.counts["bulk_uploads"], broker.counts["bulk_downloads"]) == (1, 1)
+    # Without the bulk stream, larger than one chunk: goes up and down over NATS in two.
+    over_nats = SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), namespace), timeout_s=WAIT_S,
+                                    bulk_threshold_bytes=None)
+    assert (await over_nats.upload(lease.lease_id, "data/big2.bin", big)).complete
+    assert await over_nats.download(lease.lease_id, "data/big2.bin") == big
+    assert broker.counts["uploads"] == 2 and broker.counts["bulk_uploads"] == 1
 
     assert await client.heartbeat(lease.lease_id) > time.time() + 29
     await client.release(lease.lease_id)

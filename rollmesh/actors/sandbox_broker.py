@@ -4,22 +4,30 @@ Knows the sandbox package and the shell; no ray import. Tool code runs in sandbo
 backend, never in this actor's process. One task (owned by the service, cancelled at stop) runs
 the broker's timers: reaping expired leases and resizing warm pools. At stop every sandbox,
 leased or warm, is destroyed.
+
+From start to stop it also serves the bulk data path (``rollmesh.sandbox.bulk_server``): a Unix
+socket, and TCP on sandbox.bulk_bind_host with TLS from security.nats_tls when NATS uses TLS.
+With security but no TLS certificate to serve, only the Unix socket (clients on other nodes then
+move files over NATS).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ssl
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.bus.tls import server_tls_context
 from rollmesh.config import SandboxConfig
 from rollmesh.ports import ActorLogic, MessageContext, Publisher, Subscription
 from rollmesh.sandbox import SandboxBroker
 from rollmesh.sandbox.backends import select_configured_backend
+from rollmesh.sandbox.bulk_server import BulkServer
 from rollmesh.sandbox.in_process import broker_handlers
 from rollmesh.messages.subjects import SANDBOX_EXEC
 
@@ -31,6 +39,11 @@ CONCURRENCY = 64
 
 class SandboxBrokerService:
     """Binds each broker operation to its request subject."""
+
+    # The bulk stream's TLS and whether it offers TCP at all (set by the actor, from security).
+    bulk_tls: ssl.SSLContext | None = None
+    bulk_tcp: bool = True
+    _bulk: BulkServer | None = None
 
     def __init__(self, broker: SandboxBroker) -> None:
         self.broker = broker
@@ -46,11 +59,14 @@ class SandboxBrokerService:
 
     async def start(self) -> None:
         self._timers = asyncio.create_task(self.broker.run_timers(), name="sandbox-broker-timers")
+        self._bulk = await self.broker.serve_bulk(tls=self.bulk_tls, tcp=self.bulk_tcp)
 
     async def stop(self) -> None:
         if self._timers is not None:
             self._timers.cancel()
             await asyncio.gather(self._timers, return_exceptions=True)
+        if self._bulk is not None:
+            await self._bulk.close()
         await self.broker.close()
 
     def stats(self) -> dict[str, Any]:
@@ -80,4 +96,8 @@ class SandboxBrokerActor(RoleActor):
         _log.info("sandbox_backend", backend=backend.name, isolated=backend.isolated)
         broker = SandboxBroker(self.config, backend, snapshot_dir=run_dir / "sandbox-snapshots",
                                publisher=publisher)
-        return SandboxBrokerService(broker)
+        service = SandboxBrokerService(broker)
+        service.bulk_tls = server_tls_context(self.mesh.nats_tls)
+        # Under security, bulk bytes never cross a network in plaintext.
+        service.bulk_tcp = service.bulk_tls is not None or not (self.mesh.credentials or self.mesh.nats_tls.enabled)
+        return service
