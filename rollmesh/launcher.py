@@ -2,7 +2,7 @@
 
 Knows the role actor classes and the order they come up in; the bus, Ray and Serve mechanics are
 ``MeshRuntime``'s. The story: make the run directory, start or join the bus, start the metrics hub, start or join Ray,
-spawn the GPU scheduler (which grants accelerators first), sandbox broker, prefill and decode
+spawn the GPU scheduler (which grants accelerators first), sandbox brokers, prefill and decode
 workers (with ``inference.backend = "sglang"``: SGLang workers as the decode workers), trainer, resharder and rollout workers, deploy the Serve app (with the live
 dashboard), write ``mesh.json``. ``stop`` undoes it backwards.
 """
@@ -24,13 +24,13 @@ from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerAc
 from rollmesh.actors.resharder import ResharderActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.actors.rollout_worker import RolloutWorkerActor
-from rollmesh.actors.sandbox_broker import SandboxBrokerActor
 from rollmesh.actors.sglang_worker import SGLangWorkerActor
 from rollmesh.actors.trainer import TrainerActor
 from rollmesh.config import RollmeshConfig, TrainerConfig, save_run_config
 from rollmesh.mesh_info import MeshInfo, nats_url_for_clients, new_run_dir, write_mesh_info
 from rollmesh.mesh_runtime import ACTOR_STOP_TIMEOUT_S, MeshRuntime
 from rollmesh.model_source import resolve_model
+from rollmesh.sandbox_brokers import spawn_sandbox_brokers
 from rollmesh.scheduling.grants import GpuScheduler
 from rollmesh.telemetry.tracing import effective_telemetry
 
@@ -92,8 +92,9 @@ class Mesh:
                                 options=self._placed("scheduler"))
         # Grants first: each role's actor is then placed with the Ray resources it was granted.
         await scheduler.grant.remote(GRANT_HOLDERS)
-        await spawn("sandbox-broker", SandboxBrokerActor, mesh.only("sandbox_broker"), config.sandbox,
-                    options=self._placed("sandbox"))
+        # sandbox.brokers: one broker, one on every sandbox node, or a number of them.
+        await spawn_sandbox_brokers(spawn, mesh, config.sandbox, config.ray.role_resources.get("sandbox", {}),
+                                    self._placed("sandbox"))
         inference = config.inference
         for index in range(inference.prefill_worker_count):
             self.prefill_workers.append(await spawn(

@@ -101,6 +101,10 @@ class SandboxConfig(ConfigSection):
     # "auto": bubblewrap when available, else the process backend (which isolates nothing).
     # "runsc": gVisor, where installed. A named backend never falls back.
     backend: Literal["auto", "bwrap", "runsc", "process"] = "auto"
+    # Where brokers run: "per_node" puts one on every Ray node offering the resources named in
+    # ray.role_resources.sandbox (every node when none are named); a number starts that many,
+    # placed by Ray. Leases are placed across them by load and profile (docs/sandbox.md).
+    brokers: Literal["per_node"] | PositiveInt = 1
     # Named limit sets; "default" (2 GiB memory, 2 GiB workspace, 256 pids, 10 min per exec)
     # exists even when a config file names only others.
     profiles: dict[str, SandboxProfileConfig] = msgspec.field(default_factory=_default_profiles)

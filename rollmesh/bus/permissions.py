@@ -49,6 +49,7 @@ from rollmesh.messages.subjects import (
     SANDBOX_FORK,
     SANDBOX_HEARTBEAT,
     SANDBOX_LEASE,
+    SANDBOX_LOAD,
     SANDBOX_OUTPUT,
     SANDBOX_RELEASE,
     SANDBOX_SNAPSHOT,
@@ -62,6 +63,8 @@ from rollmesh.messages.subjects import (
     GROUP_DROPPED,
     WEIGHTS_ACTIVATED,
     WEIGHTS_PUBLISHED,
+    ANY_BROKER,
+    broker_subject,
 )
 
 # "mesh": the launcher and operator tools (stream setup, `rollmesh sched`, `rollmesh sandbox`).
@@ -83,6 +86,12 @@ ACTOR_ROLES = {
 
 SANDBOX_REQUESTS = (SANDBOX_LEASE, SANDBOX_EXEC, SANDBOX_UPLOAD, SANDBOX_DOWNLOAD, SANDBOX_SNAPSHOT,
                     SANDBOX_FORK, SANDBOX_HEARTBEAT, SANDBOX_RELEASE)
+
+
+def _any_broker(ns: str, *requests: Subject) -> list[str]:
+    """Every broker's own subjects for ``requests`` (rl.<ns>.sandbox.b.*.exec, ...): all brokers
+    connect as one role, and a client may hold leases on any of them."""
+    return [broker_subject(subject, ANY_BROKER).format(ns) for subject in requests]
 
 
 def routed_experts_bucket(namespace: str) -> str:
@@ -234,7 +243,7 @@ def _mesh(ns: str) -> _Lists:
 def _rollout_worker(ns: str) -> _Lists:
     publish = [
         *_subjects(ns, ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_PROGRESSED, SCHED_STATUS,
-                   *SANDBOX_REQUESTS),
+                   *SANDBOX_REQUESTS), *_any_broker(ns, *SANDBOX_REQUESTS),
         *_shell(ns), *_consume(rollout_requests_stream(ns)), *_rollout_state(ns),
         *_object_bucket(routed_experts_bucket(ns), write=True),
         *_object_bucket(trajectories_bucket(ns), write=True),
@@ -260,8 +269,9 @@ def _inference(ns: str) -> _Lists:
 
 
 def _sandbox_broker(ns: str) -> _Lists:
-    return [*_subjects(ns, SANDBOX_OUTPUT), *_shell(ns)], \
-        _subjects(ns, *SANDBOX_REQUESTS), True
+    # Brokers hear each other's load, and a broker may hand a lease on to another's own subject.
+    return [*_subjects(ns, SANDBOX_OUTPUT, SANDBOX_LOAD), *_any_broker(ns, SANDBOX_LEASE), *_shell(ns)], \
+        [*_subjects(ns, *SANDBOX_REQUESTS, SANDBOX_LOAD), *_any_broker(ns, *SANDBOX_REQUESTS)], True
 
 
 def _scheduler(ns: str) -> _Lists:

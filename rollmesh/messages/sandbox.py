@@ -85,6 +85,7 @@ class SandboxLeaseReply(WireMessage, frozen=True, tag="sandbox.lease_reply"):
     limits: SandboxLimitsSpec = SandboxLimitsSpec()
     warm: bool = False  # it came from the warm pool (no creation wait)
     retry_after_s: float = 0.0
+    broker: str = ""  # the broker holding it ("" from a broker without an id: in process)
 
 
 class SandboxExecRequest(WireMessage, frozen=True, tag="sandbox.exec_request"):
@@ -261,6 +262,19 @@ class SandboxReleaseReply(WireMessage, frozen=True, tag="sandbox.release_reply")
     released: bool = False
     error_kind: SandboxErrorKind = ""
     error: str = ""
+
+
+class SandboxLoadReported(WireMessage, frozen=True, tag="sandbox.load"):
+    """A broker's load, every ``sandbox.pool_interval_s`` (core NATS: the next report makes good
+    a lost one). Brokers read each other's to place leases (``rollmesh.sandbox.placement``)."""
+
+    broker: str
+    leases: int = 0  # active leases
+    live_sandboxes: int = 0  # leased, warm and being created
+    max_sandboxes: int = 0
+    warm: dict[str, int] = {}  # ready warm sandboxes per profile
+    running_execs: int = 0
+    node: str = ""  # where it runs (for people; placement does not read it)
 
 
 class SandboxLeaseRecord(WireMessage, frozen=True, tag="sandbox.lease_record"):

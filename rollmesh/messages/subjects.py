@@ -8,6 +8,7 @@ msgpack. Subjects are ``rl.<ns>.<domain>.<event>``.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
@@ -35,6 +36,7 @@ from rollmesh.messages.sandbox import (
     SandboxHeartbeatRequest,
     SandboxLeaseReply,
     SandboxLeaseRequest,
+    SandboxLoadReported,
     SandboxOutputProduced,
     SandboxReleaseReply,
     SandboxReleaseRequest,
@@ -157,6 +159,24 @@ SANDBOX_HEARTBEAT = Subject(
 SANDBOX_RELEASE = Subject(
     "rl.{ns}.sandbox.release", SandboxReleaseRequest, reply_type=SandboxReleaseReply
 )
+# Every broker's load, which the brokers read to place leases (core NATS, every pool interval).
+SANDBOX_LOAD = Subject("rl.{ns}.sandbox.load", SandboxLoadReported)
+# In a permission, every broker's subjects at once.
+ANY_BROKER = "*"
+
+
+@functools.cache
+def broker_subject(subject: Subject, broker: str) -> Subject:
+    """One broker's own subject for a sandbox request: ``rl.{ns}.sandbox.b.<broker>.exec`` for
+    ``SANDBOX_EXEC``, bound to the same types. A lease's requests go to its broker's subjects;
+    the shared ``rl.{ns}.sandbox.lease`` stays the entry point every broker answers."""
+    if not subject.template.startswith("rl.{ns}.sandbox.") or subject.reply_type is None:
+        raise ValueError(f"{subject.template} is not a sandbox request subject")
+    if broker != ANY_BROKER and not _NAMESPACE.match(broker):
+        raise ValueError(f"invalid sandbox broker id {broker!r}: use 1-64 of [A-Za-z0-9_-]")
+    template = subject.template.replace("rl.{ns}.sandbox.", f"rl.{{ns}}.sandbox.b.{broker}.", 1)
+    return Subject(template, subject.type, subject.encoding, subject.reply_type)
+
 GPU_GRANTED = Subject("rl.{ns}.sched.gpu_granted", GpuGranted)
 GPU_RELEASED = Subject("rl.{ns}.sched.gpu_released", GpuReleased)
 PREEMPTION_REQUESTED = Subject("rl.{ns}.sched.preemption_requested", PreemptionRequested)
@@ -196,6 +216,7 @@ ALL_SUBJECTS: tuple[Subject, ...] = (
     SANDBOX_FORK,
     SANDBOX_HEARTBEAT,
     SANDBOX_RELEASE,
+    SANDBOX_LOAD,
     GPU_GRANTED,
     GPU_RELEASED,
     PREEMPTION_REQUESTED,

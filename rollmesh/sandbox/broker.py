@@ -351,6 +351,13 @@ class SandboxBroker:
 
     # -- state -----------------------------------------------------------------------------
 
+    def holds(self, holder: str) -> bool:
+        """Whether ``holder`` has a live lease here, or one being granted: its retried lease
+        requests stay here whatever the placement across brokers would say."""
+        held = self._leases.of_holder(holder)
+        live = held is not None and not held.died and not held.expired(self._clock())
+        return live or holder in self._pending
+
     def live_sandboxes(self) -> int:
         return len(self._leases) + self._reserved + self._pool.total()
 

@@ -11,7 +11,10 @@ broker. A reply with ``error_kind`` set, or no reply at all, raises ``SandboxReq
 (kind "unreachable" when the broker could not be reached); an exec that ran returns its reply,
 whatever its ``result``. Files larger than one chunk move in chunks and are verified by sha256
 end to end. A call made for a rollout names it (``rollout_id``): the request carries it, so the
-request's span, the broker's span and both sides' log lines name the rollout.
+request's span, the broker's span and both sides' log lines name the rollout. With several
+brokers, a lease's requests (and a snapshot's forks) go to the broker holding it, which its id
+names (``rollmesh.sandbox.placement``); a new lease goes to the shared subject, placed by the
+brokers.
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ from rollmesh.messages.subjects import (
     SANDBOX_SNAPSHOT,
     SANDBOX_UPLOAD,
     Subject,
+    broker_subject,
 )
 from rollmesh.ports import Publisher, RequestFailedError
 from rollmesh.sandbox.bulk_stream import download_over_stream, stream_route, upload_over_stream
 from rollmesh.sandbox.errors import BulkStreamError, ChecksumMismatchError, SandboxRequestError
+from rollmesh.sandbox.placement import broker_of
 
 # Below the embedded NATS server's 8 MiB max payload with room for the message around the data.
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
@@ -98,9 +103,18 @@ class SandboxBrokerClient:
 
     async def lease(self, holder: str, *, profile: str = "default", ttl_s: float | None = None,
                     network: bool = False, limits: SandboxLimitsSpec = SandboxLimitsSpec(),
-                    capacity_retries: int = 0, rollout_id: str = "") -> SandboxLeaseReply:
+                    capacity_retries: int = 0, rollout_id: str = "", held_lease: str = "") -> SandboxLeaseReply:
+        """A lease for ``holder``, placed by the brokers. ``held_lease``: the lease ``holder``
+        held before (a resumed rollout's): asked of its broker first, so a lease still alive
+        there is found again; placed anew when that broker cannot be reached or has no room."""
         request = SandboxLeaseRequest(holder=holder, profile=profile, ttl_s=ttl_s, network=network,
                                       limits=limits, rollout_id=rollout_id)
+        if broker_of(held_lease):
+            try:
+                return await self._call(broker_subject(SANDBOX_LEASE, broker_of(held_lease)), request, "lease")
+            except SandboxRequestError as exc:
+                if exc.kind not in ("unreachable", "capacity", "infra_error"):
+                    raise
         return await self._retrying(capacity_retries, lambda: self._call(SANDBOX_LEASE, request, "lease"))
 
     async def exec(self, lease_id: str, argv: list[str] | None = None, *, shell: str = "",
@@ -272,6 +286,7 @@ class SandboxBrokerClient:
 
     async def _call(self, subject: Subject, request: WireMessage, operation: str, *,
                     wait_s: float | None = None) -> Any:
+        subject = routed_subject(subject, request)
         try:
             reply = await self._requester.request(subject, request, timeout_s=wait_s or self.timeout_s)
         except RequestFailedError as exc:
@@ -291,3 +306,10 @@ class SandboxBrokerClient:
                     raise
                 await self._sleep(min(MAX_RETRY_WAIT_S, max(exc.retry_after_s, 0.05) * (attempt + 1)))
         raise AssertionError("unreachable")
+
+
+def routed_subject(subject: Subject, request: WireMessage) -> Subject:
+    """Where a request goes: its lease's (or, for a fork, its snapshot's) broker's own subject
+    when the id names a broker; the shared subject otherwise (a new lease, a broker without an id)."""
+    broker = broker_of(getattr(request, "lease_id", "") or getattr(request, "snapshot_id", ""))
+    return broker_subject(subject, broker) if broker else subject
