@@ -1,9 +1,12 @@
 """Attacks from inside a real bubblewrap sandbox: each is contained with the right typed result,
-the attacking sandbox stays usable, and a bystander sandbox beside it keeps working untouched."""
+the attacking sandbox stays usable, and a bystander sandbox beside it keeps working untouched.
+The bulk data path's stream is attacked from inside a sandbox and, with forged or borrowed
+tokens, from the host: nothing lands in any workspace."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import os
 import random
@@ -16,14 +19,20 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import pytest_asyncio
 
 from oci_images import host_binary_members
 from sandbox_helpers import usable_bwrap
+from rollmesh.config import SandboxConfig, SandboxProfileConfig
+from rollmesh.messages.sandbox import SandboxUploadRequest
+from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient
+from rollmesh.sandbox.bulk_stream import upload_over_stream
 from rollmesh.sandbox.bwrap_backend import BwrapBackend
 from rollmesh.sandbox.errors import UnsafeArchiveError, WorkspacePathError
 from rollmesh.sandbox.images import SandboxImage
+from rollmesh.sandbox.in_process import InProcessRequester
 from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 
 REPO = Path(__file__).resolve().parent.parent
@@ -275,3 +284,73 @@ async def test_an_image_roots_links_to_host_paths_resolve_inside_the_sandbox(bac
     finally:
         secret.unlink()
         shutil.rmtree(root)
+
+
+# -- the bulk data path: a stream straight to the broker, opened only with its one-time token ----
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def bulk_broker(backend: BwrapBackend, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator:
+    """A broker serving the bulk stream over real bubblewrap sandboxes: the attacker's lease and
+    a victim's, with a canary in the victim's workspace."""
+    config = SandboxConfig(backend="bwrap", profiles={"default": SandboxProfileConfig(warm_min=0)})
+    broker = SandboxBroker(config, backend, snapshot_dir=tmp_path_factory.mktemp("bulk-snapshots"))
+    server = await broker.serve_bulk()
+    client = SandboxBrokerClient(InProcessRequester(broker))
+    attacker_lease = (await client.lease("bulk-attacker")).lease_id
+    victim_lease = (await client.lease("bulk-victim")).lease_id
+    await client.upload(victim_lease, "canary.txt", b"victim's own")
+    yield broker, client, attacker_lease, victim_lease
+    await server.close()
+    await broker.close()
+
+
+async def bulk_ticket(broker: SandboxBroker, lease_id: str, path: str, size: int):
+    reply = await broker.upload(SandboxUploadRequest(lease_id=lease_id, path=path, data=b"", size=size,
+                                                     sha256="", bulk=True))
+    assert reply.bulk is not None, reply
+    return reply.bulk
+
+
+async def victim_untouched(client: SandboxBrokerClient, victim_lease: str) -> None:
+    listing = await client.exec(victim_lease, ["ls", "-A"])
+    assert listing.stdout.split() == [b"canary.txt"], listing
+    assert await client.download(victim_lease, "canary.txt") == b"victim's own"
+
+
+async def test_a_bulk_stream_without_a_valid_token_stores_nothing(bulk_broker) -> None:
+    broker, client, attacker_lease, victim_lease = bulk_broker
+    payload = b"pwned" * 40_000
+    ticket = await bulk_ticket(broker, attacker_lease, "mine.bin", len(payload))
+    # From inside the sandbox the stream is out of reach: no network, and the socket is not shown.
+    probe = (
+        "import os, socket\n"
+        f"print(os.path.exists({ticket.unix_path!r}))\n"
+        "try:\n"
+        f"    socket.create_connection(({ticket.host!r}, {ticket.port}), timeout=2).close(); print('connected')\n"
+        "except OSError as exc:\n"
+        "    print('blocked', type(exc).__name__)\n"
+    )
+    inside = await client.exec(attacker_lease, [*PY, probe])
+    assert inside.stdout.decode().splitlines() == ["False", "blocked ConnectionRefusedError"], inside
+    # From the host, a forged token (and none at all) is refused, whichever lease it names.
+    sha = hashlib.sha256(payload).hexdigest()
+    for token, lease in (("f" * 43, victim_lease), (ticket.token[:-1] + "x", victim_lease), (" ", attacker_lease)):
+        forged = msgspec.structs.replace(ticket, token=token)
+        done = await upload_over_stream(forged, "unix", lease_id=lease, data=payload, sha256=sha, tls=None)
+        assert done.error_kind == "bad_token", done
+    await victim_untouched(client, victim_lease)
+    assert (await client.exec(attacker_lease, ["ls", "-A"])).stdout == b""
+
+
+async def test_a_bulk_token_of_another_lease_is_refused_and_spent(bulk_broker) -> None:
+    broker, client, attacker_lease, victim_lease = bulk_broker
+    payload = b"overwrite" * 30_000
+    sha = hashlib.sha256(payload).hexdigest()
+    # The attacker's own token, for a file named like the victim's canary, shown with the victim's lease.
+    ticket = await bulk_ticket(broker, attacker_lease, "canary.txt", len(payload))
+    done = await upload_over_stream(ticket, "tcp", lease_id=victim_lease, data=payload, sha256=sha, tls=None)
+    assert done.error_kind == "bad_token" and "another lease" in done.error, done
+    again = await upload_over_stream(ticket, "unix", lease_id=attacker_lease, data=payload, sha256=sha, tls=None)
+    assert again.error_kind == "bad_token", again  # shown to the wrong place, it is spent
+    await victim_untouched(client, victim_lease)
