@@ -18,10 +18,12 @@ from oci_images import host_binary_members, layer, write_docker_save, write_layo
 from sandbox_helpers import usable_bwrap
 
 from rollmesh.config import SandboxConfig, SandboxProfileConfig
+from rollmesh.sandbox_config import SandboxPythonConfig
 from rollmesh.messages.sandbox import SandboxExecRequest, SandboxLeaseRequest, SandboxReleaseRequest
 from rollmesh.sandbox import SandboxBroker
 from rollmesh.sandbox.errors import ImageBuildError, ImageLayoutError, UnsafeImageError
 from rollmesh.sandbox.backends import select_backend, select_configured_backend
+from rollmesh.sandbox.bwrap_mounts import shown_in_image
 from rollmesh.sandbox.images import SandboxImage, prepare_images
 from rollmesh.sandbox.oci_layout import unpack_image
 from rollmesh.sandbox.sandbox_protocol import SandboxLimits
@@ -86,6 +88,15 @@ def test_a_layer_whose_bytes_do_not_match_its_digest_is_refused(tmp_path: Path, 
     blob.write_bytes(layer([("f", "file", "evil")]))
     with pytest.raises(ImageLayoutError, match="do not match its digest"):
         unpack_image(image, cache_dir)
+
+
+@pytest.mark.unit
+def test_host_paths_are_shown_in_an_image_only_where_bwrap_can_mount_them(tmp_path: Path) -> None:
+    (tmp_path / "opt" / "data").mkdir(parents=True)
+    (tmp_path / "usr").mkdir()
+    wanted = ["/opt/data", "/opt/tools", "/usr/local/lib/rollmesh/tools", "/work/rollmesh/tools"]
+    # /opt/tools and /usr/local/...: below the image's own read-only /opt and /usr, not there.
+    assert shown_in_image(tmp_path, wanted) == ["/opt/data", "/work/rollmesh/tools"]
 
 
 @pytest.mark.unit
@@ -191,6 +202,21 @@ async def test_a_profile_environment_holds_numpy_and_ase_and_hides_the_hosts_pac
         assert hidden.exit_code == 1 and b"ModuleNotFoundError" in hidden.stderr
     finally:
         await broker.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+@needs_bwrap
+def test_an_environment_whose_packages_cannot_be_fetched_fails_naming_the_profile_and_leaves_nothing(
+        tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))  # holds no wheels
+    python = SandboxPythonConfig(packages=["numpy==2.4.6"])
+    config = SandboxConfig(profiles={"chem": SandboxProfileConfig(python=python)})
+    with pytest.raises(ImageBuildError, match="'chem'.*fetching its packages") as caught:
+        prepare_images(config, cache_dir=cache_dir)
+    assert caught.value.profile == "chem" and "numpy" in caught.value.reason
+    assert list((cache_dir / "envs").iterdir()) == []  # no half-built environment under any name
 
 
 EGRESS_CLIENT = """

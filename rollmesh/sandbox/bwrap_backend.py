@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from rollmesh.sandbox.agent_client import START_TIMEOUT_S, AgentSandbox
 from rollmesh.sandbox.backend_check import check_backend
-from rollmesh.sandbox.bwrap_mounts import host_root_args, image_root_args
+from rollmesh.sandbox.bwrap_mounts import host_root_args, image_root_args, shown_in_image
 from rollmesh.sandbox.egress import EGRESS_SOCKET, EgressForwarder
 from rollmesh.sandbox.errors import BackendFailedError, BackendUnavailableError, SandboxError
 from rollmesh.sandbox.host_python import HostPython, host_python
@@ -92,6 +92,8 @@ class BwrapBackend:
         self._root_args = {(name, network): image_root_args(image.root_dir, network=network)
                            for name, image in self.images.items() if image.root_dir is not None
                            for network in (False, True)}
+        self._image_paths = {name: shown_in_image(image.root_dir, self.readonly_paths)
+                             for name, image in self.images.items() if image.root_dir is not None}
         self.host_python: HostPython | None = (
             host_python(python) if any(i.root_dir is not None for i in self.images.values()) else None)
         self.cgroups: CgroupManager | None = None
@@ -208,7 +210,7 @@ class BwrapBackend:
             command_path = f"{ENV_MOUNT}/bin:{SANDBOX_PATH}"
         if egress_socket is not None:
             args += ["--bind", egress_socket, EGRESS_SOCKET]
-        for path in self.readonly_paths:
+        for path in self._image_paths[image.profile] if image_root else self.readonly_paths:  # type: ignore[union-attr]
             args += ["--ro-bind-try", path, path]
         args += ["--remount-ro", "/", "--remount-ro", "/dev", "--chdir", WORKSPACE, "--clearenv"]
         for key, value in AGENT_ENV.items():

@@ -71,3 +71,17 @@ def _entry_args(entry: Path, inside: str) -> list[str]:
     if entry.is_dir() or entry.is_file():
         return ["--ro-bind", str(entry), inside]
     return []  # sockets, fifos: nothing a root needs
+
+
+def shown_in_image(root: Path, paths: list[str]) -> list[str]:
+    """Those of the host ``paths`` (shown at the same place inside) that can be mounted in the
+    image ``root``: bwrap cannot make a mount point inside a directory the image itself binds
+    read-only, so a path below one of the image's own top-level directories must already exist
+    there (``/opt/x`` when the image has ``/opt`` but no ``/opt/x`` is left out)."""
+    shown = []
+    for path in paths:
+        parts = Path(path).parts[1:]
+        top = root / parts[0] if parts else root
+        if not (top.exists() or top.is_symlink()) or (root / Path(*parts)).is_dir():
+            shown.append(path)
+    return shown
