@@ -4,20 +4,23 @@ Knows the sandbox messages and its config slice; never imports ray or nats (the 
 shell does the wire work). The runtime seam is ``sandbox_protocol`` (a backend creates live
 sandboxes); the broker (``broker``, ``workspace_ops``, ``warm_pool``, ``snapshots``) leases them;
 ``broker_client`` is how rollouts and the CLI talk to it. Tool scripts that run inside sandboxes
-live in ``tools/`` as data.
+live in ``tools/`` as data. What a profile's sandboxes are made of (root, Python environment,
+egress allowlist) is ``images``, made ready before any lease.
 """
 
-from rollmesh.sandbox.backends import BackendKind, select_backend
+from rollmesh.sandbox.backends import BackendKind, select_backend, select_configured_backend
 from rollmesh.sandbox.broker import SandboxBroker, SandboxBrokerStats
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
 from rollmesh.sandbox.bwrap_backend import BwrapBackend
 from rollmesh.sandbox.errors import (
     BackendFailedError,
     BackendUnavailableError,
+    ImageBuildError,
     SandboxError,
     SandboxRequestError,
     ToolNotFoundError,
 )
+from rollmesh.sandbox.images import SandboxImage, prepare_images
 from rollmesh.sandbox.process_backend import ProcessBackend
 from rollmesh.sandbox.runsc_backend import RunscBackend
 from rollmesh.sandbox.sandbox_protocol import (
@@ -37,6 +40,7 @@ __all__ = [
     "BwrapBackend",
     "ExecOutcome",
     "FileTransfer",
+    "ImageBuildError",
     "ProcessBackend",
     "RunscBackend",
     "Sandbox",
@@ -45,11 +49,14 @@ __all__ = [
     "SandboxBrokerClient",
     "SandboxBrokerStats",
     "SandboxError",
+    "SandboxImage",
     "SandboxInfo",
     "SandboxLimits",
     "SandboxRequestError",
     "ToolNotFoundError",
+    "prepare_images",
     "python_for_sandbox",
     "select_backend",
+    "select_configured_backend",
     "tool_script_path",
 ]
