@@ -20,6 +20,8 @@ from rollmesh.engine.errors import WeightsChecksumError, WeightsFileError, Weigh
 from rollmesh.engine.weight_buckets import (
     SerializedWeights,
     decode_bucket,
+    decode_bucket_parts,
+    encode_bucket,
     load_published,
     serialize_buckets,
     write_serialized,
@@ -42,20 +44,21 @@ def state() -> dict[str, torch.Tensor]:
 
 
 class DictBuckets:
-    """The two memory seams over a dict: ``put`` keeps the serialised bytes as numpy arrays
-    (read-only, as Ray hands them out), ``fetch`` returns them; ``node`` is where they live."""
+    """The two memory seams over a dict: ``put`` keeps copies of the manifest and of each
+    bucket's parts as numpy arrays (read-only, as Ray hands them out), ``fetch`` returns them;
+    ``node`` is where they live."""
 
     def __init__(self, node: str = "node-a") -> None:
         self.node = node
-        self.held: dict[int, list[np.ndarray]] = {}
+        self.held: dict[int, list] = {}
         self.fetches = 0
 
     def put(self, serialized: SerializedWeights) -> MemoryLocation:
-        arrays = [np.frombuffer(serialized.manifest, np.uint8)]
-        arrays += [data.copy() for _, data in serialized.buckets]
-        for array in arrays:
+        held = [np.frombuffer(serialized.manifest, np.uint8)]
+        held += [[part.copy() for part in parts] for _, parts in serialized.buckets]
+        for array in (held[0], *(part for parts in held[1:] for part in parts)):
             array.flags.writeable = False  # as Ray hands them out
-        self.held[serialized.version] = arrays
+        self.held[serialized.version] = held
         return MemoryLocation("trainer", self.node)
 
     def reachable(self, message: WeightsPublished) -> bool:
@@ -79,9 +82,12 @@ def announce(serialized: SerializedWeights, location: MemoryLocation, weights_di
 @pytest.mark.unit
 def test_a_bucket_written_and_read_here_is_what_safetensors_reads(state):
     serialized = serialize_buckets(state, version=1, bucket_bytes=1 << 20)
-    ((bucket, data),) = serialized.buckets
+    ((bucket, parts),) = serialized.buckets
+    data = b"".join(part.tobytes() for part in parts)
+    assert data == encode_bucket(state).tobytes()
     tensors = decode_bucket(data, bucket, where="test")
-    expected = load_safetensors(bytes(data))  # what safetensors itself reads from the same bytes
+    assert all(torch.equal(tensors[k], t) for k, t in decode_bucket_parts(parts, bucket, where="test").items())
+    expected = load_safetensors(data)  # what safetensors itself reads from the same bytes
     assert tensors.keys() == expected.keys()
     for name, tensor in expected.items():
         assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
@@ -92,8 +98,8 @@ def test_memory_buckets_are_byte_for_byte_the_files_buckets(state, tmp_path):
     serialized = serialize_buckets(state, version=3, bucket_bytes=2048)
     manifest_path = write_serialized(serialized, tmp_path)
     assert manifest_path.read_bytes() == serialized.manifest
-    for bucket, data in serialized.buckets:
-        assert (manifest_path.parent / bucket.file).read_bytes() == data.tobytes()
+    for bucket, parts in serialized.buckets:
+        assert (manifest_path.parent / bucket.file).read_bytes() == b"".join(part.tobytes() for part in parts)
     from_files = load_published(manifest_path, serialized.manifest_sha256)
     holder = DictBuckets()
     message = announce(serialized, holder.put(serialized), tmp_path)
@@ -107,9 +113,9 @@ def test_a_damaged_bucket_in_memory_is_refused_by_name(state, tmp_path):
     serialized = serialize_buckets(state, version=1, bucket_bytes=2048)
     holder = DictBuckets()
     message = announce(serialized, holder.put(serialized), tmp_path)
-    damaged = holder.held[1][2].copy()
+    damaged = holder.held[1][2][-1].copy()
     damaged[-1] ^= 0xFF
-    holder.held[1][2] = damaged
+    holder.held[1][2][-1] = damaged
     with pytest.raises(WeightsChecksumError, match=serialized.buckets[1][0].file):
         load_from_memory(message, holder)
 
@@ -124,10 +130,19 @@ def test_a_manifest_that_does_not_match_the_announced_sha256_is_refused(state, t
 
 
 @pytest.mark.unit
+def test_bucket_parts_split_otherwise_than_their_header_says_are_a_file_error(state):
+    serialized = serialize_buckets({"a": torch.ones(4), "b": torch.zeros(2)}, version=1, bucket_bytes=1 << 20)
+    ((bucket, (head, a, b)),) = serialized.buckets
+    joined = np.concatenate([a, b])  # the same bytes, so the sha256 passes; the split does not
+    with pytest.raises(WeightsFileError, match="one part of its own"):
+        decode_bucket_parts([head, joined], bucket, where="test")
+
+
+@pytest.mark.unit
 def test_a_bucket_whose_header_points_outside_it_is_a_file_error(state):
     serialized = serialize_buckets({"w": torch.ones(4)}, version=1, bucket_bytes=1 << 20)
-    ((bucket, data),) = serialized.buckets
-    truncated = data[:-4].tobytes()
+    ((bucket, parts),) = serialized.buckets
+    truncated = b"".join(part.tobytes() for part in parts)[:-4]
     bucket = msgspec.structs.replace(bucket, sha256=hashlib.sha256(truncated).hexdigest())
     with pytest.raises(WeightsFileError, match="outside"):
         decode_bucket(truncated, bucket, where="test")

@@ -1,12 +1,14 @@
 """Weight buckets in the Ray object store: the trainer's holder and the inference workers' fetch.
 
 Knows Ray and the engine's ``weight_memory`` seams; not NATS. The trainer ``ray.put``s each
-bucket's bytes as a uint8 numpy array, which Ray keeps in the node's shared memory (plasma) and
-hands to readers on that node zero-copy. The refs stay in the trainer (the newest ``keep``
-versions): a reader asks the trainer actor for them by name (``weight_bucket_refs``), so Ray
-counts the reader as a borrower for as long as it holds them, and the memory is freed once the
-trainer lets go of a version and no reader still holds it. Refs are never serialised into the
-NATS message: an out-of-band ref would pin its object for the owner's whole life.
+bucket's parts (its header and a uint8 numpy view of each tensor: ``bucket_parts``) as one object,
+which Ray copies once into the node's shared memory (plasma; numpy buffers travel out of band) and
+hands to readers on that node zero-copy, as a list of read-only arrays. The refs stay in the
+trainer (the newest ``keep`` versions): a reader asks the trainer actor for them by name
+(``weight_bucket_refs``), so Ray counts the reader as a borrower for as long as it holds them, and
+the memory is freed once the trainer lets go of a version and no reader still holds it. Refs are
+never serialised into the NATS message: an out-of-band ref would pin its object for the owner's
+whole life.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class ObjectStoreWeightHolder:
 
     def put(self, serialized: SerializedWeights) -> MemoryLocation:
         refs = [ray.put(np.frombuffer(serialized.manifest, dtype=np.uint8))]
-        refs += [ray.put(data) for _, data in serialized.buckets]  # uint8 arrays already
+        refs += [ray.put(parts) for _, parts in serialized.buckets]  # lists of uint8 arrays
         self._held[serialized.version] = refs
         while len(self._held) > self.keep:
             self._held.popitem(last=False)  # readers that still borrow a ref keep its object alive

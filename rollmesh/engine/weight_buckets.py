@@ -16,13 +16,20 @@ layout and the single ``save_weights`` file, which operators still hand to
 The same buckets can travel without files (``serialize_buckets`` then ``weight_memory``): the
 bytes and both sha256 levels are identical, only the medium differs.
 
-Both ends of the bucket format are written here by hand (``encode_bucket``, ``decode_bucket``),
-and safetensors' own ``load`` stays the reader of files: its ``save`` copies every tensor twice
-(to ``bytes``, then into the output) and was the largest single cost of a publication on CPU, and
-its ``load`` takes ``bytes`` only, which would copy a shared-memory bucket once more. The format
-is safetensors' (an 8-byte little-endian header length, a JSON header padded with spaces to 8
-bytes, then the tensors' bytes back to back); a test checks that safetensors reads what
-``encode_bucket`` writes. ``decode_bucket`` returns views of its buffer (the stager copies them).
+Both ends of the bucket format are written here by hand (``bucket_parts``, ``encode_bucket``,
+``decode_bucket``), and safetensors' own ``load`` stays the reader of files: its ``save`` copies
+every tensor twice (to ``bytes``, then into the output) and was the largest single cost of a
+publication on CPU, and its ``load`` takes ``bytes`` only, which would copy a shared-memory bucket
+once more. The format is safetensors' (an 8-byte little-endian header length, a JSON header padded
+with spaces to 8 bytes, then the tensors' bytes back to back); a test checks that safetensors reads
+what ``encode_bucket`` writes. A serialised bucket is held as its parts, never joined: the header,
+then a view of each tensor's bytes. Hashed part by part, written with one ``writelines`` and put
+into shared memory part by part, their concatenation is the safetensors file, and no copy is made
+before the one into the file or the object store. ``decode_bucket`` and ``decode_bucket_parts``
+return views of their buffers (the stager copies them).
+
+sha256 is most of a publication's CPU time (about 1 GB/s per core), so buckets are hashed on a few
+threads at once: ``hashlib`` releases the GIL while it hashes a large buffer.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ import shutil
 import struct
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +59,8 @@ from rollmesh.engine.weights import load_weights
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "rollmesh-weights/1"
+# Threads that hash (and verify) buckets at once; more than the cores only adds switching.
+HASH_THREADS = 4
 
 
 class WeightBucket(msgspec.Struct, frozen=True):
@@ -82,38 +92,63 @@ def version_directory(weights_dir: Path, version: int) -> Path:
 
 @dataclass(frozen=True)
 class SerializedWeights:
-    """One version's buckets in memory: the manifest and each bucket's safetensors bytes."""
+    """One version's buckets in memory: the manifest and each bucket's safetensors bytes, as parts
+    (``bucket_parts``: views of the state dict's tensors, valid while those are not changed)."""
 
     version: int
     manifest: bytes
     manifest_sha256: str
-    buckets: list[tuple[WeightBucket, np.ndarray]]  # each bucket's bytes (uint8)
+    buckets: list[tuple[WeightBucket, list[np.ndarray]]]  # each bucket's parts (uint8)
     total_bytes: int
     gather_s: float
-    serialize_s: float  # buckets serialised and hashed
+    serialize_s: float  # buckets laid out and hashed
 
 
 def serialize_buckets(state_dict: Mapping[str, torch.Tensor], *, version: int,
                       bucket_bytes: int) -> SerializedWeights:
     """``state_dict`` as buckets of at most ``bucket_bytes`` (a larger tensor gets one alone),
-    each hashed, and the manifest naming them."""
+    each hashed (on ``HASH_THREADS`` threads), and the manifest naming them. Nothing is copied
+    but what is not a contiguous CPU tensor already."""
     started = time.perf_counter()
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state_dict.items()}
     gathered = time.perf_counter()
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
     plan = plan_shards(sizes, bucket_bytes) if tensors else []
-    buckets = []
+    laid_out = []
     for number, names in enumerate(plan, start=1):
         file = f"bucket-{number:05d}-of-{len(plan):05d}.safetensors"
         try:
-            data = encode_bucket({name: tensors[name] for name in names})
+            laid_out.append((file, list(names), bucket_parts({name: tensors[name] for name in names})))
         except (KeyError, RuntimeError, ValueError) as exc:
             raise WeightsFileError(file, f"cannot publish version {version}: {exc!r}") from exc
-        buckets.append((WeightBucket(file, hashlib.sha256(data).hexdigest(), len(data), list(names)), data))
+    digests = map_threads(hash_parts, [parts for _, _, parts in laid_out])
+    buckets = [(WeightBucket(file, digest, parts_size(parts), names), parts)
+               for (file, names, parts), digest in zip(laid_out, digests)]
     total = sum(bucket.num_bytes for bucket, _ in buckets)
     manifest = msgspec.json.encode(WeightsManifest(MANIFEST_FORMAT, version, total, [b for b, _ in buckets]))
     return SerializedWeights(version, manifest, hashlib.sha256(manifest).hexdigest(), buckets, total,
                              gathered - started, time.perf_counter() - gathered)
+
+
+def map_threads(function: Callable, items: Sequence) -> list:
+    """``[function(item) for item in items]`` on up to ``HASH_THREADS`` threads (for work that
+    releases the GIL: hashing, torch copies)."""
+    if len(items) < 2:
+        return [function(item) for item in items]
+    with ThreadPoolExecutor(min(HASH_THREADS, len(items)), thread_name_prefix="weights-hash") as pool:
+        return list(pool.map(function, items))
+
+
+def hash_parts(parts: Sequence) -> str:
+    """The sha256 of the parts' bytes back to back, without joining them."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(memoryview(part).cast("B"))
+    return digest.hexdigest()
+
+
+def parts_size(parts: Sequence) -> int:
+    return sum(memoryview(part).nbytes for part in parts)
 
 
 def write_serialized(serialized: SerializedWeights, weights_dir: Path) -> Path:
@@ -122,8 +157,9 @@ def write_serialized(serialized: SerializedWeights, weights_dir: Path) -> Path:
     final = version_directory(weights_dir, serialized.version)
     try:
         with staged_directory(final) as staging:
-            for bucket, data in serialized.buckets:
-                (staging / bucket.file).write_bytes(data)
+            for bucket, parts in serialized.buckets:
+                with open(staging / bucket.file, "wb") as out:
+                    out.writelines(memoryview(part).cast("B") for part in parts)
             (staging / MANIFEST_FILE).write_bytes(serialized.manifest)  # last: it names the rest
     except CheckpointWriteError as exc:
         raise WeightsFileError(str(final), f"cannot publish: {exc}") from exc
@@ -176,23 +212,32 @@ _SAFETENSORS_DTYPES = {
 _DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
 
-def encode_bucket(tensors: Mapping[str, torch.Tensor]) -> np.ndarray:
-    """``tensors`` (on the CPU) in the safetensors format, copied once into one new buffer."""
-    header, size = {}, 0
+def bucket_parts(tensors: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
+    """``tensors`` (contiguous, on the CPU) in the safetensors format as parts: the length and
+    header, then a uint8 view of each non-empty tensor's bytes (no copy). Joined, they are the file."""
+    header, size, views = {}, 0, []
     for name, tensor in tensors.items():
         num_bytes = tensor.numel() * tensor.element_size()
         header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [size, size + num_bytes]}
         size += num_bytes
+        if num_bytes:
+            if not tensor.is_contiguous() or tensor.device.type != "cpu":
+                raise ValueError(f"{name} is not a contiguous CPU tensor")
+            views.append(tensor.detach().reshape(-1).view(torch.uint8).numpy())
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    out = np.empty(8 + len(head) + size, dtype=np.uint8)
-    out[:8] = np.frombuffer(struct.pack("<Q", len(head)), dtype=np.uint8)
-    out[8:8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
-    body = torch.from_numpy(out[8 + len(head):])
-    for tensor, (begin, end) in zip(tensors.values(), (entry["data_offsets"] for entry in header.values())):
-        if end > begin:  # torch's copy, not numpy's: it runs without the GIL
-            body[begin:end].copy_(tensor.detach().reshape(-1).view(torch.uint8))
+    return [np.frombuffer(struct.pack("<Q", len(head)) + head, dtype=np.uint8), *views]
+
+
+def encode_bucket(tensors: Mapping[str, torch.Tensor]) -> np.ndarray:
+    """``tensors`` (on the CPU) in the safetensors format, copied once into one new buffer."""
+    parts = bucket_parts({name: tensor.detach().contiguous() for name, tensor in tensors.items()})
+    out = np.empty(parts_size(parts), dtype=np.uint8)
+    at = 0
+    for part in parts:
+        out[at:at + part.nbytes] = part
+        at += part.nbytes
     return out
 
 
@@ -220,6 +265,48 @@ def decode_bucket(data, bucket: WeightBucket, *, where: str) -> dict[str, torch.
                 flat = (torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=start + begin)
                         if end > begin else torch.empty(0, dtype=torch.uint8))
                 tensors[name] = flat.view(dtype).reshape(entry["shape"])
+    except (struct.error, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise WeightsFileError(where, f"not a safetensors bucket: {exc!r}") from exc
+    if sorted(tensors) != sorted(bucket.tensors):
+        raise WeightsFileError(where, "holds other tensors than the manifest names")
+    return tensors
+
+
+def decode_bucket_parts(parts: Sequence, bucket: WeightBucket, *, where: str) -> dict[str, torch.Tensor]:
+    """``decode_bucket`` for a bucket held as its parts (``bucket_parts``: the header, then each
+    non-empty tensor's bytes in order), checked against the manifest's sha256 over all of them
+    first. One part is a whole bucket. Views of the parts, as ``decode_bucket`` gives."""
+    if len(parts) == 1:
+        return decode_bucket(parts[0], bucket, where=where)
+    actual = hash_parts(parts)
+    if actual != bucket.sha256:
+        raise WeightsChecksumError(where, bucket.sha256, actual)
+    # The bytes are the file's; only their split into parts is checked here against the header.
+    views = [memoryview(part).cast("B") for part in parts]
+    try:
+        (header_len,) = struct.unpack_from("<Q", views[0], 0)
+        if len(views[0]) != 8 + header_len:
+            raise ValueError("the first part is not exactly the header")
+        header = json.loads(bytes(views[0][8:]))
+        header.pop("__metadata__", None)
+        entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
+        tensors, position, next_part = {}, 0, 1
+        with warnings.catch_warnings():  # read-only buffers: the views are only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            for name, entry in entries:
+                begin, end = entry["data_offsets"]
+                if begin != position or end < begin:
+                    raise ValueError(f"{name} is not where the header's previous tensor ended")
+                position = end
+                flat = torch.empty(0, dtype=torch.uint8)
+                if end > begin:
+                    if next_part >= len(views) or len(views[next_part]) != end - begin:
+                        raise ValueError(f"{name} is not one part of its own")
+                    flat = torch.frombuffer(views[next_part], dtype=torch.uint8)
+                    next_part += 1
+                tensors[name] = flat.view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        if next_part != len(views):
+            raise ValueError(f"{len(views) - next_part} parts beyond the header's tensors")
     except (struct.error, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise WeightsFileError(where, f"not a safetensors bucket: {exc!r}") from exc
     if sorted(tensors) != sorted(bucket.tensors):

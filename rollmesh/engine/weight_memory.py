@@ -41,7 +41,7 @@ from typing import Literal, Protocol
 import torch
 
 from rollmesh.engine.errors import WeightsUnavailableError
-from rollmesh.engine.weight_buckets import SerializedWeights, decode_bucket, decode_manifest
+from rollmesh.engine.weight_buckets import SerializedWeights, decode_bucket_parts, decode_manifest, map_threads
 from rollmesh.messages import WeightsPublished
 
 WeightSync = Literal["auto", "files", "memory", "nccl", "ipc"]
@@ -74,9 +74,9 @@ class FetchesWeightBuckets(Protocol):
         """Whether the message's memory copy is on this worker's node."""
         ...
 
-    def fetch(self, message: WeightsPublished) -> tuple[object, Sequence[object]]:
-        """(manifest buffer, bucket buffers in manifest order); blocking. Raises
-        ``WeightsUnavailableError``."""
+    def fetch(self, message: WeightsPublished) -> tuple[object, Sequence[Sequence[object]]]:
+        """(manifest buffer, each bucket's parts in manifest order, as ``SerializedWeights`` holds
+        them); blocking. Raises ``WeightsUnavailableError``."""
         ...
 
 
@@ -88,7 +88,8 @@ class MemoryLoad:
 
 
 def load_from_memory(message: WeightsPublished, source: FetchesWeightBuckets) -> MemoryLoad:
-    """The announced version's state dict from shared memory, every byte sha256-checked."""
+    """The announced version's state dict from shared memory, every byte sha256-checked (the
+    buckets on a few threads at once)."""
     if not message.memory_holder:
         raise WeightsUnavailableError(message.version, "announced with files only")
     started = time.perf_counter()
@@ -100,6 +101,7 @@ def load_from_memory(message: WeightsPublished, source: FetchesWeightBuckets) ->
         raise WeightsUnavailableError(message.version, f"{len(bucket_buffers)} buckets held, "
                                                        f"the manifest names {len(manifest.buckets)}")
     state: dict[str, torch.Tensor] = {}
-    for bucket, buffer in zip(manifest.buckets, bucket_buffers):
-        state.update(decode_bucket(buffer, bucket, where=f"{where}/{bucket.file}"))
+    for tensors in map_threads(lambda held: decode_bucket_parts(held[1], held[0], where=f"{where}/{held[0].file}"),
+                               list(zip(manifest.buckets, bucket_buffers))):
+        state.update(tensors)
     return MemoryLoad(state, fetched - started, time.perf_counter() - fetched)

@@ -14,11 +14,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
 
 from rollmesh.engine.errors import StaleWeightsError, WeightsMismatchError
+
+COPY_THREADS = 4
 
 
 class WeightStager:
@@ -93,13 +96,20 @@ class WeightStager:
                 f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}",
                 version=version,
             )
-        copied = {}
-        for name, (shape, dtype, device) in self._expected.items():
+        for name, (shape, _, _) in self._expected.items():
             tensor = state_dict[name]
             if tuple(tensor.shape) != tuple(shape):
                 raise WeightsMismatchError(
                     f"{name} has shape {tuple(tensor.shape)}, the model {tuple(shape)}",
                     version=version,
                 )
-            copied[name] = tensor.detach().to(device=device, dtype=dtype, copy=True)
-        return copied
+
+        def copy(item: tuple[str, tuple]) -> torch.Tensor:
+            name, (_, dtype, device) = item
+            return state_dict[name].detach().to(device=device, dtype=dtype, copy=True)
+
+        # A few threads: torch copies without the GIL, and on a busy machine more threads get
+        # more of it (the copy is the larger part of staging).
+        items = list(self._expected.items())
+        with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="weights-stage") as pool:
+            return dict(zip(self._expected, pool.map(copy, items)))
