@@ -216,6 +216,15 @@ def _rollout_state(ns: str) -> list[str]:
     return [*_read_stream(f"KV_{bucket}"), f"$KV.{bucket}.>"]
 
 
+def _sandbox_leases(ns: str) -> list[str]:
+    # Mirrors rollmesh.bus.sandbox_leases: the brokers' durable lease table, made by its first
+    # broker, listed (an ordered consumer) by a broker re-adopting its leases at start.
+    stream = f"KV_RL_{check_namespace(ns)}_SANDBOX_LEASES"
+    return [*_read_stream(stream), f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}",
+            f"$JS.API.CONSUMER.CREATE.{stream}.>", f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.FC.{stream}.>",
+            f"$KV.RL_{check_namespace(ns)}_SANDBOX_LEASES.>"]
+
+
 def _object_bucket(bucket: str, *, write: bool) -> list[str]:
     stream = f"OBJ_{bucket}"
     # An object is read through an ordered push consumer (flow-control replies go to $JS.FC);
@@ -270,7 +279,8 @@ def _inference(ns: str) -> _Lists:
 
 def _sandbox_broker(ns: str) -> _Lists:
     # Brokers hear each other's load, and a broker may hand a lease on to another's own subject.
-    return [*_subjects(ns, SANDBOX_OUTPUT, SANDBOX_LOAD), *_any_broker(ns, SANDBOX_LEASE), *_shell(ns)], \
+    return [*_subjects(ns, SANDBOX_OUTPUT, SANDBOX_LOAD), *_any_broker(ns, SANDBOX_LEASE), *_shell(ns),
+            *_sandbox_leases(ns)], \
         [*_subjects(ns, *SANDBOX_REQUESTS, SANDBOX_LOAD), *_any_broker(ns, *SANDBOX_REQUESTS)], True
 
 

@@ -22,13 +22,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ssl
+import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from rollmesh.messages import WireMessage
 from rollmesh.messages.sandbox import (
     ForkedLease,
+    SandboxBulkTicket,
     SandboxDownloadReply,
     SandboxDownloadRequest,
     SandboxExecReply,
@@ -68,10 +71,17 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 BROKER_GRACE_S = 30.0
 # An exec without its own timeout waits for the default profile's limit (10 min) plus grace.
 DEFAULT_EXEC_WAIT_S = 600.0
+# An exec request unanswered this long is sent again with its exec_id (attached, never rerun).
+EXEC_ATTEMPT_S = 30.0
+# ... and while it waits, its broker is probed this often (a dead one is found in about this long).
+EXEC_PROBE_S = 2.0
 # A capacity refusal is retried after its retry hint, but never waits longer than this at once.
 MAX_RETRY_WAIT_S = 10.0
 # Uploads above this ask for the bulk stream (sandbox.bulk_threshold_bytes' default).
 DEFAULT_BULK_THRESHOLD_BYTES = 64 * 1024
+# A kept bulk ticket is used only while it has this long left (clocks differ a little across nodes).
+KEPT_TICKET_MARGIN_S = 5.0
+MAX_KEPT_TICKETS = 1024  # leases with a kept ticket: the oldest goes first
 
 
 # Hashing more than this goes to a thread: it drops the GIL, so it overlaps the event loop's work.
@@ -90,16 +100,22 @@ class SandboxBrokerClient:
                  new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
                  sleep: Callable[[float], Any] = asyncio.sleep,
                  bulk_threshold_bytes: int | None = DEFAULT_BULK_THRESHOLD_BYTES,
-                 bulk_tls: ssl.SSLContext | None = None) -> None:
+                 bulk_tls: ssl.SSLContext | None = None, exec_attempt_s: float = EXEC_ATTEMPT_S,
+                 exec_probe_s: float = EXEC_PROBE_S) -> None:
         """``bulk_threshold_bytes`` None: never use the bulk stream. ``bulk_tls``: the context
-        a TLS bulk stream is verified with (the NATS client's)."""
+        a TLS bulk stream is verified with (the NATS client's). ``exec_attempt_s``: how long an
+        exec request waits for its reply before it is sent again (same ``exec_id``);
+        ``exec_probe_s``: how often its broker is probed meanwhile."""
+        self.exec_attempt_s = exec_attempt_s
+        self.exec_probe_s = exec_probe_s
         self._requester = requester
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
-        self._new_id = new_id
-        self._sleep = sleep
         self.bulk_threshold_bytes = bulk_threshold_bytes
         self.bulk_tls = bulk_tls
+        self._kept: OrderedDict[str, SandboxBulkTicket] = OrderedDict()  # lease id -> its next upload's ticket
+        self._new_id = new_id
+        self._sleep = sleep
 
     async def lease(self, holder: str, *, profile: str = "default", ttl_s: float | None = None,
                     network: bool = False, limits: SandboxLimitsSpec = SandboxLimitsSpec(),
@@ -122,13 +138,53 @@ class SandboxBrokerClient:
                    cwd: str = "", exec_id: str = "", stream_output: bool = False,
                    capacity_retries: int = 0, rollout_id: str = "") -> SandboxExecReply:
         """Run a command; the reply's ``result`` says how it ended. Raises only when it could
-        not run at all."""
+        not run at all.
+
+        The request carries ``exec_id`` (the caller's, or a new one). While it waits, the
+        lease's broker is probed every ``exec_probe_s`` (a heartbeat); a broker found gone, or
+        no reply within ``exec_attempt_s``, sends it again with the same id until the exec's
+        own wait is spent: a broker running it, or one restarted over its sandbox, attaches
+        the retry to that exec instead of running it twice."""
         request = SandboxExecRequest(lease_id=lease_id, argv=list(argv or []), shell=shell, stdin=stdin,
-                                     timeout_s=timeout_s, env=dict(env or {}), cwd=cwd, exec_id=exec_id,
-                                     stream_output=stream_output, rollout_id=rollout_id)
+                                     timeout_s=timeout_s, env=dict(env or {}), cwd=cwd,
+                                     exec_id=exec_id or self._new_id(), stream_output=stream_output,
+                                     rollout_id=rollout_id)
         wait_s = (timeout_s or DEFAULT_EXEC_WAIT_S) + self.timeout_s
-        return await self._retrying(capacity_retries,
-                                    lambda: self._call(SANDBOX_EXEC, request, "exec", wait_s=wait_s))
+        return await self._retrying(capacity_retries, lambda: self._exec_until(request, wait_s))
+
+    async def _exec_until(self, request: SandboxExecRequest, wait_s: float) -> SandboxExecReply:
+        give_up = time.monotonic() + wait_s
+        pause = 0.1
+        while True:
+            attempt_s = max(0.001, min(self.exec_attempt_s, give_up - time.monotonic()))
+            try:
+                return await self._exec_attempt(request, attempt_s)
+            except SandboxRequestError as exc:
+                if exc.kind != "unreachable" or time.monotonic() + pause >= give_up:
+                    raise
+            await self._sleep(pause)  # no responders: a restarting broker subscribes in seconds
+            pause = min(0.5, pause * 2)
+
+    async def _exec_attempt(self, request: SandboxExecRequest, attempt_s: float) -> SandboxExecReply:
+        """One exec request, its broker probed while it waits: a probe that finds no broker
+        ends the attempt ("unreachable") instead of waiting out a reply that cannot come."""
+        attempt = asyncio.ensure_future(self._call(SANDBOX_EXEC, request, "exec", wait_s=attempt_s))
+        probe = SandboxHeartbeatRequest(lease_id=request.lease_id, rollout_id=request.rollout_id)
+        try:
+            while True:
+                done, _ = await asyncio.wait({attempt}, timeout=self.exec_probe_s)
+                if done:
+                    return attempt.result()
+                try:
+                    await self._call(SANDBOX_HEARTBEAT, probe, "heartbeat", wait_s=self.exec_probe_s)
+                except SandboxRequestError as exc:
+                    if exc.kind == "unreachable":
+                        raise
+                    # Any other answer comes from a live broker: its exec reply will say more.
+        finally:
+            if not attempt.done():
+                attempt.cancel()
+                await asyncio.gather(attempt, return_exceptions=True)
 
     async def upload(self, lease_id: str, path: str, data: bytes, *, kind: TransferKind = "file",
                      mode: int = 0o644, rollout_id: str = "") -> SandboxUploadReply:
@@ -176,36 +232,60 @@ class SandboxBrokerClient:
     async def _upload_bulk(self, lease_id: str, path: str, data: bytes, *, kind: TransferKind,
                            mode: int, rollout_id: str) -> SandboxUploadReply | None:
         """Over the bulk stream; None when the broker gave no ticket this client can use (the
-        caller sends over NATS). The ticket's round trip overlaps hashing ``data``."""
+        caller sends over NATS). A ticket is good for one upload to its lease, so the next one is
+        fetched while these bytes flow and kept (until shortly before it lapses): an upload that
+        finds one waiting pays no ticket round trip. Without one, that round trip overlaps hashing
+        ``data``. A kept ticket the broker no longer knows (it restarted) is replaced once."""
         hashing = asyncio.ensure_future(_sha256_hex(data))
+        kept = self._kept_ticket(lease_id)
         try:
-            reply = await self._call(SANDBOX_UPLOAD, SandboxUploadRequest(
-                lease_id=lease_id, path=path, data=b"", size=len(data), sha256="", kind=kind, mode=mode,
-                rollout_id=rollout_id, bulk=True), "upload")
+            ticket = kept or await self._upload_ticket(lease_id, path, len(data), kind, rollout_id)
         finally:
             sha256 = await hashing
-        route = None if reply.bulk is None else stream_route(reply.bulk, self.bulk_tls)
-        if route is None:
+        route = None if ticket is None else stream_route(ticket, self.bulk_tls)
+        if ticket is None or route is None:
             return None
-        try:
-            done = await asyncio.wait_for(upload_over_stream(
-                reply.bulk, route, lease_id=lease_id, data=data, sha256=sha256, tls=self.bulk_tls),
-                self.timeout_s + len(data) / 2**20)
-        except BulkStreamError as exc:
-            if exc.reason == "unreachable":
-                return None  # nothing was sent: NATS still reaches the broker
-            raise SandboxRequestError(f"the bulk stream failed: {exc}", kind="transfer_error",
-                                      operation="upload") from exc
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise SandboxRequestError(f"the bulk stream failed: {exc!r}", kind="transfer_error",
-                                      operation="upload") from exc
-        if done.error_kind:
-            raise SandboxRequestError(done.error, kind=done.error_kind, operation="upload")
-        if done.size != len(data) or done.sha256 != sha256:
-            raise SandboxRequestError(f"{path!r}: the sandbox stored {done.size} bytes with sha256 "
-                                      f"{done.sha256}, not {len(data)} with {sha256}",
+        send = upload_over_stream(ticket, route, lease_id=lease_id, path=path, data=data, sha256=sha256,
+                                  tls=self.bulk_tls, kind=kind, mode=mode)
+        sent, following = await asyncio.gather(
+            asyncio.wait_for(send, self.timeout_s + len(data) / 2**20),
+            self._upload_ticket(lease_id, ".", 0, "file", rollout_id), return_exceptions=True)
+        if isinstance(following, SandboxBulkTicket):
+            self._keep_ticket(lease_id, following)
+        if isinstance(sent, BulkStreamError) and sent.reason == "unreachable":
+            return None  # nothing was sent: NATS still reaches the broker
+        if isinstance(sent, (OSError, asyncio.TimeoutError, BulkStreamError)):
+            raise SandboxRequestError(f"the bulk stream failed: {sent!r}", kind="transfer_error",
+                                      operation="upload") from sent
+        if isinstance(sent, BaseException):
+            raise sent
+        if sent.error_kind == "bad_token" and kept is not None:  # the ticket fetched meanwhile is fresh
+            return await self._upload_bulk(lease_id, path, data, kind=kind, mode=mode, rollout_id=rollout_id)
+        if sent.error_kind:
+            raise SandboxRequestError(sent.error, kind=sent.error_kind, operation="upload")
+        if sent.size != len(data) or sent.sha256 != sha256:
+            raise SandboxRequestError(f"{path!r}: the sandbox stored {sent.size} bytes with sha256 "
+                                      f"{sent.sha256}, not {len(data)} with {sha256}",
                                       kind="checksum_mismatch", operation="upload")
-        return SandboxUploadReply(received=done.size, complete=True, size=done.size, sha256=done.sha256)
+        return SandboxUploadReply(received=sent.size, complete=True, size=sent.size, sha256=sent.sha256)
+
+    async def _upload_ticket(self, lease_id: str, path: str, size: int, kind: TransferKind,
+                             rollout_id: str) -> SandboxBulkTicket | None:
+        reply = await self._call(SANDBOX_UPLOAD, SandboxUploadRequest(
+            lease_id=lease_id, path=path, data=b"", size=size, sha256="", kind=kind, rollout_id=rollout_id,
+            bulk=True), "upload")
+        return reply.bulk
+
+    def _kept_ticket(self, lease_id: str) -> SandboxBulkTicket | None:
+        ticket = self._kept.pop(lease_id, None)
+        if ticket is None or ticket.expires_at - time.time() < KEPT_TICKET_MARGIN_S:
+            return None
+        return ticket
+
+    def _keep_ticket(self, lease_id: str, ticket: SandboxBulkTicket) -> None:
+        self._kept[lease_id] = ticket
+        while len(self._kept) > MAX_KEPT_TICKETS:
+            self._kept.popitem(last=False)
 
     async def download(self, lease_id: str, path: str, *, kind: TransferKind = "file",
                        rollout_id: str = "") -> bytes:
@@ -279,6 +359,7 @@ class SandboxBrokerClient:
         return reply.expires_at
 
     async def release(self, lease_id: str, *, rollout_id: str = "") -> None:
+        self._kept.pop(lease_id, None)
         await self._call(SANDBOX_RELEASE, SandboxReleaseRequest(lease_id=lease_id, rollout_id=rollout_id),
                          "release")
 
