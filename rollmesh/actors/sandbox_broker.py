@@ -3,7 +3,9 @@
 Knows the sandbox package and the shell; no ray import. Tool code runs in sandboxes made by the
 backend, never in this actor's process. One task (owned by the service, cancelled at stop) runs
 the broker's timers: reaping expired leases and resizing warm pools. At stop every sandbox,
-leased or warm, is destroyed.
+leased or warm, is destroyed. With ``sandbox.supervisor`` the node's supervisor holds them and
+the leases are journaled in KV, so a broker that crashed (no stop) leaves both to its restarted
+self, which re-adopts them before it serves (``rollmesh.sandbox.lease_store``).
 
 A broker with an id (the launcher gives each one, ``sandbox.brokers``) answers the shared lease
 subject in the brokers' queue group, placing each lease by load and profile
@@ -26,11 +28,14 @@ import msgspec
 import structlog
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.bus.sandbox_leases import KvSandboxLeases
 from rollmesh.config import SandboxConfig
 from rollmesh.messages.sandbox import SandboxLeaseReply, SandboxLeaseRequest, SandboxLoadReported
 from rollmesh.ports import ActorLogic, MessageContext, Publisher, RequestFailedError, Subscription
 from rollmesh.sandbox import SandboxBroker, select_backend
 from rollmesh.sandbox.in_process import broker_handlers
+from rollmesh.sandbox.lease_store import LeaseJournal, readopt
+from rollmesh.sandbox.supervisor_client import SupervisorClient
 from rollmesh.sandbox.placement import BrokerDirectory, broker_ids
 from rollmesh.messages.subjects import SANDBOX_EXEC, SANDBOX_LEASE, SANDBOX_LOAD, broker_subject
 
@@ -170,5 +175,25 @@ class SandboxBrokerActor(RoleActor):
         new_id = lambda: uuid.uuid4().hex  # noqa: E731
         if self.broker_id:
             snapshots, new_id = snapshots / self.broker_id, broker_ids(new_id, self.broker_id)
-        broker = SandboxBroker(self.config, backend, snapshot_dir=snapshots, publisher=publisher, new_id=new_id)
+        supervisor, journal = await self._supervision(backend, publisher)
+        broker = SandboxBroker(self.config, backend, snapshot_dir=snapshots, publisher=publisher, new_id=new_id,
+                               journal=journal)
+        if supervisor is not None and journal is not None:  # before serving: a request may name them
+            await readopt(broker, supervisor, journal)
         return SandboxBrokerService(broker, broker_id=self.broker_id, publisher=publisher, node=self.node)
+
+    async def _supervision(self, backend: Any, publisher: Publisher) -> tuple[SupervisorClient | None,
+                                                                              LeaseJournal | None]:
+        """With ``sandbox.supervisor``: the node's supervisor (started, or found running) holds
+        this broker's sandboxes, and its leases are journaled in JetStream KV under its name
+        (stable across Ray's restarts of it). runsc sandboxes stay the broker's children."""
+        js = getattr(publisher, "jetstream", None)
+        if not self.config.supervisor or backend.name not in ("bwrap", "process") or js is None:
+            return None, None
+        supervisor = SupervisorClient(self.mesh.run_dir, broker=self.name,
+                                      idle_exit_s=self.config.supervisor_idle_exit_s,
+                                      keep_s=self.config.exec_result_keep_s)
+        await asyncio.to_thread(supervisor.ensure_running)
+        backend.supervisor = supervisor
+        store = KvSandboxLeases(js, publisher.namespace, replicas=self.mesh.nats.replicas)  # type: ignore[attr-defined]
+        return supervisor, LeaseJournal(store, self.name, sync_interval_s=self.config.reap_interval_s)
