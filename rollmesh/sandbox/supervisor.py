@@ -8,87 +8,32 @@ spawn and when to kill, and keeps the cleanup of cgroups, uids and directories i
 its uid lock here so the uid stays taken while no broker lives).
 
 Standard library only (run as a script: ``python supervisor.py --run-dir D``). Listens on
-``D/sandbox-supervisor.sock`` (mode 0600). Frames are ``agent_wire``'s. A relay rewrites request
-ids (each broker connection numbers its own) and stays frame-aligned, so a broker killed
-mid-frame leaves the agent's stream intact. An exec that carries ``key`` (the broker's
-``exec_id``) is remembered with all its frames until ``--keep-s`` after it ended: an exec sent
-again with the same key attaches to it (its frames so far are replayed) instead of running twice.
-It exits once it holds no sandbox and no client was connected for ``--idle-exit-s``.
+``D/sandbox-supervisor.<host>.sock`` (mode 0600); each connection starts with one request frame
+(``agent_wire``'s): spawn, attach, list, destroy or status. After a spawn or an attach it
+carries the sandbox's frames (``supervisor_relay``: frame-aligned, ids rewritten, an exec with a
+``key`` kept ``--keep-s`` after it ended so the same key attaches to it instead of running it
+twice). It exits once it holds no sandbox and no client was connected for ``--idle-exit-s``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 
 if __package__:
-    from rollmesh.sandbox import agent_wire as wire
+    from rollmesh.sandbox.supervisor_relay import Conn, Held
     from rollmesh.sandbox.supervisor_wire import RunDirPath, recv_frame, send_frame, tune
 else:  # run as a script: its own directory is on sys.path
-    import agent_wire as wire  # type: ignore[no-redef]
+    from supervisor_relay import Conn, Held  # type: ignore[no-redef]
     from supervisor_wire import RunDirPath, recv_frame, send_frame, tune  # type: ignore[no-redef]
 
-TERMINAL = ("done", "ok", "error")  # an agent answer that ends its request
-UPLOADS = ("put_file", "put_tar")
 HANDSHAKE_TIMEOUT_S = 30.0
-
-
-class Conn:
-    """One attached broker connection to one sandbox: its request ids -> the agent's."""
-
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
-        self.ids: dict[int, int] = {}
-        self.alive = True
-
-    def send(self, header: dict, payload: bytes) -> None:
-        if not self.alive:
-            return
-        try:
-            self.writer.write(wire.encode_head(header, len(payload)))
-            if payload:
-                self.writer.write(payload)
-        except (OSError, RuntimeError):
-            self.alive = False
-
-
-class Kept:
-    """A keyed exec: every frame the agent sent for it, until ``keep_s`` after it ended."""
-
-    def __init__(self, aid: int) -> None:
-        self.aid = aid
-        self.frames: list[tuple[dict, bytes]] = []
-        self.ended_at: float | None = None
-
-
-class Held:
-    def __init__(self, sandbox_id: str, record: dict, process: asyncio.subprocess.Process,
-                 stderr_fd: int, keep_fds: list[int]) -> None:
-        self.sandbox_id = sandbox_id
-        self.record = record
-        self.process = process
-        self.stderr_fd = stderr_fd
-        self.keep_fds = keep_fds
-        self.routes: dict[int, list[tuple[Conn, int]]] = {}
-        self.keyed: dict[str, Kept] = {}
-        self.kept: dict[int, Kept] = {}
-        self.uploads: set[int] = set()
-        self.conns: set[Conn] = set()
-        self.next_aid = 1
-        self.hello: dict | None = None
-        self.exit_code: int | None = None
-        self.exited = asyncio.Event()
-
-    def new_aid(self) -> int:
-        aid = self.next_aid
-        self.next_aid += 1
-        return aid
 
 
 class Supervisor:
@@ -140,12 +85,8 @@ class Supervisor:
         return time.monotonic() - self.last_client >= self.idle_exit_s
 
     def _expire_kept(self) -> None:
-        now = time.monotonic()
         for held in self.held.values():
-            for key, kept in list(held.keyed.items()):
-                if kept.ended_at is not None and now - kept.ended_at > self.keep_s:
-                    del held.keyed[key]
-                    held.kept.pop(kept.aid, None)
+            held.expire(self.keep_s)
 
     async def _accept(self, loop: asyncio.AbstractEventLoop, listener: socket.socket) -> None:
         while True:
@@ -210,11 +151,11 @@ class Supervisor:
             return
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
-            process = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=err_w,
+            # Forked in a thread: the relays of every other sandbox go on meanwhile.
+            process = await asyncio.to_thread(
+                subprocess.Popen, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err_w,
                 env={str(k): str(v) for k, v in (header.get("env") or {}).items()},
-                cwd=header.get("cwd") or None, pass_fds=tuple(pass_fds), start_new_session=True,
-                limit=wire.CHUNK + 65536)
+                cwd=header.get("cwd") or None, pass_fds=tuple(pass_fds), start_new_session=True, bufsize=0)
         except OSError as exc:
             _close([err_r, *keep_fds])
             send_frame(sock, {"t": "error", "message": f"{type(exc).__name__}: {exc}"})
@@ -222,13 +163,9 @@ class Supervisor:
             return
         finally:
             _close([err_w, *pass_fds])
-        held = Held(sandbox_id, dict(header.get("record") or {}), process, err_r, keep_fds)
-        self.held[sandbox_id] = held
-        reader = asyncio.ensure_future(self._read_agent(held))
-        self.tasks.add(reader)
-        reader.add_done_callback(self.tasks.discard)
+        held = self.held[sandbox_id] = Held(sandbox_id, dict(header.get("record") or {}), process, err_r, keep_fds)
         send_frame(sock, {"t": "spawned", "pid": process.pid}, fds=[err_r])
-        await self._relay(held, sock, hello=None)
+        self._relay(held, sock, hello=None)
 
     async def _attach(self, sock: socket.socket, header: dict) -> None:
         held = self.held.get(str(header.get("sandbox_id")))
@@ -238,144 +175,29 @@ class Supervisor:
             return
         send_frame(sock, {"t": "attached", "pid": held.process.pid, "record": held.record,
                           "exit_code": held.exit_code}, fds=[held.stderr_fd, *held.keep_fds])
-        if held.exit_code is not None:
+        if held.exit_code is not None or held.agent_eof:
             sock.close()  # the broker sees its agent gone at once
             return
-        await self._relay(held, sock, hello={"t": "ready", "pid": held.process.pid, "attached": True})
+        self._relay(held, sock, hello={"t": "ready", "pid": held.process.pid, "attached": True})
 
-    async def _read_agent(self, held: Held) -> None:
-        stdout = held.process.stdout
-        assert stdout is not None
-        while True:
-            try:
-                prefix = await stdout.readexactly(wire.PREFIX.size)
-                header_len, payload_len = wire.PREFIX.unpack(prefix)
-                header = json.loads(await stdout.readexactly(header_len))
-                payload = await stdout.readexactly(payload_len) if payload_len else b""
-            except (asyncio.IncompleteReadError, ValueError, OSError):
-                break
-            self._from_agent(held, header, payload)
-        held.exit_code = await held.process.wait()
-        held.exited.set()
-        for conn in list(held.conns):  # each attached broker sees its sandbox gone
-            conn.alive = False
-            conn.writer.close()
-
-    def _from_agent(self, held: Held, header: dict, payload: bytes) -> None:
-        if header.get("t") == "ready":
-            held.hello = header
-            for conn in held.conns:
-                conn.send(header, payload)
-            return
-        aid = header.get("id")
-        ended = header.get("t") in TERMINAL
-        kept = held.kept.get(aid)  # type: ignore[arg-type]
-        if kept is not None:
-            kept.frames.append((header, payload))
-            if ended:
-                kept.ended_at = time.monotonic()
-        routes = held.routes.pop(aid, []) if ended else held.routes.get(aid, [])  # type: ignore[arg-type]
-        for conn, rid in routes:
-            conn.send({**header, "id": rid}, payload)
-            if ended:
-                conn.ids.pop(rid, None)
-        if ended:
-            held.uploads.discard(aid)  # type: ignore[arg-type]
-
-    async def _relay(self, held: Held, sock: socket.socket, *, hello: dict | None) -> None:
+    def _relay(self, held: Held, sock: socket.socket, *, hello: dict | None) -> None:
         sock.settimeout(None)
         sock.setblocking(False)
         tune(sock)
-        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=wire.CHUNK + 65536)
-        conn = Conn(writer)
-        held.conns.add(conn)
-        hello = hello or held.hello  # a spawned agent's own hello, if it came before this
-        if hello is not None:
-            conn.send(hello, b"")
-        stdin = held.process.stdin
-        assert stdin is not None
-        try:
-            while True:
-                prefix = await reader.readexactly(wire.PREFIX.size)
-                header_len, payload_len = wire.PREFIX.unpack(prefix)
-                if header_len > wire.MAX_HEADER or payload_len > wire.CHUNK + 65536:
-                    break
-                header = json.loads(await reader.readexactly(header_len))
-                payload = await reader.readexactly(payload_len) if payload_len else b""
-                out = self._to_agent(held, conn, header, payload)
-                if out is not None and held.exit_code is None:
-                    stdin.write(wire.encode_head(out, len(payload)))
-                    if payload:
-                        stdin.write(payload)
-                    await stdin.drain()
-        except (asyncio.IncompleteReadError, ValueError, OSError):
-            pass  # the broker hung up (or died): its sandbox lives on
-        finally:
-            self._detach(held, conn)
-            writer.close()
-
-    def _to_agent(self, held: Held, conn: Conn, header: dict, payload: bytes) -> dict | None:
-        """The frame to send the agent (ids rewritten), or None when nothing goes to it."""
-        rid, op = header.get("id"), header.get("op")
-        if op == "chunk":
-            aid = conn.ids.get(rid)  # type: ignore[arg-type]
-            if aid is None:
-                return None
-            if header.get("last"):
-                held.uploads.discard(aid)
-            return {**header, "id": aid}
-        if op == "cancel":
-            target = conn.ids.get(header.get("target"))  # type: ignore[arg-type]
-            return None if target is None else {**header, "target": target}
-        key = header.pop("key", None) if op == "exec" else None
-        if key and key in held.keyed:  # the same exec again: attach to it
-            kept = held.keyed[key]
-            for old, data in kept.frames:
-                conn.send({**old, "id": rid}, data)
-            if kept.ended_at is None:
-                conn.ids[rid] = kept.aid  # type: ignore[index]
-                held.routes.setdefault(kept.aid, []).append((conn, rid))  # type: ignore[arg-type]
-            return None
-        aid = held.new_aid()
-        conn.ids[rid] = aid  # type: ignore[index]
-        held.routes[aid] = [(conn, rid)]  # type: ignore[list-item]
-        if key:
-            held.keyed[key] = held.kept[aid] = Kept(aid)
-        if op in UPLOADS and not header.get("last"):
-            held.uploads.add(aid)
-        return {**header, "id": aid}
-
-    def _detach(self, held: Held, conn: Conn) -> None:
-        conn.alive = False
-        held.conns.discard(conn)
-        for aid in set(conn.ids.values()):
-            routes = [route for route in held.routes.get(aid, []) if route[0] is not conn]
-            if routes:
-                held.routes[aid] = routes
-            else:
-                held.routes.pop(aid, None)
-            if aid in held.uploads and held.exit_code is None:
-                # An upload its broker will never finish: the agent drops what it received.
-                held.uploads.discard(aid)
-                stdin = held.process.stdin
-                if stdin is not None:
-                    stdin.write(wire.encode_head({"id": aid, "op": "chunk", "last": True, "abort": True}))
-        conn.ids.clear()
+        held.attach(Conn(held, sock), hello)
 
     async def _destroy(self, sandbox_id: str, graceful_s: float) -> int | None:
         held = self.held.get(sandbox_id)
         if held is None:
             return None
-        process = held.process
-        if process.stdin is not None:
-            process.stdin.close()  # the agent kills its commands and exits
+        held.close_stdin()  # the agent kills its commands and exits
         try:
             await asyncio.wait_for(held.exited.wait(), graceful_s)
         except TimeoutError:
             pass
-        if process.returncode is None:  # unreaped, so the group id is still its own
+        if held.process.poll() is None:  # unreaped, so the group id is still its own
             try:
-                os.killpg(process.pid, signal.SIGKILL)
+                os.killpg(held.process.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         try:
@@ -383,7 +205,7 @@ class Supervisor:
         except TimeoutError:
             pass
         self.held.pop(sandbox_id, None)
-        _close([held.stderr_fd, *held.keep_fds])
+        held.forget()
         return held.exit_code
 
 
