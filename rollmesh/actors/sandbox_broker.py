@@ -32,7 +32,8 @@ from rollmesh.bus.sandbox_leases import KvSandboxLeases
 from rollmesh.config import SandboxConfig
 from rollmesh.messages.sandbox import SandboxLeaseReply, SandboxLeaseRequest, SandboxLoadReported
 from rollmesh.ports import ActorLogic, MessageContext, Publisher, RequestFailedError, Subscription
-from rollmesh.sandbox import SandboxBroker, select_backend
+from rollmesh.sandbox import SandboxBroker
+from rollmesh.sandbox.backends import select_configured_backend
 from rollmesh.sandbox.in_process import broker_handlers
 from rollmesh.sandbox.lease_store import LeaseJournal, readopt
 from rollmesh.sandbox.supervisor_client import SupervisorClient
@@ -164,10 +165,9 @@ class SandboxBrokerActor(RoleActor):
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         run_dir = Path(self.mesh.run_dir)
-        # Choosing a backend runs its self-test (a sandbox start): off the event loop.
-        backend = await asyncio.to_thread(select_backend, self.config.backend,
-                                          readonly_paths=self.config.readonly_paths,
-                                          start_timeout_s=self.config.start_timeout_s)
+        # Profile images are made ready (unpacked, environments built) and the backend chosen
+        # (its self-test is a sandbox start) before any lease: off the event loop.
+        backend = await asyncio.to_thread(select_configured_backend, self.config, run_dir=run_dir)
         _log.info("sandbox_backend", backend=backend.name, isolated=backend.isolated, broker=self.broker_id)
         # Each broker empties its snapshot directory at start: brokers sharing a run directory
         # (one host, or a shared file system) each get their own.
