@@ -24,8 +24,9 @@ from rollmesh.bus.tls import client_tls_context, server_tls_context
 from rollmesh.config import NatsTlsConfig, SandboxConfig, SandboxProfileConfig
 from rollmesh.messages.sandbox import SandboxUploadRequest
 from rollmesh.messages.sandbox_bulk import SandboxBulkDone, SandboxBulkHello
+from rollmesh.messages.subjects import SANDBOX_UPLOAD
 from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient
-from rollmesh.sandbox.bulk_stream import frame, read_frame, stream_route, upload_over_stream
+from rollmesh.sandbox.bulk_stream import frame, stream_route, upload_over_stream
 from rollmesh.sandbox.bulk_tokens import BulkTokens
 from rollmesh.sandbox.errors import BulkTokenError
 from rollmesh.sandbox.in_process import InProcessRequester
@@ -57,6 +58,12 @@ async def ticket_for(broker: SandboxBroker, lease_id: str, path: str, size: int)
     return reply.bulk
 
 
+async def done_frame(reader: asyncio.StreamReader) -> SandboxBulkDone:
+    """The broker's one frame, read by hand (a client that does not use rollmesh's)."""
+    length = int.from_bytes(await reader.readexactly(4), "big")
+    return msgspec.msgpack.decode(await reader.readexactly(length), type=SandboxBulkDone)
+
+
 async def workspace(client: SandboxBrokerClient, lease_id: str) -> list[str]:
     """Every name in the workspace, hidden ones (an upload's temporary file) included."""
     reply = await client.exec(lease_id, ["ls", "-A"])
@@ -80,6 +87,34 @@ async def test_files_above_the_threshold_go_over_the_stream_verified_and_small_o
     assert broker.counts["bulk_uploads"] == 2
 
 
+class CountingRequester(InProcessRequester):
+    """Counts the bulk tickets asked for."""
+
+    tickets = 0
+
+    async def request(self, subject, message, timeout_s):
+        self.tickets += bool(getattr(message, "bulk", False) and subject is SANDBOX_UPLOAD)
+        return await super().request(subject, message, timeout_s)
+
+
+async def test_the_next_uploads_ticket_comes_while_the_bytes_flow_and_a_spent_one_is_replaced(broker):
+    requester = CountingRequester(broker)
+    client = SandboxBrokerClient(requester)
+    lease = (await client.lease("bulk-kept")).lease_id
+    data = os.urandom(MIB)
+    await client.upload(lease, "one", data)
+    assert requester.tickets == 2  # its own, and the next upload's
+    await client.upload(lease, "two", data)
+    assert requester.tickets == 3  # only the one after it: no ticket round trip before the bytes
+    # The kept ticket spent elsewhere (as after a broker restart): refused once, then a fresh one.
+    kept = client._kept[lease]
+    assert (await upload_over_stream(kept, "unix", lease_id=lease, path="three", data=data,
+                                     sha256=hashlib.sha256(data).hexdigest(), tls=None)).error_kind == ""
+    assert (await client.upload(lease, "four", data)).complete
+    assert await workspace(client, lease) == ["four", "one", "three", "two"]
+    assert broker.counts["bulk_uploads"] == 4
+
+
 async def test_a_broker_without_a_bulk_server_takes_large_files_over_nats(tmp_path):
     broker = make_broker(tmp_path)
     try:
@@ -99,32 +134,34 @@ async def test_each_bad_stream_is_refused_typed_and_nothing_is_stored(broker):
     data = os.urandom(MIB)
     sha = hashlib.sha256(data).hexdigest()
 
-    async def send(ticket, lease_id: str, payload: bytes = data, digest: str = sha) -> SandboxBulkDone:
-        return await upload_over_stream(ticket, "unix", lease_id=lease_id, data=payload, sha256=digest, tls=None)
+    async def send(ticket, lease_id: str, path: str, digest: str = sha) -> SandboxBulkDone:
+        return await upload_over_stream(ticket, "unix", lease_id=lease_id, path=path, data=data, sha256=digest,
+                                        tls=None)
 
     ticket = await ticket_for(broker, mine, "forged", len(data))
     forged = msgspec.structs.replace(ticket, token="not-a-token-the-broker-issued")
-    assert (await send(forged, mine)).error_kind == "bad_token"
+    assert (await send(forged, mine, "forged")).error_kind == "bad_token"
     # A token shown with another lease's id is refused, and spent: its own lease cannot use it either.
-    assert (await send(ticket, other)).error_kind == "bad_token"
-    assert (await send(ticket, mine)).error_kind == "bad_token"
-    wrong = await send(await ticket_for(broker, mine, "wrong-digest", len(data)), mine,
+    assert (await send(ticket, other, "borrowed")).error_kind == "bad_token"
+    assert (await send(ticket, mine, "borrowed")).error_kind == "bad_token"
+    wrong = await send(await ticket_for(broker, mine, "wrong-digest", len(data)), mine, "wrong-digest",
                        digest=hashlib.sha256(b"other bytes").hexdigest())
     assert wrong.error_kind == "checksum_mismatch"
     # Truncated: the stream announces 1 MiB and ends after half of it.
     ticket = await ticket_for(broker, mine, "truncated", len(data))
     reader, writer = await asyncio.open_unix_connection(ticket.unix_path)
-    writer.write(frame(SandboxBulkHello(token=ticket.token, lease_id=mine, size=len(data), sha256=sha)))
+    writer.write(frame(SandboxBulkHello(token=ticket.token, lease_id=mine, size=len(data), sha256=sha,
+                                        path="truncated")))
     writer.write(data[: len(data) // 2])
     writer.write_eof()
-    truncated = await read_frame(reader, SandboxBulkDone)
+    truncated = await done_frame(reader)
     writer.close()
     assert truncated.error_kind == "transfer_error"
     assert f"after {len(data) // 2} of {len(data)} bytes" in truncated.error
     # One good upload, then the same token again: used once only.
     ticket = await ticket_for(broker, mine, "good", len(data))
-    assert (await send(ticket, mine)).sha256 == sha
-    reused = await send(ticket, mine)
+    assert (await send(ticket, mine, "good")).sha256 == sha
+    reused = await send(ticket, mine, "again")
     assert reused.error_kind == "bad_token" and "already used" in reused.error
     assert await workspace(client, mine) == ["good"]
     assert await workspace(client, other) == []
@@ -178,7 +215,7 @@ async def test_the_tcp_stream_speaks_tls_and_a_client_without_the_ca_goes_over_n
         data = os.urandom(MIB)
         ticket = await ticket_for(broker, lease, "over-tls", len(data))
         assert ticket.tls and ticket.host == "127.0.0.1" and ticket.port > 0
-        done = await upload_over_stream(ticket, "tcp", lease_id=lease, data=data,
+        done = await upload_over_stream(ticket, "tcp", lease_id=lease, path="over-tls", data=data,
                                         sha256=hashlib.sha256(data).hexdigest(), tls=client.bulk_tls)
         assert (done.error_kind, done.size) == ("", len(data))
         # From another node (no Unix socket) a client that cannot verify TLS has no route...

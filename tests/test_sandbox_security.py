@@ -337,7 +337,8 @@ async def test_a_bulk_stream_without_a_valid_token_stores_nothing(bulk_broker) -
     sha = hashlib.sha256(payload).hexdigest()
     for token, lease in (("f" * 43, victim_lease), (ticket.token[:-1] + "x", victim_lease), (" ", attacker_lease)):
         forged = msgspec.structs.replace(ticket, token=token)
-        done = await upload_over_stream(forged, "unix", lease_id=lease, data=payload, sha256=sha, tls=None)
+        done = await upload_over_stream(forged, "unix", lease_id=lease, path="canary.txt", data=payload,
+                                        sha256=sha, tls=None)
         assert done.error_kind == "bad_token", done
     await victim_untouched(client, victim_lease)
     assert (await client.exec(attacker_lease, ["ls", "-A"])).stdout == b""
@@ -347,10 +348,12 @@ async def test_a_bulk_token_of_another_lease_is_refused_and_spent(bulk_broker) -
     broker, client, attacker_lease, victim_lease = bulk_broker
     payload = b"overwrite" * 30_000
     sha = hashlib.sha256(payload).hexdigest()
-    # The attacker's own token, for a file named like the victim's canary, shown with the victim's lease.
+    # The attacker's own token, shown with the victim's lease, for a file named like its canary.
     ticket = await bulk_ticket(broker, attacker_lease, "canary.txt", len(payload))
-    done = await upload_over_stream(ticket, "tcp", lease_id=victim_lease, data=payload, sha256=sha, tls=None)
+    done = await upload_over_stream(ticket, "tcp", lease_id=victim_lease, path="canary.txt", data=payload,
+                                    sha256=sha, tls=None)
     assert done.error_kind == "bad_token" and "another lease" in done.error, done
-    again = await upload_over_stream(ticket, "unix", lease_id=attacker_lease, data=payload, sha256=sha, tls=None)
+    again = await upload_over_stream(ticket, "unix", lease_id=attacker_lease, path="canary.txt", data=payload,
+                                     sha256=sha, tls=None)
     assert again.error_kind == "bad_token", again  # shown to the wrong place, it is spent
     await victim_untouched(client, victim_lease)

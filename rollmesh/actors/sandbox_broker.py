@@ -13,12 +13,18 @@ subject in the brokers' queue group, placing each lease by load and profile
 serves its own subjects ``rl.<ns>.sandbox.b.<id>.*`` for everything else, makes ids that name it,
 and publishes its load every pool interval. Without an id it serves the shared subjects alone, as
 a single broker always did.
+
+From start to stop it also serves the bulk data path (``rollmesh.sandbox.bulk_server``): a Unix
+socket, and TCP on sandbox.bulk_bind_host with TLS from security.nats_tls when NATS uses TLS.
+With security but no TLS certificate to serve, only the Unix socket (clients on other nodes then
+move files over NATS).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ssl
 import time
 import uuid
 from pathlib import Path
@@ -28,12 +34,14 @@ import msgspec
 import structlog
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.bus.tls import server_tls_context
 from rollmesh.bus.sandbox_leases import KvSandboxLeases
 from rollmesh.config import SandboxConfig
 from rollmesh.messages.sandbox import SandboxLeaseReply, SandboxLeaseRequest, SandboxLoadReported
 from rollmesh.ports import ActorLogic, MessageContext, Publisher, RequestFailedError, Subscription
 from rollmesh.sandbox import SandboxBroker
 from rollmesh.sandbox.backends import select_configured_backend
+from rollmesh.sandbox.bulk_server import BulkServer
 from rollmesh.sandbox.in_process import broker_handlers
 from rollmesh.sandbox.lease_store import LeaseJournal, readopt
 from rollmesh.sandbox.supervisor_client import SupervisorClient
@@ -50,6 +58,11 @@ class SandboxBrokerService:
     """Binds each broker operation to its request subject (with ``broker_id``: the shared lease
     subject, placed, and the broker's own subjects; ``publisher`` forwards leases and reports
     load)."""
+
+    # The bulk stream's TLS and whether it offers TCP at all (set by the actor, from security).
+    bulk_tls: ssl.SSLContext | None = None
+    bulk_tcp: bool = True
+    _bulk: BulkServer | None = None
 
     def __init__(self, broker: SandboxBroker, *, broker_id: str = "", publisher: Publisher | None = None,
                  node: str = "") -> None:
@@ -81,6 +94,7 @@ class SandboxBrokerService:
 
     async def start(self) -> None:
         self._timers = asyncio.create_task(self.broker.run_timers(), name="sandbox-broker-timers")
+        self._bulk = await self.broker.serve_bulk(tls=self.bulk_tls, tcp=self.bulk_tcp)
         if self.broker_id and self._publisher is not None:
             self._reports = asyncio.create_task(self._report_forever(), name="sandbox-broker-load")
 
@@ -89,6 +103,8 @@ class SandboxBrokerService:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        if self._bulk is not None:
+            await self._bulk.close()
         await self.broker.close()
 
     def stats(self) -> dict[str, Any]:
@@ -180,7 +196,11 @@ class SandboxBrokerActor(RoleActor):
                                journal=journal)
         if supervisor is not None and journal is not None:  # before serving: a request may name them
             await readopt(broker, supervisor, journal)
-        return SandboxBrokerService(broker, broker_id=self.broker_id, publisher=publisher, node=self.node)
+        service = SandboxBrokerService(broker, broker_id=self.broker_id, publisher=publisher, node=self.node)
+        service.bulk_tls = server_tls_context(self.mesh.nats_tls)
+        # Under security, bulk bytes never cross a network in plaintext.
+        service.bulk_tcp = service.bulk_tls is not None or not (self.mesh.credentials or self.mesh.nats_tls.enabled)
+        return service
 
     async def _supervision(self, backend: Any, publisher: Publisher) -> tuple[SupervisorClient | None,
                                                                               LeaseJournal | None]:

@@ -160,8 +160,9 @@ class SandboxUploadRequest(WireMessage, frozen=True, tag="sandbox.upload_request
     offset: Annotated[int, Meta(ge=0)] = 0
     mode: Annotated[int, Meta(ge=0, le=0o7777)] = 0o644
     rollout_id: RolloutRef = ""
-    # Ask for a bulk ticket instead of sending ``data`` (empty then): the file's bytes go over
-    # the direct stream, with its sha256. A broker without a bulk path answers without a ticket.
+    # Ask for a bulk ticket instead of sending ``data`` (empty then): a file's bytes then go over
+    # the direct stream, its name and sha256 with them. The ticket is good for one upload to this
+    # lease of at most sandbox.max_transfer_bytes. A broker without a bulk path gives none.
     bulk: bool = False
 
 

@@ -19,20 +19,25 @@ from typing import Annotated
 from msgspec import Meta
 
 from rollmesh.messages.base import WireMessage
-from rollmesh.messages.sandbox import LeaseId, SandboxErrorKind, Sha256Hex
+from rollmesh.messages.sandbox import LeaseId, SandboxErrorKind, Sha256Hex, TransferKind
 
 # The largest frame either side reads: hello and done are a few hundred bytes.
 MAX_BULK_FRAME_BYTES = 64 * 1024
 
 
 class SandboxBulkHello(WireMessage, frozen=True, tag="sandbox.bulk_hello"):
-    """The first frame a client sends: which ticket, for which lease. An upload names the
-    size and sha256 of the bytes that follow; the sandbox refuses to store any others."""
+    """The first frame a client sends: which ticket, for which lease. An upload names its file
+    and the size and sha256 of the bytes that follow; the sandbox refuses to store any others.
+    (An upload's ticket is for one upload to its lease, so a client may hold one before it
+    knows the file: ``SandboxBrokerClient`` fetches the next while the bytes flow.)"""
 
     token: Annotated[str, Meta(min_length=1, max_length=200)]
     lease_id: LeaseId
     size: Annotated[int, Meta(ge=0)] = 0
     sha256: Sha256Hex = ""
+    path: str = ""  # upload: the file, or for kind "tar" the directory to extract into
+    kind: TransferKind = "file"
+    mode: Annotated[int, Meta(ge=0, le=0o7777)] = 0o644
 
 
 class SandboxBulkDone(WireMessage, frozen=True, tag="sandbox.bulk_done"):

@@ -1,6 +1,7 @@
 """The broker's end of the bulk stream: a Unix socket for clients on its node and a TCP socket
 on ``sandbox.bulk_bind_host`` (TLS when given a context), each serving one transfer per
-connection with a token the broker issued over NATS.
+connection with a token the broker issued over NATS. Plain sockets are accepted and served with
+the event loop's socket calls (``bulk_stream.BulkConnection``); TLS by an asyncio server.
 
 Knows asyncio servers, the bulk frames and ``BulkTokens``; what a transfer does in the sandbox
 is the ``BulkStore``'s (``workspace_ops``). Nothing is stored unless the token is good, every
@@ -26,7 +27,7 @@ import structlog
 
 from rollmesh.messages.sandbox import SandboxBulkTicket
 from rollmesh.messages.sandbox_bulk import SandboxBulkDone, SandboxBulkHello
-from rollmesh.sandbox.bulk_stream import STREAM_LIMIT, PayloadPieces, frame, read_frame, this_node
+from rollmesh.sandbox.bulk_stream import STREAM_LIMIT, BulkConnection, PayloadPieces, frame, read_frame, this_node
 from rollmesh.sandbox.bulk_tokens import BulkGrant, BulkTokens
 from rollmesh.sandbox.errors import BulkStreamError, BulkTokenError
 
@@ -35,6 +36,7 @@ HELLO_TIMEOUT_S = 30.0  # a connection that says nothing is closed after this
 # A transfer may take this long plus a second per MiB before it is cut off.
 IO_TIMEOUT_S = 60.0
 DRAIN_REFUSED_S = 5.0  # after a refusal, how long the rest of a client's bytes are read away
+DRAIN_BYTES = 256 * 1024
 
 
 class BulkStore(Protocol):
@@ -43,7 +45,7 @@ class BulkStore(Protocol):
     bulk_tokens: BulkTokens
     bulk_endpoint: BulkEndpoint | None  # what tickets advertise; None while nothing listens
 
-    async def store_bulk(self, grant: BulkGrant, pieces: PayloadPieces, sha256: str) -> SandboxBulkDone: ...
+    async def store_bulk(self, grant: BulkGrant, hello: SandboxBulkHello, pieces: PayloadPieces) -> SandboxBulkDone: ...
 
     def read_bulk(self, grant: BulkGrant) -> tuple[SandboxBulkDone, bytes]: ...
 
@@ -67,7 +69,9 @@ class BulkEndpoint:
 class BulkServer:
     def __init__(self, store: BulkStore) -> None:
         self._store = store
-        self._servers: list[asyncio.AbstractServer] = []
+        self._listening: list[socket.socket] = []
+        self._tls_server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # accept loops and connections, cancelled at close
         self._scratch = ""
         self.endpoint: BulkEndpoint | None = None
 
@@ -83,12 +87,19 @@ class BulkServer:
         os.chmod(server._scratch, 0o700)
         unix_path = os.path.join(server._scratch, "s")
         try:
-            server._servers.append(await asyncio.start_unix_server(server._serve, unix_path, limit=STREAM_LIMIT))
+            server._listen(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), unix_path)
             host, port = "", 0
+            if tcp and tls is not None:
+                server._tls_server = await asyncio.start_server(server._serve_tls, bind_host, 0, ssl=tls,
+                                                                limit=STREAM_LIMIT)
+                port = server._tls_server.sockets[0].getsockname()[1]
+            elif tcp:
+                family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+                listening = socket.socket(family, socket.SOCK_STREAM)
+                listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                port = server._listen(listening, (bind_host, 0)).getsockname()[1]
             if tcp:
-                listening = await asyncio.start_server(server._serve, bind_host, 0, ssl=tls, limit=STREAM_LIMIT)
-                server._servers.append(listening)
-                host, port = advertised_host(bind_host), listening.sockets[0].getsockname()[1]
+                host = advertised_host(bind_host)
         except BaseException:
             await server.close()
             raise
@@ -99,60 +110,94 @@ class BulkServer:
     async def close(self) -> None:
         if self._store.bulk_endpoint is self.endpoint:
             self._store.bulk_endpoint = None  # no more tickets: uploads go over NATS again
-        for listening in self._servers:
+        for listening in self._listening:
             listening.close()
-        for listening in self._servers:
-            await listening.wait_closed()
-        self._servers.clear()
+        self._listening.clear()
+        if self._tls_server is not None:
+            self._tls_server.close()
+            await self._tls_server.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self.endpoint = None
         if self._scratch:
             shutil.rmtree(self._scratch, ignore_errors=True)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _listen(self, listening: socket.socket, address: object) -> socket.socket:
+        self._listening.append(listening)
+        listening.bind(address)
+        listening.listen(64)
+        listening.setblocking(False)
+        self._spawn(self._accept_forever(listening))
+        return listening
+
+    def _spawn(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_forever(self, listening: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listening)
+            except OSError as exc:  # closed under us, or out of file descriptors
+                if listening.fileno() < 0:
+                    return
+                log.warning("sandbox bulk accept failed", error=repr(exc))
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._spawn(self._serve(BulkConnection(sock)))
+
+    async def _serve_tls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve(BulkConnection(reader=reader, writer=writer))
+
+    async def _serve(self, conn: BulkConnection) -> None:
         hello: SandboxBulkHello | None = None
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
-                hello = await read_frame(reader, SandboxBulkHello)
+                hello = await read_frame(conn, SandboxBulkHello)
             grant = self._store.bulk_tokens.take(hello.token, hello.lease_id)
             if grant.direction == "download":
                 done, data = self._store.read_bulk(grant)
-                writer.write(frame(done))
+                await conn.send(frame(done))
                 if not done.error_kind:
-                    writer.write(data)
-                await writer.drain()
+                    await conn.send(data)
                 return
-            if hello.size != grant.size:
-                raise BulkStreamError(f"the stream announces {hello.size} bytes, its ticket {grant.size}",
-                                      reason="size", expected_bytes=grant.size, received_bytes=hello.size)
-            if not hello.sha256:
-                raise BulkStreamError("a bulk upload must name its sha256", reason="framing")
-            pieces = PayloadPieces(reader, grant.size)
-            async with asyncio.timeout(IO_TIMEOUT_S + grant.size / 2**20):
-                done = await self._store.store_bulk(grant, pieces, hello.sha256)
+            if hello.size > grant.size:
+                raise BulkStreamError(f"the stream announces {hello.size} bytes, above its ticket's {grant.size}"
+                                      " (sandbox.max_transfer_bytes)", reason="size", expected_bytes=grant.size,
+                                      received_bytes=hello.size)
+            if not hello.sha256 or not hello.path:
+                raise BulkStreamError("a bulk upload must name its file and sha256", reason="framing")
+            pieces = PayloadPieces(conn, hello.size)
+            async with asyncio.timeout(IO_TIMEOUT_S + hello.size / 2**20):
+                done = await self._store.store_bulk(grant, hello, pieces)
             if pieces.got < pieces.size:  # refused before every byte came: the rest is read away
-                await self._refuse(reader, writer, done)
+                await self._refuse(conn, done)
                 return
-            writer.write(frame(done))
-            await writer.drain()
+            await conn.send(frame(done))
         except BulkTokenError as exc:
             log.warning("sandbox bulk stream refused", reason=exc.reason, lease_id=exc.lease_id)
-            await self._refuse(reader, writer, SandboxBulkDone(error_kind="bad_token", error=str(exc)))
+            await self._refuse(conn, SandboxBulkDone(error_kind="bad_token", error=str(exc)))
         except BulkStreamError as exc:
             log.info("sandbox bulk stream broken", reason=exc.reason, received=exc.received_bytes,
                      expected=exc.expected_bytes)
-            await self._refuse(reader, writer, SandboxBulkDone(error_kind="transfer_error", error=str(exc)))
+            await self._refuse(conn, SandboxBulkDone(error_kind="transfer_error", error=str(exc)))
         except (TimeoutError, ConnectionError, ssl.SSLError) as exc:
             log.info("sandbox bulk stream dropped", error=repr(exc), lease_id=hello.lease_id if hello else "")
         finally:
-            writer.close()
+            conn.close()
 
-    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      done: SandboxBulkDone) -> None:
+    async def _refuse(self, conn: BulkConnection, done: SandboxBulkDone) -> None:
         try:
-            writer.write(frame(done))
-            await writer.drain()
+            await conn.send(frame(done))
+            scratch = memoryview(bytearray(DRAIN_BYTES))
             async with asyncio.timeout(DRAIN_REFUSED_S):  # the client may still be sending
-                while await reader.read(STREAM_LIMIT):
+                while await conn.recv_into(scratch):
                     pass
         except (TimeoutError, ConnectionError, ssl.SSLError):
             pass

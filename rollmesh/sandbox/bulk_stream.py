@@ -1,5 +1,5 @@
-"""The bulk stream's framing, and its client end: how a ticket becomes a socket, and one upload
-or download over it.
+"""The bulk stream's socket and framing, and its client end: how a ticket becomes a connection,
+and one upload or download over it.
 
 Knows asyncio sockets, ssl and the bulk frames (``rollmesh.messages.sandbox_bulk``); nothing of
 NATS, leases or sandboxes. The raw bytes follow their frame unchunked: the socket and the kernel
@@ -7,6 +7,11 @@ chunk them, and the receiver reads straight into one buffer of the announced siz
 prefix per piece is needed and nothing is reassembled. A stream that ends before ``size`` bytes
 is ``BulkStreamError`` (reason "truncated"); bytes whose sha256 is not the announced one are
 ``ChecksumMismatchError``.
+
+A plain connection (Unix socket, or TCP without TLS) uses the event loop's socket calls on the
+caller's buffers: ``sock_sendall`` of the caller's bytes, ``sock_recv_into`` the receiver's
+buffer, so a MiB crosses with no copy in either process (asyncio's streams copied it three times
+and took about twice as long here). TLS goes through asyncio streams, which do the handshake.
 
 The Unix socket is used when the ticket's broker runs on this node (same host name and boot id)
 and its path is here; else TCP, with TLS when the ticket says so (verified against the caller's
@@ -35,11 +40,52 @@ T = TypeVar("T")
 Route = Literal["unix", "tcp"]
 _LENGTH = struct.Struct(">I")
 _encoder = msgspec.msgpack.Encoder()
-# What one read takes at most: large enough that a MiB is a few reads, small enough to hash
-# each piece while the next is on its way.
+# What one read takes at most: a MiB is a few reads, each passed on (or hashed) as it comes.
 READ_BYTES = 256 * 1024
-# The stream's reader buffers up to this before pausing the socket.
-STREAM_LIMIT = 4 * 1024 * 1024
+STREAM_LIMIT = 1024 * 1024  # a TLS stream's reader buffers this much before pausing the socket
+
+
+class BulkConnection:
+    """One bulk stream: a plain non-blocking socket, or (TLS) an asyncio stream pair."""
+
+    def __init__(self, sock: socket.socket | None = None, reader: asyncio.StreamReader | None = None,
+                 writer: asyncio.StreamWriter | None = None) -> None:
+        self._sock, self._reader, self._writer = sock, reader, writer
+        self._loop = asyncio.get_running_loop()
+
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        if self._sock is not None:
+            await self._loop.sock_sendall(self._sock, data)
+        else:
+            assert self._writer is not None
+            self._writer.write(data)
+            await self._writer.drain()
+
+    async def recv_into(self, view: memoryview) -> int:
+        """Up to ``len(view)`` bytes into ``view``; 0 at the end of the stream."""
+        if self._sock is not None:
+            return await self._loop.sock_recv_into(self._sock, view)
+        assert self._reader is not None
+        data = await self._reader.read(len(view))
+        view[:len(data)] = data
+        return len(data)
+
+    async def recv_exactly(self, size: int) -> bytearray:
+        buffer = bytearray(size)
+        view, got = memoryview(buffer), 0
+        while got < size:
+            n = await self.recv_into(view[got:])
+            if not n:
+                raise BulkStreamError(f"the bulk stream ended after {got} of {size} bytes", reason="truncated",
+                                      expected_bytes=size, received_bytes=got)
+            got += n
+        return buffer
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        elif self._writer is not None:
+            self._writer.close()
 
 
 def frame(message: msgspec.Struct) -> bytes:
@@ -47,64 +93,51 @@ def frame(message: msgspec.Struct) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
-async def read_frame(reader: asyncio.StreamReader, type_: type[T]) -> T:
+async def read_frame(conn: BulkConnection, type_: type[T]) -> T:
+    (length,) = _LENGTH.unpack(await conn.recv_exactly(_LENGTH.size))
+    if length > MAX_BULK_FRAME_BYTES:
+        raise BulkStreamError(f"a bulk frame of {length} bytes (at most {MAX_BULK_FRAME_BYTES})", reason="framing")
+    body = await conn.recv_exactly(length)
     try:
-        (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-        if length > MAX_BULK_FRAME_BYTES:
-            raise BulkStreamError(f"a bulk frame of {length} bytes (at most {MAX_BULK_FRAME_BYTES})",
-                                  reason="framing")
-        return msgspec.msgpack.decode(await reader.readexactly(length), type=type_)
-    except asyncio.IncompleteReadError as exc:
-        raise BulkStreamError("the bulk stream closed inside a frame", reason="truncated",
-                              expected_bytes=exc.expected, received_bytes=len(exc.partial)) from exc
+        return msgspec.msgpack.decode(body, type=type_)
     except msgspec.ValidationError as exc:
         raise BulkStreamError(f"a bulk frame that is not a {type_.__name__}: {exc}", reason="framing") from exc
     except msgspec.DecodeError as exc:
         raise BulkStreamError(f"an undecodable bulk frame: {exc}", reason="framing") from exc
 
 
-async def read_payload(reader: asyncio.StreamReader, size: int, hasher) -> bytearray:
-    """Exactly ``size`` bytes into one buffer, hashed piece by piece as they come (the sender
-    is still sending meanwhile)."""
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    pieces = PayloadPieces(reader, size)
-    async for piece in pieces:
-        view[pieces.got - len(piece):pieces.got] = piece
-        hasher.update(piece)
-    return buffer
-
-
 class PayloadPieces:
-    """Exactly ``size`` bytes of a stream as the pieces the socket gives them (an async
-    iterator, for a receiver that passes each on as it comes); ``BulkStreamError``
-    "truncated" when the stream ends first."""
+    """Exactly ``size`` bytes of a stream, received into one buffer and handed out as the pieces
+    the socket gives (an async iterator of views into that buffer, each stable once handed out,
+    for a receiver that passes each on as it comes); ``BulkStreamError`` "truncated" when the
+    stream ends first."""
 
-    def __init__(self, reader: asyncio.StreamReader, size: int) -> None:
-        self._reader = reader
+    def __init__(self, conn: BulkConnection, size: int) -> None:
+        self._conn = conn
         self.size = size
         self.got = 0
+        self.buffer = bytearray(size)
+        self._view = memoryview(self.buffer)
 
     def __aiter__(self) -> PayloadPieces:
         return self
 
-    async def __anext__(self) -> bytes:
+    async def __anext__(self) -> memoryview:
         if self.got >= self.size:
             raise StopAsyncIteration
-        piece = await self._reader.read(min(READ_BYTES, self.size - self.got))
-        if not piece:
-            raise BulkStreamError(f"the bulk stream ended after {self.got} of {self.size} bytes",
-                                  reason="truncated", expected_bytes=self.size, received_bytes=self.got)
-        self.got += len(piece)
-        return piece
+        start = self.got
+        n = await self._conn.recv_into(self._view[start:min(self.size, start + READ_BYTES)])
+        if not n:
+            raise BulkStreamError(f"the bulk stream ended after {start} of {self.size} bytes",
+                                  reason="truncated", expected_bytes=self.size, received_bytes=start)
+        self.got += n
+        return self._view[start:self.got]
 
     async def collect(self) -> bytearray:
-        """All of it in one buffer."""
-        buffer = bytearray(self.size)
-        view = memoryview(buffer)
-        async for piece in self:
-            view[self.got - len(piece):self.got] = piece
-        return buffer
+        """All of it, in the one buffer."""
+        async for _ in self:
+            pass
+        return self.buffer
 
 
 @functools.cache
@@ -126,53 +159,69 @@ def stream_route(ticket: SandboxBulkTicket, tls: ssl.SSLContext | None) -> Route
     return None
 
 
-async def open_stream(ticket: SandboxBulkTicket, route: Route, tls: ssl.SSLContext | None):
+async def open_stream(ticket: SandboxBulkTicket, route: Route, tls: ssl.SSLContext | None) -> BulkConnection:
     """BulkStreamError "unreachable" when no connection could be made (nothing was sent)."""
+    loop = asyncio.get_running_loop()
     try:
+        if route == "tcp" and ticket.tls:
+            reader, writer = await asyncio.open_connection(ticket.host, ticket.port, ssl=tls, limit=STREAM_LIMIT,
+                                                           server_hostname=ticket.host)
+            return BulkConnection(reader=reader, writer=writer)
         if route == "unix":
-            return await asyncio.open_unix_connection(ticket.unix_path, limit=STREAM_LIMIT)
-        secure = tls if ticket.tls else None
-        return await asyncio.open_connection(ticket.host, ticket.port, ssl=secure, limit=STREAM_LIMIT,
-                                             server_hostname=ticket.host if secure is not None else None)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address: object = ticket.unix_path
+        else:
+            info = await loop.getaddrinfo(ticket.host, ticket.port, type=socket.SOCK_STREAM)
+            family, kind, proto, _, address = info[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+        return BulkConnection(sock)
     except OSError as exc:  # ssl.SSLError included: a certificate this side does not trust
         raise BulkStreamError(f"the bulk stream at {ticket.unix_path if route == 'unix' else ticket.host} "
                               f"could not be opened: {exc}", reason="unreachable") from exc
 
 
-async def upload_over_stream(ticket: SandboxBulkTicket, route: Route, *, lease_id: str, data: bytes,
-                             sha256: str, tls: ssl.SSLContext | None) -> SandboxBulkDone:
-    """Send ``data`` (whose sha256 the caller computed) and wait for the broker's verdict:
-    stored and verified in the sandbox, or refused."""
-    reader, writer = await open_stream(ticket, route, tls)
+async def upload_over_stream(ticket: SandboxBulkTicket, route: Route, *, lease_id: str, path: str,
+                             data: bytes, sha256: str, tls: ssl.SSLContext | None, kind: str = "file",
+                             mode: int = 0o644) -> SandboxBulkDone:
+    """Send ``data`` (whose sha256 the caller computed) to ``path`` and wait for the broker's
+    verdict: stored and verified in the sandbox, or refused."""
+    conn = await open_stream(ticket, route, tls)
     try:
-        writer.write(frame(SandboxBulkHello(token=ticket.token, lease_id=lease_id, size=len(data),
-                                            sha256=sha256)))
-        writer.write(data)
         try:
-            await writer.drain()
+            await conn.send(frame(SandboxBulkHello(token=ticket.token, lease_id=lease_id, size=len(data),
+                                                   sha256=sha256, path=path, kind=kind, mode=mode)))  # type: ignore[arg-type]
+            await conn.send(memoryview(data).cast("B"))
         except ConnectionError:
             pass  # refused before it took every byte: its verdict is in what it sent
-        return await read_frame(reader, SandboxBulkDone)
+        return await read_frame(conn, SandboxBulkDone)
     finally:
-        writer.close()
+        conn.close()
 
 
 async def download_over_stream(ticket: SandboxBulkTicket, route: Route, *, lease_id: str,
                                tls: ssl.SSLContext | None) -> tuple[SandboxBulkDone, bytes]:
     """The file's bytes, checked against the size and sha256 the sandbox computed (the Done
     frame's); a refusal comes back as the Done with ``error_kind`` and no bytes."""
-    reader, writer = await open_stream(ticket, route, tls)
+    conn = await open_stream(ticket, route, tls)
     try:
-        writer.write(frame(SandboxBulkHello(token=ticket.token, lease_id=lease_id)))
-        await writer.drain()
-        done = await read_frame(reader, SandboxBulkDone)
+        await conn.send(frame(SandboxBulkHello(token=ticket.token, lease_id=lease_id)))
+        done = await read_frame(conn, SandboxBulkDone)
         if done.error_kind:
             return done, b""
         hasher = hashlib.sha256()
-        data = await read_payload(reader, done.size, hasher)
+        pieces = PayloadPieces(conn, done.size)
+        async for piece in pieces:  # hashed while the broker sends the rest
+            hasher.update(piece)
     finally:
-        writer.close()
+        conn.close()
     if hasher.hexdigest() != done.sha256:
         raise ChecksumMismatchError(f"the {done.size} bytes received have sha256 {hasher.hexdigest()}, "
                                     f"not the sandbox's {done.sha256}", path="")
-    return done, bytes(data)
+    return done, bytes(pieces.buffer)

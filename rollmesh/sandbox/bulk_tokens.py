@@ -29,8 +29,9 @@ REMEMBERED_SPENT = 4096
 
 @dataclass(frozen=True, slots=True)
 class BulkGrant:
-    """What a token lets its bearer do: store ``size`` bytes at ``path`` (upload), or read
-    ``download`` (already read from the sandbox, with the sandbox's sha256)."""
+    """What a token lets its bearer do: one upload of at most ``size`` bytes to the lease (the
+    stream names the file), or read ``download`` (``path``, already read from the sandbox, with
+    the sandbox's sha256)."""
 
     token: str
     direction: Direction

@@ -37,7 +37,7 @@ from rollmesh.messages.sandbox import (
     SandboxUploadReply,
     SandboxUploadRequest,
 )
-from rollmesh.messages.sandbox_bulk import SandboxBulkDone
+from rollmesh.messages.sandbox_bulk import SandboxBulkDone, SandboxBulkHello
 from rollmesh.messages.subjects import SANDBOX_OUTPUT
 from rollmesh.ports import Publisher
 from rollmesh.telemetry import conventions
@@ -272,10 +272,11 @@ class WorkspaceOps:
     def _upload_ticket(self, lease: Lease, req: SandboxUploadRequest) -> SandboxUploadReply:
         if self.bulk_endpoint is None:
             return SandboxUploadReply(size=req.size)  # no ticket: the client sends over NATS
-        grant = self.bulk_tokens.issue("upload", lease, req.path, kind=req.kind, size=req.size, mode=req.mode)
+        # For any one upload to this lease: the stream's hello names the file.
+        grant = self.bulk_tokens.issue("upload", lease, "", size=self.config.max_transfer_bytes)
         return SandboxUploadReply(size=req.size, bulk=self.bulk_endpoint.ticket(grant))
 
-    async def store_bulk(self, grant: BulkGrant, pieces: PayloadPieces, sha256: str) -> SandboxBulkDone:
+    async def store_bulk(self, grant: BulkGrant, hello: SandboxBulkHello, pieces: PayloadPieces) -> SandboxBulkDone:
         """Store a bulk upload's bytes as they arrive (a sandbox that takes a stream gets each
         piece at once); the sandbox refuses them unless their sha256 is the client's, and a
         stream that breaks off (``BulkStreamError``, raised) aborts it: nothing lands then."""
@@ -284,21 +285,22 @@ class WorkspaceOps:
         if refusal is not None:
             return refusal
         put_stream = getattr(lease.sandbox, "put_stream", None)
+        path, sha256 = hello.path, hello.sha256
         try:
             if put_stream is not None:
-                stored = await put_stream(grant.path, grant.size, pieces, kind=grant.kind, mode=grant.mode,
+                stored = await put_stream(path, hello.size, pieces, kind=hello.kind, mode=hello.mode,
                                           expected_sha256=sha256)
-            elif grant.kind == "tar":
-                stored = await lease.sandbox.put_tar(grant.path, await pieces.collect(),  # type: ignore[arg-type]
+            elif hello.kind == "tar":
+                stored = await lease.sandbox.put_tar(path, await pieces.collect(),  # type: ignore[arg-type]
                                                      expected_sha256=sha256, verify=False)
             else:
-                stored = await lease.sandbox.put_file(grant.path, await pieces.collect(),  # type: ignore[arg-type]
-                                                      mode=grant.mode, expected_sha256=sha256, verify=False)
+                stored = await lease.sandbox.put_file(path, await pieces.collect(),  # type: ignore[arg-type]
+                                                      mode=hello.mode, expected_sha256=sha256, verify=False)
         except BulkStreamError:
             self._counts["upload_failures"] += 1
             raise
         except Exception as exc:  # noqa: BLE001
-            return self._transfer_failed(lease, SandboxBulkDone, "upload", grant.path, exc)
+            return self._transfer_failed(lease, SandboxBulkDone, "upload", path, exc)
         self._counts["uploads"] += 1
         self._counts["bulk_uploads"] += 1
         return SandboxBulkDone(size=stored.size, sha256=stored.sha256)
