@@ -56,7 +56,7 @@ async def broker_on_bus(nats_server, namespace, tmp_path, trace_file):
     config = SandboxConfig(profiles={"default": SandboxProfileConfig(warm_min=0)})  # few sandboxes to look at
     broker = SandboxBroker(config, backend, snapshot_dir=tmp_path / "snapshots", publisher=publisher)
     await shell.serve(SandboxBrokerService(broker))
-    yield backend
+    yield backend, broker
     await shell.stop()
 
 
@@ -71,7 +71,7 @@ async def rollmesh(nats_server, namespace: str, *args: str) -> subprocess.Comple
 @pytest.mark.timeout(120)
 async def test_lease_put_run_get_release_from_the_command_line(broker_on_bus, nats_server, namespace,
                                                                 tmp_path: Path):
-    backend = broker_on_bus
+    backend, broker = broker_on_bus
     leased = await rollmesh(nats_server, namespace, "sandbox", "lease", "--ttl", "60")
     assert leased.returncode == 0, leased.stderr
     lease_id = leased.stdout.strip()
@@ -109,6 +109,15 @@ async def test_lease_put_run_get_release_from_the_command_line(broker_on_bus, na
                          str(tmp_path / "result.bin"))
     assert got.returncode == 0, got.stderr
     assert (tmp_path / "result.bin").read_bytes() == bytes(range(256))
+    # Above sandbox.bulk_threshold_bytes, both ways go over the broker's bulk stream.
+    large = tmp_path / "large.bin"
+    large.write_bytes(bytes(range(256)) * 1024)
+    put = await rollmesh(nats_server, namespace, "sandbox", "put", "--lease", lease_id, str(large), "large.bin")
+    assert put.returncode == 0 and sandbox.files["large.bin"] == large.read_bytes(), put.stderr
+    got = await rollmesh(nats_server, namespace, "sandbox", "get", "--lease", lease_id, "large.bin",
+                         str(tmp_path / "back.bin"))
+    assert got.returncode == 0 and (tmp_path / "back.bin").read_bytes() == large.read_bytes(), got.stderr
+    assert (broker.counts["bulk_uploads"], broker.counts["bulk_downloads"]) == (1, 1)
 
     released = await rollmesh(nats_server, namespace, "sandbox", "release", lease_id)
     assert released.returncode == 0, released.stderr

@@ -17,6 +17,7 @@ from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.rollout_states import KvRolloutStates
 from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
+from rollmesh.bus.tls import client_tls_context
 from rollmesh.bus.trajectory_store import ObjectStoreTrajectories
 from rollmesh.engine.paged_model import describe_served_model
 from rollmesh.bus.errors import BusRequestError
@@ -106,7 +107,8 @@ class RolloutWorkerActor(RoleActor):
             tasks=TaskRegistry.from_import_paths(self.config.tasks),
             engine=self.router, publisher=publisher, worker=self.name,
             # One lease per rollout (token: the rollout id), heartbeated while it runs.
-            sandbox=SandboxBrokerClient(publisher),
+            # Files above the bulk threshold go over the broker's bulk stream, TLS as NATS is.
+            sandbox=SandboxBrokerClient(publisher, bulk_tls=client_tls_context(self.mesh.nats_tls)),
             # Saved after every turn, so whoever takes over a dead worker's rollout resumes it.
             states=KvRolloutStates(publisher.jetstream, publisher.namespace),
             # MoE models: each turn's routed-expert rows, kept for routing replay in training.

@@ -309,6 +309,7 @@ async def _with_mesh_client(args: argparse.Namespace, action: Callable[[Any], An
 async def _mesh_client(mesh: Any, printer: _Printer | None) -> AsyncIterator[Any]:
     from rollmesh.bus.connection import flush_to_server
     from rollmesh.bus.publisher import BusPublisher
+    from rollmesh.bus.tls import client_tls_context
     from rollmesh.messages.subjects import SANDBOX_OUTPUT
     from rollmesh.sandbox.broker_client import DEFAULT_CHUNK_BYTES, SandboxBrokerClient
 
@@ -324,7 +325,8 @@ async def _mesh_client(mesh: Any, printer: _Printer | None) -> AsyncIterator[Any
             await nc.subscribe(SANDBOX_OUTPUT.format(mesh.namespace), cb=on_chunk)
             await flush_to_server(nc)
         chunk = max(1024, min(DEFAULT_CHUNK_BYTES, nc.max_payload - CHUNK_HEADROOM_BYTES))
-        yield SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), mesh.namespace), chunk_bytes=chunk)
+        yield SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), mesh.namespace), chunk_bytes=chunk,
+                                  bulk_tls=client_tls_context(mesh.nats_tls))
         await flush_to_server(nc)  # the last output chunks are in before the reply is printed
     finally:
         await nc.close()
