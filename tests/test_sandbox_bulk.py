@@ -134,7 +134,7 @@ async def test_each_bad_stream_is_refused_typed_and_nothing_is_stored(broker):
     data = os.urandom(MIB)
     sha = hashlib.sha256(data).hexdigest()
 
-    async def send(ticket, lease_id: str, path: str, digest: str = sha) -> SandboxBulkDone:
+    async def send(ticket, lease_id: str, path: str, digest=sha) -> SandboxBulkDone:
         return await upload_over_stream(ticket, "unix", lease_id=lease_id, path=path, data=data, sha256=digest,
                                         tls=None)
 
@@ -147,6 +147,10 @@ async def test_each_bad_stream_is_refused_typed_and_nothing_is_stored(broker):
     wrong = await send(await ticket_for(broker, mine, "wrong-digest", len(data)), mine, "wrong-digest",
                        digest=hashlib.sha256(b"other bytes").hexdigest())
     assert wrong.error_kind == "checksum_mismatch"
+    # The same with the digest after the bytes (as rollmesh's client sends it, hashing meanwhile).
+    trailing = await send(await ticket_for(broker, mine, "wrong-trailer", len(data)), mine, "wrong-trailer",
+                          digest=asyncio.ensure_future(asyncio.sleep(0, result=hashlib.sha256(b"x").hexdigest())))
+    assert trailing.error_kind == "checksum_mismatch"
     # Truncated: the stream announces 1 MiB and ends after half of it.
     ticket = await ticket_for(broker, mine, "truncated", len(data))
     reader, writer = await asyncio.open_unix_connection(ticket.unix_path)

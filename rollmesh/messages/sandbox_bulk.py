@@ -4,7 +4,9 @@ carried over NATS (``SandboxBulkTicket``). Knows msgspec only.
 
 One transfer per connection. A frame is a 4-byte big-endian length and one msgpack message:
 
-    client -> broker   frame(SandboxBulkHello)   upload: then exactly ``size`` raw bytes
+    client -> broker   frame(SandboxBulkHello)   upload: then exactly ``size`` raw bytes, then
+                                                 frame(SandboxBulkDigest) unless the hello
+                                                 named the sha256 (a client hashing as it sends)
     broker -> client   frame(SandboxBulkDone)    download without error: then exactly ``size``
                                                  raw bytes
 
@@ -34,10 +36,16 @@ class SandboxBulkHello(WireMessage, frozen=True, tag="sandbox.bulk_hello"):
     token: Annotated[str, Meta(min_length=1, max_length=200)]
     lease_id: LeaseId
     size: Annotated[int, Meta(ge=0)] = 0
-    sha256: Sha256Hex = ""
+    sha256: Sha256Hex = ""  # upload: "" when a SandboxBulkDigest follows the bytes
     path: str = ""  # upload: the file, or for kind "tar" the directory to extract into
     kind: TransferKind = "file"
     mode: Annotated[int, Meta(ge=0, le=0o7777)] = 0o644
+
+
+class SandboxBulkDigest(WireMessage, frozen=True, tag="sandbox.bulk_digest"):
+    """An upload's sha256, after its bytes (when its hello had none)."""
+
+    sha256: Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
 
 
 class SandboxBulkDone(WireMessage, frozen=True, tag="sandbox.bulk_done"):

@@ -10,7 +10,7 @@ in the agent: either way nothing lands in the workspace.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from rollmesh.sandbox import agent_wire as wire
 from rollmesh.sandbox.errors import TransferError, WorkspacePathError
@@ -25,7 +25,15 @@ class StreamedUploads:
     ``_wait_drained`` and ``_raise_for``."""
 
     async def put_stream(self, path: str, size: int, pieces: AsyncIterator[bytes | memoryview], *,
-                         kind: str = "file", mode: int = 0o644, expected_sha256: str) -> FileTransfer:
+                         kind: str = "file", mode: int = 0o644,
+                         expected_sha256: str | Callable[[], str]) -> FileTransfer:
+        """``expected_sha256``: the sender's digest, or (a sender that hashes while it sends) a
+        function that gives it once the last piece is in; it goes with the last frame then."""
+        first_sha = {"sha256": expected_sha256} if isinstance(expected_sha256, str) else {}
+
+        def last_sha() -> dict[str, object]:
+            return {"sha256": expected_sha256 if isinstance(expected_sha256, str) else expected_sha256()}
+
         try:
             rel = wire.workspace_relative(path, allow_root=kind == "tar")
         except ValueError as exc:
@@ -41,12 +49,14 @@ class StreamedUploads:
                         break
                     sent += len(piece)
                     header = ({"id": rid, "op": "chunk"} if opened else
-                              {"id": rid, "op": op, "path": rel, "size": size, "sha256": expected_sha256, **extra})
-                    self._send({**header, "last": sent >= size}, piece)  # type: ignore[attr-defined]
+                              {"id": rid, "op": op, "path": rel, "size": size, **first_sha, **extra})
+                    if sent >= size:
+                        header.update(last_sha(), last=True)
+                    self._send(header, piece)  # type: ignore[attr-defined]
                     opened = True
                     await self._wait_drained(STREAM_HIGH_WATER)  # type: ignore[attr-defined]
                 if not opened and size == 0:  # an empty file
-                    self._send({"id": rid, "op": op, "path": rel, "size": 0, "sha256": expected_sha256,  # type: ignore[attr-defined]
+                    self._send({"id": rid, "op": op, "path": rel, "size": 0, **last_sha(),  # type: ignore[attr-defined]
                                 "last": True, **extra})
                 if sent < size and not call.frames:
                     raise TransferError(f"{sent} bytes came for a {size}-byte upload", path=rel,

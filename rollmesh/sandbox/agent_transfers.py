@@ -117,6 +117,9 @@ class Transfers:
             return  # refused at its first frame: the host stops sending
         upload = self.uploads[rid]
         last, abort = bool(header.get("last")), bool(header.get("abort"))
+        if last and header.get("sha256") and upload is not None:
+            # A streamed upload's sender hashes while it sends: its digest comes with the last chunk.
+            upload.expected_sha256 = header["sha256"]
         if upload is None or abort:
             if upload is not None:
                 upload.abort()

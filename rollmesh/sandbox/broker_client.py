@@ -234,22 +234,27 @@ class SandboxBrokerClient:
         """Over the bulk stream; None when the broker gave no ticket this client can use (the
         caller sends over NATS). A ticket is good for one upload to its lease, so the next one is
         fetched while these bytes flow and kept (until shortly before it lapses): an upload that
-        finds one waiting pays no ticket round trip. Without one, that round trip overlaps hashing
-        ``data``. A kept ticket the broker no longer knows (it restarted) is replaced once."""
+        finds one waiting pays no ticket round trip. ``data`` is hashed while it is sent, its
+        digest sent after it. A kept ticket the broker no longer knows (it restarted) is replaced
+        once."""
         hashing = asyncio.ensure_future(_sha256_hex(data))
         kept = self._kept_ticket(lease_id)
         try:
             ticket = kept or await self._upload_ticket(lease_id, path, len(data), kind, rollout_id)
-        finally:
-            sha256 = await hashing
+        except BaseException:
+            await asyncio.gather(hashing, return_exceptions=True)
+            raise
         route = None if ticket is None else stream_route(ticket, self.bulk_tls)
         if ticket is None or route is None:
+            await hashing
             return None
-        send = upload_over_stream(ticket, route, lease_id=lease_id, path=path, data=data, sha256=sha256,
+        # The digest follows the bytes: hashing overlaps sending them and the sandbox storing them.
+        send = upload_over_stream(ticket, route, lease_id=lease_id, path=path, data=data, sha256=hashing,
                                   tls=self.bulk_tls, kind=kind, mode=mode)
         sent, following = await asyncio.gather(
             asyncio.wait_for(send, self.timeout_s + len(data) / 2**20),
             self._upload_ticket(lease_id, ".", 0, "file", rollout_id), return_exceptions=True)
+        sha256 = await hashing
         if isinstance(following, SandboxBulkTicket):
             self._keep_ticket(lease_id, following)
         if isinstance(sent, BulkStreamError) and sent.reason == "unreachable":

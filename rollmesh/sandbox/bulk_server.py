@@ -27,7 +27,15 @@ import structlog
 
 from rollmesh.messages.sandbox import SandboxBulkTicket
 from rollmesh.messages.sandbox_bulk import SandboxBulkDone, SandboxBulkHello
-from rollmesh.sandbox.bulk_stream import STREAM_LIMIT, BulkConnection, PayloadPieces, frame, read_frame, this_node
+from rollmesh.sandbox.bulk_stream import (
+    STREAM_LIMIT,
+    BulkConnection,
+    PayloadPieces,
+    frame,
+    read_frame,
+    this_node,
+    widen_buffers,
+)
 from rollmesh.sandbox.bulk_tokens import BulkGrant, BulkTokens
 from rollmesh.sandbox.errors import BulkStreamError, BulkTokenError
 
@@ -148,6 +156,7 @@ class BulkServer:
                 await asyncio.sleep(0.1)
                 continue
             sock.setblocking(False)
+            widen_buffers(sock)
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._spawn(self._serve(BulkConnection(sock)))
@@ -171,9 +180,9 @@ class BulkServer:
                 raise BulkStreamError(f"the stream announces {hello.size} bytes, above its ticket's {grant.size}"
                                       " (sandbox.max_transfer_bytes)", reason="size", expected_bytes=grant.size,
                                       received_bytes=hello.size)
-            if not hello.sha256 or not hello.path:
-                raise BulkStreamError("a bulk upload must name its file and sha256", reason="framing")
-            pieces = PayloadPieces(conn, hello.size)
+            if not hello.path:
+                raise BulkStreamError("a bulk upload must name its file", reason="framing")
+            pieces = PayloadPieces(conn, hello.size, sha256=hello.sha256, digest_follows=not hello.sha256)
             async with asyncio.timeout(IO_TIMEOUT_S + hello.size / 2**20):
                 done = await self._store.store_bulk(grant, hello, pieces)
             if pieces.got < pieces.size:  # refused before every byte came: the rest is read away

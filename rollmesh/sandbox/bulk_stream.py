@@ -28,12 +28,18 @@ import socket
 import ssl
 import struct
 from pathlib import Path
+from collections.abc import Awaitable
 from typing import Literal, TypeVar
 
 import msgspec
 
 from rollmesh.messages.sandbox import SandboxBulkTicket
-from rollmesh.messages.sandbox_bulk import MAX_BULK_FRAME_BYTES, SandboxBulkDone, SandboxBulkHello
+from rollmesh.messages.sandbox_bulk import (
+    MAX_BULK_FRAME_BYTES,
+    SandboxBulkDigest,
+    SandboxBulkDone,
+    SandboxBulkHello,
+)
 from rollmesh.sandbox.errors import BulkStreamError, ChecksumMismatchError
 
 T = TypeVar("T")
@@ -43,6 +49,17 @@ _encoder = msgspec.msgpack.Encoder()
 # What one read takes at most: a MiB is a few reads, each passed on (or hashed) as it comes.
 READ_BYTES = 256 * 1024
 STREAM_LIMIT = 1024 * 1024  # a TLS stream's reader buffers this much before pausing the socket
+# Socket buffers asked for (the kernel caps them at net.core.wmem_max / rmem_max): a MiB fits in
+# the kernel at once, so the sender is not woken for every 200 KiB the receiver takes.
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+
+
+def widen_buffers(sock: socket.socket) -> None:
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        except OSError:
+            pass  # still correct, only slower
 
 
 class BulkConnection:
@@ -110,12 +127,15 @@ class PayloadPieces:
     """Exactly ``size`` bytes of a stream, received into one buffer and handed out as the pieces
     the socket gives (an async iterator of views into that buffer, each stable once handed out,
     for a receiver that passes each on as it comes); ``BulkStreamError`` "truncated" when the
-    stream ends first."""
+    stream ends first. ``sha256``: the hello's, or (``digest_follows``) the trailing
+    ``SandboxBulkDigest``'s, read before the last piece is handed out."""
 
-    def __init__(self, conn: BulkConnection, size: int) -> None:
+    def __init__(self, conn: BulkConnection, size: int, *, sha256: str = "", digest_follows: bool = False) -> None:
         self._conn = conn
         self.size = size
         self.got = 0
+        self.sha256 = sha256
+        self._digest_follows = digest_follows
         self.buffer = bytearray(size)
         self._view = memoryview(self.buffer)
 
@@ -131,12 +151,16 @@ class PayloadPieces:
             raise BulkStreamError(f"the bulk stream ended after {start} of {self.size} bytes",
                                   reason="truncated", expected_bytes=self.size, received_bytes=start)
         self.got += n
+        if self.got == self.size and self._digest_follows:
+            self.sha256 = (await read_frame(self._conn, SandboxBulkDigest)).sha256
         return self._view[start:self.got]
 
     async def collect(self) -> bytearray:
         """All of it, in the one buffer."""
         async for _ in self:
             pass
+        if self.size == 0 and self._digest_follows:
+            self.sha256 = (await read_frame(self._conn, SandboxBulkDigest)).sha256
         return self.buffer
 
 
@@ -175,6 +199,7 @@ async def open_stream(ticket: SandboxBulkTicket, route: Route, tls: ssl.SSLConte
             family, kind, proto, _, address = info[0]
             sock = socket.socket(family, kind, proto)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        widen_buffers(sock)
         sock.setblocking(False)
         try:
             await loop.sock_connect(sock, address)
@@ -188,16 +213,20 @@ async def open_stream(ticket: SandboxBulkTicket, route: Route, tls: ssl.SSLConte
 
 
 async def upload_over_stream(ticket: SandboxBulkTicket, route: Route, *, lease_id: str, path: str,
-                             data: bytes, sha256: str, tls: ssl.SSLContext | None, kind: str = "file",
-                             mode: int = 0o644) -> SandboxBulkDone:
-    """Send ``data`` (whose sha256 the caller computed) to ``path`` and wait for the broker's
-    verdict: stored and verified in the sandbox, or refused."""
+                             data: bytes, sha256: str | Awaitable[str], tls: ssl.SSLContext | None,
+                             kind: str = "file", mode: int = 0o644) -> SandboxBulkDone:
+    """Send ``data`` to ``path`` and wait for the broker's verdict: stored and verified in the
+    sandbox, or refused. ``sha256``: its digest, or one being computed (a future), sent after
+    the bytes once it is there: the hashing overlaps the sending and the sandbox's storing."""
     conn = await open_stream(ticket, route, tls)
+    known = sha256 if isinstance(sha256, str) else ""
     try:
         try:
             await conn.send(frame(SandboxBulkHello(token=ticket.token, lease_id=lease_id, size=len(data),
-                                                   sha256=sha256, path=path, kind=kind, mode=mode)))  # type: ignore[arg-type]
+                                                   sha256=known, path=path, kind=kind, mode=mode)))  # type: ignore[arg-type]
             await conn.send(memoryview(data).cast("B"))
+            if not known:
+                await conn.send(frame(SandboxBulkDigest(sha256=await sha256)))  # type: ignore[misc]
         except ConnectionError:
             pass  # refused before it took every byte: its verdict is in what it sent
         return await read_frame(conn, SandboxBulkDone)

@@ -285,17 +285,19 @@ class WorkspaceOps:
         if refusal is not None:
             return refusal
         put_stream = getattr(lease.sandbox, "put_stream", None)
-        path, sha256 = hello.path, hello.sha256
+        path = hello.path
         try:
-            if put_stream is not None:
+            if put_stream is not None:  # the digest may come after the bytes: read when the last piece is
                 stored = await put_stream(path, hello.size, pieces, kind=hello.kind, mode=hello.mode,
-                                          expected_sha256=sha256)
+                                          expected_sha256=lambda: pieces.sha256)
             elif hello.kind == "tar":
-                stored = await lease.sandbox.put_tar(path, await pieces.collect(),  # type: ignore[arg-type]
-                                                     expected_sha256=sha256, verify=False)
+                data = await pieces.collect()
+                stored = await lease.sandbox.put_tar(path, data, expected_sha256=pieces.sha256,  # type: ignore[arg-type]
+                                                     verify=False)
             else:
-                stored = await lease.sandbox.put_file(path, await pieces.collect(),  # type: ignore[arg-type]
-                                                      mode=hello.mode, expected_sha256=sha256, verify=False)
+                data = await pieces.collect()
+                stored = await lease.sandbox.put_file(path, data, mode=hello.mode,  # type: ignore[arg-type]
+                                                      expected_sha256=pieces.sha256, verify=False)
         except BulkStreamError:
             self._counts["upload_failures"] += 1
             raise
