@@ -19,6 +19,13 @@ being active in the engine, medians over ``--repeats`` of each path after one un
 itself, the only time generation stops. No request may lose a token, and some must carry both
 versions.
 
+The floor (``floor_*``, measured in the same run once decoding is over, each part alone, best of
+3): the work neither path can skip on this machine. Both hash every byte twice (the trainer for
+the manifest, the worker to check it) and stage one copy; ours also copies the bytes once into
+shared memory, the files write them into the page cache, fsync them and read them back.
+``floor_ratio`` is the best ``ratio`` those allow with every part on one core;
+``floor_ratio_2core`` with every CPU part split evenly over 2 cores (fsync cannot be).
+
     python benchmarks/weight_publish.py [--repeats 3] [--bucket-mb 16]
 """
 
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
 import statistics
 import tempfile
@@ -44,12 +52,12 @@ from rollmesh.engine.models import load_hf_model
 from rollmesh.engine.weight_buckets import (
     MANIFEST_FILE,
     read_manifest,
-    serialize_buckets,
     version_directory,
     write_buckets,
     write_serialized,
 )
 from rollmesh.engine.weight_follower import WeightFollower
+from rollmesh.engine.weight_memory import serialize_into_memory
 from rollmesh.local_ray import LocalRayEnvironment, write_ray_auth_token
 from rollmesh.messages import WeightsPublished
 from rollmesh.messages.subjects import WEIGHTS_ACTIVATED
@@ -77,8 +85,10 @@ class TrainerSide:
 
     def publish_memory(self, version: int) -> WeightsPublished:
         self._next_version()
-        serialized = serialize_buckets(self.model.state_dict(), version=version, bucket_bytes=self.bucket_bytes)
-        location = self.holder.put(serialized)
+        started = time.perf_counter()
+        serialized, location = serialize_into_memory(self.model.state_dict(), self.holder, version=version,
+                                                     bucket_bytes=self.bucket_bytes)
+        self.actor_s = time.perf_counter() - started
         # Durable after the announcement, as TrainerLogic does it: in the background here.
         self._writer = threading.Thread(target=write_serialized, args=(serialized, self.weights_dir))
         self._writer.start()
@@ -89,11 +99,17 @@ class TrainerSide:
 
     def publish_files(self, version: int) -> WeightsPublished:
         self._next_version()
+        started = time.perf_counter()
         published = write_buckets(self.model.state_dict(), self.weights_dir, version=version,
                                   bucket_bytes=self.bucket_bytes)
+        self.actor_s = time.perf_counter() - started
         return WeightsPublished(version=version, path=str(published.manifest_path), sha256=published.manifest_sha256,
                                 num_bytes=published.total_bytes, gather_s=published.gather_s,
                                 write_s=published.write_s)
+
+    def last_publish_s(self) -> float:
+        """How long the last publication took inside this actor (the rest is the call's way back)."""
+        return self.actor_s
 
     def ready(self) -> None:
         """Returns once the model is loaded (the constructor ran)."""
@@ -165,6 +181,7 @@ def main() -> None:
         ray.get(trainer.ready.remote())
         results = asyncio.run(measure(trainer, model, directory, workload, args.repeats))
         ray.get(trainer.flush.remote())
+        floor = measure_floor(model.state_dict(), weights_dir / "floor")
         buckets = len(read_manifest(version_directory(weights_dir, 1) / MANIFEST_FILE, None).buckets)
     finally:
         ray.shutdown()
@@ -184,7 +201,42 @@ def main() -> None:
         pause_ms=round(statistics.median([r["pause"] for r in ours + baseline]) * 1e3, 3),
         buckets=buckets, bucket_mb=args.bucket_mb, bytes=nbytes,
         in_flight_requests=len(workload), aborted=0, sha256_checked=True,
+        ours_in_actor_ms=round(med["ours"]["actor"] * 1e3, 2),
+        baseline_in_actor_ms=round(med["baseline"]["actor"] * 1e3, 2),
+        **floor,
     )
+
+
+def measure_floor(state, directory: Path, repeats: int = 3) -> dict[str, float]:
+    """Each unavoidable part of a publication alone, best of ``repeats``, in milliseconds."""
+    directory.mkdir(parents=True, exist_ok=True)
+    views = [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy() for t in state.values() if t.numel()]
+
+    def best(work) -> float:
+        return min(timed(work)[0] for _ in range(repeats)) * 1e3
+
+    def hash_once() -> None:
+        digest = hashlib.sha256()
+        for view in views:
+            digest.update(view)
+
+    sha = best(hash_once)
+    copy = best(lambda: [view.copy() for view in views])
+    writes, syncs, reads = [], [], []
+    for attempt in range(repeats):
+        path = directory / f"floor-{attempt}.bin"
+        with open(path, "wb") as out:
+            writes.append(timed(lambda: out.writelines(views))[0])
+            syncs.append(timed(lambda: os.fsync(out.fileno()))[0])
+        reads.append(timed(path.read_bytes)[0])  # from the page cache, as the worker reads
+        path.unlink()
+    write, fsync, read = (min(times) * 1e3 for times in (writes, syncs, reads))
+    ours = 2 * sha + 2 * copy
+    baseline = 2 * sha + write + fsync + read + copy
+    return {"floor_sha256_ms": round(sha, 1), "floor_copy_ms": round(copy, 1), "floor_write_ms": round(write, 1),
+            "floor_fsync_ms": round(fsync, 1), "floor_read_ms": round(read, 1), "floor_ours_ms": round(ours, 1),
+            "floor_baseline_ms": round(baseline, 1), "floor_ratio": round(baseline / ours, 3),
+            "floor_ratio_2core": round((baseline - fsync) / 2 / (ours / 2) + fsync / (ours / 2), 3)}
 
 
 async def measure(trainer, model, directory: Path, workload, repeats: int):
@@ -210,7 +262,8 @@ async def measure(trainer, model, directory: Path, workload, repeats: int):
                 copy_seconds, _ = timed(lambda: {k: v.clone() for k, v in state.items()})
                 copies.append(copy_seconds)
                 print(f"v{version} {path:8s}: publish -> activated {figures['total'] * 1e3:.1f} ms = trainer "
-                      f"{figures['publish'] * 1e3:.1f} + worker load {figures['load'] * 1e3:.1f} "
+                      f"{figures['publish'] * 1e3:.1f} (in the actor {figures['actor'] * 1e3:.1f}) + worker load "
+                      f"{figures['load'] * 1e3:.1f} "
                       f"(+ the step boundary); pause {figures['pause'] * 1e3:.2f} ms; "
                       f"memory copy {copy_seconds * 1e3:.1f} ms", flush=True)
     return ours, baseline, copies
@@ -229,13 +282,14 @@ async def one_update(engine, trainer, follower, bus, path, version, workload):
     published = time.perf_counter()
     await follower.handle_weights_published(message)
     total = time.perf_counter() - start
+    actor_s = await trainer.last_publish_s.remote()
     activated = bus.activated[-1]
     assert activated.version == version and activated.source == ("memory" if path == "ours" else "files"), activated
     results = await asyncio.gather(*requests)
     assert all(len(r.token_ids) == n for r, (_, n) in zip(results, workload)), "a request lost tokens"
     assert any(len(set(r.versions)) == 2 for r in results), "no request spanned the swap"
     return {"total": total, "publish": published - start, "load": activated.load_s,
-            "pause": activated.pause_s}
+            "pause": activated.pause_s, "actor": actor_s}
 
 
 if __name__ == "__main__":

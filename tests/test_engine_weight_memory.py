@@ -27,7 +27,12 @@ from rollmesh.engine.weight_buckets import (
     write_serialized,
 )
 from rollmesh.engine.weight_follower import WeightFollower
-from rollmesh.engine.weight_memory import MemoryLocation, load_from_memory, resolve_weight_sync
+from rollmesh.engine.weight_memory import (
+    MemoryLocation,
+    load_from_memory,
+    resolve_weight_sync,
+    serialize_into_memory,
+)
 from rollmesh.messages import WeightsPublished
 from rollmesh.messages.subjects import WEIGHTS_ACTIVATED
 
@@ -51,11 +56,16 @@ class DictBuckets:
     def __init__(self, node: str = "node-a") -> None:
         self.node = node
         self.held: dict[int, list] = {}
+        self.early: dict[int, list] = {}  # put_buckets' copies, before the manifest
         self.fetches = 0
+
+    def put_buckets(self, version: int, buckets) -> None:
+        self.early[version] = [[part.copy() for part in parts] for parts in buckets]
 
     def put(self, serialized: SerializedWeights) -> MemoryLocation:
         held = [np.frombuffer(serialized.manifest, np.uint8)]
-        held += [[part.copy() for part in parts] for _, parts in serialized.buckets]
+        held += self.early.pop(serialized.version, None) or [[part.copy() for part in parts]
+                                                              for _, parts in serialized.buckets]
         for array in (held[0], *(part for parts in held[1:] for part in parts)):
             array.flags.writeable = False  # as Ray hands them out
         self.held[serialized.version] = held
@@ -106,6 +116,15 @@ def test_memory_buckets_are_byte_for_byte_the_files_buckets(state, tmp_path):
     from_memory = load_from_memory(message, holder).state_dict
     assert from_memory.keys() == from_files.keys()
     assert all(torch.equal(from_memory[k], from_files[k]) for k in from_files)
+
+
+@pytest.mark.unit
+def test_a_version_serialised_into_memory_has_its_buckets_copied_while_hashed_then_its_manifest(state, tmp_path):
+    holder = DictBuckets()
+    serialized, location = serialize_into_memory(state, holder, version=2, bucket_bytes=2048)
+    assert holder.early == {} and len(holder.held[2]) == 1 + len(serialized.buckets)  # used, not put twice
+    loaded = load_from_memory(announce(serialized, location, tmp_path), holder).state_dict
+    assert all(torch.equal(loaded[k], t) for k, t in state.items())
 
 
 @pytest.mark.unit

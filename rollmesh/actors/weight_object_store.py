@@ -20,7 +20,7 @@ import numpy as np
 import ray
 
 from rollmesh.engine.errors import WeightsUnavailableError
-from rollmesh.engine.weight_buckets import SerializedWeights
+from rollmesh.engine.weight_buckets import SerializedWeights, map_threads
 from rollmesh.engine.weight_memory import MemoryLocation
 from rollmesh.messages import WeightsPublished
 
@@ -41,11 +41,18 @@ class ObjectStoreWeightHolder:
         self.holder = holder  # the Ray actor name readers ask (``weight_bucket_refs``)
         self.keep = keep
         self._held: OrderedDict[int, list[ray.ObjectRef]] = OrderedDict()
+        self._buckets: dict[int, list[ray.ObjectRef]] = {}  # put ahead of their manifest
+
+    def put_buckets(self, version: int, buckets: list[list[np.ndarray]]) -> None:
+        # A few puts at once: each is a copy into plasma, and a busy machine gives more threads more.
+        self._buckets[version] = map_threads(ray.put, buckets)  # lists of uint8 arrays
 
     def put(self, serialized: SerializedWeights) -> MemoryLocation:
-        refs = [ray.put(np.frombuffer(serialized.manifest, dtype=np.uint8))]
-        refs += [ray.put(parts) for _, parts in serialized.buckets]  # lists of uint8 arrays
-        self._held[serialized.version] = refs
+        buckets = self._buckets.pop(serialized.version, None)
+        if buckets is None:
+            buckets = map_threads(ray.put, [parts for _, parts in serialized.buckets])
+        self._buckets.clear()  # a version whose put_buckets was never completed is let go of
+        self._held[serialized.version] = [ray.put(np.frombuffer(serialized.manifest, dtype=np.uint8)), *buckets]
         while len(self._held) > self.keep:
             self._held.popitem(last=False)  # readers that still borrow a ref keep its object alive
         return MemoryLocation(self.holder, current_node())
@@ -62,6 +69,7 @@ class ObjectStoreWeightFetcher:
         self.ray_namespace = ray_namespace
         self.timeout_s = timeout_s
         self._node: str | None = None
+        self._holders: dict[str, object] = {}  # actor handles by name: a lookup is a GCS round trip
 
     def reachable(self, message: WeightsPublished) -> bool:
         if self._node is None:
@@ -70,8 +78,15 @@ class ObjectStoreWeightFetcher:
 
     def fetch(self, message: WeightsPublished) -> tuple[object, Sequence[object]]:
         try:
-            holder = ray.get_actor(message.memory_holder, namespace=self.ray_namespace)
-            refs = ray.get(holder.weight_bucket_refs.remote(message.version), timeout=self.timeout_s)
+            holder = self._holders.get(message.memory_holder)
+            if holder is None:
+                holder = ray.get_actor(message.memory_holder, namespace=self.ray_namespace)
+            try:
+                refs = ray.get(holder.weight_bucket_refs.remote(message.version), timeout=self.timeout_s)
+            except ray.exceptions.RayActorError:
+                self._holders.pop(message.memory_holder, None)  # restarted: looked up again next time
+                raise
+            self._holders[message.memory_holder] = holder
             if refs is None:
                 raise WeightsUnavailableError(message.version, f"{message.memory_holder} no longer holds it")
             # On this node: read-only numpy arrays over the shared memory, no copy.

@@ -104,11 +104,13 @@ class SerializedWeights:
     serialize_s: float  # buckets laid out and hashed
 
 
-def serialize_buckets(state_dict: Mapping[str, torch.Tensor], *, version: int,
-                      bucket_bytes: int) -> SerializedWeights:
+def serialize_buckets(state_dict: Mapping[str, torch.Tensor], *, version: int, bucket_bytes: int,
+                      alongside: Callable[[list[list[np.ndarray]]], object] | None = None) -> SerializedWeights:
     """``state_dict`` as buckets of at most ``bucket_bytes`` (a larger tensor gets one alone),
     each hashed (on ``HASH_THREADS`` threads), and the manifest naming them. Nothing is copied
-    but what is not a contiguous CPU tensor already."""
+    but what is not a contiguous CPU tensor already. ``alongside(each bucket's parts)`` runs on
+    its own thread while they are hashed (the shared-memory copy needs no hash), and has
+    finished when this returns."""
     started = time.perf_counter()
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state_dict.items()}
     gathered = time.perf_counter()
@@ -121,7 +123,11 @@ def serialize_buckets(state_dict: Mapping[str, torch.Tensor], *, version: int,
             laid_out.append((file, list(names), bucket_parts({name: tensors[name] for name in names})))
         except (KeyError, RuntimeError, ValueError) as exc:
             raise WeightsFileError(file, f"cannot publish version {version}: {exc!r}") from exc
-    digests = map_threads(hash_parts, [parts for _, _, parts in laid_out])
+    with ThreadPoolExecutor(1, thread_name_prefix="weights-alongside") as side:
+        beside = side.submit(alongside, [parts for _, _, parts in laid_out]) if alongside else None
+        digests = map_threads(hash_parts, [parts for _, _, parts in laid_out])
+        if beside is not None:
+            beside.result()
     buckets = [(WeightBucket(file, digest, parts_size(parts), names), parts)
                for (file, names, parts), digest in zip(laid_out, digests)]
     total = sum(bucket.num_bytes for bucket, _ in buckets)

@@ -34,14 +34,21 @@ announced (``TrainerLogic.start``), so no version number ever names two differen
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+import numpy as np
 import torch
 
 from rollmesh.engine.errors import WeightsUnavailableError
-from rollmesh.engine.weight_buckets import SerializedWeights, decode_bucket_parts, decode_manifest, map_threads
+from rollmesh.engine.weight_buckets import (
+    SerializedWeights,
+    decode_bucket_parts,
+    decode_manifest,
+    map_threads,
+    serialize_buckets,
+)
 from rollmesh.messages import WeightsPublished
 
 WeightSync = Literal["auto", "files", "memory", "nccl", "ipc"]
@@ -64,7 +71,22 @@ class MemoryLocation:
 class HoldsWeightBuckets(Protocol):
     """The trainer's side: keeps the newest versions' bytes in shared memory."""
 
-    def put(self, serialized: SerializedWeights) -> MemoryLocation: ...
+    def put_buckets(self, version: int, buckets: list[list[np.ndarray]]) -> None:
+        """The buckets' parts (``bucket_parts``), before their hashes are known."""
+        ...
+
+    def put(self, serialized: SerializedWeights) -> MemoryLocation:
+        """The version complete: its manifest, and whatever ``put_buckets`` did not put."""
+        ...
+
+
+def serialize_into_memory(state_dict: Mapping[str, torch.Tensor], holder: HoldsWeightBuckets, *, version: int,
+                          bucket_bytes: int) -> tuple[SerializedWeights, MemoryLocation]:
+    """Serialise a version into ``holder``: its buckets are copied into shared memory while they
+    are hashed (the two take about as long), then the manifest follows."""
+    serialized = serialize_buckets(state_dict, version=version, bucket_bytes=bucket_bytes,
+                                   alongside=lambda buckets: holder.put_buckets(version, buckets))
+    return serialized, holder.put(serialized)
 
 
 class FetchesWeightBuckets(Protocol):

@@ -24,12 +24,12 @@ from opentelemetry import trace
 from rollmesh.engine.weight_buckets import (
     MANIFEST_FILE,
     remove_published,
-    serialize_buckets,
     version_directory,
     write_buckets,
     write_serialized,
 )
 from rollmesh.engine.errors import WeightSyncError
+from rollmesh.engine.weight_memory import serialize_into_memory
 from rollmesh.messages import WeightsPublished
 from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
 from rollmesh.telemetry import conventions
@@ -107,9 +107,9 @@ class WeightPublishing:
         version = max(self.version, self._announced) + 1
         with _tracer.start_as_current_span("weights_save", attributes={
                 "weight_version": version, conventions.RL_WEIGHT_VERSION: version, "memory": True}) as span:
-            serialized = await asyncio.to_thread(serialize_buckets, self.backend.state_dict(), version=version,
-                                                 bucket_bytes=self.config.weight_bucket_bytes)
-            location = await asyncio.to_thread(self.memory.put, serialized)
+            serialized, location = await asyncio.to_thread(
+                serialize_into_memory, self.backend.state_dict(), self.memory, version=version,
+                bucket_bytes=self.config.weight_bucket_bytes)
             span.set_attributes({"gather_s": serialized.gather_s, "write_s": serialized.serialize_s})
         weights = WeightsPublished(
             version=version, path=str(version_directory(self.weights_dir, version) / MANIFEST_FILE),
