@@ -209,6 +209,7 @@ def test_the_config_map_is_a_valid_rollmesh_config(tmp_path):
     config = mesh_config(tmp_path)
     assert config.nats.replicas == 3 and config.security.enabled
     assert config.sandbox.backend == "bwrap"  # never the process backend in a cluster
+    assert config.sandbox.brokers == "per_node"  # tool code on every CPU pod, not on one
     assert set(config.ray.role_resources) == set(PLACED_ROLES)
 
 
