@@ -107,7 +107,7 @@ async def test_the_next_uploads_ticket_comes_while_the_bytes_flow_and_a_spent_on
     await client.upload(lease, "two", data)
     assert requester.tickets == 3  # only the one after it: no ticket round trip before the bytes
     # The kept ticket spent elsewhere (as after a broker restart): refused once, then a fresh one.
-    kept = client._kept[lease]
+    kept = client._bulk.kept[lease]
     assert (await upload_over_stream(kept, "unix", lease_id=lease, path="three", data=data,
                                      sha256=hashlib.sha256(data).hexdigest(), tls=None)).error_kind == ""
     assert (await client.upload(lease, "four", data)).complete
@@ -220,11 +220,11 @@ async def test_the_tcp_stream_speaks_tls_and_a_client_without_the_ca_goes_over_n
         ticket = await ticket_for(broker, lease, "over-tls", len(data))
         assert ticket.tls and ticket.host == "127.0.0.1" and ticket.port > 0
         done = await upload_over_stream(ticket, "tcp", lease_id=lease, path="over-tls", data=data,
-                                        sha256=hashlib.sha256(data).hexdigest(), tls=client.bulk_tls)
+                                        sha256=hashlib.sha256(data).hexdigest(), tls=client._bulk.tls)
         assert (done.error_kind, done.size) == ("", len(data))
         # From another node (no Unix socket) a client that cannot verify TLS has no route...
         remote = msgspec.structs.replace(ticket, unix_path="")
-        assert stream_route(remote, client.bulk_tls) == "tcp" and stream_route(remote, None) is None
+        assert stream_route(remote, client._bulk.tls) == "tcp" and stream_route(remote, None) is None
         # ...and a plaintext connection to the TLS port stores nothing.
         reader, writer = await asyncio.open_connection(ticket.host, ticket.port)
         writer.write(frame(SandboxBulkHello(token=ticket.token, lease_id=lease, size=3, sha256="")))

@@ -1,6 +1,6 @@
 """How rollouts and the CLI talk to the sandbox broker: typed calls over request/reply.
 
-Files above ``bulk_threshold_bytes`` move over the broker's bulk stream instead (``bulk_stream``:
+Files above ``bulk_threshold_bytes`` move over the broker's bulk stream instead (``bulk_client``:
 a ticket over NATS, then a direct socket), still verified by sha256 end to end; where the broker
 offers none, or its ticket is of no use here (TLS without ``bulk_tls``, another node with no TCP
 offered, a socket that does not open), the same call goes over NATS.
@@ -24,15 +24,12 @@ import hashlib
 import ssl
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from rollmesh.messages import WireMessage
 from rollmesh.messages.sandbox import (
     ForkedLease,
-    SandboxBulkTicket,
-    SandboxDownloadReply,
     SandboxDownloadRequest,
     SandboxExecReply,
     SandboxExecRequest,
@@ -61,8 +58,8 @@ from rollmesh.messages.subjects import (
     broker_subject,
 )
 from rollmesh.ports import Publisher, RequestFailedError
-from rollmesh.sandbox.bulk_stream import download_over_stream, stream_route, upload_over_stream
-from rollmesh.sandbox.errors import BulkStreamError, ChecksumMismatchError, SandboxRequestError
+from rollmesh.sandbox.bulk_client import BulkClient, sha256_hex
+from rollmesh.sandbox.errors import SandboxRequestError
 from rollmesh.sandbox.placement import broker_of
 
 # Below the embedded NATS server's 8 MiB max payload with room for the message around the data.
@@ -79,19 +76,6 @@ EXEC_PROBE_S = 2.0
 MAX_RETRY_WAIT_S = 10.0
 # Uploads above this ask for the bulk stream (sandbox.bulk_threshold_bytes' default).
 DEFAULT_BULK_THRESHOLD_BYTES = 64 * 1024
-# A kept bulk ticket is used only while it has this long left (clocks differ a little across nodes).
-KEPT_TICKET_MARGIN_S = 5.0
-MAX_KEPT_TICKETS = 1024  # leases with a kept ticket: the oldest goes first
-
-
-# Hashing more than this goes to a thread: it drops the GIL, so it overlaps the event loop's work.
-_HASH_IN_THREAD_BYTES = 256 * 1024
-
-
-async def _sha256_hex(data: bytes) -> str:
-    if len(data) < _HASH_IN_THREAD_BYTES:
-        return hashlib.sha256(data).hexdigest()
-    return await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
 
 
 class SandboxBrokerClient:
@@ -112,8 +96,7 @@ class SandboxBrokerClient:
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self.bulk_threshold_bytes = bulk_threshold_bytes
-        self.bulk_tls = bulk_tls
-        self._kept: OrderedDict[str, SandboxBulkTicket] = OrderedDict()  # lease id -> its next upload's ticket
+        self._bulk = BulkClient(self._call, tls=bulk_tls, timeout_s=timeout_s)
         self._new_id = new_id
         self._sleep = sleep
 
@@ -191,7 +174,7 @@ class SandboxBrokerClient:
         """Store ``data`` at ``path`` (kind "tar": extract it into the directory ``path``),
         verified by sha256 end to end (ours of ``data`` against the sandbox's of what it stored)."""
         if self.bulk_threshold_bytes is not None and len(data) > self.bulk_threshold_bytes:
-            stored = await self._upload_bulk(lease_id, path, data, kind=kind, mode=mode, rollout_id=rollout_id)
+            stored = await self._bulk.upload(lease_id, path, data, kind=kind, mode=mode, rollout_id=rollout_id)
             if stored is not None:
                 return stored
         if len(data) <= self.chunk_bytes:
@@ -220,7 +203,7 @@ class SandboxBrokerClient:
             lease_id=lease_id, path=path, data=data, size=len(data), sha256="", kind=kind, mode=mode,
             rollout_id=rollout_id), "upload"))
         try:
-            sha256 = await _sha256_hex(data)
+            sha256 = await sha256_hex(data)
         finally:
             reply = await sent
         if reply.sha256 == sha256:
@@ -228,69 +211,6 @@ class SandboxBrokerClient:
         return await self._call(SANDBOX_UPLOAD, SandboxUploadRequest(
             lease_id=lease_id, path=path, data=data, size=len(data), sha256=sha256, kind=kind, mode=mode,
             rollout_id=rollout_id), "upload")
-
-    async def _upload_bulk(self, lease_id: str, path: str, data: bytes, *, kind: TransferKind,
-                           mode: int, rollout_id: str) -> SandboxUploadReply | None:
-        """Over the bulk stream; None when the broker gave no ticket this client can use (the
-        caller sends over NATS). A ticket is good for one upload to its lease, so the next one is
-        fetched while these bytes flow and kept (until shortly before it lapses): an upload that
-        finds one waiting pays no ticket round trip. ``data`` is hashed while it is sent, its
-        digest sent after it. A kept ticket the broker no longer knows (it restarted) is replaced
-        once."""
-        hashing = asyncio.ensure_future(_sha256_hex(data))
-        kept = self._kept_ticket(lease_id)
-        try:
-            ticket = kept or await self._upload_ticket(lease_id, path, len(data), kind, rollout_id)
-        except BaseException:
-            await asyncio.gather(hashing, return_exceptions=True)
-            raise
-        route = None if ticket is None else stream_route(ticket, self.bulk_tls)
-        if ticket is None or route is None:
-            await hashing
-            return None
-        # The digest follows the bytes: hashing overlaps sending them and the sandbox storing them.
-        send = upload_over_stream(ticket, route, lease_id=lease_id, path=path, data=data, sha256=hashing,
-                                  tls=self.bulk_tls, kind=kind, mode=mode)
-        sent, following = await asyncio.gather(
-            asyncio.wait_for(send, self.timeout_s + len(data) / 2**20),
-            self._upload_ticket(lease_id, ".", 0, "file", rollout_id), return_exceptions=True)
-        sha256 = await hashing
-        if isinstance(following, SandboxBulkTicket):
-            self._keep_ticket(lease_id, following)
-        if isinstance(sent, BulkStreamError) and sent.reason == "unreachable":
-            return None  # nothing was sent: NATS still reaches the broker
-        if isinstance(sent, (OSError, asyncio.TimeoutError, BulkStreamError)):
-            raise SandboxRequestError(f"the bulk stream failed: {sent!r}", kind="transfer_error",
-                                      operation="upload") from sent
-        if isinstance(sent, BaseException):
-            raise sent
-        if sent.error_kind == "bad_token" and kept is not None:  # the ticket fetched meanwhile is fresh
-            return await self._upload_bulk(lease_id, path, data, kind=kind, mode=mode, rollout_id=rollout_id)
-        if sent.error_kind:
-            raise SandboxRequestError(sent.error, kind=sent.error_kind, operation="upload")
-        if sent.size != len(data) or sent.sha256 != sha256:
-            raise SandboxRequestError(f"{path!r}: the sandbox stored {sent.size} bytes with sha256 "
-                                      f"{sent.sha256}, not {len(data)} with {sha256}",
-                                      kind="checksum_mismatch", operation="upload")
-        return SandboxUploadReply(received=sent.size, complete=True, size=sent.size, sha256=sent.sha256)
-
-    async def _upload_ticket(self, lease_id: str, path: str, size: int, kind: TransferKind,
-                             rollout_id: str) -> SandboxBulkTicket | None:
-        reply = await self._call(SANDBOX_UPLOAD, SandboxUploadRequest(
-            lease_id=lease_id, path=path, data=b"", size=size, sha256="", kind=kind, rollout_id=rollout_id,
-            bulk=True), "upload")
-        return reply.bulk
-
-    def _kept_ticket(self, lease_id: str) -> SandboxBulkTicket | None:
-        ticket = self._kept.pop(lease_id, None)
-        if ticket is None or ticket.expires_at - time.time() < KEPT_TICKET_MARGIN_S:
-            return None
-        return ticket
-
-    def _keep_ticket(self, lease_id: str, ticket: SandboxBulkTicket) -> None:
-        self._kept[lease_id] = ticket
-        while len(self._kept) > MAX_KEPT_TICKETS:
-            self._kept.popitem(last=False)
 
     async def download(self, lease_id: str, path: str, *, kind: TransferKind = "file",
                        rollout_id: str = "") -> bytes:
@@ -302,7 +222,7 @@ class SandboxBrokerClient:
                 lease_id=lease_id, path=path, kind=kind, download_id=download_id, offset=offset,
                 max_bytes=self.chunk_bytes, rollout_id=rollout_id, bulk=bulk), "download")
             if reply.bulk is not None:
-                data = await self._download_bulk(reply, lease_id, path)
+                data = await self._bulk.download(reply, lease_id, path)
                 if data is not None:
                     return data
                 download_id, bulk = self._new_id(), False  # a ticket of no use here: over NATS
@@ -318,31 +238,6 @@ class SandboxBrokerClient:
         if len(data) != reply.size or hashlib.sha256(data).hexdigest() != reply.sha256:
             raise SandboxRequestError(f"{path!r}: the {len(data)} bytes received do not match the "
                                       f"sandbox's size {reply.size} and sha256 {reply.sha256}",
-                                      kind="checksum_mismatch", operation="download")
-        return data
-
-    async def _download_bulk(self, reply: SandboxDownloadReply, lease_id: str, path: str) -> bytes | None:
-        route = stream_route(reply.bulk, self.bulk_tls)
-        if route is None:
-            return None
-        try:
-            done, data = await asyncio.wait_for(download_over_stream(
-                reply.bulk, route, lease_id=lease_id, tls=self.bulk_tls), self.timeout_s + reply.size / 2**20)
-        except ChecksumMismatchError as exc:
-            raise SandboxRequestError(f"{path!r}: {exc}", kind="checksum_mismatch", operation="download") from exc
-        except BulkStreamError as exc:
-            if exc.reason == "unreachable":
-                return None
-            raise SandboxRequestError(f"the bulk stream failed: {exc}", kind="transfer_error",
-                                      operation="download") from exc
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise SandboxRequestError(f"the bulk stream failed: {exc!r}", kind="transfer_error",
-                                      operation="download") from exc
-        if done.error_kind:
-            raise SandboxRequestError(done.error, kind=done.error_kind, operation="download")
-        if (done.size, done.sha256) != (reply.size, reply.sha256):
-            raise SandboxRequestError(f"{path!r}: the stream's {done.size} bytes with sha256 {done.sha256} "
-                                      f"are not the announced {reply.size} with {reply.sha256}",
                                       kind="checksum_mismatch", operation="download")
         return data
 
@@ -364,7 +259,7 @@ class SandboxBrokerClient:
         return reply.expires_at
 
     async def release(self, lease_id: str, *, rollout_id: str = "") -> None:
-        self._kept.pop(lease_id, None)
+        self._bulk.forget(lease_id)
         await self._call(SANDBOX_RELEASE, SandboxReleaseRequest(lease_id=lease_id, rollout_id=rollout_id),
                          "release")
 

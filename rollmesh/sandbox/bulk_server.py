@@ -118,15 +118,16 @@ class BulkServer:
     async def close(self) -> None:
         if self._store.bulk_endpoint is self.endpoint:
             self._store.bulk_endpoint = None  # no more tickets: uploads go over NATS again
+        # The accept loops first: a socket closed under a waiting sock_accept stays in the selector.
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for listening in self._listening:
             listening.close()
         self._listening.clear()
         if self._tls_server is not None:
             self._tls_server.close()
             await self._tls_server.wait_closed()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         self.endpoint = None
         if self._scratch:
             shutil.rmtree(self._scratch, ignore_errors=True)
