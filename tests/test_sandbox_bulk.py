@@ -111,8 +111,12 @@ async def test_the_next_uploads_ticket_comes_while_the_bytes_flow_and_a_spent_on
     assert (await upload_over_stream(kept, "unix", lease_id=lease, path="three", data=data,
                                      sha256=hashlib.sha256(data).hexdigest(), tls=None)).error_kind == ""
     assert (await client.upload(lease, "four", data)).complete
-    assert await workspace(client, lease) == ["four", "one", "three", "two"]
-    assert broker.counts["bulk_uploads"] == 4
+    # A kept ticket whose stream is gone (its broker restarted): a fresh ticket, not NATS.
+    client._bulk.kept[lease] = msgspec.structs.replace(client._bulk.kept[lease], unix_path="/nonexistent/s",
+                                                       port=1)
+    assert (await client.upload(lease, "five", data)).complete
+    assert await workspace(client, lease) == ["five", "four", "one", "three", "two"]
+    assert broker.counts["bulk_uploads"] == 5
 
 
 async def test_a_broker_without_a_bulk_server_takes_large_files_over_nats(tmp_path):

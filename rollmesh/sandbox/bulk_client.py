@@ -55,15 +55,15 @@ class BulkClient:
         self.kept.pop(lease_id, None)
 
     async def upload(self, lease_id: str, path: str, data: bytes, *, kind: TransferKind,
-                     mode: int, rollout_id: str) -> SandboxUploadReply | None:
+                     mode: int, rollout_id: str, fresh: bool = False) -> SandboxUploadReply | None:
         """Over the bulk stream; None when the broker gave no ticket this client can use (the
         caller sends over NATS). A ticket is good for one upload to its lease, so the next one is
         fetched while these bytes flow and kept (until shortly before it lapses): an upload that
         finds one waiting pays no ticket round trip. ``data`` is hashed while it is sent, its
-        digest sent after it. A kept ticket the broker no longer knows (it restarted) is replaced
-        once."""
+        digest sent after it. A kept ticket the broker no longer knows, or whose stream is gone (the
+        broker restarted), is replaced once by a fresh one (``fresh``)."""
         hashing = asyncio.ensure_future(sha256_hex(data))
-        kept = self._kept_ticket(lease_id)
+        kept = None if fresh else self._kept_ticket(lease_id)
         try:
             ticket = kept or await self._upload_ticket(lease_id, path, len(data), kind, rollout_id)
         except BaseException:
@@ -72,6 +72,8 @@ class BulkClient:
         route = None if ticket is None else stream_route(ticket, self.tls)
         if ticket is None or route is None:
             await hashing
+            if kept is not None:
+                return await self.upload(lease_id, path, data, kind=kind, mode=mode, rollout_id=rollout_id, fresh=True)
             return None
         # The digest follows the bytes: hashing overlaps sending them and the sandbox storing them.
         send = upload_over_stream(ticket, route, lease_id=lease_id, path=path, data=data, sha256=hashing,
@@ -82,15 +84,16 @@ class BulkClient:
         sha256 = await hashing
         if isinstance(following, SandboxBulkTicket):
             self._keep_ticket(lease_id, following)
-        if isinstance(sent, BulkStreamError) and sent.reason == "unreachable":
-            return None  # nothing was sent: NATS still reaches the broker
+        unreachable = isinstance(sent, BulkStreamError) and sent.reason == "unreachable"  # nothing was sent
+        if kept is not None and (unreachable or getattr(sent, "error_kind", "") == "bad_token"):
+            return await self.upload(lease_id, path, data, kind=kind, mode=mode, rollout_id=rollout_id, fresh=True)
+        if unreachable:
+            return None  # NATS still reaches the broker
         if isinstance(sent, (OSError, asyncio.TimeoutError, BulkStreamError)):
             raise SandboxRequestError(f"the bulk stream failed: {sent!r}", kind="transfer_error",
                                       operation="upload") from sent
         if isinstance(sent, BaseException):
             raise sent
-        if sent.error_kind == "bad_token" and kept is not None:  # the ticket fetched meanwhile is fresh
-            return await self.upload(lease_id, path, data, kind=kind, mode=mode, rollout_id=rollout_id)
         if sent.error_kind:
             raise SandboxRequestError(sent.error, kind=sent.error_kind, operation="upload")
         if sent.size != len(data) or sent.sha256 != sha256:
