@@ -292,6 +292,7 @@ class SandboxBroker:
         for lease in expired:
             await self._end(lease, "expired")
         self._snapshots.expire()
+        self._ops.bulk_tokens.drop_lapsed()
         if self._journal is not None:
             await self._journal.sync(self._leases.all())
         return len(expired)

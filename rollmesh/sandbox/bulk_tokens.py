@@ -53,7 +53,7 @@ class BulkTokens:
 
     def issue(self, direction: Direction, lease: Lease, path: str, *, kind: str = "file", size: int = 0,
               mode: int = 0o644, download: Download | None = None) -> BulkGrant:
-        self._drop_lapsed()
+        self.drop_lapsed()
         held = [grant for grant in self._live.values() if grant.lease is lease]
         for oldest in held[: max(0, len(held) - MAX_PER_LEASE + 1)]:
             self._spend(oldest.token)  # abandoned: its bytes must not stay held
@@ -88,10 +88,12 @@ class BulkTokens:
         while len(self._spent) > REMEMBERED_SPENT:
             self._spent.popitem(last=False)
 
-    def _drop_lapsed(self) -> None:
+    def drop_lapsed(self) -> int:
+        """Forget tokens that lapsed or whose lease ended (a download's holds its bytes);
+        returns how many. Issuing does it too; the broker's reaper also calls it."""
         now = self._clock()
-        while self._live:
-            token, grant = next(iter(self._live.items()))
-            if grant.expires_at > now:
-                break
+        gone = [token for token, grant in self._live.items()
+                if grant.expires_at <= now or grant.lease.transfers.closed]
+        for token in gone:
             self._spend(token)
+        return len(gone)
