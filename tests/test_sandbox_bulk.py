@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from rollmesh.messages.subjects import SANDBOX_UPLOAD
 from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient
 from rollmesh.sandbox.bulk_stream import frame, stream_route, upload_over_stream
 from rollmesh.sandbox.bulk_tokens import BulkTokens
-from rollmesh.sandbox.errors import BulkTokenError
+from rollmesh.sandbox.errors import BulkStreamError, BulkTokenError
 from rollmesh.sandbox.in_process import InProcessRequester
 from rollmesh.sandbox.leases import Lease
 from rollmesh.sandbox.process_backend import ProcessBackend
@@ -207,16 +208,19 @@ def test_tokens_are_one_time_lapse_and_name_why_they_are_refused():
 def tls_material(tmp_path_factory: pytest.TempPathFactory) -> NatsTlsConfig:
     directory = tmp_path_factory.mktemp("bulk-pki")
     ca = trustme.CA()
-    server = ca.issue_cert("127.0.0.1")
+    server, client = ca.issue_cert("127.0.0.1"), ca.issue_cert("rollout-worker@example.org")
     ca.cert_pem.write_to_path(str(directory / "ca.pem"))
-    server.cert_chain_pems[0].write_to_path(str(directory / "server.pem"))
-    server.private_key_pem.write_to_path(str(directory / "server.key"))
-    return NatsTlsConfig(enabled=True, ca_file=str(directory / "ca.pem"),
+    for name, cert in (("server", server), ("client", client)):
+        cert.cert_chain_pems[0].write_to_path(str(directory / f"{name}.pem"))
+        cert.private_key_pem.write_to_path(str(directory / f"{name}.key"))
+    # Mutual TLS, as security.nats_tls with verify: the broker requires the client's certificate.
+    return NatsTlsConfig(enabled=True, ca_file=str(directory / "ca.pem"), verify=True,
+                         cert_file=str(directory / "client.pem"), key_file=str(directory / "client.key"),
                          server_cert_file=str(directory / "server.pem"),
                          server_key_file=str(directory / "server.key"))
 
 
-async def test_the_tcp_stream_speaks_tls_and_a_client_without_the_ca_goes_over_nats(tmp_path, tls_material):
+async def test_the_tcp_stream_speaks_mutual_tls_and_a_client_without_the_ca_has_no_route(tmp_path, tls_material):
     broker = make_broker(tmp_path)
     server = await broker.serve_bulk(tls=server_tls_context(tls_material))
     try:
@@ -237,6 +241,12 @@ async def test_the_tcp_stream_speaks_tls_and_a_client_without_the_ca_goes_over_n
         await writer.drain()
         assert await reader.read() == b""  # the handshake failed: closed
         writer.close()
+        # A client that trusts the CA but shows no certificate of its own is cut off.
+        anonymous = ssl.create_default_context(cafile=tls_material.ca_file)
+        ticket = await ticket_for(broker, lease, "anonymous", len(data))
+        with pytest.raises((OSError, BulkStreamError)):
+            await upload_over_stream(ticket, "tcp", lease_id=lease, path="anonymous", data=data,
+                                     sha256=hashlib.sha256(data).hexdigest(), tls=anonymous)
         assert await client.download(lease, "over-tls") == data
         assert await workspace(client, lease) == ["over-tls"]
     finally:
