@@ -156,6 +156,9 @@ async def test_each_bad_stream_is_refused_typed_and_nothing_is_stored(broker):
     trailing = await send(await ticket_for(broker, mine, "wrong-trailer", len(data)), mine, "wrong-trailer",
                           digest=asyncio.ensure_future(asyncio.sleep(0, result=hashlib.sha256(b"x").hexdigest())))
     assert trailing.error_kind == "checksum_mismatch"
+    empty = await upload_over_stream(await ticket_for(broker, mine, "empty", 0), "unix", lease_id=mine, path="empty",
+                                     data=b"", tls=None, sha256=asyncio.ensure_future(asyncio.sleep(0, result=sha)))
+    assert empty.error_kind == "checksum_mismatch"  # even an empty file's digest is checked
     # Truncated: the stream announces 1 MiB and ends after half of it.
     ticket = await ticket_for(broker, mine, "truncated", len(data))
     reader, writer = await asyncio.open_unix_connection(ticket.unix_path)

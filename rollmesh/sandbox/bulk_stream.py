@@ -144,6 +144,8 @@ class PayloadPieces:
 
     async def __anext__(self) -> memoryview:
         if self.got >= self.size:
+            if self._digest_follows and not self.sha256:  # an empty upload: only its digest follows
+                self.sha256 = (await read_frame(self._conn, SandboxBulkDigest)).sha256
             raise StopAsyncIteration
         start = self.got
         n = await self._conn.recv_into(self._view[start:min(self.size, start + READ_BYTES)])
@@ -159,8 +161,6 @@ class PayloadPieces:
         """All of it, in the one buffer."""
         async for _ in self:
             pass
-        if self.size == 0 and self._digest_follows:
-            self.sha256 = (await read_frame(self._conn, SandboxBulkDigest)).sha256
         return self.buffer
 
 
