@@ -6,8 +6,8 @@ the event loop's socket calls (``bulk_stream.BulkConnection``); TLS by an asynci
 Knows asyncio servers, the bulk frames and ``BulkTokens``; what a transfer does in the sandbox
 is the ``BulkStore``'s (``workspace_ops``). Nothing is stored unless the token is good, every
 announced byte arrived, and the sandbox found the client's sha256: a refusal is a Done frame
-with ``error_kind``, and the connection is read to its end (up to the IO timeout) so the client
-gets that frame even while it is still sending.
+with ``error_kind``, and the rest of what the client sends is read away (for up to
+``DRAIN_REFUSED_S``) so it gets that frame even while it is still sending.
 """
 
 from __future__ import annotations
@@ -199,6 +199,8 @@ class BulkServer:
             await self._refuse(conn, SandboxBulkDone(error_kind="transfer_error", error=str(exc)))
         except (TimeoutError, ConnectionError, ssl.SSLError) as exc:
             log.info("sandbox bulk stream dropped", error=repr(exc), lease_id=hello.lease_id if hello else "")
+        except Exception as exc:  # noqa: BLE001 - one stream's failure must not go unseen or stop the server
+            log.error("sandbox bulk stream failed", error=repr(exc), lease_id=hello.lease_id if hello else "")
         finally:
             conn.close()
 
