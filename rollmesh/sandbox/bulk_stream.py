@@ -13,9 +13,9 @@ caller's buffers: ``sock_sendall`` of the caller's bytes, ``sock_recv_into`` the
 buffer, so a MiB crosses with no copy in either process (asyncio's streams copied it three times
 and took about twice as long here). TLS goes through asyncio streams, which do the handshake.
 
-Hand-rolled on asyncio sockets, not HTTP (aiohttp, which rollmesh does not otherwise use): one
-transfer per connection, two small frames and the raw bytes, read straight into the buffer the
-agent's pipe is fed from; an HTTP layer would add a parser and copies and give nothing this needs.
+Hand-rolled on asyncio sockets rather than HTTP (httpx, aiohttp): one transfer per connection,
+two small frames and the raw bytes, read straight into the buffer the agent's pipe is fed from;
+an HTTP layer would add a parser and copies per MiB and give nothing this needs.
 
 The Unix socket is used when the ticket's broker runs on this node (same host name and boot id)
 and its path is here; else TCP, with TLS when the ticket says so (verified against the caller's
