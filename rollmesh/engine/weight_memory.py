@@ -2,11 +2,13 @@
 
 Knows the bucket format (``weight_buckets``) and the wire contract; not Ray (the object store sits
 behind the two small Protocols below, implemented in ``rollmesh/actors/weight_object_store.py``).
-The trainer serialises a version once (``serialize_buckets``), puts the manifest and the bucket
-bytes into the store of its node, and announces ``WeightsPublished`` with ``memory_holder`` and
-``memory_node`` set besides the usual ``path``. An inference worker on that node reads the same
-bytes from shared memory: the manifest checked against the message's sha256, each bucket against
-the manifest's, exactly as on the file path, with no disk write, fsync or read in between.
+The trainer serialises a version once (``serialize_into_memory``: the bucket bytes are copied
+into the store of its node while they are hashed, then the manifest follows), and announces
+``WeightsPublished`` with ``memory_holder`` and ``memory_node`` set besides the usual ``path``. An
+inference worker on that node reads the same bytes from shared memory: the manifest checked
+against the message's sha256, each bucket against the manifest's (on a few threads), exactly as
+on the file path, with no disk write, fsync or read in between. A version is staged only once
+every bucket passed, so it activates whole or not at all.
 Anywhere the memory copy cannot serve (another node, a restarted trainer whose objects are gone, a
 worker catching up on an old version) the worker reads ``path``.
 
