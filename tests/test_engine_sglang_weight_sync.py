@@ -168,3 +168,32 @@ async def test_colocated_servers_open_the_trainers_cuda_tensors_by_ipc_handle(se
         await push.aclose()
     assert stats.buckets == 1 and await servers[0].weight_version() == 4
     assert await debug(servers[0], "weights") == {name: tensor_sha256(t) for name, t in state.items()}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+async def test_the_trainer_finds_the_servers_of_the_sglang_workers_it_was_handed(ray_session):
+    import uuid
+
+    import ray
+
+    from rollmesh.actors.sglang_weight_receivers import find_weight_receivers
+
+    @ray.remote(num_cpus=0)
+    class Worker:  # an SGLang worker's answer (SGLangWorkerActor.weight_sync_target)
+        def __init__(self, urls: list[str]) -> None:
+            self.urls = urls
+
+        def weight_sync_target(self) -> dict:
+            return {"urls": self.urls, "gpus_per_server": 2, "pause_mode": "in_place"}
+
+    names = [f"decode-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    workers = [Worker.options(name=name).remote(urls) for name, urls in
+               zip(names, (["http://a:1"], ["http://b:1", "http://b:2"]))]  # the second a PD pair
+    try:
+        receivers = await find_weight_receivers(names)
+    finally:
+        for worker in workers:
+            ray.kill(worker)
+    assert receivers.urls == ["http://a:1", "http://b:1", "http://b:2"]
+    assert (receivers.gpus_per_server, receivers.pause_mode) == (2, "in_place") and receivers.master_address

@@ -68,17 +68,27 @@ class TrainerActor(RoleActor):
                                    sglang=bool(self.sglang_workers))
         if sync == "memory":
             self.weight_holder = ObjectStoreWeightHolder(self.name)
-        elif sync in ("nccl", "ipc") and not self.sglang_workers:
-            # Only SGLang servers take pushed weights; the local engine's workers read files.
-            _log.warning("weight_sync_needs_sglang", weight_sync=sync, publishing="files")
         elif sync in ("nccl", "ipc"):
-            receivers = await find_weight_receivers(self.sglang_workers)
-            self.push = SGLangWeightPush(receivers.urls, method=sync, gpus_per_server=receivers.gpus_per_server,
-                                         master_address=receivers.master_address,
-                                         bucket_bytes=self.config.weight_bucket_bytes,
-                                         pause_mode=receivers.pause_mode)
-            _log.info("weight_sync_push", method=sync, servers=receivers.urls)
+            self.push = await self._weight_push(sync)
+        return self._build_trainer(backend, publisher)
 
+    async def _weight_push(self, sync: str) -> SGLangWeightPush | None:
+        """The push into the SGLang workers' servers; None (files only, logged) when there are none
+        or they cannot be asked: the files are the fallback, as for a failed push."""
+        if not self.sglang_workers:  # the local engine's workers read files
+            _log.warning("weight_sync_needs_sglang", weight_sync=sync, publishing="files")
+            return None
+        try:
+            receivers = await find_weight_receivers(self.sglang_workers)
+        except Exception as exc:
+            _log.warning("weight_sync_receivers_unavailable", weight_sync=sync, error=repr(exc), publishing="files")
+            return None
+        _log.info("weight_sync_push", method=sync, servers=receivers.urls)
+        return SGLangWeightPush(receivers.urls, method=sync, gpus_per_server=receivers.gpus_per_server,
+                                master_address=receivers.master_address, bucket_bytes=self.config.weight_bucket_bytes,
+                                pause_mode=receivers.pause_mode)
+
+    def _build_trainer(self, backend: TrainerBackend, publisher: BusPublisher) -> TrainerLogic:
         async def latest_weights():
             return await last_message(publisher.jetstream, publisher.namespace, WEIGHTS_PUBLISHED)
 
