@@ -17,7 +17,7 @@ from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.permissions import role_permissions
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.config import RolloutConfig, SandboxConfig, SandboxProfileConfig, TelemetryConfig
-from rollmesh.messages import SandboxLeaseReply, SandboxLoadReported
+from rollmesh.messages import SandboxLeaseReply, SandboxLeaseRequest, SandboxLoadReported
 from rollmesh.messages.rollout import INFRA_FAILURE_KINDS
 from rollmesh.messages.subjects import ROLLOUT_REQUESTED, SANDBOX_EXEC, broker_subject
 from rollmesh.ports import RequestFailedError
@@ -154,10 +154,61 @@ async def test_a_leases_requests_go_to_the_broker_its_id_names():
     requester.subjects.clear()
     assert (await client.lease("holder", held_lease="1.old")).lease_id == "0.new"
     assert requester.subjects == ["rl.ns.sandbox.b.1.lease", "rl.ns.sandbox.lease"]
+    async def no_wait(seconds: float) -> None:
+        pass
+
+    hasty = SandboxBrokerClient(requester, timeout_s=0.05, sleep=no_wait)  # gives up at once
     with pytest.raises(SandboxRequestError) as lost:
-        await client.exec("1.old", ["true"])
+        await hasty.exec("1.old", ["true"], timeout_s=0.05)
     assert lost.value.kind == "unreachable"
     assert failure_kind(lost.value) in INFRA_FAILURE_KINDS  # the rollout retries, typed
+
+
+class ForwardingPublisher:
+    """Fakes the bus (an edge) for a broker's forwards: records each request's subject and
+    answers it with ``answer`` (a reply, or an exception to raise)."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.subjects: list[str] = []
+
+    async def request(self, subject, message, timeout_s):
+        self.subjects.append(subject.format("ns"))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+    async def publish(self, subject, message):
+        pass
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("answer", [
+    SandboxLeaseReply(lease_id="1.abc", broker="1"),
+    SandboxLeaseReply(error_kind="capacity", error="full"),
+    RequestFailedError("no responders"),
+], ids=["taken", "full", "gone"])
+async def test_a_broker_forwards_a_lease_once_and_serves_it_itself_when_the_other_cannot(answer, tmp_path):
+    config = SandboxConfig(profiles={"default": SandboxProfileConfig(warm_min=0, warm_max=0)})
+    broker = SandboxBroker(config, FakeSandboxBackend(), snapshot_dir=tmp_path,
+                           new_id=broker_ids(lambda: uuid.uuid4().hex, "0"))
+    publisher = ForwardingPublisher(answer)
+    service = SandboxBrokerService(broker, broker_id="0", publisher=publisher)
+    for index in range(3):
+        await service._lease_here(SandboxLeaseRequest(holder=f"held-{index}"))
+    service.directory.heard(SandboxLoadReported(broker="1", max_sandboxes=1024))  # idle
+    reply = await service._placed_lease(SandboxLeaseRequest(holder="next"), None)
+    assert publisher.subjects == ["rl.ns.sandbox.b.1.lease"]  # forwarded once, to its own subject
+    if isinstance(answer, SandboxLeaseReply) and not answer.error_kind:
+        assert reply == answer and service.forwarded == 1
+    else:
+        assert reply.broker == "0" and broker_of(reply.lease_id) == "0" and service.forwarded == 0
+        # A broker nobody answered for is left out until it reports again; a full one is not.
+        assert ("1" in service.directory.live()) is isinstance(answer, SandboxLeaseReply)
+        publisher.subjects.clear()  # its retry stays with the lease, whatever the reports say
+        again = await service._placed_lease(SandboxLeaseRequest(holder="next"), None)
+        assert again.lease_id == reply.lease_id and publisher.subjects == []
+    await broker.close()
 
 
 # -- two brokers on the session's nats-server -----------------------------------------------
@@ -190,8 +241,8 @@ async def two_brokers(nats_server, namespace, tmp_path, trace_file):
         shells.append(shell)
         services.append(service)
     nc = await connect_bus(nats_server.url, name="sandbox-client", connect_timeout_s=5)
-    client = SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), namespace), timeout_s=WAIT_S)
-    yield services, shells, client
+    bus = BusPublisher(nc, nc.jetstream(), namespace)
+    yield services, shells, SandboxBrokerClient(bus, timeout_s=WAIT_S), bus
     await nc.close()
     for shell in shells:
         await shell.stop()
@@ -200,7 +251,7 @@ async def two_brokers(nats_server, namespace, tmp_path, trace_file):
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 async def test_leases_spread_over_two_brokers_and_losing_one_costs_only_its_leases(two_brokers):
-    services, shells, client = two_brokers
+    services, shells, client, bus = two_brokers
     await _until(lambda: all(len(service.directory.live()) == 2 for service in services))  # heard each other
     leases = [await client.lease(f"rollout-{index}", ttl_s=30.0) for index in range(8)]
     held = {broker_id: [lease for lease in leases if broker_of(lease.lease_id) == broker_id] for broker_id in "01"}
@@ -215,8 +266,10 @@ async def test_leases_spread_over_two_brokers_and_losing_one_costs_only_its_leas
     await shells[1].stop()  # broker 1 is gone, with its sandboxes
     for lease in held["0"]:  # nothing is lost on broker 0
         assert (await client.exec(lease.lease_id, shell="echo still")).stdout == b"still\n"
+    # An exec keeps asking for as long as it would wait for its reply (a restarting broker comes
+    # back under its id): a short one.
     with pytest.raises(SandboxRequestError) as lost:
-        await client.exec(held["1"][0].lease_id, ["true"])
+        await SandboxBrokerClient(bus, timeout_s=0.5).exec(held["1"][0].lease_id, ["true"], timeout_s=0.5)
     assert lost.value.kind == "unreachable" and failure_kind(lost.value) in INFRA_FAILURE_KINDS
     # The rollout's own path: its old broker and its snapshot are gone, so a fresh lease on the
     # broker left (its workspace starts empty), whatever placement last heard of broker 1.
