@@ -72,6 +72,8 @@ DEFAULT_EXEC_WAIT_S = 600.0
 EXEC_ATTEMPT_S = 30.0
 # ... and while it waits, its broker is probed this often (a dead one is found in about this long).
 EXEC_PROBE_S = 2.0
+# ... and once it is found gone, a restarted one is waited for this long at most.
+EXEC_REATTACH_S = 60.0
 # A capacity refusal is retried after its retry hint, but never waits longer than this at once.
 MAX_RETRY_WAIT_S = 10.0
 # Uploads above this ask for the bulk stream (sandbox.bulk_threshold_bytes' default).
@@ -85,13 +87,15 @@ class SandboxBrokerClient:
                  sleep: Callable[[float], Any] = asyncio.sleep,
                  bulk_threshold_bytes: int | None = DEFAULT_BULK_THRESHOLD_BYTES,
                  bulk_tls: ssl.SSLContext | None = None, exec_attempt_s: float = EXEC_ATTEMPT_S,
-                 exec_probe_s: float = EXEC_PROBE_S) -> None:
+                 exec_probe_s: float = EXEC_PROBE_S, exec_reattach_s: float = EXEC_REATTACH_S) -> None:
         """``bulk_threshold_bytes`` None: never use the bulk stream. ``bulk_tls``: the context
         a TLS bulk stream is verified with (the NATS client's). ``exec_attempt_s``: how long an
         exec request waits for its reply before it is sent again (same ``exec_id``);
-        ``exec_probe_s``: how often its broker is probed meanwhile."""
+        ``exec_probe_s``: how often its broker is probed meanwhile; ``exec_reattach_s``: how
+        long one found gone is waited for."""
         self.exec_attempt_s = exec_attempt_s
         self.exec_probe_s = exec_probe_s
+        self.exec_reattach_s = exec_reattach_s
         self._requester = requester
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
@@ -145,6 +149,9 @@ class SandboxBrokerClient:
             except SandboxRequestError as exc:
                 if exc.kind != "unreachable" or time.monotonic() + pause >= give_up:
                     raise
+                # A broker gone for good (its node lost) is waited for no longer than a restart
+                # takes: its rollout then takes the infrastructure path (another broker).
+                give_up = min(give_up, time.monotonic() + self.exec_reattach_s)
             await self._sleep(pause)  # no responders: a restarting broker subscribes in seconds
             pause = min(0.5, pause * 2)
 
