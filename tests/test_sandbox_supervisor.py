@@ -1,7 +1,8 @@
 """Sandboxes that outlive their broker: the per-node supervisor holds real bubblewrap sandboxes
 (and their running execs) across the death of the process that spawned them, and a restarted
 broker re-adopts its leases from the KV lease table (the session's real nats-server), reaping
-those that expired while no broker was alive. The whole-mesh case (a broker actor SIGKILLed
+those that expired while no broker was alive; a client resends an exec its restarted broker does
+not know. The whole-mesh case (a broker actor SIGKILLed
 mid tool call) is in test_mesh_recovery.py.
 """
 
@@ -18,8 +19,13 @@ import pytest
 from sandbox_helpers import usable_bwrap
 from rollmesh.bus.sandbox_leases import KvSandboxLeases
 from rollmesh.config import SandboxConfig
-from rollmesh.messages.sandbox import SandboxExecRequest, SandboxLeaseRequest
-from rollmesh.sandbox import SandboxBroker
+from rollmesh.messages.sandbox import (
+    SandboxExecReply,
+    SandboxExecRequest,
+    SandboxHeartbeatReply,
+    SandboxLeaseRequest,
+)
+from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient
 from rollmesh.sandbox.lease_store import LeaseJournal, readopt
 from rollmesh.sandbox.supervisor_client import SupervisorClient
 
@@ -109,3 +115,33 @@ async def test_a_restarted_broker_readopts_its_leases_and_reaps_those_that_expir
     await second.close()  # an orderly stop destroys what it holds and forgets its leases
     assert await store.load("sandbox-broker") == []
     assert await asyncio.to_thread(supervisor.held) == []
+
+
+class RestartedBroker:
+    """Fakes the bus (an edge) across a broker restart: the first exec request is never answered
+    (its broker died with it), the probes reach a restarted broker that does not know that exec,
+    and the exec sent again is answered (as the supervisor's kept result would be)."""
+
+    def __init__(self) -> None:
+        self.execs: list[str] = []
+        self.probes: list[str] = []
+
+    async def request(self, subject, message, timeout_s):
+        if isinstance(message, SandboxExecRequest):
+            self.execs.append(message.exec_id)
+            if len(self.execs) == 1:
+                await asyncio.Event().wait()  # no reply ever comes; the client gives up on it
+            return SandboxExecReply(result="exit", exit_code=0, stdout=b"done", exec_id=message.exec_id)
+        self.probes.append(message.exec_id)
+        return SandboxHeartbeatReply(expires_at=1.0, exec_known=False)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)  # far below exec_attempt_s: the probe, not the attempt's end, resends it
+async def test_an_exec_its_restarted_broker_does_not_know_is_sent_again_with_its_id():
+    bus = RestartedBroker()
+    client = SandboxBrokerClient(bus, exec_probe_s=0.05, exec_attempt_s=60.0)
+    reply = await client.exec("lease-1", ["make", "simulation"], timeout_s=120.0)
+    assert reply.stdout == b"done"
+    assert len(bus.execs) == 2 and bus.execs[0] == bus.execs[1] != ""  # the same id, sent again
+    assert bus.probes == bus.execs[:1]  # the probe named the exec it waited for

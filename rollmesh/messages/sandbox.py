@@ -242,16 +242,20 @@ class SandboxForkReply(WireMessage, frozen=True, tag="sandbox.fork_reply"):
 
 
 class SandboxHeartbeatRequest(WireMessage, frozen=True, tag="sandbox.heartbeat_request"):
-    """Extend the lease by its TTL from now: the holder is alive."""
+    """Extend the lease by its TTL from now: the holder is alive. With ``exec_id``, also ask
+    whether that exec is running here (or just ended): a client waiting for an exec's reply
+    probes so, and sends the exec again when its broker does not know it (it restarted)."""
 
     lease_id: LeaseId
     rollout_id: RolloutRef = ""
+    exec_id: Annotated[str, Meta(max_length=200)] = ""
 
 
 class SandboxHeartbeatReply(WireMessage, frozen=True, tag="sandbox.heartbeat_reply"):
     expires_at: float = 0.0
     error_kind: SandboxErrorKind = ""
     error: str = ""
+    exec_known: bool = False  # the request's exec_id is running here, or ended a moment ago
 
 
 class SandboxReleaseRequest(WireMessage, frozen=True, tag="sandbox.release_request"):

@@ -61,6 +61,8 @@ from rollmesh.sandbox.warm_pool import WarmPool
 from rollmesh.sandbox.workspace_ops import WorkspaceOps, failure_of
 
 log = structlog.get_logger(__name__)
+# How long an ended exec is still "known" to a client's probe: its reply is on the way.
+ENDED_EXECS_KEEP_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +112,7 @@ class SandboxBroker:
         self._closed = False
         self._journal = journal  # the durable lease table (lease_store), if any
         self._execs: dict[tuple[str, str], asyncio.Future[SandboxExecReply]] = {}  # running, by exec_id
+        self._ended: dict[tuple[str, str], float] = {}  # by exec_id: when it ended (for probes)
         _observe_broker(self)
 
     # -- leases ----------------------------------------------------------------------------
@@ -200,7 +203,10 @@ class SandboxBroker:
             return SandboxHeartbeatReply(error_kind="sandbox_died",
                                          error=f"the sandbox of lease {req.lease_id!r} died")
         lease.extend(self._clock())
-        return SandboxHeartbeatReply(expires_at=lease.expires_at)
+        key = (req.lease_id, req.exec_id)
+        # A client waiting for that exec's reply asks: unknown here, it sends it again.
+        known = bool(req.exec_id) and (key in self._execs or key in self._ended)
+        return SandboxHeartbeatReply(expires_at=lease.expires_at, exec_known=known)
 
     async def release(self, req: SandboxReleaseRequest) -> SandboxReleaseReply:
         lease = self._leases.get(req.lease_id)
@@ -223,8 +229,12 @@ class SandboxBroker:
             return await self._exec(req)
         task = asyncio.ensure_future(self._exec(req))
         self._execs[(req.lease_id, req.exec_id)] = task
-        task.add_done_callback(lambda _: self._execs.pop((req.lease_id, req.exec_id), None))
+        task.add_done_callback(lambda _: self._exec_ended((req.lease_id, req.exec_id)))
         return await asyncio.shield(task)
+
+    def _exec_ended(self, key: tuple[str, str]) -> None:
+        self._execs.pop(key, None)
+        self._ended[key] = time.monotonic()
 
     async def _exec(self, req: SandboxExecRequest) -> SandboxExecReply:
         started = time.monotonic()
@@ -292,6 +302,9 @@ class SandboxBroker:
         for lease in expired:
             await self._end(lease, "expired")
         self._snapshots.expire()
+        ended_before = time.monotonic() - ENDED_EXECS_KEEP_S
+        for key in [key for key, at in self._ended.items() if at < ended_before]:
+            del self._ended[key]
         self._ops.bulk_tokens.drop_lapsed()
         if self._journal is not None:
             await self._journal.sync(self._leases.all())

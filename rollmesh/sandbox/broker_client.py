@@ -159,18 +159,22 @@ class SandboxBrokerClient:
         """One exec request, its broker probed while it waits: a probe that finds no broker
         ends the attempt ("unreachable") instead of waiting out a reply that cannot come."""
         attempt = asyncio.ensure_future(self._call(SANDBOX_EXEC, request, "exec", wait_s=attempt_s))
-        probe = SandboxHeartbeatRequest(lease_id=request.lease_id, rollout_id=request.rollout_id)
+        probe = SandboxHeartbeatRequest(lease_id=request.lease_id, rollout_id=request.rollout_id,
+                                        exec_id=request.exec_id)
         try:
             while True:
                 done, _ = await asyncio.wait({attempt}, timeout=self.exec_probe_s)
                 if done:
                     return attempt.result()
                 try:
-                    await self._call(SANDBOX_HEARTBEAT, probe, "heartbeat", wait_s=self.exec_probe_s)
+                    answer = await self._call(SANDBOX_HEARTBEAT, probe, "heartbeat", wait_s=self.exec_probe_s)
                 except SandboxRequestError as exc:
                     if exc.kind == "unreachable":
                         raise
-                    # Any other answer comes from a live broker: its exec reply will say more.
+                    continue  # any other answer comes from a live broker: the exec's reply says more
+                if not answer.exec_known:  # a restarted broker (the request died with the old one)
+                    raise SandboxRequestError("the broker does not know the exec: sent again",
+                                              kind="unreachable", operation="exec")
         finally:
             if not attempt.done():
                 attempt.cancel()
