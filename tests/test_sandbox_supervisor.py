@@ -9,6 +9,7 @@ mid tool call) is in test_mesh_recovery.py.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
@@ -26,8 +27,11 @@ from rollmesh.messages.sandbox import (
     SandboxLeaseRequest,
 )
 from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient
+from rollmesh.sandbox import agent_wire as wire
 from rollmesh.sandbox.lease_store import LeaseJournal, readopt
+from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 from rollmesh.sandbox.supervisor_client import SupervisorClient
+from rollmesh.sandbox.supervisor_wire import recv_frame, send_frame
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -145,3 +149,34 @@ async def test_an_exec_its_restarted_broker_does_not_know_is_sent_again_with_its
     assert reply.stdout == b"done"
     assert len(bus.execs) == 2 and bus.execs[0] == bus.execs[1] != ""  # the same id, sent again
     assert bus.probes == bus.execs[:1]  # the probe named the exec it waited for
+
+
+async def test_a_broker_gone_mid_frame_and_mid_upload_leaves_the_agent_intact(tmp_path):
+    backend = usable_bwrap()
+    backend.supervisor = SupervisorClient(tmp_path, broker="torn", idle_exit_s=5)
+    sandbox = await backend.create("torn", SandboxLimits())
+    try:
+        # A second broker connection starts an upload (the ping's answer says the agent has
+        # it), then dies inside its next frame.
+        _reply, fds, sock = await asyncio.to_thread(backend.supervisor.request, {"op": "attach", "sandbox_id": "torn"})
+        for fd in fds:
+            os.close(fd)
+        send_frame(sock, {"id": 1, "op": "put_file", "path": "torn.bin", "size": 2 * wire.CHUNK, "last": False,
+                          "mode": 0o644}, b"x" * 1000)
+        send_frame(sock, {"id": 2, "op": "ping"})
+        answers = [(await asyncio.to_thread(recv_frame, sock))[0] for _ in range(2)]
+        assert [a.get("t") for a in answers] == ["ready", "ok"]
+        sock.sendall(wire.encode_head({"id": 1, "op": "chunk", "last": True}, 5000) + b"y" * 100)
+        sock.close()
+        # The supervisor aborts the upload its broker will never finish: nothing half stored.
+        async def workspace_empty() -> None:
+            while (await sandbox.exec(shell="ls -A")).stdout:
+                pass  # polled: the abort reaches the agent a moment after the connection's end
+
+        await asyncio.wait_for(workspace_empty(), 30)
+        # The half frame never reached the agent, whose stream still makes sense.
+        stored = await sandbox.put_file("whole.bin", b"z" * 5000)
+        assert stored.size == 5000
+        assert (await sandbox.exec(shell="wc -c < whole.bin")).stdout == b"5000\n"
+    finally:
+        await sandbox.destroy()
