@@ -63,7 +63,10 @@ class MeshRuntime:
             return self.config.nats.url
         auth = ""
         if security.enabled:
-            generated = generate_role_nkeys(self.run_dir, namespace)
+            from rollmesh.sandbox_brokers import credential_broker_ids
+
+            # Several sandbox brokers: one user each, made now (before Ray lists the nodes).
+            generated = generate_role_nkeys(self.run_dir, namespace, credential_broker_ids(self.config.sandbox))
             self.bus_credentials = generated.credentials
             auth = render_authorization(generated.users, namespace)
         self.nats_server = EmbeddedNatsServer(self.run_dir / "nats", auth_config=auth,

@@ -7,17 +7,26 @@ number: that many, placed by Ray like any role. One broker (the default) runs as
 always did: no id, the shared subjects. Several get ids "0", "1", ... (their subjects
 ``rl.<ns>.sandbox.b.<id>.*``); a broker Ray re-creates keeps its id, so its leases' ids still
 route to it.
+
+Under security each of several brokers connects with its own credentials (NATS role
+``sandbox_broker_<id>``: its own subjects and lease keys only), and is handed only those. The
+embedded server's users are made before Ray is started or asked for its nodes, so it makes them
+for every id a broker may get (``credential_broker_ids``: ``sandbox.max_brokers`` of them for
+``"per_node"``); a cluster's NATS names them in ``security.credentials``, or names only
+``sandbox_broker``, which all brokers then share (its rights cover every broker's subjects).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.actors.sandbox_broker import SandboxBrokerActor
+from rollmesh.bus.errors import BusSecurityError
+from rollmesh.bus.permissions import BROKER_ROLE_PREFIX, broker_role
 from rollmesh.config import SandboxConfig
 
 
@@ -32,6 +41,16 @@ class NoSandboxNodeError(RuntimeError):
                          "nodes (ray start --resources) or set sandbox.brokers to a number")
 
 
+class TooManySandboxNodesError(RuntimeError):
+    """``sandbox.brokers = "per_node"`` found more sandbox nodes than ``sandbox.max_brokers``."""
+
+    def __init__(self, nodes: int, max_brokers: int) -> None:
+        self.nodes = nodes
+        self.max_brokers = max_brokers
+        super().__init__(f"sandbox.brokers = \"per_node\": {nodes} live Ray nodes offer the sandbox resources, "
+                         f"more than sandbox.max_brokers = {max_brokers}; raise sandbox.max_brokers")
+
+
 @dataclass(frozen=True)
 class BrokerSlot:
     name: str  # the actor's name
@@ -44,8 +63,16 @@ def broker_name(index: int) -> str:
     return "sandbox-broker" if index == 0 else f"sandbox-broker-{index}"
 
 
+def credential_broker_ids(config: SandboxConfig) -> list[str]:
+    """The ids of every broker the mesh may start, known before Ray is: none for one broker
+    (it is ``sandbox_broker``), "0".."N-1" for a number, up to ``max_brokers`` for "per_node"."""
+    if config.brokers == "per_node":
+        return [str(index) for index in range(config.max_brokers)]
+    return [] if config.brokers == 1 else [str(index) for index in range(config.brokers)]
+
+
 def plan_brokers(brokers: Literal["per_node"] | int, nodes: Sequence[Mapping[str, Any]],
-                 resources: Mapping[str, float]) -> list[BrokerSlot]:
+                 resources: Mapping[str, float], max_brokers: int = 64) -> list[BrokerSlot]:
     """The brokers to start, given ``ray.nodes()`` and the sandbox role's resources."""
     if brokers != "per_node":
         if brokers == 1:
@@ -56,7 +83,24 @@ def plan_brokers(brokers: Literal["per_node"] | int, nodes: Sequence[Mapping[str
                       if all(node.get("Resources", {}).get(name, 0.0) >= amount for name, amount in resources.items()))
     if not offering:
         raise NoSandboxNodeError(resources, len(live))
+    if len(offering) > max_brokers:
+        raise TooManySandboxNodesError(len(offering), max_brokers)
     return [BrokerSlot(broker_name(index), str(index), node_id) for index, node_id in enumerate(offering)]
+
+
+def broker_context(mesh: MeshContext, broker_id: str) -> MeshContext:
+    """The mesh as broker ``broker_id`` sees it: with its own credentials when the mesh has
+    per-broker ones (every broker must then have its own), else the shared ``sandbox_broker``."""
+    shared = mesh.only("sandbox_broker")
+    if not broker_id or not any(role.startswith(BROKER_ROLE_PREFIX) for role in mesh.credentials):
+        return shared
+    own = mesh.credentials.get(broker_role(broker_id))
+    if own is None:
+        raise BusSecurityError(f"sandbox broker {broker_id} has no NATS credentials of its own, and others "
+                               f"have theirs: name [security.credentials.{broker_role(broker_id)}] too",
+                               role=broker_role(broker_id))
+    # Found under the actor's role; their own role names the user's inbox (_INBOX.<ns>.<role>).
+    return replace(shared, credentials={"sandbox_broker": own})
 
 
 def slot_options(slot: BrokerSlot, options: dict[str, Any]) -> dict[str, Any]:
@@ -78,9 +122,10 @@ async def spawn_sandbox_brokers(spawn: Any, mesh: MeshContext, config: SandboxCo
         import ray
 
         nodes = ray.nodes()
-    slots = plan_brokers(config.brokers, nodes, resources)
+    slots = plan_brokers(config.brokers, nodes, resources, config.max_brokers)
+    contexts = [broker_context(mesh, slot.broker_id) for slot in slots]  # all found before any starts
     await asyncio.gather(*(
-        spawn(slot.name, SandboxBrokerActor, mesh.only("sandbox_broker"), config, slot.broker_id, slot.node_id,
+        spawn(slot.name, SandboxBrokerActor, context, config, slot.broker_id, slot.node_id,
               options=slot_options(slot, options))
-        for slot in slots))
+        for slot, context in zip(slots, contexts)))
     return slots

@@ -105,6 +105,10 @@ class SandboxConfig(ConfigSection):
     # ray.role_resources.sandbox (every node when none are named); a number starts that many,
     # placed by Ray. Leases are placed across them by load and profile (docs/sandbox.md).
     brokers: Literal["per_node"] | PositiveInt = 1
+    # "per_node" starts at most this many brokers (more offering nodes: an error at start). Under
+    # security each broker connects with its own NATS credentials, which the embedded server
+    # makes for this many before Ray lists the nodes.
+    max_brokers: Annotated[int, Meta(ge=1, le=4096)] = 64
     # Named limit sets; "default" (2 GiB memory, 2 GiB workspace, 256 pids, 10 min per exec)
     # exists even when a config file names only others.
     profiles: dict[str, SandboxProfileConfig] = msgspec.field(default_factory=_default_profiles)

@@ -59,7 +59,9 @@ class SecurityConfig(ConfigSection):
     """Least-privilege NATS (one user per role, rollmesh/bus/permissions.py), TLS, API keys.
     With the embedded server, per-role nkeys are generated into the run directory; with
     ``nats.url``, ``credentials`` names each role's (roles: mesh, rollout_worker, trainer,
-    inference, sandbox_broker, scheduler, resharder, client, dashboard)."""
+    inference, sandbox_broker, scheduler, resharder, client, dashboard). Several sandbox brokers
+    (``sandbox.brokers``) each get their own (``sandbox_broker_0``, ``sandbox_broker_1``, ...:
+    generated for the embedded server; named here for a cluster, or all share ``sandbox_broker``)."""
 
     enabled: bool = False
     credentials: dict[str, NatsCredentialsConfig] = {}

@@ -25,7 +25,14 @@ from rollmesh.rollout.rollout_sandbox import RolloutSandbox
 from rollmesh.rollout.tool_results import failure_kind
 from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient, SandboxRequestError
 from rollmesh.sandbox.placement import BrokerDirectory, broker_ids, broker_of
-from rollmesh.sandbox_brokers import NoSandboxNodeError, plan_brokers
+from rollmesh.sandbox_brokers import (
+    NoSandboxNodeError,
+    TooManySandboxNodesError,
+    broker_context,
+    broker_name,
+    credential_broker_ids,
+    plan_brokers,
+)
 
 
 def load(broker: str, leases: int = 0, *, warm: int = 0, max_sandboxes: int = 64) -> SandboxLoadReported:
@@ -100,6 +107,38 @@ def test_ids_a_broker_makes_name_it_and_its_own_subjects_follow():
     assert "rl.ns.sandbox.load" not in worker.publish
 
 
+@pytest.mark.unit
+def test_each_of_several_brokers_is_handed_only_its_own_credentials_whose_rights_are_its_own():
+    from rollmesh.actors.role_base import MeshContext
+    from rollmesh.bus.errors import BusSecurityError
+    from rollmesh.bus.security import BusCredentials
+    from rollmesh.config import NatsCredentialsConfig
+
+    # Made before Ray lists the nodes: none for one broker, N for a number, the bound for per_node.
+    assert credential_broker_ids(SandboxConfig()) == []
+    assert credential_broker_ids(SandboxConfig(brokers=3)) == ["0", "1", "2"]
+    assert credential_broker_ids(SandboxConfig(brokers="per_node", max_brokers=2)) == ["0", "1"]
+    roles = ("mesh", "sandbox_broker", "sandbox_broker_0", "sandbox_broker_1")
+    mesh = MeshContext("ns", "nats://x", "/run", credentials={
+        role: BusCredentials(role, "ns", NatsCredentialsConfig(nkey_seed_file=f"/{role}.nk")) for role in roles})
+    own = broker_context(mesh, "1").credentials_for("sandbox_broker")
+    assert own is not None and own.role == "sandbox_broker_1" and own.inbox_prefix == "_INBOX.ns.sandbox_broker_1"
+    assert list(broker_context(mesh, "1").credentials) == ["sandbox_broker"]
+    assert broker_context(mesh, "").credentials_for("sandbox_broker").role == "sandbox_broker"  # one broker
+    with pytest.raises(BusSecurityError, match="sandbox_broker_2"):  # others have theirs, this one none
+        broker_context(mesh, "2")
+    shared_only = MeshContext("ns", "nats://x", "/run", credentials={"sandbox_broker": own})
+    assert broker_context(shared_only, "2").credentials == {"sandbox_broker": own}  # a cluster's shared user
+    # Broker 1 answers the shared lease subject and its own subjects, writes its own lease keys.
+    rights = role_permissions("sandbox_broker_1", "ns")
+    assert "rl.ns.sandbox.b.1.exec" in rights.subscribe and "rl.ns.sandbox.lease" in rights.subscribe
+    assert not [s for s in rights.subscribe if s.startswith("rl.ns.sandbox.b.") and ".b.1." not in s]
+    assert "rl.ns.sandbox.exec" not in rights.subscribe and "rl.ns.sandbox.b.*.lease" in rights.publish
+    assert f"$KV.RL_ns_SANDBOX_LEASES.{broker_name(1)}.>" in rights.publish
+    assert f"$KV.RL_ns_SANDBOX_LEASES.{broker_name(0)}.>" in role_permissions("sandbox_broker_0", "ns").publish
+    assert "$KV.RL_ns_SANDBOX_LEASES.>" not in rights.publish and rights.allow_responses
+
+
 def node(node_id: str, alive: bool = True, **resources: float) -> dict:
     return {"NodeID": node_id, "Alive": alive, "Resources": {"CPU": 2.0, **resources}}
 
@@ -115,6 +154,8 @@ def test_per_node_brokers_go_to_every_live_node_offering_the_sandbox_resources()
     with pytest.raises(NoSandboxNodeError, match="rollmesh_gpu") as none:
         plan_brokers("per_node", nodes, {"rollmesh_gpu": 1.0})
     assert none.value.nodes == 3
+    with pytest.raises(TooManySandboxNodesError, match="max_brokers = 1"):
+        plan_brokers("per_node", nodes, {"rollmesh_sandbox": 1.0}, max_brokers=1)
     # A number: placed by Ray; one broker runs as it always did, without an id.
     assert [(s.broker_id, s.node_id) for s in plan_brokers(2, nodes, {})] == [("0", ""), ("1", "")]
     assert [(s.name, s.broker_id) for s in plan_brokers(1, nodes, {})] == [("sandbox-broker", "")]

@@ -49,7 +49,8 @@ class SecuredBus:
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredBus]:
     run_dir = tmp_path_factory.mktemp("secured-run")
-    generated = generate_role_nkeys(run_dir, NAMESPACE)
+    # Two sandbox brokers with users of their own, as with sandbox.brokers = 2.
+    generated = generate_role_nkeys(run_dir, NAMESPACE, sandbox_brokers=("0", "1"))
     # One more client, by user name and password, to cover that kind of credentials too.
     users = [*generated.users, ServerUser("client", user="alice", password=PASSWORD)]
     server = EmbeddedNatsServer(run_dir / "nats", auth_config=render_authorization(users, NAMESPACE))
@@ -138,6 +139,37 @@ async def test_a_role_cannot_subscribe_to_another_roles_subjects(secured: Secure
     finally:
         await resharder.close()
     assert any("permissions violation for subscription" in e.lower() for e in violations.errors)
+
+
+async def test_a_sandbox_broker_of_several_serves_its_own_subjects_and_not_another_brokers(
+    secured: SecuredBus,
+) -> None:
+    violations = Violations()
+    broker = await connect_as(secured, "sandbox_broker_0", violations)
+    worker = await connect_bus(secured.server.url, name="worker", credentials=secured.credentials("rollout_worker"))
+    own, other = f"rl.{NAMESPACE}.sandbox.b.0.exec", f"rl.{NAMESPACE}.sandbox.b.1.exec"
+    other_leases = f"$KV.RL_{NAMESPACE}_SANDBOX_LEASES.sandbox-broker-1.forged"
+
+    async def serve(msg) -> None:
+        await msg.respond(b"ran " + msg.data)
+
+    try:
+        await broker.subscribe(own, cb=serve)
+        await flush_to_server(broker)
+        reply = await worker.request(own, b"true", timeout=10)
+        await broker.subscribe(other)
+        await broker.publish(other_leases, b"x")  # another broker's lease-table keys
+        await flush_to_server(broker)
+        while len(violations.errors) < 2:
+            violations.arrived.clear()
+            await asyncio.wait_for(violations.arrived.wait(), 10)
+    finally:
+        await broker.close()
+        await worker.close()
+    assert reply.data == b"ran true"
+    assert any("permissions violation for subscription" in e.lower() and other in e for e in violations.errors)
+    assert any("permissions violation for publish" in e.lower() and other_leases.lower() in e.lower() for e in violations.errors), \
+        violations.errors
 
 
 async def test_a_client_publishes_rollout_requests_and_nothing_else(secured: SecuredBus, streams: None) -> None:

@@ -104,6 +104,11 @@ def trajectories_bucket(namespace: str) -> str:
     return f"RL_{check_namespace(namespace)}_TRAJECTORIES"
 
 
+def sandbox_snapshots_bucket(namespace: str) -> str:
+    # Mirrors rollmesh.bus.sandbox_snapshots, like routed_experts_bucket.
+    return f"RL_{check_namespace(namespace)}_SANDBOX_SNAPSHOTS"
+
+
 @dataclass(frozen=True)
 class RolePermissions:
     """One role's allow lists (concrete subjects, wildcards allowed) for one namespace."""
@@ -279,8 +284,9 @@ def _inference(ns: str) -> _Lists:
 
 def _sandbox_broker(ns: str) -> _Lists:
     # Brokers hear each other's load, and a broker may hand a lease on to another's own subject.
+    # Any broker reads any broker's snapshots (a lost broker's rollouts fork theirs elsewhere).
     return [*_subjects(ns, SANDBOX_OUTPUT, SANDBOX_LOAD), *_any_broker(ns, SANDBOX_LEASE), *_shell(ns),
-            *_sandbox_leases(ns)], \
+            *_sandbox_leases(ns), *_object_bucket(sandbox_snapshots_bucket(ns), write=True)], \
         [*_subjects(ns, *SANDBOX_REQUESTS, SANDBOX_LOAD), *_any_broker(ns, *SANDBOX_REQUESTS)], True
 
 

@@ -10,13 +10,13 @@ the process that connects. Generated files are 0600 in a 0700 directory.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rollmesh.bus.errors import BusSecurityError
-from rollmesh.bus.permissions import ROLES, ServerUser, inbox_prefix
+from rollmesh.bus.permissions import BROKER_ROLE_PREFIX, ROLES, ServerUser, broker_role, inbox_prefix, is_role
 from rollmesh.config import NatsCredentialsConfig, SecurityConfig
 
 CREDENTIALS_DIR = "security"
@@ -74,11 +74,14 @@ class BusCredentials:
 
 def configured_credentials(security: SecurityConfig, namespace: str) -> dict[str, BusCredentials]:
     """Each role's credentials as the config names them (a cluster's NATS); every role must be
-    named, so a mesh never starts with a role that cannot connect."""
-    unknown = sorted(set(security.credentials) - set(ROLES))
+    named, so a mesh never starts with a role that cannot connect. Several sandbox brokers may
+    each be given their own (``sandbox_broker_<id>``; the launcher then wants one for every broker
+    it starts), or all share ``sandbox_broker``."""
+    unknown = sorted(role for role in security.credentials if not is_role(role))
     if unknown:
         raise BusSecurityError(f"security.credentials names unknown roles {unknown}; "
-                               f"roles: {', '.join(ROLES)}")
+                               f"roles: {', '.join(ROLES)}, and {BROKER_ROLE_PREFIX}<id> (0, 1, ...) "
+                               "for each of several sandbox brokers")
     missing = [role for role in ROLES if role not in security.credentials]
     if missing:
         raise BusSecurityError(f"security.enabled with nats.url needs security.credentials for "
@@ -100,16 +103,18 @@ def role_seed_path(run_dir: str | Path, role: str) -> Path:
     return Path(run_dir) / CREDENTIALS_DIR / f"{role}.nk"
 
 
-def generate_role_nkeys(run_dir: Path, namespace: str) -> GeneratedCredentials:
-    """A fresh user nkey per role, seeds written to ``<run_dir>/security/<role>.nk`` (0600).
-    A restarted run gets new keys: the server config is written anew with them."""
+def generate_role_nkeys(run_dir: Path, namespace: str, sandbox_brokers: Sequence[str] = ()) -> GeneratedCredentials:
+    """A fresh user nkey per role, and one per sandbox broker id in ``sandbox_brokers`` (role
+    ``sandbox_broker_<id>``: that broker's own subjects only), seeds written to
+    ``<run_dir>/security/<role>.nk`` (0600). A restarted run gets new keys: the server config is
+    written anew with them."""
     import nkeys  # the nats-py[nkeys] extra; only needed where keys are made or used
 
     directory = Path(run_dir) / CREDENTIALS_DIR
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     users, credentials = [], {}
-    for role in ROLES:
+    for role in [*ROLES, *(broker_role(broker) for broker in sandbox_brokers)]:
         seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
         public_key = nkeys.from_seed(bytearray(seed)).public_key.decode()
         seed_path = role_seed_path(run_dir, role)
