@@ -41,11 +41,12 @@ TICK_S = 0.25
 KILL_AT_S = (4.0, 11.0)  # into the faulty pass: both while most tools still run
 
 
-def broker_process(url: str, run_dir: str, ready: multiprocessing.Event, supervised: bool) -> None:
-    asyncio.run(_serve_broker(url, Path(run_dir), ready, supervised))
+def broker_process(url: str, run_dir: str, ready: multiprocessing.Event, stop: multiprocessing.Event,
+                   supervised: bool) -> None:
+    asyncio.run(_serve_broker(url, Path(run_dir), ready, stop, supervised))
 
 
-async def _serve_broker(url: str, run_dir: Path, ready, supervised: bool) -> None:
+async def _serve_broker(url: str, run_dir: Path, ready, stop, supervised: bool) -> None:
     from rollmesh.actors.sandbox_broker import SandboxBrokerService
     from rollmesh.actors.shell import ActorShell
     from rollmesh.bus.sandbox_leases import KvSandboxLeases
@@ -74,7 +75,9 @@ async def _serve_broker(url: str, run_dir: Path, ready, supervised: bool) -> Non
     service = SandboxBrokerService(broker)
     await shell.serve(service)
     ready.set()
-    await asyncio.Event().wait()  # until killed (SIGKILL: no stop, as a crash)
+    while not stop.is_set():  # until killed (SIGKILL: no stop, as a crash) or, at the end, stopped
+        await asyncio.sleep(0.1)
+    await shell.stop()  # an orderly stop: every sandbox destroyed
 
 
 class BrokerProcess:
@@ -85,9 +88,10 @@ class BrokerProcess:
         self.restart_s: list[float] = []
 
     def start(self) -> None:
-        ready = self.context.Event()
+        ready, self.stop = self.context.Event(), self.context.Event()
         started = time.monotonic()
-        self.process = self.context.Process(target=broker_process, args=(self.url, self.run_dir, ready, self.supervised),
+        self.process = self.context.Process(target=broker_process,
+                                            args=(self.url, self.run_dir, ready, self.stop, self.supervised),
                                             daemon=True)
         self.process.start()
         if not ready.wait(120):
@@ -97,6 +101,10 @@ class BrokerProcess:
     def kill(self) -> None:
         os.kill(self.process.pid, signal.SIGKILL)
         self.process.join(10)
+
+    def shut_down(self) -> None:
+        self.stop.set()
+        self.process.join(60)
 
 
 def durations(count: int) -> list[float]:
@@ -157,7 +165,7 @@ def main() -> None:
             baseline = asyncio.run(run_pass(url, broker, "calm", args.rollouts, 0))
             faulty = asyncio.run(run_pass(url, broker, "kill", args.rollouts, args.kills))
         finally:
-            broker.kill()
+            broker.shut_down()
             server.stop()
     expected = {f"{tag}-{i}": round(s / TICK_S) for tag in ("calm", "kill") for i, s in enumerate(durations(args.rollouts))}
     lost = [r for r in faulty if r["lines"] != expected[r["name"]]]

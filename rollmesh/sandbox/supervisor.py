@@ -12,7 +12,8 @@ Standard library only (run as a script: ``python supervisor.py --run-dir D``). L
 (``agent_wire``'s): spawn, attach, list, destroy or status. After a spawn or an attach it
 carries the sandbox's frames (``supervisor_relay``: frame-aligned, ids rewritten, an exec with a
 ``key`` kept ``--keep-s`` after it ended so the same key attaches to it instead of running it
-twice). It exits once it holds no sandbox and no client was connected for ``--idle-exit-s``.
+twice). It exits once it holds no sandbox and no client was connected for ``--idle-exit-s``, and
+destroys what it holds when the run directory is removed (the run is over).
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class Supervisor:
             while not self._idle():
                 await asyncio.sleep(min(1.0, self.idle_exit_s / 4))
                 self._expire_kept()
+                if not os.path.isdir(self.run_dir):  # the run is over (its directory removed)
+                    for sandbox_id in list(self.held):
+                        await self._destroy(sandbox_id, 0.0)
         finally:
             accepting.cancel()
             try:

@@ -64,10 +64,12 @@ class SupervisorClient:
 
     # -- blocking requests (run them in a thread from async code) ---------------------------
 
-    def request(self, header: dict, fds: list[int] = ()) -> tuple[dict, list[int], socket.socket]:  # type: ignore[assignment]
-        """Send one request; its reply, the descriptors that came with it, and the socket."""
+    def request(self, header: dict, fds: list[int] = (),  # type: ignore[assignment]
+                *, start: bool = True) -> tuple[dict, list[int], socket.socket]:
+        """Send one request; its reply, the descriptors that came with it, and the socket.
+        ``start``: start the supervisor if none runs (else the connection error is raised)."""
         for attempt in range(3):
-            sock = self._connect()
+            sock = self._connect() if start else self._dial()
             try:
                 send_frame(sock, header, fds=list(fds))
                 reply, _payload, got = recv_frame(sock)
@@ -94,12 +96,22 @@ class SupervisorClient:
         return [entry for entry in reply["sandboxes"] if entry["record"].get("broker") == self.broker]
 
     def destroy(self, sandbox_id: str, graceful_s: float = 0.0) -> int | None:
-        reply, _fds, sock = self.request({"op": "destroy", "sandbox_id": sandbox_id, "graceful_s": graceful_s})
+        """End the sandbox's agent and forget it; None when it is not held (a supervisor that is
+        gone took its sandboxes with it)."""
+        try:
+            reply, _fds, sock = self.request({"op": "destroy", "sandbox_id": sandbox_id, "graceful_s": graceful_s},
+                                             start=False)
+        except (FileNotFoundError, ConnectionRefusedError):
+            return None
         sock.close()
         return reply.get("exit_code")
 
     def status(self, sandbox_id: str) -> tuple[bool, int | None]:
-        reply, _fds, sock = self.request({"op": "status", "sandbox_id": sandbox_id})
+        """Whether the supervisor holds the sandbox, and its agent's exit code once it exited."""
+        try:
+            reply, _fds, sock = self.request({"op": "status", "sandbox_id": sandbox_id}, start=False)
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False, None
         sock.close()
         return bool(reply.get("known")), reply.get("exit_code")
 
@@ -258,7 +270,10 @@ class SupervisedProcess:
 
     def poll(self) -> int | None:
         if self.returncode is None and self._exited():
-            known, code = self._client.status(self.sandbox_id)
+            try:
+                known, code = self._client.status(self.sandbox_id)
+            except OSError:  # never raised from here: AgentPipes polls while it marks a death
+                known, code = False, None
             if code is not None or not known:
                 self.ended(code if code is not None else 255)
         return self.returncode
