@@ -16,6 +16,7 @@ and operator tools) may create or change streams.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -88,9 +89,29 @@ SANDBOX_REQUESTS = (SANDBOX_LEASE, SANDBOX_EXEC, SANDBOX_UPLOAD, SANDBOX_DOWNLOA
                     SANDBOX_FORK, SANDBOX_HEARTBEAT, SANDBOX_RELEASE)
 
 
+# Broker <id> of several (``sandbox.brokers`` > 1) connects as its own user, role
+# "sandbox_broker_<id>" (ids "0", "1", ...), with the rights of ``sandbox_broker`` narrowed to its
+# own subjects and lease-table keys. A single broker keeps the ``sandbox_broker`` role.
+BROKER_ROLE_PREFIX = "sandbox_broker_"
+_BROKER_ROLE = re.compile(r"^sandbox_broker_(0|[1-9][0-9]{0,5})$")
+
+
+def broker_role(broker_id: str) -> str:
+    """The NATS role of broker ``broker_id`` ("0", "1", ...) of several."""
+    role = BROKER_ROLE_PREFIX + broker_id
+    if not _BROKER_ROLE.match(role):
+        raise ValueError(f"sandbox broker id {broker_id!r} has no role of its own: ids are 0, 1, 2, ...")
+    return role
+
+
+def is_role(role: str) -> bool:
+    """A fixed role of ``ROLES`` or one broker's own (``broker_role``)."""
+    return role in _ROLE_BUILDERS or bool(_BROKER_ROLE.match(role))
+
+
 def _any_broker(ns: str, *requests: Subject) -> list[str]:
-    """Every broker's own subjects for ``requests`` (rl.<ns>.sandbox.b.*.exec, ...): all brokers
-    connect as one role, and a client may hold leases on any of them."""
+    """Every broker's own subjects for ``requests`` (rl.<ns>.sandbox.b.*.exec, ...): a client may
+    hold leases on any broker, and the shared ``sandbox_broker`` role serves any."""
     return [broker_subject(subject, ANY_BROKER).format(ns) for subject in requests]
 
 
@@ -145,7 +166,7 @@ def inbox_prefix(role: str, namespace: str) -> str:
 def role_permissions(role: str, namespace: str) -> RolePermissions:
     """What ``role`` may publish and subscribe to in ``namespace``."""
     ns = check_namespace(namespace)
-    builder = _ROLE_BUILDERS[_check_role(role)]
+    builder = _builder(role)
     publish, subscribe, responds = builder(ns)
     subscribe = [*subscribe, f"{inbox_prefix(role, ns)}.>"]
     return RolePermissions(role, _unique(publish), _unique(subscribe), responds)
@@ -225,8 +246,9 @@ def _sandbox_leases(ns: str) -> list[str]:
     # Mirrors rollmesh.bus.sandbox_leases: the brokers' durable lease table, made by its first
     # broker, listed (an ordered consumer) by a broker re-adopting its leases at start.
     stream = f"KV_RL_{check_namespace(ns)}_SANDBOX_LEASES"
+    # nats-py's KV watch asks for its consumer's info once it is made.
     return [*_read_stream(stream), f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}",
-            f"$JS.API.CONSUMER.CREATE.{stream}.>", f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.FC.{stream}.>",
+            f"$JS.API.CONSUMER.CREATE.{stream}.>", f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.FC.{stream}.>",
             f"$KV.RL_{check_namespace(ns)}_SANDBOX_LEASES.>"]
 
 
@@ -290,6 +312,28 @@ def _sandbox_broker(ns: str) -> _Lists:
         [*_subjects(ns, *SANDBOX_REQUESTS, SANDBOX_LOAD), *_any_broker(ns, *SANDBOX_REQUESTS)], True
 
 
+def _broker_actor_name(broker_id: str) -> str:
+    # Mirrors rollmesh.sandbox_brokers.broker_name: a broker's lease-table keys begin with its
+    # actor's name (rollmesh.bus.sandbox_leases), "sandbox-broker" for broker 0.
+    return "sandbox-broker" if broker_id == "0" else f"sandbox-broker-{broker_id}"
+
+
+def _one_broker(ns: str, broker_id: str) -> _Lists:
+    """Broker ``broker_id`` of several: ``sandbox_broker``'s rights less every broker's own
+    subjects, the shared per-lease subjects (its leases are named and reach it on its own) and
+    writes to the whole lease table; plus its own subjects, the shared lease subject (the entry
+    point every broker answers as a queue group), forwarding a lease to another's lease subject,
+    and writes to its own lease keys. Reading the lease table stays bucket-wide (a KV watch
+    asks for its consumer without naming its filter in the API subject)."""
+    publish, subscribe, responds = _sandbox_broker(ns)
+    leases = f"$KV.RL_{ns}_SANDBOX_LEASES"
+    narrowed = {*_any_broker(ns, *SANDBOX_REQUESTS), *_subjects(ns, *SANDBOX_REQUESTS), f"{leases}.>"}
+    own = [broker_subject(subject, broker_id).format(ns) for subject in SANDBOX_REQUESTS]
+    return [*(s for s in publish if s not in narrowed), *_any_broker(ns, SANDBOX_LEASE),
+            f"{leases}.{_broker_actor_name(broker_id)}.>"], \
+        [*(s for s in subscribe if s not in narrowed), *_subjects(ns, SANDBOX_LEASE), *own], responds
+
+
 def _scheduler(ns: str) -> _Lists:
     publish = [
         *_subjects(ns, GPU_GRANTED, GPU_RELEASED, PREEMPTION_REQUESTED, PREEMPTION_ACKNOWLEDGED,
@@ -332,9 +376,17 @@ _ROLE_BUILDERS = {
 
 
 def _check_role(role: str) -> str:
-    if role not in _ROLE_BUILDERS:
-        raise ValueError(f"unknown NATS role {role!r}; roles: {', '.join(ROLES)}")
+    if not is_role(role):
+        raise ValueError(f"unknown NATS role {role!r}; roles: {', '.join(ROLES)}, "
+                         f"and {BROKER_ROLE_PREFIX}<id> for broker <id> of several")
     return role
+
+
+def _builder(role: str):
+    if role in _ROLE_BUILDERS:
+        return _ROLE_BUILDERS[role]
+    broker_id = _check_role(role)[len(BROKER_ROLE_PREFIX):]
+    return lambda ns: _one_broker(ns, broker_id)
 
 
 def _unique(items: Iterable[str]) -> tuple[str, ...]:
