@@ -36,6 +36,7 @@ import structlog
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.bus.tls import server_tls_context
 from rollmesh.bus.sandbox_leases import KvSandboxLeases
+from rollmesh.bus.sandbox_snapshots import ObjectStoreSandboxSnapshots
 from rollmesh.config import SandboxConfig
 from rollmesh.messages.sandbox import SandboxLeaseReply, SandboxLeaseRequest, SandboxLoadReported
 from rollmesh.ports import ActorLogic, MessageContext, Publisher, RequestFailedError, Subscription
@@ -193,7 +194,7 @@ class SandboxBrokerActor(RoleActor):
             snapshots, new_id = snapshots / self.broker_id, broker_ids(new_id, self.broker_id)
         supervisor, journal = await self._supervision(backend, publisher)
         broker = SandboxBroker(self.config, backend, snapshot_dir=snapshots, publisher=publisher, new_id=new_id,
-                               journal=journal)
+                               journal=journal, shared_snapshots=self._shared_snapshots(publisher))
         if supervisor is not None and journal is not None:  # before serving: a request may name them
             await readopt(broker, supervisor, journal)
         service = SandboxBrokerService(broker, broker_id=self.broker_id, publisher=publisher, node=self.node)
@@ -201,6 +202,15 @@ class SandboxBrokerActor(RoleActor):
         # Under security, bulk bytes never cross a network in plaintext.
         service.bulk_tcp = service.bulk_tls is not None or not (self.mesh.credentials or self.mesh.nats_tls.enabled)
         return service
+
+    def _shared_snapshots(self, publisher: Publisher) -> ObjectStoreSandboxSnapshots | None:
+        """Snapshots also go to the namespace's object store, so one outlives this broker and its
+        node: a rollout whose broker was lost forks its last snapshot on another broker."""
+        js = getattr(publisher, "jetstream", None)
+        if js is None:
+            return None
+        return ObjectStoreSandboxSnapshots(js, publisher.namespace,  # type: ignore[attr-defined]
+                                           ttl_s=self.config.snapshot_ttl_s, replicas=self.mesh.nats.replicas)
 
     async def _supervision(self, backend: Any, publisher: Publisher) -> tuple[SupervisorClient | None,
                                                                               LeaseJournal | None]:

@@ -300,3 +300,18 @@ class SandboxLeaseRecord(WireMessage, frozen=True, tag="sandbox.lease_record"):
     expiry_slack_s: float = 0.0
     warmable: bool = False
     warm: bool = False
+
+
+class SandboxSnapshotRecord(WireMessage, frozen=True, tag="sandbox.snapshot_record"):
+    """A workspace snapshot in the shared snapshot store, beside its tar: what any broker needs
+    to fork it (the terms of the lease it was taken from) and to check the tar it reads
+    (``size``, ``sha256``). Written after the tar, so a record found names a complete tar."""
+
+    snapshot_id: str
+    size: int
+    sha256: str
+    profile: str
+    limits: SandboxLimitsSpec
+    network: bool
+    warmable: bool = False
+    source_lease: str = ""

@@ -56,7 +56,7 @@ from rollmesh.sandbox.lease_terms import LeaseTerms, limits_spec, profile_limits
 from rollmesh.sandbox.lease_store import LeaseJournal
 from rollmesh.sandbox.leases import Lease, LeaseTable
 from rollmesh.sandbox.sandbox_protocol import Sandbox, SandboxBackend, SandboxLimits
-from rollmesh.sandbox.snapshots import SnapshotStore
+from rollmesh.sandbox.snapshots import SharedSnapshots, SnapshotStore
 from rollmesh.sandbox.warm_pool import WarmPool
 from rollmesh.sandbox.workspace_ops import WorkspaceOps, failure_of
 
@@ -92,6 +92,7 @@ class SandboxBroker:
         clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
         journal: LeaseJournal | None = None,
+        shared_snapshots: SharedSnapshots | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -101,7 +102,7 @@ class SandboxBroker:
         self._pool = WarmPool(window_s=config.demand_window_s, clock=clock)
         self._snapshots = SnapshotStore(snapshot_dir, max_count=config.max_snapshots,
                                         max_bytes=config.max_snapshot_bytes,
-                                        ttl_s=config.snapshot_ttl_s, clock=clock)
+                                        ttl_s=config.snapshot_ttl_s, clock=clock, shared=shared_snapshots)
         self.counts: Counter[str] = Counter()
         self._ops = WorkspaceOps(config, self._snapshots, publisher=publisher, new_id=new_id,
                                  counts=self.counts)
@@ -158,10 +159,16 @@ class SandboxBroker:
         return self._granted(lease)
 
     async def fork(self, req: SandboxForkRequest) -> SandboxForkReply:
-        snapshot = self._snapshots.get(req.snapshot_id)
+        try:  # held here, or (its broker lost, or another one) read from the shared store
+            snapshot = await self._snapshots.load(req.snapshot_id)
+        except Exception as exc:  # noqa: BLE001 - a failure is a reply, by contract
+            kind, text = failure_of(exc)
+            return SandboxForkReply(error_kind=kind, error=f"snapshot {req.snapshot_id!r} unreadable: {text}")
         if snapshot is None:
             return SandboxForkReply(error_kind="unknown_snapshot",
                                     error=f"no snapshot {req.snapshot_id!r} (expired, evicted or never taken)")
+        if snapshot.shared:
+            self.counts["forks_from_shared_store"] += 1
         ttl = self.config.default_lease_ttl_s if req.ttl_s is None else req.ttl_s
         if ttl > self.config.max_lease_ttl_s:
             return SandboxForkReply(error_kind="invalid_request",
@@ -180,9 +187,9 @@ class SandboxBroker:
             for _ in missing:
                 self._pool.record_lease(terms.profile)
             try:
-                tar = await self._snapshots.read(snapshot)
+                tar, sha256 = snapshot.data, snapshot.sha256
                 created = await self._grant(missing, terms,
-                                            seed=lambda sandbox: self._ops.restore(sandbox, tar, snapshot.sha256))
+                                            seed=lambda sandbox: self._ops.restore(sandbox, tar, sha256))
             except CapacityError as exc:
                 return SandboxForkReply(error_kind="capacity", error=str(exc),
                                         retry_after_s=self.config.capacity_retry_after_s)
@@ -301,7 +308,7 @@ class SandboxBroker:
         expired = self._leases.expired(self._clock())
         for lease in expired:
             await self._end(lease, "expired")
-        self._snapshots.expire()
+        await self._snapshots.expire()
         ended_before = time.monotonic() - ENDED_EXECS_KEEP_S
         for key in [key for key, at in self._ended.items() if at < ended_before]:
             del self._ended[key]
