@@ -314,7 +314,7 @@ class SandboxBroker:
             del self._ended[key]
         self._ops.bulk_tokens.drop_lapsed()
         if self._journal is not None:
-            await self._journal.sync(self._leases.all())
+            await self._journal.sync(self._leases.all(), self._clock())
         return len(expired)
 
     async def resize_pools(self) -> None:

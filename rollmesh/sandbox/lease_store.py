@@ -65,25 +65,30 @@ class LeaseJournal:
         except Exception as exc:  # noqa: BLE001 - a stale record is reaped by the next broker
             log.warning("sandbox lease record not deleted", lease_id=lease_id, error=repr(exc))
 
-    async def sync(self, leases: list[Lease]) -> None:
-        """Rewrite each lease whose expiry moved a quarter TTL past the stored one."""
+    async def sync(self, leases: list[Lease], now: float) -> None:
+        """Rewrite each lease whose expiry moved a quarter TTL past the stored one. A lease
+        running an exec does not expire (``Lease.expired``): stored as a TTL from ``now``, so a
+        restarted broker does not reap it under a command that outlived its holder's beats."""
+        due = {lease.lease_id: max(lease.expires_at, now + lease.terms.ttl_s) if lease.running_execs
+               else lease.expires_at for lease in leases}
         moved = [lease for lease in leases
-                 if lease.expires_at - self._stored.get(lease.lease_id, 0.0) >= lease.terms.ttl_s / 4]
-        await asyncio.gather(*(self._write(lease) for lease in moved))
+                 if due[lease.lease_id] - self._stored.get(lease.lease_id, 0.0) >= lease.terms.ttl_s / 4]
+        await asyncio.gather(*(self._write(lease, due[lease.lease_id]) for lease in moved))
 
-    async def _write(self, lease: Lease) -> None:
+    async def _write(self, lease: Lease, expires_at: float | None = None) -> None:
+        expires_at = lease.expires_at if expires_at is None else expires_at
         try:
-            await self.store.put(record_of(lease, self.broker, slack_s=self.slack(lease)))
-            self._stored[lease.lease_id] = lease.expires_at
+            await self.store.put(record_of(lease, self.broker, slack_s=self.slack(lease), expires_at=expires_at))
+            self._stored[lease.lease_id] = expires_at
         except Exception as exc:  # noqa: BLE001
             log.warning("sandbox lease record not written", lease_id=lease.lease_id, error=repr(exc))
 
 
-def record_of(lease: Lease, broker: str, *, slack_s: float) -> SandboxLeaseRecord:
+def record_of(lease: Lease, broker: str, *, slack_s: float, expires_at: float) -> SandboxLeaseRecord:
     return SandboxLeaseRecord(
         lease_id=lease.lease_id, holder=lease.holder, broker=broker, sandbox_id=lease.sandbox.info.sandbox_id,
         profile=lease.terms.profile, limits=limits_spec(lease.terms.limits), network=lease.terms.network,
-        ttl_s=lease.terms.ttl_s, expires_at=lease.expires_at, expiry_slack_s=slack_s,
+        ttl_s=lease.terms.ttl_s, expires_at=expires_at, expiry_slack_s=slack_s,
         warmable=lease.terms.warmable, warm=lease.warm)
 
 
