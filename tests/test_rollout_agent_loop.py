@@ -44,6 +44,7 @@ from rollmesh.messages.subjects import (
     SANDBOX_LEASE,
     SANDBOX_RELEASE,
     SANDBOX_SNAPSHOT,
+    broker_subject,
 )
 from rollmesh.rollout.agent_loop import RolloutRunner
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates
@@ -519,6 +520,29 @@ async def test_every_sandbox_request_of_a_rollout_names_it_through_a_resume_in_a
         s.template for s in (SANDBOX_LEASE, SANDBOX_HEARTBEAT, SANDBOX_EXEC, SANDBOX_SNAPSHOT, SANDBOX_FORK,
                              SANDBOX_RELEASE)}
     assert {message.rollout_id for _, message in sent} == {"r-1"}
+
+
+async def test_a_resumed_rollout_whose_workspace_snapshot_is_gone_fails_typed_not_with_an_empty_workspace():
+    states = InMemoryRolloutStates()
+    first_bus = sandbox_bus()
+    first_bus.default_replies[SANDBOX_SNAPSHOT] = SandboxSnapshotReply(snapshot_id="1.snap")
+    first = runner(ScriptedEngine([tool_call(), asyncio.CancelledError()]), first_bus, states=states,
+                   snapshot_workspace=True)
+    with pytest.raises(asyncio.CancelledError):
+        await first.handle_requested(request(), context())
+    # Its broker is lost with the sandbox and, this time, the snapshot is nowhere to be had.
+    second_bus = sandbox_bus(lease=SandboxLeaseReply(lease_id="2.lease", backend="fake"))
+    # Forked by the fresh lease's broker ("2"), not the snapshot's ("1", lost): its reply is scripted only there.
+    second_bus.default_replies[broker_subject(SANDBOX_FORK, "2")] = SandboxForkReply(
+        error_kind="unknown_snapshot", error="evicted")
+    second_bus.default_replies[broker_subject(SANDBOX_RELEASE, "2")] = SandboxReleaseReply(released=True)
+    engine = ScriptedEngine([answer()])
+    result = await run(engine, second_bus, states=states)
+
+    assert isinstance(result, RolloutFailed) and result.kind == "sandbox_error" and result.infra_failures == 1
+    assert engine.calls == [], "no turn runs in a sandbox without the rollout's files"
+    released = [m.lease_id for s, m in second_bus.requests if s.type is SANDBOX_RELEASE.type]
+    assert released == ["2.lease"]
 
 
 async def test_a_request_redelivered_after_its_outcome_was_saved_republishes_it_and_runs_nothing():

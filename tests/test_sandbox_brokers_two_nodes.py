@@ -131,6 +131,7 @@ async def test_brokers_on_two_nodes_share_leases_and_a_lost_node_costs_only_its_
         for lease in leases.values():
             assert await echo(client, lease.lease_id, "hi") == b"hi\n"
         lost_holder, lost_lease = next(iter(on[worker_broker].items()))
+        await client.upload(lost_lease, "turn.txt", b"turn 2")
         snapshot = (await client.snapshot(lost_lease)).snapshot_id
 
         lose_machine(worker)  # the worker node, its broker and its sandboxes, at once
@@ -146,10 +147,12 @@ async def test_brokers_on_two_nodes_share_leases_and_a_lost_node_costs_only_its_
             with pytest.raises(SandboxRequestError) as lost:
                 await lost_client.heartbeat(lease_id)
             assert lost.value.kind == "unreachable"
-        # The rollout's retry: its broker and snapshot are gone, so a fresh lease on the head's.
+        # The rollout's retry: its broker is gone, so a lease on the head's, forked from the
+        # snapshot the lost broker took (its copy in the JetStream object store).
         resumed = await RolloutSandbox(client, RolloutConfig()).lease(
             lost_holder, held=lost_lease, snapshot_id=snapshot, turn=2)
         assert broker_of(resumed) == head_broker
+        assert await client.download(resumed, "turn.txt") == b"turn 2"
         assert await echo(client, resumed, "resumed") == b"resumed\n"
     finally:
         await nc.close()

@@ -16,6 +16,7 @@ from rollmesh.actors.shell import ActorShell
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.permissions import role_permissions
 from rollmesh.bus.publisher import BusPublisher
+from rollmesh.bus.sandbox_snapshots import ObjectStoreSandboxSnapshots
 from rollmesh.config import RolloutConfig, SandboxConfig, SandboxProfileConfig, TelemetryConfig
 from rollmesh.messages import SandboxLeaseReply, SandboxLeaseRequest, SandboxLoadReported
 from rollmesh.messages.rollout import INFRA_FAILURE_KINDS
@@ -275,8 +276,10 @@ async def two_brokers(nats_server, namespace, tmp_path, trace_file):
         shell = ActorShell(f"sandbox-broker-{broker_id}", namespace, nats_server.url, run_dir=tmp_path,
                            telemetry_config=TelemetryConfig(exporter="jsonl"))
         publisher = await shell.connect()
+        shared = ObjectStoreSandboxSnapshots(publisher.jetstream, namespace, ttl_s=config.snapshot_ttl_s)
         broker = SandboxBroker(config, FakeSandboxBackend(), snapshot_dir=tmp_path / broker_id,
-                               publisher=publisher, new_id=broker_ids(lambda: uuid.uuid4().hex, broker_id))
+                               publisher=publisher, new_id=broker_ids(lambda: uuid.uuid4().hex, broker_id),
+                               shared_snapshots=shared)
         service = SandboxBrokerService(broker, broker_id=broker_id, publisher=publisher)
         await shell.serve(service)
         shells.append(shell)
@@ -301,6 +304,7 @@ async def test_leases_spread_over_two_brokers_and_losing_one_costs_only_its_leas
     assert [service.broker.stats().active_leases for service in services] == [len(held["0"]), len(held["1"])]
     for lease in leases:  # each lease's exec reaches the broker holding it
         assert (await client.exec(lease.lease_id, shell="echo hi")).stdout == b"hi\n"
+    await client.upload(held["1"][0].lease_id, "results/turn.txt", b"turn 3")
     snapshot = (await client.snapshot(held["1"][0].lease_id)).snapshot_id
     assert broker_of(snapshot) == "1"
 
@@ -312,11 +316,13 @@ async def test_leases_spread_over_two_brokers_and_losing_one_costs_only_its_leas
     with pytest.raises(SandboxRequestError) as lost:
         await SandboxBrokerClient(bus, timeout_s=0.5).exec(held["1"][0].lease_id, ["true"], timeout_s=0.5)
     assert lost.value.kind == "unreachable" and failure_kind(lost.value) in INFRA_FAILURE_KINDS
-    # The rollout's own path: its old broker and its snapshot are gone, so a fresh lease on the
-    # broker left (its workspace starts empty), whatever placement last heard of broker 1.
+    # The rollout's own path: its old broker is gone, so a lease on the broker left, whatever
+    # placement last heard of broker 1, forked from the snapshot broker 1 took (the shared copy).
     rollout = RolloutSandbox(client, RolloutConfig())
     holder = f"rollout-{leases.index(held['1'][0])}"
     resumed = await rollout.lease(holder, held=held["1"][0].lease_id, snapshot_id=snapshot, turn=3)
     assert broker_of(resumed) == "0"
+    assert await client.download(resumed, "results/turn.txt") == b"turn 3"
+    assert services[0].broker.counts["forks_from_shared_store"] == 1
     fresh = [await client.lease(f"new-{index}", ttl_s=30.0) for index in range(3)]
     assert {lease.broker for lease in fresh} == {"0"}

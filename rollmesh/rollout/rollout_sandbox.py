@@ -3,7 +3,8 @@
 Knows the sandbox broker's client and the rollout config; nothing of NATS, Ray or the agent
 loop's turns. The rollout id is the lease's idempotency token, so a redelivered rollout gets the
 sandbox its earlier attempt held while that lease lives; once it is gone, a fork of the rollout's
-last workspace snapshot; else a fresh one. Every request names the rollout (``rollout_id``), so
+last workspace snapshot (an infrastructure failure when that cannot be had); a rollout without one,
+a fresh sandbox. Every request names the rollout (``rollout_id``), so
 its spans and log lines do.
 """
 
@@ -42,18 +43,23 @@ class RolloutSandbox:
         except SandboxRequestError as exc:
             raise RolloutError("sandbox_error", f"no sandbox lease: {exc}", turns=turn) from exc
         if held and reply.lease_id != held and snapshot_id:
-            return await self._restore(rollout_id, snapshot_id, fresh_lease=reply.lease_id)
+            return await self._restore(rollout_id, snapshot_id, fresh_lease=reply.lease_id, turn=turn)
         return reply.lease_id
 
-    async def _restore(self, rollout_id: str, snapshot_id: str, *, fresh_lease: str) -> str:
-        """A lease on a fork of ``snapshot_id``, the fresh lease given back; the fresh lease
-        itself when the snapshot is gone (the rollout goes on with an empty workspace)."""
+    async def _restore(self, rollout_id: str, snapshot_id: str, *, fresh_lease: str, turn: int) -> str:
+        """A lease on a fork of ``snapshot_id``, made by the fresh lease's broker (the snapshot's
+        own may be lost with its node; every broker reads the shared snapshot store), the fresh
+        lease given back. A snapshot that cannot be forked is an infrastructure failure
+        (``sandbox_error``): going on with an empty workspace would silently lose the files the
+        saved turns made (rollouts without ``rollout.snapshot_workspace`` name no snapshot)."""
         try:
             (forked,) = await self.sandbox.fork(snapshot_id, rollout_id, 1, ttl_s=self.config.sandbox_lease_ttl_s,
-                                                rollout_id=rollout_id)
+                                                rollout_id=rollout_id, near_lease=fresh_lease)
         except (SandboxRequestError, ValueError) as exc:
             _log.warning("workspace_snapshot_lost", rollout_id=rollout_id, snapshot_id=snapshot_id, error=str(exc))
-            return fresh_lease
+            await self.release(fresh_lease, rollout_id)
+            raise RolloutError("sandbox_error", f"workspace snapshot {snapshot_id!r} could not be restored: {exc}",
+                               turns=turn) from exc
         await self.release(fresh_lease, rollout_id)
         return forked.lease_id
 

@@ -256,11 +256,13 @@ class SandboxBrokerClient:
         request = SandboxSnapshotRequest(lease_id=lease_id, rollout_id=rollout_id)
         return await self._call(SANDBOX_SNAPSHOT, request, "snapshot", wait_s=self.timeout_s * 4)
 
-    async def fork(self, snapshot_id: str, holder: str, count: int, *,
-                   ttl_s: float | None = None, rollout_id: str = "") -> list[ForkedLease]:
+    async def fork(self, snapshot_id: str, holder: str, count: int, *, ttl_s: float | None = None,
+                   rollout_id: str = "", near_lease: str = "") -> list[ForkedLease]:
+        """``near_lease``: fork on that lease's broker rather than the snapshot's, which may be
+        lost (a broker reads a snapshot it does not hold from the shared store)."""
         reply = await self._call(SANDBOX_FORK, SandboxForkRequest(
             snapshot_id=snapshot_id, holder=holder, count=count, ttl_s=ttl_s, rollout_id=rollout_id),
-            "fork", wait_s=self.timeout_s * 4)
+            "fork", wait_s=self.timeout_s * 4, route_by=near_lease)
         return list(reply.leases)
 
     async def heartbeat(self, lease_id: str, *, rollout_id: str = "") -> float:
@@ -277,8 +279,8 @@ class SandboxBrokerClient:
     # -- internals -------------------------------------------------------------------------
 
     async def _call(self, subject: Subject, request: WireMessage, operation: str, *,
-                    wait_s: float | None = None) -> Any:
-        subject = routed_subject(subject, request)
+                    wait_s: float | None = None, route_by: str = "") -> Any:
+        subject = routed_subject(subject, request, by=route_by)
         try:
             reply = await self._requester.request(subject, request, timeout_s=wait_s or self.timeout_s)
         except RequestFailedError as exc:
@@ -300,8 +302,9 @@ class SandboxBrokerClient:
         raise AssertionError("unreachable")
 
 
-def routed_subject(subject: Subject, request: WireMessage) -> Subject:
-    """Where a request goes: its lease's (or, for a fork, its snapshot's) broker's own subject
-    when the id names a broker; the shared subject otherwise (a new lease, a broker without an id)."""
-    broker = broker_of(getattr(request, "lease_id", "") or getattr(request, "snapshot_id", ""))
+def routed_subject(subject: Subject, request: WireMessage, *, by: str = "") -> Subject:
+    """Where a request goes: its lease's (or, for a fork, its snapshot's; or ``by``'s) broker's
+    own subject when the id names a broker; the shared subject otherwise (a new lease, a broker
+    without an id)."""
+    broker = broker_of(by or getattr(request, "lease_id", "") or getattr(request, "snapshot_id", ""))
     return broker_subject(subject, broker) if broker else subject
