@@ -15,12 +15,19 @@ Calls alternate ours / baseline in blocks of 10 (see BLOCK). Also reported: leas
 pool (p50), execs per second with 16 sandboxes running ``true`` concurrently, the same 1 MiB
 upload with the bulk path off (all over NATS, as before it), and the floor of a 1 MiB upload on
 this machine: hashing it at both ends plus one copy, in one process with nothing else.
+``broker_scale``: leases per second with two brokers (ids "0" and "1", each in its own process,
+as ``sandbox.brokers = 2`` runs them: placed through the shared lease subject) over one (a single
+broker, as the default runs it), each with the warm pool above, fresh and filled before timing;
+8 holders lease and release at once for BROKER_SCALE_SECONDS, BROKER_SCALE_ROUNDS rounds
+alternating 1 and 2 (the median of each). A release ends its sandbox, so the rate is bound by
+making new ones. Report only: on 2 cores the brokers' sandbox starts share the same CPUs, so this
+cannot show scaling. ``--only-broker-scale`` measures it alone.
 
 ``ratio`` = baseline / ours for the 1 MiB upload p50 (target >= 4.5); ``ratio_16mib`` the same
 for 16 MiB; ``exec_ratio`` the same for exec ``true`` (target >= 2.5); ``lease_p50_ms`` (target
-<= 10); ``execs_per_s``; ``floor_1mib_ms``.
+<= 10); ``execs_per_s``; ``floor_1mib_ms``; ``broker_scale`` (report only).
 
-    python benchmarks/sandbox_latency.py [--calls 200]
+    python benchmarks/sandbox_latency.py [--calls 200] [--only-broker-scale]
 """
 
 from __future__ import annotations
@@ -56,6 +63,9 @@ CONCURRENT_SANDBOXES = 16
 BLOCK = 10
 SETTLE_S = 0.05
 THROUGHPUT_SECONDS = 5.0
+BROKER_SCALE_SECONDS = 4.0
+BROKER_SCALE_LEASERS = 8
+BROKER_SCALE_ROUNDS = 3
 
 
 def summary(samples: list[float]) -> dict[str, float]:
@@ -65,26 +75,37 @@ def summary(samples: list[float]) -> dict[str, float]:
 # -- the broker, in its own process -----------------------------------------------------------
 
 
-def broker_process(url: str, run_dir: str, ready: multiprocessing.Event, stop: multiprocessing.Event) -> None:
-    asyncio.run(_serve_broker(url, Path(run_dir), ready, stop))
+def broker_process(url: str, run_dir: str, ready: multiprocessing.Event, stop: multiprocessing.Event,
+                   broker_id: str = "", peers: int = 0) -> None:
+    asyncio.run(_serve_broker(url, Path(run_dir), ready, stop, broker_id, peers))
 
 
-async def _serve_broker(url: str, run_dir: Path, ready, stop) -> None:
+async def _serve_broker(url: str, run_dir: Path, ready, stop, broker_id: str = "", peers: int = 0) -> None:
+    """One broker; with ``broker_id`` one of ``peers`` (broker_scale), ready once its warm pool is
+    full and it has heard every peer's load."""
     from rollmesh.actors.sandbox_broker import SandboxBrokerService
     from rollmesh.actors.shell import ActorShell
     from rollmesh.config import SandboxConfig, SandboxProfileConfig, TelemetryConfig
     from rollmesh.sandbox import SandboxBroker, select_backend
+    from rollmesh.sandbox.placement import broker_ids
 
     config = SandboxConfig(
         backend="bwrap", pool_interval_s=0.05,
         profiles={"default": SandboxProfileConfig(warm_min=4, warm_max=CONCURRENT_SANDBOXES + 4)},
     )
-    shell = ActorShell("bench-broker", NAMESPACE, url, run_dir=run_dir,
+    shell = ActorShell(f"bench-broker{broker_id}", NAMESPACE, url, run_dir=run_dir,
                        telemetry_config=TelemetryConfig(exporter="none", log_level="warning"))
     publisher = await shell.connect()
     backend = await asyncio.to_thread(select_backend, "bwrap")
-    broker = SandboxBroker(config, backend, snapshot_dir=run_dir / "snapshots", publisher=publisher)
-    await shell.serve(SandboxBrokerService(broker))
+    ids = {"new_id": broker_ids(lambda: os.urandom(16).hex(), broker_id)} if broker_id else {}
+    broker = SandboxBroker(config, backend, snapshot_dir=run_dir / f"snapshots{broker_id}", publisher=publisher, **ids)
+    service = SandboxBrokerService(broker, broker_id=broker_id, publisher=publisher)
+    await shell.serve(service)
+    if peers:
+        warm_min = config.profiles["default"].warm_min
+        while (broker.stats().warm_sandboxes.get("default", 0) < warm_min
+               or (service.directory is not None and len(service.directory.live()) < peers)):
+            await asyncio.sleep(0.05)
     ready.set()
     while not stop.is_set():
         await asyncio.sleep(0.05)
@@ -235,24 +256,87 @@ async def throughput(client: SandboxBrokerClient) -> float:
     return rate
 
 
+async def lease_rate(url: str, brokers: int) -> tuple[float, float]:
+    """Leases per second (and the share found warm) with BROKER_SCALE_LEASERS holders leasing and
+    releasing at once for BROKER_SCALE_SECONDS."""
+    nc = await connect_bus(url, name="bench-scale-client")
+    client = SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), NAMESPACE))
+    leased = warm = 0
+    deadline = time.perf_counter() + BROKER_SCALE_SECONDS
+
+    async def loop(index: int) -> None:
+        nonlocal leased, warm
+        turn = 0
+        while time.perf_counter() < deadline:
+            reply = await client.lease(f"scale-{brokers}-{index}-{turn}", capacity_retries=10)
+            await client.release(reply.lease_id)
+            leased, warm, turn = leased + 1, warm + int(reply.warm), turn + 1
+
+    try:
+        start = time.perf_counter()
+        await asyncio.gather(*(loop(index) for index in range(BROKER_SCALE_LEASERS)))
+        return leased / (time.perf_counter() - start), warm / max(leased, 1)
+    finally:
+        await nc.close()
+
+
+def broker_scale(context, url: str, scratch: str) -> dict:
+    """Leases per second over 2 brokers vs 1, fresh brokers each round, rounds alternating."""
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    warm: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(BROKER_SCALE_ROUNDS):
+        for brokers in (1, 2):
+            ids = [""] if brokers == 1 else [str(index) for index in range(brokers)]
+            processes = []
+            for broker_id in ids:
+                ready, stop = context.Event(), context.Event()
+                process = context.Process(target=broker_process, daemon=True,
+                                          args=(url, scratch, ready, stop, broker_id, len(ids)))
+                process.start()
+                processes.append((process, ready, stop))
+            try:
+                for _, ready, _ in processes:
+                    if not ready.wait(120):
+                        raise SystemExit("a broker of broker_scale did not start")
+                rate, warm_share = asyncio.run(lease_rate(url, brokers))
+            finally:
+                for process, _, stop in processes:
+                    stop.set()
+                for process, _, _ in processes:
+                    process.join(30)
+            rates[brokers].append(rate)
+            warm[brokers].append(warm_share)
+    one, two = statistics.median(rates[1]), statistics.median(rates[2])
+    return {"broker_scale": round(two / one, 3), "broker_scale_leases_per_s": {
+        "1": round(one, 1), "2": round(two, 1), "rounds": {str(k): [round(r, 1) for r in v] for k, v in rates.items()},
+        "warm_share": {str(k): round(statistics.median(v), 3) for k, v in warm.items()},
+        "holders": BROKER_SCALE_LEASERS, "seconds": BROKER_SCALE_SECONDS}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--only-broker-scale", action="store_true", help="measure broker_scale alone")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-sandbox-") as scratch:
         server = EmbeddedNatsServer(Path(scratch) / "nats")
         url = server.start()
         context = multiprocessing.get_context("spawn")
         ready, stop = context.Event(), context.Event()
-        broker = context.Process(target=broker_process, args=(url, scratch, ready, stop), daemon=True)
-        broker.start()
+        result: dict = {"benchmark": "sandbox_latency"}
         try:
-            if not ready.wait(60):
-                raise SystemExit("the broker did not start")
-            result = asyncio.run(measure(url, args.calls))
+            if not args.only_broker_scale:
+                broker = context.Process(target=broker_process, args=(url, scratch, ready, stop), daemon=True)
+                broker.start()
+                try:
+                    if not ready.wait(60):
+                        raise SystemExit("the broker did not start")
+                    result = asyncio.run(measure(url, args.calls))
+                finally:
+                    stop.set()
+                    broker.join(30)
+            result.update(broker_scale(context, url, scratch))  # after the main broker is gone
         finally:
-            stop.set()
-            broker.join(30)
             server.stop()
     print(json.dumps(result))
 
