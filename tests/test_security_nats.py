@@ -7,6 +7,7 @@ as the embedded server does under ``security.enabled``; the "mesh" user creates 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import stat
 import uuid
@@ -25,9 +26,11 @@ from rollmesh.bus.errors import BusConnectError, BusSecurityError
 from rollmesh.bus.permissions import ROLES, ServerUser, render_authorization, role_permissions
 from rollmesh.bus.security import BusCredentials, GeneratedCredentials, generate_role_nkeys
 from rollmesh.bus.streams import ensure_streams
+from rollmesh.bus.sandbox_snapshots import ObjectStoreSandboxSnapshots
 from rollmesh.bus.trajectory_store import ObjectStoreTrajectories
 from rollmesh.config import NatsCredentialsConfig
 from rollmesh.messages import TokenTrace
+from rollmesh.messages.sandbox import SandboxLimitsSpec, SandboxSnapshotRecord
 from rollmesh.messages.subjects import ALL_SUBJECTS
 from rollmesh.ports import StateStoreError
 
@@ -212,6 +215,27 @@ async def test_a_long_trajectory_is_stored_by_a_rollout_worker_and_read_not_writ
         trainer_store = ObjectStoreTrajectories(connections["trainer"].jetstream(), NAMESPACE, outage_retry_s=0.0)
         with pytest.raises(StateStoreError):
             await trainer_store.save("r-forged", "completed", trace)
+    finally:
+        for nc in connections.values():
+            await nc.close()
+
+
+async def test_any_sandbox_broker_reads_and_deletes_a_snapshot_another_broker_stored(
+    secured: SecuredBus,
+) -> None:
+    roles = ("sandbox_broker_0", "sandbox_broker_1")
+    connections = {role: await connect_bus(secured.server.url, name=role, credentials=secured.credentials(role))
+                   for role in roles}
+    data = bytes(range(256)) * 1200  # several object-store chunks
+    record = SandboxSnapshotRecord(snapshot_id="0.snap", size=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                                   profile="default", limits=SandboxLimitsSpec(), network=False)
+    try:
+        taker, other = (ObjectStoreSandboxSnapshots(connections[role].jetstream(), NAMESPACE, ttl_s=600.0)
+                        for role in roles)
+        await taker.put(record, data)
+        assert await other.get("0.snap") == (record, data)  # its broker lost, another forks it
+        await other.delete("0.snap")
+        assert await taker.get("0.snap") is None
     finally:
         for nc in connections.values():
             await nc.close()
