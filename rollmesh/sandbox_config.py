@@ -138,7 +138,9 @@ class SandboxConfig(ConfigSection):
     bulk_threshold_bytes: NonNegInt = 64 * 1024
     bulk_bind_host: str = "127.0.0.1"  # "0.0.0.0": reachable from other nodes
     bulk_token_ttl_s: PositiveFloat = 30.0
-    # Snapshots kept by the broker (tars of workspaces): the least recently used go first.
+    # Snapshots each broker takes (tars of workspaces; on the bus also in the JetStream object
+    # store, where every broker can fork them): the least recently used go first, and one
+    # unused for snapshot_ttl_s expires (in the object store: snapshot_ttl_s after it was taken).
     max_snapshots: PositiveInt = 64
     max_snapshot_bytes: PositiveInt = 4096 * MiB
     snapshot_ttl_s: PositiveFloat = 3600.0
