@@ -50,6 +50,7 @@ from rollmesh.rollout.agent_loop import RolloutRunner
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates
 from rollmesh.rollout.molar_mass import MolarMassTask, true_molar_mass
 from rollmesh.rollout.tasks import TaskRegistry
+from rollmesh.sandbox.broker_client import SandboxBrokerClient
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -112,14 +113,14 @@ def sandbox_bus(*exec_replies: SandboxExecReply | BaseException,
 def runner(engine: ScriptedEngine, bus: RecordingPublisher, *, max_seq_len: int | None = None,
            progress_events: bool = True, states: InMemoryRolloutStates | None = None,
            chat_model: ChatModel | None = None, tasks: list | None = None, routed_experts=None,
-           **config) -> RolloutRunner:
+           sandbox: SandboxBrokerClient | None = None, **config) -> RolloutRunner:
     """A runner that fails at the first infrastructure failure unless the test asks for retries."""
     config = {"infra_retries": 0, "infra_retry_delay_s": 0.0, "strict_tokenization": True, **config}
     return RolloutRunner(
         RolloutConfig(tool_timeout_s=5.0, progress_events=progress_events, **config),
         ModelConfig(path=os.environ["ROLLMESH_MODEL__PATH"]), chat=chat_model or chat(),
         tasks=TaskRegistry(tasks or [MolarMassTask()]), engine=engine, publisher=bus, clock=lambda: 100.0,
-        states=states, max_seq_len=max_seq_len, routed_experts=routed_experts,
+        states=states, max_seq_len=max_seq_len, routed_experts=routed_experts, sandbox=sandbox,
     )
 
 
@@ -231,9 +232,14 @@ async def test_engine_exception_fails_with_inference_error_on_its_turn():
 
 
 async def test_unreachable_sandbox_broker_fails_with_sandbox_error_never_a_zero_reward_completion():
-    unreachable = RequestTimeoutError(subject="rl.test.sandbox.exec", timeout_s=35.0)
-    bus = sandbox_bus(unreachable)
-    result = await run(ScriptedEngine([tool_call(), answer()]), bus)
+    # The broker is gone for good: every exec and every probe of it times out. The client sends
+    # the exec again for a restarted broker, but no longer than its reattach window (short here).
+    gone = [RequestTimeoutError(subject="rl.test.sandbox.exec", timeout_s=35.0) for _ in range(200)]
+    bus = sandbox_bus(*gone)
+    bus.replies[SANDBOX_HEARTBEAT] = [RequestTimeoutError(subject="rl.test.sandbox.heartbeat", timeout_s=2.0)
+                                      for _ in range(200)]
+    client = SandboxBrokerClient(bus, exec_reattach_s=0.3, sleep=lambda _s: asyncio.sleep(0))
+    result = await run(ScriptedEngine([tool_call(), answer()]), bus, sandbox=client)
 
     assert isinstance(result, RolloutFailed)
     assert result.kind == "sandbox_error"
