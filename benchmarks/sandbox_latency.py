@@ -1,7 +1,9 @@
 """Sandbox latency through the broker (warm sandbox, over NATS) vs a cold ``bwrap`` per call.
 
-Ours: a sandbox broker in its own process (as the broker actor runs in the mesh) serves a client
-in this process over an embedded nats-server (max payload 8 MiB). The client leases a sandbox
+Ours: a sandbox broker in its own process (as the broker actor runs in the mesh, with its
+defaults: its sandboxes held by the node's supervisor process, which relays every frame between
+broker and agent, and its leases journaled in JetStream KV) serves a client in this process over
+an embedded nats-server (max payload 8 MiB). The client leases a sandbox
 from the warm pool, then times, end to end (request sent to reply decoded):
 - exec of ``true``;
 - a 1 MiB and a 16 MiB upload of random bytes, verified end to end by **sha256** (the client
@@ -11,7 +13,11 @@ from the warm pool, then times, end to end (request sent to reply decoded):
 Baseline: ``bwrap`` started once per call with the same namespaces and mounts as our sandbox
 (the argv our bwrap backend builds, run as the broker's user, without the cgroup join and uid
 switch), running ``true``, or ``sh -c 'cat > f && sha256sum f'`` with the bytes on stdin.
-Calls alternate ours / baseline in blocks of 10 (see BLOCK). Also reported: lease from the warm
+Calls alternate ours / baseline in blocks of 10 (see BLOCK). A second broker, holding its
+sandboxes directly as before the supervisor (its own namespace and process), takes blocks of the
+same exec and 1 MiB upload between ours and the baseline: ``exec_direct_ms`` and
+``upload_1mib_direct_ms`` (and ``exec_ratio_direct``, ``ratio_direct``) show what the relay
+costs. Also reported: lease from the warm
 pool (p50), execs per second with 16 sandboxes running ``true`` concurrently, the same 1 MiB
 upload with the bulk path off (all over NATS, as before it), and the floor of a 1 MiB upload on
 this machine: hashing it at both ends plus one copy, in one process with nothing else.
@@ -53,6 +59,7 @@ from rollmesh.sandbox.bwrap_backend import BwrapBackend
 from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 
 NAMESPACE = "bench"
+DIRECT_NAMESPACE = "bench-direct"  # the broker that holds its sandboxes itself, for comparison
 PAYLOAD_BYTES = 1024 * 1024
 LARGE_BYTES = 16 * 1024 * 1024
 CONCURRENT_SANDBOXES = 16
@@ -76,29 +83,47 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 
 def broker_process(url: str, run_dir: str, ready: multiprocessing.Event, stop: multiprocessing.Event,
-                   broker_id: str = "", peers: int = 0) -> None:
-    asyncio.run(_serve_broker(url, Path(run_dir), ready, stop, broker_id, peers))
+                   broker_id: str = "", peers: int = 0, supervised: bool = False,
+                   namespace: str = NAMESPACE) -> None:
+    asyncio.run(_serve_broker(url, Path(run_dir), ready, stop, broker_id, peers, supervised, namespace))
 
 
-async def _serve_broker(url: str, run_dir: Path, ready, stop, broker_id: str = "", peers: int = 0) -> None:
+async def _serve_broker(url: str, run_dir: Path, ready, stop, broker_id: str = "", peers: int = 0,
+                        supervised: bool = False, namespace: str = NAMESPACE) -> None:
     """One broker; with ``broker_id`` one of ``peers`` (broker_scale), ready once its warm pool is
-    full and it has heard every peer's load."""
+    full and it has heard every peer's load. ``supervised``: as the broker actor's default
+    (``sandbox.supervisor``), the node's supervisor holds its sandboxes and its leases are
+    journaled in JetStream KV."""
     from rollmesh.actors.sandbox_broker import SandboxBrokerService
     from rollmesh.actors.shell import ActorShell
     from rollmesh.config import SandboxConfig, SandboxProfileConfig, TelemetryConfig
     from rollmesh.sandbox import SandboxBroker, select_backend
     from rollmesh.sandbox.placement import broker_ids
+    from rollmesh.bus.sandbox_leases import KvSandboxLeases
+    from rollmesh.sandbox.lease_store import LeaseJournal, readopt
+    from rollmesh.sandbox.supervisor_client import SupervisorClient
 
     config = SandboxConfig(
         backend="bwrap", pool_interval_s=0.05,
         profiles={"default": SandboxProfileConfig(warm_min=4, warm_max=CONCURRENT_SANDBOXES + 4)},
     )
-    shell = ActorShell(f"bench-broker{broker_id}", NAMESPACE, url, run_dir=run_dir,
+    shell = ActorShell(f"bench-broker{broker_id}", namespace, url, run_dir=run_dir,
                        telemetry_config=TelemetryConfig(exporter="none", log_level="warning"))
     publisher = await shell.connect()
     backend = await asyncio.to_thread(select_backend, "bwrap")
     ids = {"new_id": broker_ids(lambda: os.urandom(16).hex(), broker_id)} if broker_id else {}
-    broker = SandboxBroker(config, backend, snapshot_dir=run_dir / f"snapshots{broker_id}", publisher=publisher, **ids)
+    journal = supervisor = None
+    if supervised:  # what the broker actor does at start with sandbox.supervisor (its default)
+        supervisor = SupervisorClient(run_dir, broker=f"bench-broker{broker_id}", idle_exit_s=10,
+                                      keep_s=config.exec_result_keep_s)
+        await asyncio.to_thread(supervisor.ensure_running)
+        backend.supervisor = supervisor
+        journal = LeaseJournal(KvSandboxLeases(publisher.jetstream, namespace), f"bench-broker{broker_id}",  # type: ignore[attr-defined]
+                               sync_interval_s=config.reap_interval_s)
+    broker = SandboxBroker(config, backend, snapshot_dir=run_dir / f"snapshots{broker_id}", publisher=publisher,
+                           journal=journal, **ids)
+    if supervisor is not None and journal is not None:
+        await readopt(broker, supervisor, journal)
     service = SandboxBrokerService(broker, broker_id=broker_id, publisher=publisher)
     await shell.serve(service)
     if peers:
@@ -157,25 +182,32 @@ async def measure(url: str, calls: int) -> dict:
     nc = await connect_bus(url, name="bench-client")
     client = SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), NAMESPACE))
     over_nats = SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), NAMESPACE), bulk_threshold_bytes=None)
+    direct = SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), DIRECT_NAMESPACE))
     cold = ColdBwrap()
     payload, large = os.urandom(PAYLOAD_BYTES), os.urandom(LARGE_BYTES)
     digest, large_digest = hashlib.sha256(payload).hexdigest(), hashlib.sha256(large).hexdigest()
     results: dict[str, list[float]] = {k: [] for k in (
-        "exec", "exec_base", "upload", "upload_base", "upload_nats", "large", "large_base", "lease")}
+        "exec", "exec_base", "upload", "upload_base", "upload_nats", "large", "large_base", "lease",
+        "exec_direct", "upload_direct")}
     try:
         lease = await client.lease("bench-main", capacity_retries=3)
+        direct_lease = await direct.lease("bench-direct", capacity_retries=3)
+        # Supervised and direct take turns going first, so neither always follows the baseline.
+        sides = [(client, lease.lease_id, ""), (direct, direct_lease.lease_id, "_direct")]
         for block in range(max(1, calls // BLOCK)):
-            for _ in range(BLOCK):
-                elapsed, reply = await atimed_ms(client.exec(lease.lease_id, ["true"]))
-                assert reply.result == "exit" and reply.exit_code == 0, reply
-                results["exec"].append(elapsed)
+            for side, lease_id, suffix in sides[::1 if block % 2 == 0 else -1]:
+                for _ in range(BLOCK):
+                    elapsed, reply = await atimed_ms(side.exec(lease_id, ["true"]))
+                    assert reply.result == "exit" and reply.exit_code == 0, reply
+                    results["exec" + suffix].append(elapsed)
             for _ in range(BLOCK):
                 results["exec_base"].append(timed_ms(lambda: cold.run(["true"]))[0])
             await asyncio.sleep(SETTLE_S)
-            for index in range(BLOCK):
-                elapsed, reply = await atimed_ms(client.upload(lease.lease_id, f"blob{index % 4}", payload))
-                assert reply.complete and reply.sha256 == digest, reply
-                results["upload"].append(elapsed)
+            for side, lease_id, suffix in sides[::1 if block % 2 == 0 else -1]:
+                for index in range(BLOCK):
+                    elapsed, reply = await atimed_ms(side.upload(lease_id, f"blob{index % 4}", payload))
+                    assert reply.complete and reply.sha256 == digest, reply
+                    results["upload" + suffix].append(elapsed)
             for _ in range(BLOCK):
                 elapsed, out = timed_ms(lambda: cold.run(["sh", "-c", "cat > f && sha256sum f"], payload))
                 assert out.split()[0].decode() == digest
@@ -197,6 +229,7 @@ async def measure(url: str, calls: int) -> dict:
                     results["large_base"].append(elapsed)
                 await asyncio.sleep(SETTLE_S)
         await client.release(lease.lease_id)
+        await direct.release(direct_lease.lease_id)
         cold_leases = 0
         for index in range(min(calls, 100)):
             for attempt in range(20):
@@ -217,6 +250,7 @@ async def measure(url: str, calls: int) -> dict:
     exec_ours, exec_base = summary(results["exec"]), summary(results["exec_base"])
     up_ours, up_base = summary(results["upload"]), summary(results["upload_base"])
     large_ours, large_base = summary(results["large"]), summary(results["large_base"])
+    exec_direct, up_direct = summary(results["exec_direct"]), summary(results["upload_direct"])
     return {
         "benchmark": "sandbox_latency",
         "ours": up_ours["p50"], "baseline": up_base["p50"],
@@ -233,6 +267,11 @@ async def measure(url: str, calls: int) -> dict:
         "upload_16mib_ms": large_ours, "upload_16mib_baseline_ms": large_base,
         "lease_ms": summary(results["lease"]), "leases_found_cold": cold_leases, "checksum": "sha256",
         "calls": calls, "concurrent_sandboxes": CONCURRENT_SANDBOXES,
+        # The same calls to a broker holding its sandboxes itself (no supervisor's relay).
+        "exec_direct_ms": exec_direct, "upload_1mib_direct_ms": up_direct,
+        "exec_ratio_direct": round(exec_base["p50"] / exec_direct["p50"], 3),
+        "ratio_direct": round(up_base["p50"] / up_direct["p50"], 3),
+        "supervised": True,
     }
 
 
@@ -326,15 +365,28 @@ def main() -> None:
         result: dict = {"benchmark": "sandbox_latency"}
         try:
             if not args.only_broker_scale:
-                broker = context.Process(target=broker_process, args=(url, scratch, ready, stop), daemon=True)
-                broker.start()
+                # Ours as the mesh runs it (supervised), and one holding its sandboxes directly.
+                direct_dir = Path(scratch) / "direct"
+                direct_dir.mkdir()
+                direct_ready, direct_stop = context.Event(), context.Event()
+                brokers = [
+                    (context.Process(target=broker_process, args=(url, scratch, ready, stop),
+                                     kwargs={"supervised": True}, daemon=True), ready, stop),
+                    (context.Process(target=broker_process, args=(url, str(direct_dir), direct_ready, direct_stop),
+                                     kwargs={"namespace": DIRECT_NAMESPACE}, daemon=True), direct_ready, direct_stop),
+                ]
+                for broker, _, _ in brokers:
+                    broker.start()
                 try:
-                    if not ready.wait(60):
-                        raise SystemExit("the broker did not start")
+                    for _, started, _ in brokers:
+                        if not started.wait(60):
+                            raise SystemExit("a broker did not start")
                     result = asyncio.run(measure(url, args.calls))
                 finally:
-                    stop.set()
-                    broker.join(30)
+                    for _, _, stopping in brokers:
+                        stopping.set()
+                    for broker, _, _ in brokers:
+                        broker.join(30)
             result.update(broker_scale(context, url, scratch))  # after the main broker is gone
         finally:
             server.stop()
