@@ -6,7 +6,10 @@ is plain non-blocking fds on the event loop with ``agent_wire``'s reader and wri
 broker's own end (``agent_pipes``) is: a tool call pays two more hops here, so no asyncio
 streams or threads. It stays frame-aligned in both directions (a broker killed mid-frame leaves
 a half frame in its socket, never in the agent's pipe) and rewrites request ids, since each
-broker connection numbers its own from 1. An exec sent with ``key`` (the broker's ``exec_id``)
+broker connection numbers its own from 1. A large frame from a broker (an upload's piece) whose
+payload is all in the socket's receive queue already is moved into the agent's pipe with
+``splice`` (``SplicePayload``), never through user space; one not all there yet is read and
+copied as any other, so the agent's pipe never gets a frame its broker could leave unfinished. An exec sent with ``key`` (the broker's ``exec_id``)
 keeps all its frames until ``keep_s`` after it ended: the same key sent again attaches to it
 (what it said so far is replayed) instead of running the command twice. Backpressure: a full
 agent pipe pauses reading from the brokers; a full broker socket pauses reading the agent.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import json
 import os
 import socket
 import subprocess
@@ -23,8 +27,10 @@ import time
 
 if __package__:
     from rollmesh.sandbox import agent_wire as wire
+    from rollmesh.sandbox.supervisor_splice import SPLICE_AT, SplicePayload, SpliceWriter, queued_bytes
 else:  # run as a script: its own directory is on sys.path
     import agent_wire as wire  # type: ignore[no-redef]
+    from supervisor_splice import SPLICE_AT, SplicePayload, SpliceWriter, queued_bytes  # type: ignore[no-redef]
 
 TERMINAL = ("done", "ok", "error")  # an agent answer that ends its request
 UPLOADS = ("put_file", "put_tar")
@@ -32,8 +38,6 @@ MAX_PAYLOAD = wire.CHUNK + 64 * 1024
 HIGH_WATER = 8 * 1024 * 1024  # bytes queued for one peer before the other side is paused
 F_SETPIPE_SZ = 1031
 PIPE_SIZE = 1024 * 1024
-
-
 class Conn:
     """One broker's connection to one held sandbox."""
 
@@ -46,6 +50,8 @@ class Conn:
         self.ids: dict[int, int] = {}  # this broker's request id -> the agent's
         self.alive = True
         self.closing = False  # close once what is queued is written (the agent is gone)
+        self.splicing: SplicePayload | None = None  # its next bytes are that payload's: not read
+        self._close_after_splice = False
         self._loop = asyncio.get_running_loop()
 
     def start(self) -> None:
@@ -73,6 +79,10 @@ class Conn:
 
     def _readable(self) -> None:
         try:
+            big = self._big_frame()
+            if big is not None:
+                self.held.from_broker(self, *big)
+                return
             frames = self.reader.read(self.fd)
         except BlockingIOError:
             return
@@ -82,8 +92,53 @@ class Conn:
         for header, payload in frames:
             self.held.from_broker(self, header, payload)
 
+    def _big_frame(self) -> tuple[dict, SplicePayload] | None:
+        """The next frame, its payload left in the socket to splice, when it is a large one all
+        received; None (nothing read) otherwise, and whenever the reader holds a part frame."""
+        reader = self.reader
+        if reader._big is not None or reader._start != reader._end:
+            return None
+        prefix = self.sock.recv(wire.PREFIX.size, socket.MSG_PEEK)
+        if len(prefix) < wire.PREFIX.size:
+            return None
+        header_len, payload_len = wire.PREFIX.unpack(prefix)
+        if payload_len < SPLICE_AT or payload_len > MAX_PAYLOAD or header_len > wire.MAX_HEADER:
+            return None
+        queued = queued_bytes(self.fd)
+        head_len = wire.PREFIX.size + header_len
+        if queued < head_len + payload_len:
+            return None  # not all there: copied as it comes, so no half frame can reach the agent
+        head = self.sock.recv(head_len)
+        if len(head) != head_len:  # cannot be (it was queued); the stream is not to be trusted
+            raise wire.WireError("a queued frame header came short")
+        try:
+            header = json.loads(head[wire.PREFIX.size:])
+        except ValueError as exc:
+            raise wire.WireError(f"bad frame header: {exc}") from exc
+        if not isinstance(header, dict):
+            raise wire.WireError("frame header is not an object")
+        self.splicing = SplicePayload(self, payload_len)
+        self._loop.remove_reader(self.fd)  # until its payload has left the socket
+        return header, self.splicing
+
+    def abandon(self) -> None:
+        """Its payload will never be spliced (the agent is gone): the connection ends."""
+        self.splicing = None
+        if self.alive:
+            self.close()
+        else:
+            self.sock.close()
+
+    def spliced(self) -> None:
+        """Its payload left the socket: the next frame may be read."""
+        self.splicing = None
+        if self._close_after_splice:
+            self.sock.close()
+        elif self.alive:
+            self.pause(self.held.writer.pending > HIGH_WATER)
+
     def pause(self, paused: bool) -> None:
-        if not self.alive:
+        if not self.alive or self.splicing is not None:
             return
         if paused:
             self._loop.remove_reader(self.fd)
@@ -101,7 +156,10 @@ class Conn:
         self.alive = False
         self._loop.remove_reader(self.fd)
         self._loop.remove_writer(self.fd)
-        self.sock.close()
+        if self.splicing is None:
+            self.sock.close()
+        else:  # a payload still to splice from it: the socket stays open till that frame is whole
+            self._close_after_splice = True
         self.held.detach(self)
 
 
@@ -133,7 +191,7 @@ class Held:
             except OSError:
                 pass
         self.reader = wire.FrameReader(MAX_PAYLOAD)
-        self.writer = wire.FrameWriter(self.in_fd)
+        self.writer = SpliceWriter(self.in_fd)
         self.conns: set[Conn] = set()
         self.routes: dict[int, list[tuple[Conn, int]]] = {}  # the agent's id -> who waits for it
         self.keyed: dict[str, Kept] = {}
@@ -180,8 +238,10 @@ class Held:
         self.exit_code = code
         self.exited.set()
 
-    def to_agent(self, header: dict, payload: bytes | bytearray | memoryview = b"") -> None:
+    def to_agent(self, header: dict, payload: bytes | bytearray | memoryview | SplicePayload = b"") -> None:
         if self.stdin_closed:
+            if isinstance(payload, SplicePayload):
+                payload.discard()
             return
         self.writer.send(header, payload)
         self._flush_agent()
@@ -204,6 +264,8 @@ class Held:
         """The agent reads EOF: it kills its commands and exits (a destroy's first step)."""
         if not self.stdin_closed:
             self.stdin_closed = True
+            for item in self.writer.drop():  # a broker mid-splice: its stream cannot go on
+                item.conn.abandon()
             self._loop.remove_writer(self.in_fd)
             assert self.process.stdin is not None
             self.process.stdin.close()
@@ -250,7 +312,7 @@ class Held:
         if ended:
             self.uploads.discard(aid)  # type: ignore[arg-type]
 
-    def from_broker(self, conn: Conn, header: dict, payload: bytes | bytearray) -> None:
+    def from_broker(self, conn: Conn, header: dict, payload: bytes | bytearray | SplicePayload) -> None:
         rid, op = header.get("id"), header.get("op")
         if op == "chunk":
             aid = conn.ids.get(rid)  # type: ignore[arg-type]
@@ -259,15 +321,21 @@ class Held:
                     self.uploads.discard(aid)
                 header["id"] = aid
                 self.to_agent(header, payload)
+            elif isinstance(payload, SplicePayload):
+                payload.discard()
             return
         if op == "cancel":
             target = conn.ids.get(header.get("target"))  # type: ignore[arg-type]
             if target is not None:
                 header["target"] = target
                 self.to_agent(header)
+            if isinstance(payload, SplicePayload):
+                payload.discard()
             return
         key = header.pop("key", None) if op == "exec" else None
         if key and key in self.keyed:  # the same exec again: attach to it
+            if isinstance(payload, SplicePayload):
+                payload.discard()
             kept = self.keyed[key]
             for old, data in kept.frames:
                 conn.send({**old, "id": rid}, data)
