@@ -159,7 +159,6 @@ class SandboxConfig(ConfigSection):
     # (None: "sandbox-images" under the run directory). Shared across runs when set.
     image_cache_dir: str | None = None
 
-
     def __post_init__(self) -> None:
         for name, profile in self.profiles.items():
             over = [field for field in SandboxLimitsConfig.__struct_fields__

@@ -34,9 +34,9 @@ import msgspec
 import structlog
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
-from rollmesh.bus.tls import server_tls_context
 from rollmesh.bus.sandbox_leases import KvSandboxLeases
 from rollmesh.bus.sandbox_snapshots import ObjectStoreSandboxSnapshots
+from rollmesh.bus.tls import server_tls_context
 from rollmesh.config import SandboxConfig
 from rollmesh.messages.sandbox import SandboxLeaseReply, SandboxLeaseRequest, SandboxLoadReported
 from rollmesh.ports import ActorLogic, MessageContext, Publisher, RequestFailedError, Subscription
