@@ -9,10 +9,11 @@ a half frame in its socket, never in the agent's pipe) and rewrites request ids,
 broker connection numbers its own from 1. A large frame from a broker (an upload's piece) whose
 payload is all in the socket's receive queue already is moved into the agent's pipe with
 ``splice`` (``SplicePayload``), never through user space; one not all there yet is read and
-copied as any other, so the agent's pipe never gets a frame its broker could leave unfinished. An exec sent with ``key`` (the broker's ``exec_id``)
-keeps all its frames until ``keep_s`` after it ended: the same key sent again attaches to it
-(what it said so far is replayed) instead of running the command twice. Backpressure: a full
-agent pipe pauses reading from the brokers; a full broker socket pauses reading the agent.
+copied as any other, so the agent's pipe never gets a frame its broker could leave unfinished.
+An exec sent with ``key`` (the broker's ``exec_id``) keeps all its frames until ``keep_s``
+after it ended: the same key sent again attaches to it (what it said so far is replayed)
+instead of running the command twice. Backpressure: a full agent pipe pauses reading from the
+brokers; a full broker socket pauses reading the agent.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ import time
 
 if __package__:
     from rollmesh.sandbox import agent_wire as wire
-    from rollmesh.sandbox.supervisor_splice import SPLICE_AT, SplicePayload, SpliceWriter, queued_bytes
+    from rollmesh.sandbox import supervisor_splice as splicing
 else:  # run as a script: its own directory is on sys.path
     import agent_wire as wire  # type: ignore[no-redef]
-    from supervisor_splice import SPLICE_AT, SplicePayload, SpliceWriter, queued_bytes  # type: ignore[no-redef]
+    import supervisor_splice as splicing  # type: ignore[no-redef]
+
+SPLICE_AT, SplicePayload, SpliceWriter = splicing.SPLICE_AT, splicing.SplicePayload, splicing.SpliceWriter
+queued_bytes, splice_usable = splicing.queued_bytes, splicing.splice_usable
 
 TERMINAL = ("done", "ok", "error")  # an agent answer that ends its request
 UPLOADS = ("put_file", "put_tar")
@@ -96,7 +100,7 @@ class Conn:
         """The next frame, its payload left in the socket to splice, when it is a large one all
         received; None (nothing read) otherwise, and whenever the reader holds a part frame."""
         reader = self.reader
-        if reader._big is not None or reader._start != reader._end:
+        if reader._big is not None or reader._start != reader._end or not splice_usable():
             return None
         prefix = self.sock.recv(wire.PREFIX.size, socket.MSG_PEEK)
         if len(prefix) < wire.PREFIX.size:

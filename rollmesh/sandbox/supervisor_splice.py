@@ -12,7 +12,9 @@ frame is always finished and the agent's pipe stays frame-aligned whatever the b
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
+import socket
 import struct
 import termios
 from collections import deque
@@ -120,3 +122,24 @@ class SpliceWriter(wire.FrameWriter):
 def queued_bytes(fd: int) -> int:
     """How many bytes wait in a socket's receive queue (FIONREAD)."""
     return _INT.unpack(fcntl.ioctl(fd, termios.FIONREAD, _INT.pack(0)))[0]
+
+
+@functools.cache
+def splice_usable() -> bool:
+    """Whether this kernel splices from a Unix socket into a pipe (asked once, with one byte):
+    where it does not, every frame takes the copying path instead of failing its sandbox."""
+    try:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        read_end, write_end = os.pipe()
+    except OSError:
+        return False
+    try:
+        theirs.sendall(b"x")
+        return os.splice(ours.fileno(), write_end, 1, flags=_SPLICE_FLAGS) == 1
+    except (OSError, AttributeError):  # AttributeError: a Python without os.splice
+        return False
+    finally:
+        for sock in (ours, theirs):
+            sock.close()
+        for fd in (read_end, write_end):
+            os.close(fd)
