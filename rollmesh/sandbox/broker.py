@@ -51,6 +51,7 @@ from rollmesh.messages.sandbox import (
 from rollmesh.ports import Publisher
 from rollmesh.sandbox.bulk_server import BulkServer
 from rollmesh.sandbox.errors import CapacityError, RequestRefusedError
+from rollmesh.sandbox.exec_registry import ExecRegistry
 from rollmesh.telemetry import metrics, metrics_catalog
 from rollmesh.sandbox.lease_terms import LeaseTerms, limits_spec, profile_limits, resolve_terms
 from rollmesh.sandbox.lease_store import LeaseJournal
@@ -61,8 +62,6 @@ from rollmesh.sandbox.warm_pool import WarmPool
 from rollmesh.sandbox.workspace_ops import WorkspaceOps, failure_of
 
 log = structlog.get_logger(__name__)
-# How long an ended exec is still "known" to a client's probe: its reply is on the way.
-ENDED_EXECS_KEEP_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +111,7 @@ class SandboxBroker:
         self._pools_wanted = asyncio.Event()
         self._closed = False
         self._journal = journal  # the durable lease table (lease_store), if any
-        self._execs: dict[tuple[str, str], asyncio.Future[SandboxExecReply]] = {}  # running, by exec_id
-        self._ended: dict[tuple[str, str], float] = {}  # by exec_id: when it ended (for probes)
+        self._execs = ExecRegistry()  # running and recently ended execs, by exec_id
         _observe_broker(self)
 
     # -- leases ----------------------------------------------------------------------------
@@ -210,9 +208,8 @@ class SandboxBroker:
             return SandboxHeartbeatReply(error_kind="sandbox_died",
                                          error=f"the sandbox of lease {req.lease_id!r} died")
         lease.extend(self._clock())
-        key = (req.lease_id, req.exec_id)
         # A client waiting for that exec's reply asks: unknown here, it sends it again.
-        known = bool(req.exec_id) and (key in self._execs or key in self._ended)
+        known = bool(req.exec_id) and self._execs.known((req.lease_id, req.exec_id))
         return SandboxHeartbeatReply(expires_at=lease.expires_at, exec_known=known)
 
     async def release(self, req: SandboxReleaseRequest) -> SandboxReleaseReply:
@@ -228,20 +225,14 @@ class SandboxBroker:
     async def exec(self, req: SandboxExecRequest) -> SandboxExecReply:
         # A retried request (same exec_id) waits for the running exec instead of starting it
         # again; across a broker restart the supervisor attaches it the same way (by key).
-        running = self._execs.get((req.lease_id, req.exec_id)) if req.exec_id else None
+        if not req.exec_id:
+            return await self._exec(req)
+        key = (req.lease_id, req.exec_id)
+        running = self._execs.running(key)
         if running is not None:
             self.counts["execs_reattached"] += 1
             return await asyncio.shield(running)
-        if not req.exec_id:
-            return await self._exec(req)
-        task = asyncio.ensure_future(self._exec(req))
-        self._execs[(req.lease_id, req.exec_id)] = task
-        task.add_done_callback(lambda _: self._exec_ended((req.lease_id, req.exec_id)))
-        return await asyncio.shield(task)
-
-    def _exec_ended(self, key: tuple[str, str]) -> None:
-        self._execs.pop(key, None)
-        self._ended[key] = time.monotonic()
+        return await asyncio.shield(self._execs.start(key, lambda: self._exec(req)))
 
     async def _exec(self, req: SandboxExecRequest) -> SandboxExecReply:
         started = time.monotonic()
@@ -309,9 +300,7 @@ class SandboxBroker:
         for lease in expired:
             await self._end(lease, "expired")
         await self._snapshots.expire()
-        ended_before = time.monotonic() - ENDED_EXECS_KEEP_S
-        for key in [key for key, at in self._ended.items() if at < ended_before]:
-            del self._ended[key]
+        self._execs.forget_ended()
         self._ops.bulk_tokens.drop_lapsed()
         if self._journal is not None:
             await self._journal.sync(self._leases.all(), self._clock())
