@@ -158,15 +158,20 @@ class FrameWriter:
             except BlockingIOError:
                 return False
             self.pending -= written
-            while written:
-                head = queue[0]
-                if written >= len(head):
-                    written -= len(head)
-                    queue.popleft()
-                else:
-                    queue[0] = head[written:]
-                    written = 0
+            drop_written(queue, written)
         return True
+
+
+def drop_written(queue: deque, written: int) -> None:
+    """Take ``written`` bytes off the front of a queue of buffers (what a writev sent)."""
+    while written:
+        head = queue[0]
+        if written >= len(head):
+            written -= len(head)
+            queue.popleft()
+        else:
+            queue[0] = head[written:]
+            written = 0
 
 
 def workspace_relative(path: str, *, allow_root: bool = False) -> str:

@@ -107,15 +107,7 @@ class SpliceWriter(wire.FrameWriter):
             except BlockingIOError:
                 return False
             self.pending -= written
-            while written:
-                head = items[0]
-                assert not isinstance(head, SplicePayload)
-                if written >= len(head):
-                    written -= len(head)
-                    items.popleft()
-                else:
-                    items[0] = head[written:]
-                    written = 0
+            wire.drop_written(items, written)  # only buffers: the batch stopped before a splice
         return True
 
 
