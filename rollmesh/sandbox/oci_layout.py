@@ -22,12 +22,12 @@ import os
 import platform
 import shutil
 import tarfile
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+from rollmesh.sandbox.cache_dirs import staged_dir
 from rollmesh.sandbox.errors import ImageLayoutError, UnsafeImageError
 
 _INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
@@ -95,10 +95,7 @@ def unpack_image(path: str | Path, cache_dir: Path) -> Path:
         final = cache_dir / "roots" / key.replace(":", "-")
         if final.is_dir():
             return final
-        final.parent.mkdir(parents=True, exist_ok=True)
-        staging = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-        staging.mkdir(mode=0o755)
-        try:
+        with staged_dir(final, built=Path.is_dir) as staging:
             modes: dict[Path, int] = {}
             for name, media_type, digest in layers:
                 _apply_layer(blobs, name, media_type, digest, staging, modes, image=str(path))
@@ -106,15 +103,6 @@ def unpack_image(path: str | Path, cache_dir: Path) -> Path:
                 if directory.is_dir() and not directory.is_symlink():
                     directory.chmod(mode)
             staging.chmod(0o755)
-            try:
-                staging.rename(final)
-            except OSError:
-                if not final.is_dir():
-                    raise
-                shutil.rmtree(staging)  # another broker finished the same image first
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
         return final
     finally:
         blobs.close()

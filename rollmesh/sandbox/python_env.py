@@ -20,14 +20,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from rollmesh.sandbox.cache_dirs import staged_dir
 from rollmesh.sandbox.errors import ImageBuildError
 from rollmesh.sandbox.tool_paths import SANDBOX_PATH
 from rollmesh.sandbox_config import SandboxPythonConfig
@@ -59,27 +58,15 @@ def build_env(profile: str, python: SandboxPythonConfig, *, bwrap: str, root_arg
     final = cache_dir / "envs" / env_key(python, root_key)
     if (final / "pyvenv.cfg").is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir(mode=0o755)
-    try:
-        with tempfile.TemporaryDirectory(prefix="rollmesh-wheels-") as wheels:
-            Path(wheels).chmod(0o755)
-            probe = _sandboxed(profile, "making the virtual environment", bwrap, root_args,
-                               [(str(staging), ENV_MOUNT, True)],
-                               [root_python, "-I", "-c", _PROBE, ENV_MOUNT])
-            tags = json.loads(probe.strip().splitlines()[-1])
-            _download(profile, python, tags, wheels)
-            _install(profile, python, bwrap, root_args, staging, wheels)
-        try:
-            staging.rename(final)
-        except OSError:
-            if not (final / "pyvenv.cfg").is_file():
-                raise
-            shutil.rmtree(staging)  # another broker built the same environment first
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with staged_dir(final, built=lambda done: (done / "pyvenv.cfg").is_file()) as staging, \
+            tempfile.TemporaryDirectory(prefix="rollmesh-wheels-") as wheels:
+        Path(wheels).chmod(0o755)
+        probe = _sandboxed(profile, "making the virtual environment", bwrap, root_args,
+                           [(str(staging), ENV_MOUNT, True)],
+                           [root_python, "-I", "-c", _PROBE, ENV_MOUNT])
+        tags = json.loads(probe.strip().splitlines()[-1])
+        _download(profile, python, tags, wheels)
+        _install(profile, python, bwrap, root_args, staging, wheels)
     return final
 
 
