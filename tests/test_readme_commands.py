@@ -1,4 +1,5 @@
-"""The README's commands, run for real: the quickstart against a background mesh, and the demo.
+"""The README's commands, run for real: the quickstart against a background mesh (with the shell
+lines of docs/wire-contract.md that find its NATS URL), and the demo.
 
 Each command runs as the user would run it (a ``rollmesh`` subprocess), so the README cannot
 drift from what works. Both start their own mesh (NATS + Ray in a child process): the slowest
@@ -25,14 +26,14 @@ def run(args: list[str], *, timeout: float, cwd: Path) -> subprocess.CompletedPr
     return subprocess.run([*ROLLMESH, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
-def readme_shell_lines(*variables: str) -> list[str]:
-    """The README's console lines that set these shell variables, comments dropped."""
-    lines = (REPO_ROOT / "README.md").read_text().splitlines()
+def shell_lines(page: str, *variables: str) -> list[str]:
+    """The console lines of a page that set these shell variables, comments dropped."""
+    lines = (REPO_ROOT / page).read_text().splitlines()
     return [line.split("  #")[0] for line in lines if line.startswith(tuple(f"{v}=" for v in variables))]
 
 
 def test_quickstart_up_submit_down(tmp_path: Path) -> None:
-    # The default run root, under the working directory: the README's lines and the bare client
+    # The default run root, under the working directory: the docs' lines and the bare client
     # find the run the way a user's shell would.
     run_root = tmp_path / ".rollmesh" / "runs"
     up = run(["--run-root", str(run_root), "up", "--no-serve", "--timeout", "180"], timeout=240, cwd=tmp_path)
@@ -45,8 +46,8 @@ def test_quickstart_up_submit_down(tmp_path: Path) -> None:
                       "--wait", "--timeout", "120"], timeout=180, cwd=tmp_path)
         assert submit.returncode == 0, submit.stdout + submit.stderr
         assert submit.stdout.count("completed") >= 8
-        # How the README gets the NATS URL, and the bare client's default: the latest run's mesh.json.
-        shown = readme_shell_lines("RUN", "NATS_URL")
+        # How the docs get the NATS URL, and the bare client's default: the latest run's mesh.json.
+        shown = shell_lines("docs/wire-contract.md", "RUN", "NATS_URL")
         assert len(shown) == 2
         url = subprocess.run(["bash", "-c", "\n".join([*shown, 'echo "$NATS_URL"'])], capture_output=True,
                              text=True, timeout=60, cwd=tmp_path)

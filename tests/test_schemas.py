@@ -1,4 +1,4 @@
-"""The committed JSON Schemas (docs/schemas/) and the README's wire-contract table are exactly what
+"""The committed JSON Schemas (docs/schemas/) and docs/wire-contract.md's table are exactly what
 scripts/generate_schemas.py writes now, so neither can go stale; and they accept what the
 subjects accept."""
 
@@ -33,7 +33,7 @@ def schema(name: str) -> dict:
     return json.loads((SCHEMA_DIR / name).read_text())
 
 
-def test_committed_schemas_and_readme_table_are_what_the_script_generates():
+def test_committed_schemas_and_contract_table_are_what_the_script_generates():
     # In a fresh interpreter, as `make schemas` runs it: the suite's other tests load plugins and
     # libraries into this one, and what the files must equal is the script's own output.
     check = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "generate_schemas.py"), "--check"],
