@@ -15,15 +15,16 @@ from typing import Any
 
 def forward_moved_names(old_module: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``old_module``: ``moved`` maps each moved name to the module
-    that holds it now; any other name is an AttributeError, as for a module without it."""
+    that holds it now; any other name is an AttributeError, as for a module without it. A package
+    ``__getattr__`` that delegates here passes ``stacklevel=3`` (one frame more to the importer)."""
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str, stacklevel: int = 2) -> Any:
         new_module = moved.get(name)
         if new_module is None:
             raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
-        # stacklevel 2: the warning points at the line importing the old path, not at this one.
+        # The warning points at the line importing the old path, not at this one.
         warnings.warn(f"{old_module}.{name} moved to {new_module}.{name}; the old path will be "
-                      "removed in the next release", DeprecationWarning, stacklevel=2)
+                      "removed in the next release", DeprecationWarning, stacklevel=stacklevel)
         return getattr(importlib.import_module(new_module), name)
 
     return __getattr__

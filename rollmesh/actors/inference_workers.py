@@ -26,7 +26,6 @@ from rollmesh.actors.weight_object_store import ObjectStoreWeightFetcher
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.bus.last_message import last_message
 from rollmesh.bus.publisher import BusPublisher
-from rollmesh.bus.trace_headers import extract_trace_context
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
 from rollmesh.engine.decode import FinishedSequence
@@ -42,6 +41,7 @@ from rollmesh.inference.weight_adapters import DecodeWeights, PrefillWeights
 from rollmesh.messages.base import SamplingParams
 from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
 from rollmesh.telemetry import metrics, metrics_catalog
+from rollmesh.telemetry.trace_headers import extract_trace_context
 
 _tracer = trace.get_tracer("rollmesh.inference")
 

@@ -42,12 +42,12 @@ import ray
 
 from opentelemetry import trace
 
-from rollmesh.bus.trace_headers import inject_trace_headers
 from rollmesh.engine.errors import MemoryReleasedError
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
 from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.messages.base import SamplingParams
 from rollmesh.telemetry import conventions
+from rollmesh.telemetry.trace_headers import inject_trace_headers
 
 _tracer = trace.get_tracer("rollmesh.inference")
 
