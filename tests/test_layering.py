@@ -38,21 +38,16 @@ def test_the_check_fails_on_each_kind_of_forbidden_import(tmp_path: Path) -> Non
     shutil.copytree(REPO / "rollmesh", tmp_path / "rollmesh",
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / ".importlinter", tmp_path)
-    forbidden = {  # module -> a forbidden import it gains, written inside a function
-        "engine/decode.py": "from rollmesh.bus.publisher import BusPublisher",
-        "serve_apps/router_calls.py": "from rollmesh.actors.role_base import RoleActor",
-        "bus/streams.py": "from rollmesh.rollout.tasks import Task",
-        "messages/base.py": "import rollmesh.ports",
-    }
-    for module, statement in forbidden.items():
-        with open(tmp_path / "rollmesh" / module, "a") as file:
-            file.write(f"\n\ndef _layering_probe():\n    {statement}\n")
+    # Each package gains one forbidden import, written inside a function (packages, not their
+    # modules, so that renaming a module leaves this test as it is).
+    forbidden = {"engine": "rollmesh.bus", "serve_apps": "rollmesh.actors",
+                 "bus": "rollmesh.rollout", "messages": "rollmesh.config"}
+    for package, target in forbidden.items():
+        with open(tmp_path / "rollmesh" / package / "__init__.py", "a") as file:
+            file.write(f"\n\ndef _layering_probe():\n    import {target}\n")
 
     result = lint_imports(tmp_path)
     assert result.returncode != 0
-    for chain in ("rollmesh.engine.decode -> rollmesh.bus.publisher",
-                  "rollmesh.serve_apps.router_calls -> rollmesh.actors.role_base",
-                  "rollmesh.bus.streams -> rollmesh.rollout.tasks",
-                  "rollmesh.messages.base -> rollmesh.ports"):
-        assert chain in result.stdout, result.stdout
+    for package, target in forbidden.items():
+        assert f"rollmesh.{package} -> {target} " in result.stdout, result.stdout
     assert "4 broken" in result.stdout, result.stdout
