@@ -1,4 +1,4 @@
-"""Names moved in issue 24 still import from their old paths for one release: the same object,
+"""Names moved for the layering (issue 24) still import from their old paths for one release: the same object,
 with a DeprecationWarning that names the new path."""
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ MOVED = [  # (old module, name, new module)
     ("rollmesh.rollout.routed_experts", "decode_rows", "rollmesh.routed_expert_rows"),
     ("rollmesh.rollout.routed_experts", "join_turns", "rollmesh.routed_expert_rows"),
     ("rollmesh.rollout.routed_experts", "rollout_ref", "rollmesh.routed_expert_rows"),
+    ("rollmesh.train.prompt_ids", "PromptRef", "rollmesh.training.prompt_ids"),
+    ("rollmesh.train.prompt_ids", "parse_group_id", "rollmesh.training.prompt_ids"),
+    ("rollmesh.train.sft_render", "SftExample", "rollmesh.training.sft_render"),
+    ("rollmesh.train.sft_render", "render_text_example", "rollmesh.training.sft_render"),
+    ("rollmesh.train.sft_render", "render_chat_example", "rollmesh.training.sft_render"),
 ]
 
 
