@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollmesh.data.order import EpochOrder
-from rollmesh.train.prompt_ids import parse_group_id
+from rollmesh.training.prompt_ids import parse_group_id
 
 STAGE = "rl"
 GROUPS_PER_STEP = 4

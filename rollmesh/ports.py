@@ -154,7 +154,7 @@ class RolloutStateStore(Protocol):
 @runtime_checkable
 class RoutedExpertsStore(Protocol):
     """Where MoE rollouts keep their routed-expert rows, one blob per turn (see
-    ``rollmesh.rollout.routed_experts``); ``rows`` are numpy arrays, typed loosely here."""
+    ``rollmesh.routed_expert_rows``); ``rows`` are numpy arrays, typed loosely here."""
 
     async def save_turn(self, rollout_id: str, turn: int, start: int, rows: object) -> str:
         """Durably store one turn's rows (a retried turn replaces its blob); returns the

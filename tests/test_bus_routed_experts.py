@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
-from rollmesh.rollout.routed_experts import RoutedExpertsError, decode_rows, encode_rows, join_turns
+from rollmesh.routed_expert_rows import RoutedExpertsError, decode_rows, encode_rows, join_turns
 
 pytestmark = pytest.mark.timeout(60)
 

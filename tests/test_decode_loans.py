@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from rollmesh.actors.decode_loans import DecodeLoanRoster
-from rollmesh.actors.inference_router import InferenceRouter
+from rollmesh.inference.decode_loans import DecodeLoanRoster
+from rollmesh.inference.router import InferenceRouter
 from rollmesh.messages import GpuGranted, GpuReleased
 from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
 

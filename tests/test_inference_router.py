@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from ray_actors import stop_and_kill
-from rollmesh.actors.inference_router import InferenceRouter
+from rollmesh.inference.router import InferenceRouter
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.chat.model_dir import ModelDirectory

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollmesh.actors.inference_router import InferenceRouter
+from rollmesh.inference.router import InferenceRouter
 from rollmesh.engine.errors import MemoryReleasedError
 from rollmesh.engine.protocols import GenerateOptions
 from test_inference_router import GREEDY, FakeWorker, names

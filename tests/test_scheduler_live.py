@@ -157,8 +157,8 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
     generates on; a job that needs them gets them once their release was announced and they
     were stopped. The Serve app's router, following the loans on its own connection, routes to
     them as well and drops them at their release."""
-    from rollmesh.actors.decode_loans import DecodeLoanRoster
-    from rollmesh.actors.inference_router import InferenceRouter
+    from rollmesh.inference.decode_loans import DecodeLoanRoster
+    from rollmesh.inference.router import InferenceRouter
     from rollmesh.actors.rollout_worker import ElasticDecodeFollower
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.config import InferenceConfig, ModelConfig

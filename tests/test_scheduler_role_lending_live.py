@@ -20,7 +20,7 @@ import ray
 
 from ray_actors import stop_and_kill
 from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
-from rollmesh.actors.inference_router import InferenceRouter
+from rollmesh.inference.router import InferenceRouter
 from rollmesh.actors.inference_workers import DecodeWorkerActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.config import InferenceConfig, ModelConfig, SchedulerConfig

@@ -35,11 +35,11 @@ from rollmesh.actors.inference_workers import DecodeWorkerActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
-from rollmesh.bus.trace_headers import inject_trace_headers
 from rollmesh.config import InferenceConfig, ModelConfig, TelemetryConfig
 from rollmesh.messages.subjects import ROLLOUT_REQUESTED
 from rollmesh.serve_apps import build_inference_app, deploy_inference_app, shutdown_inference_app
 from rollmesh.serve_apps.inference_app import HTTP_TELEMETRY
+from rollmesh.telemetry.trace_headers import inject_trace_headers
 from rollmesh.telemetry.tracing import exporter_kinds, without_run_dir
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -15,7 +15,7 @@ from rollmesh.train.checks import RunFileError, check_stages
 from rollmesh.train.feeder_cursor import FeederCursor, read_cursor, write_cursor
 from rollmesh.train.job import TrainerSettingsError, check_trainer_settings
 from rollmesh.train.feeder_window import FeederWindow, StagePlan, stage_steps
-from rollmesh.train.prompt_ids import PromptRef, parse_group_id
+from rollmesh.training.prompt_ids import PromptRef, parse_group_id
 from rollmesh.train.prompt_source import prompt_source
 
 pytestmark = pytest.mark.unit

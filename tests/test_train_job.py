@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rollmesh.train.prompt_ids import parse_group_id
+from rollmesh.training.prompt_ids import parse_group_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

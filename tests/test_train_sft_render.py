@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rollmesh.chat.chat_model import ChatModel
-from rollmesh.train.sft_render import render_chat_example, render_text_example
+from rollmesh.training.sft_render import render_chat_example, render_text_example
 
 pytestmark = pytest.mark.unit
 

@@ -26,7 +26,6 @@ from rollmesh.actors.weight_object_store import ObjectStoreWeightFetcher
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.bus.last_message import last_message
 from rollmesh.bus.publisher import BusPublisher
-from rollmesh.bus.trace_headers import extract_trace_context
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
 from rollmesh.engine.decode import FinishedSequence
@@ -38,59 +37,13 @@ from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions
 from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.engine.weight_follower import LatestWeights, StagesWeights, WeightFollower
 from rollmesh.engine.weight_buckets import load_published
+from rollmesh.inference.weight_adapters import DecodeWeights, PrefillWeights
 from rollmesh.messages.base import SamplingParams
 from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
 from rollmesh.telemetry import metrics, metrics_catalog
+from rollmesh.telemetry.trace_headers import extract_trace_context
 
 _tracer = trace.get_tracer("rollmesh.inference")
-
-
-class _PrefillWeights:
-    """Adapts PrefillEngine to the follower: prefill calls never overlap on the actor's event
-    loop, so between two calls is always a boundary and staged weights apply at once."""
-
-    def __init__(self, engine: PrefillEngine) -> None:
-        self.engine = engine
-
-    @property
-    def current_version(self) -> int:
-        return self.engine.current_version
-
-    def stage_weights(self, state_dict, version: int) -> bool:
-        return self.engine.stage_weights(state_dict, version)
-
-    async def wait_weights_activated(self, version: int) -> int:
-        self.engine.apply_staged_weights()
-        return self.engine.current_version
-
-    @property
-    def last_swap_seconds(self) -> float:
-        return self.engine.weights.last_swap_seconds
-
-    def num_active(self) -> int:
-        return 0
-
-
-class _DecodeWeights:
-    def __init__(self, loop: DecodeLoop) -> None:
-        self.loop = loop
-
-    @property
-    def current_version(self) -> int:
-        return self.loop.engine.current_version
-
-    def stage_weights(self, state_dict, version: int) -> bool:
-        return self.loop.stage_weights(state_dict, version)
-
-    async def wait_weights_activated(self, version: int) -> int:
-        return await self.loop.wait_weights_activated(version)
-
-    @property
-    def last_swap_seconds(self) -> float:
-        return self.loop.engine.weights.last_swap_seconds
-
-    def num_active(self) -> int:
-        return self.loop.engine.num_active()
 
 
 def _latest_weights(publisher: Publisher) -> LatestWeights:
@@ -114,7 +67,7 @@ class PrefillWorkerActor(RoleActor):
                                     block_size=inference_config.kv_block_size)
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
-        return WeightFollower(_PrefillWeights(self.engine), publisher, worker=self.name, role=self.role,
+        return WeightFollower(PrefillWeights(self.engine), publisher, worker=self.name, role=self.role,
                               latest=_latest_weights(publisher), memory=ObjectStoreWeightFetcher())
 
     async def prefill(self, input_ids: list[int], request_id: str = "",
@@ -138,7 +91,7 @@ class PrefillWorkerActor(RoleActor):
     async def update_weights_from_file(self, path: str, version: int) -> int:
         """Load a ``save_weights`` file or a bucket manifest, stage it as ``version`` and apply
         it; returns the active version (see ``update_weights_from_file`` below)."""
-        return await update_weights_from_file(_PrefillWeights(self.engine), path, version)
+        return await update_weights_from_file(PrefillWeights(self.engine), path, version)
 
     async def release_memory(self) -> dict[str, Any]:
         """Lend the accelerator (``scheduler.lend_role_accelerators``): weights to host memory, the
@@ -168,7 +121,7 @@ class DecodeWorkerActor(RoleActor):
         self.loop.start()
         metrics.observe(metrics_catalog.QUEUE_DEPTH, self, lambda actor: [
             (actor.loop.num_waiting(), {"queue": "decode", "worker": actor.name})])
-        return WeightFollower(_DecodeWeights(self.loop), publisher, worker=self.name, role=self.role,
+        return WeightFollower(DecodeWeights(self.loop), publisher, worker=self.name, role=self.role,
                               latest=_latest_weights(publisher), memory=ObjectStoreWeightFetcher())
 
     async def generate(self, prefill: PrefillResult, sampling: SamplingParams, request_id: str,
@@ -282,7 +235,7 @@ class DecodeWorkerActor(RoleActor):
     async def update_weights_from_file(self, path: str, version: int) -> int:
         """Load a ``save_weights`` file or a bucket manifest, stage it as ``version`` and wait for
         the decode loop to swap it in at a step boundary; returns the active version."""
-        return await update_weights_from_file(_DecodeWeights(self.loop), path, version)
+        return await update_weights_from_file(DecodeWeights(self.loop), path, version)
 
     async def stop(self) -> None:
         await super().stop()

@@ -3,7 +3,7 @@
 Knows the rollout package, the inference router, the shell and the rollout-state KV store. It
 receives the mesh's prefill/decode actor handles from the launcher; decode workers the GPU
 scheduler lends idle accelerators (elastic decode) it looks up by name as their grants arrive
-(``ElasticDecodeFollower``, with ``decode_loans.DecodeLoanRoster``), the one place it asks Ray
+(``ElasticDecodeFollower``, with ``rollmesh.inference.decode_loans.DecodeLoanRoster``), the one place it asks Ray
 for a handle.
 """
 
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollmesh.actors.decode_loans import DecodeLoanRoster
-from rollmesh.actors.inference_router import InferenceRouter
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.rollout_states import KvRolloutStates
@@ -20,6 +18,8 @@ from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
 from rollmesh.bus.tls import client_tls_context
 from rollmesh.bus.trajectory_store import ObjectStoreTrajectories
 from rollmesh.engine.paged_model import describe_served_model
+from rollmesh.inference.decode_loans import DecodeLoanRoster
+from rollmesh.inference.router import InferenceRouter
 from rollmesh.bus.errors import BusRequestError
 from rollmesh.chat import ChatModel
 from rollmesh.messages import GpuGranted, GpuReleased, SchedulerStatusRequest

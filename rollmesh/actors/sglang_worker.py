@@ -27,7 +27,6 @@ from opentelemetry import trace
 
 from rollmesh.actors.inference_workers import _latest_weights
 from rollmesh.actors.role_base import MeshContext, RoleActor
-from rollmesh.bus.trace_headers import extract_trace_context
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.decode_state import FinishedSequence
 from rollmesh.engine.errors import InvalidRequestError
@@ -43,6 +42,7 @@ from rollmesh.engine.weight_buckets import load_published
 from rollmesh.messages.base import SamplingParams
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.telemetry import metrics, metrics_catalog
+from rollmesh.telemetry.trace_headers import extract_trace_context
 
 _log = structlog.get_logger("rollmesh.actors.sglang_worker")
 _tracer = trace.get_tracer("rollmesh.inference")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from rollmesh.moved_names import forward_moved_names
+
 _EXPORTS = {
     "ActorLogic": "rollmesh.ports",
     "MessageContext": "rollmesh.ports",
@@ -28,8 +30,6 @@ _EXPORTS = {
     "checkpoints_stream": "rollmesh.bus.streams",
     "scheduling_stream": "rollmesh.bus.streams",
     "rollout_state_bucket": "rollmesh.bus.streams",
-    "inject_trace_headers": "rollmesh.bus.trace_headers",
-    "extract_trace_context": "rollmesh.bus.trace_headers",
     "BusError": "rollmesh.bus.errors",
     "BusConnectError": "rollmesh.bus.errors",
     "BusSecurityError": "rollmesh.bus.errors",
@@ -50,11 +50,17 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
+# Moved out of the bus (issue 24): plain code that sends trace context over HTTP needs them too.
+_moved = forward_moved_names(__name__, {
+    "inject_trace_headers": "rollmesh.telemetry.trace_headers",
+    "extract_trace_context": "rollmesh.telemetry.trace_headers",
+})
+
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'rollmesh.bus' has no attribute {name!r}")
+        return _moved(name, stacklevel=3)  # warns for a moved name, else AttributeError
     return getattr(importlib.import_module(module), name)
 
 

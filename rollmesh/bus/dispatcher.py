@@ -25,9 +25,9 @@ from opentelemetry import trace
 from rollmesh.bus.message_keys import log_fields, message_tag
 from rollmesh.ports import MessageContext, Subscription
 from rollmesh.bus.publisher import BusPublisher
-from rollmesh.bus.trace_headers import extract_trace_context
 from rollmesh.messages import WireMessage
 from rollmesh.telemetry.conventions import message_attributes
+from rollmesh.telemetry.trace_headers import extract_trace_context
 
 _log = structlog.get_logger("rollmesh.bus.dispatcher")
 _tracer = trace.get_tracer("rollmesh.bus")

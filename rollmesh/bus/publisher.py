@@ -30,10 +30,10 @@ from rollmesh.bus.errors import (
 from rollmesh.bus.message_keys import dedup_id, log_fields
 from rollmesh.bus.outage import retry_through_outage
 from rollmesh.bus.streams import stream_for
-from rollmesh.bus.trace_headers import inject_trace_headers
 from rollmesh.telemetry import conventions
 from rollmesh.messages import DeadLettered, Subject, WireMessage
 from rollmesh.messages.subjects import DEAD_LETTERED
+from rollmesh.telemetry.trace_headers import inject_trace_headers
 
 _log = structlog.get_logger("rollmesh.bus.publisher")
 _tracer = trace.get_tracer("rollmesh.bus")

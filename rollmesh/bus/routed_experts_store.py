@@ -1,6 +1,6 @@
 """Routed-expert rows of MoE rollouts in a JetStream object store, one object per turn.
 
-Knows our bucket naming and the blob format of ``rollmesh.rollout.routed_experts``; the object
+Knows our bucket naming and the blob format of ``rollmesh.routed_expert_rows``; the object
 store itself is ``object_bucket.ObjectBucket``. Implements ``rollmesh.ports.RoutedExpertsStore``.
 Objects are named ``<rollout key>/turn-<n>`` in the bucket ``RL_<ns>_ROUTED_EXPERTS``; a rollout's
 reference is ``<bucket>/<rollout key>``.
@@ -14,7 +14,7 @@ from nats.js import JetStreamContext
 from rollmesh.bus.object_bucket import ObjectBucket
 from rollmesh.bus.rollout_states import state_key
 from rollmesh.messages import check_namespace
-from rollmesh.rollout.routed_experts import decode_rows, encode_rows, join_turns, rollout_ref
+from rollmesh.routed_expert_rows import decode_rows, encode_rows, join_turns, rollout_ref
 
 
 def routed_experts_bucket(namespace: str) -> str:

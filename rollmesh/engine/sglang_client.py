@@ -51,11 +51,11 @@ from typing import Any, Literal
 
 import httpx
 
-from rollmesh.bus.trace_headers import inject_trace_headers
 from rollmesh.engine.errors import EngineError, InvalidRequestError, WeightsError
 from rollmesh.engine.protocols import FinishReason, GenerateOptions, GenerationResult
 from rollmesh.engine.sglang_routes import RoutedExpertsShape, decode_routed_experts
 from rollmesh.messages.base import SamplingParams
+from rollmesh.telemetry.trace_headers import inject_trace_headers
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")

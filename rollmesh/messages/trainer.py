@@ -33,7 +33,7 @@ class TrainerStepped(WireMessage, frozen=True, tag="trainer.stepped"):
     # senders that predate it.
     num_rollouts: int = 0
     # The group ids the step consumed, trained or dropped (a `rollmesh train` feeder's groups name
-    # their stage, epoch and dataset row: rollmesh/train/prompt_ids.py), and how many of them
+    # their stage, epoch and dataset row: rollmesh/training/prompt_ids.py), and how many of them
     # dynamic sampling dropped (trainer.drop_uniform_groups).
     groups: list[str] = []
     dropped_groups: int = 0

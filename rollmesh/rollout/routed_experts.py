@@ -1,63 +1,23 @@
-"""Routed-expert rows of a rollout (MoE models): what each forwarded position was routed to, kept
-turn by turn in a sidecar next to the rollout's state, for routing replay in training.
-
-Knows numpy; nothing of NATS. A turn's rows cover positions ``[start, start + len(rows))`` of the
-trajectory: the first turn from 0, each later one from where the previous ended (the engine's
-``routed_experts_start_len``), so the turns of a finished rollout join into one array with a row
-per position but the last. ``InMemoryRoutedExperts`` implements
+"""Routed-expert rows in memory: ``InMemoryRoutedExperts`` implements
 ``rollmesh.ports.RoutedExpertsStore`` for in-process runs and tests; the mesh uses the JetStream
-object store (``rollmesh.bus.routed_experts_store``).
+object store (``rollmesh.bus.routed_experts_store``). Both keep one blob per turn in the format of
+``rollmesh.routed_expert_rows``, which also holds how turns join.
+
+Knows numpy; nothing of NATS. The blob format and ``RoutedExpertsError`` used to live here: the
+old names warn (DeprecationWarning) for one release.
 """
 
 from __future__ import annotations
 
-import io
-import struct
-
 import numpy as np
 
-_START = struct.Struct("<q")
+from rollmesh import routed_expert_rows
+from rollmesh.moved_names import forward_moved_names
 
-
-class RoutedExpertsError(ValueError):
-    """Stored rows that do not join up (a gap or an overlap between turns, a bad blob)."""
-
-
-def encode_rows(start: int, rows: np.ndarray) -> bytes:
-    """One turn's rows as bytes: its start position, then the array in ``.npy`` format."""
-    buffer = io.BytesIO()
-    np.save(buffer, np.ascontiguousarray(rows), allow_pickle=False)
-    return _START.pack(start) + buffer.getvalue()
-
-
-def decode_rows(data: bytes) -> tuple[int, np.ndarray]:
-    if len(data) < _START.size:
-        raise RoutedExpertsError(f"a routed-experts blob of {len(data)} bytes")
-    (start,) = _START.unpack_from(data)
-    try:
-        rows = np.load(io.BytesIO(data[_START.size:]), allow_pickle=False)
-    except ValueError as exc:
-        raise RoutedExpertsError(f"undecodable routed-experts rows: {exc}") from exc
-    return start, rows
-
-
-def join_turns(turns: list[tuple[int, np.ndarray]]) -> np.ndarray:
-    """The turns' rows as one array, in position order; raises if they leave a gap or overlap."""
-    if not turns:
-        raise RoutedExpertsError("no routed-experts rows")
-    ordered = sorted(turns, key=lambda turn: turn[0])
-    expected = ordered[0][0]
-    if expected != 0:
-        raise RoutedExpertsError(f"the rows start at position {expected}, not 0")
-    for start, rows in ordered:
-        if start != expected:
-            raise RoutedExpertsError(f"rows from position {start}, but the previous turn ended at {expected}")
-        expected = start + len(rows)
-    return np.concatenate([rows for _, rows in ordered])
-
-
-def rollout_ref(prefix: str, rollout_key: str) -> str:
-    return f"{prefix}/{rollout_key}"
+__getattr__ = forward_moved_names(__name__, {
+    name: "rollmesh.routed_expert_rows"
+    for name in ("RoutedExpertsError", "encode_rows", "decode_rows", "join_turns", "rollout_ref")
+})
 
 
 class InMemoryRoutedExperts:
@@ -67,9 +27,10 @@ class InMemoryRoutedExperts:
         self.blobs: dict[str, dict[int, bytes]] = {}
 
     async def save_turn(self, rollout_id: str, turn: int, start: int, rows: np.ndarray) -> str:
-        self.blobs.setdefault(rollout_id, {})[turn] = encode_rows(start, rows)
-        return rollout_ref("memory", rollout_id)
+        self.blobs.setdefault(rollout_id, {})[turn] = routed_expert_rows.encode_rows(start, rows)
+        return routed_expert_rows.rollout_ref("memory", rollout_id)
 
     async def load(self, ref: str) -> np.ndarray:
         _, _, rollout_id = ref.partition("/")
-        return join_turns([decode_rows(blob) for blob in self.blobs.get(rollout_id, {}).values()])
+        blobs = self.blobs.get(rollout_id, {}).values()
+        return routed_expert_rows.join_turns([routed_expert_rows.decode_rows(blob) for blob in blobs])

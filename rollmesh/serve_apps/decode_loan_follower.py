@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from rollmesh.actors.decode_loans import DecodeLoanRoster
+from rollmesh.inference.decode_loans import DecodeLoanRoster
 from rollmesh.bus.task_set import TaskSet
 from rollmesh.dashboard.feed import POLL_TIMEOUT_S, DashboardSource, connect_to_mesh
 from rollmesh.messages import SchedulerStatusRequest

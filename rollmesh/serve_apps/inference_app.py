@@ -46,8 +46,8 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.exceptions import RayServeException
 
-from rollmesh.actors.decode_loans import DecodeLoanRoster
-from rollmesh.actors.inference_router import InferenceRouter
+from rollmesh.inference.decode_loans import DecodeLoanRoster
+from rollmesh.inference.router import InferenceRouter
 from rollmesh.chat import ChatModel
 from rollmesh.config import ModelConfig, ServeConfig, TelemetryConfig
 from rollmesh.dashboard.feed import DashboardSource, WorkerHandle

@@ -16,7 +16,7 @@ import structlog
 from opentelemetry import trace
 from ray.exceptions import RayActorError, RayTaskError
 
-from rollmesh.actors.inference_router import InferenceRouter, generation_attributes
+from rollmesh.inference.router import InferenceRouter, generation_attributes
 from rollmesh.engine.errors import EngineError
 from rollmesh.engine.protocols import GenerateOptions, GenerationResult
 from rollmesh.messages.base import SamplingParams

@@ -1,8 +1,9 @@
 """rollmesh.telemetry: OpenTelemetry tracing and metrics, structlog logging and secret redaction.
 
 The tracing conventions (service, span and attribute names) live in
-``rollmesh.telemetry.conventions``, the metric names in ``rollmesh.telemetry.metrics_catalog``;
-any layer may import either.
+``rollmesh.telemetry.conventions``, the metric names in ``rollmesh.telemetry.metrics_catalog``,
+and W3C trace context in message headers (NATS or HTTP) in ``rollmesh.telemetry.trace_headers``;
+any layer may import them.
 
 Knows opentelemetry and structlog; nothing of NATS or Ray. Names load lazily so that importing
 ``rollmesh.telemetry.redaction`` does not pull in the OpenTelemetry SDK.
@@ -27,6 +28,8 @@ _EXPORTS = {
     "setup_metrics": "rollmesh.telemetry.metrics",
     "collect_report": "rollmesh.telemetry.metrics",
     "MetricsHub": "rollmesh.telemetry.metrics_hub",
+    "inject_trace_headers": "rollmesh.telemetry.trace_headers",
+    "extract_trace_context": "rollmesh.telemetry.trace_headers",
 }
 
 __all__ = sorted(_EXPORTS)

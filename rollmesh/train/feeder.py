@@ -37,8 +37,8 @@ from rollmesh.ports import Publisher
 from rollmesh.run_config import StageConfig
 from rollmesh.train.feeder_cursor import FeederCursor, write_cursor
 from rollmesh.train.feeder_window import FeederWindow, StagePlan
-from rollmesh.train.prompt_ids import parse_group_id
 from rollmesh.train.prompt_source import PromptSource
+from rollmesh.training.prompt_ids import parse_group_id
 
 _log = structlog.get_logger("rollmesh.train.feeder")
 

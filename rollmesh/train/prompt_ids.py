@@ -1,39 +1,11 @@
-"""The names a training job gives its prompts: one GRPO group per prompt, named for where the
-prompt came from, so that the trainer's ledger (which records each step's group ids) says which
-dataset rows were consumed.
-
-Knows only strings. A group id is ``<stage>/e<epoch>/i<index>``: the stage's name, the epoch of
-the pass over its data and the row's index in the dataset (0-based; the file's line number is
-reported with bad rows). Rollout ids add the run and the member: ``<run>-<stage>-e<E>-i<I>-<m>``,
-unique across runs, so JetStream's duplicate window never mistakes another run's request for a
-repeat.
+"""Deprecated: the prompt names moved to ``rollmesh.training.prompt_ids``, where the supervised
+trainer (a domain package, which must not import this job package) may import them too.
+Importing a name from here warns; this module is removed in the next release.
 """
 
-from __future__ import annotations
+from rollmesh.moved_names import forward_moved_names
 
-import re
-from dataclasses import dataclass
-
-_GROUP = re.compile(r"^(?P<stage>.+)/e(?P<epoch>\d+)/i(?P<index>\d+)$")
-
-
-@dataclass(frozen=True, order=True)
-class PromptRef:
-    stage: str
-    epoch: int
-    index: int
-
-    @property
-    def group_id(self) -> str:
-        return f"{self.stage}/e{self.epoch}/i{self.index}"
-
-    def rollout_id(self, run: str, member: int) -> str:
-        return f"{run}-{self.stage}-e{self.epoch}-i{self.index}-{member}"
-
-
-def parse_group_id(group_id: str) -> PromptRef | None:
-    """The prompt a feeder's group id names; None for any other group id."""
-    match = _GROUP.match(group_id)
-    if match is None:
-        return None
-    return PromptRef(match["stage"], int(match["epoch"]), int(match["index"]))
+__getattr__ = forward_moved_names(__name__, {
+    "PromptRef": "rollmesh.training.prompt_ids",
+    "parse_group_id": "rollmesh.training.prompt_ids",
+})

@@ -21,7 +21,7 @@ from rollmesh.data import BadRowError, EmptyDatasetError, EpochOrder, PromptRead
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
 from rollmesh.run_config import StageConfig
 from rollmesh.train.dataset_input import DATASET_TASK, dataset_task_input, reward_entries
-from rollmesh.train.prompt_ids import PromptRef
+from rollmesh.training.prompt_ids import PromptRef
 
 class PromptSource:
     """``at(position) -> (next_position, PromptRef, task_input)``; ``task`` names the task."""

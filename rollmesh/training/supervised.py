@@ -1,5 +1,5 @@
 """The batches of a supervised stage (``sft``, ``midtrain``): rows of its dataset in the stage's
-order, rendered (rollmesh/train/sft_render.py), cut to ``max_seq_len`` and gathered until a step
+order, rendered (rollmesh/training/sft_render.py), cut to ``max_seq_len`` and gathered until a step
 holds ``batch_tokens`` real tokens.
 
 Knows rollmesh.data, the stage config and the renderer; nothing of torch, NATS or Ray (the trainer
@@ -21,8 +21,8 @@ from rollmesh.chat.chat_model import ChatModel
 from rollmesh.chat.errors import TemplateRenderError
 from rollmesh.data import BadRowError, EpochOrder, PromptReader, open_dataset
 from rollmesh.run_config import StageConfig
-from rollmesh.train.prompt_ids import PromptRef
-from rollmesh.train.sft_render import SftExample, render_chat_example, render_text_example
+from rollmesh.training.prompt_ids import PromptRef
+from rollmesh.training.sft_render import SftExample, render_chat_example, render_text_example
 
 _log = structlog.get_logger("rollmesh.training.supervised")
 

@@ -1,4 +1,4 @@
-"""W3C trace context round-trips through a NATS header dict."""
+"""W3C trace context round-trips through a header dict (NATS or HTTP)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from rollmesh.bus.trace_headers import extract_trace_context, inject_trace_headers
+from rollmesh.telemetry.trace_headers import extract_trace_context, inject_trace_headers
 
 pytestmark = pytest.mark.unit
 

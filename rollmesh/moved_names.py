@@ -1,0 +1,30 @@
+"""Deprecated aliases for names that moved to another module: the old module's ``__getattr__``
+finds each one at its new home and warns (DeprecationWarning) that the old path goes away.
+
+An alias is kept for one release after the move, then its module is deleted. Imports nothing of
+ours, so any layer may use it, the bus included.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def forward_moved_names(old_module: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``old_module``: ``moved`` maps each moved name to the module
+    that holds it now; any other name is an AttributeError, as for a module without it. A package
+    ``__getattr__`` that delegates here passes ``stacklevel=3`` (one frame more to the importer)."""
+
+    def __getattr__(name: str, stacklevel: int = 2) -> Any:
+        new_module = moved.get(name)
+        if new_module is None:
+            raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
+        # The warning points at the line importing the old path, not at this one.
+        warnings.warn(f"{old_module}.{name} moved to {new_module}.{name}; the old path will be "
+                      "removed in the next release", DeprecationWarning, stacklevel=stacklevel)
+        return getattr(importlib.import_module(new_module), name)
+
+    return __getattr__

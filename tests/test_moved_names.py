@@ -1,0 +1,45 @@
+"""Names moved for the layering (issue 24) still import from their old paths for one release: the same object,
+with a DeprecationWarning that names the new path."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+MOVED = [  # (old module, name, new module)
+    ("rollmesh.actors.inference_router", "InferenceRouter", "rollmesh.inference.router"),
+    ("rollmesh.actors.inference_router", "generation_attributes", "rollmesh.inference.router"),
+    ("rollmesh.actors.inference_router", "DEFAULT_MAX_SESSIONS", "rollmesh.inference.router"),
+    ("rollmesh.actors.decode_loans", "DecodeLoanRoster", "rollmesh.inference.decode_loans"),
+    ("rollmesh.bus.trace_headers", "inject_trace_headers", "rollmesh.telemetry.trace_headers"),
+    ("rollmesh.bus.trace_headers", "extract_trace_context", "rollmesh.telemetry.trace_headers"),
+    ("rollmesh.bus", "inject_trace_headers", "rollmesh.telemetry.trace_headers"),
+    ("rollmesh.bus", "extract_trace_context", "rollmesh.telemetry.trace_headers"),
+    ("rollmesh.rollout.routed_experts", "RoutedExpertsError", "rollmesh.routed_expert_rows"),
+    ("rollmesh.rollout.routed_experts", "encode_rows", "rollmesh.routed_expert_rows"),
+    ("rollmesh.rollout.routed_experts", "decode_rows", "rollmesh.routed_expert_rows"),
+    ("rollmesh.rollout.routed_experts", "join_turns", "rollmesh.routed_expert_rows"),
+    ("rollmesh.rollout.routed_experts", "rollout_ref", "rollmesh.routed_expert_rows"),
+    ("rollmesh.train.prompt_ids", "PromptRef", "rollmesh.training.prompt_ids"),
+    ("rollmesh.train.prompt_ids", "parse_group_id", "rollmesh.training.prompt_ids"),
+    ("rollmesh.train.sft_render", "SftExample", "rollmesh.training.sft_render"),
+    ("rollmesh.train.sft_render", "render_text_example", "rollmesh.training.sft_render"),
+    ("rollmesh.train.sft_render", "render_chat_example", "rollmesh.training.sft_render"),
+]
+
+
+@pytest.mark.parametrize(("old", "name", "new"), MOVED)
+def test_an_old_import_path_warns_and_gives_the_moved_object(old: str, name: str, new: str) -> None:
+    with pytest.warns(DeprecationWarning, match=f"moved to {new}.{name}") as warned:
+        moved = getattr(importlib.import_module(old), name)
+    assert moved is getattr(importlib.import_module(new), name)
+    assert warned[0].filename == __file__  # points at the importer, not at the alias
+
+
+@pytest.mark.parametrize("old", sorted({old for old, _, _ in MOVED}))
+def test_an_old_module_still_refuses_a_name_it_never_had(old: str) -> None:
+    with pytest.raises(AttributeError, match="no_such_name"):
+        getattr(importlib.import_module(old), "no_such_name")
