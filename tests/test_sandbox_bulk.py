@@ -27,7 +27,7 @@ from rollmesh.messages.sandbox import SandboxUploadRequest
 from rollmesh.messages.sandbox_bulk import SandboxBulkDone, SandboxBulkHello
 from rollmesh.messages.subjects import SANDBOX_UPLOAD
 from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient
-from rollmesh.sandbox.bulk_stream import frame, stream_route, upload_over_stream
+from rollmesh.sandbox.bulk_stream import ReceiveBuffers, frame, stream_route, upload_over_stream
 from rollmesh.sandbox.bulk_tokens import BulkTokens
 from rollmesh.sandbox.errors import BulkStreamError, BulkTokenError
 from rollmesh.sandbox.in_process import InProcessRequester
@@ -98,20 +98,27 @@ class CountingRequester(InProcessRequester):
         return await super().request(subject, message, timeout_s)
 
 
-async def test_the_next_uploads_ticket_comes_while_the_bytes_flow_and_a_spent_one_is_replaced(broker):
+async def test_a_stored_uploads_done_brings_the_next_ticket_and_a_spent_one_is_replaced(broker):
     requester = CountingRequester(broker)
     client = SandboxBrokerClient(requester)
     lease = (await client.lease("bulk-kept")).lease_id
     data = os.urandom(MIB)
     await client.upload(lease, "one", data)
-    assert requester.tickets == 2  # its own, and the next upload's
+    assert requester.tickets == 1  # its own; the next upload's came in this one's Done frame
     await client.upload(lease, "two", data)
-    assert requester.tickets == 3  # only the one after it: no ticket round trip before the bytes
+    assert requester.tickets == 1  # no ticket round trip over NATS before (or after) the bytes
     # The kept ticket spent elsewhere (as after a broker restart): refused once, then a fresh one.
     kept = client._bulk.kept[lease]
-    assert (await upload_over_stream(kept, "unix", lease_id=lease, path="three", data=data,
-                                     sha256=hashlib.sha256(data).hexdigest(), tls=None)).error_kind == ""
+    spent_elsewhere = await upload_over_stream(kept, "unix", lease_id=lease, path="three", data=data,
+                                               sha256=hashlib.sha256(data).hexdigest(), tls=None)
+    assert spent_elsewhere.error_kind == "" and spent_elsewhere.next_ticket is not None
+    assert spent_elsewhere.next_ticket.token != kept.token
     assert (await client.upload(lease, "four", data)).complete
+    assert requester.tickets == 2  # the spent one's replacement
+    # A refused upload's Done brings no ticket: the kept one is the one its stored upload gave.
+    refused = await upload_over_stream(client._bulk.kept[lease], "unix", lease_id=lease, path="bad",
+                                       data=data, sha256="0" * 64, tls=None)
+    assert refused.error_kind == "checksum_mismatch" and refused.next_ticket is None
     # A kept ticket whose stream is gone (its broker restarted): a fresh ticket, not NATS.
     client._bulk.kept[lease] = msgspec.structs.replace(client._bulk.kept[lease], unix_path="/nonexistent/s",
                                                        port=1)
@@ -255,3 +262,18 @@ async def test_the_tcp_stream_speaks_mutual_tls_and_a_client_without_the_ca_has_
     finally:
         await server.close()
         await broker.close()
+
+
+def test_receive_buffers_are_kept_for_uploads_of_similar_size_up_to_a_cap():
+    buffers = ReceiveBuffers(keep_bytes=3 * 1024 * 1024)
+    first = buffers.take(1024 * 1024 - 5)
+    assert len(first) == 1024 * 1024  # rounded up to a power of two
+    buffers.give_back(first)
+    assert buffers.take(1024 * 1024) is first  # the same pages, faulted in already
+    assert buffers.take(1024 * 1024) is not first  # taken: a concurrent upload gets its own
+    assert len(buffers.take(10)) == ReceiveBuffers.MIN_KEPT
+    big = buffers.take(3 * 1024 * 1024)
+    buffers.give_back(first)
+    buffers.give_back(big)  # 1 MiB + 4 MiB is above the cap: this one is dropped
+    assert buffers.take(3 * 1024 * 1024) is not big
+    assert buffers.take(1024 * 1024) is first

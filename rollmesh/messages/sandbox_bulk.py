@@ -11,7 +11,9 @@ One transfer per connection. A frame is a 4-byte big-endian length and one msgpa
                                                  raw bytes
 
 An upload's Done comes after the bytes are stored in the sandbox (or refused); ``error_kind``
-uses the broker replies' kinds ("bad_token", "transfer_error", "checksum_mismatch", ...).
+uses the broker replies' kinds ("bad_token", "transfer_error", "checksum_mismatch", ...). A
+stored upload's Done carries the ticket of the lease's next upload (``next_ticket``), so a
+client uploading again pays no ticket round trip over NATS.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Annotated
 from msgspec import Meta
 
 from rollmesh.messages.base import WireMessage
-from rollmesh.messages.sandbox import LeaseId, SandboxErrorKind, Sha256Hex, TransferKind
+from rollmesh.messages.sandbox import LeaseId, SandboxBulkTicket, SandboxErrorKind, Sha256Hex, TransferKind
 
 # The largest frame either side reads: hello and done are a few hundred bytes.
 MAX_BULK_FRAME_BYTES = 64 * 1024
@@ -56,3 +58,6 @@ class SandboxBulkDone(WireMessage, frozen=True, tag="sandbox.bulk_done"):
     sha256: str = ""
     error_kind: SandboxErrorKind = ""
     error: str = ""
+    # A stored upload's: a fresh one-time ticket for the same lease's next upload (None from a
+    # broker that predates it, or when it has none to give: the client then asks over NATS).
+    next_ticket: SandboxBulkTicket | None = None

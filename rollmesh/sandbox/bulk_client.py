@@ -57,9 +57,9 @@ class BulkClient:
     async def upload(self, lease_id: str, path: str, data: bytes, *, kind: TransferKind,
                      mode: int, rollout_id: str, fresh: bool = False) -> SandboxUploadReply | None:
         """Over the bulk stream; None when the broker gave no ticket this client can use (the
-        caller sends over NATS). A ticket is good for one upload to its lease, so the next one is
-        fetched while these bytes flow and kept (until shortly before it lapses): an upload that
-        finds one waiting pays no ticket round trip. ``data`` is hashed while it is sent, its
+        caller sends over NATS). A ticket is good for one upload to its lease; a stored upload's
+        Done frame brings the next one, kept (until shortly before it lapses), so uploads after
+        the first to a lease pay no ticket round trip. ``data`` is hashed while it is sent, its
         digest sent after it. A kept ticket the broker no longer knows, or whose stream is gone (the
         broker restarted), is replaced once by a fresh one (``fresh``)."""
         hashing = asyncio.ensure_future(sha256_hex(data))
@@ -78,22 +78,22 @@ class BulkClient:
         # The digest follows the bytes: hashing overlaps sending them and the sandbox storing them.
         send = upload_over_stream(ticket, route, lease_id=lease_id, path=path, data=data, sha256=hashing,
                                   tls=self.tls, kind=kind, mode=mode)
-        sent, following = await asyncio.gather(
-            asyncio.wait_for(send, self.timeout_s + len(data) / 2**20),
-            self._upload_ticket(lease_id, ".", 0, "file", rollout_id), return_exceptions=True)
-        sha256 = await hashing
-        if isinstance(following, SandboxBulkTicket):
-            self._keep_ticket(lease_id, following)
+        try:
+            sent = await asyncio.wait_for(send, self.timeout_s + len(data) / 2**20)
+        except (OSError, asyncio.TimeoutError, BulkStreamError) as exc:
+            sent = exc
+        finally:
+            sha256 = await hashing
         unreachable = isinstance(sent, BulkStreamError) and sent.reason == "unreachable"  # nothing was sent
         if kept is not None and (unreachable or getattr(sent, "error_kind", "") == "bad_token"):
             return await self.upload(lease_id, path, data, kind=kind, mode=mode, rollout_id=rollout_id, fresh=True)
         if unreachable:
             return None  # NATS still reaches the broker
-        if isinstance(sent, (OSError, asyncio.TimeoutError, BulkStreamError)):
+        if isinstance(sent, BaseException):
             raise SandboxRequestError(f"the bulk stream failed: {sent!r}", kind="transfer_error",
                                       operation="upload") from sent
-        if isinstance(sent, BaseException):
-            raise sent
+        if sent.next_ticket is not None:
+            self._keep_ticket(lease_id, sent.next_ticket)
         if sent.error_kind:
             raise SandboxRequestError(sent.error, kind=sent.error_kind, operation="upload")
         if sent.size != len(data) or sent.sha256 != sha256:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 import structlog
 
 from rollmesh.messages.sandbox import SandboxBulkTicket
@@ -31,6 +32,7 @@ from rollmesh.sandbox.bulk_stream import (
     STREAM_LIMIT,
     BulkConnection,
     PayloadPieces,
+    ReceiveBuffers,
     frame,
     read_frame,
     this_node,
@@ -38,6 +40,7 @@ from rollmesh.sandbox.bulk_stream import (
 )
 from rollmesh.sandbox.bulk_tokens import BulkGrant, BulkTokens
 from rollmesh.sandbox.errors import BulkStreamError, BulkTokenError
+from rollmesh.sandbox.leases import Lease
 
 log = structlog.get_logger(__name__)
 HELLO_TIMEOUT_S = 30.0  # a connection that says nothing is closed after this
@@ -54,6 +57,8 @@ class BulkStore(Protocol):
     bulk_endpoint: BulkEndpoint | None  # what tickets advertise; None while nothing listens
 
     async def store_bulk(self, grant: BulkGrant, hello: SandboxBulkHello, pieces: PayloadPieces) -> SandboxBulkDone: ...
+
+    def upload_ticket(self, lease: Lease) -> SandboxBulkTicket | None: ...
 
     def read_bulk(self, grant: BulkGrant) -> tuple[SandboxBulkDone, bytes]: ...
 
@@ -81,6 +86,7 @@ class BulkServer:
         self._tls_server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()  # accept loops and connections, cancelled at close
         self._scratch = ""
+        self._buffers = ReceiveBuffers()
         self.endpoint: BulkEndpoint | None = None
 
     @classmethod
@@ -183,12 +189,19 @@ class BulkServer:
                                       received_bytes=hello.size)
             if not hello.path:
                 raise BulkStreamError("a bulk upload must name its file", reason="framing")
-            pieces = PayloadPieces(conn, hello.size, sha256=hello.sha256, digest_follows=not hello.sha256)
+            buffer = self._buffers.take(hello.size)
+            pieces = PayloadPieces(conn, hello.size, sha256=hello.sha256, digest_follows=not hello.sha256,
+                                   buffer=buffer)
             async with asyncio.timeout(IO_TIMEOUT_S + hello.size / 2**20):
                 done = await self._store.store_bulk(grant, hello, pieces)
             if pieces.got < pieces.size:  # refused before every byte came: the rest is read away
                 await self._refuse(conn, done)
                 return
+            if not done.error_kind:
+                # Stored: every piece reached the sandbox, so nothing reads the buffer any more.
+                self._buffers.give_back(buffer)
+                # The lease's next upload needs no ticket round trip over NATS.
+                done = msgspec.structs.replace(done, next_ticket=self._store.upload_ticket(grant.lease))
             await conn.send(frame(done))
         except BulkTokenError as exc:
             log.warning("sandbox bulk stream refused", reason=exc.reason, lease_id=exc.lease_id)

@@ -270,11 +270,15 @@ class WorkspaceOps:
     # -- the bulk path ---------------------------------------------------------------------
 
     def _upload_ticket(self, lease: Lease, req: SandboxUploadRequest) -> SandboxUploadReply:
-        if self.bulk_endpoint is None:
-            return SandboxUploadReply(size=req.size)  # no ticket: the client sends over NATS
-        # For any one upload to this lease: the stream's hello names the file.
+        return SandboxUploadReply(size=req.size, bulk=self.upload_ticket(lease))
+
+    def upload_ticket(self, lease: Lease) -> SandboxBulkTicket | None:
+        """A ticket for any one upload to this lease (the stream's hello names the file); None
+        while no bulk server listens (the client sends over NATS)."""
+        if self.bulk_endpoint is None or lease.transfers.closed:
+            return None
         grant = self.bulk_tokens.issue("upload", lease, "", size=self.config.max_transfer_bytes)
-        return SandboxUploadReply(size=req.size, bulk=self.bulk_endpoint.ticket(grant))
+        return self.bulk_endpoint.ticket(grant)
 
     async def store_bulk(self, grant: BulkGrant, hello: SandboxBulkHello, pieces: PayloadPieces) -> SandboxBulkDone:
         """Store a bulk upload's bytes as they arrive (a sandbox that takes a stream gets each
