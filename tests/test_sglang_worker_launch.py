@@ -80,7 +80,7 @@ async def test_a_worker_launches_sglang_generates_through_it_and_stops_it(
         # The streaming form the Serve app uses: the tokens as one piece, then the whole answer.
         pieces = [await ref async for ref in worker.generate_prompt_stream.options(num_returns="streaming").remote(
             [1, 2, 3], SamplingParams(max_new_tokens=2), "w-2")]
-        assert [type(p).__name__ for p in pieces] == ["TokenDelta", "FinishedSequence"]
+        assert [type(p).__name__ for p in pieces] == ["TokenDelta", "GenerationResult"]
         assert pieces[0].token_ids == pieces[1].token_ids == [100, 101]
         await asyncio.wait_for(worker.stop.remote(), 60)
         give_up = asyncio.get_running_loop().time() + 30
