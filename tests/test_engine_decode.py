@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from chat_models import build_model_dir
-from engine_models import EngineModels, model_tokenizer, prefer_tokens
+from support.chat_models import build_model_dir
+from support.engine_models import EngineModels, model_tokenizer, prefer_tokens
 from rollmesh.engine.decode import DecodeEngine
 from rollmesh.engine.errors import StaleWeightsError, WeightsMismatchError
 from rollmesh.engine.kv_pages import KvBlockPool, PagedAttention

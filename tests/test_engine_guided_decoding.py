@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import torch
 
-from engine_models import EngineModels, model_tokenizer, prefer_tokens
+from support.engine_models import EngineModels, model_tokenizer, prefer_tokens
 from rollmesh.engine.decode import DecodeEngine
 from rollmesh.engine.errors import InvalidGrammarError, InvalidRequestError
 from rollmesh.engine.guided_decoding import GuidedDecoder

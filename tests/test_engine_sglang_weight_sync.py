@@ -22,7 +22,7 @@ from rollmesh.engine.errors import WeightsError
 from rollmesh.engine.sglang_client import SGLangClient
 from rollmesh.engine.sglang_server import pick_free_port
 from rollmesh.engine.sglang_weight_sync import SGLangWeightPush, SGLangWeightSync
-from sglang_weight_server import serve, tensor_sha256
+from support.sglang_weight_server import serve, tensor_sha256
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 
@@ -129,7 +129,7 @@ async def test_a_bucket_for_a_group_the_server_never_joined_is_a_weights_error(s
 
 async def test_the_trainer_pushes_each_durable_version_into_the_servers_before_announcing_it(
         servers, tmp_path, demo_model_dir):
-    from fakes import RecordingPublisher
+    from support.fakes import RecordingPublisher
     from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
     from test_training_trainer_logic import build_trainer, completed, deliver
     from rollmesh.config import ModelConfig

@@ -191,7 +191,7 @@ async def test_bare_client_says_so_when_no_mesh_made_the_streams(nats_server, na
 @pytest.mark.timeout(60)
 async def test_the_task_plugin_example_loads_by_import_path_and_a_rollout_of_it_runs_both_its_tools(
         monkeypatch, demo_model_dir):
-    from fakes import RecordingPublisher, ScriptedEngine
+    from support.fakes import RecordingPublisher, ScriptedEngine
     from rollmesh.chat import ChatModel, ToolCall
     from rollmesh.config import ModelConfig, RolloutConfig
     from rollmesh.engine.protocols import GenerationResult

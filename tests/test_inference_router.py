@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import ray
 
-from ray_actors import stop_and_kill
+from support.ray_actors import stop_and_kill
 from rollmesh.actors.inference_router import InferenceRouter
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
 from rollmesh.actors.role_base import MeshContext

@@ -14,7 +14,7 @@ from functools import cache
 import msgspec
 import pytest
 
-from fakes import ProgressRecorder, RecordingPublisher, ScriptedEngine
+from support.fakes import ProgressRecorder, RecordingPublisher, ScriptedEngine
 from rollmesh.bus.errors import RequestTimeoutError
 from rollmesh.chat import ChatModel, TemplateJoin, ToolCall
 from rollmesh.ports import MessageContext

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_helpers import usable_bwrap
+from support.sandbox_helpers import usable_bwrap
 from rollmesh.bus.sandbox_leases import KvSandboxLeases
 from rollmesh.config import SandboxConfig
 from rollmesh.messages.sandbox import (

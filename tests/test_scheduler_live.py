@@ -19,7 +19,7 @@ import nats
 import pytest
 import ray
 
-from ray_actors import stop_and_kill
+from support.ray_actors import stop_and_kill
 from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.config import SchedulerConfig

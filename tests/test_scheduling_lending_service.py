@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from fakes import RecordingPublisher
+from support.fakes import RecordingPublisher
 from rollmesh.messages import RoleDemandChanged, RunRegistered, SimJobSubmitted
 from rollmesh.messages.subjects import (
     GPU_GRANTED,

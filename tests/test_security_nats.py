@@ -18,7 +18,7 @@ from pathlib import Path
 import nats
 import pytest
 import pytest_asyncio
-from nats_jwt import OperatorMode
+from support.nats_jwt import OperatorMode
 
 from rollmesh.bus.connection import connect_bus, flush_to_server
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
