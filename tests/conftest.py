@@ -31,6 +31,17 @@ from rollmesh.config import TelemetryConfig  # noqa: E402
 from rollmesh.telemetry.tracing import setup_tracing, traces_path  # noqa: E402
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test is `unit` (plain logic) or `integration` (real NATS and/or Ray), not both: a
+    module's ``pytestmark`` and a test's own marker add up, so a test marked against its module's
+    kind carried both and ran under either ``-m``."""
+    both = [item.nodeid for item in items
+            if item.get_closest_marker("unit") and item.get_closest_marker("integration")]
+    if both:
+        raise pytest.UsageError("marked both unit and integration (mark each test with one):\n  "
+                                + "\n  ".join(both))
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNatsServer]:
     """One nats-server for the whole session; use ``nats_server.url``."""
