@@ -14,4 +14,5 @@ config import paths ("support.mesh_test_tasks:GatedMolarMassTask") find these mo
 - Infrastructure: ``nats_cluster``, ``nats_jwt``, ``ray_actors``, ``cluster_brokers`` (a script),
   ``oci_images``, ``sandbox_helpers``, ``reward_servers``.
 - Loaded by import path: ``mesh_test_tasks``, ``cluster_test_tasks``, ``eval_test_rewards``.
+- ``waiting``: ``wait_until`` a condition that no event announces, with a generous timeout.
 """
