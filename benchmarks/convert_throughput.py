@@ -1,7 +1,7 @@
 """Megatron torch_dist -> Hugging Face conversion against ``cp -r`` and a naive converter.
 
 One run, on a checkpoint of at least 1 GB in the real ``torch_dist`` layout, written by
-megatron-core itself (tensor parallel 2, bf16, by ``tests/megatron_checkpoints.py``; cached
+megatron-core itself (tensor parallel 2, bf16, by ``tests/support/megatron_checkpoints.py``; cached
 under ``--cache``). Each measurement is a fresh child process that times only the conversion
 (imports, and with ``--backend ray`` connecting to the already running Ray and warming its
 workers, come before the clock starts); every timing includes flushing the output to disk
@@ -107,7 +107,7 @@ def main() -> None:
 
 def _checkpoints(cache: Path) -> tuple[Path, Path]:
     """The big and the (almost) empty checkpoint, written once by megatron-core and kept."""
-    from megatron_checkpoints import write_checkpoint
+    from support.megatron_checkpoints import write_checkpoint
 
     cache.mkdir(parents=True, exist_ok=True)
     big, empty = cache / "dense_bf16_10_layers", cache / "tiny"

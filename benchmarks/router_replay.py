@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the shared MoE weights
 
 from common import print_result, setup_threads  # noqa: E402
-from moe_models import init_unit_router_weights  # noqa: E402
+from support.moe_models import init_unit_router_weights  # noqa: E402
 from rollmesh.engine.decode import DecodeEngine
 from rollmesh.engine.models import CausalLM, build_causal_lm, parse_hf_config
 from rollmesh.engine.protocols import GenerateOptions

@@ -31,6 +31,17 @@ from rollmesh.config import TelemetryConfig  # noqa: E402
 from rollmesh.telemetry.tracing import setup_tracing, traces_path  # noqa: E402
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test is `unit` (plain logic) or `integration` (real NATS and/or Ray), not both: a
+    module's ``pytestmark`` and a test's own marker add up, so a test marked against its module's
+    kind carried both and ran under either ``-m``."""
+    both = [item.nodeid for item in items
+            if item.get_closest_marker("unit") and item.get_closest_marker("integration")]
+    if both:
+        raise pytest.UsageError("marked both unit and integration (mark each test with one):\n  "
+                                + "\n  ".join(both))
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNatsServer]:
     """One nats-server for the whole session; use ``nats_server.url``."""
@@ -152,10 +163,10 @@ async def mesh(nats_server: EmbeddedNatsServer, ray_session: None) -> AsyncItera
         "trainer.groups_per_step": 1,
         "sandbox.readonly_paths": [str(gate_dir)],
         "rollout.tasks": ["rollmesh.rollout.molar_mass:MolarMassTask",
-                          "mesh_test_tasks:GatedMolarMassTask", "mesh_test_tasks:SlowToolMolarMassTask",
+                          "support.mesh_test_tasks:GatedMolarMassTask", "support.mesh_test_tasks:SlowToolMolarMassTask",
                           "rollmesh.rollout.dataset_task:DatasetTask"],
         # The import-path rewards of tests/test_train_evaluation.py's dataset evals.
-        "rollout.reward_functions": ["eval_test_rewards:always_one", "eval_test_rewards:final_text_length"],
+        "rollout.reward_functions": ["support.eval_test_rewards:always_one", "support.eval_test_rewards:final_text_length"],
         # Short timers, so a killed actor's work is redelivered and its role restarted within
         # seconds (tests/test_mesh_recovery.py).
         "nats.rollout_ack_wait_s": 6.0,
@@ -201,7 +212,7 @@ async def tool_calling_mesh(mesh: TestMesh) -> TestMesh:
 def dense_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny dense model written by megatron-core at TP=2 (two gloo processes on CPU), as
     torch_dist and as legacy per-rank files, in one run (a run costs 6-10 s on 2 cores)."""
-    from megatron_checkpoints import write_checkpoint
+    from support.megatron_checkpoints import write_checkpoint
 
     root = tmp_path_factory.mktemp("megatron")
     write_checkpoint(root / "dense_tp2", tp=2, legacy_out=root / "legacy_tp2")
@@ -223,7 +234,7 @@ def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
     """A tiny Qwen3-MoE-like model (4 experts, top 2) written by megatron-core at tensor parallel
     2 x expert parallel 2 (four gloo processes), as torch_dist and as legacy per-rank files, in
     one run (a run costs 15-20 s on 2 cores)."""
-    from megatron_checkpoints import write_checkpoint
+    from support.megatron_checkpoints import write_checkpoint
 
     root = tmp_path_factory.mktemp("megatron")
     write_checkpoint(root / "moe_tp2_ep2", tp=2, ep=2, moe=True, legacy_out=root / "moe_legacy_tp2_ep2")
@@ -243,8 +254,8 @@ def moe_legacy(moe_checkpoints: tuple[Path, Path]) -> Path:
 @pytest.fixture(scope="session")
 def chat_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Family name -> a model directory with that family's tokenizer and real chat template
-    (tests/chat_models.py; no weights), built once per session: a few milliseconds each."""
-    from chat_models import FAMILIES, build_model_dir
+    (tests/support/chat_models.py; no weights), built once per session: a few milliseconds each."""
+    from support.chat_models import FAMILIES, build_model_dir
 
     root = tmp_path_factory.mktemp("chat-models")
     return {family: build_model_dir(family, root / family) for family in FAMILIES}
@@ -254,6 +265,6 @@ def chat_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 def chat_model_dir_with_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A qwen3 model directory with a tiny random Qwen2ForCausalLM (config.json, model.safetensors)
     whose embedding has more rows than the tokenizer has tokens, as real Qwen's does."""
-    from chat_models import build_model_dir
+    from support.chat_models import build_model_dir
 
     return build_model_dir("qwen3", tmp_path_factory.mktemp("chat-model-weights") / "qwen3", with_weights=True)

@@ -2,7 +2,7 @@
 mid-run loses no accepted request and writes no effect twice.
 
 Real processes only: three nats-servers from the shipped deploy/nats-cluster/ configs
-(tests/nats_cluster.py), the project's ActorShell consuming, BusPublisher publishing.
+(tests/support/nats_cluster.py), the project's ActorShell consuming, BusPublisher publishing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from nats_cluster import DEPLOY_DIR, LocalNatsCluster
+from support.nats_cluster import DEPLOY_DIR, LocalNatsCluster
 from test_cli import restore_logging_config  # noqa: F401  (autouse: the shell sets up logging)
 from rollmesh.actors.shell import ActorShell
 from rollmesh.bus.connection import connect_bus

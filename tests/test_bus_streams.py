@@ -29,7 +29,7 @@ from rollmesh.messages.subjects import (
     WEIGHTS_PUBLISHED,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.mark.unit
@@ -46,6 +46,7 @@ def test_stream_names_are_valid_and_cover_the_durable_subjects():
         rollout_requests_stream("a.b")
 
 
+@pytest.mark.integration
 async def test_ensure_streams_twice_and_concurrently_converges(nats_client, namespace):
     js = nats_client.jetstream()
     # A fresh namespace: the concurrent calls race on creation itself.
@@ -68,6 +69,7 @@ async def test_ensure_streams_twice_and_concurrently_converges(nats_client, name
     assert (await kv.get("r1")).value == b"state"
 
 
+@pytest.mark.integration
 async def test_ensure_streams_updates_a_stream_whose_limits_changed(nats_client, namespace):
     js = nats_client.jetstream()
     await ensure_streams(js, namespace, StreamLimits(weights_keep_last=16))

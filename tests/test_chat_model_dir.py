@@ -1,4 +1,4 @@
-"""ModelDirectory on the test model directories of every chat family (tests/chat_models.py):
+"""ModelDirectory on the test model directories of every chat family (tests/support/chat_models.py):
 rendering through the model's own template, encode/decode, end-of-turn ids, valid token ids,
 and a typed error for every directory or conversation it cannot use."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from chat_models import FAMILIES, build_model_dir
+from support.chat_models import FAMILIES, build_model_dir
 from rollmesh.chat import KNOWN_END_OF_TURN_TOKENS, ModelDirectory, ModelDirectoryError, TemplateRenderError
 
 pytestmark = pytest.mark.unit

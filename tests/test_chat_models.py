@@ -1,4 +1,4 @@
-"""The test model directories (tests/chat_models.py) are what the chat tests take them for:
+"""The test model directories (tests/support/chat_models.py) are what the chat tests take them for:
 real Hugging Face directories whose tokenizer loads with AutoTokenizer and whose real chat
 template renders plain and tool-calling conversations, with each family's markers as single
 tokens, special or not as in the real tokenizer."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from chat_models import FAMILIES, TEMPLATES_DIR, build_model_dir
+from support.chat_models import FAMILIES, TEMPLATES_DIR, build_model_dir
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
 """rollmesh check-template: the fixed conversations run through the token-exact appender on every
-family's real template (tests/chat_models.py), each case's verdict pinned; a template that rewrites
+family's real template (tests/support/chat_models.py), each case's verdict pinned; a template that rewrites
 history in a way no family rule documents is a bug; the command's output and exit codes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from chat_models import FAMILIES
+from support.chat_models import FAMILIES
 from rollmesh.chat import ModelDirectory
 from rollmesh.chat.template_cases import CASES
 from rollmesh.chat.template_check import VERDICTS, check_template, profile_template, run_case

@@ -125,7 +125,7 @@ def test_template_rendered_tool_calls_parse_back_to_the_same_calls(
 def test_turn_decoded_from_its_ids_with_special_tokens_kept_parses_to_the_same_calls(
     chat_model_dirs, family, parser, reasoning_parser, cities, as_string, kwargs
 ):
-    # The family's tokenizer (tests/chat_models.py): the turn's ids as if sampled, decoded as the
+    # The family's tokenizer (tests/support/chat_models.py): the turn's ids as if sampled, decoded as the
     # rollout will decode them, special tokens kept.
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dirs[family])
     style = TOOL_PARSERS[parser].call_id_style

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from chat_models import FAMILIES
+from support.chat_models import FAMILIES
 from rollmesh.chat import ModelDirectory
 from rollmesh.chat.errors import AppendError, AppendOrderError, JoinDerivationError, TruncatedTurnError
 from rollmesh.chat.token_check import check_trajectory, special_token_ids

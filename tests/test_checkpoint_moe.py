@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from megatron_checkpoints import PROBE_IDS, TINY_MOE, logits_path
+from support.megatron_checkpoints import PROBE_IDS, TINY_MOE, logits_path
 from rollmesh.checkpoint.arch_maps import build_arch_map, megatron_shapes
 from rollmesh.checkpoint.chunk_geometry import check_tiling
 from rollmesh.checkpoint.errors import CheckpointReadError

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from megatron_checkpoints import TINY_DENSE
+from support.megatron_checkpoints import TINY_DENSE
 from test_cli import restore_logging_config  # noqa: F401  (autouse: main() sets up logging)
 from rollmesh.checkpoint.arch_maps import canonical_megatron_name
 from rollmesh.checkpoint.chunk_geometry import Box
@@ -83,7 +83,7 @@ def test_a_missing_or_corrupt_shard_file_is_named_in_the_error(dense_tp2, tmp_pa
 def test_a_converted_checkpoint_loads_in_transformers_with_megatrons_logits(dense_tp2, tmp_path):
     import transformers
 
-    from megatron_checkpoints import PROBE_IDS, logits_path
+    from support.megatron_checkpoints import PROBE_IDS, logits_path
     from rollmesh.checkpoint.arch_maps import ArchSpec
     from rollmesh.checkpoint.convert_executor import convert_planned
     from rollmesh.checkpoint.megatron_to_hf import hf_config
@@ -112,7 +112,7 @@ def test_rollmesh_convert_reads_the_model_from_the_save_root_and_writes_what_tra
         dense_tp2, tmp_path, capsys):
     import transformers
 
-    from megatron_checkpoints import PROBE_IDS, logits_path
+    from support.megatron_checkpoints import PROBE_IDS, logits_path
     from rollmesh.cli import main
 
     root = tmp_path / "save"
@@ -138,7 +138,7 @@ def test_rollmesh_convert_reads_the_model_from_the_save_root_and_writes_what_tra
 def test_the_legacy_per_rank_format_converts_to_the_same_model(legacy_tp2, tmp_path):
     import transformers
 
-    from megatron_checkpoints import PROBE_IDS, logits_path
+    from support.megatron_checkpoints import PROBE_IDS, logits_path
     from rollmesh.cli import main
 
     assert sorted(p.name for p in legacy_tp2.iterdir()) == ["mp_rank_00", "mp_rank_01"]

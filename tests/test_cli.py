@@ -96,11 +96,11 @@ def test_a_bad_config_file_is_a_usage_error(tmp_path, capsys):
 
 
 def test_up_spawns_a_foreground_child_for_the_run_dir_it_chose(tmp_path):
-    args = build_parser().parse_args(["--config", "deploy/local.toml", "up", "--no-serve",
+    args = build_parser().parse_args(["--config", "deploy/security.toml", "up", "--no-serve",
                                       "--namespace", "ns1", "--ray-address", "auto"])
     command = child_command(args, tmp_path / "run")
     assert command[:3] == [sys.executable, "-m", "rollmesh.cli"]
-    assert command[command.index("--config") + 1] == str(Path("deploy/local.toml").resolve())
+    assert command[command.index("--config") + 1] == str(Path("deploy/security.toml").resolve())
     tail = command[command.index("up"):]
     assert tail[:4] == ["up", "--foreground", "--run-dir", str((tmp_path / "run").resolve())]
     assert {"--no-serve"} <= set(tail)

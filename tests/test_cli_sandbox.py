@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fakes import FakeSandboxBackend
+from support.fakes import FakeSandboxBackend
 
 from rollmesh.actors.sandbox_broker import SandboxBrokerService
 from rollmesh.actors.shell import ActorShell

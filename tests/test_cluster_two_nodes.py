@@ -2,14 +2,14 @@
 
 Real processes only: ``ray start --head`` and ``ray start --address=...`` with different declared
 resources (each its own raylet, temp dir and ports, on loopback), the three nats-servers of
-``deploy/nats-cluster/`` (tests/nats_cluster.py), and ``rollmesh up`` with ``deploy/two-node.toml``,
+``deploy/nats-cluster/`` (tests/support/nats_cluster.py), and ``rollmesh up`` with ``deploy/two-node.toml``,
 a config that differs from the single-machine one only in addresses and resources. The pytest
 process has its own local Ray (tests/conftest.py; one Ray per process), so this cluster is driven
 from subprocesses only, and actors are found on nodes through the process tree (every actor
 process descends from its node's raylet, which descends from its ``ray start --block``).
 
 The worker node's rollout worker holds a request that cannot finish there (tests/
-cluster_test_tasks.py); the test kills that node (SIGKILL of its whole process group, as a machine
+support/cluster_test_tasks.py); the test kills that node (SIGKILL of its whole process group, as a machine
 loss) and checks that every request still ends exactly once, the held one redelivered to the
 head's worker, and that the lost worker is started again when a node with room for it joins.
 """
@@ -38,8 +38,8 @@ import nats.js.errors
 import pytest
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from nats_cluster import LocalNatsCluster, free_ports
-from cluster_test_tasks import HOLD_DIR_ENV
+from support.nats_cluster import LocalNatsCluster, free_ports
+from support.cluster_test_tasks import HOLD_DIR_ENV
 from rollmesh.bus.outage import is_transient
 from rollmesh.bus.streams import rollout_results_stream
 from rollmesh.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
@@ -75,7 +75,7 @@ TEST_ENV = {
     # One rollout at a time per worker, so both workers get some of the requests.
     "ROLLMESH_ROLLOUT__MAX_CONCURRENT": "1",
     "ROLLMESH_ROLLOUT__TASKS": '["rollmesh.rollout.molar_mass:MolarMassTask", '
-                               '"cluster_test_tasks:NodeHeldMolarMassTask"]',
+                               '"support.cluster_test_tasks:NodeHeldMolarMassTask"]',
     "ROLLMESH_TELEMETRY__EXPORTER": '"none"',
 }
 

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from rollmesh.config import (
+    DEFAULT_CONFIG_PATH,
     NatsCredentialsConfig,
     NatsTlsConfig,
     ServeConfig,
@@ -166,10 +167,10 @@ def test_the_deploy_security_example_loads_with_paths_beside_it(monkeypatch: pyt
 
 
 def test_the_deploy_security_example_is_the_local_config_with_security_on() -> None:
-    """Everything but [security] and [serve] as deploy/local.toml has it: copying the example
+    """Everything but [security] and [serve] as the packaged defaults have it: copying the example
     changes nothing else about the mesh."""
     secured = load_config(REPO_ROOT / "deploy" / "security.toml", environ={})
-    local = load_config(REPO_ROOT / "deploy" / "local.toml", environ={})
+    local = load_config(DEFAULT_CONFIG_PATH, environ={})
     plain = msgspec.structs.replace(secured, security=local.security, serve=local.serve)
     assert plain == local
     assert secured.serve.port == local.serve.port

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from chat_models import build_model_dir
-from engine_models import EngineModels, model_tokenizer, prefer_tokens
-from rollmesh.engine.decode import DecodeEngine, FinishedSequence
+from support.chat_models import build_model_dir
+from support.engine_models import EngineModels, model_tokenizer, prefer_tokens
+from rollmesh.engine.decode import DecodeEngine
 from rollmesh.engine.errors import StaleWeightsError, WeightsMismatchError
 from rollmesh.engine.kv_pages import KvBlockPool, PagedAttention
 from rollmesh.engine.models import CausalLM, load_hf_model
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult, run_prefill
+from rollmesh.engine.protocols import GenerationResult
 from rollmesh.messages.base import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -59,14 +60,14 @@ def greedy_by_full_forward(
     return tokens, logprobs
 
 
-def run_to_completion(engine: DecodeEngine) -> dict[str, FinishedSequence]:
-    done: dict[str, FinishedSequence] = {}
+def run_to_completion(engine: DecodeEngine) -> dict[str, GenerationResult]:
+    done: dict[str, GenerationResult] = {}
     while engine.has_work():
         done.update((s.request_id, s) for s in engine.step())
     return done
 
 
-def run_alone(demo: EngineModels, model: CausalLM, ids: list[int], sampling: SamplingParams) -> FinishedSequence:
+def run_alone(demo: EngineModels, model: CausalLM, ids: list[int], sampling: SamplingParams) -> GenerationResult:
     engine = demo.engine(model, max_batch=1)
     engine.add_prefilled("alone", PrefillEngine(model).prefill(ids), sampling)
     return run_to_completion(engine)["alone"]
@@ -101,7 +102,7 @@ def test_requests_joining_at_different_steps_match_their_single_runs(demo) -> No
     engine = demo.engine(model, max_batch=4)
     # (step at which it arrives, prompt length, max_new_tokens)
     plan = {"a": (0, 3, 12), "b": (0, 17, 4), "c": (2, 9, 20), "d": (5, 30, 7), "e": (6, 1, 9)}
-    done: dict[str, FinishedSequence] = {}
+    done: dict[str, GenerationResult] = {}
     step = 0
     while step < 7 or engine.has_work():
         for request_id, (arrival, length, max_new) in plan.items():
@@ -304,3 +305,14 @@ def test_sampled_decode_reports_behaviour_logprobs_and_is_seeded(demo) -> None:
         results.append(run_to_completion(engine)["r"])
     assert results[0] == results[1]
     assert all(lp <= 0.0 for lp in results[0].logprobs)
+
+
+@pytest.mark.parametrize("module", ["rollmesh.engine", "rollmesh.engine.decode", "rollmesh.engine.decode_state"])
+def test_finished_sequence_is_a_deprecated_name_of_generation_result(module: str) -> None:
+    """The engine reports GenerationResult itself; the old FinishedSequence name still imports,
+    with a DeprecationWarning, for one release."""
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match="FinishedSequence"):
+        alias = getattr(importlib.import_module(module), "FinishedSequence")
+    assert alias is GenerationResult

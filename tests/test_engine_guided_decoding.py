@@ -13,12 +13,12 @@ import jsonschema
 import pytest
 import torch
 
-from engine_models import EngineModels, model_tokenizer, prefer_tokens
-from rollmesh.engine.decode import DecodeEngine, FinishedSequence
+from support.engine_models import EngineModels, model_tokenizer, prefer_tokens
+from rollmesh.engine.decode import DecodeEngine
 from rollmesh.engine.errors import InvalidGrammarError, InvalidRequestError
 from rollmesh.engine.guided_decoding import GuidedDecoder
 from rollmesh.engine.models import load_hf_model
-from rollmesh.engine.protocols import GenerateOptions, GrammarSpec
+from rollmesh.engine.protocols import GenerateOptions, GenerationResult, GrammarSpec
 from rollmesh.engine.sampling import sample_tokens
 from rollmesh.messages.base import SamplingParams
 
@@ -43,8 +43,8 @@ def demo(demo_model_dir: Path) -> EngineModels:
     return EngineModels(demo_model_dir)
 
 
-def run_to_completion(engine: DecodeEngine) -> dict[str, FinishedSequence]:
-    done: dict[str, FinishedSequence] = {}
+def run_to_completion(engine: DecodeEngine) -> dict[str, GenerationResult]:
+    done: dict[str, GenerationResult] = {}
     while engine.has_work():
         done.update((s.request_id, s) for s in engine.step())
     return done

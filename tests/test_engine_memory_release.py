@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_models import babbling_model, model_tokenizer, prefer_tokens
+from support.engine_models import babbling_model, model_tokenizer, prefer_tokens
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.errors import MemoryReleasedError, StaleWeightsError, WeightsMismatchError
 from rollmesh.engine.local_engine import LocalEngine

@@ -14,13 +14,13 @@ import torch
 from rollmesh.chat.model_dir import ModelDirectory
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
-from rollmesh.engine.decode import DecodeEngine, FinishedSequence
+from rollmesh.engine.decode import DecodeEngine
 from rollmesh.engine.errors import InvalidRequestError, KvCapacityError, VersionUnavailableError
 from rollmesh.engine.kv_pages import KvBlockPool, KvLayout, OutOfBlocksError, PagedAttention
 from rollmesh.engine.local_engine import LocalEngine
 from rollmesh.engine.models import load_hf_model
 from rollmesh.engine.prefill import PrefillEngine
-from rollmesh.engine.protocols import GenerateOptions
+from rollmesh.engine.protocols import GenerateOptions, GenerationResult
 from rollmesh.messages.base import SamplingParams
 from test_engine_hf_models import CASES, _hf_model, _save
 
@@ -52,8 +52,8 @@ def prompt(length: int, offset: int = 0) -> list[int]:
     return [(offset + 13 * i) % 300 for i in range(length)]
 
 
-def run_to_completion(engine: DecodeEngine) -> dict[str, FinishedSequence]:
-    done: dict[str, FinishedSequence] = {}
+def run_to_completion(engine: DecodeEngine) -> dict[str, GenerationResult]:
+    done: dict[str, GenerationResult] = {}
     while engine.has_work():
         done.update((s.request_id, s) for s in engine.step())
     return done
@@ -225,7 +225,7 @@ def test_requests_wait_for_kv_blocks_and_one_that_can_never_fit_is_refused(check
         engine.validate_request("huge", 8, SamplingParams(max_new_tokens=40))
     assert refused.value.blocks_needed == 12 and refused.value.blocks_total == 6
 
-    async def both() -> list[FinishedSequence]:
+    async def both() -> list[GenerationResult]:
         loop = DecodeLoop(engine)
         loop.start()
         try:

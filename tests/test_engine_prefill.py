@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_models import EngineModels
+from support.engine_models import EngineModels
 from rollmesh.engine.decode import DecodeEngine
 from rollmesh.engine.errors import (
     CapacityError,

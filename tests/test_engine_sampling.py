@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_models import model_tokenizer
+from support.engine_models import model_tokenizer
 from rollmesh.chat.model_dir import ModelDirectory
 from rollmesh.engine.errors import InvalidRequestError
 from rollmesh.engine.sampling import sample_tokens

@@ -1,7 +1,7 @@
 """The SGLang backend against a fake SGLang HTTP server, its launcher, and (GPU only) a real SGLang.
 
 SGLang pins a CUDA torch and cannot live in this venv, so on CPU the server is faked at its true
-edge, the HTTP API: ``FakeSGLang`` (tests/sglang_fake.py, each behaviour with its upstream
+edge, the HTTP API: ``FakeSGLang`` (tests/support/sglang_fake.py, each behaviour with its upstream
 source) answers the native endpoints as SGLang does and records every request. A real SGLang is tested on GPU machines by
 tests/test_engine_sglang_gpu.py (``scripts/gpu/check_sglang.sh``).
 """
@@ -47,7 +47,7 @@ from rollmesh.engine.sglang_server import (
     pick_free_port,
 )
 from rollmesh.messages.base import SamplingParams
-from sglang_fake import EOS, SHAPE, FakeSGLang, encode_rows, expert
+from support.sglang_fake import EOS, SHAPE, FakeSGLang, encode_rows, expert
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

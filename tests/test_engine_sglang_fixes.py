@@ -1,6 +1,6 @@
 """The SGLang backend's fixes for what the real SGLang does and the first version did not expect.
 
-Against ``FakeSGLang`` (tests/sglang_fake.py), which does what SGLang does on each point, with the
+Against ``FakeSGLang`` (tests/support/sglang_fake.py), which does what SGLang does on each point, with the
 upstream source cited there: stop strings under ``--skip-tokenizer-init`` (a 400, sglang#27882),
 a cache flush while paused requests wait (the scheduler's ``assert flush_cache_success`` kills it),
 routed-expert rows ``num_hidden_layers`` wide with dense layers in them, and the stop edge's one
@@ -24,7 +24,7 @@ from rollmesh.engine.sglang_backend import SGLangEngine
 from rollmesh.engine.sglang_client import SGLangClient, SGLangHTTPError, SGLangUnavailableError
 from rollmesh.engine.sglang_routes import RoutedExpertsShape, decode_routed_experts
 from rollmesh.messages.base import SamplingParams
-from sglang_fake import EOS, SHAPE, FakeSGLang, encode_rows, expert
+from support.sglang_fake import EOS, SHAPE, FakeSGLang, encode_rows, expert
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -15,7 +15,7 @@ from rollmesh.engine.models import load_hf_model
 from rollmesh.engine.sglang_backend import SGLangEngine
 from rollmesh.engine.sglang_launch import launch_plan, other_node_commands, server_flags
 from rollmesh.engine.sglang_weights import SGLangDiskWeights, write_hf_weights
-from sglang_fake import FakeSGLang
+from support.sglang_fake import FakeSGLang
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -159,7 +159,7 @@ async def test_a_published_version_is_loaded_by_sglang_paused_in_place_without_a
 
 async def test_a_version_the_trainer_pushed_is_adopted_without_files_and_an_unpushed_one_is_loaded(
         fake, demo_model_dir, tmp_path):
-    from fakes import RecordingPublisher
+    from support.fakes import RecordingPublisher
     from rollmesh.engine.weight_follower import WeightFollower
     from rollmesh.messages import WeightsPublished
     from rollmesh.messages.subjects import WEIGHTS_ACTIVATED

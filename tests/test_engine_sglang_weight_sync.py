@@ -22,9 +22,9 @@ from rollmesh.engine.errors import WeightsError
 from rollmesh.engine.sglang_client import SGLangClient
 from rollmesh.engine.sglang_server import pick_free_port
 from rollmesh.engine.sglang_weight_sync import SGLangWeightPush, SGLangWeightSync
-from sglang_weight_server import serve, tensor_sha256
+from support.sglang_weight_server import serve, tensor_sha256
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 START_TIMEOUT_S = 120.0  # a spawned interpreter importing torch on a loaded machine
 
@@ -82,6 +82,7 @@ async def debug(client: SGLangClient, what: str):
     return response.json()
 
 
+@pytest.mark.unit
 async def test_a_version_is_broadcast_in_buckets_between_pause_and_continue_and_labelled(servers, state):
     sync = SGLangWeightSync(servers, backend="gloo", bucket_bytes=4096, timeout_s=120)
     await sync.connect()
@@ -111,6 +112,7 @@ async def test_a_version_is_broadcast_in_buckets_between_pause_and_continue_and_
         assert await server.weight_version() == 2
 
 
+@pytest.mark.unit
 async def test_colocated_servers_take_a_version_by_shared_tensors_between_pause_and_continue(servers, state):
     sync = SGLangWeightSync(servers[:1], backend="gloo", bucket_bytes=1 << 20)
     stats = await sync.publish_ipc(state, 3)
@@ -121,15 +123,17 @@ async def test_colocated_servers_take_a_version_by_shared_tensors_between_pause_
     assert stats.buckets == 1 and await servers[0].weight_version() == 3
 
 
+@pytest.mark.unit
 async def test_a_bucket_for_a_group_the_server_never_joined_is_a_weights_error(servers):
     with pytest.raises(WeightsError, match="not found"):
         await servers[0].update_weights_from_distributed(names=["w"], dtypes=["float32"], shapes=[[2]],
                                                          group_name="nobody", version=1)
 
 
+@pytest.mark.unit
 async def test_the_trainer_pushes_each_durable_version_into_the_servers_before_announcing_it(
         servers, tmp_path, demo_model_dir):
-    from fakes import RecordingPublisher
+    from support.fakes import RecordingPublisher
     from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
     from test_training_trainer_logic import build_trainer, completed, deliver
     from rollmesh.config import ModelConfig
@@ -157,6 +161,7 @@ async def test_the_trainer_pushes_each_durable_version_into_the_servers_before_a
     assert logic.push_failures == 0
 
 
+@pytest.mark.unit
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: SGLang opens CUDA IPC handles only")
 async def test_colocated_servers_open_the_trainers_cuda_tensors_by_ipc_handle(servers, state):

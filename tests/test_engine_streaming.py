@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_models import EngineModels, babbling_model, model_tokenizer, prefer_tokens
+from support.engine_models import EngineModels, babbling_model, model_tokenizer, prefer_tokens
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.errors import InvalidRequestError
 from rollmesh.engine.local_engine import LocalEngine

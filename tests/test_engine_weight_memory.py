@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from fakes import RecordingPublisher, StagingEngine
+from support.fakes import RecordingPublisher, StagingEngine
 from rollmesh.engine.errors import WeightsChecksumError, WeightsFileError, WeightsUnavailableError
 from rollmesh.engine.weight_buckets import (
     SerializedWeights,

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 import torch
 
-from engine_models import babbling_model
+from support.engine_models import babbling_model
 from rollmesh.engine.decode import DecodeEngine
 from rollmesh.engine.errors import WeightsChecksumError, WeightsFileError
 from rollmesh.engine.weights import load_weights, save_weights

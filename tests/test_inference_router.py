@@ -11,14 +11,13 @@ from typing import Any
 import pytest
 import ray
 
-from ray_actors import stop_and_kill
+from support.ray_actors import stop_and_kill
 from rollmesh.inference.router import InferenceRouter
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.chat.model_dir import ModelDirectory
 from rollmesh.config import InferenceConfig, ModelConfig
-from rollmesh.engine.decode import FinishedSequence
-from rollmesh.engine.protocols import GenerateOptions
+from rollmesh.engine.protocols import GenerateOptions, GenerationResult
 from rollmesh.messages.base import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
@@ -46,9 +45,9 @@ class FakeWorker:
     def __getattr__(self, name: str) -> _Method:
         return _Method(self, name)
 
-    async def finish(self, args: tuple) -> FinishedSequence:
+    async def finish(self, args: tuple) -> GenerationResult:
         await self.release.wait()
-        return FinishedSequence(request_id=args[2], token_ids=[1], logprobs=[0.0], versions=[0],
+        return GenerationResult(request_id=args[2], token_ids=[1], logprobs=[0.0], versions=[0],
                                 finish_reason="length", prompt_len=3)
 
 

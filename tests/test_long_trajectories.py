@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from fakes import RecordingPublisher
+from support.fakes import RecordingPublisher
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.streams import ensure_streams, rollout_results_stream

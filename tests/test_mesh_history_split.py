@@ -34,7 +34,7 @@ from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOU
 from rollmesh.rollout.molar_mass import MolarMassTask
 from rollmesh.training.warm_start import conversation_trajectory
 from conftest import REPO_ROOT
-from fitted_models import fit_to_samples
+from support.fitted_models import fit_to_samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 

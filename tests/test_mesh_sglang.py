@@ -1,7 +1,7 @@
 """A mesh with ``inference.backend = "sglang"`` attached to (fake) SGLang servers runs rollouts.
 
 The whole mesh on the session's NATS and Ray (trainer, sandbox broker, rollout worker, the Serve
-app), with ``inference.sglang.urls`` naming a ``FakeSGLang`` (tests/sglang_fake.py) served from
+app), with ``inference.sglang.urls`` naming a ``FakeSGLang`` (tests/support/sglang_fake.py) served from
 this process: the launcher spawns SGLang workers as the decode workers and no prefill workers,
 the rollout worker's router and the Serve app generate through them, token-in token-out. The fake
 answers each turn with the next assistant turn of the molar-mass task's correct episode, as the
@@ -30,7 +30,7 @@ from rollmesh.messages.token_trace import NO_VERSION
 from rollmesh.rollout.molar_mass import MolarMassTask
 from rollmesh.training.warm_start import conversation_sequence
 from conftest import REPO_ROOT
-from sglang_fake import FakeSGLang
+from support.sglang_fake import FakeSGLang
 from test_mesh_token_exact import assistant_segments, run_rollout
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]

@@ -33,7 +33,7 @@ from rollmesh.messages.token_trace import NO_VERSION
 from rollmesh.rollout.molar_mass import MolarMassTask
 from rollmesh.training.warm_start import conversation_sequence
 from conftest import REPO_ROOT
-from fitted_models import fit_to_samples
+from support.fitted_models import fit_to_samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from nats_cluster import free_ports
+from support.nats_cluster import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sandbox_helpers import usable_bwrap
+from support.sandbox_helpers import usable_bwrap
 from rollmesh.rewards.code_tests_reward import CodeSandboxes, code_of, code_tests_reward
 from rollmesh.rewards.combined import CombinedReward, load_reward
 from rollmesh.rewards.errors import RewardInputError, RewardLoadError, RewardUnavailableError

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from reward_servers import Request, reward_server
+from support.reward_servers import Request, reward_server
 from rollmesh.rewards.combined import CombinedReward, load_reward
 from rollmesh.rewards.errors import RewardLoadError, RewardUnavailableError
 from rollmesh.rewards.http_reward import http_reward

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from reward_servers import Request, reward_server
+from support.reward_servers import Request, reward_server
 from rollmesh.rewards.combined import load_reward
 from rollmesh.rewards.errors import RewardInputError, RewardLoadError, RewardUnavailableError
 from rollmesh.rewards.judge_reward import chat_completions_url, judge_reward

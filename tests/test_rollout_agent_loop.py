@@ -14,7 +14,8 @@ from functools import cache
 import msgspec
 import pytest
 
-from fakes import ProgressRecorder, RecordingPublisher, ScriptedEngine
+from support.fakes import ProgressRecorder, RecordingPublisher, ScriptedEngine
+from support.waiting import WAIT_S, wait_until
 from rollmesh.bus.errors import RequestTimeoutError
 from rollmesh.chat import ChatModel, TemplateJoin, ToolCall
 from rollmesh.ports import MessageContext
@@ -612,22 +613,23 @@ async def test_a_long_tool_call_keeps_the_request_in_progress():
 
 
 async def test_a_request_redelivered_while_it_runs_here_waits_for_it_and_runs_nothing_twice():
-    gate = asyncio.Event()
+    gate, generating = asyncio.Event(), asyncio.Event()
 
     class GatedEngine(ScriptedEngine):
         async def generate(self, *args, **kwargs):
+            generating.set()
             await gate.wait()
             return await super().generate(*args, **kwargs)
 
     engine, bus = GatedEngine([answer()]), sandbox_bus()
     logic = runner(engine, bus)
     first = asyncio.create_task(logic.handle_requested(request(), context()))
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(generating.wait(), WAIT_S)  # the first delivery is running the rollout
     second = asyncio.create_task(logic.handle_requested(request(), context()))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: logic.stats()["joined"] == 1, "the redelivery to join the running rollout")
     assert not second.done()
     gate.set()
-    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
     assert len(engine.calls) == 1 and len(bus.messages(ROLLOUT_COMPLETED)) == 1
     assert logic.stats()["joined"] == 1
 
@@ -673,7 +675,8 @@ async def test_an_moe_rollout_keeps_each_turns_routed_experts_and_resumes_them()
 
 async def test_parallel_calls_run_concurrently_and_their_results_come_back_in_call_order():
     formulas = ["NaCl", "H2O", "CO2"]
-    all_arrived = asyncio.Event()
+    all_arrived, others_answered = asyncio.Event(), asyncio.Event()
+    answered: list[str] = []
 
     class ConcurrentSandbox(RecordingPublisher):
         """Answers an exec only once every call's exec has arrived (so they must run at once), the
@@ -687,7 +690,11 @@ async def test_parallel_calls_run_concurrently_and_their_results_come_back_in_ca
                 await all_arrived.wait()
                 formula = message.argv[-1]
                 if formula == formulas[0]:
-                    await asyncio.sleep(0.01)  # the first call finishes last
+                    await others_answered.wait()  # the first call finishes last
+                else:
+                    answered.append(formula)
+                    if len(answered) == len(formulas) - 1:
+                        others_answered.set()
                 return SandboxExecReply(result="exit", exit_code=0,
                                         stdout=true_molar_mass(formula).encode())
             return await super().request(subject, message, timeout_s)

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from fakes import RecordingPublisher, ScriptedEngine
+from support.fakes import RecordingPublisher, ScriptedEngine
 from rollmesh.chat import ChatModel, ToolCall
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.engine.protocols import GenerationResult

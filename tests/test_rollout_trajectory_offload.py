@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from fakes import RecordingPublisher, ScriptedEngine
+from support.fakes import RecordingPublisher, ScriptedEngine
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED
 from rollmesh.rollout.agent_loop import RolloutRunner

@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.waiting import WAIT_S
 
 from rollmesh.sandbox import agent_files, agent_wire
 from rollmesh.sandbox.errors import (
@@ -397,8 +398,11 @@ async def test_an_unsafe_tar_writes_nothing(sandbox) -> None:
 @integration
 async def test_a_dead_agent_fails_pending_and_later_calls(tmp_path: Path) -> None:
     box = await ProcessBackend(root_dir=tmp_path).create("doomed", LIMITS)
-    pending = asyncio.create_task(box.exec(["sleep", "30"]))
-    await asyncio.sleep(0.2)
+    pending = asyncio.create_task(box.exec(["/bin/sh", "-c", "touch started; exec sleep 30"]))
+    give_up = time.monotonic() + WAIT_S
+    while (await box.exec(["test", "-e", "started"])).exit_code != 0:  # then the exec is in flight
+        assert time.monotonic() < give_up, "the pending exec's command never started"
+        await asyncio.sleep(0.02)
     os.kill(box._process.pid, signal.SIGKILL)  # the agent itself
     done = await asyncio.wait_for(pending, 10)
     assert done.result == "sandbox_died" and "exit" in done.detail

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from fakes import FakeSandboxBackend, ManualClock, RecordingPublisher
+from support.fakes import FakeSandboxBackend, ManualClock, RecordingPublisher
 from opentelemetry import trace
 
 from rollmesh.config import SandboxConfig, SandboxProfileConfig

@@ -10,7 +10,7 @@ import os
 import time
 
 import pytest
-from fakes import FakeSandboxBackend
+from support.fakes import FakeSandboxBackend
 
 from rollmesh.actors.sandbox_broker import SandboxBrokerService
 from rollmesh.actors.shell import ActorShell

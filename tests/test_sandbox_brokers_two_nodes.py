@@ -3,7 +3,7 @@ test runs its nodes (tests/test_cluster_two_nodes.py's ``ray start`` helpers): a
 node, leases spread over both, and a node SIGKILLed as a machine loss. Nothing on the other node
 is lost; the lost node's leases fail typed, and a rollout holding one resumes on the other broker.
 
-The brokers are spawned by tests/cluster_brokers.py, a driver joined to this cluster (the pytest
+The brokers are spawned by tests/support/cluster_brokers.py, a driver joined to this cluster (the pytest
 process has its own Ray); this process talks to them over the session's nats-server only.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from test_cluster_two_nodes import REPO_ROOT, TESTS_DIR, RayNode, _ancestors, _node_ports, _ray_worker_titles
-from nats_cluster import free_ports
+from support.nats_cluster import free_ports
 
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.publisher import BusPublisher
@@ -101,7 +101,7 @@ async def test_brokers_on_two_nodes_share_leases_and_a_lost_node_costs_only_its_
     address, head, worker, env = two_nodes
     log = (tmp_path / "driver.log").open("wb")
     driver = subprocess.Popen(
-        [sys.executable, str(TESTS_DIR / "cluster_brokers.py"), address, nats_server.url, namespace,
+        [sys.executable, str(TESTS_DIR / "support" / "cluster_brokers.py"), address, nats_server.url, namespace,
          str(tmp_path / "run")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
     nc = await connect_bus(nats_server.url, name="two-node-sandbox-client", connect_timeout_s=5)
     try:

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 import trustme
-from fakes import ManualClock
+from support.fakes import ManualClock
 
 from rollmesh.bus.tls import client_tls_context, server_tls_context
 from rollmesh.config import NatsTlsConfig, SandboxConfig, SandboxProfileConfig

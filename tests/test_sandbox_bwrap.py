@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from sandbox_helpers import usable_bwrap
+from support.sandbox_helpers import usable_bwrap
 from rollmesh.sandbox import select_backend
 from rollmesh.sandbox.bwrap_backend import BwrapBackend
 from rollmesh.sandbox.sandbox_protocol import SandboxLimits

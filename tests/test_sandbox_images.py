@@ -14,8 +14,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from oci_images import host_binary_members, layer, write_docker_save, write_layout
-from sandbox_helpers import usable_bwrap
+from support.oci_images import host_binary_members, layer, write_docker_save, write_layout
+from support.sandbox_helpers import usable_bwrap
 
 from rollmesh.config import SandboxConfig, SandboxProfileConfig
 from rollmesh.sandbox_config import SandboxPythonConfig

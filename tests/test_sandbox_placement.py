@@ -9,7 +9,7 @@ import time
 import uuid
 
 import pytest
-from fakes import FakeSandboxBackend, ManualClock
+from support.fakes import FakeSandboxBackend, ManualClock
 
 from rollmesh.actors.sandbox_broker import SandboxBrokerService
 from rollmesh.actors.shell import ActorShell

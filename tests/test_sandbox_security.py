@@ -23,8 +23,8 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from oci_images import host_binary_members
-from sandbox_helpers import usable_bwrap
+from support.oci_images import host_binary_members
+from support.sandbox_helpers import usable_bwrap
 from rollmesh.config import SandboxConfig, SandboxProfileConfig
 from rollmesh.messages.sandbox import SandboxUploadRequest
 from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient

@@ -10,7 +10,7 @@ import itertools
 from pathlib import Path
 
 import pytest
-from fakes import FakeSandboxBackend, ManualClock
+from support.fakes import FakeSandboxBackend, ManualClock
 
 from rollmesh.config import SandboxConfig, SandboxProfileConfig
 from rollmesh.messages.sandbox import SandboxSnapshotRecord

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_helpers import usable_bwrap
+from support.sandbox_helpers import usable_bwrap
 from rollmesh.bus.sandbox_leases import KvSandboxLeases
 from rollmesh.config import SandboxConfig
 from rollmesh.messages.sandbox import (
@@ -33,7 +33,7 @@ from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 from rollmesh.sandbox.supervisor_client import SupervisorClient
 from rollmesh.sandbox.supervisor_wire import recv_frame, send_frame
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 # Writes each step to the workspace as it goes: a second run would write every step twice.
 STEPS = "for i in 1 2 3 4; do echo step $i >> log; sleep 0.4; done; cat log"
@@ -58,6 +58,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 async def test_a_sandbox_and_its_running_exec_outlive_the_process_that_spawned_them(tmp_path):
     usable_bwrap()
     child = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", CHILD, str(tmp_path), STEPS],
@@ -81,6 +82,7 @@ async def test_a_sandbox_and_its_running_exec_outlive_the_process_that_spawned_t
     assert cgroups is None or not any(Path(d).exists() for d in cgroups["dirs"])
 
 
+@pytest.mark.integration
 async def test_a_restarted_broker_readopts_its_leases_and_reaps_those_that_expired(tmp_path, nats_client,
                                                                                    namespace):
     now = [1000.0]
@@ -151,6 +153,7 @@ async def test_an_exec_its_restarted_broker_does_not_know_is_sent_again_with_its
     assert bus.probes == bus.execs[:1]  # the probe named the exec it waited for
 
 
+@pytest.mark.integration
 async def test_a_broker_gone_mid_frame_and_mid_upload_leaves_the_agent_intact(tmp_path):
     backend = usable_bwrap()
     backend.supervisor = SupervisorClient(tmp_path, broker="torn", idle_exit_s=5)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sandbox_helpers import usable_bwrap
+from support.sandbox_helpers import usable_bwrap
 from rollmesh.sandbox import ToolNotFoundError, python_for_sandbox, tool_script_path
 from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 

@@ -19,7 +19,7 @@ import nats
 import pytest
 import ray
 
-from ray_actors import stop_and_kill
+from support.ray_actors import stop_and_kill
 from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.config import SchedulerConfig
@@ -72,6 +72,14 @@ def steps_of(log: Path) -> tuple[int, int]:
     return numbers[0], numbers[-1]
 
 
+def counted_to(log: Path, step: int) -> bool:
+    """Whether the attempt writing ``log`` has counted to ``step`` (0: it has started)."""
+    try:
+        return steps_of(log)[1] >= step
+    except (FileNotFoundError, IndexError):  # not started, or nothing written yet
+        return False
+
+
 async def wait_until(condition, timeout_s: float = 30.0) -> None:
     """What another connection's subscription changes: checked every 50 ms until true."""
     async def wait() -> None:
@@ -110,7 +118,9 @@ async def test_jobs_are_preempted_when_the_trainer_asks_and_resume_from_their_ch
         await js.publish(SIM_SUBMITTED.format(namespace), SIM_SUBMITTED.encode(stubborn))
         await events.until(lambda: len(events.of(SIM_STARTED)) == 2)
         jobs_dir = run_dir / "scheduler" / "jobs"
-        await asyncio.sleep(1.0)  # let both make progress and checkpoint a few times
+        # Both make progress and checkpoint a few times before they are asked to stop.
+        await wait_until(lambda: all(counted_to(jobs_dir / job / "attempt_1.log", 3 * CHECKPOINT_EVERY)
+                                     for job in ("polite", "stubborn")))
 
         status = run_cli("sched", "status", "--nats-url", nats_server.url, "--namespace", namespace, "--json")
         assert status.returncode == 0, status.stderr
@@ -136,7 +146,8 @@ async def test_jobs_are_preempted_when_the_trainer_asks_and_resume_from_their_ch
                          ROLE_DEMAND.encode(RoleDemandChanged(role="trainer", accelerators=0)))
         await events.until(lambda: len(events.of(SIM_STARTED)) == 4)
         assert sum(m.count for m in events.of(GPU_RELEASED)) == 3
-        await asyncio.sleep(0.5)
+        await wait_until(lambda: all(counted_to(jobs_dir / job / "attempt_2.log", 0)
+                                     for job in ("polite", "stubborn")))
         polite_resumed = steps_of(jobs_dir / "polite" / "attempt_2.log")[0]
         stubborn_resumed = steps_of(jobs_dir / "stubborn" / "attempt_2.log")[0]
         assert polite_resumed == polite_stop  # it checkpointed when asked: nothing lost

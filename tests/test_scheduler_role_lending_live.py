@@ -18,7 +18,7 @@ import nats
 import pytest
 import ray
 
-from ray_actors import stop_and_kill
+from support.ray_actors import stop_and_kill
 from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
 from rollmesh.inference.router import InferenceRouter
 from rollmesh.actors.inference_workers import DecodeWorkerActor

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from fakes import RecordingPublisher
+from support.fakes import RecordingPublisher
+from support.waiting import wait_until
 from rollmesh.messages import RoleDemandChanged, RunRegistered, SimJobSubmitted
 from rollmesh.messages.subjects import (
     GPU_GRANTED,
@@ -126,9 +127,10 @@ def job(job_id: str, accelerators: int = 2, **fields) -> SimJobSubmitted:
 CONTEXT = MessageContext(subject="test")
 
 
-async def settle() -> None:
-    for _ in range(20):  # let the watchers of exited jobs run (their ledger writes use a thread)
-        await asyncio.sleep(0.01)
+async def settle(logic: LendingService, *, running: int = 0) -> None:
+    """Until the watchers of the jobs that exited have done their work (ledger writes in a thread,
+    then messages and grants) and only the ``running`` jobs' watchers remain."""
+    await wait_until(lambda: len(logic._watchers) == running, f"{running} job watchers left")
 
 
 async def test_a_job_on_idle_accelerators_is_preempted_when_the_trainer_asks_and_runs_again_later(tmp_path):
@@ -143,7 +145,7 @@ async def test_a_job_on_idle_accelerators_is_preempted_when_the_trainer_asks_and
     [request] = bus.messages(PREEMPTION_REQUESTED)
     assert request.holder == "md-1" and request.deadline == clock.now + 10.0 and launcher.launched[0].asked
     assert not bus.messages(GPU_GRANTED), "the trainer is granted only once the job has left"
-    await settle()
+    await settle(logic)
     assert [m.holder for m in bus.messages(PREEMPTION_ACKNOWLEDGED)] == ["md-1"]
     assert [(m.outcome, m.attempt) for m in bus.messages(SIM_ENDED)] == [("preempted", 1)]
     assert [(m.role, m.count) for m in bus.messages(GPU_GRANTED)] == [("trainer", 1), ("trainer", 1)]
@@ -155,7 +157,7 @@ async def test_a_job_on_idle_accelerators_is_preempted_when_the_trainer_asks_and
     assert [m.count for m in bus.messages(GPU_RELEASED)] == [1, 1]
     assert [(m.job_id, m.attempt) for m in bus.messages(SIM_STARTED)] == [("md-1", 1), ("md-1", 2)]
     launcher.launched[1].finish(0)
-    await settle()
+    await settle(logic)
     assert bus.messages(SIM_ENDED)[-1].outcome == "finished" and logic.status().jobs == {}
     status = logic.status()
     assert status.preemptions == 1 and 0 < status.allocated_utilization <= 1
@@ -174,7 +176,7 @@ async def test_a_job_that_ignores_the_request_is_killed_at_the_deadline_not_befo
     assert logic.next_wakeup() == request.deadline
     clock.now = request.deadline
     await logic.tick()
-    await settle()
+    await settle(logic)
     assert launcher.launched[0].killed
     assert [m.outcome for m in bus.messages(SIM_ENDED)] == ["killed"]
     assert [m.role for m in bus.messages(GPU_GRANTED)] == ["trainer", "trainer"]
@@ -200,7 +202,7 @@ async def test_a_restarted_scheduler_runs_the_unfinished_jobs_of_its_ledger_agai
     await first.handle_submitted(job("done"), CONTEXT)
     await first.handle_submitted(job("running", accelerators=1), CONTEXT)
     first.launcher.launched[0].finish(0)
-    await settle()
+    await settle(first, running=1)
     # The process dies here: "running" never ended. Its successor reads the ledger.
     launcher = FakeLauncher()
     second, bus, _ = service(tmp_path, launcher=launcher)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_models import babbling_model, model_tokenizer, prefer_tokens
-from fakes import RecordingPublisher
+from support.engine_models import babbling_model, model_tokenizer, prefer_tokens
+from support.fakes import RecordingPublisher
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.errors import MemoryReleasedError
 from rollmesh.engine.local_engine import LocalEngine

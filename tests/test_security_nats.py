@@ -18,7 +18,7 @@ from pathlib import Path
 import nats
 import pytest
 import pytest_asyncio
-from nats_jwt import OperatorMode
+from support.nats_jwt import OperatorMode
 
 from rollmesh.bus.connection import connect_bus, flush_to_server
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
@@ -34,7 +34,7 @@ from rollmesh.messages.sandbox import SandboxLimitsSpec, SandboxSnapshotRecord
 from rollmesh.messages.subjects import ALL_SUBJECTS
 from rollmesh.ports import StateStoreError
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 NAMESPACE = "sec" + uuid.uuid4().hex[:8]
 PASSWORD = "pw-" + uuid.uuid4().hex
@@ -107,6 +107,7 @@ async def watch_everything(nc: nats.NATS, sentinel_subject: str) -> Seen:
     return seen
 
 
+@pytest.mark.integration
 async def test_a_role_publishing_outside_its_permissions_gets_a_violation_and_nothing_is_delivered(
     secured: SecuredBus,
 ) -> None:
@@ -132,6 +133,7 @@ async def test_a_role_publishing_outside_its_permissions_gets_a_violation_and_no
                for error in violations.errors), violations.errors
 
 
+@pytest.mark.integration
 async def test_a_role_cannot_subscribe_to_another_roles_subjects(secured: SecuredBus) -> None:
     violations = Violations()
     resharder = await connect_as(secured, "resharder", violations)
@@ -144,6 +146,7 @@ async def test_a_role_cannot_subscribe_to_another_roles_subjects(secured: Secure
     assert any("permissions violation for subscription" in e.lower() for e in violations.errors)
 
 
+@pytest.mark.integration
 async def test_a_sandbox_broker_of_several_serves_its_own_subjects_and_not_another_brokers(
     secured: SecuredBus,
 ) -> None:
@@ -175,6 +178,7 @@ async def test_a_sandbox_broker_of_several_serves_its_own_subjects_and_not_anoth
         violations.errors
 
 
+@pytest.mark.integration
 async def test_a_client_publishes_rollout_requests_and_nothing_else(secured: SecuredBus, streams: None) -> None:
     violations = Violations()
     client = await connect_as(secured, "client", violations)
@@ -200,6 +204,7 @@ async def test_a_client_publishes_rollout_requests_and_nothing_else(secured: Sec
     assert len(violations.errors) == 2
 
 
+@pytest.mark.integration
 async def test_a_long_trajectory_is_stored_by_a_rollout_worker_and_read_not_written_by_the_trainer_and_a_client(
     secured: SecuredBus, streams: None,
 ) -> None:
@@ -220,6 +225,7 @@ async def test_a_long_trajectory_is_stored_by_a_rollout_worker_and_read_not_writ
             await nc.close()
 
 
+@pytest.mark.integration
 async def test_any_sandbox_broker_reads_and_deletes_a_snapshot_another_broker_stored(
     secured: SecuredBus,
 ) -> None:
@@ -241,6 +247,7 @@ async def test_any_sandbox_broker_reads_and_deletes_a_snapshot_another_broker_st
             await nc.close()
 
 
+@pytest.mark.integration
 async def test_a_client_reads_results_with_user_and_password_from_the_environment(
     secured: SecuredBus, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -268,11 +275,13 @@ def _setter(event: asyncio.Event):
     return on_message
 
 
+@pytest.mark.integration
 async def test_a_client_without_credentials_is_refused(secured: SecuredBus) -> None:
     with pytest.raises(BusConnectError, match="(?i)authorization"):
         await asyncio.wait_for(connect_bus(secured.server.url, name="anonymous", connect_timeout_s=2), 20)
 
 
+@pytest.mark.integration
 async def test_a_wrong_password_is_refused_and_never_shown(
     secured: SecuredBus, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -286,7 +295,7 @@ async def test_a_wrong_password_is_refused_and_never_shown(
     assert wrong not in str(raised.value)
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_generated_keys_are_owner_only(secured: SecuredBus) -> None:
     for credentials in secured.generated.credentials.values():
         path = Path(credentials.source.nkey_seed_file)
@@ -322,7 +331,7 @@ def test_every_subject_has_a_publisher_and_each_role_its_own_inbox() -> None:
     assert [s for s in tables["client"].publish if s.startswith("rl.")] == [f"rl.{NAMESPACE}.rollout.requested"]
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_logged_credentials_are_redacted(secured: SecuredBus) -> None:
     from rollmesh.telemetry.redaction import REDACTED, redact_value
 
@@ -334,6 +343,7 @@ def test_logged_credentials_are_redacted(secured: SecuredBus) -> None:
     assert repr(secured.credentials("trainer")).count(seed) == 0  # what travels: a path, no secret
 
 
+@pytest.mark.integration
 async def test_a_role_connects_with_a_creds_file_to_an_operator_mode_server_and_keeps_to_its_rights(tmp_path):
     operator = OperatorMode()
     server = EmbeddedNatsServer(tmp_path / "nats", auth_config=operator.server_config())

@@ -22,7 +22,7 @@ from rollmesh.bus.errors import BusSecurityError, BusTlsError
 from rollmesh.bus.tls import client_tls_context, server_tls_block
 from rollmesh.config import NatsTlsConfig
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ async def round_trip(nc) -> bytes:
     return msg.data
 
 
+@pytest.mark.integration
 async def test_a_plaintext_connection_to_a_tls_only_server_fails(tls_only: EmbeddedNatsServer) -> None:
     # A raw client that speaks the protocol in plaintext: told TLS is required, and cut off.
     reader, writer = await asyncio.open_connection("127.0.0.1", tls_only.port)
@@ -88,6 +89,7 @@ async def test_a_plaintext_connection_to_a_tls_only_server_fails(tls_only: Embed
     assert b"PONG" not in answer
 
 
+@pytest.mark.integration
 async def test_a_client_that_does_not_trust_the_server_certificate_is_refused(
     tls_only: EmbeddedNatsServer,
 ) -> None:
@@ -100,6 +102,7 @@ async def test_a_client_that_does_not_trust_the_server_certificate_is_refused(
     assert refused.value.reason == "certificate verify failed: unable to get local issuer certificate"
 
 
+@pytest.mark.integration
 async def test_a_client_verifying_the_server_gets_through(tls_only: EmbeddedNatsServer, pki: Pki) -> None:
     assert tls_only.url.startswith("tls://127.0.0.1:")  # the scheme says TLS is required
     context = client_tls_context(NatsTlsConfig(enabled=True, ca_file=pki.ca_file))
@@ -110,6 +113,7 @@ async def test_a_client_verifying_the_server_gets_through(tls_only: EmbeddedNats
         await nc.close()
 
 
+@pytest.mark.integration
 async def test_mutual_tls_refuses_a_client_without_a_certificate(mutual_tls: EmbeddedNatsServer, pki: Pki) -> None:
     context = client_tls_context(NatsTlsConfig(enabled=True, ca_file=pki.ca_file))
     with pytest.raises(BusTlsError) as refused:
@@ -118,6 +122,7 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate(mutual_tls: Emb
     assert "certificate required" in refused.value.reason
 
 
+@pytest.mark.integration
 async def test_mutual_tls_lets_a_client_with_a_certificate_in(mutual_tls: EmbeddedNatsServer, pki: Pki) -> None:
     context = client_tls_context(NatsTlsConfig(enabled=True, ca_file=pki.ca_file, cert_file=pki.client_cert,
                                                key_file=pki.client_key))

@@ -6,7 +6,7 @@ read them), a template's refusal is an OpenAI-shaped 400. No Ray, no HTTP. (Stre
 test_serve_streaming.py.)
 
 The demo model (ChatML, Hermes calls) is the served model; the real Qwen3 and Mistral templates
-(tests/chat_models.py) show what the demo's does not: reasoning, a vendor template's refusal
+(tests/support/chat_models.py) show what the demo's does not: reasoning, a vendor template's refusal
 (Mistral's strict alternation of roles), call ids the template needs in its own form.
 """
 
@@ -23,7 +23,7 @@ from rollmesh.engine.protocols import GenerationResult
 from rollmesh.serve_apps import InvalidApiRequestError, ServedModel
 from rollmesh.serve_apps.chat_requests import chat_inputs, chat_response
 from rollmesh.serve_apps.http_shapes import ChatCompletionRequest
-from serve_models import CALC, QUESTION, demo_served_model
+from support.serve_models import CALC, QUESTION, demo_served_model
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -29,7 +29,7 @@ from rollmesh.serve_apps.session_history import SessionHistoryError, new_message
 from rollmesh.serve_apps.session_store import LocalSessionStore, SessionStore
 from rollmesh.serve_apps.stream_events import chat_events
 from rollmesh.serve_apps.chat_messages import template_messages
-from serve_models import CALC, QUESTION, demo_served_model
+from support.serve_models import CALC, QUESTION, demo_served_model
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -20,7 +20,7 @@ from rollmesh.serve_apps import InvalidApiRequestError, ServedModel
 from rollmesh.serve_apps.chat_requests import chat_inputs, chat_response
 from rollmesh.serve_apps.generation_requests import completion_inputs, completion_response
 from rollmesh.serve_apps.http_shapes import ChatCompletionRequest, CompletionRequest
-from serve_models import QUESTION, demo_served_model
+from support.serve_models import QUESTION, demo_served_model
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

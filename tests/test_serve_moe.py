@@ -26,8 +26,8 @@ import openai
 import pytest
 import torch
 
-from ray_actors import stop_and_kill
-from serve_models import start_inference_workers
+from support.ray_actors import stop_and_kill
+from support.serve_models import start_inference_workers
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.chat import ChatModel

@@ -23,7 +23,7 @@ import openai
 import pytest
 import torch
 
-from ray_actors import stop_and_kill
+from support.ray_actors import stop_and_kill
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.chat import ChatModel, TokenSample, ToolCall, check_trajectory
@@ -34,8 +34,8 @@ from rollmesh.serve_apps import build_inference_app, deploy_inference_app, shutd
 from rollmesh.serve_apps.chat_messages import template_messages
 from rollmesh.serve_apps.http_shapes import ChatMessage
 from rollmesh.training.warm_start import conversation_sequence
-from fitted_models import fit_to_samples
-from serve_models import CALC, start_inference_workers
+from support.fitted_models import fit_to_samples
+from support.serve_models import CALC, start_inference_workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -29,7 +29,7 @@ from rollmesh.serve_apps.generation_requests import completion_inputs, openai_te
 from rollmesh.serve_apps.http_shapes import ChatCompletionRequest, CompletionRequest
 from rollmesh.serve_apps.stream_events import chat_events, completion_events
 from rollmesh.serve_apps.stream_text import IncrementalDetokenizer, harmony_settled, safe_prefix
-from serve_models import CALC, QUESTION, demo_served_model
+from support.serve_models import CALC, QUESTION, demo_served_model
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

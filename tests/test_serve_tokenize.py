@@ -21,7 +21,7 @@ from rollmesh.serve_apps.http_shapes import (
     TokenizeRequest,
 )
 from rollmesh.serve_apps.tokenize_requests import detokenize, tokenize
-from serve_models import CALC, QUESTION, demo_served_model
+from support.serve_models import CALC, QUESTION, demo_served_model
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -2,7 +2,7 @@
 
 The worker is the real ``SGLangWorkerActor`` as a Ray actor on the session's NATS and Ray; the
 server is ``python -m sglang.launch_server`` from a stand-in ``sglang`` package (SGLang itself
-needs a CUDA GPU) that serves ``FakeSGLang`` (tests/sglang_fake.py) on the ``--port`` it is given
+needs a CUDA GPU) that serves ``FakeSGLang`` (tests/support/sglang_fake.py) on the ``--port`` it is given
 and records its command line, so the launch plan's flags, the health wait, generation and the
 process group's end are all the real code paths.
 """
@@ -24,14 +24,14 @@ from rollmesh.actors.role_base import MeshContext
 from rollmesh.actors.sglang_worker import SGLangWorkerActor
 from rollmesh.config import InferenceConfig, ModelConfig, SGLangConfig
 from rollmesh.messages.base import SamplingParams
-from ray_actors import stop_and_kill
+from support.ray_actors import stop_and_kill
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 STAND_IN = textwrap.dedent('''
     """Stands in for sglang.launch_server: serves FakeSGLang on --port, records pid and argv."""
     import asyncio, os, sys
-    from sglang_fake import FakeSGLang
+    from support.sglang_fake import FakeSGLang
 
     args = sys.argv[1:]
     with open(os.environ["FAKE_SGLANG_RECORD"], "w") as record:
@@ -80,7 +80,7 @@ async def test_a_worker_launches_sglang_generates_through_it_and_stops_it(
         # The streaming form the Serve app uses: the tokens as one piece, then the whole answer.
         pieces = [await ref async for ref in worker.generate_prompt_stream.options(num_returns="streaming").remote(
             [1, 2, 3], SamplingParams(max_new_tokens=2), "w-2")]
-        assert [type(p).__name__ for p in pieces] == ["TokenDelta", "FinishedSequence"]
+        assert [type(p).__name__ for p in pieces] == ["TokenDelta", "GenerationResult"]
         assert pieces[0].token_ids == pieces[1].token_ids == [100, 101]
         await asyncio.wait_for(worker.stop.remote(), 60)
         give_up = asyncio.get_running_loop().time() + 30

@@ -31,7 +31,7 @@ from rollmesh.messages.subjects import (
     SANDBOX_EXEC,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 WAIT_S = 10.0
 
@@ -114,6 +114,7 @@ async def _eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = W
         delay = min(delay * 2, 0.2)
 
 
+@pytest.mark.integration
 async def test_request_reply_and_handler_error_reply(served, nats_client, namespace):
     shell, logic = served
     assert logic.started
@@ -128,6 +129,7 @@ async def test_request_reply_and_handler_error_reply(served, nats_client, namesp
     assert counters == {"received": 2, "handled": 1, "failed": 1, "dead_lettered": 0}
 
 
+@pytest.mark.integration
 async def test_jetstream_message_is_acked_only_after_the_handler_returned(
         served, nats_client, namespace):
     shell, logic = served
@@ -149,6 +151,7 @@ async def test_jetstream_message_is_acked_only_after_the_handler_returned(
     await _eventually(removed)
 
 
+@pytest.mark.integration
 async def test_jetstream_redelivers_after_handler_raised_then_dead_letters(
         served, nats_client, namespace):
     shell, logic = served
@@ -174,6 +177,7 @@ async def test_jetstream_redelivers_after_handler_raised_then_dead_letters(
     assert counters()["failed"] == 4 and counters()["handled"] == 1
 
 
+@pytest.mark.integration
 async def test_malformed_bytes_on_every_subject_are_dead_lettered_and_serving_goes_on(
         served, nats_client, namespace):
     shell, logic = served
@@ -221,6 +225,7 @@ async def test_malformed_bytes_on_every_subject_are_dead_lettered_and_serving_go
     assert subjects[SANDBOX_EXEC.template]["dead_lettered"] == 1
 
 
+@pytest.mark.integration
 async def test_every_handled_message_ends_in_one_canonical_log_line(nats_server, namespace, tmp_path, trace_file):
     buffer = io.StringIO()
     setup_logging("toy-0", "info", stream=buffer, force=True)
@@ -256,6 +261,7 @@ async def test_every_handled_message_ends_in_one_canonical_log_line(nats_server,
         assert len(line["trace_id"]) == 32 and len(line["span_id"]) == 16
 
 
+@pytest.mark.integration
 async def test_trace_context_flows_from_publisher_to_handler_span(served, trace_file):
     shell, logic = served
     with trace.get_tracer("test").start_as_current_span("client") as client:
@@ -277,6 +283,7 @@ async def test_trace_context_flows_from_publisher_to_handler_span(served, trace_
     assert logic.stopped
 
 
+@pytest.mark.integration
 async def test_stop_hands_an_in_flight_jetstream_message_to_another_replica(
         nats_server, namespace, tmp_path, trace_file):
     first, first_logic = await _serve(nats_server, namespace, tmp_path, "toy-a",

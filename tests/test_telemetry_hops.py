@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from ray_actors import stop_and_kill
+from support.ray_actors import stop_and_kill
 from rollmesh.actors.inference_workers import DecodeWorkerActor
 from rollmesh.actors.role_base import MeshContext
 from rollmesh.bus.connection import connect_bus

@@ -26,7 +26,7 @@ from rollmesh.messages.subjects import ROLLOUT_REQUESTED
 from rollmesh.run_config import EvalConfig, RewardSpec
 from rollmesh.train.evaluation import TIMED_OUT, Evaluation
 
-from fakes import RecordingPublisher
+from support.fakes import RecordingPublisher
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -39,8 +39,8 @@ ROWS = [
     {"prompt": "Say anything."},  # no answer: exact_match refuses it
     {"prompt": "Past the eval's size.", "answer": NEVER},
 ]
-REWARDS = [RewardSpec(name="exact_match"), RewardSpec(fn="eval_test_rewards:always_one"),
-           RewardSpec(fn="eval_test_rewards:final_text_length", weight=0.0)]
+REWARDS = [RewardSpec(name="exact_match"), RewardSpec(fn="support.eval_test_rewards:always_one"),
+           RewardSpec(fn="support.eval_test_rewards:final_text_length", weight=0.0)]
 
 
 def _eval_config(tmp_path: Path, **overrides) -> EvalConfig:
@@ -116,7 +116,7 @@ async def test_outcomes_that_never_come_count_as_failed_after_the_timeout(nats_c
                                                   {"role": "user", "content": "What is two plus two?"}]
     assert requests[0].task_input["answer"] == NEVER and requests[0].task_input["row"] == ROWS[0]
     assert [entry.get("fn") or entry.get("name") for entry in requests[0].task_input["rewards"]] == [
-        "exact_match", "eval_test_rewards:always_one", "eval_test_rewards:final_text_length"]
+        "exact_match", "support.eval_test_rewards:always_one", "support.eval_test_rewards:final_text_length"]
     assert result.metrics == {"prompts": 3, "samples": 0, "failed": 9}
     assert {row["failed"] for row in result.rows} == {TIMED_OUT}
     assert len(result.path.read_text().splitlines()) == 9

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core builds the trained model")
 
-from ray_actors import stop_and_kill  # noqa: E402
+from support.ray_actors import stop_and_kill  # noqa: E402
 from rollmesh.actors.role_base import MeshContext  # noqa: E402
 from rollmesh.actors.trainer import TrainerActor  # noqa: E402
 from rollmesh.config import MegatronConfig, ModelConfig, TrainerConfig  # noqa: E402

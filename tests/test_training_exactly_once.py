@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from fakes import RecordingPublisher
+from support.fakes import RecordingPublisher
 from rollmesh.engine.weight_buckets import load_published
 from rollmesh.messages.subjects import TRAINER_STEPPED, WEIGHTS_PUBLISHED
 from rollmesh.training.ledger import LedgerEntry, TrainingLedger

@@ -234,7 +234,7 @@ def test_a_tool_conversation_trains_only_generated_text_whatever_the_family(chat
     every difference from a whole render of the conversation is in the assistant's own tokens
     (re-tokenization) or a history rewrite the family documents, never in text the model did not
     generate (check-template's rule for a bug)."""
-    from chat_models import FAMILIES
+    from support.chat_models import FAMILIES
 
     from rollmesh.chat.token_check import special_token_ids
     from rollmesh.training.warm_start import conversation_trajectory

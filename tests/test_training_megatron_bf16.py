@@ -15,9 +15,9 @@ pytest.importorskip("megatron.core", reason="megatron-core builds the trained mo
 from rollmesh.config import ModelConfig, TrainerConfig  # noqa: E402
 from rollmesh.engine.models import read_safetensors  # noqa: E402
 from rollmesh.training.torch_backend import TorchTrainerBackend  # noqa: E402
-from tests.hf_llamas import save_random_llama  # noqa: E402
-from tests.megatron_backend_worker import run_worker  # noqa: E402
-from tests.test_training_megatron_backend import MODELS, PROBE, _samples  # noqa: E402
+from support.hf_llamas import save_random_llama  # noqa: E402
+from support.megatron_backend_worker import run_worker  # noqa: E402
+from test_training_megatron_backend import MODELS, PROBE, _samples  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

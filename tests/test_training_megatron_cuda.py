@@ -18,7 +18,7 @@ from rollmesh.trainer_config import MegatronConfig  # noqa: E402
 from rollmesh.training.grpo import PolicySample  # noqa: E402
 from rollmesh.training.megatron_devices import TooManyRanksError  # noqa: E402
 from rollmesh.training.megatron_ranks import MegatronRanks  # noqa: E402
-from tests.hf_llamas import save_random_llama  # noqa: E402
+from support.hf_llamas import save_random_llama  # noqa: E402
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),

@@ -34,8 +34,8 @@ from rollmesh.training.losses import token_logprobs  # noqa: E402
 from rollmesh.training.megatron_model import UnsupportedMegatronModelError, megatron_spec  # noqa: E402
 from rollmesh.training.router_replay import batch_rows, forward_with_replay, replay_tensor  # noqa: E402
 from rollmesh.training.torch_backend import TorchTrainerBackend  # noqa: E402
-from tests.megatron_backend_worker import run_worker  # noqa: E402
-from tests.moe_models import init_unit_router_weights  # noqa: E402
+from support.megatron_backend_worker import run_worker  # noqa: E402
+from support.moe_models import init_unit_router_weights  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -31,8 +31,8 @@ from rollmesh.engine.models import read_safetensors  # noqa: E402
 from rollmesh.training.grpo import PolicyBatch, PolicySample  # noqa: E402
 from rollmesh.training.losses import token_logprobs  # noqa: E402
 from rollmesh.training.torch_backend import TorchTrainerBackend  # noqa: E402
-from tests.megatron_backend_worker import adam_step_diffs, record_step_grads, run_worker  # noqa: E402
-from tests.hf_llamas import save_random_llama  # noqa: E402
+from support.megatron_backend_worker import adam_step_diffs, record_step_grads, run_worker  # noqa: E402
+from support.hf_llamas import save_random_llama  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -149,7 +149,7 @@ async def test_a_trainer_on_megatron_ranks_restarted_from_a_checkpoint_resumes_b
     ranks, and its step 2 equals the original's bit for bit."""
     import shutil
 
-    from fakes import RecordingPublisher
+    from support.fakes import RecordingPublisher
     from test_training_trainer_logic import completed, deliver
 
     from rollmesh.training.trainer_logic import TrainerLogic

@@ -83,7 +83,7 @@ def test_collate_never_trains_a_segments_first_token_whatever_the_mask_says():
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     pytest.importorskip("transformers", reason="transformers builds the reference HF checkpoint")
-    from tests.hf_llamas import save_random_llama
+    from support.hf_llamas import save_random_llama
 
     return save_random_llama(TINY, tmp_path_factory.mktemp("packing") / "llama")
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_models import init_unit_router_weights
+from support.moe_models import init_unit_router_weights
 from rollmesh.engine.decode import DecodeEngine
 from rollmesh.engine.models import CausalLM, build_causal_lm, parse_hf_config, route_top_k
 from rollmesh.engine.protocols import GenerateOptions

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from fakes import RecordingPublisher
+from support.fakes import RecordingPublisher
 from rollmesh.chat.chat_model import ChatModel
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.messages.subjects import WEIGHTS_PUBLISHED

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from fakes import RecordingPublisher
+from support.fakes import RecordingPublisher
 from rollmesh.ports import MessageContext
 from rollmesh.checkpoint import CheckpointResharder, read_hf_checkpoint
 from rollmesh.config import ModelConfig, ResharderConfig, TrainerConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fakes import RecordingPublisher, StagingEngine
+from support.fakes import RecordingPublisher, StagingEngine
 from rollmesh.engine.errors import WeightsChecksumError
 from rollmesh.engine.weight_follower import WeightFollower
 from rollmesh.engine.weights import save_weights

@@ -9,7 +9,7 @@ Both follow weight versions over NATS (``WeightFollower``), reading a version fr
 shared memory when it is on their node (``weight_object_store``), else from its files. ``generate_stream`` and
 ``generate_prompt_stream`` are the same as async generators: called with
 ``num_returns="streaming"`` they send each piece of tokens (``rollmesh.engine.token_stream``) as it
-is sampled, then the FinishedSequence; cancelling the task aborts the request.
+is sampled, then the GenerationResult; cancelling the task aborts the request.
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ from rollmesh.bus.last_message import last_message
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
-from rollmesh.engine.decode import FinishedSequence
 from rollmesh.engine.errors import EngineBusyError
 from rollmesh.engine.local_engine import build_decode_engine
 from rollmesh.engine.paged_model import build_inference_model, load_tokenizer
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult
-from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions
+from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
 from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.engine.weight_follower import LatestWeights, StagesWeights, WeightFollower
 from rollmesh.engine.weight_buckets import load_published
@@ -126,7 +125,7 @@ class DecodeWorkerActor(RoleActor):
 
     async def generate(self, prefill: PrefillResult, sampling: SamplingParams, request_id: str,
                        trace_headers: dict[str, str] | None = None,
-                       options: GenerateOptions = DEFAULT_OPTIONS) -> FinishedSequence:
+                       options: GenerateOptions = DEFAULT_OPTIONS) -> GenerationResult:
         """Decode a prompt a prefill worker prefilled (its KV pages arrive with ``prefill``)."""
         with _tracer.start_as_current_span(
             "decode", context=extract_trace_context(trace_headers or {}),
@@ -139,7 +138,7 @@ class DecodeWorkerActor(RoleActor):
 
     async def generate_prompt(self, input_ids: list[int], sampling: SamplingParams,
                               request_id: str, trace_headers: dict[str, str] | None = None,
-                              options: GenerateOptions = DEFAULT_OPTIONS) -> FinishedSequence:
+                              options: GenerateOptions = DEFAULT_OPTIONS) -> GenerationResult:
         """Prefill here (reusing the session's parked KV), then decode."""
         with _tracer.start_as_current_span(
             "prefill_and_decode", context=extract_trace_context(trace_headers or {}),
@@ -154,7 +153,7 @@ class DecodeWorkerActor(RoleActor):
     async def generate_stream(self, prefill: PrefillResult, sampling: SamplingParams,
                               request_id: str, trace_headers: dict[str, str] | None = None,
                               options: GenerateOptions = DEFAULT_OPTIONS,
-                              ) -> AsyncIterator[TokenDelta | FinishedSequence]:
+                              ) -> AsyncIterator[TokenDelta | GenerationResult]:
         """``generate``, sending the tokens as they are sampled."""
         async for piece in self._stream("decode", prefill, prefill.num_tokens, sampling,
                                         request_id, trace_headers, options):
@@ -163,7 +162,7 @@ class DecodeWorkerActor(RoleActor):
     async def generate_prompt_stream(self, input_ids: list[int], sampling: SamplingParams,
                                      request_id: str, trace_headers: dict[str, str] | None = None,
                                      options: GenerateOptions = DEFAULT_OPTIONS,
-                                     ) -> AsyncIterator[TokenDelta | FinishedSequence]:
+                                     ) -> AsyncIterator[TokenDelta | GenerationResult]:
         """``generate_prompt``, sending the tokens as they are sampled."""
         async for piece in self._stream("prefill_and_decode", input_ids, len(input_ids), sampling,
                                         request_id, trace_headers, options):
@@ -177,7 +176,7 @@ class DecodeWorkerActor(RoleActor):
         try:
             with self.memory_gate.accept(request_id):
                 async for piece in pieces:
-                    if isinstance(piece, FinishedSequence):
+                    if isinstance(piece, GenerationResult):
                         metrics.add(metrics_catalog.GENERATED_TOKENS, len(piece.token_ids),
                                     {"worker": self.name})
                         span.set_attribute("cached_tokens", piece.cached_tokens)

@@ -28,7 +28,6 @@ from opentelemetry import trace
 from rollmesh.actors.inference_workers import _latest_weights
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.config import InferenceConfig, ModelConfig
-from rollmesh.engine.decode_state import FinishedSequence
 from rollmesh.engine.errors import InvalidRequestError
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
 from rollmesh.engine.sglang_backend import SGLangEngine
@@ -94,7 +93,7 @@ class SGLangWorkerActor(RoleActor):
 
     async def generate_prompt(self, input_ids: list[int], sampling: SamplingParams,
                               request_id: str, trace_headers: dict[str, str] | None = None,
-                              options: GenerateOptions = DEFAULT_OPTIONS) -> FinishedSequence:
+                              options: GenerateOptions = DEFAULT_OPTIONS) -> GenerationResult:
         """Token ids in; SGLang prefills (reusing its radix cache) and decodes."""
         with _tracer.start_as_current_span(
             "sglang_generate", context=extract_trace_context(trace_headers or {}),
@@ -110,12 +109,12 @@ class SGLangWorkerActor(RoleActor):
                 self._in_flight -= 1
             metrics.add(metrics_catalog.GENERATED_TOKENS, len(result.token_ids), {"worker": self.name})
             span.set_attribute("cached_tokens", result.cached_tokens)
-            return finished_sequence(result)
+            return result
 
     async def generate_prompt_stream(self, input_ids: list[int], sampling: SamplingParams,
                                      request_id: str, trace_headers: dict[str, str] | None = None,
                                      options: GenerateOptions = DEFAULT_OPTIONS,
-                                     ) -> AsyncIterator[TokenDelta | FinishedSequence]:
+                                     ) -> AsyncIterator[TokenDelta | GenerationResult]:
         """``generate_prompt`` as one piece: SGLang is asked whole (``build_generate_payload``)."""
         finished = await self.generate_prompt(input_ids, sampling, request_id, trace_headers, options)
         yield TokenDelta(request_id=request_id, start=0, token_ids=finished.token_ids,
@@ -123,7 +122,7 @@ class SGLangWorkerActor(RoleActor):
                          top_logprobs=finished.top_logprobs)
         yield finished
 
-    async def generate(self, prefill: Any, *args: Any, **kwargs: Any) -> FinishedSequence:
+    async def generate(self, prefill: Any, *args: Any, **kwargs: Any) -> GenerationResult:
         raise InvalidRequestError("an SGLang worker takes prompts, not prefilled KV "
                                   "(inference.backend = 'sglang' spawns no prefill workers)", field="prefill")
 
@@ -170,12 +169,3 @@ class SGLangWorkerActor(RoleActor):
             "url": self.plan.generate_url, "requests": stats.requests, "in_flight": self._in_flight,
             "start_len_ignored": stats.start_len_ignored, "version": self.weights.current_version}}
 
-
-def finished_sequence(result: GenerationResult) -> FinishedSequence:
-    """The router reads a worker's answer as a FinishedSequence (``as_generation_result``)."""
-    return FinishedSequence(
-        request_id=result.request_id, token_ids=result.token_ids, logprobs=result.logprobs,
-        versions=result.versions, finish_reason=result.finish_reason, prompt_len=result.prompt_len,
-        cached_tokens=result.cached_tokens, routed_experts=result.routed_experts,
-        routed_experts_start=result.routed_experts_start, top_logprobs=result.top_logprobs,
-        constrained=result.constrained)

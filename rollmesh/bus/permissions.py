@@ -172,10 +172,6 @@ def role_permissions(role: str, namespace: str) -> RolePermissions:
     return RolePermissions(role, _unique(publish), _unique(subscribe), responds)
 
 
-def all_role_permissions(namespace: str) -> dict[str, RolePermissions]:
-    return {role: role_permissions(role, namespace) for role in ROLES}
-
-
 @dataclass(frozen=True)
 class ServerUser:
     """One user entry of the server config: a role and how it authenticates (an nkey public key,
@@ -196,15 +192,6 @@ def render_authorization(users: Sequence[ServerUser], namespace: str) -> str:
     (users of the global account, where JetStream is enabled by ``-js``)."""
     return "authorization {\n  users = [\n" + "".join(
         f"    {_user_entry(user, namespace)}\n" for user in users) + "  ]\n}\n"
-
-
-def render_account(name: str, users: Sequence[ServerUser], namespace: str, *,
-                   jetstream: bool = True) -> str:
-    """One entry of a nats-server ``accounts { ... }`` block: ``name`` with these users, and
-    JetStream enabled for it (a clustered deployment keeps the mesh in its own account)."""
-    body = "".join(f"      {_user_entry(user, namespace)}\n" for user in users)
-    js = "    jetstream: enabled\n" if jetstream else ""
-    return f"  {name}: {{\n{js}    users = [\n{body}    ]\n  }}\n"
 
 
 def _user_entry(user: ServerUser, namespace: str) -> str:

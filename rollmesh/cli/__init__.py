@@ -36,7 +36,7 @@ def _add_global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> N
         return argparse.SUPPRESS if suppress else value
 
     parser.add_argument("--config", type=Path, metavar="PATH", default=default(None),
-                        help="TOML config (default: the embedded defaults, see deploy/local.toml)")
+                        help="TOML config (default: rollmesh/deploy_defaults/local.toml)")
     parser.add_argument("--run-root", type=Path, metavar="DIR", default=default(None),
                         help="where run directories live (default: config run_root, .rollmesh/runs)")
     parser.add_argument("--debug", action="store_true", default=default(False),

@@ -6,7 +6,7 @@ SGLang backend (``sglang_backend``) is imported from its module, not from here.
 """
 
 from rollmesh.engine.batch_loop import DecodeLoop
-from rollmesh.engine.decode import DecodeEngine, DecodeStats, FinishedSequence
+from rollmesh.engine.decode import DecodeEngine, DecodeStats
 from rollmesh.engine.errors import (
     CapacityError,
     DecodeStepError,
@@ -57,7 +57,6 @@ __all__ = [
     "EngineError",
     "EngineStoppedError",
     "FinishReason",
-    "FinishedSequence",
     "GenerateOptions",
     "GenerationResult",
     "GrammarSpec",
@@ -90,3 +89,12 @@ __all__ = [
     "sample_tokens",
     "save_weights",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # Deprecated alias of GenerationResult (rollmesh.engine.decode_state says why); goes after one release.
+    if name == "FinishedSequence":
+        from rollmesh.engine import decode_state
+
+        return decode_state.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

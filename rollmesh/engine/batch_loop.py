@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollmesh.engine.decode import DecodeEngine, DecodeStats, FinishedSequence
+from rollmesh.engine.decode import DecodeEngine, DecodeStats
 from rollmesh.engine.errors import (
     DecodeStepError,
     DuplicateRequestError,
@@ -30,7 +30,7 @@ from rollmesh.engine.errors import (
 )
 from rollmesh.engine.prefill import PrefillResult
 from rollmesh.engine.request_checks import validate_prompt
-from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions
+from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
 from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.messages.base import SamplingParams
 from rollmesh.telemetry.busy_clock import BusyClock
@@ -69,7 +69,7 @@ class DecodeLoop:
         self.engine = engine
         # Steps are the worker's compute (the GPU scheduler's busy time for decode).
         self.busy = busy or BusyClock()
-        self._futures: dict[str, asyncio.Future[FinishedSequence]] = {}
+        self._futures: dict[str, asyncio.Future[GenerationResult]] = {}
         self._waiting: deque[_Waiting] = deque()
         self._weight_waiters: list[tuple[int, asyncio.Future[int]]] = []
         self._listeners: dict[str, _Listener] = {}
@@ -108,7 +108,7 @@ class DecodeLoop:
         work: Work,
         sampling: SamplingParams,
         options: GenerateOptions = DEFAULT_OPTIONS,
-    ) -> FinishedSequence:
+    ) -> GenerationResult:
         """Add a request to the batch (or the queue) and wait for it to finish.
 
         Bad input raises at once (InvalidRequestError and subclasses); so does a ``min_version``
@@ -125,7 +125,7 @@ class DecodeLoop:
         else:
             waiting.work = validate_prompt(work, self.engine.model, request_id=request_id)
             self.engine.validate_request(request_id, len(waiting.work), sampling, options)
-        future: asyncio.Future[FinishedSequence] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
         self._futures[request_id] = future
         self._waiting.append(waiting)
         self._admit_waiting()
@@ -144,9 +144,9 @@ class DecodeLoop:
         work: Work,
         sampling: SamplingParams,
         options: GenerateOptions = DEFAULT_OPTIONS,
-    ) -> AsyncIterator[TokenDelta | FinishedSequence]:
+    ) -> AsyncIterator[TokenDelta | GenerationResult]:
         """``submit``, yielding the request's tokens as they are sampled (``TokenDelta`` pieces,
-        in order, no gaps), then the FinishedSequence. Errors are ``submit``'s; closing the
+        in order, no gaps), then the GenerationResult. Errors are ``submit``'s; closing the
         iterator before the end aborts the request."""
         if request_id in self._futures or request_id in self._listeners:
             raise DuplicateRequestError(request_id)
@@ -170,7 +170,7 @@ class DecodeLoop:
                 self._forget(request_id)  # abort now, not when the cancelled submit next runs
                 submitted.cancel()
 
-    def abort(self, request_id: str) -> FinishedSequence | None:
+    def abort(self, request_id: str) -> GenerationResult | None:
         """Abort a request: its ``submit`` returns the partial output, finish_reason "abort"."""
         future = self._futures.pop(request_id, None)
         finished = self._drop(request_id)
@@ -258,7 +258,7 @@ class DecodeLoop:
                 listener.sent += len(delta.token_ids)
                 listener.queue.put_nowait(delta)
 
-    def _resolve(self, sequence: FinishedSequence) -> None:
+    def _resolve(self, sequence: GenerationResult) -> None:
         future = self._futures.pop(sequence.request_id, None)
         if future is not None and not future.done():
             future.set_result(sequence)
@@ -295,11 +295,11 @@ class DecodeLoop:
         self._futures.pop(request_id, None)
         self._drop(request_id)
 
-    def _drop(self, request_id: str) -> FinishedSequence | None:
+    def _drop(self, request_id: str) -> GenerationResult | None:
         for index, waiting in enumerate(self._waiting):
             if waiting.request_id == request_id:
                 del self._waiting[index]
-                return FinishedSequence(request_id, [], [], [], "abort", waiting.prompt_len)
+                return GenerationResult([], [], [], "abort", waiting.prompt_len, request_id=request_id)
         return self.engine.abort(request_id)
 
     def _fail_everything(self) -> None:

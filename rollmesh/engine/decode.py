@@ -32,13 +32,14 @@ work. ``new_tokens`` hands a running sequence's latest tokens to the loop that s
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from rollmesh.engine.batch_sampler import BatchSampler
-# DecodeStats and FinishedSequence are also imported from here (rollmesh.engine.decode) by callers.
-from rollmesh.engine.decode_state import ActiveSequence, DecodeStats, FinishedSequence
+# DecodeStats is also imported from here (rollmesh.engine.decode) by callers.
+from rollmesh.engine.decode_state import ActiveSequence, DecodeStats
 from rollmesh.engine.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -52,7 +53,13 @@ from rollmesh.engine.kv_pages import KvBlockPool, PagedAttention
 from rollmesh.engine.memory_release import MemoryMoveStats, ReleasableWeights
 from rollmesh.engine.paged_model import model_device
 from rollmesh.engine.prefill import PrefillResult, run_prefill
-from rollmesh.engine.protocols import DEFAULT_OPTIONS, Detokenizer, FinishReason, GenerateOptions
+from rollmesh.engine.protocols import (
+    DEFAULT_OPTIONS,
+    Detokenizer,
+    FinishReason,
+    GenerateOptions,
+    GenerationResult,
+)
 from rollmesh.engine.request_checks import (
     check_min_version,
     check_options,
@@ -105,7 +112,7 @@ class DecodeEngine:
         self._device = model_device(model)
         self._active: list[ActiveSequence] = []
         self._by_id: dict[str, ActiveSequence] = {}
-        self._finished: list[FinishedSequence] = []  # finished at admission, reported next step
+        self._finished: list[GenerationResult] = []  # finished at admission, reported next step
         self._steps = 0
         self._tokens_generated = 0
         # Grammars (guided_decoding.py): built on the first request that brings one; a step masks
@@ -201,7 +208,7 @@ class DecodeEngine:
         total = min(prompt_len + sampling.max_new_tokens, self.model.max_seq_len)
         return self.pool.blocks_for(total)
 
-    def abort(self, request_id: str) -> FinishedSequence | None:
+    def abort(self, request_id: str) -> GenerationResult | None:
         """Drop a request; returns what it generated so far (finish_reason "abort"), or None if
         it is unknown. A request that had already finished is returned as it finished."""
         sequence = self._by_id.pop(request_id, None)
@@ -213,7 +220,7 @@ class DecodeEngine:
         self._active.remove(sequence)
         return self._finish(sequence, "abort")
 
-    def abort_all(self) -> list[FinishedSequence]:
+    def abort_all(self) -> list[GenerationResult]:
         """Drop every request (active or finished but unreported), as ``abort`` does each."""
         dropped, self._finished = self._finished, []
         active, self._active = self._active, []
@@ -223,7 +230,7 @@ class DecodeEngine:
 
     # -- stepping --------------------------------------------------------------------------
 
-    def step(self) -> list[FinishedSequence]:
+    def step(self) -> list[GenerationResult]:
         """Apply staged weights, decode one token for every active sequence, return those done."""
         self.weights.apply_staged()
         # Decode before taking the finished-at-admission list, so a step that raises loses nothing.
@@ -235,7 +242,7 @@ class DecodeEngine:
         return finished
 
     @torch.inference_mode()
-    def _decode(self) -> list[FinishedSequence]:
+    def _decode(self) -> list[GenerationResult]:
         batch = self._active
         version = self.weights.current_version
         tokens = torch.tensor([[s.token_ids[-1]] for s in batch], dtype=torch.long, device=self._device)
@@ -247,7 +254,7 @@ class DecodeEngine:
         self._steps += 1
         self._tokens_generated += len(batch)
         still_active: list[ActiveSequence] = []
-        done: list[FinishedSequence] = []
+        done: list[GenerationResult] = []
         for row, (sequence, token, logprob) in enumerate(zip(batch, chosen, logprobs)):
             sequence.token_ids.append(token)
             sequence.logprobs.append(logprob)
@@ -283,7 +290,7 @@ class DecodeEngine:
         else:
             self._active.append(sequence)
 
-    def _finish(self, sequence: ActiveSequence, reason: FinishReason) -> FinishedSequence:
+    def _finish(self, sequence: ActiveSequence, reason: FinishReason) -> GenerationResult:
         """Report ``sequence``; park its KV under its session, or free it."""
         self.sampler.end_grammar(sequence)
         cached_len = sequence.cached_len
@@ -418,3 +425,12 @@ class DecodeEngine:
         stopper = self.validate_request(request_id, prefill.num_tokens, sampling, options)
         check_prefill(prefill, self.model, self.pool, request_id=request_id)
         return stopper
+
+
+def __getattr__(name: str) -> Any:
+    # Deprecated alias of GenerationResult (rollmesh.engine.decode_state says why); goes after one release.
+    if name == "FinishedSequence":
+        from rollmesh.engine import decode_state
+
+        return decode_state.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

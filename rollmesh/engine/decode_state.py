@@ -1,5 +1,6 @@
 """What the decode engine keeps per sequence and what it reports: a running sequence's state
-(``ActiveSequence``), a finished one (``FinishedSequence``), and the engine's ``DecodeStats``.
+(``ActiveSequence``), its report when finished (``ActiveSequence.finished``: the engine's
+``GenerationResult``, what every caller reads), and the engine's ``DecodeStats``.
 
 Knows torch and numpy (routed expert rows) and the engine's result types; not the model, the KV
 pool, grammars or sampling: ``decode`` fills these records, ``batch_sampler`` appends to them.
@@ -7,39 +8,15 @@ pool, grammars or sampling: ``decode`` fills these records, ``batch_sampler`` ap
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from rollmesh.engine.protocols import FinishReason, GenerateOptions, GenerationResult, TopLogprobs
 from rollmesh.engine.stopping import StopChecker
 from rollmesh.messages.base import SamplingParams
-
-
-@dataclass(slots=True)
-class FinishedSequence:
-    request_id: str
-    token_ids: list[int]  # generated tokens only
-    logprobs: list[float]  # behaviour logprobs (see sampling.py)
-    versions: list[int]  # weight version that produced each token
-    finish_reason: FinishReason
-    prompt_len: int
-    cached_tokens: int = 0
-    routed_experts: np.ndarray | None = None  # rows [routed_experts_start, seqlen - 1)
-    routed_experts_start: int = 0
-    top_logprobs: list[TopLogprobs] | None = None  # with GenerateOptions.top_logprobs > 0
-    constrained: list[bool] = field(default_factory=list)  # with a grammar: one flag per token
-
-    def as_generation_result(self) -> GenerationResult:
-        return GenerationResult(
-            token_ids=self.token_ids, logprobs=self.logprobs, versions=self.versions,
-            finish_reason=self.finish_reason, prompt_len=self.prompt_len, request_id=self.request_id,
-            cached_tokens=self.cached_tokens, routed_experts=self.routed_experts,
-            routed_experts_start=self.routed_experts_start, top_logprobs=self.top_logprobs,
-            constrained=self.constrained,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,14 +73,25 @@ class ActiveSequence:
         # The newest token's KV is written by the next step, so it is not in the pool yet.
         return self.prompt_len + len(self.token_ids) - 1
 
-    def finished(self, reason: FinishReason, routes: torch.Tensor | None) -> FinishedSequence:
+    def finished(self, reason: FinishReason, routes: torch.Tensor | None) -> GenerationResult:
         """The report of this sequence; ``routes``: its routed expert rows [0, cached_len)."""
         routed, start = None, 0
         if self.options.return_routed_experts and routes is not None:
             start = self.options.routed_experts_start_len
             routed = routes[start:].numpy().copy()
-        return FinishedSequence(
-            self.request_id, self.token_ids, self.logprobs, self.versions, reason,
-            self.prompt_len, self.cached_tokens, routed, start, self.top,
-            constrained=self.constrained,
+        return GenerationResult(
+            token_ids=self.token_ids, logprobs=self.logprobs, versions=self.versions,
+            finish_reason=reason, prompt_len=self.prompt_len, request_id=self.request_id,
+            cached_tokens=self.cached_tokens, routed_experts=routed, routed_experts_start=start,
+            top_logprobs=self.top, constrained=self.constrained,
         )
+
+
+def __getattr__(name: str) -> Any:
+    # Deprecated: the engine reported a FinishedSequence that callers converted into an identical
+    # GenerationResult; it now reports the GenerationResult. The old name goes after one release.
+    if name == "FinishedSequence":
+        warnings.warn("rollmesh.engine FinishedSequence is deprecated; the engine returns "
+                      "rollmesh.engine.protocols.GenerationResult", DeprecationWarning, stacklevel=2)
+        return GenerationResult
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

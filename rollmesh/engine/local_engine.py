@@ -114,7 +114,7 @@ class LocalEngine:
             finished = await self.decode_loop.submit(request_id, list(input_ids), sampling, options)
         finally:
             self._one_done()
-        return finished.as_generation_result()
+        return finished
 
     async def generate_stream(
         self,
@@ -131,7 +131,7 @@ class LocalEngine:
         pieces = self.decode_loop.stream(request_id, list(input_ids), sampling, options)
         try:
             async for piece in pieces:
-                yield piece if isinstance(piece, TokenDelta) else piece.as_generation_result()
+                yield piece
         finally:
             await pieces.aclose()
             self._one_done()

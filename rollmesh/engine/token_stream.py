@@ -5,7 +5,7 @@ Knows the engine's result types; not torch, not Ray (the decode actor relays the
 streaming generator, ``rollmesh.actors.inference_workers``). A stream (``DecodeLoop.stream``) yields
 ``TokenDelta`` pieces, each holding the tokens sampled since the previous piece (one per decode
 step, or several when the consumer was slower than the loop), in order and without gaps, and ends
-with the whole ``FinishedSequence`` (every token again, with the finish reason, usage and routed
+with the whole ``GenerationResult`` (every token again, with the finish reason, usage and routed
 experts), so a consumer that only wants the end can skip the pieces. Closing the stream early
 (the client went away) aborts the request in the engine.
 """

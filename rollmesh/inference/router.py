@@ -154,9 +154,8 @@ class InferenceRouter:
                 raise
             finally:
                 self._decode_in_flight[index] -= 1
-            result = finished.as_generation_result()
-            span.set_attributes(generation_attributes(result))
-            return result
+            span.set_attributes(generation_attributes(finished))
+            return finished
 
     async def generate_stream(
         self,
@@ -199,10 +198,9 @@ class InferenceRouter:
                 if isinstance(piece, TokenDelta):
                     yield piece
                     continue
-                result = piece.as_generation_result()
-                span.set_attributes(generation_attributes(result))
+                span.set_attributes(generation_attributes(piece))
                 finished = True
-                yield result
+                yield piece
         finally:
             self._decode_in_flight[index] -= 1
             if not finished:

@@ -71,10 +71,6 @@ def setup_metrics(component: str, *, actor: str = "") -> None:
         _reader = reader
 
 
-def metrics_enabled() -> bool:
-    return _reader is not None
-
-
 def add(spec: MetricSpec, amount: float, labels: Labels | None = None) -> None:
     """Add to a counter or an up-down counter."""
     _instrument(spec).add(amount, attributes=dict(labels) if labels else None)

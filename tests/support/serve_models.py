@@ -41,7 +41,7 @@ def start_inference_workers(namespace: str, mesh: Any, model: ModelConfig, infer
     try:
         ray.get([prefill.start.remote(), decode.start.remote()], timeout=60)
     except BaseException:
-        from ray_actors import stop_and_kill
+        from support.ray_actors import stop_and_kill
 
         stop_and_kill(decode, prefill)
         raise

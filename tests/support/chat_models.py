@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TEMPLATES_DIR = Path(__file__).parent / "data" / "chat_templates"
+TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 BPE_VOCAB_SIZE = 1536
 
 

@@ -1,7 +1,7 @@
 """A fake SGLang server: the native HTTP API of ``python -m sglang.launch_server``, in-process.
 
 SGLang pins a CUDA torch and cannot run on the CPU machines the suite runs on, so it is faked at
-its true edge, its HTTP API (tests/fakes.py holds the other edges' fakes; this one is an aiohttp
+its true edge, its HTTP API (tests/support/fakes.py holds the other edges' fakes; this one is an aiohttp
 server, so it has its own module). It behaves like the real server on each point the backend
 depends on, each with its upstream source (sgl-project/sglang, read through the code index):
 

@@ -1,7 +1,7 @@
 """Runs ``MegatronTrainerBackend`` on ranks under gloo, for its tests; and compares an AdamW step
 with the torch backend's (``record_step_grads``, ``adam_step_diffs``).
 
-Run as a script (``python tests/megatron_backend_worker.py JOB.pt OUT.pt --world 2``): spawns
+Run as a script (``python tests/support/megatron_backend_worker.py JOB.pt OUT.pt --world 2``): spawns
 ``world`` processes, and for every case in ``JOB.pt`` ({name: {"hf_path", "trainer", "samples",
 "layout"}}, ``layout`` {"tp", "pp", "ep"}: DP = world / (TP x PP); optionally "probe",
 "save_root", "sft", "recompute", "replay_probe" and "grads") sets up that layout, builds the
@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_worker(job: Path, out: Path, *, world: int, timeout_s: float = 240.0) -> dict:
@@ -45,7 +45,7 @@ def run_worker(job: Path, out: Path, *, world: int, timeout_s: float = 240.0) ->
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, __file__, str(job), str(out), "--world", str(world)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:

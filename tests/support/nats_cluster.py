@@ -25,7 +25,7 @@ from typing import Any
 from rollmesh.bus.embedded_server import find_nats_server_binary
 from rollmesh.bus.errors import NatsServerStartError
 
-DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy" / "nats-cluster"
+DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy" / "nats-cluster"
 NODE_COUNT = 3
 # The fixed loopback ports of the shipped configs, per node: client, cluster route, monitoring.
 SHIPPED_PORTS = [(4222 + i, 6222 + i, 8222 + i) for i in range(NODE_COUNT)]

@@ -1,6 +1,6 @@
 """Writes real Megatron-core checkpoints on CPU, for the checkpoint tests and benchmarks.
 
-Run as a script (``python tests/megatron_checkpoints.py OUT --tp 2 [--ep 2 --moe] [--legacy]
+Run as a script (``python tests/support/megatron_checkpoints.py OUT --tp 2 [--ep 2 --moe] [--legacy]
 [--legacy-out OUT2]``): it spawns one process per rank (tensor parallel x expert parallel) under
 gloo, builds a tiny GPTModel with megatron-core's local layer spec (dense Llama-like, or with ``--moe`` a
 Qwen3-MoE-like one: QK layer norms, softmax router whose top-k probabilities are renormalised,
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY_DENSE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
                   vocab_size=300)
 # Qwen3-MoE-like: every layer an MoE layer of 4 experts, top 2, QK norms. ffn_hidden_size is
@@ -44,7 +44,7 @@ def write_checkpoint(out: Path, *, tp: int = 2, ep: int = 1, moe: bool = False, 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(port)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "MASTER_PORT": str(port)}
     command = [sys.executable, __file__, str(out), "--tp", str(tp), "--ep", str(ep), "--dtype", dtype]
     command += ["--moe"] * moe + ["--legacy"] * legacy + ["--no-logits"] * (not logits)
     command += ["--legacy-out", str(legacy_out)] if legacy_out is not None else []
