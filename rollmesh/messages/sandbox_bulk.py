@@ -33,7 +33,7 @@ class SandboxBulkHello(WireMessage, frozen=True, tag="sandbox.bulk_hello"):
     """The first frame a client sends: which ticket, for which lease. An upload names its file
     and the size and sha256 of the bytes that follow; the sandbox refuses to store any others.
     (An upload's ticket is for one upload to its lease, so a client may hold one before it
-    knows the file: ``SandboxBrokerClient`` fetches the next while the bytes flow.)"""
+    knows the file: ``SandboxBrokerClient`` keeps the one a stored upload's Done brought.)"""
 
     token: Annotated[str, Meta(min_length=1, max_length=200)]
     lease_id: LeaseId
