@@ -9,7 +9,8 @@ from the warm pool, then times, end to end (request sent to reply decoded):
 - a 1 MiB and a 16 MiB upload of random bytes, verified end to end by **sha256** (the client
   hashes what it sends, the agent inside the sandbox hashes what it stored and refuses other
   bytes). Above ``sandbox.bulk_threshold_bytes`` they take the bulk data path: a one-time ticket
-  over NATS, then the bytes over the broker's Unix socket, passed to the agent as they arrive.
+  (over NATS for a lease's first upload, then the one each stored upload's Done frame brings),
+  then the bytes over the broker's Unix socket, passed to the agent as they arrive.
 Baseline: ``bwrap`` started once per call with the same namespaces and mounts as our sandbox
 (the argv our bwrap backend builds, run as the broker's user, without the cgroup join and uid
 switch), running ``true``, or ``sh -c 'cat > f && sha256sum f'`` with the bytes on stdin.
