@@ -82,6 +82,66 @@ async def test_a_sandbox_and_its_running_exec_outlive_the_process_that_spawned_t
     assert cgroups is None or not any(Path(d).exists() for d in cgroups["dirs"])
 
 
+EGRESS_CHILD = textwrap.dedent("""
+    import asyncio, os, signal, sys
+    from rollmesh.sandbox.bwrap_backend import BwrapBackend
+    from rollmesh.sandbox.images import SandboxImage
+    from rollmesh.sandbox.sandbox_protocol import SandboxLimits
+    from rollmesh.sandbox.supervisor_client import SupervisorClient
+
+    async def main(run_dir, allowed):
+        backend = BwrapBackend(images={"lab": SandboxImage("lab", network_allow=(allowed,))})
+        backend.supervisor = SupervisorClient(run_dir, broker="child", idle_exit_s=5)
+        await backend.create("egressor", SandboxLimits(), profile="lab")
+        os.kill(os.getpid(), signal.SIGKILL)  # as a broker dies: its event loop served nothing
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+""")
+
+EGRESS_ASK = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(socket.AF_UNIX)
+    s.connect("/.rollmesh/egress.sock")
+    s.sendall(b"CONNECT " + sys.argv[1].encode() + b" HTTP/1.1\\r\\n\\r\\n")
+    head = s.recv(64).split(b"\\r\\n")[0].decode()
+    if " 200 " in head:
+        s.sendall(b"ping")
+        head += " " + s.recv(64).decode()
+    print(head)
+""")
+
+
+@pytest.mark.integration
+async def test_a_sandboxs_egress_allowlist_is_served_by_the_supervisor_and_outlives_its_broker(tmp_path):
+    usable_bwrap()
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"pong:" + await reader.read(4))
+        await writer.drain()
+        writer.close()
+
+    allowed, other = await asyncio.start_server(echo, "127.0.0.1", 0), await asyncio.start_server(echo, "127.0.0.1", 0)
+    allowed_at, other_at = (f"127.0.0.1:{server.sockets[0].getsockname()[1]}" for server in (allowed, other))
+    child = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", EGRESS_CHILD, str(tmp_path), allowed_at],
+                                    capture_output=True, timeout=60)
+    assert child.returncode == -9, child.stderr.decode()[-2000:]
+    client = SupervisorClient(tmp_path, broker="child", idle_exit_s=5)
+    (entry,) = await asyncio.to_thread(client.held)
+    egress_dir = Path(entry["record"]["egress"]["dir"])
+    assert (egress_dir / "egress.sock").exists()
+    sandbox = await client.adopt(entry)
+    try:
+        for target, answer in ((allowed_at, "HTTP/1.1 200 Connection established pong:ping"),
+                               (other_at, "HTTP/1.1 403 Forbidden")):
+            asked = await sandbox.exec(argv=["/usr/bin/python3", "-I", "-c", EGRESS_ASK, target])
+            assert (asked.exit_code, asked.stdout.decode().strip()) == (0, answer), asked.stderr
+    finally:
+        await sandbox.destroy()
+        allowed.close()
+        other.close()
+    assert not egress_dir.exists()  # the adopting broker's cleanup removed the forwarder's socket
+
+
 @pytest.mark.integration
 async def test_a_restarted_broker_readopts_its_leases_and_reaps_those_that_expired(tmp_path, nats_client,
                                                                                    namespace):

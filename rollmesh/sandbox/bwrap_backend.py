@@ -124,7 +124,10 @@ class BwrapBackend:
         try:
             if image is not None and image.network_allow and not network:
                 egress = EgressForwarder(image.network_allow)
-                await egress.start()
+                if self.supervisor is not None:
+                    egress.listen()  # the supervisor serves it: the allowlist outlives this broker
+                else:
+                    await egress.start()
             if self.cgroups is not None:
                 cgroup = self.cgroups.create(owned_cgroup_name(sandbox_id), memory_mb=limits.memory_mb, pids=limits.pids)
             sandbox_uid = uid.uid if uid is not None else os.getuid()
@@ -143,7 +146,7 @@ class BwrapBackend:
                              "cleanup": lambda: _release(cgroup, uid, egress),
                              "oom_kills": cgroup.oom_kills if cgroup is not None else None}
             if self.supervisor is not None:
-                options = self.supervisor.launch_options(info, cgroup=cgroup, uid=uid, **options)
+                options = self.supervisor.launch_options(info, cgroup=cgroup, uid=uid, egress=egress, **options)
             sandbox = await AgentSandbox.launch(
                 info, argv, env={"PATH": SANDBOX_PATH}, pass_fds=data_fds, start_timeout_s=self.start_timeout_s,
                 **options)

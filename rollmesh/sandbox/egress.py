@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,32 +38,51 @@ class EgressForwarder:
     ``close`` stops listening and cuts every open connection."""
 
     def __init__(self, allow: Sequence[str]) -> None:
+        self.targets = list(allow)  # as written in the config (what a supervisor is handed)
         self.allow = frozenset(_split(target) for target in allow)
         self._dir = ""
         self.socket_path = ""
         self._server: asyncio.AbstractServer | None = None
+        self.listener: socket.socket | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.refused = 0
 
     async def start(self) -> str:
+        """Listen and serve here (the broker holding its sandboxes itself)."""
+        await self.serve(self.listen())
+        return self.socket_path
+
+    def listen(self) -> socket.socket:
+        """The bound, listening socket, not yet served: a supervisor that holds the sandbox
+        serves it (``serve``), so the allowlist outlives the broker that made it."""
         # A private directory reachable (not listable) by the sandbox's uid: bwrap binds the
         # socket as that user. Short path: Unix socket names are limited to 108 bytes.
         self._dir = tempfile.mkdtemp(prefix="rollmesh-egress-")
         os.chmod(self._dir, 0o711)
         self.socket_path = str(Path(self._dir) / "egress.sock")
-        self._server = await asyncio.start_unix_server(self._serve, self.socket_path)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.socket_path)
         os.chmod(self.socket_path, 0o666)
-        return self.socket_path
+        self.listener.listen(64)
+        return self.listener
+
+    async def serve(self, listener: socket.socket) -> None:
+        listener.setblocking(False)
+        self._server = await asyncio.start_unix_server(self._serve, sock=listener)
 
     def close(self) -> None:
+        """Stop serving and cut every open connection; the socket's directory goes too."""
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
         for writer in list(self._writers):
             writer.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.socket_path)
-            os.rmdir(self._dir)
+        if self._dir:
+            remove_socket_dir(self._dir)
+
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
@@ -115,3 +135,11 @@ async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> Non
         if sink.can_write_eof():
             with contextlib.suppress(OSError):
                 sink.write_eof()
+
+
+def remove_socket_dir(directory: str) -> None:
+    """The forwarder's private directory and its socket (whoever served it)."""
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(directory, "egress.sock"))
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)

@@ -2,8 +2,9 @@
 
 Like a container runtime's shim: a small process started detached from the broker (its own
 session), which spawns each sandbox's agent (``bwrap ... agent.py`` or a bare ``agent.py``),
-keeps its pipes open and relays frames between the agent and whichever broker is attached. It
-never runs tool code itself and never decides anything about leases; the broker tells it what to
+keeps its pipes open and relays frames between the agent and whichever broker is attached, and
+serves the egress forwarder of a sandbox whose profile has ``network_allow`` (``egress``), so
+the allowlist outlives the broker too. It never runs tool code itself and never decides anything about leases; the broker tells it what to
 spawn and when to kill, and keeps the cleanup of cgroups, uids and directories itself (it hands
 its uid lock here so the uid stays taken while no broker lives).
 
@@ -28,9 +29,11 @@ import sys
 import time
 
 if __package__:
+    from rollmesh.sandbox.egress import EgressForwarder
     from rollmesh.sandbox.supervisor_relay import Conn, Held
     from rollmesh.sandbox.supervisor_wire import RunDirPath, recv_frame, send_frame, tune
 else:  # run as a script: its own directory is on sys.path
+    from egress import EgressForwarder  # type: ignore[no-redef]
     from supervisor_relay import Conn, Held  # type: ignore[no-redef]
     from supervisor_wire import RunDirPath, recv_frame, send_frame, tune  # type: ignore[no-redef]
 
@@ -153,6 +156,17 @@ class Supervisor:
             send_frame(sock, {"t": "error", "message": f"sandbox {sandbox_id!r} already exists"})
             sock.close()
             return
+        record = dict(header.get("record") or {})
+        forwarder = None
+        if record.get("egress"):  # its egress allowlist is served here, so it outlives the broker
+            try:
+                forwarder = EgressForwarder(record["egress"]["allow"])
+                await forwarder.serve(socket.socket(fileno=os.dup(keep_fds[int(record["egress"]["keep_index"])])))
+            except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+                _close(fds)
+                send_frame(sock, {"t": "error", "message": f"its egress forwarder: {type(exc).__name__}: {exc}"})
+                sock.close()
+                return
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
             # Forked in a thread: the relays of every other sandbox go on meanwhile.
@@ -162,12 +176,15 @@ class Supervisor:
                 cwd=header.get("cwd") or None, pass_fds=tuple(pass_fds), start_new_session=True, bufsize=0)
         except OSError as exc:
             _close([err_r, *keep_fds])
+            if forwarder is not None:
+                forwarder.close()
             send_frame(sock, {"t": "error", "message": f"{type(exc).__name__}: {exc}"})
             sock.close()
             return
         finally:
             _close([err_w, *pass_fds])
-        held = self.held[sandbox_id] = Held(sandbox_id, dict(header.get("record") or {}), process, err_r, keep_fds)
+        held = self.held[sandbox_id] = Held(sandbox_id, record, process, err_r, keep_fds)
+        held.egress = forwarder
         send_frame(sock, {"t": "spawned", "pid": process.pid}, fds=[err_r])
         self._relay(held, sock, hello=None)
 

@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 
 from rollmesh.sandbox.agent_client import AgentSandbox
+from rollmesh.sandbox.egress import EgressForwarder, remove_socket_dir
 from rollmesh.sandbox.limits import SandboxCgroup, UidLease
 from rollmesh.sandbox.process_backend import remove_tree
 from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
@@ -167,19 +168,32 @@ class SupervisorClient:
     def launch_options(self, info: SandboxInfo, *, kill_tree: Callable[[], None] | None,
                        cleanup: Callable[[], None] | None, oom_kills: Callable[[], int] | None,
                        cgroup: SandboxCgroup | None = None, uid: UidLease | None = None,
-                       home: str | None = None, graceful_exit_s: float = 0.0) -> dict[str, Any]:
+                       home: str | None = None, graceful_exit_s: float = 0.0,
+                       egress: EgressForwarder | None = None) -> dict[str, Any]:
         """``AgentSandbox.launch`` options for a sandbox spawned by the supervisor, which gets
-        ``info`` and the cleanup facts as its record (so a restarted broker can re-adopt it)
-        and holds the uid's lock. Destroying it asks the supervisor to end the agent first."""
+        ``info`` and the cleanup facts as its record (so a restarted broker can re-adopt it),
+        holds the uid's lock and serves the egress forwarder's socket (``egress``: listening,
+        not served here). Destroying it asks the supervisor to end the agent first."""
         record = record_of(self.broker, info, cgroup=cgroup, uid=uid, home=home)
         record["graceful_exit_s"] = graceful_exit_s
         spawned: dict[str, SupervisedProcess] = {}
-        keep = [uid.fd] if uid is not None else []
+        keep, record["keep_fds"] = [], []  # the fds the supervisor holds, and what each is
+        if uid is not None:
+            keep.append(uid.fd)
+            record["keep_fds"].append("uid")
+        if egress is not None and egress.listener is not None:
+            record["egress"] = {"allow": egress.targets, "dir": os.path.dirname(egress.socket_path),
+                                "keep_index": len(keep)}
+            keep.append(egress.listener.fileno())
+            record["keep_fds"].append("egress")
 
         async def spawn(argv: list[str], *, env: dict[str, str], cwd: str | None,
                         pass_fds: tuple[int, ...]) -> SupervisedProcess:
             process = await asyncio.to_thread(self._spawn, info.sandbox_id, record, argv, env, cwd, pass_fds, keep)
             spawned["process"] = process
+            if egress is not None and egress.listener is not None:
+                egress.listener.close()  # the supervisor's copy is the one served
+                egress.listener = None
             return process
 
         return {"spawn": spawn, "kill_tree": self._killer(info.sandbox_id, spawned, kill_tree, graceful_exit_s),
@@ -221,7 +235,13 @@ class SupervisorClient:
         async def attach(argv: list[str], *, env: dict[str, str], cwd: str | None,
                          pass_fds: tuple[int, ...]) -> SupervisedProcess:
             reply, fds, sock = await asyncio.to_thread(self.request, {"op": "attach", "sandbox_id": sandbox_id})
-            got["uid_fd"] = fds[1] if len(fds) > 1 else -1
+            # fds: its stderr, then what the supervisor holds for it (an older record: the uid's lock).
+            names = record.get("keep_fds", ["uid"] if record.get("uid") is not None else [])
+            for name, fd in zip(names, fds[1:]):
+                if name == "uid":
+                    got["uid_fd"] = fd
+                else:
+                    os.close(fd)  # the egress socket: the supervisor serves it
             process = SupervisedProcess(self, sandbox_id, sock, fds[0], int(reply["pid"]),
                                         returncode=reply.get("exit_code"))
             got["process"] = process
@@ -237,6 +257,8 @@ class SupervisorClient:
                 lease.release()
             if record.get("home"):
                 remove_tree(record["home"])
+            if record.get("egress"):
+                remove_socket_dir(record["egress"]["dir"])
 
         sandbox = await AgentSandbox.launch(
             info, [f"adopted:{sandbox_id}"], env={}, spawn=attach, start_timeout_s=10.0,

@@ -185,7 +185,8 @@ class Held:
         self.record = record
         self.process = process
         self.stderr_fd = stderr_fd  # kept open (and passed to each broker): never read here
-        self.keep_fds = keep_fds  # the uid's lock: taken while the sandbox lives
+        self.keep_fds = keep_fds  # the uid's lock (taken while the sandbox lives), its egress socket
+        self.egress = None  # its EgressForwarder (profiles with network_allow), served here
         assert process.stdin is not None and process.stdout is not None
         self.in_fd, self.out_fd = process.stdin.fileno(), process.stdout.fileno()
         for fd in (self.in_fd, self.out_fd):
@@ -391,6 +392,9 @@ class Held:
             self._pidfd = -1
         assert self.process.stdout is not None
         self.process.stdout.close()
+        if self.egress is not None:
+            self.egress.close()
+            self.egress = None
         for fd in (self.stderr_fd, *self.keep_fds):
             try:
                 os.close(fd)
