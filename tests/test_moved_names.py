@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-MOVED = [  # (old module, name, new module)
+MOVED = [  # (old module, name, new module, or "new module:new name" where it was renamed)
     ("rollmesh.actors.inference_router", "InferenceRouter", "rollmesh.inference.router"),
     ("rollmesh.actors.inference_router", "generation_attributes", "rollmesh.inference.router"),
     ("rollmesh.actors.inference_router", "DEFAULT_MAX_SESSIONS", "rollmesh.inference.router"),
@@ -33,9 +33,11 @@ MOVED = [  # (old module, name, new module)
 
 @pytest.mark.parametrize(("old", "name", "new"), MOVED)
 def test_an_old_import_path_warns_and_gives_the_moved_object(old: str, name: str, new: str) -> None:
-    with pytest.warns(DeprecationWarning, match=f"moved to {new}.{name}") as warned:
+    new_module, _, new_name = new.partition(":")
+    new_name = new_name or name
+    with pytest.warns(DeprecationWarning, match=f"moved to {new_module}.{new_name};") as warned:
         moved = getattr(importlib.import_module(old), name)
-    assert moved is getattr(importlib.import_module(new), name)
+    assert moved is getattr(importlib.import_module(new_module), new_name)
     assert warned[0].filename == __file__  # points at the importer, not at the alias
 
 
