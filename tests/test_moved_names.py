@@ -28,6 +28,10 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
     ("rollmesh.train.sft_render", "SftExample", "rollmesh.training.sft_render"),
     ("rollmesh.train.sft_render", "render_text_example", "rollmesh.training.sft_render"),
     ("rollmesh.train.sft_render", "render_chat_example", "rollmesh.training.sft_render"),
+    # The in-sandbox helper process is the guest, no longer "agent".
+    ("rollmesh.sandbox.tool_paths", "AGENT_FILES", "rollmesh.sandbox.tool_paths:GUEST_FILES"),
+    ("rollmesh.sandbox.bwrap_backend", "AGENT_MOUNT", "rollmesh.sandbox.bwrap_backend:GUEST_MOUNT"),
+    ("rollmesh.sandbox.runsc_backend", "AGENT_MOUNT", "rollmesh.sandbox.runsc_backend:GUEST_MOUNT"),
 ]
 
 

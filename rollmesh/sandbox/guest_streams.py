@@ -1,18 +1,18 @@
 """The host's end of a streamed upload: a file whose bytes are still arriving (the bulk stream's
-socket reads) goes to the agent piece by piece, so the agent writes and hashes the first piece
+socket reads) goes to the guest piece by piece, so the guest writes and hashes the first piece
 while the next is on its way, instead of after the whole file is in the broker.
 
-Knows the agent's upload frames (the same ``put_file`` / ``put_tar`` then ``chunk`` frames a
-chunked upload uses) and ``AgentPipes``; nothing of sockets or leases. The agent refuses a file
+Knows the guest's upload frames (the same ``put_file`` / ``put_tar`` then ``chunk`` frames a
+chunked upload uses) and ``GuestPipes``; nothing of sockets or leases. The guest refuses a file
 whose sha256 is not the sender's, and pieces that end before ``size`` (or fail) abort the upload
-in the agent: either way nothing lands in the workspace.
+in the guest: either way nothing lands in the workspace.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
-from rollmesh.sandbox import agent_wire as wire
+from rollmesh.sandbox import guest_wire as wire
 from rollmesh.sandbox.errors import TransferError, WorkspacePathError
 from rollmesh.sandbox.sandbox_protocol import FileTransfer
 
@@ -21,7 +21,7 @@ STREAM_HIGH_WATER = 2 * wire.CHUNK
 
 
 class StreamedUploads:
-    """Mixed into ``AgentSandbox``: ``put_stream``. Uses the pipes' ``_open``, ``_send``,
+    """Mixed into ``GuestSandbox``: ``put_stream``. Uses the pipes' ``_open``, ``_send``,
     ``_wait_drained`` and ``_raise_for``."""
 
     async def put_stream(self, path: str, size: int, pieces: AsyncIterator[bytes | memoryview], *,

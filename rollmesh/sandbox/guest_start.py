@@ -1,8 +1,8 @@
-"""Why a sandbox's agent did not start: its exit, or its silence and what the host can still see
+"""Why a sandbox's guest did not start: its exit, or its silence and what the host can still see
 of its stdout, and the tail of what it (or bwrap, runsc) wrote on stderr, bounded.
 
-Knows processes, pipes and asyncio; nothing of backends or the frame protocol. The agent client
-(``agent_client``) calls these when a start fails, before it destroys the sandbox.
+Knows processes, pipes and asyncio; nothing of backends or the frame protocol. The guest client
+(``guest_client``) calls these when a start fails, before it destroys the sandbox.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def bounded_tail(data: bytes, *, max_lines: int = TAIL_LINES, max_chars: int = T
 
 
 async def exit_reason(process: subprocess.Popen, cause: str, *, wait_s: float) -> str:
-    """``cause`` (the agent's stdout ended) with its exit status, once it has one: the pipe
+    """``cause`` (the guest's stdout ended) with its exit status, once it has one: the pipe
     closes a moment before the process exits."""
     give_up = time.monotonic() + wait_s
     while process.poll() is None and time.monotonic() < give_up:
@@ -38,7 +38,7 @@ def silence_reason(process: subprocess.Popen, out_fd: int, out_inode: int, timeo
     of its stdout was lost (closed or reused by someone else) or holds data the event loop
     never reported (its registration was lost)."""
     code = process.poll()
-    reason = f"the agent did not say it was ready within {timeout_s:g} s"
+    reason = f"the guest did not say it was ready within {timeout_s:g} s"
     reason += f" (exit status {code})" if code is not None else " (it was still running)"
     try:
         if os.fstat(out_fd).st_ino != out_inode:

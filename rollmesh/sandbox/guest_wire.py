@@ -1,8 +1,8 @@
-"""What both ends of the agent's pipes share: the frame codec and the workspace path rule.
+"""What both ends of the guest's pipes share: the frame codec and the workspace path rule.
 
-Standard library only, and no imports of rollmesh: ``agent.py`` imports this file from its own
+Standard library only, and no imports of rollmesh: ``guest.py`` imports this file from its own
 directory inside the sandbox (run by ``/usr/bin/python3 -I -S``), the host imports it as
-``rollmesh.sandbox.agent_wire``. Hand-rolled rather than msgspec because the agent must run on
+``rollmesh.sandbox.guest_wire``. Hand-rolled rather than msgspec because the guest must run on
 the bare system Python.
 
 A frame is ``<u32 header length><u32 payload length>``, a JSON object (the header: ``id``,
@@ -178,7 +178,7 @@ def workspace_relative(path: str, *, allow_root: bool = False) -> str:
     """The normalized relative form of ``path``, a path inside the workspace; ValueError when
     it is absolute, empty, or leaves the workspace with ``..``.
 
-    A lexical check only: the agent also resolves symlinks on disk before it touches a file.
+    A lexical check only: the guest also resolves symlinks on disk before it touches a file.
     """
     if not isinstance(path, str) or "\0" in path:
         raise ValueError("not a path")

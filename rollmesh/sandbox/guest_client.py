@@ -1,9 +1,9 @@
-"""The host's end of a sandbox: spawns the agent process a backend describes, implements the
-``Sandbox`` protocol (exec, transfers, ping) over its pipes (``agent_pipes``), and tears it down.
+"""The host's end of a sandbox: spawns the guest process a backend describes, implements the
+``Sandbox`` protocol (exec, transfers, ping) over its pipes (``guest_pipes``), and tears it down.
 
 Knows asyncio, the frame codec and the sandbox protocol; nothing of bubblewrap, cgroups or
 leases (a backend hands in the argv and its own ``kill_tree`` / ``cleanup`` / ``oom_kills``).
-What the agent answers is untrusted (``agent_pipes`` bounds every frame); sizes and digests of
+What the guest answers is untrusted (``guest_pipes`` bounds every frame); sizes and digests of
 transfers are checked here.
 """
 
@@ -19,28 +19,28 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from rollmesh.sandbox import agent_wire as wire
-from rollmesh.sandbox.agent_pipes import DIED, AgentPipes
-from rollmesh.sandbox.agent_start import exit_reason, silence_reason
-from rollmesh.sandbox.agent_streams import StreamedUploads
+from rollmesh.sandbox import guest_wire as wire
 from rollmesh.sandbox.errors import (
     BackendFailedError,
     ChecksumMismatchError,
     TransferError,
     WorkspacePathError,
 )
+from rollmesh.sandbox.guest_pipes import DIED, GuestPipes
+from rollmesh.sandbox.guest_start import exit_reason, silence_reason
+from rollmesh.sandbox.guest_streams import StreamedUploads
 from rollmesh.sandbox.sandbox_protocol import ExecOutcome, FileTransfer, OutputCallback, SandboxInfo
 
 HIGH_WATER = 2 * wire.CHUNK  # a chunked upload waits while this much is still unwritten
-ANSWER_GRACE_S = 30.0  # past an exec's timeout: how long the agent may take to report it
-# How long a new agent may take to say it is ready: the default of sandbox.start_timeout_s.
+ANSWER_GRACE_S = 30.0  # past an exec's timeout: how long the guest may take to report it
+# How long a new guest may take to say it is ready: the default of sandbox.start_timeout_s.
 # Generous, because a start on a loaded host (namespaces, a Python, page faults) is slow.
 START_TIMEOUT_S = 60.0
 EXIT_WAIT_S = 5.0
 
 
-class AgentSandbox(AgentPipes, StreamedUploads):
-    """A live sandbox whose agent this object spawned and owns. Use ``launch``."""
+class GuestSandbox(GuestPipes, StreamedUploads):
+    """A live sandbox whose guest this object spawned and owns. Use ``launch``."""
 
     def __init__(
         self,
@@ -72,12 +72,12 @@ class AgentSandbox(AgentPipes, StreamedUploads):
         oom_kills: Callable[[], int] | None = None,
         graceful_exit_s: float = 0.0,
         spawn: Callable[..., Awaitable[Any]] | None = None,
-    ) -> AgentSandbox:
-        """Spawn the agent (``argv``, which already holds every wrapper) and wait up to
+    ) -> GuestSandbox:
+        """Spawn the guest (``argv``, which already holds every wrapper) and wait up to
         ``start_timeout_s`` for its hello; BackendFailedError (with the tail of what it said on
         stderr) when it exits or stays silent.
 
-        No ``preexec_fn``: the broker runs inside a Ray actor, which has threads. The agent gets
+        No ``preexec_fn``: the broker runs inside a Ray actor, which has threads. The guest gets
         a session of its own so no signal meant for the broker's group reaches it. ``spawn``
         replaces the fork here (the sandbox supervisor's: ``supervisor_client``); it returns
         what ``subprocess.Popen`` would.
@@ -103,7 +103,7 @@ class AgentSandbox(AgentPipes, StreamedUploads):
             if hello is DIED:
                 reason = await exit_reason(process, sandbox._dead_cause, wait_s=EXIT_WAIT_S)
             elif isinstance(hello, tuple):
-                reason = "the agent's first message was not its hello"
+                reason = "the guest's first message was not its hello"
             else:
                 reason = silence_reason(process, sandbox._out_fd, sandbox._out_inode, start_timeout_s)
             await sandbox.destroy()  # reads what is left of its stderr
@@ -145,7 +145,7 @@ class AgentSandbox(AgentPipes, StreamedUploads):
             header["env"] = {str(k): str(v) for k, v in env.items()}
         if cwd not in (None, "", "."):
             header["cwd"] = cwd
-        if key:  # a supervisor attaches a second exec with this key to the first (the agent ignores it)
+        if key:  # a supervisor attaches a second exec with this key to the first (the guest ignores it)
             header["key"] = key
         out, err = bytearray(), bytearray()
         try:
@@ -154,7 +154,7 @@ class AgentSandbox(AgentPipes, StreamedUploads):
                 try:
                     frame = await call.next(timeout + ANSWER_GRACE_S)
                 except asyncio.TimeoutError:
-                    return _outcome("infra_error", out, err, started, detail="the agent did not report the exec")
+                    return _outcome("infra_error", out, err, started, detail="the guest did not report the exec")
                 if frame is DIED:
                     return _outcome("sandbox_died", out, err, started, detail=self._dead_reason)
                 fields = self._raise_for(frame)
@@ -227,9 +227,9 @@ class AgentSandbox(AgentPipes, StreamedUploads):
     async def _upload(self, op: str, path: str, data: bytes, extra: dict[str, object],
                       *, allow_root: bool = False, expected_sha256: str | None = None,
                       verify: bool = True) -> FileTransfer:
-        """With ``expected_sha256`` (the sender's digest, checked end to end) the agent's digest
+        """With ``expected_sha256`` (the sender's digest, checked end to end) the guest's digest
         is compared with it and nothing is hashed here; without it we hash our copy, unless
-        ``verify=False`` (the caller hands the agent's digest to a sender that checks it)."""
+        ``verify=False`` (the caller hands the guest's digest to a sender that checks it)."""
         rel = _relative(path, allow_root=allow_root)
         view = memoryview(data).cast("B")
         rid, call = self._open()
@@ -239,8 +239,8 @@ class AgentSandbox(AgentPipes, StreamedUploads):
             expect = {} if expected_sha256 is None else {"sha256": expected_sha256}
             self._send({"id": rid, "op": op, "path": rel, "size": len(view), "last": len(view) <= wire.CHUNK,
                         **expect, **extra}, first)
-            # Hash our copy while the agent stores (and hashes) its own; but first let the pipe
-            # take the frame, else the agent would wait for its tail while we hash.
+            # Hash our copy while the guest stores (and hashes) its own; but first let the pipe
+            # take the frame, else the guest would wait for its tail while we hash.
             await self._wait_drained(0 if len(view) <= wire.CHUNK else HIGH_WATER)
             if hasher is not None:
                 await _hash(hasher, first)
@@ -267,7 +267,7 @@ class AgentSandbox(AgentPipes, StreamedUploads):
 
     async def _download(self, op: str, path: str, *, allow_root: bool = False,
                         verify: bool = True) -> tuple[bytes, FileTransfer]:
-        """``verify=False`` when the bytes go on to a receiver that checks the agent's digest
+        """``verify=False`` when the bytes go on to a receiver that checks the guest's digest
         itself (end to end), so they are not hashed twice."""
         rel = _relative(path, allow_root=allow_root)
         rid, call = self._open()
@@ -295,7 +295,7 @@ class AgentSandbox(AgentPipes, StreamedUploads):
         return data, transfer
 
     async def ping(self) -> float:
-        """One round trip to the agent, in seconds."""
+        """One round trip to the guest, in seconds."""
         started = time.perf_counter()
         rid, call = self._open()
         try:
@@ -316,7 +316,7 @@ class AgentSandbox(AgentPipes, StreamedUploads):
         self._mark_dead("the sandbox was destroyed")
         self._unwatch_pipes()
         try:
-            self._process.stdin.close()  # type: ignore[union-attr]  # the agent kills its commands and exits
+            self._process.stdin.close()  # type: ignore[union-attr]  # the guest kills its commands and exits
         except OSError:
             pass
         give_up = time.monotonic() + self._graceful_exit_s
@@ -343,7 +343,7 @@ class AgentSandbox(AgentPipes, StreamedUploads):
 
 
 async def _spawn(argv: list[str], *, env: dict[str, str], cwd: str | None, pass_fds: tuple[int, ...]) -> subprocess.Popen:
-    """Start the agent in its own session. The fork and exec run in a thread: on a busy host
+    """Start the guest in its own session. The fork and exec run in a thread: on a busy host
     they take milliseconds, and the broker's event loop serves every other sandbox meanwhile.
     Cancelled while the thread runs, the process it started is killed once it exists."""
     spawning = asyncio.ensure_future(asyncio.to_thread(

@@ -1,10 +1,10 @@
-"""The host's end of a sandbox agent's pipes: frames written with backpressure, frames read and
-handed to the ``Call`` of their request id, the tail of the agent's stderr kept, and the agent's
+"""The host's end of a sandbox guest's pipes: frames written with backpressure, frames read and
+handed to the ``Call`` of their request id, the tail of the guest's stderr kept, and the guest's
 death noticed and told to every open call.
 
 Knows asyncio, the frame codec and processes; nothing of the ``Sandbox`` protocol's operations
-(``agent_client.AgentSandbox`` builds exec and transfers on these) nor of backends. Everything read
-from the agent is untrusted: code in the sandbox runs as the agent's uid, so the reader bounds every
+(``guest_client.GuestSandbox`` builds exec and transfers on these) nor of backends. Everything read
+from the guest is untrusted: code in the sandbox runs as the guest's uid, so the reader bounds every
 frame, and a pipe that stops making sense counts as a dead sandbox.
 
 Latency matters (a tool call is one exec round trip): the pipes are plain non-blocking fds on
@@ -20,21 +20,21 @@ import os
 import subprocess
 from collections.abc import Callable
 
-from rollmesh.sandbox import agent_wire as wire
-from rollmesh.sandbox.agent_calls import Call, error_from_frame
-from rollmesh.sandbox.agent_start import bounded_tail
+from rollmesh.sandbox import guest_wire as wire
 from rollmesh.sandbox.errors import SandboxDiedError
+from rollmesh.sandbox.guest_calls import Call, error_from_frame
+from rollmesh.sandbox.guest_start import bounded_tail
 from rollmesh.sandbox.sandbox_protocol import SandboxInfo
 
 F_SETPIPE_SZ = 1031
 PIPE_SIZE = 1024 * 1024
-MAX_REPLY_PAYLOAD = wire.CHUNK + 64 * 1024  # the agent never sends more in one frame
-STDERR_TAIL = 4096  # bytes of the agent's stderr kept (an error quotes less: agent_start)
+MAX_REPLY_PAYLOAD = wire.CHUNK + 64 * 1024  # the guest never sends more in one frame
+STDERR_TAIL = 4096  # bytes of the guest's stderr kept (an error quotes less: guest_start)
 DIED = object()  # pushed to every open call when the sandbox dies
 
 
-class AgentPipes:
-    """The pipes of one agent process, multiplexed by request id. ``AgentSandbox`` is one."""
+class GuestPipes:
+    """The pipes of one guest process, multiplexed by request id. ``GuestSandbox`` is one."""
 
     def __init__(
         self,
@@ -52,11 +52,11 @@ class AgentPipes:
         self._in_fd, self._out_fd, self._err_fd = process.stdin.fileno(), process.stdout.fileno(), process.stderr.fileno()
         self._out_inode = os.fstat(self._out_fd).st_ino  # to tell if the fd was closed under us
         self._writer = wire.FrameWriter(self._in_fd)
-        self._calls: dict[int, Call] = {0: Call()}  # id 0: the agent's "ready" hello
+        self._calls: dict[int, Call] = {0: Call()}  # id 0: the guest's "ready" hello
         self._next_id = 1
         self._drain_waiters: list[tuple[int, asyncio.Future]] = []
         self._stderr_tail = bytearray()
-        self._dead_cause = ""  # why the agent is gone, without its stderr
+        self._dead_cause = ""  # why the guest is gone, without its stderr
         self._dead_reason = ""  # the same with the tail of its stderr
         self._destroyed = False  # set by the owner's teardown: the backend's oom count may be gone
         for fd in (self._in_fd, self._out_fd, self._err_fd):
@@ -70,7 +70,7 @@ class AgentPipes:
         self._loop.add_reader(self._err_fd, self._on_stderr)
 
     def stderr_tail(self) -> str:
-        """The last lines the agent (or bwrap, runsc) wrote on stderr, bounded."""
+        """The last lines the guest (or bwrap, runsc) wrote on stderr, bounded."""
         return bounded_tail(bytes(self._stderr_tail))
 
     def _on_readable(self) -> None:
@@ -79,10 +79,10 @@ class AgentPipes:
         except BlockingIOError:
             return
         except EOFError:
-            self._mark_dead("the agent exited")
+            self._mark_dead("the guest exited")
             return
         except (wire.WireError, OSError) as exc:
-            self._mark_dead(f"the agent's pipe broke: {exc}")
+            self._mark_dead(f"the guest's pipe broke: {exc}")
             return
         for header, payload in frames:
             call = self._calls.get(header.get("id", 0) if header.get("t") != "ready" else 0)
@@ -92,7 +92,7 @@ class AgentPipes:
                 call.push((header, payload if isinstance(payload, bytes) else bytes(payload)))
 
     def _on_stderr(self) -> bool:
-        """Keep the tail of what the agent (or bwrap, runsc) says on stderr; False at its end."""
+        """Keep the tail of what the guest (or bwrap, runsc) says on stderr; False at its end."""
         try:
             data = os.read(self._err_fd, 65536)
         except (BlockingIOError, InterruptedError):
@@ -112,8 +112,8 @@ class AgentPipes:
     def _flush(self) -> None:
         try:
             done = self._writer.flush()
-        except OSError as exc:  # BrokenPipeError: the agent is gone
-            self._mark_dead(f"cannot write to the agent: {exc}")
+        except OSError as exc:  # BrokenPipeError: the guest is gone
+            self._mark_dead(f"cannot write to the guest: {exc}")
             return
         if done:
             self._loop.remove_writer(self._in_fd)
@@ -130,7 +130,7 @@ class AgentPipes:
 
     def _send(self, header: dict[str, object], payload: bytes | memoryview = b"") -> None:
         if self._dead_reason:
-            return  # the agent is gone; after destroy its fd number may belong to another pipe
+            return  # the guest is gone; after destroy its fd number may belong to another pipe
         self._writer.send(header, payload)
         self._flush()
 

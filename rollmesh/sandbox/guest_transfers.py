@@ -1,14 +1,14 @@
-"""The agent's transfer requests: chunked uploads (files and tars), downloads streamed as the
+"""The guest's transfer requests: chunked uploads (files and tars), downloads streamed as the
 pipe to the host takes them, and checksums computed alongside.
 
-Runs inside the sandbox with the agent (standard library only, no rollmesh imports; loaded from
-beside ``agent.py``). Knows the frame writer and the workspace rules of ``agent_files``; nothing
+Runs inside the sandbox with the guest (standard library only, no rollmesh imports; loaded from
+beside ``guest.py``). Knows the frame writer and the workspace rules of ``guest_files``; nothing
 of commands. Every byte is hashed where it is stored or read, so the sha256 a reply carries is of
-exactly the bytes in the workspace. Uploads obey the sandbox's RLIMIT_FSIZE (set on the agent)
+exactly the bytes in the workspace. Uploads obey the sandbox's RLIMIT_FSIZE (set on the guest)
 and tars are spooled in ``spool`` (the sandbox's /tmp), so both count against its quotas.
 
 Speed notes (a 1 MiB upload is one tool call's worth of latency): sha256 costs about as much as
-writing the file, so a helper thread hashes while the agent's thread writes (both release the
+writing the file, so a helper thread hashes while the guest's thread writes (both release the
 GIL); small downloads are read into one reused buffer (fresh pages are page faults), sent before
 they are hashed, so the host hashes its copy at the same time; a replaced file is closed only
 after the reply is out, since freeing its pages takes longer than the rename.
@@ -22,20 +22,20 @@ import time
 from collections import deque
 
 if __package__:
-    from rollmesh.sandbox import agent_files as files
-    from rollmesh.sandbox import agent_wire as wire
-else:  # inside the sandbox: agent.py put its own directory on sys.path
-    import agent_files as files  # type: ignore[no-redef]
-    import agent_wire as wire  # type: ignore[no-redef]
+    from rollmesh.sandbox import guest_files as files
+    from rollmesh.sandbox import guest_wire as wire
+else:  # inside the sandbox: guest.py put its own directory on sys.path
+    import guest_files as files  # type: ignore[no-redef]
+    import guest_wire as wire  # type: ignore[no-redef]
 
 PARALLEL_HASH_AT = 256 * 1024  # below this, hashing inline is cheaper than a thread handoff
-FLUSH_STALL_S = 0.1  # the host reads at once: never hold the agent's loop longer than this
+FLUSH_STALL_S = 0.1  # the host reads at once: never hold the guest's loop longer than this
 
 
 class HashThread:
     """One helper thread that hashes a chunk while the caller writes or sends it.
 
-    Only for an agent that never forks with Python code in the child (its posix_spawn path):
+    Only for a guest that never forks with Python code in the child (its posix_spawn path):
     a fork while this thread holds a lock would copy the lock held."""
 
     def __init__(self) -> None:
@@ -44,11 +44,11 @@ class HashThread:
         self._go = threading.Semaphore(0)
         self._done = threading.Semaphore(0)
         self._job: tuple = ()
-        # A small stack: the agent's address space is what a lent RLIMIT_AS is measured against
-        # (the agent runs with MALLOC_ARENA_MAX=1 for the same reason).
+        # A small stack: the guest's address space is what a lent RLIMIT_AS is measured against
+        # (the guest runs with MALLOC_ARENA_MAX=1 for the same reason).
         previous = threading.stack_size(256 * 1024)
         try:
-            threading.Thread(target=self._run, name="rollmesh-agent-hash", daemon=True).start()
+            threading.Thread(target=self._run, name="rollmesh-guest-hash", daemon=True).start()
         finally:
             threading.stack_size(previous)
 

@@ -1,8 +1,8 @@
-"""The agent's file side: workspace paths resolved on disk, atomic uploads, tar in and out.
+"""The guest's file side: workspace paths resolved on disk, atomic uploads, tar in and out.
 
-Runs inside the sandbox with the agent (standard library only, no rollmesh imports; loaded from
-beside ``agent.py``). Every path a request names is relative to the workspace; it is checked
-lexically (``agent_wire.workspace_relative``) and then again after resolving symlinks on disk,
+Runs inside the sandbox with the guest (standard library only, no rollmesh imports; loaded from
+beside ``guest.py``). Every path a request names is relative to the workspace; it is checked
+lexically (``guest_wire.workspace_relative``) and then again after resolving symlinks on disk,
 because code in the sandbox may have planted a link. Under the process backend the workspace is a
 host directory, so these checks are all that keeps uploads inside it.
 
@@ -19,13 +19,13 @@ import os
 import posixpath
 
 if __package__:
-    from rollmesh.sandbox import agent_wire as wire
-else:  # inside the sandbox: agent.py put its own directory on sys.path
-    import agent_wire as wire  # type: ignore[no-redef]
+    from rollmesh.sandbox import guest_wire as wire
+else:  # inside the sandbox: guest.py put its own directory on sys.path
+    import guest_wire as wire  # type: ignore[no-redef]
 
 # tarfile and hashlib are imported where they are used, not here: a sandbox starts for every
 # rollout and most never move a file, and these imports (with bz2, lzma and shutil behind tarfile)
-# were a third of the agent's start. (mypy reads TYPE_CHECKING by name; typing is not imported.)
+# were a third of the guest's start. (mypy reads TYPE_CHECKING by name; typing is not imported.)
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import tarfile

@@ -1,21 +1,21 @@
-"""The sandbox agent: one long-lived process inside each sandbox that runs commands and moves
-files for the host, over its stdin (requests) and stdout (replies) in ``agent_wire`` frames.
+"""The sandbox guest: one long-lived process inside each sandbox that runs commands and moves
+files for the host, over its stdin (requests) and stdout (replies) in ``guest_wire`` frames.
 
-Runs as ``/usr/bin/python3 -I -S agent.py CONFIG_JSON`` inside the sandbox, so it knows the
-standard library only (plus ``agent_wire``, ``agent_files`` and ``agent_transfers`` beside
+Runs as ``/usr/bin/python3 -I -S guest.py CONFIG_JSON`` inside the sandbox, so it knows the
+standard library only (plus ``guest_wire``, ``guest_files`` and ``guest_transfers`` beside
 it), nothing of rollmesh. One ``selectors`` loop on one thread serves any number of concurrent
 requests; the only other thread is a hash helper for large transfers, idle (holding no lock)
-whenever the agent forks.
+whenever the guest forks.
 
 An exec gets its own process group, a clean environment (PATH, HOME, LANG, plus what the request
 adds), the per-exec rlimits (RLIMIT_CPU, RLIMIT_FSIZE, and RLIMIT_AS where no cgroup bounds
-memory) and an OOM score that makes it, not the agent, the victim of a memory-limit kill. Its
+memory) and an OOM score that makes it, not the guest, the victim of a memory-limit kill. Its
 output streams back as it comes, up to the output cap; past the cap, at the timeout, or when the
 host cancels it, its whole group is killed. When the command itself exits, whatever it left in
 its group is killed too (start long-lived background work with ``setsid``).
 
-The host never trusts what it reads from here (code in the sandbox shares the agent's uid), and
-the agent never trusts paths it is given (``agent_files``).
+The host never trusts what it reads from here (code in the sandbox shares the guest's uid), and
+the guest never trusts paths it is given (``guest_files``).
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ import sys
 import time
 
 if __package__:
-    from rollmesh.sandbox import agent_files as files
-    from rollmesh.sandbox import agent_wire as wire
-    from rollmesh.sandbox.agent_transfers import Transfers
+    from rollmesh.sandbox import guest_files as files
+    from rollmesh.sandbox import guest_wire as wire
+    from rollmesh.sandbox.guest_transfers import Transfers
 else:  # inside the sandbox, run as a script with -I: its own directory is not on sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import agent_files as files  # type: ignore[no-redef]
-    import agent_wire as wire  # type: ignore[no-redef]
-    from agent_transfers import Transfers  # type: ignore[no-redef]
+    import guest_files as files  # type: ignore[no-redef]
+    import guest_wire as wire  # type: ignore[no-redef]
+    from guest_transfers import Transfers  # type: ignore[no-redef]
 
 MAX_REQUEST_PAYLOAD = 256 * 1024 * 1024  # the host is trusted; this only bounds a bug
 HIGH_WATER = 2 * wire.CHUNK  # stop producing download chunks while this much is unsent
@@ -68,7 +68,7 @@ class Exec:
         self.finish_by = None  # monotonic deadline for stragglers' pipes
 
 
-class Agent:
+class Guest:
     def __init__(self, config, rfd=0, wfd=1):
         self.config = config
         self.workspace = files.Workspace(config["workspace"])
@@ -86,12 +86,12 @@ class Agent:
                 self.rlimits[name] = (value, value + 1 if name == "cpu" else value)
         # The fast path (posix_spawn: no fork of this process, no Python in the child) cannot set
         # limits in the child before exec, so they are inherited instead. RLIMIT_FSIZE is set
-        # once on the agent (uploads obey it too). RLIMIT_CPU and RLIMIT_AS would hobble the
-        # agent itself, so only their soft limits are lent: lowered around each spawn, then
-        # restored (the agent ignores SIGXCPU; children get it back). The command and all it
+        # once on the guest (uploads obey it too). RLIMIT_CPU and RLIMIT_AS would hobble the
+        # guest itself, so only their soft limits are lent: lowered around each spawn, then
+        # restored (the guest ignores SIGXCPU; children get it back). The command and all it
         # forks inherit the soft limits, and the hard limits follow by prlimit right after the
         # spawn. Only a command that raises its own soft limit in those microseconds could run
-        # past it, and then only until its timeout. When the agent's own address space is
+        # past it, and then only until its timeout. When the guest's own address space is
         # larger than the RLIMIT_AS to lend, the spawn fails (ENOMEM) and that exec takes the
         # exact path: a fork that sets every limit before exec, ~1 ms slower.
         self.slow_spawn = not hasattr(os, "posix_spawn")
@@ -176,7 +176,7 @@ class Agent:
 
     def on_wakeup(self, fd):
         """SIGCHLD: reap every child that ended. Besides our commands that includes orphans
-        reparented to us, since the agent is the sandbox's pid 1 (bwrap ``--as-pid-1``, gVisor)."""
+        reparented to us, since the guest is the sandbox's pid 1 (bwrap ``--as-pid-1``, gVisor)."""
         try:
             while os.read(fd, 512):
                 pass
@@ -218,7 +218,7 @@ class Agent:
                 self.dispatch(rid, header.get("op"), header, payload)
             except files.RequestError as exc:
                 self.writer.send({"id": rid, "t": "error", "kind": exc.kind, "message": str(exc), **exc.fields})
-            except Exception as exc:  # noqa: BLE001 - one bad request never takes the agent down
+            except Exception as exc:  # noqa: BLE001 - one bad request never takes the guest down
                 self.writer.send({"id": rid, "t": "error", "kind": "bad_request",
                                   "message": f"{type(exc).__name__}: {exc}"})
 
@@ -258,7 +258,7 @@ class Agent:
                 pid, in_w, out_r, err_r = spawn(argv, env, cwd, bool(stdin))
                 exact = self.slow_spawn
             except (MemoryError, OSError) as exc:
-                # The lent RLIMIT_AS is below the agent's own address space. (The hash thread
+                # The lent RLIMIT_AS is below the guest's own address space. (The hash thread
                 # is idle here, holding no lock, so this one fork with it alive is safe.)
                 if not isinstance(exc, MemoryError) and exc.errno != errno.ENOMEM or not self.lent:
                     raise
@@ -286,7 +286,7 @@ class Agent:
         """posix_spawn (vfork + exec, no Python in the child): the child's pid and our ends of
         its stdin (or -1), stdout and stderr pipes."""
         program = argv[0] if "/" in argv[0] else find_program(argv[0], env.get("PATH", ""))
-        os.chdir(cwd)  # posix_spawn has no cwd; the agent itself only uses absolute paths
+        os.chdir(cwd)  # posix_spawn has no cwd; the guest itself only uses absolute paths
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         in_r, in_w = os.pipe() if with_stdin else (self.devnull, -1)
@@ -297,7 +297,7 @@ class Agent:
                 program, argv, env, setpgroup=0,
                 file_actions=[(os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1),
                               (os.POSIX_SPAWN_DUP2, err_w, 2)],
-                # Python ignores SIGPIPE and SIGXFSZ, the agent SIGXCPU: commands must not.
+                # Python ignores SIGPIPE and SIGXFSZ, the guest SIGXCPU: commands must not.
                 setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU),
             )
         except BaseException:
@@ -327,7 +327,7 @@ class Agent:
         return (proc.pid, *fds)
 
     def child_setup(self):
-        """The exact path: runs in the child between fork and exec (the agent has no other
+        """The exact path: runs in the child between fork and exec (the guest has no other
         threads, so this is safe)."""
         os.setpgid(0, 0)
         signal.signal(signal.SIGXCPU, signal.SIG_DFL)
@@ -336,7 +336,7 @@ class Agent:
 
     def limit_child(self, pid, exact):
         """Set on the started child: the hard limits the fast path lent only softly, and an OOM
-        score that makes a memory-limit kill pick the command rather than the agent."""
+        score that makes a memory-limit kill pick the command rather than the guest."""
         try:
             for which, _, _ in self.lent if not exact else ():
                 name = "cpu" if which == resource.RLIMIT_CPU else "as"
@@ -357,7 +357,7 @@ class Agent:
         filename = getattr(exc, "filename", None)
         header = {"id": rid, "t": "done", "exit_code": None, "signal": None, "truncated": False,
                   "duration_s": time.monotonic() - started, "cpu_s": 0.0, "n_stdout": 0}
-        message = f"rollmesh-agent: {filename or argv[0]}: {getattr(exc, 'strerror', '') or exc}\n".encode()
+        message = f"rollmesh-guest: {filename or argv[0]}: {getattr(exc, 'strerror', '') or exc}\n".encode()
         if code is not None and filename is not None:
             self.writer.send({**header, "result": "exit", "exit_code": code}, message)
         else:
@@ -455,8 +455,8 @@ def kill_group(pgid):
 
 
 def harden_self(config):
-    """Limits on the agent itself, set once: RLIMIT_NPROC (counted per user namespace, so per
-    sandbox) and non-dumpable, so code in the sandbox (same uid) cannot ptrace the agent or open
+    """Limits on the guest itself, set once: RLIMIT_NPROC (counted per user namespace, so per
+    sandbox) and non-dumpable, so code in the sandbox (same uid) cannot ptrace the guest or open
     its pipes through /proc."""
     nproc = config.get("nproc")
     if nproc:
@@ -473,7 +473,7 @@ def harden_self(config):
 def main(argv):
     config = json.loads(argv[1])
     harden_self(config)
-    Agent(config).run()
+    Guest(config).run()
     return 0
 
 

@@ -1,7 +1,7 @@
-"""Answers from a sandbox's agent: the frames that arrive for one request id, and what an error
+"""Answers from a sandbox's guest: the frames that arrive for one request id, and what an error
 frame means as a typed error.
 
-Knows asyncio and the sandbox errors; the host's end of the agent's pipes (``agent_pipes``) hands
+Knows asyncio and the sandbox errors; the host's end of the guest's pipes (``guest_pipes``) hands
 each frame to the ``Call`` of its request id.
 """
 
@@ -54,7 +54,7 @@ def expire(waiter: asyncio.Future) -> None:
 
 
 def error_from_frame(header: dict, *, backend: str) -> SandboxError:
-    """The typed error an agent's error frame stands for."""
+    """The typed error a guest's error frame stands for."""
     kind, message = header.get("kind"), str(header.get("message", ""))
     if kind == "workspace_path":
         return WorkspacePathError(message, path=str(header.get("path", "")))
@@ -64,4 +64,4 @@ def error_from_frame(header: dict, *, backend: str) -> SandboxError:
         return TransferError(message, path=str(header.get("path", "")), reason=str(header.get("reason", "")))
     if kind == "checksum_mismatch":
         return ChecksumMismatchError(message, path=str(header.get("path", "")))
-    return BackendFailedError("the agent refused a request", backend=backend, reason=message)
+    return BackendFailedError("the guest refused a request", backend=backend, reason=message)
