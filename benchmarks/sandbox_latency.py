@@ -2,15 +2,15 @@
 
 Ours: a sandbox broker in its own process (as the broker actor runs in the mesh, with its
 defaults: its sandboxes held by the node's supervisor process, which relays every frame between
-broker and agent, and its leases journaled in JetStream KV) serves a client in this process over
+broker and guest, and its leases journaled in JetStream KV) serves a client in this process over
 an embedded nats-server (max payload 8 MiB). The client leases a sandbox
 from the warm pool, then times, end to end (request sent to reply decoded):
 - exec of ``true``;
 - a 1 MiB and a 16 MiB upload of random bytes, verified end to end by **sha256** (the client
-  hashes what it sends, the agent inside the sandbox hashes what it stored and refuses other
+  hashes what it sends, the guest inside the sandbox hashes what it stored and refuses other
   bytes). Above ``sandbox.bulk_threshold_bytes`` they take the bulk data path: a one-time ticket
   (over NATS for a lease's first upload, then the one each stored upload's Done frame brings),
-  then the bytes over the broker's Unix socket, passed to the agent as they arrive.
+  then the bytes over the broker's Unix socket, passed to the guest as they arrive.
 Baseline: ``bwrap`` started once per call with the same namespaces and mounts as our sandbox
 (the argv our bwrap backend builds, run as the broker's user, without the cgroup join and uid
 switch), running ``true``, or ``sh -c 'cat > f && sha256sum f'`` with the bytes on stdin.
@@ -150,7 +150,7 @@ class ColdBwrap:
         argv, fds = self.backend.build_argv(self.limits, network=False, uid=os.getuid(), cgroup=None)
         try:
             argv = argv[argv.index(self.backend.bwrap):]  # no cgroup join, no uid switch
-            argv = argv[: len(argv) - argv[::-1].index("--")] + command  # the command, not the agent
+            argv = argv[: len(argv) - argv[::-1].index("--")] + command  # the command, not the guest
             done = subprocess.run(argv, input=stdin, capture_output=True, pass_fds=fds, check=True)
         finally:
             for fd in fds:

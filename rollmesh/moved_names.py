@@ -15,16 +15,19 @@ from typing import Any
 
 def forward_moved_names(old_module: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``old_module``: ``moved`` maps each moved name to the module
-    that holds it now; any other name is an AttributeError, as for a module without it. A package
-    ``__getattr__`` that delegates here passes ``stacklevel=3`` (one frame more to the importer)."""
+    that holds it now, or to ``"module:new_name"`` where it was renamed as it moved; any other
+    name is an AttributeError, as for a module without it. A package ``__getattr__`` that
+    delegates here passes ``stacklevel=3`` (one frame more to the importer)."""
 
     def __getattr__(name: str, stacklevel: int = 2) -> Any:
-        new_module = moved.get(name)
-        if new_module is None:
+        target = moved.get(name)
+        if target is None:
             raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
+        new_module, _, new_name = target.partition(":")
+        new_name = new_name or name
         # The warning points at the line importing the old path, not at this one.
-        warnings.warn(f"{old_module}.{name} moved to {new_module}.{name}; the old path will be "
+        warnings.warn(f"{old_module}.{name} moved to {new_module}.{new_name}; the old path will be "
                       "removed in the next release", DeprecationWarning, stacklevel=stacklevel)
-        return getattr(importlib.import_module(new_module), name)
+        return getattr(importlib.import_module(new_module), new_name)
 
     return __getattr__

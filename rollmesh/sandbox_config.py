@@ -117,9 +117,9 @@ class SandboxConfig(ConfigSection):
     max_sandboxes: PositiveInt = 1024
     max_concurrent_execs: PositiveInt = 256
     max_concurrent_creates: PositiveInt = 4
-    # How long a new sandbox's agent may take to say it is ready, every backend alike. Generous:
+    # How long a new sandbox's guest may take to say it is ready, every backend alike. Generous:
     # on a loaded host a start (namespaces, a fresh Python) can take seconds; past it the start
-    # fails with what the agent wrote on stderr.
+    # fails with what the guest wrote on stderr.
     start_timeout_s: PositiveFloat = 60.0
     capacity_retry_after_s: PositiveFloat = 1.0  # the retry hint of a "capacity" refusal
     default_lease_ttl_s: PositiveFloat = 600.0

@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-MOVED = [  # (old module, name, new module)
+MOVED = [  # (old module, name, new module, or "new module:new name" where it was renamed)
     ("rollmesh.actors.inference_router", "InferenceRouter", "rollmesh.inference.router"),
     ("rollmesh.actors.inference_router", "generation_attributes", "rollmesh.inference.router"),
     ("rollmesh.actors.inference_router", "DEFAULT_MAX_SESSIONS", "rollmesh.inference.router"),
@@ -28,14 +28,31 @@ MOVED = [  # (old module, name, new module)
     ("rollmesh.train.sft_render", "SftExample", "rollmesh.training.sft_render"),
     ("rollmesh.train.sft_render", "render_text_example", "rollmesh.training.sft_render"),
     ("rollmesh.train.sft_render", "render_chat_example", "rollmesh.training.sft_render"),
+    # The in-sandbox helper process is the guest, no longer "agent" (some names renamed too).
+    ("rollmesh.sandbox.agent", "Agent", "rollmesh.sandbox.guest:Guest"),
+    ("rollmesh.sandbox.agent", "main", "rollmesh.sandbox.guest"),
+    ("rollmesh.sandbox.agent_calls", "error_from_frame", "rollmesh.sandbox.guest_calls"),
+    ("rollmesh.sandbox.agent_client", "AgentSandbox", "rollmesh.sandbox.guest_client:GuestSandbox"),
+    ("rollmesh.sandbox.agent_client", "START_TIMEOUT_S", "rollmesh.sandbox.guest_client"),
+    ("rollmesh.sandbox.agent_files", "Workspace", "rollmesh.sandbox.guest_files"),
+    ("rollmesh.sandbox.agent_pipes", "AgentPipes", "rollmesh.sandbox.guest_pipes:GuestPipes"),
+    ("rollmesh.sandbox.agent_start", "bounded_tail", "rollmesh.sandbox.guest_start"),
+    ("rollmesh.sandbox.agent_streams", "StreamedUploads", "rollmesh.sandbox.guest_streams"),
+    ("rollmesh.sandbox.agent_transfers", "Transfers", "rollmesh.sandbox.guest_transfers"),
+    ("rollmesh.sandbox.agent_wire", "FrameReader", "rollmesh.sandbox.guest_wire"),
+    ("rollmesh.sandbox.tool_paths", "AGENT_FILES", "rollmesh.sandbox.tool_paths:GUEST_FILES"),
+    ("rollmesh.sandbox.bwrap_backend", "AGENT_MOUNT", "rollmesh.sandbox.bwrap_backend:GUEST_MOUNT"),
+    ("rollmesh.sandbox.runsc_backend", "AGENT_MOUNT", "rollmesh.sandbox.runsc_backend:GUEST_MOUNT"),
 ]
 
 
 @pytest.mark.parametrize(("old", "name", "new"), MOVED)
 def test_an_old_import_path_warns_and_gives_the_moved_object(old: str, name: str, new: str) -> None:
-    with pytest.warns(DeprecationWarning, match=f"moved to {new}.{name}") as warned:
+    new_module, _, new_name = new.partition(":")
+    new_name = new_name or name
+    with pytest.warns(DeprecationWarning, match=f"moved to {new_module}.{new_name};") as warned:
         moved = getattr(importlib.import_module(old), name)
-    assert moved is getattr(importlib.import_module(new), name)
+    assert moved is getattr(importlib.import_module(new_module), new_name)
     assert warned[0].filename == __file__  # points at the importer, not at the alias
 
 

@@ -272,7 +272,7 @@ async def test_exec_results_are_typed_and_a_dead_sandbox_is_sandbox_died(tmp_pat
     timeout = ExecOutcome("timeout", None, 9, False, b"partial", b"", 2.0)
     oom = ExecOutcome("oom", None, 9, False, b"", b"", 0.5, detail="memory limit")
     backend = FakeSandboxBackend([timeout, oom, BackendFailedError("pipe broke", backend="fake"),
-                                  SandboxDiedError("agent gone", sandbox_id="x")])
+                                  SandboxDiedError("guest gone", sandbox_id="x")])
     broker, _, _ = make_broker(tmp_path, backend=backend)
     lease = (await broker.lease(SandboxLeaseRequest(holder="r"))).lease_id
 

@@ -3,7 +3,7 @@ broker (Unix socket, TCP, TLS), opened with a one-time token issued over NATS's 
 (here: in process); every bad stream is refused with its typed error and nothing is stored.
 
 Broker and client run in this process on real sockets, against the process backend's real
-agents (the agent's own write-then-rename is what keeps a refused file out of the workspace).
+guests (the guest's own write-then-rename is what keeps a refused file out of the workspace).
 """
 
 from __future__ import annotations

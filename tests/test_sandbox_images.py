@@ -147,7 +147,7 @@ async def run_in(broker: SandboxBroker, profile: str, argv: list[str]):
 @needs_bwrap
 async def test_an_oci_image_written_here_is_leased_and_used(tmp_path: Path, cache_dir: Path) -> None:
     # A root with no Python and no shell: cat and its libraries, and a file only the image has.
-    # The agent still runs (the host's Python at /.rollmesh/python), and tools see the image.
+    # The guest still runs (the host's Python at /.rollmesh/python), and tools see the image.
     files = [*host_binary_members("/usr/bin/cat"), ("bin", "symlink", "usr/bin"),
              ("etc/only-in-image", "file", "hello from the image\n")]
     image = write_layout(tmp_path / "image", [layer(files, compress=True)])

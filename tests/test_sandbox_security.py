@@ -102,7 +102,7 @@ async def test_host_files_outside_the_workspace_are_invisible(attacker, secrets:
 
 async def test_writing_the_root_filesystem_fails_read_only(attacker) -> None:
     probe = f"rollmesh-probe-{random.getrandbits(32):x}"
-    for target in (f"/{probe}", f"/usr/{probe}", f"/etc/{probe}", "/.rollmesh/agent.py", f"/dev/{probe}"):
+    for target in (f"/{probe}", f"/usr/{probe}", f"/etc/{probe}", "/.rollmesh/guest.py", f"/dev/{probe}"):
         done = await attacker.exec(["/bin/sh", "-c", f"echo x > {target}"])
         assert done.result == "exit" and done.exit_code != 0, target
         assert b"Read-only file system" in done.stderr, (target, done.stderr)
@@ -151,7 +151,7 @@ async def test_allocating_past_the_memory_limit_is_stopped(attacker) -> None:
     else:  # RLIMIT_AS: the allocation fails inside the command
         assert (done.result, done.exit_code) == ("exit", 1) and b"MemoryError" in done.stderr
     assert b"allocated" not in done.stdout
-    assert (await attacker.exec(["true"])).result == "exit"  # the agent survived
+    assert (await attacker.exec(["true"])).result == "exit"  # the guest survived
 
 
 async def test_filling_the_disk_stops_at_the_workspace_quota(attacker) -> None:
@@ -221,8 +221,8 @@ async def test_host_processes_cannot_be_signalled_or_traced(attacker) -> None:
     assert os.getpid() == me  # still alive
 
 
-async def test_the_agent_is_out_of_reach_of_the_code_it_runs(attacker) -> None:
-    """Same uid, but the agent is the sandbox's init and not dumpable: signals from inside do not
+async def test_the_guest_is_out_of_reach_of_the_code_it_runs(attacker) -> None:
+    """Same uid, but the guest is the sandbox's init and not dumpable: signals from inside do not
     kill it, and its pipes and memory are not reachable; no other process inside holds them."""
     killed = await attacker.exec(["/bin/sh", "-c", "kill -9 1; kill -9 -1; echo survived"])
     assert killed.stdout == b"survived\n" or killed.result == "signal"
@@ -244,7 +244,7 @@ async def test_the_agent_is_out_of_reach_of_the_code_it_runs(attacker) -> None:
     )
     done = await attacker.exec([*PY, probe])
     lines = done.stdout.decode().splitlines()
-    assert lines[0] == "process /usr/bin/python3" and len(lines) == 4, done  # the agent, alone
+    assert lines[0] == "process /usr/bin/python3" and len(lines) == 4, done  # the guest, alone
     assert all(line.startswith("refused") for line in lines[1:]), done
 
 

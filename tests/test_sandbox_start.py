@@ -1,5 +1,5 @@
-"""Starting a sandbox: every backend waits ``sandbox.start_timeout_s`` for its agent's hello, and
-a start that fails says why, with the tail of what the agent (or bwrap, runsc) wrote on stderr."""
+"""Starting a sandbox: every backend waits ``sandbox.start_timeout_s`` for its guest's hello, and
+a start that fails says why, with the tail of what the guest (or bwrap, runsc) wrote on stderr."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from rollmesh.config import ConfigError, load_config
 from rollmesh.sandbox import ProcessBackend, select_backend
 from rollmesh.sandbox import bwrap_backend, runsc_backend
-from rollmesh.sandbox.agent_client import START_TIMEOUT_S, AgentSandbox
-from rollmesh.sandbox.agent_start import bounded_tail
 from rollmesh.sandbox.errors import BackendFailedError
+from rollmesh.sandbox.guest_client import START_TIMEOUT_S, GuestSandbox
+from rollmesh.sandbox.guest_start import bounded_tail
 from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
 from rollmesh.sandbox_config import SandboxConfig
 
@@ -26,9 +26,9 @@ LIMITS = SandboxLimits(memory_mb=256, pids=64, workspace_mb=32, exec_timeout_s=2
 INFO = SandboxInfo(sandbox_id="start-test", backend="test", isolated=False, limits=LIMITS, enforcement={})
 
 
-async def _launch(script: str, **options) -> AgentSandbox:
-    """An "agent" that is a shell script: it never says hello, so every start fails."""
-    return await AgentSandbox.launch(INFO, ["/bin/sh", "-c", script], env={"PATH": "/usr/bin:/bin"}, **options)
+async def _launch(script: str, **options) -> GuestSandbox:
+    """A "guest" that is a shell script: it never says hello, so every start fails."""
+    return await GuestSandbox.launch(INFO, ["/bin/sh", "-c", script], env={"PATH": "/usr/bin:/bin"}, **options)
 
 
 @pytest.mark.unit
@@ -61,32 +61,32 @@ def test_a_stderr_tail_is_bounded_in_lines_and_characters() -> None:
 
 
 @pytest.mark.integration
-async def test_an_agent_that_exits_at_start_fails_with_its_status_and_stderr_tail() -> None:
+async def test_a_guest_that_exits_at_start_fails_with_its_status_and_stderr_tail() -> None:
     script = 'i=0; while [ $i -lt 100 ]; do echo "bwrap: line $i" >&2; i=$((i+1)); done; exit 3'
     with pytest.raises(BackendFailedError) as failed:
         await _launch(script)
     error = failed.value
     assert "exit status 3" in error.reason
     assert error.stderr_tail.splitlines() == [f"bwrap: line {i}" for i in range(80, 100)]
-    assert str(error).startswith("the sandbox did not start: the agent exited")
+    assert str(error).startswith("the sandbox did not start: the guest exited")
     assert str(error).endswith("bwrap: line 99") and "bwrap: line 79" not in str(error)
     assert (error.backend, error.argv0) == ("test", "/bin/sh")
 
 
 @pytest.mark.integration
-async def test_an_agent_that_stays_silent_fails_after_the_start_timeout_with_its_stderr() -> None:
+async def test_a_guest_that_stays_silent_fails_after_the_start_timeout_with_its_stderr() -> None:
     # The script never answers whatever the machine's speed: the timeout is what ends it.
     with pytest.raises(BackendFailedError) as failed:
         await _launch("echo 'waiting for something' >&2; exec sleep 60", start_timeout_s=0.5)
     error = failed.value
-    assert error.reason == "the agent did not say it was ready within 0.5 s (it was still running)"
+    assert error.reason == "the guest did not say it was ready within 0.5 s (it was still running)"
     assert error.stderr_tail == "waiting for something"
     assert "waiting for something" in str(error)
 
 
 @pytest.fixture
 def recorded_launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    """AgentSandbox.launch replaced by one that records its keyword arguments and refuses."""
+    """GuestSandbox.launch replaced by one that records its keyword arguments and refuses."""
     seen: list[dict] = []
 
     async def launch(cls, info, argv, **options):  # noqa: ANN001
@@ -95,7 +95,7 @@ def recorded_launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
             options["cleanup"]()
         raise BackendFailedError("recorded", backend=info.backend)
 
-    monkeypatch.setattr(AgentSandbox, "launch", classmethod(launch))
+    monkeypatch.setattr(GuestSandbox, "launch", classmethod(launch))
     return seen
 
 

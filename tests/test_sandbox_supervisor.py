@@ -27,7 +27,7 @@ from rollmesh.messages.sandbox import (
     SandboxLeaseRequest,
 )
 from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient
-from rollmesh.sandbox import agent_wire as wire
+from rollmesh.sandbox import guest_wire as wire
 from rollmesh.sandbox.lease_store import LeaseJournal, readopt
 from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 from rollmesh.sandbox.supervisor_client import SupervisorClient
@@ -214,12 +214,12 @@ async def test_an_exec_its_restarted_broker_does_not_know_is_sent_again_with_its
 
 
 @pytest.mark.integration
-async def test_a_broker_gone_mid_frame_and_mid_upload_leaves_the_agent_intact(tmp_path):
+async def test_a_broker_gone_mid_frame_and_mid_upload_leaves_the_guest_intact(tmp_path):
     backend = usable_bwrap()
     backend.supervisor = SupervisorClient(tmp_path, broker="torn", idle_exit_s=5)
     sandbox = await backend.create("torn", SandboxLimits())
     try:
-        # A second broker connection starts an upload (the ping's answer says the agent has
+        # A second broker connection starts an upload (the ping's answer says the guest has
         # it), then dies inside its next frame.
         _reply, fds, sock = await asyncio.to_thread(backend.supervisor.request, {"op": "attach", "sandbox_id": "torn"})
         for fd in fds:
@@ -234,10 +234,10 @@ async def test_a_broker_gone_mid_frame_and_mid_upload_leaves_the_agent_intact(tm
         # The supervisor aborts the upload its broker will never finish: nothing half stored.
         async def workspace_empty() -> None:
             while (await sandbox.exec(shell="ls -A")).stdout:
-                pass  # polled: the abort reaches the agent a moment after the connection's end
+                pass  # polled: the abort reaches the guest a moment after the connection's end
 
         await asyncio.wait_for(workspace_empty(), 30)
-        # The half frame never reached the agent, whose stream still makes sense.
+        # The half frame never reached the guest, whose stream still makes sense.
         stored = await sandbox.put_file("whole.bin", b"z" * 5000)
         assert stored.size == 5000
         assert (await sandbox.exec(shell="wc -c < whole.bin")).stdout == b"5000\n"

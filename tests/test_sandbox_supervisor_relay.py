@@ -1,6 +1,6 @@
-"""The supervisor's relay, in this process: large frames from a broker reach the agent's pipe
+"""The supervisor's relay, in this process: large frames from a broker reach the guest's pipe
 whole (spliced from the socket when all of their payload is there), and a broker gone inside
-such a frame leaves no part of it in the pipe, its upload aborted. The "agent" is ``cat``
+such a frame leaves no part of it in the pipe, its upload aborted. The "guest" is ``cat``
 writing what reaches its stdin to a file, read back as frames.
 """
 
@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from rollmesh.sandbox import agent_wire as wire
+from rollmesh.sandbox import guest_wire as wire
 from rollmesh.sandbox import supervisor_splice
 from rollmesh.sandbox.supervisor_relay import Conn, Held
 from rollmesh.sandbox.supervisor_splice import SPLICE_AT
@@ -33,13 +33,13 @@ def frames_in(path) -> list[tuple[dict, bytes]]:
                 break
     finally:
         os.close(fd)
-    assert reader._start == reader._end and reader._big is None, "a part frame reached the agent"
+    assert reader._start == reader._end and reader._big is None, "a part frame reached the guest"
     return found
 
 
 async def relay_to_cat(tmp_path, sent: list[bytes]) -> list[tuple[dict, bytes]]:
-    """Write ``sent`` (raw bytes) as one broker, then hang up; what the agent's stdin got."""
-    out = tmp_path / "agent-stdin"
+    """Write ``sent`` (raw bytes) as one broker, then hang up; what the guest's stdin got."""
+    out = tmp_path / "guest-stdin"
     process = subprocess.Popen(["sh", "-c", f"cat > {out}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                bufsize=0)
     held = Held("s1", {}, process, os.open(os.devnull, os.O_RDONLY), [])
@@ -59,7 +59,7 @@ async def relay_to_cat(tmp_path, sent: list[bytes]) -> list[tuple[dict, bytes]]:
     return frames_in(out)
 
 
-async def test_a_frame_above_the_splice_threshold_reaches_the_agent_whole_by_splice(tmp_path, monkeypatch):
+async def test_a_frame_above_the_splice_threshold_reaches_the_guest_whole_by_splice(tmp_path, monkeypatch):
     assert supervisor_splice.splice_usable()  # asked (once, cached) before the count starts
     spliced: list[int] = []
     real_splice = os.splice

@@ -18,9 +18,9 @@ from typing import Literal
 
 import structlog
 
-from rollmesh.sandbox.agent_client import START_TIMEOUT_S
 from rollmesh.sandbox.bwrap_backend import BwrapBackend
 from rollmesh.sandbox.errors import BackendUnavailableError, ImageBuildError
+from rollmesh.sandbox.guest_client import START_TIMEOUT_S
 from rollmesh.sandbox.images import SandboxImage, prepare_images
 from rollmesh.sandbox.process_backend import ProcessBackend
 from rollmesh.sandbox.runsc_backend import RunscBackend
@@ -48,7 +48,7 @@ def select_backend(kind: BackendKind, *, readonly_paths: Sequence[str] = (),
                    images: Mapping[str, SandboxImage] | None = None) -> SandboxBackend:
     """``readonly_paths``: host paths an isolating backend shows read-only at the same place
     (datasets, a checkout the tools need); the tool scripts always are. ``start_timeout_s``: how
-    long a new sandbox's agent may take to say it is ready (``sandbox.start_timeout_s``).
+    long a new sandbox's guest may take to say it is ready (``sandbox.start_timeout_s``).
     ``images``: prepared profile images (``prepare_images``); only bubblewrap shows them."""
     if kind == "process":
         return _imageless(ProcessBackend(start_timeout_s=start_timeout_s), images)

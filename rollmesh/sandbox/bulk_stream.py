@@ -14,7 +14,7 @@ buffer, so a MiB crosses with no copy in either process (asyncio's streams copie
 and took about twice as long here). TLS goes through asyncio streams, which do the handshake.
 
 Hand-rolled on asyncio sockets rather than HTTP (httpx, aiohttp): one transfer per connection,
-two small frames and the raw bytes, read straight into the buffer the agent's pipe is fed from;
+two small frames and the raw bytes, read straight into the buffer the guest's pipe is fed from;
 an HTTP layer would add a parser and copies per MiB and give nothing this needs.
 
 The Unix socket is used when the ticket's broker runs on this node (same host name and boot id)

@@ -1,36 +1,36 @@
-"""The bubblewrap backend: one long-lived ``bwrap`` per sandbox, whose command is the agent.
+"""The bubblewrap backend: one long-lived ``bwrap`` per sandbox, whose command is the guest.
 
-Knows bwrap's command line, the host's cgroups and uids (``limits``) and the agent's config;
+Knows bwrap's command line, the host's cgroups and uids (``limits``) and the guest's config;
 nothing of leases. What a sandbox gets, and why:
 
 * ``--unshare-all`` (user, pid, net, ipc, uts, cgroup namespaces; ``--share-net`` only when the
   lease asks for network), ``--die-with-parent``, ``--new-session``, ``--cap-drop ALL``, and
-  ``--as-pid-1``: the agent is the sandbox's init, so signals from inside cannot kill it, no
+  ``--as-pid-1``: the guest is the sandbox's init, so signals from inside cannot kill it, no
   bwrap process inside holds the host's pipes (where same-uid code could ptrace it), and when
-  the agent dies the kernel ends everything in the sandbox.
+  the guest dies the kernel ends everything in the sandbox.
 * A minimal read-only root built on bwrap's own tmpfs, never the host's ``/``: ``/usr``
   read-only, the merged-usr links (``/bin``, ``/lib``, ``/lib64``, ``/sbin``) as they are on the
   host, a few ``/etc`` files (the loader cache, nsswitch, localtime, alternatives; a synthesized
   passwd, group and hosts; with network also resolv.conf and the CA store), fresh ``/proc`` and
   ``/dev``, then ``/`` and ``/dev`` remounted read-only (writes fail with EROFS). A profile with
   an image root (``dir:``/``oci:``, ``images.py``) shows that root instead, entry by entry
-  (``bwrap_mounts``), and runs the agent with the host's Python bound at ``/.rollmesh/python``
+  (``bwrap_mounts``), and runs the guest with the host's Python bound at ``/.rollmesh/python``
   (``host_python``), since the root may have none; its Python environment is bound read-only at
   ``/.rollmesh/venv`` and first on PATH.
 * ``network_allow``: still no network namespace access; a forwarder outside (``egress``) listens
   on a Unix socket bound at ``/.rollmesh/egress.sock`` and connects only to the allowed pairs.
 * Writable only: ``/workspace`` (the cwd and HOME), a tmpfs of ``workspace_mb`` (the quota:
-  ENOSPC past it), ``/tmp`` (as large, also the agent's tar spool) and ``/dev/shm`` (small).
+  ENOSPC past it), ``/tmp`` (as large, also the guest's tar spool) and ``/dev/shm`` (small).
   tmpfs pages are charged to the sandbox's memory cgroup, so files count as memory there.
 * Read-only at their host paths: the tool scripts (``TOOLS_DIR``) and the configured
-  ``readonly_paths``; the agent's files at ``/.rollmesh``. They must be readable by the
+  ``readonly_paths``; the guest's files at ``/.rollmesh``. They must be readable by the
   sandbox's uid (world-readable), which ``self_test`` checks.
 * When the broker runs as root: each sandbox runs as its own host uid (``setpriv``, an argv
   prefix rather than a ``preexec_fn``, because the broker's Ray actor has threads), so
   RLIMIT_NPROC and file ownership are per sandbox. Not root: the broker's uid.
 * Per-sandbox cgroup (v2, else v1 memory + pids) with ``memory_mb`` and ``pids``; the OOM-kill
   counter lets the client report "oom". Without usable cgroups: RLIMIT_AS per exec and
-  RLIMIT_NPROC on the agent (counted per user namespace, hence per sandbox).
+  RLIMIT_NPROC on the guest (counted per user namespace, hence per sandbox).
   ``SandboxInfo.enforcement`` records which. On this project's dev host (Debian 12, root,
   cgroup v1 memory + pids mounted, a v2 hierarchy without controllers) that is cgroup v1.
 """
@@ -44,11 +44,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollmesh.sandbox.agent_client import START_TIMEOUT_S, AgentSandbox
+from rollmesh.moved_names import forward_moved_names
 from rollmesh.sandbox.backend_check import check_backend
 from rollmesh.sandbox.bwrap_mounts import host_root_args, image_root_args, shown_in_image
 from rollmesh.sandbox.egress import EGRESS_SOCKET, EgressForwarder
 from rollmesh.sandbox.errors import BackendFailedError, BackendUnavailableError, SandboxError
+from rollmesh.sandbox.guest_client import START_TIMEOUT_S, GuestSandbox
 from rollmesh.sandbox.host_python import HostPython, host_python
 from rollmesh.sandbox.images import SandboxImage
 from rollmesh.sandbox.limits import (
@@ -61,12 +62,12 @@ from rollmesh.sandbox.limits import (
 )
 from rollmesh.sandbox.python_env import ENV_MOUNT
 from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
-from rollmesh.sandbox.tool_paths import AGENT_DIR, AGENT_ENV, AGENT_FILES, SANDBOX_PATH, SYSTEM_PYTHON, TOOLS_DIR
+from rollmesh.sandbox.tool_paths import GUEST_DIR, GUEST_ENV, GUEST_FILES, SANDBOX_PATH, SYSTEM_PYTHON, TOOLS_DIR
 
 if TYPE_CHECKING:
     from rollmesh.sandbox.supervisor_client import SupervisorClient
 
-AGENT_MOUNT = "/.rollmesh"
+GUEST_MOUNT = "/.rollmesh"
 WORKSPACE = "/workspace"
 SHM_MB = 64
 
@@ -115,7 +116,7 @@ class BwrapBackend:
     # ---- create ------------------------------------------------------------------------------
 
     async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False,
-                     profile: str = "default") -> AgentSandbox:
+                     profile: str = "default") -> GuestSandbox:
         image = self.images.get(profile)
         uid = self.uids.acquire() if self.uids is not None else None
         cgroup: SandboxCgroup | None = None
@@ -147,7 +148,7 @@ class BwrapBackend:
                              "oom_kills": cgroup.oom_kills if cgroup is not None else None}
             if self.supervisor is not None:
                 options = self.supervisor.launch_options(info, cgroup=cgroup, uid=uid, egress=egress, **options)
-            sandbox = await AgentSandbox.launch(
+            sandbox = await GuestSandbox.launch(
                 info, argv, env={"PATH": SANDBOX_PATH}, pass_fds=data_fds, start_timeout_s=self.start_timeout_s,
                 **options)
         finally:
@@ -157,7 +158,7 @@ class BwrapBackend:
 
     def build_argv(self, limits: SandboxLimits, *, network: bool, uid: int, cgroup: SandboxCgroup | None,
                    image: SandboxImage | None = None, egress_socket: str | None = None) -> tuple[list[str], list[int]]:
-        """The full command line (cgroup join, uid switch, bwrap, agent) and the fds it reads
+        """The full command line (cgroup join, uid switch, bwrap, guest) and the fds it reads
         synthesized files from (the caller closes them once the sandbox started). ``image``: the
         profile's (None: the host's minimal view, no environment)."""
         fds: list[int] = []
@@ -179,9 +180,9 @@ class BwrapBackend:
         args = [self.bwrap, "--unshare-all"]
         if network:
             args.append("--share-net")
-        # --as-pid-1: the agent is the namespace's init, so no bwrap process inside holds the
+        # --as-pid-1: the guest is the namespace's init, so no bwrap process inside holds the
         # host's pipes where code in the sandbox (same uid) could ptrace it, signals from inside
-        # cannot kill the agent, and when it dies everything in the sandbox dies with it.
+        # cannot kill the guest, and when it dies everything in the sandbox dies with it.
         args += ["--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
         image_root = image is not None and image.root_dir is not None
         if image_root:
@@ -198,9 +199,9 @@ class BwrapBackend:
                  "--size", str(min(SHM_MB, limits.workspace_mb) * 1024 * 1024), "--tmpfs", "/dev/shm",
                  "--size", workspace_bytes, "--perms", "1777", "--tmpfs", "/tmp",
                  "--size", workspace_bytes, "--perms", "0755", "--tmpfs", WORKSPACE]
-        args += ["--perms", "0755", "--dir", AGENT_MOUNT]
-        for name in AGENT_FILES:
-            args += ["--ro-bind", str(AGENT_DIR / name), f"{AGENT_MOUNT}/{name}"]
+        args += ["--perms", "0755", "--dir", GUEST_MOUNT]
+        for name in GUEST_FILES:
+            args += ["--ro-bind", str(GUEST_DIR / name), f"{GUEST_MOUNT}/{name}"]
         python = [self.python]
         if image_root:
             assert self.host_python is not None
@@ -216,7 +217,7 @@ class BwrapBackend:
         for path in self._image_paths[image.profile] if image_root else self.readonly_paths:  # type: ignore[union-attr]
             args += ["--ro-bind-try", path, path]
         args += ["--remount-ro", "/", "--remount-ro", "/dev", "--chdir", WORKSPACE, "--clearenv"]
-        for key, value in AGENT_ENV.items():
+        for key, value in GUEST_ENV.items():
             args += ["--setenv", key, value]
         args += ["--setenv", "HOME", WORKSPACE]
         config = {
@@ -230,7 +231,7 @@ class BwrapBackend:
             "nproc": limits.pids,
             "child_oom_score_adj": 1000,
         }
-        args += ["--", *python, "-I", "-S", f"{AGENT_MOUNT}/agent.py", json.dumps(config)]
+        args += ["--", *python, "-I", "-S", f"{GUEST_MOUNT}/guest.py", json.dumps(config)]
         return prefix + args, fds
 
     def enforcement(self, limits: SandboxLimits, *, network: bool, cgroup: SandboxCgroup | None,
@@ -277,3 +278,9 @@ def _passwd(uid: int) -> str:
 
 def _group(uid: int) -> str:
     return f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n"
+
+
+# Deprecated name (issue 24: the guest was "agent"), removed in the next release.
+__getattr__ = forward_moved_names(__name__, {
+    "AGENT_MOUNT": "rollmesh.sandbox.bwrap_backend:GUEST_MOUNT",
+})

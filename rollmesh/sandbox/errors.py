@@ -7,10 +7,10 @@ the boundary with ``raise X(...) from exc``::
     SandboxError                   backend
     +-- BackendUnavailableError    this backend cannot run on this host (reason)
     +-- BackendFailedError         the backend could not run one command (reason, argv0,
-    |                              stderr_tail: what the agent, bwrap or runsc said last):
+    |                              stderr_tail: what the guest, bwrap or runsc said last):
     |                              the sandbox failed, not the tool, so it is an infra failure
     +-- ToolNotFoundError          no tool script of that name ships with rollmesh (tool)
-    +-- SandboxDiedError           the sandbox's agent is gone (sandbox_id, reason): infra
+    +-- SandboxDiedError           the sandbox's guest is gone (sandbox_id, reason): infra
     +-- WorkspacePathError         a path that is absolute or leaves the workspace (path)
     +-- UnsafeArchiveError         a tar member that would land outside the workspace (member)
     +-- TransferError              a file could not be stored or read (path, reason)

@@ -1,11 +1,11 @@
 """The host's Python, shown read-only at a private path inside a sandbox whose root is an image,
-so the stdlib-only agent runs whatever the root holds (a minimal Debian has no Python at all).
+so the stdlib-only guest runs whatever the root holds (a minimal Debian has no Python at all).
 
 Knows ELF loading as ``ldd`` reports it and the interpreter's own sysconfig; nothing of bwrap or
 sandboxes. Inside, the interpreter is started through the host's dynamic loader with
 ``--library-path`` (``ld.so --library-path /.rollmesh/python/lib python3 ...``): its libraries
 come from the private directory while the root's own ``/lib`` stays what the root's tools see,
-and no ``LD_LIBRARY_PATH`` leaks into the commands the agent starts. ``ldd`` (glibc's) is used
+and no ``LD_LIBRARY_PATH`` leaks into the commands the guest starts. ``ldd`` (glibc's) is used
 rather than an ELF parser of our own: it is how glibc itself resolves what the loader will load.
 """
 

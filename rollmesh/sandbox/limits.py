@@ -1,8 +1,8 @@
 """How a sandbox's resources are bounded on the host: per-sandbox cgroups (v2 or v1 memory +
-pids), a dedicated host uid per sandbox, and the rlimits the agent applies where cgroups are
+pids), a dedicated host uid per sandbox, and the rlimits the guest applies where cgroups are
 missing.
 
-Knows /sys/fs/cgroup, /proc and file locks; nothing of bubblewrap or the agent's protocol.
+Knows /sys/fs/cgroup, /proc and file locks; nothing of bubblewrap or the guest's protocol.
 
 Cgroups are made below the cgroup the broker itself is in (so the broker's own limits still
 cover them), one directory per sandbox, and the sandbox's first process joins them itself
@@ -27,7 +27,7 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 GROUP_DIR = "rollmesh-sandboxes"
 # The sandbox's first process runs this, as root, before it becomes the sandbox: it moves itself
-# into each cgroup.procs named before "--", lowers its OOM score (so the agent outlives the
+# into each cgroup.procs named before "--", lowers its OOM score (so the guest outlives the
 # commands it runs when memory runs out), then execs the rest.
 JOIN_SCRIPT = (
     'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
@@ -313,7 +313,7 @@ class UidPool:
 
 
 def exec_rlimits(*, cpu_s: int, file_size_mb: int, memory_mb: int | None) -> dict[str, int | None]:
-    """The per-exec rlimits the agent sets in each command it starts; ``memory_mb`` only where
+    """The per-exec rlimits the guest sets in each command it starts; ``memory_mb`` only where
     no cgroup bounds memory (RLIMIT_AS counts address space, a crude stand-in)."""
     return {
         "cpu": cpu_s,

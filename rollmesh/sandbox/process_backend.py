@@ -1,7 +1,7 @@
-"""The bare process backend: the agent as a plain subprocess, its workspace a host temp
+"""The bare process backend: the guest as a plain subprocess, its workspace a host temp
 directory. Development only.
 
-Knows the agent's config and structlog; nothing of leases. It keeps the per-exec limits (time,
+Knows the guest's config and structlog; nothing of leases. It keeps the per-exec limits (time,
 output, RLIMIT_CPU / FSIZE / AS, a clean environment) and the workspace path checks, but
 isolates NOTHING: tool code can read and write anything the broker can, signal the broker's
 processes and use the network; there is no workspace quota and no process limit.
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from rollmesh.sandbox.agent_client import START_TIMEOUT_S, AgentSandbox
+from rollmesh.sandbox.guest_client import START_TIMEOUT_S, GuestSandbox
 from rollmesh.sandbox.limits import exec_rlimits
 from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
-from rollmesh.sandbox.tool_paths import AGENT_DIR, AGENT_ENV, SANDBOX_PATH, python_for_sandbox
+from rollmesh.sandbox.tool_paths import GUEST_DIR, GUEST_ENV, SANDBOX_PATH, python_for_sandbox
 
 if TYPE_CHECKING:
     from rollmesh.sandbox.supervisor_client import SupervisorClient
@@ -53,7 +53,7 @@ class ProcessBackend:
         log.warning("process sandbox backend isolates NOTHING: development only", backend=self.name)
 
     async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False,
-                     profile: str = "default") -> AgentSandbox:
+                     profile: str = "default") -> GuestSandbox:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", sandbox_id)[:64]
         if self.root_dir is not None:
             os.makedirs(self.root_dir, exist_ok=True)
@@ -72,11 +72,11 @@ class ProcessBackend:
         }
         info = SandboxInfo(sandbox_id=sandbox_id, backend=self.name, isolated=False, limits=limits,
                            enforcement=dict(ENFORCEMENT))
-        argv = [python_for_sandbox(), "-I", "-S", str(AGENT_DIR / "agent.py"), json.dumps(config)]
+        argv = [python_for_sandbox(), "-I", "-S", str(GUEST_DIR / "guest.py"), json.dumps(config)]
         options: dict = {"cleanup": lambda: remove_tree(home), "graceful_exit_s": 1.0}
         if self.supervisor is not None:
             options = self.supervisor.launch_options(info, kill_tree=None, oom_kills=None, home=home, **options)
-        return await AgentSandbox.launch(info, argv, env=dict(AGENT_ENV), cwd=workspace,
+        return await GuestSandbox.launch(info, argv, env=dict(GUEST_ENV), cwd=workspace,
                                          start_timeout_s=self.start_timeout_s, **options)
 
     def self_test(self) -> None:

@@ -1,4 +1,4 @@
-"""The gVisor backend: one ``runsc run`` per sandbox (an OCI bundle), whose process is the agent.
+"""The gVisor backend: one ``runsc run`` per sandbox (an OCI bundle), whose process is the guest.
 
 Knows runsc's command line and the OCI runtime spec; nothing of leases. Tool code talks to
 gVisor's user-space kernel, never to the host's. What a sandbox gets:
@@ -6,10 +6,10 @@ gVisor's user-space kernel, never to the host's. What a sandbox gets:
 * ``--network=none`` (only loopback) unless the lease asks for network (``--network=sandbox``).
 * A read-only root made once per backend: empty mount points, the merged-usr links, a few
   ``/etc`` files (copied, plus a synthesized passwd/group/hosts); ``/usr`` bound read-only, the
-  tool scripts and ``readonly_paths`` bound read-only at their host paths, the agent's files at
+  tool scripts and ``readonly_paths`` bound read-only at their host paths, the guest's files at
   ``/.rollmesh``; ``/workspace`` and ``/tmp`` are gVisor tmpfs of ``workspace_mb`` each.
 * uid/gid 1000 inside, no capabilities, ``noNewPrivileges``.
-* Each exec gets RLIMIT_AS of ``memory_mb`` (lent by the agent, so exec stays on its fast
+* Each exec gets RLIMIT_AS of ``memory_mb`` (lent by the guest, so exec stays on its fast
   path), so a runaway command fails alone. A host cgroup (the spec's ``cgroupsPath``) bounds the
   whole sandbox (sentry and gofer included) at ``memory_mb`` + 128 MiB: past it the host kills
   the sandbox, which the client reports as died. gVisor's ptrace platform needs host threads
@@ -34,14 +34,15 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollmesh.sandbox.agent_client import START_TIMEOUT_S, AgentSandbox
+from rollmesh.moved_names import forward_moved_names
 from rollmesh.sandbox.backend_check import check_backend
 from rollmesh.sandbox.errors import BackendFailedError, BackendUnavailableError
+from rollmesh.sandbox.guest_client import START_TIMEOUT_S, GuestSandbox
 from rollmesh.sandbox.limits import exec_rlimits, remove_if_empty
 from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
-from rollmesh.sandbox.tool_paths import AGENT_DIR, AGENT_ENV, AGENT_FILES, SANDBOX_PATH, SYSTEM_PYTHON, TOOLS_DIR
+from rollmesh.sandbox.tool_paths import GUEST_DIR, GUEST_ENV, GUEST_FILES, SANDBOX_PATH, SYSTEM_PYTHON, TOOLS_DIR
 
-AGENT_MOUNT = "/.rollmesh"
+GUEST_MOUNT = "/.rollmesh"
 WORKSPACE = "/workspace"
 SANDBOX_UID = 1000
 ETC_COPIES = ("ld.so.cache", "nsswitch.conf", "localtime")
@@ -73,7 +74,7 @@ class RunscBackend:
         self.state = self.home / "state"
         self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.rootfs = self.home / "rootfs"
-        _make_rootfs(self.rootfs, [*self.readonly_paths, AGENT_MOUNT])
+        _make_rootfs(self.rootfs, [*self.readonly_paths, GUEST_MOUNT])
         # Sandbox cgroups go below the broker's own memory cgroup. runsc makes cgroupsPath in
         # every hierarchy, parents included, and removes only the leaf: the parents that do not
         # exist now are removed again once the last sandbox in them is gone.
@@ -81,7 +82,7 @@ class RunscBackend:
         self._cgroup_parents = _missing_cgroup_dirs(self._cgroup_base)
 
     async def create(self, sandbox_id: str, limits: SandboxLimits, *, network: bool = False,
-                     profile: str = "default") -> AgentSandbox:
+                     profile: str = "default") -> GuestSandbox:
         container = f"rollmesh-{re.sub(r'[^A-Za-z0-9_.-]', '_', sandbox_id)[:48]}-{uuid.uuid4().hex[:8]}"
         bundle = self.home / "bundles" / container
         bundle.mkdir(parents=True)
@@ -107,7 +108,7 @@ class RunscBackend:
             for directory in [*_missing_cgroup_dirs(cgroup_path, existing=True), *self._cgroup_parents]:
                 remove_if_empty(directory)  # refused while another sandbox is still in it
 
-        return await AgentSandbox.launch(
+        return await GuestSandbox.launch(
             info, argv, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, kill_tree=kill_tree, cleanup=cleanup,
             oom_kills=oom_kills if memory_dir.parent.parent.exists() else None,
             start_timeout_s=self.start_timeout_s,
@@ -123,9 +124,9 @@ class RunscBackend:
             {"destination": WORKSPACE, "type": "tmpfs", "source": "tmpfs", "options": [size, "mode=755", f"uid={SANDBOX_UID}", f"gid={SANDBOX_UID}"]},
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": [size, "mode=1777"]},
         ]
-        for name in AGENT_FILES:
-            mounts.append({"destination": f"{AGENT_MOUNT}/{name}", "type": "bind",
-                           "source": str(AGENT_DIR / name), "options": ["bind", "ro"]})
+        for name in GUEST_FILES:
+            mounts.append({"destination": f"{GUEST_MOUNT}/{name}", "type": "bind",
+                           "source": str(GUEST_DIR / name), "options": ["bind", "ro"]})
         for path in self.readonly_paths:
             if os.path.exists(path):
                 mounts.append({"destination": path, "type": "bind", "source": path, "options": ["rbind", "ro"]})
@@ -144,8 +145,8 @@ class RunscBackend:
             "process": {
                 "terminal": False,
                 "user": {"uid": SANDBOX_UID, "gid": SANDBOX_UID},
-                "args": [self.python, "-I", "-S", f"{AGENT_MOUNT}/agent.py", json.dumps(config)],
-                "env": [*(f"{k}={v}" for k, v in AGENT_ENV.items()), f"HOME={WORKSPACE}"],
+                "args": [self.python, "-I", "-S", f"{GUEST_MOUNT}/guest.py", json.dumps(config)],
+                "env": [*(f"{k}={v}" for k, v in GUEST_ENV.items()), f"HOME={WORKSPACE}"],
                 "cwd": WORKSPACE,
                 "capabilities": {},
                 "noNewPrivileges": True,
@@ -187,7 +188,7 @@ class RunscBackend:
 
 def _make_rootfs(rootfs: Path, mount_points: Sequence[str]) -> None:
     """The read-only root every sandbox of this backend shares."""
-    for directory in ("usr", "proc", "dev", "tmp", "etc", WORKSPACE.lstrip("/"), AGENT_MOUNT.lstrip("/")):
+    for directory in ("usr", "proc", "dev", "tmp", "etc", WORKSPACE.lstrip("/"), GUEST_MOUNT.lstrip("/")):
         (rootfs / directory).mkdir(parents=True, exist_ok=True)
     for link in ("bin", "lib", "lib64", "sbin"):
         host = Path("/") / link
@@ -195,8 +196,8 @@ def _make_rootfs(rootfs: Path, mount_points: Sequence[str]) -> None:
             (rootfs / link).symlink_to(os.readlink(host))
     for path in mount_points:
         (rootfs / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
-    for name in AGENT_FILES:
-        (rootfs / AGENT_MOUNT.lstrip("/") / name).touch()
+    for name in GUEST_FILES:
+        (rootfs / GUEST_MOUNT.lstrip("/") / name).touch()
     for name in ETC_COPIES:
         source = Path("/etc") / name
         if source.exists():
@@ -234,3 +235,9 @@ def _own_cgroup(controller: str) -> str:
         if controller in controllers.split(","):
             return path
     return "/"
+
+
+# Deprecated name (issue 24: the guest was "agent"), removed in the next release.
+__getattr__ = forward_moved_names(__name__, {
+    "AGENT_MOUNT": "rollmesh.sandbox.runsc_backend:GUEST_MOUNT",
+})

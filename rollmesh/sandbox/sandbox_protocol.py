@@ -1,13 +1,13 @@
 """The seam between the sandbox broker and the sandbox runtimes: what a backend creates (a live
-``Sandbox`` with a persistent agent inside) and what each operation returns.
+``Sandbox`` with a persistent guest inside) and what each operation returns.
 
 Knows the standard library only; nothing of leases, messages, NATS or Ray. The broker decides
 what a result means for a lease or a rollout; a backend only reports what happened.
 
 A sandbox lives from ``create`` to ``destroy``: one long-lived isolated process tree (for
-bubblewrap: one ``bwrap`` whose command is the agent, ``agent.py``) whose workspace is private to
-it. Exec, upload and download talk to that agent over pipes, so no call pays a process and
-namespace start. A sandbox that died (its agent is gone) raises ``SandboxDiedError`` on every
+bubblewrap: one ``bwrap`` whose command is the guest, ``guest.py``) whose workspace is private to
+it. Exec, upload and download talk to that guest over pipes, so no call pays a process and
+namespace start. A sandbox that died (its guest is gone) raises ``SandboxDiedError`` on every
 later call.
 """
 
@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 # How one exec ended. "exit": the command exited by itself (any code). "timeout": it ran past
 # its wall-clock limit and was killed. "oom": the memory limit killed it. "signal": a signal
 # ended it (exit_code None, signal N). "output_truncated": its output passed the cap and it was
-# killed. "sandbox_died": the sandbox (agent) died under it. "infra_error": the runtime failed
+# killed. "sandbox_died": the sandbox (guest) died under it. "infra_error": the runtime failed
 # to run it at all (the command's fault is never reported as this).
 ExecResultKind = Literal[
     "exit", "timeout", "oom", "signal", "output_truncated", "sandbox_died", "infra_error"

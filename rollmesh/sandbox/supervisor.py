@@ -1,16 +1,17 @@
 """The per-node sandbox supervisor: holds the sandboxes' processes so they outlive a broker crash.
 
 Like a container runtime's shim: a small process started detached from the broker (its own
-session), which spawns each sandbox's agent (``bwrap ... agent.py`` or a bare ``agent.py``),
-keeps its pipes open and relays frames between the agent and whichever broker is attached, and
+session), which spawns each sandbox's guest (``bwrap ... guest.py`` or a bare ``guest.py``),
+keeps its pipes open and relays frames between the guest and whichever broker is attached, and
 serves the egress forwarder of a sandbox whose profile has ``network_allow`` (``egress``), so
-the allowlist outlives the broker too. It never runs tool code itself and never decides anything about leases; the broker tells it what to
-spawn and when to kill, and keeps the cleanup of cgroups, uids and directories itself (it hands
-its uid lock here so the uid stays taken while no broker lives).
+the allowlist outlives the broker too. It never runs tool code itself and never decides anything
+about leases; the broker tells it what to spawn and when to kill, and keeps the cleanup of
+cgroups, uids and directories itself (it hands its uid lock here so the uid stays taken while no
+broker lives).
 
 Standard library only (run as a script: ``python supervisor.py --run-dir D``). Listens on
 ``D/sandbox-supervisor.<host>.sock`` (mode 0600); each connection starts with one request frame
-(``agent_wire``'s): spawn, attach, list, destroy or status. After a spawn or an attach it
+(``guest_wire``'s): spawn, attach, list, destroy or status. After a spawn or an attach it
 carries the sandbox's frames (``supervisor_relay``: frame-aligned, ids rewritten, an exec with a
 ``key`` kept ``--keep-s`` after it ended so the same key attaches to it instead of running it
 twice). It exits once it holds no sandbox and no client was connected for ``--idle-exit-s``, and
@@ -196,8 +197,8 @@ class Supervisor:
             return
         send_frame(sock, {"t": "attached", "pid": held.process.pid, "record": held.record,
                           "exit_code": held.exit_code}, fds=[held.stderr_fd, *held.keep_fds])
-        if held.exit_code is not None or held.agent_eof:
-            sock.close()  # the broker sees its agent gone at once
+        if held.exit_code is not None or held.guest_eof:
+            sock.close()  # the broker sees its guest gone at once
             return
         self._relay(held, sock, hello={"t": "ready", "pid": held.process.pid, "attached": True})
 
@@ -211,7 +212,7 @@ class Supervisor:
         held = self.held.get(sandbox_id)
         if held is None:
             return None
-        held.close_stdin()  # the agent kills its commands and exits
+        held.close_stdin()  # the guest kills its commands and exits
         try:
             await asyncio.wait_for(held.exited.wait(), graceful_s)
         except TimeoutError:

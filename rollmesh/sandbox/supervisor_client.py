@@ -1,11 +1,11 @@
 """The broker's end of the sandbox supervisor: starts it (or finds it running) for the run dir,
 spawns sandboxes through it, re-adopts them after a broker restart, and destroys them.
 
-Knows the supervisor's protocol (``supervisor_wire``), ``AgentSandbox`` and what a backend needs
+Knows the supervisor's protocol (``supervisor_wire``), ``GuestSandbox`` and what a backend needs
 to clean up after a sandbox (cgroup, uid, directory: the ``record`` it is spawned with); nothing
-of leases or the bus. A sandbox spawned here is an ``AgentSandbox`` whose "process" is a
-connection to the supervisor (``SupervisedProcess``): the agent's frames travel over it, its
-stderr is the agent's own pipe (passed over the socket), its exit is seen through a pidfd.
+of leases or the bus. A sandbox spawned here is a ``GuestSandbox`` whose "process" is a
+connection to the supervisor (``SupervisedProcess``): the guest's frames travel over it, its
+stderr is the guest's own pipe (passed over the socket), its exit is seen through a pidfd.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 import structlog
 
-from rollmesh.sandbox.agent_client import AgentSandbox
 from rollmesh.sandbox.egress import EgressForwarder, remove_socket_dir
+from rollmesh.sandbox.guest_client import GuestSandbox
 from rollmesh.sandbox.limits import SandboxCgroup, UidLease
 from rollmesh.sandbox.process_backend import remove_tree
 from rollmesh.sandbox.sandbox_protocol import SandboxInfo, SandboxLimits
@@ -97,7 +97,7 @@ class SupervisorClient:
         return [entry for entry in reply["sandboxes"] if entry["record"].get("broker") == self.broker]
 
     def destroy(self, sandbox_id: str, graceful_s: float = 0.0) -> int | None:
-        """End the sandbox's agent and forget it; None when it is not held (a supervisor that is
+        """End the sandbox's guest and forget it; None when it is not held (a supervisor that is
         gone took its sandboxes with it)."""
         try:
             reply, _fds, sock = self.request({"op": "destroy", "sandbox_id": sandbox_id, "graceful_s": graceful_s},
@@ -108,7 +108,7 @@ class SupervisorClient:
         return reply.get("exit_code")
 
     def status(self, sandbox_id: str) -> tuple[bool, int | None]:
-        """Whether the supervisor holds the sandbox, and its agent's exit code once it exited."""
+        """Whether the supervisor holds the sandbox, and its guest's exit code once it exited."""
         try:
             reply, _fds, sock = self.request({"op": "status", "sandbox_id": sandbox_id}, start=False)
         except (FileNotFoundError, ConnectionRefusedError):
@@ -170,10 +170,10 @@ class SupervisorClient:
                        cgroup: SandboxCgroup | None = None, uid: UidLease | None = None,
                        home: str | None = None, graceful_exit_s: float = 0.0,
                        egress: EgressForwarder | None = None) -> dict[str, Any]:
-        """``AgentSandbox.launch`` options for a sandbox spawned by the supervisor, which gets
+        """``GuestSandbox.launch`` options for a sandbox spawned by the supervisor, which gets
         ``info`` and the cleanup facts as its record (so a restarted broker can re-adopt it),
         holds the uid's lock and serves the egress forwarder's socket (``egress``: listening,
-        not served here). Destroying it asks the supervisor to end the agent first."""
+        not served here). Destroying it asks the supervisor to end the guest first."""
         record = record_of(self.broker, info, cgroup=cgroup, uid=uid, home=home)
         record["graceful_exit_s"] = graceful_exit_s
         spawned: dict[str, SupervisedProcess] = {}
@@ -226,8 +226,8 @@ class SupervisorClient:
 
         return kill
 
-    async def adopt(self, entry: dict) -> AgentSandbox:
-        """The live ``AgentSandbox`` of a sandbox a previous broker spawned (an entry of ``held``)."""
+    async def adopt(self, entry: dict) -> GuestSandbox:
+        """The live ``GuestSandbox`` of a sandbox a previous broker spawned (an entry of ``held``)."""
         record, sandbox_id = entry["record"], entry["sandbox_id"]
         info = info_of(sandbox_id, record)
         got: dict[str, Any] = {}
@@ -260,7 +260,7 @@ class SupervisorClient:
             if record.get("egress"):
                 remove_socket_dir(record["egress"]["dir"])
 
-        sandbox = await AgentSandbox.launch(
+        sandbox = await GuestSandbox.launch(
             info, [f"adopted:{sandbox_id}"], env={}, spawn=attach, start_timeout_s=10.0,
             kill_tree=self._killer(sandbox_id, got, cgroup.kill_all if cgroup is not None else None,
                                    float(record.get("graceful_exit_s") or 0.0)),
@@ -271,8 +271,8 @@ class SupervisorClient:
 
 
 class SupervisedProcess:
-    """What ``AgentPipes`` needs of a ``subprocess.Popen``, for an agent the supervisor holds:
-    stdin and stdout are the relay socket, stderr is the agent's stderr pipe."""
+    """What ``GuestPipes`` needs of a ``subprocess.Popen``, for a guest the supervisor holds:
+    stdin and stdout are the relay socket, stderr is the guest's stderr pipe."""
 
     def __init__(self, client: SupervisorClient, sandbox_id: str, sock: socket.socket, stderr_fd: int,
                  pid: int, *, returncode: int | None = None) -> None:
@@ -282,7 +282,7 @@ class SupervisedProcess:
         self.returncode = returncode
         tune(sock)
         fd = sock.detach()
-        self.stdin = open(os.dup(fd), "wb", buffering=0)  # noqa: SIM115 - closed by AgentSandbox
+        self.stdin = open(os.dup(fd), "wb", buffering=0)  # noqa: SIM115 - closed by GuestSandbox
         self.stdout = open(fd, "rb", buffering=0)  # noqa: SIM115
         self.stderr = open(stderr_fd, "rb", buffering=0)  # noqa: SIM115
         try:
@@ -294,7 +294,7 @@ class SupervisedProcess:
         if self.returncode is None and self._exited():
             try:
                 known, code = self._client.status(self.sandbox_id)
-            except OSError:  # never raised from here: AgentPipes polls while it marks a death
+            except OSError:  # never raised from here: GuestPipes polls while it marks a death
                 known, code = False, None
             if code is not None or not known:
                 self.ended(code if code is not None else 255)

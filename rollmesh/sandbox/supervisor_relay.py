@@ -1,19 +1,19 @@
-"""One held sandbox in the supervisor: its agent's pipes, the brokers attached to it, and the
+"""One held sandbox in the supervisor: its guest's pipes, the brokers attached to it, and the
 frames relayed between them.
 
-Standard library only (run by ``supervisor.py`` as a script, next to ``agent_wire``). The relay
-is plain non-blocking fds on the event loop with ``agent_wire``'s reader and writer, as the
-broker's own end (``agent_pipes``) is: a tool call pays two more hops here, so no asyncio
+Standard library only (run by ``supervisor.py`` as a script, next to ``guest_wire``). The relay
+is plain non-blocking fds on the event loop with ``guest_wire``'s reader and writer, as the
+broker's own end (``guest_pipes``) is: a tool call pays two more hops here, so no asyncio
 streams or threads. It stays frame-aligned in both directions (a broker killed mid-frame leaves
-a half frame in its socket, never in the agent's pipe) and rewrites request ids, since each
+a half frame in its socket, never in the guest's pipe) and rewrites request ids, since each
 broker connection numbers its own from 1. A large frame from a broker (an upload's piece) whose
-payload is all in the socket's receive queue already is moved into the agent's pipe with
+payload is all in the socket's receive queue already is moved into the guest's pipe with
 ``splice`` (``SplicePayload``), never through user space; one not all there yet is read and
-copied as any other, so the agent's pipe never gets a frame its broker could leave unfinished.
+copied as any other, so the guest's pipe never gets a frame its broker could leave unfinished.
 An exec sent with ``key`` (the broker's ``exec_id``) keeps all its frames until ``keep_s``
 after it ended: the same key sent again attaches to it (what it said so far is replayed)
-instead of running the command twice. Backpressure: a full agent pipe pauses reading from the
-brokers; a full broker socket pauses reading the agent.
+instead of running the command twice. Backpressure: a full guest pipe pauses reading from the
+brokers; a full broker socket pauses reading the guest.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ import subprocess
 import time
 
 if __package__:
-    from rollmesh.sandbox import agent_wire as wire
+    from rollmesh.sandbox import guest_wire as wire
     from rollmesh.sandbox import supervisor_splice as splicing
 else:  # run as a script: its own directory is on sys.path
-    import agent_wire as wire  # type: ignore[no-redef]
+    import guest_wire as wire  # type: ignore[no-redef]
     import supervisor_splice as splicing  # type: ignore[no-redef]
 
 SPLICE_AT, SplicePayload, SpliceWriter = splicing.SPLICE_AT, splicing.SplicePayload, splicing.SpliceWriter
 queued_bytes, splice_usable = splicing.queued_bytes, splicing.splice_usable
 
-TERMINAL = ("done", "ok", "error")  # an agent answer that ends its request
+TERMINAL = ("done", "ok", "error")  # a guest answer that ends its request
 UPLOADS = ("put_file", "put_tar")
 MAX_PAYLOAD = wire.CHUNK + 64 * 1024
 HIGH_WATER = 8 * 1024 * 1024  # bytes queued for one peer before the other side is paused
@@ -51,9 +51,9 @@ class Conn:
         self.fd = sock.fileno()
         self.reader = wire.FrameReader(MAX_PAYLOAD)
         self.writer = wire.FrameWriter(self.fd)
-        self.ids: dict[int, int] = {}  # this broker's request id -> the agent's
+        self.ids: dict[int, int] = {}  # this broker's request id -> the guest's
         self.alive = True
-        self.closing = False  # close once what is queued is written (the agent is gone)
+        self.closing = False  # close once what is queued is written (the guest is gone)
         self.splicing: SplicePayload | None = None  # its next bytes are that payload's: not read
         self._close_after_splice = False
         self._loop = asyncio.get_running_loop()
@@ -111,7 +111,7 @@ class Conn:
         queued = queued_bytes(self.fd)
         head_len = wire.PREFIX.size + header_len
         if queued < head_len + payload_len:
-            return None  # not all there: copied as it comes, so no half frame can reach the agent
+            return None  # not all there: copied as it comes, so no half frame can reach the guest
         head = self.sock.recv(head_len)
         if len(head) != head_len:  # cannot be (it was queued); the stream is not to be trusted
             raise wire.WireError("a queued frame header came short")
@@ -126,7 +126,7 @@ class Conn:
         return header, self.splicing
 
     def abandon(self) -> None:
-        """Its payload will never be spliced (the agent is gone): the connection ends."""
+        """Its payload will never be spliced (the guest is gone): the connection ends."""
         self.splicing = None
         if self.alive:
             self.close()
@@ -168,7 +168,7 @@ class Conn:
 
 
 class Kept:
-    """A keyed exec: every frame the agent sent for it, until ``keep_s`` after it ended."""
+    """A keyed exec: every frame the guest sent for it, until ``keep_s`` after it ended."""
 
     def __init__(self, aid: int) -> None:
         self.aid = aid
@@ -177,7 +177,7 @@ class Kept:
 
 
 class Held:
-    """A sandbox's agent process and everything relayed to and from it."""
+    """A sandbox's guest process and everything relayed to and from it."""
 
     def __init__(self, sandbox_id: str, record: dict, process: subprocess.Popen, stderr_fd: int,
                  keep_fds: list[int]) -> None:
@@ -198,40 +198,40 @@ class Held:
         self.reader = wire.FrameReader(MAX_PAYLOAD)
         self.writer = SpliceWriter(self.in_fd)
         self.conns: set[Conn] = set()
-        self.routes: dict[int, list[tuple[Conn, int]]] = {}  # the agent's id -> who waits for it
+        self.routes: dict[int, list[tuple[Conn, int]]] = {}  # the guest's id -> who waits for it
         self.keyed: dict[str, Kept] = {}
         self.kept: dict[int, Kept] = {}
-        self.uploads: set[int] = set()  # the agent's ids of uploads whose last chunk is not sent
-        self.pressing: set[Conn] = set()  # connections whose queues pause the agent's reading
+        self.uploads: set[int] = set()  # the guest's ids of uploads whose last chunk is not sent
+        self.pressing: set[Conn] = set()  # connections whose queues pause the guest's reading
         self.hello: dict | None = None
         self.exit_code: int | None = None
         self.exited = asyncio.Event()
         self.stdin_closed = False
-        self.agent_eof = False  # its stdout ended: the agent is gone (its exit code may lag)
+        self.guest_eof = False  # its stdout ended: the guest is gone (its exit code may lag)
         self._next_aid = 1
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self.out_fd, self._agent_readable)
+        self._loop.add_reader(self.out_fd, self._guest_readable)
         try:
             self._pidfd = os.pidfd_open(process.pid)
             self._loop.add_reader(self._pidfd, self._reap)
         except OSError:  # already gone: its stdout's end says so
             self._pidfd = -1
 
-    # -- the agent's side --------------------------------------------------------------------
+    # -- the guest's side --------------------------------------------------------------------
 
-    def _agent_readable(self) -> None:
+    def _guest_readable(self) -> None:
         try:
             frames = self.reader.read(self.out_fd)
         except BlockingIOError:
             return
         except (EOFError, wire.WireError, OSError):
-            self.agent_eof = True
+            self.guest_eof = True
             self._loop.remove_reader(self.out_fd)
             for conn in list(self.conns):  # each attached broker sees its sandbox gone
                 conn.close_when_flushed()
             return
         for header, payload in frames:
-            self.from_agent(header, payload)
+            self.from_guest(header, payload)
 
     def _reap(self) -> None:
         code = self.process.poll()
@@ -243,30 +243,30 @@ class Held:
         self.exit_code = code
         self.exited.set()
 
-    def to_agent(self, header: dict, payload: bytes | bytearray | memoryview | SplicePayload = b"") -> None:
+    def to_guest(self, header: dict, payload: bytes | bytearray | memoryview | SplicePayload = b"") -> None:
         if self.stdin_closed:
             if isinstance(payload, SplicePayload):
                 payload.discard()
             return
         self.writer.send(header, payload)
-        self._flush_agent()
+        self._flush_guest()
 
-    def _flush_agent(self) -> None:
+    def _flush_guest(self) -> None:
         try:
             done = self.writer.flush()
-        except OSError:  # the agent is gone; its stdout's end tells the brokers
+        except OSError:  # the guest is gone; its stdout's end tells the brokers
             self.close_stdin()
             return
         if done:
             self._loop.remove_writer(self.in_fd)
         else:
-            self._loop.add_writer(self.in_fd, self._flush_agent)
+            self._loop.add_writer(self.in_fd, self._flush_guest)
         paused = self.writer.pending > HIGH_WATER
         for conn in self.conns:
             conn.pause(paused)
 
     def close_stdin(self) -> None:
-        """The agent reads EOF: it kills its commands and exits (a destroy's first step)."""
+        """The guest reads EOF: it kills its commands and exits (a destroy's first step)."""
         if not self.stdin_closed:
             self.stdin_closed = True
             for item in self.writer.drop():  # a broker mid-splice: its stream cannot go on
@@ -278,22 +278,22 @@ class Held:
     def conn_pressure(self, conn: Conn, over: bool) -> None:
         was = bool(self.pressing)
         (self.pressing.add if over else self.pressing.discard)(conn)
-        if bool(self.pressing) != was and not self.agent_eof:
+        if bool(self.pressing) != was and not self.guest_eof:
             if self.pressing:
                 self._loop.remove_reader(self.out_fd)
             else:
-                self._loop.add_reader(self.out_fd, self._agent_readable)
+                self._loop.add_reader(self.out_fd, self._guest_readable)
 
     # -- routing -----------------------------------------------------------------------------
 
     def attach(self, conn: Conn, hello: dict | None) -> None:
         self.conns.add(conn)
-        hello = hello or self.hello  # a spawned agent's own hello, if it came before this
+        hello = hello or self.hello  # a spawned guest's own hello, if it came before this
         if hello is not None:
             conn.send(hello)
         conn.start()
 
-    def from_agent(self, header: dict, payload: bytes | bytearray) -> None:
+    def from_guest(self, header: dict, payload: bytes | bytearray) -> None:
         if header.get("t") == "ready":
             self.hello = header
             for conn in list(self.conns):
@@ -325,7 +325,7 @@ class Held:
                 if header.get("last"):
                     self.uploads.discard(aid)
                 header["id"] = aid
-                self.to_agent(header, payload)
+                self.to_guest(header, payload)
             elif isinstance(payload, SplicePayload):
                 payload.discard()
             return
@@ -333,7 +333,7 @@ class Held:
             target = conn.ids.get(header.get("target"))  # type: ignore[arg-type]
             if target is not None:
                 header["target"] = target
-                self.to_agent(header)
+                self.to_guest(header)
             if isinstance(payload, SplicePayload):
                 payload.discard()
             return
@@ -357,7 +357,7 @@ class Held:
         if op in UPLOADS and not header.get("last"):
             self.uploads.add(aid)
         header["id"] = aid
-        self.to_agent(header, payload)
+        self.to_guest(header, payload)
 
     def detach(self, conn: Conn) -> None:
         self.conns.discard(conn)
@@ -368,9 +368,9 @@ class Held:
                 self.routes[aid] = routes
             else:
                 self.routes.pop(aid, None)
-            if aid in self.uploads:  # an upload its broker will never finish: the agent drops it
+            if aid in self.uploads:  # an upload its broker will never finish: the guest drops it
                 self.uploads.discard(aid)
-                self.to_agent({"id": aid, "op": "chunk", "last": True, "abort": True})
+                self.to_guest({"id": aid, "op": "chunk", "last": True, "abort": True})
         conn.ids.clear()
 
     def expire(self, keep_s: float) -> None:
@@ -381,7 +381,7 @@ class Held:
                 self.kept.pop(kept.aid, None)
 
     def forget(self) -> None:
-        """After the agent exited: nothing of it stays registered or open."""
+        """After the guest exited: nothing of it stays registered or open."""
         for conn in list(self.conns):
             conn.close()
         self._loop.remove_reader(self.out_fd)

@@ -1,12 +1,12 @@
 """The supervisor relay's zero-copy path for large frames from a broker: the payload goes from
-the broker's socket into the agent's pipe with ``splice(2)``, never through user space (no read
+the broker's socket into the guest's pipe with ``splice(2)``, never through user space (no read
 into a fresh buffer, no write out of it).
 
-Standard library only (run by ``supervisor.py`` as a script, next to ``agent_wire``). Knows the
+Standard library only (run by ``supervisor.py`` as a script, next to ``guest_wire``). Knows the
 frame writer's queue and what it needs of a broker's connection (``sock``, ``fd``,
 ``spliced()``), nothing of routing. A payload is only spliced once all of it is in the socket's
 receive queue (``queued_bytes``): received bytes stay readable after their sender died, so the
-frame is always finished and the agent's pipe stays frame-aligned whatever the broker does.
+frame is always finished and the guest's pipe stays frame-aligned whatever the broker does.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 if __package__:
-    from rollmesh.sandbox import agent_wire as wire
+    from rollmesh.sandbox import guest_wire as wire
 else:  # run as a script: its own directory is on sys.path
-    import agent_wire as wire  # type: ignore[no-redef]
+    import guest_wire as wire  # type: ignore[no-redef]
 
 if TYPE_CHECKING:
     from rollmesh.sandbox.supervisor_relay import Conn
@@ -58,7 +58,7 @@ class SplicePayload:
 
 
 class SpliceWriter(wire.FrameWriter):
-    """``agent_wire.FrameWriter`` whose queue may also hold ``SplicePayload``s, moved into the
+    """``guest_wire.FrameWriter`` whose queue may also hold ``SplicePayload``s, moved into the
     fd with ``splice`` in their turn (frames from other brokers wait behind them)."""
 
     def __init__(self, fd: int) -> None:

@@ -1,11 +1,11 @@
 """What the sandbox supervisor and its clients share: the socket's place and blocking frame I/O
 with file descriptors attached.
 
-Standard library only, and no imports of rollmesh beyond ``agent_wire``: ``supervisor.py`` runs
-as a plain script next to this file. Frames are ``agent_wire``'s (a JSON header and a payload);
+Standard library only, and no imports of rollmesh beyond ``guest_wire``: ``supervisor.py`` runs
+as a plain script next to this file. Frames are ``guest_wire``'s (a JSON header and a payload);
 descriptors travel as SCM_RIGHTS with a frame's first bytes. A client's handshake (spawn,
 attach, list, destroy, status) is one frame each way on a blocking socket; after a spawn or an
-attach the same socket carries the agent's frames in both directions.
+attach the same socket carries the guest's frames in both directions.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import socket
 import sys
 
 if __package__:
-    from rollmesh.sandbox import agent_wire as wire
+    from rollmesh.sandbox import guest_wire as wire
 else:  # run as a script (the supervisor): its own directory is on sys.path
-    import agent_wire as wire  # type: ignore[no-redef]
+    import guest_wire as wire  # type: ignore[no-redef]
 
 # Named by host: a run dir on a shared file system serves one supervisor per node.
 _HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:64]

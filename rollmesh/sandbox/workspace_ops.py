@@ -5,8 +5,8 @@ NATS, Ray or which leases exist (the broker hands it a live lease). Every outcom
 an exec that ran reports its ``result``; one that could not run at all gets ``error_kind``.
 
 End-to-end checksums, each file hashed once at each end: the client sends the sha256 of the whole
-file and the sandbox's agent hashes what it stored; they must be equal (corruption anywhere on the
-way in). Downloads carry the agent's sha256 of what it read, and the client checks the bytes it
+file and the sandbox's guest hashes what it stored; they must be equal (corruption anywhere on the
+way in). Downloads carry the guest's sha256 of what it read, and the client checks the bytes it
 received against it. Snapshots, which stay in the broker, are also checked here.
 
 The bulk path: an upload asking for it (``bulk``), or a download above

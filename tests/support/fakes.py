@@ -37,7 +37,7 @@ class FakeSandbox:
     exception to raise, or a function of ``(sandbox, argv, shell, stdin)``), else by a few
     built-ins: ``echo WORDS``, ``cat`` (stdin), ``cat FILE``, ``exit N``; anything else exits 0
     silently. Output is handed to ``on_output`` line by line before the outcome is returned.
-    ``die()`` makes it behave as a sandbox whose agent is gone.
+    ``die()`` makes it behave as a sandbox whose guest is gone.
     """
 
     def __init__(self, backend: FakeSandboxBackend, sandbox_id: str, limits: SandboxLimits,
@@ -112,7 +112,7 @@ class FakeSandbox:
         return stored
 
     def _checked(self, stored: FileTransfer, expected_sha256: str | None) -> FileTransfer:
-        # As the real agent: bytes whose digest is not the sender's never land.
+        # As the real guest: bytes whose digest is not the sender's never land.
         if expected_sha256 is not None and stored.sha256 != expected_sha256:
             raise ChecksumMismatchError(f"arrived with sha256 {stored.sha256}", path=stored.path)
         return stored

@@ -1,5 +1,5 @@
-"""The sandbox agent and its host client: the frame codec, the workspace path and tar rules, and
-round trips with a real agent process (the process backend, so no isolation is involved)."""
+"""The sandbox guest and its host client: the frame codec, the workspace path and tar rules, and
+round trips with a real guest process (the process backend, so no isolation is involved)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.waiting import WAIT_S
 
-from rollmesh.sandbox import agent_files, agent_wire
+from rollmesh.sandbox import guest_files, guest_wire
 from rollmesh.sandbox.errors import (
     ChecksumMismatchError,
     SandboxDiedError,
@@ -32,7 +32,7 @@ from rollmesh.sandbox.process_backend import ProcessBackend
 from rollmesh.sandbox.sandbox_protocol import SandboxLimits
 
 pytestmark = [pytest.mark.timeout(60)]
-integration = pytest.mark.integration  # the tests below that run a real agent process
+integration = pytest.mark.integration  # the tests below that run a real guest process
 
 LIMITS = SandboxLimits(memory_mb=512, pids=64, workspace_mb=256, exec_timeout_s=20.0, cpu_s=20,
                        file_size_mb=256, max_output_bytes=64 * 1024)
@@ -61,7 +61,7 @@ def make_tar(*members: tuple[str, str, bytes | str]) -> bytes:
 frames_strategy = st.lists(
     st.tuples(
         st.dictionaries(st.text(min_size=1, max_size=8), st.integers() | st.text(max_size=40), max_size=4),
-        st.sampled_from([0, 1, 100, agent_wire.DIRECT_READ_AT - 1, agent_wire.DIRECT_READ_AT, 300_000]),
+        st.sampled_from([0, 1, 100, guest_wire.DIRECT_READ_AT - 1, guest_wire.DIRECT_READ_AT, 300_000]),
     ),
     max_size=12,
 )
@@ -72,8 +72,8 @@ frames_strategy = st.lists(
 @given(frames=frames_strategy, reuse=st.booleans(), pieces=st.lists(st.integers(1, 200_000), min_size=1, max_size=8))
 def test_frames_survive_any_split_of_the_stream(frames: list[tuple[dict, int]], reuse: bool, pieces: list[int]) -> None:
     sent = [(header, os.urandom(size)) for header, size in frames]
-    stream = b"".join(agent_wire.encode_head(h, len(p)) + p for h, p in sent)
-    reader = agent_wire.FrameReader(1 << 20, reuse=reuse)
+    stream = b"".join(guest_wire.encode_head(h, len(p)) + p for h, p in sent)
+    reader = guest_wire.FrameReader(1 << 20, reuse=reuse)
     read_end, write_end = os.pipe()
     os.set_blocking(read_end, False)
     received: list[tuple[dict, bytes]] = []
@@ -102,12 +102,12 @@ def test_frames_survive_any_split_of_the_stream(frames: list[tuple[dict, int]], 
 def test_a_frame_larger_than_the_bound_is_a_wire_error() -> None:
     read_end, write_end = os.pipe()
     try:
-        os.write(write_end, agent_wire.encode_head({"id": 1}, 10_000_000))
-        with pytest.raises(agent_wire.WireError, match="too large"):
-            agent_wire.FrameReader(1 << 20).read(read_end)
-        os.write(write_end, agent_wire.PREFIX.pack(3, 0) + b"{]x")
-        with pytest.raises(agent_wire.WireError, match="bad frame header"):
-            agent_wire.FrameReader(1 << 20).read(read_end)
+        os.write(write_end, guest_wire.encode_head({"id": 1}, 10_000_000))
+        with pytest.raises(guest_wire.WireError, match="too large"):
+            guest_wire.FrameReader(1 << 20).read(read_end)
+        os.write(write_end, guest_wire.PREFIX.pack(3, 0) + b"{]x")
+        with pytest.raises(guest_wire.WireError, match="bad frame header"):
+            guest_wire.FrameReader(1 << 20).read(read_end)
     finally:
         os.close(read_end)
         os.close(write_end)
@@ -117,11 +117,11 @@ def test_a_frame_larger_than_the_bound_is_a_wire_error() -> None:
 def test_writer_keeps_what_a_full_pipe_would_not_take() -> None:
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
-    writer = agent_wire.FrameWriter(write_end)
+    writer = guest_wire.FrameWriter(write_end)
     payload = os.urandom(3 * 1024 * 1024)
     writer.send({"id": 7}, payload)
     assert writer.flush() is False and writer.pending > 0
-    reader, got = agent_wire.FrameReader(8 << 20), []
+    reader, got = guest_wire.FrameReader(8 << 20), []
     while not got:
         got = reader.read(read_end)
         writer.flush()
@@ -136,14 +136,14 @@ def test_writer_keeps_what_a_full_pipe_would_not_take() -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize("path", ["a.txt", "dir/sub/x", "./a", "a/../b", "dir/"])
 def test_relative_paths_inside_the_workspace_are_accepted(path: str) -> None:
-    assert not agent_wire.workspace_relative(path).startswith(("/", ".."))
+    assert not guest_wire.workspace_relative(path).startswith(("/", ".."))
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("path", ["/etc/passwd", "..", "../x", "a/../../x", "", ".", "a\0b"])
 def test_absolute_escaping_or_empty_paths_are_refused(path: str) -> None:
     with pytest.raises(ValueError):
-        agent_wire.workspace_relative(path)
+        guest_wire.workspace_relative(path)
 
 
 @pytest.mark.unit
@@ -152,11 +152,11 @@ def test_a_planted_symlink_cannot_carry_a_write_out_of_the_workspace(tmp_path: P
     workspace.mkdir()
     outside.mkdir()
     (workspace / "link").symlink_to(outside)
-    space = agent_files.Workspace(str(workspace))
-    with pytest.raises(agent_files.RequestError) as refused:
+    space = guest_files.Workspace(str(workspace))
+    with pytest.raises(guest_files.RequestError) as refused:
         space.new_entry("link/x.txt")
     assert refused.value.kind == "workspace_path"
-    with pytest.raises(agent_files.RequestError):
+    with pytest.raises(guest_files.RequestError):
         space.existing("link")
     (workspace / "inner").mkdir()
     (workspace / "ok").symlink_to("inner")
@@ -179,8 +179,8 @@ def test_a_planted_symlink_cannot_carry_a_write_out_of_the_workspace(tmp_path: P
 )
 def test_unsafe_tar_members_refuse_the_whole_archive(tmp_path: Path, members: list, why: str) -> None:
     archive = tarfile.open(fileobj=io.BytesIO(make_tar(("fine.txt", "file", b"ok"), *members)))
-    with pytest.raises(agent_files.RequestError) as refused:
-        agent_files.tar_members_check(archive, agent_files.Workspace(str(tmp_path)), ".")
+    with pytest.raises(guest_files.RequestError) as refused:
+        guest_files.tar_members_check(archive, guest_files.Workspace(str(tmp_path)), ".")
     assert refused.value.kind == "unsafe_archive" and why in str(refused.value)
 
 
@@ -188,18 +188,18 @@ def test_unsafe_tar_members_refuse_the_whole_archive(tmp_path: Path, members: li
 def test_safe_tar_members_are_kept_with_sane_modes(tmp_path: Path) -> None:
     archive = tarfile.open(fileobj=io.BytesIO(make_tar(
         ("d", "dir", b""), ("d/f", "file", b"1"), ("d/up", "symlink", "../d/f"), ("h", "hardlink", "d/f"))))
-    members = agent_files.tar_members_check(archive, agent_files.Workspace(str(tmp_path)), ".")
+    members = guest_files.tar_members_check(archive, guest_files.Workspace(str(tmp_path)), ".")
     assert [m.name for m in members] == ["d", "d/f", "d/up", "h"]
     assert all(m.mode & 0o600 == 0o600 and not m.mode & 0o7000 for m in members)
 
 
-# ---- round trips with a real agent ------------------------------------------------------------
+# ---- round trips with a real guest ------------------------------------------------------------
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def sandbox(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator:
     backend = ProcessBackend(root_dir=tmp_path_factory.mktemp("process-sandboxes"))
-    box = await backend.create("agent-tests", LIMITS)
+    box = await backend.create("guest-tests", LIMITS)
     yield box
     await box.destroy()
 
@@ -336,7 +336,7 @@ async def test_put_and_get_file_round_trip_with_checksums(sandbox) -> None:
 
 
 @integration
-@pytest.mark.parametrize("size", [1000, 2 * agent_wire.CHUNK + 7])
+@pytest.mark.parametrize("size", [1000, 2 * guest_wire.CHUNK + 7])
 async def test_bytes_that_do_not_match_the_senders_digest_never_land(sandbox, size: int) -> None:
     data = os.urandom(size)
     with pytest.raises(ChecksumMismatchError):
@@ -350,7 +350,7 @@ async def test_bytes_that_do_not_match_the_senders_digest_never_land(sandbox, si
 
 @integration
 async def test_a_large_file_streams_in_chunks(sandbox) -> None:
-    data = os.urandom(3 * agent_wire.CHUNK + 12345)
+    data = os.urandom(3 * guest_wire.CHUNK + 12345)
     stored = await sandbox.put_file("big.bin", data)
     assert stored.sha256 == hashlib.sha256(data).hexdigest()
     read, transfer = await sandbox.get_file("big.bin")
@@ -396,14 +396,14 @@ async def test_an_unsafe_tar_writes_nothing(sandbox) -> None:
 
 
 @integration
-async def test_a_dead_agent_fails_pending_and_later_calls(tmp_path: Path) -> None:
+async def test_a_dead_guest_fails_pending_and_later_calls(tmp_path: Path) -> None:
     box = await ProcessBackend(root_dir=tmp_path).create("doomed", LIMITS)
     pending = asyncio.create_task(box.exec(["/bin/sh", "-c", "touch started; exec sleep 30"]))
     give_up = time.monotonic() + WAIT_S
     while (await box.exec(["test", "-e", "started"])).exit_code != 0:  # then the exec is in flight
         assert time.monotonic() < give_up, "the pending exec's command never started"
         await asyncio.sleep(0.02)
-    os.kill(box._process.pid, signal.SIGKILL)  # the agent itself
+    os.kill(box._process.pid, signal.SIGKILL)  # the guest itself
     done = await asyncio.wait_for(pending, 10)
     assert done.result == "sandbox_died" and "exit" in done.detail
     assert not box.alive()
@@ -418,7 +418,7 @@ async def test_a_dead_agent_fails_pending_and_later_calls(tmp_path: Path) -> Non
 
 @integration
 async def test_destroying_a_reaped_sandbox_signals_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Once the agent has been reaped its pid, and so its process group id, may be handed to any
+    # Once the guest has been reaped its pid, and so its process group id, may be handed to any
     # new process (another sandbox's): destroy must not send SIGKILL there.
     box = await ProcessBackend(root_dir=tmp_path).create("reaped", LIMITS)
     pid = box._process.pid
@@ -435,9 +435,9 @@ async def test_destroying_a_reaped_sandbox_signals_no_process(tmp_path: Path, mo
 
 
 @pytest.mark.unit
-def test_the_agent_starts_without_the_modules_only_file_transfers_need() -> None:
+def test_the_guest_starts_without_the_modules_only_file_transfers_need() -> None:
     """A sandbox starts for every rollout, and most never move a file: tarfile (with bz2, lzma and
-    shutil) and hashlib are imported at the first transfer, not at the agent's start."""
+    shutil) and hashlib are imported at the first transfer, not at the guest's start."""
     import subprocess
     import sys
     from pathlib import Path
@@ -445,7 +445,7 @@ def test_the_agent_starts_without_the_modules_only_file_transfers_need() -> None
     import rollmesh.sandbox
 
     sandbox_dir = Path(rollmesh.sandbox.__file__).parent
-    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import agent; "
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import guest; "
              "print(sorted(m for m in ('tarfile', 'hashlib', 'bz2', 'lzma', 'shutil') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-I", "-S", "-c", probe, str(sandbox_dir)],
                             capture_output=True, text=True, check=True).stdout.strip()
