@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import tomllib
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -139,6 +140,12 @@ RETIRED_KEYS = {
     "demo.eval_every": "[[eval]] eval_every (rollmesh demo --eval-every)",
     "demo.eval_size": "[[eval]] size (rollmesh demo --eval-size)",
 }
+# Keys still read for one release, with a DeprecationWarning, and then ignored: what they set is
+# now derived, as each says.
+DEPRECATED_KEYS = {
+    "rollout.work_heartbeat_s": "a delivery's keepalive now beats every third of its ack wait "
+                                "(nats.rollout_ack_wait_s); remove the key",
+}
 
 
 class InferenceConfig(ConfigSection):
@@ -201,9 +208,6 @@ class RolloutConfig(ConfigSection):
     sandbox_heartbeat_s: PositiveFloat = 30.0
     # A lease or exec refused for capacity is retried this many times before the rollout fails.
     sandbox_capacity_retries: NonNegInt = 5
-    # A running rollout tells the work queue it is still in progress this often, so however long
-    # it runs its request is not redelivered; a dead worker's request is, after nats.rollout_ack_wait_s.
-    work_heartbeat_s: PositiveFloat = 15.0
     # An infrastructure failure (sandbox died or lost, broker or inference unreachable) is retried
     # this many times, from the last saved turn, after a pause that doubles each time (from
     # infra_retry_delay_s); then the rollout fails, typed.
@@ -344,9 +348,6 @@ class RollmeshConfig(ConfigSection):
         if self.inference.backend == "sglang" and self.scheduler.elastic_decode:
             # Lent decode workers run the torch engine; they would serve other weights and tokens.
             raise ValueError("scheduler.elastic_decode needs inference.backend = 'local'")
-        if self.rollout.work_heartbeat_s >= self.nats.rollout_ack_wait_s:
-            # Else a live rollout's request would be redelivered to a second worker.
-            raise ValueError("rollout.work_heartbeat_s must be below nats.rollout_ack_wait_s")
 
 
 class ConfigError(ValueError):
@@ -384,6 +385,7 @@ def load_config(
         _set_dotted(raw, dotted, value, source="overrides")
     resolve_config_paths(raw, Path.cwd())
     _refuse_retired_keys(raw, source=str(source), env=env)
+    _drop_deprecated_keys(raw, source=str(source))
     try:
         return msgspec.convert(raw, RollmeshConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -416,6 +418,7 @@ def load_run_config(run_dir: str | Path, *, overrides: dict[str, Any] | None = N
         _set_dotted(raw, dotted, value, source="overrides")
     resolve_config_paths(raw, Path.cwd())  # the saved ones are absolute already
     _refuse_retired_keys(raw, source=str(source))
+    _drop_deprecated_keys(raw, source=str(source))
     try:
         return msgspec.convert(raw, RollmeshConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -436,6 +439,17 @@ def _refuse_retired_keys(raw: dict[str, Any], *, source: str,
             variable = (env or {}).get(dotted, (None,))[0]
             raise ConfigError(f"{dotted} is gone: use {replacement}", source=variable or source,
                               path=dotted)
+
+
+def _drop_deprecated_keys(raw: dict[str, Any], *, source: str) -> None:
+    """Take each deprecated key out of ``raw`` (so the Structs need not know it), with a warning."""
+    for dotted, instead in DEPRECATED_KEYS.items():
+        section, _, key = dotted.partition(".")
+        table = raw.get(section)
+        if isinstance(table, dict) and key in table:
+            del table[key]
+            warnings.warn(f"{source}: {dotted} is deprecated and ignored: {instead}",
+                          DeprecationWarning, stacklevel=3)
 
 
 def _error_path(message: str) -> str:

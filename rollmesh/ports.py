@@ -1,23 +1,28 @@
 """What plain logic classes see of the mesh: Subscription, MessageContext, Publisher, ActorLogic.
 
-Imports neither nats nor opentelemetry nor ray (only our wire contract), so domain packages
-(engine, rollout, training...) can depend on it without depending on the bus, and unit tests can
-build a ``MessageContext`` by hand. The shell (``rollmesh.actors.shell``) turns these declarations
+Imports neither nats nor opentelemetry nor ray (only our wire contract, and structlog for the
+keepalive's warnings), so domain packages (engine, rollout, training...) can depend on it without
+depending on the bus, and unit tests can build a ``MessageContext`` by hand. The shell (``rollmesh.actors.shell``) turns these declarations
 into real NATS subscriptions; ``rollmesh.bus.publisher.BusPublisher`` implements ``Publisher``.
 Top-level rather than in ``bus/`` because domain packages must never import the bus.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, TypeVar, runtime_checkable
+
+import structlog
 
 from rollmesh.messages import RolloutState, Subject, TokenTrace, WireMessage
 
 SubscriptionMode = Literal["core", "jetstream", "request"]
 _CONSUMER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
+_log = structlog.get_logger("rollmesh.ports")
+T = TypeVar("T")
 
 
 @dataclass
@@ -26,7 +31,9 @@ class MessageContext:
 
     ``delivery_attempt`` is JetStream's num_delivered (1 on first delivery; always 1 for core and
     request mode). ``trace_context`` is the OpenTelemetry context of the message's span, typed
-    loosely so this module need not import opentelemetry.
+    loosely so this module need not import opentelemetry. ``keepalive_every_s`` is how often
+    ``keep_alive_while`` says "still working": the dispatcher sets it to a third of the
+    consumer's ack wait, so two beats may fail before the message is redelivered.
     """
 
     subject: str
@@ -34,12 +41,43 @@ class MessageContext:
     delivery_attempt: int = 1
     trace_id: str = ""
     trace_context: object | None = None
+    keepalive_every_s: float | None = None
     _progress: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
 
     async def in_progress(self) -> None:
         """Tell JetStream the handler is still working (resets the ack deadline); no-op otherwise."""
         if self._progress is not None:
             await self._progress()
+
+    async def keep_alive_while(self, awaitable: Awaitable[T]) -> T:
+        """Await ``awaitable`` and return its result, telling JetStream every
+        ``keepalive_every_s`` meanwhile that the handler is still working (a tool may run for an
+        hour; a group may wait for its step as long).
+
+        A future is only waited on, never cancelled with this delivery (another delivery of the
+        same message may be waiting on it too); a coroutine runs in the caller's task. A beat
+        that fails (NATS away for a moment) is logged, and the next one tries again.
+        """
+        every_s = self.keepalive_every_s
+        beats = (asyncio.create_task(self._beat(every_s), name=f"keepalive:{self.subject}")
+                 if self._progress is not None and every_s else None)
+        try:
+            if asyncio.isfuture(awaitable):
+                await asyncio.wait({awaitable})
+                return awaitable.result()
+            return await awaitable
+        finally:
+            if beats is not None:
+                beats.cancel()
+                await asyncio.gather(beats, return_exceptions=True)
+
+    async def _beat(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)  # the keepalive's period, not synchronisation
+            try:
+                await self.in_progress()
+            except Exception as exc:
+                _log.warning("keepalive_failed", subject=self.subject, error=repr(exc))
 
 
 Handler = Callable[[WireMessage, MessageContext], Awaitable[WireMessage | None]]

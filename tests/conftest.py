@@ -170,7 +170,6 @@ async def mesh(nats_server: EmbeddedNatsServer, ray_session: None) -> AsyncItera
         # Short timers, so a killed actor's work is redelivered and its role restarted within
         # seconds (tests/test_mesh_recovery.py).
         "nats.rollout_ack_wait_s": 6.0,
-        "rollout.work_heartbeat_s": 1.5,
         "rollout.infra_retry_delay_s": 0.5,
         "rollout.infra_retries": 4,
         # A difference from a whole render in text the model did not generate fails the rollout.

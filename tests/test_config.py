@@ -173,6 +173,20 @@ def test_a_retired_model_key_in_a_saved_run_config_is_a_config_error(tmp_path):
         load_run_config(tmp_path)
 
 
+def test_the_deprecated_work_heartbeat_key_warns_and_the_keepalive_follows_the_ack_wait(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[rollout]\nwork_heartbeat_s = 1.5\n")
+    with pytest.warns(DeprecationWarning, match="rollout.work_heartbeat_s is deprecated and ignored"):
+        config = load_config(path, environ={})
+    assert not hasattr(config.rollout, "work_heartbeat_s")
+
+
+def test_a_saved_run_config_with_the_deprecated_work_heartbeat_key_still_loads(tmp_path):
+    (tmp_path / RUN_CONFIG_FILE).write_text('{"rollout": {"work_heartbeat_s": 15.0}}')
+    with pytest.warns(DeprecationWarning, match="rollout.work_heartbeat_s"):
+        load_run_config(tmp_path)
+
+
 def test_an_empty_model_path_resolves_to_the_demo_model_built_in_the_run_directory(tmp_path):
     config = load_config(environ={})  # no ROLLMESH_MODEL__PATH: the embedded default
     assert config.model.path == ""

@@ -596,20 +596,29 @@ async def test_infrastructure_failures_past_the_budget_end_typed_and_task_failur
 
 
 async def test_a_long_tool_call_keeps_the_request_in_progress():
-    progress = ProgressRecorder()
+    beaten = asyncio.Event()
+
+    class BeatCounter(ProgressRecorder):
+        async def __call__(self) -> None:
+            await super().__call__()
+            if self.calls >= 3:
+                beaten.set()
 
     class SlowBus(RecordingPublisher):
         async def request(self, subject, message, timeout_s):
             if subject == SANDBOX_EXEC:
-                await asyncio.sleep(0.35)
+                await beaten.wait()  # the tool runs until the keepalive has beaten three times
             return await super().request(subject, message, timeout_s)
 
     base = sandbox_bus()
     bus = SlowBus(replies=base.replies, default_replies=base.default_replies)
-    await runner(ScriptedEngine([tool_call(), answer()]), bus, work_heartbeat_s=0.05).handle_requested(
-        request(), context(progress))
-    # Two per-turn calls, and the keepalive's while the 0.35 s tool ran (about 7 of them).
-    assert progress.calls >= 5
+    progress = BeatCounter()
+    ctx = MessageContext(subject=ROLLOUT_REQUESTED.format("test"), keepalive_every_s=0.01,
+                         _progress=progress)
+    await asyncio.wait_for(
+        runner(ScriptedEngine([tool_call(), answer()]), bus).handle_requested(request(), ctx), WAIT_S)
+    # Only the keepalive's beats could end the tool call, and the rollout then completed.
+    assert beaten.is_set() and len(bus.messages(ROLLOUT_COMPLETED)) == 1
 
 
 async def test_a_request_redelivered_while_it_runs_here_waits_for_it_and_runs_nothing_twice():

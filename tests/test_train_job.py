@@ -53,8 +53,6 @@ enabled = false
 # seconds, not the default minute.
 [nats]
 rollout_ack_wait_s = 6.0
-[rollout]
-work_heartbeat_s = 1.5
 {before}
 [[stages]]
 kind = "rl"

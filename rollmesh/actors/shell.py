@@ -122,11 +122,10 @@ class ActorShell:
             dispatcher = MessageDispatcher(
                 actor_name=self.actor_name, subscription=subscription,
                 publisher=self._publisher, max_deliver=self.nats_config.max_deliver,
+                ack_wait_s=self.nats_config.rollout_ack_wait_s,
             )
             self._consumers.append(await open_consumer(
-                self._nc, self._js, self.namespace, dispatcher, self._tasks,
-                default_ack_wait_s=self.nats_config.rollout_ack_wait_s,
-            ))
+                self._nc, self._js, self.namespace, dispatcher, self._tasks))
         # Every SUB is active at the server before serve() returns.
         await flush_to_server(self._nc)
         self._log.info("shell_serving", subjects=templates)

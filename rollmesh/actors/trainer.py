@@ -94,7 +94,7 @@ class TrainerActor(RoleActor):
 
         self.trainer = TrainerLogic(self.config, self.model_config, backend, publisher,
                                     run_dir=Path(self.mesh.run_dir),
-                                    in_progress_every_s=self.mesh.nats.rollout_ack_wait_s / 3, busy=self.busy,
+                                    busy=self.busy,
                                     # Only MoE rollouts carry a reference into it.
                                     routed_experts=ObjectStoreRoutedExperts(publisher.jetstream, publisher.namespace,
                                                                             replicas=self.mesh.nats.replicas),

@@ -48,8 +48,7 @@ class Consumer:
 
 
 async def open_consumer(nc: Client, js: JetStreamContext, namespace: str,
-                        dispatcher: MessageDispatcher, tasks: TaskSet, *,
-                        default_ack_wait_s: float) -> Consumer:
+                        dispatcher: MessageDispatcher, tasks: TaskSet) -> Consumer:
     sub = dispatcher.subscription
     concrete = sub.subject.format(namespace)
     if sub.mode == "jetstream":
@@ -59,7 +58,7 @@ async def open_consumer(nc: Client, js: JetStreamContext, namespace: str,
         durable = sub.durable_name()
         config = ConsumerConfig(
             durable_name=durable, ack_policy=AckPolicy.EXPLICIT, filter_subject=concrete,
-            max_deliver=dispatcher.max_deliver, ack_wait=sub.ack_wait_s or default_ack_wait_s,
+            max_deliver=dispatcher.max_deliver, ack_wait=dispatcher.ack_wait_s,
         )
         pull = await js.pull_subscribe(concrete, durable=durable, stream=stream, config=config)
         loop = tasks.spawn(_pull_loop(pull, dispatcher, tasks), name=f"pull:{concrete}")

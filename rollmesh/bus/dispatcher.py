@@ -33,6 +33,8 @@ _log = structlog.get_logger("rollmesh.bus.dispatcher")
 _tracer = trace.get_tracer("rollmesh.bus")
 
 ACK_TIMEOUT_S = 5.0
+# A handler's keepalive beats this many times per ack wait (MessageContext.keep_alive_while).
+KEEPALIVES_PER_ACK_WAIT = 3
 # error_kind values tried, in order, for an error reply; the reply type's Literal decides.
 _INVALID_KINDS = ("invalid_request",)
 _FAILURE_KINDS = ("internal_error", "backend_error")
@@ -53,14 +55,18 @@ class SubjectStats:
 
 
 class MessageDispatcher:
-    """Dispatches the messages of one Subscription; ``counters`` is its running tally."""
+    """Dispatches the messages of one Subscription; ``counters`` is its running tally.
+
+    ``max_deliver`` and ``ack_wait_s`` are the shell's defaults; the subscription's own win.
+    """
 
     def __init__(self, *, actor_name: str, subscription: Subscription,
-                 publisher: BusPublisher, max_deliver: int) -> None:
+                 publisher: BusPublisher, max_deliver: int, ack_wait_s: float) -> None:
         self.actor_name = actor_name
         self.subscription = subscription
         self.publisher = publisher
         self.max_deliver = subscription.max_deliver or max_deliver
+        self.ack_wait_s = subscription.ack_wait_s or ack_wait_s
         self.counters = SubjectStats()
 
     async def dispatch(self, msg: Msg) -> None:
@@ -107,10 +113,12 @@ class MessageDispatcher:
                 span.set_attributes(fields)  # type: ignore[arg-type]
                 span.set_attributes(message_attributes(fields.get("rollout_id"), fields.get("weight_version")))
                 with structlog.contextvars.bound_contextvars(**fields):
+                    jetstream = sub.mode == "jetstream"
                     context = MessageContext(
                         subject=msg.subject, headers=headers, delivery_attempt=attempt,
                         trace_id=trace_id, trace_context=trace.set_span_in_context(span),
-                        _progress=msg.in_progress if sub.mode == "jetstream" else None,
+                        keepalive_every_s=self.ack_wait_s / KEEPALIVES_PER_ACK_WAIT if jetstream else None,
+                        _progress=msg.in_progress if jetstream else None,
                     )
                     outcome = await self._handle(msg, message, context, span)
                     self._log_canonical(outcome, started, attempt, message_type=message_tag(message))

@@ -17,8 +17,8 @@ fails the rollout as ``tokenization_error``, never retried). With ``rollout.hist
 
 Surviving crashes. After every turn the rollout's state (tokens, mask, logprobs, versions, the
 chat messages, the calls, its lease and workspace snapshot) is saved to the state store, then the work queue is
-told the request is still in progress; a keepalive repeats that every ``work_heartbeat_s`` while a
-long tool call runs. A worker that dies stops both: the request is redelivered after the ack wait,
+told the request is still in progress; a keepalive (``MessageContext.keep_alive_while``) repeats
+that every third of the ack wait while a long tool call runs. A worker that dies stops both: the request is redelivered after the ack wait,
 and whoever takes it resumes from the last saved turn. The outcome is saved before it is
 published, so a request redelivered after its rollout ended (a worker that died between publishing
 and acking) re-publishes that outcome and runs nothing again.
@@ -163,7 +163,7 @@ class RolloutRunner:
             # Redelivered while it still runs here (the server lost its in-progress acks, e.g. in
             # a NATS restart): the running one publishes the outcome; this delivery waits for it.
             self.counts["joined"] += 1
-            await self._join(running, ctx)
+            await ctx.keep_alive_while(running)  # raises if it failed: this delivery comes back
             return
         done = asyncio.get_running_loop().create_future()
         self._running[request.rollout_id] = done
@@ -177,13 +177,6 @@ class RolloutRunner:
             done.set_result(None)
         finally:
             self._running.pop(request.rollout_id, None)
-
-    async def _join(self, running: asyncio.Future[None], ctx: MessageContext) -> None:
-        while not running.done():
-            await asyncio.wait({running}, timeout=self.config.work_heartbeat_s)
-            if not running.done():
-                await ctx.in_progress()
-        running.result()  # it failed: this delivery is nak'ed and comes back
 
     async def _handle(self, request: RolloutRequested, ctx: MessageContext) -> None:
         saved = await self._load(request)
@@ -213,12 +206,8 @@ class RolloutRunner:
                         conventions.RL_TASK: request.task},
         ) as rollout_span:
             run = RolloutRun(request, state, rollout_span, ctx)
-            keepalive = asyncio.create_task(self._keep_in_progress(ctx), name=f"keepalive-{request.rollout_id}")
-            try:
-                outcome = await self._run_with_retries(run)
-            finally:
-                keepalive.cancel()
-                await asyncio.gather(keepalive, return_exceptions=True)
+            # Kept in progress between turns too: a tool may run for an hour.
+            outcome = await ctx.keep_alive_while(self._run_with_retries(run))
             # The outcome names this attempt's trace, so a dashboard can link the rollout to it.
             outcome = msgspec.structs.replace(outcome, trace_id=trace_id_of(rollout_span))
             if isinstance(outcome, RolloutCompleted):
@@ -421,15 +410,6 @@ class RolloutRunner:
             await self.states.save(state)
         except StateStoreError as exc:  # the rollout still runs; only resuming it would be lost
             _log.warning("rollout_state_not_saved", rollout_id=state.rollout_id, error=str(exc))
-
-    async def _keep_in_progress(self, ctx: MessageContext) -> None:
-        """Keep the request's delivery alive between turns (a tool may run for an hour)."""
-        while True:
-            await asyncio.sleep(self.config.work_heartbeat_s)
-            try:
-                await ctx.in_progress()
-            except Exception as exc:  # NATS away for a moment: the next beat tries again
-                _log.warning("work_heartbeat_failed", error=repr(exc))
 
     def _environment(self, registered: Task, run: RolloutRun) -> EnvironmentRollout:
         try:

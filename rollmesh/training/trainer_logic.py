@@ -87,10 +87,6 @@ from rollmesh.telemetry.busy_clock import BusyClock
 _log = structlog.get_logger("rollmesh.trainer")
 _tracer = trace.get_tracer("rollmesh.trainer")
 
-# How often a waiting trajectory tells JetStream it is still being worked on (well inside the
-# consumer's ack wait; the actor derives it from nats.rollout_ack_wait_s).
-IN_PROGRESS_EVERY_S = 10.0
-
 
 class TrainerLogic(SupervisedTraining, WeightPublishing):
     def __init__(
@@ -102,7 +98,6 @@ class TrainerLogic(SupervisedTraining, WeightPublishing):
         *,
         run_dir: Path,
         clock: Callable[[], float] = time.time,
-        in_progress_every_s: float = IN_PROGRESS_EVERY_S,
         routed_experts: RoutedExpertsStore | None = None,
         busy: BusyClock | None = None,
         trajectories: TrajectoryStore | None = None,
@@ -124,7 +119,6 @@ class TrainerLogic(SupervisedTraining, WeightPublishing):
         # Train steps (the policy step and writing its weights) are the trainer's compute: the
         # GPU scheduler's busy time for what the trainer holds.
         self.busy = busy or BusyClock()
-        self.in_progress_every_s = in_progress_every_s
         # MoE rollouts' routed-expert rows, for routing replay in the policy step.
         self.routed_experts = routed_experts
         # Long rollouts' traces, fetched at admission when a RolloutCompleted carries a reference.
@@ -295,7 +289,7 @@ class TrainerLogic(SupervisedTraining, WeightPublishing):
         self.duplicates += 1
         pending = self._consumed.get(key)
         if pending is not None:
-            await self._until_durable(pending, ctx)
+            await ctx.keep_alive_while(pending)
         return True
 
     async def _admit(self, group_id: str, member: GroupMember, ctx: MessageContext) -> None:
@@ -309,16 +303,9 @@ class TrainerLogic(SupervisedTraining, WeightPublishing):
                 group_id=group_id, reward=rewards[0] if rewards else 0.0, step=self.step))
         if len(self.buffer.ready) >= self.config.groups_per_step:
             await self._train_ready_groups()
-        await self._until_durable(consumed, ctx)
-
-    async def _until_durable(self, consumed: asyncio.Future[None], ctx: MessageContext) -> None:
-        """Wait for the step that consumes a trajectory, keeping its delivery alive meanwhile;
-        raises if that step failed (the message is then nak'ed and trained on redelivery)."""
-        while not consumed.done():
-            await asyncio.wait({consumed}, timeout=self.in_progress_every_s)
-            if not consumed.done():
-                await ctx.in_progress()
-        consumed.result()
+        # Acked once the step that consumes it is durable; raises if that step failed (the
+        # message is then nak'ed and trained on redelivery).
+        await ctx.keep_alive_while(consumed)
 
     async def _train_ready_groups(self) -> None:
         async with self._train_lock:
