@@ -326,9 +326,11 @@ def test_every_subject_has_a_publisher_and_each_role_its_own_inbox() -> None:
             assert subject.format(NAMESPACE) in actor_publish, subject.template
     inboxes = [next(s for s in t.subscribe if s.startswith("_INBOX.")) for t in tables.values()]
     assert len(set(inboxes)) == len(ROLES)
-    # Of the mesh's subjects a client publishes rollout requests only (the rest is reading the
-    # trajectories object store: JetStream API requests).
-    assert [s for s in tables["client"].publish if s.startswith("rl.")] == [f"rl.{NAMESPACE}.rollout.requested"]
+    # Of the mesh's subjects a client publishes rollout requests, and dead letters of what its
+    # watcher cannot read (the rest is reading the trajectories object store: JetStream API
+    # requests).
+    assert [s for s in tables["client"].publish if s.startswith("rl.")] == [
+        f"rl.{NAMESPACE}.rollout.requested", f"rl.{NAMESPACE}.dlq"]
 
 
 @pytest.mark.integration

@@ -28,15 +28,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.actors.role_memory import ActorRoleMemory, role_lending_refusals, role_workers_of
 from rollmesh.actors.sim_job_runner import SimJobRunner
 from rollmesh.config import InferenceConfig, ModelConfig, SchedulerConfig, TrainerConfig
 from rollmesh.messages import GpuGranted, SchedulerStatus, SimJobSubmitted
 from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
-from rollmesh.messages.subjects import GPU_GRANTED, METRICS_REPORTED
+from rollmesh.messages.subjects import GPU_GRANTED
 from rollmesh.ports import ActorLogic, Publisher, Subscription
 from rollmesh.scheduling.accounting import UtilizationAccount
 from rollmesh.scheduling.errors import RoleLendingUnavailableError
@@ -288,20 +286,7 @@ class GpuSchedulerActor(RoleActor):
             busy_rates=RoleBusyRates(stale_s=3 * self.mesh.telemetry.metrics_report_s), role_memory=role_memory)
         self.logic_ = SchedulerLogic(self.scheduler, publisher, lending, self.config)
         await self.logic_.start_lending()
-        # The processes' metric snapshots (how long RL roles compute): telemetry, read like the
-        # metrics hub reads it, on the shell's connection but outside its per-message spans and
-        # log lines (several processes report every few seconds).
-        await self.shell.nats_client.subscribe(METRICS_REPORTED.format(self.mesh.namespace),
-                                               cb=self._on_metrics_reported)
         return self.logic_
-
-    async def _on_metrics_reported(self, msg: Any) -> None:
-        try:
-            report = METRICS_REPORTED.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return  # the hub counts malformed snapshots; one is no reason to stop reading them
-        if self.logic_ is not None:
-            self.logic_.lending.record_busy(report)
 
     async def _start_decode_worker(self, name: str, group: Any) -> Any:
         """A decode worker in ``group``, named ``name``, started (it loads the latest weights)."""

@@ -3,9 +3,9 @@
 Knows nats-py, the streams layout and the hub; not Ray (it is no actor: the launcher runs it in
 its own process, so the URL it serves is known when ``mesh.json`` is written). Not an
 ``ActorShell`` either: that would install tracing and logging for the whole launcher process, and
-the hub needs only one core subscription and a timer. Every ``metrics_report_s`` the timer reads
-the rollout work queue's depth from JetStream and lets the hub write TensorBoard scalars when due.
-An undecodable snapshot is counted, logged with msgspec's error path and dead-lettered.
+the hub needs only one watched subject (a ``BusWatcher``: an undecodable snapshot is counted,
+logged and dead-lettered there) and a timer. Every ``metrics_report_s`` the timer reads the
+rollout work queue's depth from JetStream and lets the hub write TensorBoard scalars when due.
 """
 
 from __future__ import annotations
@@ -14,17 +14,15 @@ import asyncio
 import ssl
 from pathlib import Path
 
-import msgspec
 import nats.errors
 import structlog
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from rollmesh.bus.connection import connect_bus, flush_to_server
-from rollmesh.bus.publisher import BusPublisher
+from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.security import BusCredentials
 from rollmesh.bus.streams import rollout_requests_stream
+from rollmesh.bus.watcher import BusWatcher
 from rollmesh.config import NatsConfig, TelemetryConfig
 from rollmesh.messages.subjects import METRICS_REPORTED
 from rollmesh.telemetry.metrics_hub import MetricsHub
@@ -47,9 +45,8 @@ class MetricsHubService:
         self.nats_config = nats_config
         self.hub = MetricsHub(telemetry, run_dir)
         self.interval_s = telemetry.metrics_report_s
-        self.undecodable = 0
         self._nc: Client | None = None
-        self._publisher: BusPublisher | None = None
+        self._watcher: BusWatcher | None = None
         self._timer: asyncio.Task[None] | None = None
 
     async def start(self) -> str:
@@ -60,9 +57,8 @@ class MetricsHubService:
                                    connect_timeout_s=self.nats_config.connect_timeout_s,
                                    credentials=self.credentials, tls=self.tls)
             self._nc = nc
-            self._publisher = BusPublisher(nc, nc.jetstream(), self.namespace)
-            await nc.subscribe(METRICS_REPORTED.format(self.namespace), cb=self._on_report)
-            await flush_to_server(nc)
+            self._watcher = BusWatcher(nc, self.namespace, name=HUB_NAME)
+            await self._watcher.watch(METRICS_REPORTED, self.hub.receive)
         except BaseException:
             await self.stop()
             raise
@@ -75,29 +71,13 @@ class MetricsHubService:
         if timer is not None:
             timer.cancel()
             await asyncio.gather(timer, return_exceptions=True)
+        if self._watcher is not None:
+            # Drained: the last snapshots actors sent while stopping are still taken in.
+            await self._watcher.close()
         if self._nc is not None and not self._nc.is_closed:
-            # Drain: the last snapshots actors sent while stopping are still taken in.
-            try:
-                await asyncio.wait_for(self._nc.drain(), timeout=5.0)
-            except (nats.errors.Error, TimeoutError) as exc:
-                _log.debug("metrics_hub_drain_failed", error=repr(exc))
+            await self._nc.close()
         self._nc = None
         self.hub.close()
-
-    async def _on_report(self, msg: Msg) -> None:
-        try:
-            report = METRICS_REPORTED.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self.undecodable += 1
-            _log.warning("metrics_report_undecodable", subject=msg.subject, error=str(exc))
-            if self._publisher is not None:
-                try:
-                    await self._publisher.publish_dead_letter(
-                        subject=msg.subject, consumer=HUB_NAME, reason=f"undecodable: {exc}", payload=msg.data)
-                except Exception as dlq_exc:  # the hub goes on either way
-                    _log.warning("dead_letter_failed", error=repr(dlq_exc))
-            return
-        self.hub.receive(report)
 
     async def _every_interval(self) -> None:
         while True:

@@ -18,6 +18,7 @@ _EXPORTS = {
     "Publisher": "rollmesh.ports",
     "Subscription": "rollmesh.ports",
     "BusPublisher": "rollmesh.bus.publisher",
+    "BusWatcher": "rollmesh.bus.watcher",
     "EmbeddedNatsServer": "rollmesh.bus.embedded_server",
     "connect_bus": "rollmesh.bus.connection",
     "flush_to_server": "rollmesh.bus.connection",

@@ -46,6 +46,15 @@ class Consumer:
         except (nats.errors.Error, ValueError) as exc:  # connection already closing
             _log.debug("unsubscribe_failed", error=repr(exc))
 
+    async def drain(self) -> None:
+        """Core subscriptions: stop intake once every message already received is taken in (its
+        dispatch is a task of the caller's ``TaskSet``); the loop then ends by itself."""
+        try:
+            await self.nats_subscription.drain()
+        except (nats.errors.Error, ValueError) as exc:  # connection closing: nothing more comes
+            _log.debug("drain_failed", error=repr(exc))
+            await self.unsubscribe()
+
 
 async def open_consumer(nc: Client, js: JetStreamContext, namespace: str,
                         dispatcher: MessageDispatcher, tasks: TaskSet) -> Consumer:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -57,16 +58,23 @@ class SubjectStats:
 class MessageDispatcher:
     """Dispatches the messages of one Subscription; ``counters`` is its running tally.
 
-    ``max_deliver`` and ``ack_wait_s`` are the shell's defaults; the subscription's own win.
+    ``max_deliver`` and ``ack_wait_s`` are the shell's defaults for JetStream subscriptions (the
+    subscription's own win); ``on_dead_lettered`` hears the subject template of each message
+    dead-lettered (a watcher's owner counts what it could not read).
     """
 
-    def __init__(self, *, actor_name: str, subscription: Subscription,
-                 publisher: BusPublisher, max_deliver: int, ack_wait_s: float) -> None:
+    def __init__(self, *, actor_name: str, subscription: Subscription, publisher: BusPublisher,
+                 max_deliver: int = 1, ack_wait_s: float | None = None,
+                 on_dead_lettered: Callable[[str], None] | None = None) -> None:
         self.actor_name = actor_name
         self.subscription = subscription
         self.publisher = publisher
         self.max_deliver = subscription.max_deliver or max_deliver
-        self.ack_wait_s = subscription.ack_wait_s or ack_wait_s
+        ack_wait_s = subscription.ack_wait_s or ack_wait_s
+        if subscription.mode == "jetstream" and ack_wait_s is None:
+            raise ValueError(f"{subscription.subject.template}: a JetStream subscription needs an ack wait")
+        self.ack_wait_s = ack_wait_s or 0.0
+        self.on_dead_lettered = on_dead_lettered
         self.counters = SubjectStats()
 
     async def dispatch(self, msg: Msg) -> None:
@@ -178,6 +186,8 @@ class MessageDispatcher:
                 await msg.nak(delay=self.subscription.retry_delay_s)
                 return RETRYING
         self.counters.dead_lettered += 1
+        if self.on_dead_lettered is not None:
+            self.on_dead_lettered(self.subscription.subject.template)
         if mode == "jetstream":
             await msg.term()
         elif mode == "request":

@@ -340,19 +340,21 @@ def _resharder(ns: str) -> _Lists:
 
 def _client(ns: str) -> _Lists:
     # Publish rollout requests, read progress and results (trainer steps are training progress),
-    # with the stored trajectories of long results.
-    return [*_subjects(ns, ROLLOUT_REQUESTED), *_object_bucket(trajectories_bucket(ns), write=False)], \
+    # with the stored trajectories of long results; what its watcher cannot read it dead-letters.
+    return [*_subjects(ns, ROLLOUT_REQUESTED, DEAD_LETTERED),
+            *_object_bucket(trajectories_bucket(ns), write=False)], \
         _subjects(ns, ROLLOUT_PROGRESSED, ROLLOUT_COMPLETED, ROLLOUT_FAILED, TRAINER_STEPPED,
                   GROUP_DROPPED), False
 
 
 def _dashboard(ns: str) -> _Lists:
     # The Serve replica's follower of the mesh: watches with core subscriptions (never a queue's
-    # consumer; the decode loans its router uses among them) and asks the scheduler its status.
+    # consumer; the decode loans its router uses among them), dead-letters what it cannot read,
+    # and asks the scheduler its status.
     watched = _subjects(ns, ROLLOUT_REQUESTED, ROLLOUT_PROGRESSED, ROLLOUT_COMPLETED, ROLLOUT_FAILED,
                         TRAINER_STEPPED, WEIGHTS_ACTIVATED, WEIGHTS_PUBLISHED, SCHED_UTILIZATION,
                         GPU_GRANTED, GPU_RELEASED)
-    return _subjects(ns, SCHED_STATUS), watched, False
+    return _subjects(ns, SCHED_STATUS, DEAD_LETTERED), watched, False
 
 
 _ROLE_BUILDERS = {

@@ -307,28 +307,23 @@ async def _with_mesh_client(args: argparse.Namespace, action: Callable[[Any], An
 
 @asynccontextmanager
 async def _mesh_client(mesh: Any, printer: _Printer | None) -> AsyncIterator[Any]:
-    from rollmesh.bus.connection import flush_to_server
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.bus.tls import client_tls_context
+    from rollmesh.bus.watcher import BusWatcher
     from rollmesh.messages.subjects import SANDBOX_OUTPUT
     from rollmesh.sandbox.broker_client import DEFAULT_CHUNK_BYTES, SandboxBrokerClient
 
     nc = await mesh.connect("rollmesh-sandbox")
+    watcher = BusWatcher(nc, mesh.namespace, name="rollmesh-sandbox")
     try:
         if printer is not None:
-            async def on_chunk(msg: Any) -> None:
-                try:
-                    printer.write(SANDBOX_OUTPUT.decode(msg.data))
-                except Exception:  # noqa: BLE001 - a bad chunk: the reply has the output anyway
-                    pass
-
-            await nc.subscribe(SANDBOX_OUTPUT.format(mesh.namespace), cb=on_chunk)
-            await flush_to_server(nc)
+            await watcher.watch(SANDBOX_OUTPUT, printer.write)
         chunk = max(1024, min(DEFAULT_CHUNK_BYTES, nc.max_payload - CHUNK_HEADROOM_BYTES))
         yield SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), mesh.namespace), chunk_bytes=chunk,
                                   bulk_tls=client_tls_context(mesh.nats_tls))
-        await flush_to_server(nc)  # the last output chunks are in before the reply is printed
+        await watcher.close()  # drained: the last output chunks are written before the reply
     finally:
+        await watcher.close(drain_timeout_s=0)
         await nc.close()
 
 

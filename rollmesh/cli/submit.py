@@ -190,8 +190,10 @@ async def _submit(target: MeshTarget, requests: list[RolloutRequested], tracer: 
                   wait: bool, timeout_s: float, bad_lines: int) -> ResultCollector:
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.bus.streams import StreamLimits, ensure_streams
+    from rollmesh.bus.watcher import BusWatcher
 
     nc = await target.connect("rollmesh-submit")
+    watcher = BusWatcher(nc, target.namespace, name="rollmesh-submit")
     try:
         js = nc.jetstream()
         # Idempotent: requests are stored even when no mesh has created the streams yet. A
@@ -201,7 +203,7 @@ async def _submit(target: MeshTarget, requests: list[RolloutRequested], tracer: 
         collector = ResultCollector({r.rollout_id for r in requests})
         if wait:  # subscribe before publishing, so no result can slip past
             for subject in (ROLLOUT_COMPLETED, ROLLOUT_FAILED):
-                await nc.subscribe(subject.format(target.namespace), cb=collector.on_message)
+                await watcher.watch(subject, collector.record)
         acks = _AckRecorder(js)
         publisher = BusPublisher(nc, acks, target.namespace)  # type: ignore[arg-type]
         for request in requests:
@@ -217,6 +219,7 @@ async def _submit(target: MeshTarget, requests: list[RolloutRequested], tracer: 
             await collector.wait(timeout_s, show_progress=sys.stdout.isatty())
         return collector
     finally:
+        await watcher.close(drain_timeout_s=0)
         await nc.close()
 
 
@@ -250,12 +253,7 @@ class ResultCollector:
         self.pending.discard(rollout_id)
         self.duplicates.append(rollout_id)
 
-    async def on_message(self, msg: Any) -> None:
-        subject = ROLLOUT_FAILED if msg.subject.endswith(".failed") else ROLLOUT_COMPLETED
-        try:
-            event = subject.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return  # not ours to judge: the mesh dead-letters bad messages
+    def record(self, event: RolloutCompleted | RolloutFailed) -> None:
         if event.rollout_id in self.pending:
             self.pending.discard(event.rollout_id)
             self.results[event.rollout_id] = event

@@ -1,7 +1,7 @@
 """``rollmesh watch``: live rollout progress, completions, failures and trainer steps.
 
-Knows the wire contract and nats-py (plain core subscriptions: watching must never take work off
-the queues or hold acks). On a terminal it draws a rich progress bar; elsewhere it prints one plain
+Knows the wire contract and the bus (a ``BusWatcher``: watching never takes work off the queues or
+holds acks). On a terminal it draws a rich progress bar; elsewhere it prints one plain
 line per event. With ``--count N`` it exits once N rollouts finished (completed or failed).
 """
 
@@ -10,11 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import msgspec
 
 from rollmesh.cli.errors import EXIT_FAILURE, EXIT_OK
 from rollmesh.cli.events import completed_line, failed_line, progressed_line, stepped_line
@@ -101,9 +98,10 @@ def run_watch(args: argparse.Namespace) -> int:
 async def _watch(target: MeshTarget, tally: WatchTally, *, count: int | None, timeout_s: float | None,
                  terminal: bool) -> bool:
     """Follow events until ``count`` finished (True) or ``timeout_s`` passed (False when counting)."""
-    from rollmesh.bus.connection import flush_to_server
+    from rollmesh.bus.watcher import BusWatcher
 
     nc = await target.connect("rollmesh-watch")
+    watcher = BusWatcher(nc, target.namespace, name="rollmesh-watch")
     finished = asyncio.Event()
     view = _TerminalView(count) if terminal else None
 
@@ -117,9 +115,8 @@ async def _watch(target: MeshTarget, tally: WatchTally, *, count: int | None, ti
             finished.set()
 
     try:
-        for subject in WATCHED:
-            await nc.subscribe(subject.format(target.namespace), cb=_decoding(subject, show))
-        await flush_to_server(nc)  # the subscriptions are active before "watching" is said
+        for subject in WATCHED:  # each active at the server before "watching" is said
+            await watcher.watch(subject, show)
         if not terminal:
             print(f"watching rl.{target.namespace}.* on {target.nats_url}", flush=True)
         try:
@@ -128,20 +125,10 @@ async def _watch(target: MeshTarget, tally: WatchTally, *, count: int | None, ti
             return not count  # without --count, a timeout is just how long to watch
         return True
     finally:
+        await watcher.close(drain_timeout_s=0)  # what comes after the count is not shown
         if view is not None:
             view.close()
         await nc.close()
-
-
-def _decoding(subject: Subject, show: Callable[[Any], None]) -> Callable[[Any], Any]:
-    async def on_message(msg: Any) -> None:
-        try:
-            event = subject.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return  # a watcher only reports; the mesh dead-letters bad messages
-        show(event)
-
-    return on_message
 
 
 class _TerminalView:

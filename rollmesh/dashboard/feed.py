@@ -1,11 +1,11 @@
 """DashboardFeed: what keeps a ``DashboardState`` live, inside the Serve app's replica.
 
-Knows nats-py (core subscriptions only: watching must never take work off a queue or hold an
-ack), the wire contract and Ray actor handles (duck-typed ``.method.remote()``); not HTTP. Events
-arrive as they are published; what nobody publishes is asked for every ``dashboard.poll_s``: the
-GPU scheduler's status (NATS request), the sandbox broker's numbers and the inference workers'
-weight versions (their actors). A message that does not decode is counted and dropped (the mesh's
-own consumers dead-letter it); a poll that fails is skipped until the next one. With several
+Knows the bus (a ``BusWatcher``: watching never takes work off a queue or holds an ack), the wire
+contract and Ray actor handles (duck-typed ``.method.remote()``); not HTTP. Events arrive as they
+are published; what nobody publishes is asked for every ``dashboard.poll_s``: the GPU scheduler's
+status (NATS request), the sandbox broker's numbers and the inference workers' weight versions
+(their actors). A message that does not decode is dead-lettered by the watcher and counted on the
+page; a poll that fails is skipped until the next one. With several
 replicas each follows the bus itself, so any replica answers the page.
 """
 
@@ -109,6 +109,7 @@ class DashboardFeed:
         self.find_actor = find_actor
         self._tasks = TaskSet("dashboard")
         self._nc: Any = None
+        self._watcher: Any = None  # a BusWatcher once connected
 
     def start(self) -> None:
         """Follow the bus and poll, in tasks of this feed (call from a running event loop)."""
@@ -116,33 +117,27 @@ class DashboardFeed:
 
     async def close(self) -> None:
         await self._tasks.close()
+        if self._watcher is not None:
+            await self._watcher.close()
         if self._nc is not None:
             await self._nc.close()
 
     async def _run(self) -> None:
+        from rollmesh.bus.watcher import BusWatcher
+
         def unreachable(exc: Exception) -> None:
             self.state.feed = f"error: {exc}"  # the page shows why it has no data
 
         self._nc = await connect_to_mesh(self.source, name="rollmesh-dashboard", on_unreachable=unreachable)
+        self._watcher = BusWatcher(self._nc, self.source.namespace, name="rollmesh-dashboard",
+                                   on_dead_lettered=self.state.record_malformed)
         for subject in FOLLOWED:
-            await self._nc.subscribe(subject.format(self.source.namespace),
-                                     cb=self._on_message(subject))
+            await self._watcher.watch(subject, self.state.record)
         self.state.feed = "connected"
         while True:
             await asyncio.gather(self._poll_scheduler(), self._poll_sandbox_pool(),
                                  self._poll_weights())
             await asyncio.sleep(self.source.config.poll_s)
-
-    def _on_message(self, subject: Subject) -> Callable[[Any], Any]:
-        async def fold(msg: Any) -> None:
-            try:
-                event = subject.decode(msg.data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self.state.record_malformed(subject.template)
-                return
-            self.state.record(event)
-
-        return fold
 
     async def _poll_scheduler(self) -> None:
         try:

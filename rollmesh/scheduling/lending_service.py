@@ -16,8 +16,8 @@ Events in: ``SimJobSubmitted`` (durable: acked once written to the job ledger), 
   accelerator beyond its start grant. Loans to decode (``GrowDecode`` / ``ShrinkDecode``) are
   announced the same way with holder "decode.elastic", each grant id naming the decode worker
   placed there; a release is announced before the worker is stopped, so routers drop it first.
-Busy time: ``record_busy`` takes each process's metric snapshot (the actor subscribes to them as
-the metrics hub does), whose ``rollmesh_role_busy_seconds`` says how long an RL role's worker
+Busy time: ``record_busy`` takes each process's metric snapshot (a core subscription, as the
+metrics hub watches them), whose ``rollmesh_role_busy_seconds`` says how long an RL role's worker
 computed; what a role holds counts as busy in that proportion (``role_busy.RoleBusyRates``).
 Lending the roles' own accelerators (``scheduler.lend_role_accelerators``; a ``RoleMemory`` port
 given): a role's demand may drop below its start grant. The core (with pinned role devices) then
@@ -62,6 +62,7 @@ from rollmesh.messages.sim_jobs import (
 from rollmesh.messages.subjects import (
     GPU_GRANTED,
     GPU_RELEASED,
+    METRICS_REPORTED,
     PREEMPTION_ACKNOWLEDGED,
     PREEMPTION_REQUESTED,
     ROLE_DEMAND,
@@ -220,7 +221,8 @@ class LendingService:
         return [Subscription(SIM_SUBMITTED, self.handle_submitted, mode="jetstream"),
                 Subscription(ROLE_DEMAND, self.handle_demand, mode="jetstream"),
                 Subscription(RUN_REGISTERED, self.handle_run_registered, mode="jetstream"),
-                Subscription(SCHED_STATUS, self.handle_status, mode="request")]
+                Subscription(SCHED_STATUS, self.handle_status, mode="request"),
+                Subscription(METRICS_REPORTED, self.handle_metrics_reported, mode="core")]
 
     # --- events ----------------------------------------------------------------------------
 
@@ -405,6 +407,9 @@ class LendingService:
             job_id=job_id, attempt=number, outcome=outcome, exit_code=exit_code, reason=reason, ended_at=now))
 
     # --- accounting ------------------------------------------------------------------------
+
+    async def handle_metrics_reported(self, message: MetricsReported, context: MessageContext) -> None:
+        self.record_busy(message)
 
     def record_busy(self, report: MetricsReported) -> None:
         """A process's metric snapshot: its role's busy seconds so far, if it holds accelerators."""

@@ -1,8 +1,8 @@
 """DecodeLoanFollower: the Serve app's router uses the decode workers the GPU scheduler lends idle
 accelerators to (elastic decode), as the rollout workers' routers do.
 
-Knows nats-py (core subscriptions only: it watches ``GpuGranted`` / ``GpuReleased`` and the
-scheduler's status, as the replica's watch-only "dashboard" user may) and ``DecodeLoanRoster``;
+Knows the bus (a ``BusWatcher``: it watches ``GpuGranted`` / ``GpuReleased`` and the scheduler's
+status, as the replica's watch-only "dashboard" user may) and ``DecodeLoanRoster``;
 not HTTP. A release is announced before the scheduler stops the worker (``elastic_drain_s``
 later), so the router stops sending to it first. The scheduler's status reconciles the roster:
 asked for once at start (loans made before the replica started), then as the scheduler
@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import structlog
 
 from rollmesh.inference.decode_loans import DecodeLoanRoster
 from rollmesh.bus.task_set import TaskSet
 from rollmesh.dashboard.feed import POLL_TIMEOUT_S, DashboardSource, connect_to_mesh
-from rollmesh.messages import SchedulerStatusRequest
+from rollmesh.messages import SchedulerStatus, SchedulerStatusRequest
 from rollmesh.messages.subjects import GPU_GRANTED, GPU_RELEASED, SCHED_STATUS, SCHED_UTILIZATION
 
 _log = structlog.get_logger("rollmesh.serve")
@@ -33,6 +32,7 @@ class DecodeLoanFollower:
         self.roster = roster
         self._tasks = TaskSet("decode-loans")
         self._nc: Any = None
+        self._watcher: Any = None  # a BusWatcher once connected
 
     def start(self) -> None:
         """Follow the loans in a task of this follower (call from a running event loop)."""
@@ -40,35 +40,22 @@ class DecodeLoanFollower:
 
     async def close(self) -> None:
         await self._tasks.close()
+        if self._watcher is not None:
+            await self._watcher.close()
         if self._nc is not None:
             await self._nc.close()
 
     async def _run(self) -> None:
+        from rollmesh.bus.watcher import BusWatcher
+
         self._nc = await connect_to_mesh(self.source, name="rollmesh-serve-loans")
-        namespace = self.source.namespace
-        await self._nc.subscribe(GPU_GRANTED.format(namespace), cb=self._on_granted)
-        await self._nc.subscribe(GPU_RELEASED.format(namespace), cb=self._on_released)
-        await self._nc.subscribe(SCHED_UTILIZATION.format(namespace), cb=self._on_status)
+        self._watcher = BusWatcher(self._nc, self.source.namespace, name="rollmesh-serve-loans")
+        await self._watcher.watch(GPU_GRANTED, self.roster.granted)
+        await self._watcher.watch(GPU_RELEASED, self.roster.released)
+        await self._watcher.watch(SCHED_UTILIZATION, self._on_status)
         await self._reconcile_at_start()
 
-    async def _on_granted(self, msg: Any) -> None:
-        try:
-            await self.roster.granted(GPU_GRANTED.decode(msg.data))
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            _log.warning("decode_loan_event_malformed", subject=GPU_GRANTED.template, error=str(exc))
-
-    async def _on_released(self, msg: Any) -> None:
-        try:
-            self.roster.released(GPU_RELEASED.decode(msg.data))
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            _log.warning("decode_loan_event_malformed", subject=GPU_RELEASED.template, error=str(exc))
-
-    async def _on_status(self, msg: Any) -> None:
-        try:
-            status = SCHED_UTILIZATION.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            _log.warning("decode_loan_event_malformed", subject=SCHED_UTILIZATION.template, error=str(exc))
-            return
+    async def _on_status(self, status: SchedulerStatus) -> None:
         await self.roster.reconcile(status.elastic_workers)
 
     async def _reconcile_at_start(self) -> None:

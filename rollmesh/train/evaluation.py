@@ -2,7 +2,7 @@
 the mesh, scored, and written as a sample table.
 
 Knows the eval config, rollmesh.data, task plugins, the rollout messages, a ``Publisher`` and a
-nats-py client to subscribe with; nothing of Ray or the trainer (which ignores ``purpose =
+nats-py client its ``BusWatcher`` follows the outcomes on; nothing of Ray or the trainer (which ignores ``purpose =
 "eval"`` rollouts). The prompts are read once: the first ``size`` good rows of ``data`` in file
 order (bad rows reported and skipped), or ``size`` held-out inputs a task plugin samples by
 ``seed``, so every evaluation of a run sees the same prompts. The metrics are
@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from rollmesh.bus.watcher import BusWatcher
 from rollmesh.data import BadRowError, EmptyDatasetError, map_row, open_dataset
 from rollmesh.messages import RolloutCompleted, RolloutFailed, RolloutRequested
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_REQUESTED
@@ -94,21 +95,16 @@ class Evaluation:
         outcomes: dict[str, RolloutCompleted | RolloutFailed] = {}
         all_in = asyncio.Event()
 
-        async def on_outcome(msg: Any) -> None:
-            subject = ROLLOUT_COMPLETED if msg.subject.endswith(".completed") else ROLLOUT_FAILED
-            try:
-                outcome = subject.decode(msg.data)
-            except Exception:  # not ours to judge: the mesh dead-letters what it cannot read
-                return
+        def on_outcome(outcome: RolloutCompleted | RolloutFailed) -> None:
             if outcome.group_id == group_id and outcome.rollout_id in expected:
                 outcomes.setdefault(outcome.rollout_id, outcome)
                 if len(outcomes) == len(expected):
                     all_in.set()
 
-        # Subscribed before the first request: an outcome is a core NATS event, never replayed.
-        subscriptions = [await self.nc.subscribe(subject.format(self.namespace), cb=on_outcome)
-                         for subject in (ROLLOUT_COMPLETED, ROLLOUT_FAILED)]
-        try:
+        async with BusWatcher(self.nc, self.namespace, name=f"eval-{self.name}") as watcher:
+            # Watched before the first request: an outcome is a core NATS event, never replayed.
+            for subject in (ROLLOUT_COMPLETED, ROLLOUT_FAILED):
+                await watcher.watch(subject, on_outcome)
             for rollout_id, (p, _) in expected.items():
                 await self.publisher.publish(ROLLOUT_REQUESTED, RolloutRequested(
                     rollout_id=rollout_id, task=self.task_name, task_input=prompts[p].task_input,
@@ -119,9 +115,6 @@ class Evaluation:
             except TimeoutError:
                 _log.warning("eval_timed_out", eval=self.name, step=step, timeout_s=self.timeout_s,
                              missing=len(expected) - len(outcomes), of=len(expected))
-        finally:
-            for subscription in subscriptions:
-                await subscription.unsubscribe()
         samples, rows = [], []
         for rollout_id, (p, s) in expected.items():
             sample, row = self._scored(prompts[p], p, s, outcomes.get(rollout_id))

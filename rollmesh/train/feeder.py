@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -39,6 +39,9 @@ from rollmesh.train.feeder_cursor import FeederCursor, write_cursor
 from rollmesh.train.feeder_window import FeederWindow, StagePlan
 from rollmesh.train.prompt_source import PromptSource
 from rollmesh.training.prompt_ids import parse_group_id
+
+if TYPE_CHECKING:
+    from rollmesh.bus.watcher import BusWatcher
 
 _log = structlog.get_logger("rollmesh.train.feeder")
 
@@ -82,25 +85,14 @@ class JobEvents:
         if outcome.purpose == "train" and parse_group_id(outcome.group_id) is not None:
             self.rollouts.put_nowait(outcome)
 
-    async def subscribe(self, nc: Any, namespace: str) -> list[Any]:
-        async def on_stepped(msg) -> None:
-            self.trainer.put_nowait(TRAINER_STEPPED.decode(msg.data))
-
-        async def on_dropped(msg) -> None:
-            self.trainer.put_nowait(GROUP_DROPPED.decode(msg.data))
-
-        # Only the feeder's own training rollouts are kept: evaluations and other clients'
-        # rollouts would pile up while no rl stage reads the queue (a supervised stage).
-        async def on_completed(msg) -> None:
-            self._keep(ROLLOUT_COMPLETED.decode(msg.data))
-
-        async def on_failed(msg) -> None:
-            self._keep(ROLLOUT_FAILED.decode(msg.data))
-
-        return [await nc.subscribe(TRAINER_STEPPED.format(namespace), cb=on_stepped),
-                await nc.subscribe(GROUP_DROPPED.format(namespace), cb=on_dropped),
-                await nc.subscribe(ROLLOUT_COMPLETED.format(namespace), cb=on_completed),
-                await nc.subscribe(ROLLOUT_FAILED.format(namespace), cb=on_failed)]
+    async def watch(self, watcher: BusWatcher) -> None:
+        """Follow the events on ``watcher``. Only the feeder's own training rollouts are kept:
+        evaluations and other clients' rollouts would pile up while no rl stage reads the queue
+        (a supervised stage)."""
+        await watcher.watch(TRAINER_STEPPED, self.trainer.put_nowait)
+        await watcher.watch(GROUP_DROPPED, self.trainer.put_nowait)
+        await watcher.watch(ROLLOUT_COMPLETED, self._keep)
+        await watcher.watch(ROLLOUT_FAILED, self._keep)
 
 
 @dataclass

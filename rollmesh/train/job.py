@@ -27,6 +27,7 @@ from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.security import BusCredentials
 from rollmesh.bus.tls import client_tls_context
+from rollmesh.bus.watcher import BusWatcher
 from rollmesh.config import RollmeshConfig, TrainerConfig
 from rollmesh.demo.curve import RewardCurve, window_mean
 from rollmesh.messages import CheckpointConverted
@@ -126,12 +127,9 @@ class TrainJob:
                                credentials=mesh.credentials,
                                tls=client_tls_context(self.config.security.nats_tls))
         events, converted = JobEvents(), asyncio.Queue[CheckpointConverted]()
-
-        async def on_converted(msg) -> None:
-            converted.put_nowait(CHECKPOINT_CONVERTED.decode(msg.data))
-
-        subscriptions = [*await events.subscribe(nc, mesh.namespace),
-                         await nc.subscribe(CHECKPOINT_CONVERTED.format(mesh.namespace), cb=on_converted)]
+        watcher = BusWatcher(nc, mesh.namespace, name="rollmesh-train")
+        await events.watch(watcher)
+        await watcher.watch(CHECKPOINT_CONVERTED, converted.put_nowait)
         trackers = self.open_trackers()
         try:
             publisher = BusPublisher(nc, nc.jetstream(), mesh.namespace)
@@ -163,8 +161,7 @@ class TrainJob:
             if self.evals is not None:
                 await self.evals.cancel()  # a job that failed does not wait for its evaluations
             trackers.close()
-            for subscription in subscriptions:
-                await subscription.unsubscribe()
+            await watcher.close(drain_timeout_s=0)
             await nc.close()
 
     async def _run_rl_stage(self, index: int, cursor: FeederCursor, mesh: MeshHandle,
