@@ -49,7 +49,6 @@ def broker_process(url: str, run_dir: str, ready: multiprocessing.Event, stop: m
 async def _serve_broker(url: str, run_dir: Path, ready, stop, supervised: bool) -> None:
     from rollmesh.actors.sandbox_broker import SandboxBrokerService
     from rollmesh.actors.shell import ActorShell
-    from rollmesh.bus.sandbox_leases import KvSandboxLeases
     from rollmesh.config import SandboxConfig, TelemetryConfig
     from rollmesh.sandbox import SandboxBroker, select_backend
     from rollmesh.sandbox.lease_store import LeaseJournal, readopt
@@ -66,7 +65,7 @@ async def _serve_broker(url: str, run_dir: Path, ready, stop, supervised: bool) 
         supervisor = SupervisorClient(run_dir, broker="bench-broker", idle_exit_s=10)
         await asyncio.to_thread(supervisor.ensure_running)
         backend.supervisor = supervisor
-        journal = LeaseJournal(KvSandboxLeases(publisher.jetstream, NAMESPACE), "bench-broker",  # type: ignore[attr-defined]
+        journal = LeaseJournal(shell.stores.sandbox_leases(), "bench-broker",
                                sync_interval_s=config.reap_interval_s)
     broker = SandboxBroker(config, backend, snapshot_dir=run_dir / "snapshots", publisher=publisher,
                            journal=journal)

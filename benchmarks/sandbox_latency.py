@@ -100,7 +100,6 @@ async def _serve_broker(url: str, run_dir: Path, ready, stop, broker_id: str = "
     from rollmesh.config import SandboxConfig, SandboxProfileConfig, TelemetryConfig
     from rollmesh.sandbox import SandboxBroker, select_backend
     from rollmesh.sandbox.placement import broker_ids
-    from rollmesh.bus.sandbox_leases import KvSandboxLeases
     from rollmesh.sandbox.lease_store import LeaseJournal, readopt
     from rollmesh.sandbox.supervisor_client import SupervisorClient
 
@@ -119,7 +118,7 @@ async def _serve_broker(url: str, run_dir: Path, ready, stop, broker_id: str = "
                                       keep_s=config.exec_result_keep_s)
         await asyncio.to_thread(supervisor.ensure_running)
         backend.supervisor = supervisor
-        journal = LeaseJournal(KvSandboxLeases(publisher.jetstream, namespace), f"bench-broker{broker_id}",  # type: ignore[attr-defined]
+        journal = LeaseJournal(shell.stores.sandbox_leases(), f"bench-broker{broker_id}",
                                sync_interval_s=config.reap_interval_s)
     broker = SandboxBroker(config, backend, snapshot_dir=run_dir / f"snapshots{broker_id}", publisher=publisher,
                            journal=journal, **ids)

@@ -142,12 +142,22 @@ class RequestFailedError(Exception):
     """
 
 
+class PublishAck(Protocol):
+    """What a stream answered a durable publish (nats-py's ``PubAck``): where it stored the
+    message, and whether it dropped it as a repeat of one within its duplicate window."""
+
+    stream: str
+    seq: int
+    duplicate: bool | None
+
+
 @runtime_checkable
 class Publisher(Protocol):
     """Emits messages on the bus. Implemented by ``rollmesh.bus.publisher.BusPublisher``."""
 
-    async def publish(self, subject: Subject, message: WireMessage) -> None:
-        """Encode and publish; returns once the message is durable when a stream captures it."""
+    async def publish(self, subject: Subject, message: WireMessage) -> PublishAck | None:
+        """Encode and publish; returns once the message is durable when a stream captures it,
+        with the stream's ack (None for a subject no stream captures)."""
 
     async def request(self, subject: Subject, message: WireMessage,
                       timeout_s: float) -> WireMessage:

@@ -35,13 +35,15 @@ async def test_stream_subject_is_durable_on_return_deduplicated_and_traced(
     js = nats_client.jetstream()
     request = RolloutRequested(rollout_id="r-1", task="toy")
     with trace.get_tracer("test").start_as_current_span("caller") as caller:
-        await publisher.publish(ROLLOUT_REQUESTED, request)
+        first = await publisher.publish(ROLLOUT_REQUESTED, request)
     info = await js.stream_info(rollout_requests_stream(namespace))
     assert info.state.messages == 1  # stored before publish() returned
+    assert (first.stream, first.seq, first.duplicate) == (rollout_requests_stream(namespace), 1, None)
 
-    await publisher.publish(ROLLOUT_REQUESTED, request)  # same rollout_id: dropped by the server
+    again = await publisher.publish(ROLLOUT_REQUESTED, request)  # same rollout_id: dropped by the server
     info = await js.stream_info(rollout_requests_stream(namespace))
     assert info.state.messages == 1
+    assert again.duplicate  # the ack says so
 
     stored = await js.get_msg(rollout_requests_stream(namespace), seq=1)
     assert stored.headers["Nats-Msg-Id"] == "rollout.requested:r-1"
@@ -53,7 +55,7 @@ async def test_stream_subject_is_durable_on_return_deduplicated_and_traced(
 async def test_core_subject_goes_over_core_nats(publisher, nats_client, namespace):
     sub = await nats_client.subscribe(ROLLOUT_PROGRESSED.format(namespace))
     event = RolloutProgressed(rollout_id="r", turn=1, num_tokens=3, weight_version=0)
-    await publisher.publish(ROLLOUT_PROGRESSED, event)
+    assert await publisher.publish(ROLLOUT_PROGRESSED, event) is None  # no stream, no ack
     msg = await sub.next_msg(timeout=5)
     assert ROLLOUT_PROGRESSED.decode(msg.data) == event
 

@@ -16,7 +16,6 @@ from rollmesh.actors.shell import ActorShell
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.permissions import role_permissions
 from rollmesh.bus.publisher import BusPublisher
-from rollmesh.bus.sandbox_snapshots import ObjectStoreSandboxSnapshots
 from rollmesh.config import RolloutConfig, SandboxConfig, SandboxProfileConfig, TelemetryConfig
 from rollmesh.messages import SandboxLeaseReply, SandboxLeaseRequest, SandboxLoadReported
 from rollmesh.messages.rollout import INFRA_FAILURE_KINDS
@@ -276,7 +275,7 @@ async def two_brokers(nats_server, namespace, tmp_path, trace_file):
         shell = ActorShell(f"sandbox-broker-{broker_id}", namespace, nats_server.url, run_dir=tmp_path,
                            telemetry_config=TelemetryConfig(exporter="jsonl"))
         publisher = await shell.connect()
-        shared = ObjectStoreSandboxSnapshots(publisher.jetstream, namespace, ttl_s=config.snapshot_ttl_s)
+        shared = shell.stores.sandbox_snapshots(ttl_s=config.snapshot_ttl_s)
         broker = SandboxBroker(config, FakeSandboxBackend(), snapshot_dir=tmp_path / broker_id,
                                publisher=publisher, new_id=broker_ids(lambda: uuid.uuid4().hex, broker_id),
                                shared_snapshots=shared)

@@ -24,8 +24,6 @@ from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.actors.role_memory import MemoryGate, lent_memory
 from rollmesh.actors.weight_object_store import ObjectStoreWeightFetcher
 from rollmesh.ports import ActorLogic, Publisher
-from rollmesh.bus.last_message import last_message
-from rollmesh.bus.publisher import BusPublisher
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
 from rollmesh.engine.errors import EngineBusyError
@@ -34,25 +32,14 @@ from rollmesh.engine.paged_model import build_inference_model, load_tokenizer
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
 from rollmesh.engine.token_stream import TokenDelta
-from rollmesh.engine.weight_follower import LatestWeights, StagesWeights, WeightFollower
+from rollmesh.engine.weight_follower import StagesWeights, WeightFollower
 from rollmesh.engine.weight_buckets import load_published
 from rollmesh.inference.weight_adapters import DecodeWeights, PrefillWeights
 from rollmesh.messages.base import SamplingParams
-from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
 from rollmesh.telemetry import metrics, metrics_catalog
 from rollmesh.telemetry.trace_headers import extract_trace_context
 
 _tracer = trace.get_tracer("rollmesh.inference")
-
-
-def _latest_weights(publisher: Publisher) -> LatestWeights:
-    """The newest published version, read from the weights stream (a restarted worker's catch-up)."""
-    assert isinstance(publisher, BusPublisher), "the shell's publisher is a BusPublisher"
-
-    async def latest():
-        return await last_message(publisher.jetstream, publisher.namespace, WEIGHTS_PUBLISHED)
-
-    return latest
 
 
 class PrefillWorkerActor(RoleActor):
@@ -67,7 +54,7 @@ class PrefillWorkerActor(RoleActor):
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         return WeightFollower(PrefillWeights(self.engine), publisher, worker=self.name, role=self.role,
-                              latest=_latest_weights(publisher), memory=ObjectStoreWeightFetcher())
+                              latest=self.shell.stores.latest_weights, memory=ObjectStoreWeightFetcher())
 
     async def prefill(self, input_ids: list[int], request_id: str = "",
                       trace_headers: dict[str, str] | None = None) -> PrefillResult:
@@ -121,7 +108,7 @@ class DecodeWorkerActor(RoleActor):
         metrics.observe(metrics_catalog.QUEUE_DEPTH, self, lambda actor: [
             (actor.loop.num_waiting(), {"queue": "decode", "worker": actor.name})])
         return WeightFollower(DecodeWeights(self.loop), publisher, worker=self.name, role=self.role,
-                              latest=_latest_weights(publisher), memory=ObjectStoreWeightFetcher())
+                              latest=self.shell.stores.latest_weights, memory=ObjectStoreWeightFetcher())
 
     async def generate(self, prefill: PrefillResult, sampling: SamplingParams, request_id: str,
                        trace_headers: dict[str, str] | None = None,

@@ -12,11 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
-from rollmesh.bus.publisher import BusPublisher
-from rollmesh.bus.rollout_states import KvRolloutStates
-from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
 from rollmesh.bus.tls import client_tls_context
-from rollmesh.bus.trajectory_store import ObjectStoreTrajectories
 from rollmesh.engine.paged_model import describe_served_model
 from rollmesh.inference.decode_loans import DecodeLoanRoster
 from rollmesh.inference.router import InferenceRouter
@@ -98,7 +94,7 @@ class RolloutWorkerActor(RoleActor):
                                       model_name=describe_served_model(model_config).name)
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
-        assert isinstance(publisher, BusPublisher), "the shell's publisher is a BusPublisher"
+        stores = self.shell.stores
         routes_experts = describe_served_model(self.model_config).routes_experts
         runner = RolloutRunner(
             self.config, self.model_config,
@@ -110,14 +106,11 @@ class RolloutWorkerActor(RoleActor):
             # Files above the bulk threshold go over the broker's bulk stream, TLS as NATS is.
             sandbox=SandboxBrokerClient(publisher, bulk_tls=client_tls_context(self.mesh.nats_tls)),
             # Saved after every turn, so whoever takes over a dead worker's rollout resumes it.
-            states=KvRolloutStates(publisher.jetstream, publisher.namespace),
+            states=stores.rollout_states(),
             # MoE models: each turn's routed-expert rows, kept for routing replay in training.
-            routed_experts=ObjectStoreRoutedExperts(publisher.jetstream, publisher.namespace,
-                                                    replicas=self.mesh.nats.replicas) if routes_experts else None,
+            routed_experts=stores.routed_experts() if routes_experts else None,
             # Long rollouts: traces past rollout.inline_trajectory_bytes, for the completed
             # message and the saved state.
-            trajectories=ObjectStoreTrajectories(publisher.jetstream, publisher.namespace,
-                                                 replicas=self.mesh.nats.replicas,
-                                                 ttl_s=self.config.trajectory_ttl_s),
+            trajectories=stores.trajectories(ttl_s=self.config.trajectory_ttl_s),
         )
         return RolloutWorkerLogic(runner, ElasticDecodeFollower(self.router, publisher))

@@ -34,8 +34,6 @@ import msgspec
 import structlog
 
 from rollmesh.actors.role_base import MeshContext, RoleActor
-from rollmesh.bus.sandbox_leases import KvSandboxLeases
-from rollmesh.bus.sandbox_snapshots import ObjectStoreSandboxSnapshots
 from rollmesh.bus.tls import server_tls_context
 from rollmesh.config import SandboxConfig
 from rollmesh.messages.sandbox import SandboxLeaseReply, SandboxLeaseRequest, SandboxLoadReported
@@ -192,9 +190,12 @@ class SandboxBrokerActor(RoleActor):
         new_id = lambda: uuid.uuid4().hex  # noqa: E731
         if self.broker_id:
             snapshots, new_id = snapshots / self.broker_id, broker_ids(new_id, self.broker_id)
-        supervisor, journal = await self._supervision(backend, publisher)
+        supervisor, journal = await self._supervision(backend)
+        # Snapshots also go to the namespace's object store, so one outlives this broker and its
+        # node: a rollout whose broker was lost forks its last snapshot on another broker.
+        shared_snapshots = self.shell.stores.sandbox_snapshots(ttl_s=self.config.snapshot_ttl_s)
         broker = SandboxBroker(self.config, backend, snapshot_dir=snapshots, publisher=publisher, new_id=new_id,
-                               journal=journal, shared_snapshots=self._shared_snapshots(publisher))
+                               journal=journal, shared_snapshots=shared_snapshots)
         if supervisor is not None and journal is not None:  # before serving: a request may name them
             await readopt(broker, supervisor, journal)
         service = SandboxBrokerService(broker, broker_id=self.broker_id, publisher=publisher, node=self.node)
@@ -203,27 +204,16 @@ class SandboxBrokerActor(RoleActor):
         service.bulk_tcp = service.bulk_tls is not None or not (self.mesh.credentials or self.mesh.nats_tls.enabled)
         return service
 
-    def _shared_snapshots(self, publisher: Publisher) -> ObjectStoreSandboxSnapshots | None:
-        """Snapshots also go to the namespace's object store, so one outlives this broker and its
-        node: a rollout whose broker was lost forks its last snapshot on another broker."""
-        js = getattr(publisher, "jetstream", None)
-        if js is None:
-            return None
-        return ObjectStoreSandboxSnapshots(js, publisher.namespace,  # type: ignore[attr-defined]
-                                           ttl_s=self.config.snapshot_ttl_s, replicas=self.mesh.nats.replicas)
-
-    async def _supervision(self, backend: Any, publisher: Publisher) -> tuple[SupervisorClient | None,
-                                                                              LeaseJournal | None]:
+    async def _supervision(self, backend: Any) -> tuple[SupervisorClient | None, LeaseJournal | None]:
         """With ``sandbox.supervisor``: the node's supervisor (started, or found running) holds
         this broker's sandboxes, and its leases are journaled in JetStream KV under its name
         (stable across Ray's restarts of it). runsc sandboxes stay the broker's children."""
-        js = getattr(publisher, "jetstream", None)
-        if not self.config.supervisor or backend.name not in ("bwrap", "process") or js is None:
+        if not self.config.supervisor or backend.name not in ("bwrap", "process"):
             return None, None
         supervisor = SupervisorClient(self.mesh.run_dir, broker=self.name,
                                       idle_exit_s=self.config.supervisor_idle_exit_s,
                                       keep_s=self.config.exec_result_keep_s)
         await asyncio.to_thread(supervisor.ensure_running)
         backend.supervisor = supervisor
-        store = KvSandboxLeases(js, publisher.namespace, replicas=self.mesh.nats.replicas)  # type: ignore[attr-defined]
-        return supervisor, LeaseJournal(store, self.name, sync_interval_s=self.config.reap_interval_s)
+        return supervisor, LeaseJournal(self.shell.stores.sandbox_leases(), self.name,
+                                        sync_interval_s=self.config.reap_interval_s)

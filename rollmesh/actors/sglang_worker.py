@@ -25,7 +25,6 @@ from typing import Any
 import structlog
 from opentelemetry import trace
 
-from rollmesh.actors.inference_workers import _latest_weights
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.errors import InvalidRequestError
@@ -89,7 +88,7 @@ class SGLangWorkerActor(RoleActor):
         metrics.observe(metrics_catalog.QUEUE_DEPTH, self, lambda actor: [
             (actor._in_flight, {"queue": "decode", "worker": actor.name})])
         return WeightFollower(self.weights, publisher, worker=self.name, role=self.role,
-                              latest=_latest_weights(publisher))
+                              latest=self.shell.stores.latest_weights)
 
     async def generate_prompt(self, input_ids: list[int], sampling: SamplingParams,
                               request_id: str, trace_headers: dict[str, str] | None = None,

@@ -26,6 +26,7 @@ from nats.js import JetStreamContext
 from rollmesh.bus.connection import connect_bus, flush_to_server
 from rollmesh.bus.consumers import Consumer, open_consumer
 from rollmesh.bus.dispatcher import MessageDispatcher
+from rollmesh.bus.mesh_stores import MeshStores
 from rollmesh.ports import ActorLogic
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.bus.security import BusCredentials
@@ -182,6 +183,13 @@ class ActorShell:
         if self._publisher is None:
             raise RuntimeError(f"{self.actor_name}: not connected; call connect() first")
         return self._publisher
+
+    @property
+    def stores(self) -> MeshStores:
+        """The namespace's JetStream stores, on this shell's connection."""
+        if self._js is None:
+            raise RuntimeError(f"{self.actor_name}: not connected; call connect() first")
+        return MeshStores(self._js, self.namespace, replicas=self.nats_config.replicas)
 
     @property
     def nats_client(self) -> Client:

@@ -19,15 +19,10 @@ from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.actors.role_memory import lent_memory
 from rollmesh.actors.sglang_weight_receivers import find_weight_receivers
 from rollmesh.actors.weight_object_store import ObjectStoreWeightHolder
-from rollmesh.bus.last_message import last_message
-from rollmesh.bus.publisher import BusPublisher
-from rollmesh.bus.routed_experts_store import ObjectStoreRoutedExperts
-from rollmesh.bus.trajectory_store import ObjectStoreTrajectories
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.sglang_weight_sync import SGLangWeightPush
 from rollmesh.engine.weight_memory import resolve_weight_sync
-from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
 from rollmesh.run_config import StageConfig
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
 from rollmesh.scheduling.errors import RoleLendingUnavailableError
@@ -60,7 +55,6 @@ class TrainerActor(RoleActor):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.backend = backend = await asyncio.to_thread(build_trainer_backend, self.model_config, self.config,
                                                          log_dir=log_dir)
-        assert isinstance(publisher, BusPublisher), "the shell's publisher is a BusPublisher"
         import torch  # the device decides "auto"
 
         # Workers on this node read a version from this actor's shared memory (weight_bucket_refs).
@@ -88,21 +82,17 @@ class TrainerActor(RoleActor):
                                 master_address=receivers.master_address, bucket_bytes=self.config.weight_bucket_bytes,
                                 pause_mode=receivers.pause_mode)
 
-    def _build_trainer(self, backend: TrainerBackend, publisher: BusPublisher) -> TrainerLogic:
-        async def latest_weights():
-            return await last_message(publisher.jetstream, publisher.namespace, WEIGHTS_PUBLISHED)
-
+    def _build_trainer(self, backend: TrainerBackend, publisher: Publisher) -> TrainerLogic:
+        stores = self.shell.stores
         self.trainer = TrainerLogic(self.config, self.model_config, backend, publisher,
                                     run_dir=Path(self.mesh.run_dir),
                                     busy=self.busy,
                                     # Only MoE rollouts carry a reference into it.
-                                    routed_experts=ObjectStoreRoutedExperts(publisher.jetstream, publisher.namespace,
-                                                                            replicas=self.mesh.nats.replicas),
+                                    routed_experts=stores.routed_experts(),
                                     # Only long rollouts carry a reference into it (the
                                     # rollout workers create it, with its TTL).
-                                    trajectories=ObjectStoreTrajectories(publisher.jetstream, publisher.namespace,
-                                                                         replicas=self.mesh.nats.replicas),
-                                    memory=self.weight_holder, latest_weights=latest_weights, push=self.push)
+                                    trajectories=stores.trajectories(),
+                                    memory=self.weight_holder, latest_weights=stores.latest_weights, push=self.push)
         return self.trainer
 
     async def stop(self) -> None:

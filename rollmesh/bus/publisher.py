@@ -2,8 +2,8 @@
 
 Knows nats-py, OpenTelemetry and our subjects; knows nothing of actors or Ray. Subjects captured by
 a JetStream stream are published with an ack, so the effect is durable before ``publish``
-returns, and carry a ``Nats-Msg-Id`` when the message has a natural id (the server drops a repeat
-within the stream's duplicate window). A durable publish rides out a NATS outage (a restarted
+returns (and ``publish`` returns the stream's ack), and carry a ``Nats-Msg-Id`` when the message
+has a natural id (the server drops a repeat within the stream's duplicate window; the ack says so). A durable publish rides out a NATS outage (a restarted
 server, a cluster electing a new leader): it is retried for up to ``outage_retry_s``, which the
 dedup id makes safe. Everything else goes over core NATS. Every publish carries the current trace
 context in W3C headers.
@@ -19,6 +19,7 @@ import nats.errors
 import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 from opentelemetry import trace
 
 from rollmesh.bus.errors import (
@@ -53,11 +54,7 @@ class BusPublisher:
         self.publish_timeout_s = publish_timeout_s
         self.outage_retry_s = outage_retry_s
 
-    @property
-    def jetstream(self) -> JetStreamContext:
-        return self._js
-
-    async def publish(self, subject: Subject, message: WireMessage) -> None:
+    async def publish(self, subject: Subject, message: WireMessage) -> PubAck | None:
         concrete = subject.format(self.namespace)
         data = subject.encode(message)
         stream = stream_for(subject, self.namespace)
@@ -68,7 +65,7 @@ class BusPublisher:
             headers = inject_trace_headers({})
             if stream is None:
                 await self._core_publish(concrete, data, headers)
-                return
+                return None
             msg_id = dedup_id(message)
             if msg_id is not None:
                 headers["Nats-Msg-Id"] = msg_id
@@ -82,6 +79,7 @@ class BusPublisher:
                                    subject=concrete) from exc
             if ack.duplicate:
                 _log.info("publish_deduplicated", subject=concrete, msg_id=msg_id)
+            return ack
 
     async def request(self, subject: Subject, message: WireMessage,
                       timeout_s: float) -> WireMessage:

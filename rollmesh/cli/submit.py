@@ -204,14 +204,13 @@ async def _submit(target: MeshTarget, requests: list[RolloutRequested], tracer: 
         if wait:  # subscribe before publishing, so no result can slip past
             for subject in (ROLLOUT_COMPLETED, ROLLOUT_FAILED):
                 await watcher.watch(subject, collector.record)
-        acks = _AckRecorder(js)
-        publisher = BusPublisher(nc, acks, target.namespace)  # type: ignore[arg-type]
+        publisher = BusPublisher(nc, js, target.namespace)
         for request in requests:
             with tracer.start_as_current_span(
                 SPAN_SUBMIT, attributes=message_attributes(request.rollout_id, None)
             ):
-                await publisher.publish(ROLLOUT_REQUESTED, request)
-            if acks.last is not None and acks.last.duplicate:
+                ack = await publisher.publish(ROLLOUT_REQUESTED, request)
+            if ack is not None and ack.duplicate:  # JetStream dropped it as a repeat
                 collector.skip_duplicate(request.rollout_id)
         _report_published(ROLLOUT_REQUESTED.format(target.namespace), requests, collector.duplicates,
                           bad_lines)
@@ -221,22 +220,6 @@ async def _submit(target: MeshTarget, requests: list[RolloutRequested], tracer: 
     finally:
         await watcher.close(drain_timeout_s=0)
         await nc.close()
-
-
-class _AckRecorder:
-    """Passes JetStream calls through and keeps the last publish ack, whose ``duplicate`` flag
-    says the server dropped a request as a repeat (``BusPublisher.publish`` returns nothing)."""
-
-    def __init__(self, js: Any) -> None:
-        self._js = js
-        self.last: Any = None
-
-    async def publish(self, *args: Any, **kwargs: Any) -> Any:
-        self.last = await self._js.publish(*args, **kwargs)
-        return self.last
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._js, name)
 
 
 class ResultCollector:
