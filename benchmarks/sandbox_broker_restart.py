@@ -47,7 +47,7 @@ def broker_process(url: str, run_dir: str, ready: multiprocessing.Event, stop: m
 
 
 async def _serve_broker(url: str, run_dir: Path, ready, stop, supervised: bool) -> None:
-    from rollmesh.actors.sandbox_broker import SandboxBrokerService
+    from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
     from rollmesh.actors.shell import ActorShell
     from rollmesh.config import SandboxConfig, TelemetryConfig
     from rollmesh.sandbox import SandboxBroker, select_backend
@@ -71,7 +71,7 @@ async def _serve_broker(url: str, run_dir: Path, ready, stop, supervised: bool) 
                            journal=journal)
     if supervised:
         await readopt(broker, supervisor, journal)
-    service = SandboxBrokerService(broker)
+    service = SandboxBrokerLogic(broker)
     await shell.serve(service)
     ready.set()
     while not stop.is_set():  # until killed (SIGKILL: no stop, as a crash) or, at the end, stopped

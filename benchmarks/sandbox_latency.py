@@ -95,7 +95,7 @@ async def _serve_broker(url: str, run_dir: Path, ready, stop, broker_id: str = "
     full and it has heard every peer's load. ``supervised``: as the broker actor's default
     (``sandbox.supervisor``), the node's supervisor holds its sandboxes and its leases are
     journaled in JetStream KV."""
-    from rollmesh.actors.sandbox_broker import SandboxBrokerService
+    from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
     from rollmesh.actors.shell import ActorShell
     from rollmesh.config import SandboxConfig, SandboxProfileConfig, TelemetryConfig
     from rollmesh.sandbox import SandboxBroker, select_backend
@@ -124,7 +124,7 @@ async def _serve_broker(url: str, run_dir: Path, ready, stop, broker_id: str = "
                            journal=journal, **ids)
     if supervisor is not None and journal is not None:
         await readopt(broker, supervisor, journal)
-    service = SandboxBrokerService(broker, broker_id=broker_id, publisher=publisher)
+    service = SandboxBrokerLogic(broker, broker_id=broker_id, publisher=publisher)
     await shell.serve(service)
     if peers:
         warm_min = config.profiles["default"].warm_min

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from common import atimed_ms, percentile
-from rollmesh.actors.sandbox_broker import SandboxBrokerService
+from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
 from rollmesh.actors.shell import ActorShell
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
@@ -40,7 +40,7 @@ async def serve(url: str, namespace: str, run_dir: Path, warm: int) -> tuple[Act
     publisher = await shell.connect()
     backend = await asyncio.to_thread(select_backend, "auto")
     broker = SandboxBroker(config, backend, snapshot_dir=run_dir / namespace, publisher=publisher)
-    await shell.serve(SandboxBrokerService(broker))
+    await shell.serve(SandboxBrokerLogic(broker))
     return shell, broker
 
 

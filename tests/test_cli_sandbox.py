@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support.fakes import FakeSandboxBackend
 
-from rollmesh.actors.sandbox_broker import SandboxBrokerService
+from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
 from rollmesh.actors.shell import ActorShell
 from rollmesh.cli.sandbox import exit_status, result_line
 from rollmesh.config import SandboxConfig, SandboxProfileConfig, TelemetryConfig
@@ -55,7 +55,7 @@ async def broker_on_bus(nats_server, namespace, tmp_path, trace_file):
     publisher = await shell.connect()
     config = SandboxConfig(profiles={"default": SandboxProfileConfig(warm_min=0)})  # few sandboxes to look at
     broker = SandboxBroker(config, backend, snapshot_dir=tmp_path / "snapshots", publisher=publisher)
-    await shell.serve(SandboxBrokerService(broker))
+    await shell.serve(SandboxBrokerLogic(broker))
     yield backend, broker
     await shell.stop()
 

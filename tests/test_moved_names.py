@@ -43,6 +43,9 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
     ("rollmesh.sandbox.tool_paths", "AGENT_FILES", "rollmesh.sandbox.tool_paths:GUEST_FILES"),
     ("rollmesh.sandbox.bwrap_backend", "AGENT_MOUNT", "rollmesh.sandbox.bwrap_backend:GUEST_MOUNT"),
     ("rollmesh.sandbox.runsc_backend", "AGENT_MOUNT", "rollmesh.sandbox.runsc_backend:GUEST_MOUNT"),
+    # The role logic classes (issue 24): each in its domain package, named <Role>Logic.
+    ("rollmesh.actors.sandbox_broker", "CONCURRENCY", "rollmesh.sandbox.broker_logic"),
+    ("rollmesh.actors.sandbox_broker", "SandboxBrokerService", "rollmesh.sandbox.broker_logic:SandboxBrokerLogic"),
 ]
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from support.fakes import FakeSandboxBackend
 
-from rollmesh.actors.sandbox_broker import SandboxBrokerService
+from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
 from rollmesh.actors.shell import ActorShell
 from rollmesh.bus.connection import connect_bus, flush_to_server
 from rollmesh.bus.publisher import BusPublisher
@@ -36,7 +36,7 @@ async def served(nats_server, namespace, tmp_path, trace_file):
                        telemetry_config=TelemetryConfig(exporter="jsonl"))
     publisher = await shell.connect()
     broker = SandboxBroker(config, backend, snapshot_dir=tmp_path / "snapshots", publisher=publisher)
-    await shell.serve(SandboxBrokerService(broker))
+    await shell.serve(SandboxBrokerLogic(broker))
     nc = await connect_bus(nats_server.url, name="sandbox-client", connect_timeout_s=5)
     client = SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), namespace), timeout_s=WAIT_S)
     yield broker, backend, client, nc
@@ -128,7 +128,7 @@ async def bwrap_served(nats_server, namespace, tmp_path, trace_file):
                        telemetry_config=TelemetryConfig(exporter="jsonl"))
     publisher = await shell.connect()
     broker = SandboxBroker(config, backend, snapshot_dir=tmp_path / "snapshots", publisher=publisher)
-    await shell.serve(SandboxBrokerService(broker))
+    await shell.serve(SandboxBrokerLogic(broker))
     nc = await connect_bus(nats_server.url, name="sandbox-client", connect_timeout_s=5)
     yield broker, SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), namespace), timeout_s=WAIT_S)
     await nc.close()

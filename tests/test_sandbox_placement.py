@@ -11,7 +11,7 @@ import uuid
 import pytest
 from support.fakes import FakeSandboxBackend, ManualClock
 
-from rollmesh.actors.sandbox_broker import SandboxBrokerService
+from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
 from rollmesh.actors.shell import ActorShell
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.permissions import role_permissions
@@ -234,7 +234,7 @@ async def test_a_broker_forwards_a_lease_once_and_serves_it_itself_when_the_othe
     broker = SandboxBroker(config, FakeSandboxBackend(), snapshot_dir=tmp_path,
                            new_id=broker_ids(lambda: uuid.uuid4().hex, "0"))
     publisher = ForwardingPublisher(answer)
-    service = SandboxBrokerService(broker, broker_id="0", publisher=publisher)
+    service = SandboxBrokerLogic(broker, broker_id="0", publisher=publisher)
     for index in range(3):
         await service._lease_here(SandboxLeaseRequest(holder=f"held-{index}"))
     service.directory.heard(SandboxLoadReported(broker="1", max_sandboxes=1024))  # idle
@@ -279,7 +279,7 @@ async def two_brokers(nats_server, namespace, tmp_path, trace_file):
         broker = SandboxBroker(config, FakeSandboxBackend(), snapshot_dir=tmp_path / broker_id,
                                publisher=publisher, new_id=broker_ids(lambda: uuid.uuid4().hex, broker_id),
                                shared_snapshots=shared)
-        service = SandboxBrokerService(broker, broker_id=broker_id, publisher=publisher)
+        service = SandboxBrokerLogic(broker, broker_id=broker_id, publisher=publisher)
         await shell.serve(service)
         shells.append(shell)
         services.append(service)

@@ -54,6 +54,9 @@ class RoleActor:
     """Base for role actors: builds the shell, lets the subclass build its logic, serves it."""
 
     role = "actor"
+    # The plain class this shell serves: ``<Role>Logic`` in the role's domain package
+    # (CONTRIBUTING.md, "Roles"); start() refuses a built logic of another class.
+    logic_class: type = object
     # Roles that hold accelerators (trainer, prefill, decode, resharder) report how long they
     # compute (``self.busy``): the GPU scheduler's busy time for what RL holds.
     holds_accelerators = False
@@ -82,8 +85,12 @@ class RoleActor:
         publisher = await self.shell.connect()
         if self.holds_accelerators:
             self.busy.report_as(self.role)
-        self.logic = await self.build_logic(publisher)
-        await self.shell.serve(self.logic)
+        logic = await self.build_logic(publisher)
+        if not isinstance(logic, self.logic_class):
+            raise TypeError(f"{type(self).__name__} built a {type(logic).__name__}, "
+                            f"not its {self.logic_class.__name__}")
+        self.logic = logic
+        await self.shell.serve(logic)
         return self.name
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:

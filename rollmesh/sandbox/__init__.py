@@ -2,7 +2,8 @@
 
 Knows the sandbox messages and its config slice; never imports ray or nats (the broker's actor
 shell does the wire work). The runtime seam is ``sandbox_protocol`` (a backend creates live
-sandboxes); the broker (``broker``, ``workspace_ops``, ``warm_pool``, ``snapshots``) leases them;
+sandboxes); the broker (``broker``, ``workspace_ops``, ``warm_pool``, ``snapshots``) leases them,
+and ``broker_logic`` serves it as the sandbox broker role's logic (``SandboxBrokerLogic``);
 ``broker_client`` is how rollouts and the CLI talk to it. Tool scripts that run inside sandboxes
 live in ``tools/`` as data. What a profile's sandboxes are made of (root, Python environment,
 egress allowlist) is ``images``, made ready before any lease.
@@ -11,6 +12,7 @@ egress allowlist) is ``images``, made ready before any lease.
 from rollmesh.sandbox.backends import BackendKind, select_backend, select_configured_backend
 from rollmesh.sandbox.broker import SandboxBroker, SandboxBrokerStats
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
+from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
 from rollmesh.sandbox.bwrap_backend import BwrapBackend
 from rollmesh.sandbox.errors import (
     BackendFailedError,
@@ -47,6 +49,7 @@ __all__ = [
     "SandboxBackend",
     "SandboxBroker",
     "SandboxBrokerClient",
+    "SandboxBrokerLogic",
     "SandboxBrokerStats",
     "SandboxError",
     "SandboxImage",
