@@ -12,11 +12,12 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from support.fakes import RecordingPublisher
 
 from rollmesh.checkpoint import (
     CheckpointReadError,
-    CheckpointResharder,
     CheckpointWriteError,
+    ResharderLogic,
     UnsupportedCheckpointFormatError,
     load_torch_checkpoint,
     plan_shards,
@@ -186,7 +187,7 @@ async def test_resharder_converts_a_torch_checkpoint_to_hf(tmp_path: Path, state
     source = save_torch_checkpoint(
         tmp_path / "ckpt", state_dict, model_config=model_config_dict(), step=5, weight_version=2
     )
-    resharder = CheckpointResharder(
+    resharder = ResharderLogic(
         ResharderConfig(max_shard_bytes=SMALL_SHARD_BYTES), export_root=tmp_path / "hf"
     )
     converted = await resharder.handle_checkpoint_saved(saved_event(source))
@@ -206,7 +207,7 @@ async def test_resharder_converting_the_same_step_twice_gives_the_same_result(
     source = save_torch_checkpoint(
         tmp_path / "ckpt", state_dict, model_config={}, step=5, weight_version=2
     )
-    resharder = CheckpointResharder(
+    resharder = ResharderLogic(
         ResharderConfig(max_shard_bytes=SMALL_SHARD_BYTES), export_root=tmp_path / "hf"
     )
     event = saved_event(source, model_config={"path": str(demo_model_dir)})
@@ -218,7 +219,7 @@ async def test_resharder_converting_the_same_step_twice_gives_the_same_result(
     # The redelivered event reused the export instead of writing it again.
     assert mtimes == {name: (Path(first.hf_path) / name).stat().st_mtime_ns for name in first.files}
     # A fresh resharder (a restarted actor) also answers the same message.
-    again = CheckpointResharder(
+    again = ResharderLogic(
         ResharderConfig(max_shard_bytes=SMALL_SHARD_BYTES), export_root=tmp_path / "hf"
     )
     assert await again.handle_checkpoint_saved(event) == first
@@ -234,7 +235,7 @@ async def test_resharder_redoes_an_export_of_the_same_step_from_another_source(
     new = save_torch_checkpoint(
         tmp_path / "new", state_dict, model_config={}, step=5, weight_version=2
     )
-    resharder = CheckpointResharder(ResharderConfig(), export_root=tmp_path / "hf")
+    resharder = ResharderLogic(ResharderConfig(), export_root=tmp_path / "hf")
     await resharder.handle_checkpoint_saved(saved_event(old))
     converted = await resharder.handle_checkpoint_saved(saved_event(new))
     assert_same_tensors(read_hf_checkpoint(Path(converted.hf_path)), state_dict)
@@ -260,7 +261,7 @@ def test_an_export_of_a_trained_demo_model_loads_in_transformers_with_its_tokeni
     path, layout = backend.save_checkpoint(tmp_path / "checkpoints", iteration=3)
     saved = CheckpointSaved(step=3, weight_version=1, path=str(path), format=layout,
                             model_config={"path": model_config.path})
-    converted = CheckpointResharder(ResharderConfig(), export_root=tmp_path / "hf").convert(saved)
+    converted = ResharderLogic(ResharderConfig(), export_root=tmp_path / "hf").convert(saved)
     export = Path(converted.hf_path)
 
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -280,7 +281,7 @@ def test_an_export_of_a_trained_demo_model_loads_in_transformers_with_its_tokeni
 
 async def test_resharder_fails_the_export_when_the_model_directory_is_gone(tmp_path: Path, state_dict) -> None:
     source = save_torch_checkpoint(tmp_path / "ckpt", state_dict, model_config={}, step=5, weight_version=2)
-    resharder = CheckpointResharder(ResharderConfig(), export_root=tmp_path / "hf")
+    resharder = ResharderLogic(ResharderConfig(), export_root=tmp_path / "hf")
     event = saved_event(source, model_config={"path": str(tmp_path / "deleted-model")})
     with pytest.raises(CheckpointReadError, match="tokenizer") as caught:
         await resharder.handle_checkpoint_saved(event)
@@ -290,10 +291,38 @@ async def test_resharder_fails_the_export_when_the_model_directory_is_gone(tmp_p
 @pytest.mark.parametrize("format", ["megatron_torch_dist", "megatron_legacy"])
 async def test_resharder_names_a_missing_megatron_checkpoint(tmp_path: Path, format: str) -> None:
     # Real Megatron conversions: tests/test_checkpoint_convert.py.
-    resharder = CheckpointResharder(ResharderConfig(), export_root=tmp_path / "hf")
+    resharder = ResharderLogic(ResharderConfig(), export_root=tmp_path / "hf")
     with pytest.raises(CheckpointReadError, match="no such checkpoint directory"):
         await resharder.handle_checkpoint_saved(saved_event(tmp_path / "ckpt", format=format))
     assert not (tmp_path / "hf" / "step_00000005").exists()
+
+
+async def test_resharder_logic_answers_checkpoint_saved_converted_or_failed(tmp_path: Path, state_dict) -> None:
+    """The role's handler: a checkpoint that converts -> CheckpointConverted; one that is not
+    there -> CheckpointConversionFailed naming why, and the event is settled (no raise)."""
+    from rollmesh.messages import CheckpointConversionFailed
+    from rollmesh.messages.subjects import CHECKPOINT_CONVERTED, CHECKPOINT_FAILED
+    from rollmesh.ports import MessageContext
+
+    source = save_torch_checkpoint(tmp_path / "ckpt", state_dict, model_config=model_config_dict(), step=5,
+                                   weight_version=2)
+    publisher = RecordingPublisher()
+    logic = ResharderLogic(ResharderConfig(), export_root=tmp_path / "hf", publisher=publisher)
+    [subscription] = logic.subscriptions()
+    await subscription.handler(saved_event(source), MessageContext(subject="rl.ns.ckpt.saved"))
+    missing = saved_event(tmp_path / "gone", step=6, format="megatron_torch_dist")
+    await subscription.handler(missing, MessageContext(subject="rl.ns.ckpt.saved"))
+
+    [converted] = publisher.messages(CHECKPOINT_CONVERTED)
+    assert converted.hf_path == str(tmp_path / "hf" / "step_00000005")
+    [failed] = publisher.messages(CHECKPOINT_FAILED)
+    assert isinstance(failed, CheckpointConversionFailed)
+    assert (failed.step, failed.error_type) == (6, "CheckpointReadError")
+
+
+def test_resharder_logic_refuses_to_serve_without_a_publisher(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="publisher"):
+        ResharderLogic(ResharderConfig(), export_root=tmp_path / "hf").subscriptions()
 
 
 def test_checkpoint_package_exports_what_it_states() -> None:

@@ -22,7 +22,7 @@ from rollmesh.checkpoint.convert_planner import TaskTooLargeError
 from rollmesh.checkpoint.errors import CheckpointReadError, CheckpointWriteError
 from rollmesh.checkpoint.hf_writer import INDEX_FILE, MANIFEST_FILE, read_hf_checkpoint
 from rollmesh.checkpoint.megatron_export import ExportOptions, export_to_hf, inspect_source
-from rollmesh.checkpoint.resharder import CheckpointResharder
+from rollmesh.checkpoint.resharder import ResharderLogic
 from rollmesh.config import ResharderConfig
 from rollmesh.messages.checkpoint import CheckpointSaved
 from conftest import REPO_ROOT
@@ -149,7 +149,7 @@ def test_two_converters_never_share_one_staging_directory(dense_tp2, tmp_path):
 
 
 async def test_the_resharder_converts_a_saved_megatron_checkpoint(dense_tp2, whole_export, tmp_path):
-    resharder = CheckpointResharder(ResharderConfig(max_shard_bytes=1 << 30, convert_workers=2),
+    resharder = ResharderLogic(ResharderConfig(max_shard_bytes=1 << 30, convert_workers=2),
                                     export_root=tmp_path / "exports")
     saved = CheckpointSaved(step=7, weight_version=3, path=str(dense_tp2), format="megatron_torch_dist")
     converted = await resharder.handle_checkpoint_saved(saved)

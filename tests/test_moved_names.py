@@ -46,6 +46,9 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
     # The role logic classes (issue 24): each in its domain package, named <Role>Logic.
     ("rollmesh.actors.sandbox_broker", "CONCURRENCY", "rollmesh.sandbox.broker_logic"),
     ("rollmesh.actors.sandbox_broker", "SandboxBrokerService", "rollmesh.sandbox.broker_logic:SandboxBrokerLogic"),
+    ("rollmesh.actors.resharder", "ResharderService", "rollmesh.checkpoint.resharder:ResharderLogic"),
+    ("rollmesh.checkpoint.resharder", "CheckpointResharder", "rollmesh.checkpoint.resharder:ResharderLogic"),
+    ("rollmesh.checkpoint", "CheckpointResharder", "rollmesh.checkpoint.resharder:ResharderLogic"),
 ]
 
 

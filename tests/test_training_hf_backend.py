@@ -24,7 +24,7 @@ transformers = pytest.importorskip(
 
 from rollmesh.checkpoint.hf_writer import read_hf_checkpoint  # noqa: E402
 from rollmesh.checkpoint.megatron_export import ExportOptions, export_to_hf  # noqa: E402
-from rollmesh.checkpoint.resharder import CheckpointResharder  # noqa: E402
+from rollmesh.checkpoint.resharder import ResharderLogic  # noqa: E402
 from rollmesh.checkpoint.torch_dist_reader import TorchDistCheckpoint  # noqa: E402
 from rollmesh.config import ModelConfig, ResharderConfig, TrainerConfig  # noqa: E402
 from rollmesh.engine.models import SparseMoeBlock, load_hf_model, read_hf_config, read_safetensors  # noqa: E402
@@ -311,7 +311,7 @@ def test_the_megatron_checkpoint_exports_back_to_the_same_tensors_and_config(sav
 async def test_the_resharder_converts_the_backends_checkpoint_into_a_model_the_engine_serves(saved_checkpoint,
                                                                                          tmp_path):
     kind, backend, _, path, fmt = saved_checkpoint
-    resharder = CheckpointResharder(ResharderConfig(max_shard_bytes=1 << 30), export_root=tmp_path / "exports")
+    resharder = ResharderLogic(ResharderConfig(max_shard_bytes=1 << 30), export_root=tmp_path / "exports")
     converted = await resharder.handle_checkpoint_saved(
         CheckpointSaved(step=3, weight_version=1, path=str(path), format=fmt))
     exported, expected = read_hf_checkpoint(Path(converted.hf_path)), hf_tensors(backend)

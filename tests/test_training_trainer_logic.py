@@ -14,7 +14,7 @@ import torch
 
 from support.fakes import RecordingPublisher
 from rollmesh.ports import MessageContext
-from rollmesh.checkpoint import CheckpointResharder, read_hf_checkpoint
+from rollmesh.checkpoint import ResharderLogic, read_hf_checkpoint
 from rollmesh.config import ModelConfig, ResharderConfig, TrainerConfig
 from rollmesh.engine.weight_buckets import load_published, read_manifest
 from rollmesh.messages import RolloutCompleted, RolloutFailed, TokenTrace
@@ -363,7 +363,7 @@ async def test_save_checkpoint_publishes_a_megatron_checkpoint_of_the_trained_we
     # scalar settings do: the wire field holds no nested values.
     assert saved.model_config["path"] == str(demo_model_dir)
     assert "chat_template_kwargs" not in saved.model_config
-    converted = CheckpointResharder(ResharderConfig(), export_root=tmp_path / "hf").convert(saved)
+    converted = ResharderLogic(ResharderConfig(), export_root=tmp_path / "hf").convert(saved)
     exported, trained = read_hf_checkpoint(Path(converted.hf_path)), logic.backend.state_dict()
     trained.pop("lm_head.weight", None)  # tied to the embeddings: HF leaves it out
     assert exported.keys() == trained.keys()

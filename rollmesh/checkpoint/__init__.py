@@ -4,7 +4,7 @@ writer and the resharder.
 Knows torch, safetensors and the filesystem; never Ray or NATS (the resharder's actor shell owns
 those). The Megatron <-> HF architecture maps (``arch_maps``, with their exact tensor transforms
 in ``layout_transforms``) are in place; Megatron readers, the planner and parallel resharding plug
-in behind ``read_checkpoint`` and ``CheckpointResharder`` later.
+in behind ``read_checkpoint`` and ``ResharderLogic`` (the resharder role's logic) later.
 """
 
 from rollmesh.checkpoint.errors import (
@@ -23,8 +23,12 @@ from rollmesh.checkpoint.hf_writer import (
 )
 from rollmesh.checkpoint.meta import CheckpointMeta
 from rollmesh.checkpoint.readers import CheckpointReader, read_checkpoint, supported_formats
-from rollmesh.checkpoint.resharder import CheckpointResharder
+from rollmesh.checkpoint.resharder import ResharderLogic
 from rollmesh.checkpoint.torch_format import load_torch_checkpoint, save_torch_checkpoint
+from rollmesh.moved_names import forward_moved_names
+
+# Deprecated: renamed for its role.
+__getattr__ = forward_moved_names(__name__, {"CheckpointResharder": "rollmesh.checkpoint.resharder:ResharderLogic"})
 
 __all__ = [
     "CheckpointArgumentError",
@@ -32,8 +36,8 @@ __all__ = [
     "CheckpointMeta",
     "CheckpointReadError",
     "CheckpointReader",
-    "CheckpointResharder",
     "CheckpointWriteError",
+    "ResharderLogic",
     "UnsupportedCheckpointFormatError",
     "list_hf_files",
     "load_torch_checkpoint",

@@ -1,8 +1,9 @@
-"""Checkpoint resharder logic: CheckpointSaved in, HF export on disk, CheckpointConverted out.
+"""The resharder role's logic: CheckpointSaved in, HF export on disk, CheckpointConverted out
+(or CheckpointConversionFailed with the reason when converting again cannot help).
 
-Knows the readers registry, the HF writer, the Megatron exporter and the checkpoint messages; not
-NATS (its actor shell subscribes and publishes), and Ray only through the exporter's "ray"
-backend. Megatron checkpoints (torch_dist or legacy) go through the planned, memory-bounded
+Knows the readers registry, the HF writer, the Megatron exporter, the checkpoint messages and the
+``Publisher`` port; not NATS (``rollmesh.actors.resharder.ResharderActor`` connects and serves
+this), and Ray only through the exporter's "ray" backend. Megatron checkpoints (torch_dist or legacy) go through the planned, memory-bounded
 exporter (``megatron_export``); the torch format of older runs' tiny model through
 ``read_checkpoint``. The event's ``model_config["path"]`` names the model directory whose
 tokenizer files (tokenizer, chat template, generation config) are copied into the export, so it
@@ -26,6 +27,13 @@ from rollmesh.checkpoint.megatron_export import ExportOptions, export_to_hf
 from rollmesh.checkpoint.readers import read_checkpoint
 from rollmesh.config import ResharderConfig
 from rollmesh.messages.checkpoint import CheckpointConversionFailed, CheckpointConverted, CheckpointSaved
+from rollmesh.messages.subjects import CHECKPOINT_CONVERTED, CHECKPOINT_FAILED, CHECKPOINT_SAVED
+from rollmesh.moved_names import forward_moved_names
+from rollmesh.ports import MessageContext, Publisher, Subscription
+from rollmesh.telemetry.busy_clock import BusyClock
+
+# Deprecated: the class was renamed for its role (and took in the actor's ResharderService).
+__getattr__ = forward_moved_names(__name__, {"CheckpointResharder": "rollmesh.checkpoint.resharder:ResharderLogic"})
 
 # Written after the export is published; without it (or with other values) an export is redone.
 PROVENANCE_FILE = "rollmesh_export.json"
@@ -56,13 +64,36 @@ class ExportProvenance(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.structs.replace(self, tokenizer_files=()) == msgspec.structs.replace(other, tokenizer_files=())
 
 
-class CheckpointResharder:
-    def __init__(self, config: ResharderConfig, *, export_root: Path) -> None:
+class ResharderLogic:
+    """Converts each saved checkpoint under ``export_root``. ``publisher`` is needed to serve
+    (``subscriptions``); ``convert`` and ``handle_checkpoint_saved`` work without one."""
+
+    def __init__(self, config: ResharderConfig, *, export_root: Path, publisher: Publisher | None = None,
+                 busy: BusyClock | None = None) -> None:
         self._config = config
         self._export_root = Path(export_root)
         self._export_options = ExportOptions(max_shard_bytes=config.max_shard_bytes, workers=config.convert_workers,
                                              memory_budget_bytes=config.convert_memory_budget_bytes,
                                              backend=config.convert_backend)
+        self.publisher = publisher
+        self.busy = busy or BusyClock()  # conversions: the resharder's compute
+
+    def subscriptions(self) -> list[Subscription]:
+        if self.publisher is None:
+            raise ValueError("ResharderLogic serves CheckpointSaved only with a publisher for its answers")
+        return [Subscription(CHECKPOINT_SAVED, self.handle_saved, "jetstream", durable="resharder")]
+
+    async def handle_saved(self, message: CheckpointSaved, ctx: MessageContext) -> None:
+        assert self.publisher is not None  # subscriptions() refused to serve without one
+        try:
+            with self.busy.busy():
+                converted = await self.handle_checkpoint_saved(message)
+        except PERMANENT_CONVERSION_ERRORS as exc:
+            # Retrying cannot help: say why once and settle the event. Write errors (a full
+            # disk) are not in the list: they raise, and JetStream redelivers later.
+            await self.publisher.publish(CHECKPOINT_FAILED, conversion_failed(message, exc))
+            return
+        await self.publisher.publish(CHECKPOINT_CONVERTED, converted)
 
     def export_dir(self, step: int) -> Path:
         return self._export_root / f"step_{step:08d}"

@@ -1,5 +1,5 @@
 """Megatron ``torch_dist`` checkpoints written from a Hugging Face-named state dict, so the
-resharder (``CheckpointResharder``, format ``"megatron_torch_dist"``) converts what the torch
+resharder (``ResharderLogic``, format ``"megatron_torch_dist"``) converts what the torch
 trainer saves, and a Megatron-LM run could start from it.
 
 Knows the checkpoint package's architecture maps (``arch_maps``: HF names -> canonical per-layer,
