@@ -49,6 +49,8 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
     ("rollmesh.actors.resharder", "ResharderService", "rollmesh.checkpoint.resharder:ResharderLogic"),
     ("rollmesh.checkpoint.resharder", "CheckpointResharder", "rollmesh.checkpoint.resharder:ResharderLogic"),
     ("rollmesh.checkpoint", "CheckpointResharder", "rollmesh.checkpoint.resharder:ResharderLogic"),
+    ("rollmesh.actors.gpu_scheduler", "RayJobHandle", "rollmesh.scheduling.ray_jobs"),
+    ("rollmesh.actors.gpu_scheduler", "SchedulerLogic", "rollmesh.scheduling.gpu_scheduler_logic:GpuSchedulerLogic"),
 ]
 
 

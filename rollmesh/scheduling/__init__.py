@@ -1,10 +1,12 @@
 """GPU scheduling: who holds which accelerator, RL roles first and idle ones lent to simulation jobs.
 
-Knows config and the scheduling messages; never Ray or NATS (the scheduler's actor shell and the
-launcher apply what this package decides). ``GpuScheduler`` grants declared counts at start;
-``LendingScheduler`` is the event-driven policy core (RL demand, reservations, EASY backfill,
-preemption by cost, elastic loans, fair share), driven alike by the live actor and by
-``simulate`` over SWF / CSV traces and RL phases files.
+Knows config and the scheduling messages; never NATS, and Ray only in ``ray_jobs`` (the Ray
+adapters of the job launcher and role groups ports, imported by the scheduler's actor alone).
+``GpuScheduler`` grants declared counts at start; ``LendingScheduler`` is the event-driven policy
+core (RL demand, reservations, EASY backfill, preemption by cost, elastic loans, fair share),
+driven alike by the live actor and by ``simulate`` over SWF / CSV traces and RL phases files.
+``gpu_scheduler_logic.GpuSchedulerLogic`` is the GPU scheduler role's logic (imported from its
+module, not here: it pulls in the metrics SDK).
 """
 
 from rollmesh.scheduling.accounting import UtilizationAccount, UtilizationSample, UtilizationTotals
