@@ -46,7 +46,7 @@ class MeshRuntime:
         self.ray_address = ""
         self.ray_auth_token_file: Path | None = None
         self._local_ray_env: LocalRayEnvironment | None = None
-        self.metrics_hub: Any = None  # MetricsHubService, once start_metrics ran
+        self.metrics_hub: Any = None  # MetricsHubShell, once start_metrics ran
         self.supervisor = ActorSupervisor(lambda: self.actors, interval_s=config.ray.supervise_interval_s)
 
     def start_bus(self) -> str:
@@ -94,10 +94,10 @@ class MeshRuntime:
     async def start_metrics(self, nats_url: str) -> str:
         """Serve the mesh's Prometheus metrics and write its TensorBoard scalars (the hub takes
         every actor's snapshots from NATS, as the "mesh" user); returns the metrics URL."""
-        from rollmesh.actors.metrics_hub import MetricsHubService
+        from rollmesh.metrics_hub_shell import MetricsHubShell
         from rollmesh.bus.tls import client_tls_context
 
-        self.metrics_hub = MetricsHubService(
+        self.metrics_hub = MetricsHubShell(
             self.config.namespace, nats_url, self.run_dir, telemetry=self.config.telemetry,
             nats_config=self.config.nats, credentials=self.bus_credentials.get("mesh"),
             tls=client_tls_context(self.config.security.nats_tls))

@@ -51,6 +51,11 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
     ("rollmesh.checkpoint", "CheckpointResharder", "rollmesh.checkpoint.resharder:ResharderLogic"),
     ("rollmesh.actors.gpu_scheduler", "RayJobHandle", "rollmesh.scheduling.ray_jobs"),
     ("rollmesh.actors.gpu_scheduler", "SchedulerLogic", "rollmesh.scheduling.gpu_scheduler_logic:GpuSchedulerLogic"),
+    ("rollmesh.actors.metrics_hub", "HUB_NAME", "rollmesh.metrics_hub_shell"),
+    ("rollmesh.actors.metrics_hub", "ROLLOUT_WORKERS_DURABLE", "rollmesh.metrics_hub_shell"),
+    ("rollmesh.actors.metrics_hub", "MetricsHubService", "rollmesh.metrics_hub_shell:MetricsHubShell"),
+    ("rollmesh.telemetry.metrics_hub", "MetricsHub", "rollmesh.telemetry.metrics_hub:MetricsHubLogic"),
+    ("rollmesh.telemetry", "MetricsHub", "rollmesh.telemetry.metrics_hub:MetricsHubLogic"),
 ]
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from rollmesh.moved_names import forward_moved_names
+
 _EXPORTS = {
     "setup_tracing": "rollmesh.telemetry.tracing",
     "flush_tracing": "rollmesh.telemetry.tracing",
@@ -27,18 +29,20 @@ _EXPORTS = {
     "redact_value": "rollmesh.telemetry.redaction",
     "setup_metrics": "rollmesh.telemetry.metrics",
     "collect_report": "rollmesh.telemetry.metrics",
-    "MetricsHub": "rollmesh.telemetry.metrics_hub",
+    "MetricsHubLogic": "rollmesh.telemetry.metrics_hub",
     "inject_trace_headers": "rollmesh.telemetry.trace_headers",
     "extract_trace_context": "rollmesh.telemetry.trace_headers",
 }
 
 __all__ = sorted(_EXPORTS)
+# Deprecated names, kept for one release.
+_moved = forward_moved_names(__name__, {"MetricsHub": "rollmesh.telemetry.metrics_hub:MetricsHubLogic"})
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'rollmesh.telemetry' has no attribute {name!r}")
+        return _moved(name, stacklevel=3)  # warns for a moved name, else AttributeError
     return getattr(importlib.import_module(module), name)
 
 

@@ -1,7 +1,8 @@
-"""MetricsHub: the mesh's metrics in one place, served to Prometheus and written for TensorBoard.
+"""The metrics hub's logic: the mesh's metrics in one place, served to Prometheus and written for
+TensorBoard.
 
 Knows the aggregate, the Prometheus endpoint and the TensorBoard writer; nothing of NATS (its
-shell, ``rollmesh.actors.metrics_hub``, feeds it snapshots and queue depths). Runs in the
+shell, ``rollmesh.metrics_hub_shell``, feeds it snapshots and queue depths). Runs in the
 ``rollmesh up`` process. Snapshots arrive on the event loop while scrapes come on the HTTP
 server's thread, hence the lock around the aggregate.
 """
@@ -14,17 +15,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rollmesh.config import TelemetryConfig
+from rollmesh.moved_names import forward_moved_names
 from rollmesh.messages.metrics import MetricsReported
 from rollmesh.telemetry.metrics_aggregate import AggregatedMetric, MetricsAggregate
 from rollmesh.telemetry.metrics_catalog import QUEUE_DEPTH
 from rollmesh.telemetry.metrics_exposition import MetricsEndpoint, serve_metrics
 from rollmesh.telemetry.metrics_tensorboard import TensorBoardScalars
 
+# Deprecated: renamed for its role.
+__getattr__ = forward_moved_names(__name__, {"MetricsHub": "rollmesh.telemetry.metrics_hub:MetricsHubLogic"})
+
 # A source missing this many report intervals is gone: its gauges leave the aggregate.
 STALE_AFTER_REPORTS = 3
 
 
-class MetricsHub:
+class MetricsHubLogic:
     def __init__(self, config: TelemetryConfig, run_dir: Path, *,
                  clock: Callable[[], float] = time.time) -> None:
         self.config = config
