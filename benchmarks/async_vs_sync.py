@@ -1,7 +1,7 @@
 """Asynchronous RL against synchronous RL on the same resources: trained trajectories per hour.
 
 Both pipelines run in this one process with rollmesh's real logic classes and no Ray or NATS:
-``RolloutRunner`` (the agent loop), ``TrainerLogic`` (admission, GRPO steps, weight versions),
+``RolloutWorkerLogic`` (the agent loop), ``TrainerLogic`` (admission, GRPO steps, weight versions),
 ``LocalEngine`` following the trainer's weights through ``WeightFollower``, and a
 ``SandboxBroker`` with the bubblewrap backend reached through ``InProcessRequester``. An
 in-process bus (``InProcessBus`` below) delivers each published message, through its subject's
@@ -72,7 +72,7 @@ from rollmesh.messages.subjects import (
     ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_REQUESTED, TRAINER_STEPPED, WEIGHTS_PUBLISHED,
 )
 from rollmesh.ports import MessageContext
-from rollmesh.rollout.agent_loop import RolloutRunner
+from rollmesh.rollout.agent_loop import RolloutWorkerLogic
 from rollmesh.rollout.molar_mass import MolarMassTask
 from rollmesh.model_source import ensure_demo_model
 from rollmesh.rollout.tasks import SandboxCommand, TaskRegistry
@@ -300,7 +300,7 @@ async def run_pipeline(mode: str, model: ModelConfig, *, seconds: float, slots: 
             rollout_config = RolloutConfig(max_concurrent=slots, tool_timeout_s=TOOL_CAP_S + 30,
                                            progress_events=False)
             sandbox = EnvironmentTimeClient(bus, delays)
-            runner = RolloutRunner(rollout_config, model, chat=ChatModel.from_config(model), tasks=TaskRegistry([task]),
+            runner = RolloutWorkerLogic(rollout_config, model, chat=ChatModel.from_config(model), tasks=TaskRegistry([task]),
                                    engine=engine, publisher=bus, sandbox=sandbox)
             work = requests(seed, task, delays)
             drive = drive_async if mode == "async" else drive_sync
@@ -327,7 +327,7 @@ class _WindowClosed(Exception):
     """Raised inside the task group when the window ends: it cancels every delivery still running."""
 
 
-async def drive_async(runner: RolloutRunner, work: Iterator[RolloutRequested], tally: Tally,
+async def drive_async(runner: RolloutWorkerLogic, work: Iterator[RolloutRequested], tally: Tally,
                       engine: LocalEngine, slots: int) -> None:
     async def slot() -> None:
         for request in work:  # the next request as soon as this slot is free
@@ -338,7 +338,7 @@ async def drive_async(runner: RolloutRunner, work: Iterator[RolloutRequested], t
             group.create_task(slot())
 
 
-async def drive_sync(runner: RolloutRunner, work: Iterator[RolloutRequested], tally: Tally,
+async def drive_sync(runner: RolloutWorkerLogic, work: Iterator[RolloutRequested], tally: Tally,
                      engine: LocalEngine, slots: int) -> None:
     batch_size = TRAINER.n_samples_per_prompt * TRAINER.groups_per_step
     limit = asyncio.Semaphore(slots)

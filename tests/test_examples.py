@@ -199,7 +199,7 @@ async def test_the_task_plugin_example_loads_by_import_path_and_a_rollout_of_it_
                                    SandboxReleaseReply)
     from rollmesh.messages.subjects import (SANDBOX_EXEC, SANDBOX_HEARTBEAT, SANDBOX_LEASE, SANDBOX_RELEASE)
     from rollmesh.ports import MessageContext
-    from rollmesh.rollout.agent_loop import RolloutRunner
+    from rollmesh.rollout.agent_loop import RolloutWorkerLogic
     from rollmesh.rollout.rollout_state import InMemoryRolloutStates
     from rollmesh.rollout.tasks import DemonstrableTask, TaskRegistry
     from rollmesh.messages import RolloutRequested, SamplingParams
@@ -223,7 +223,7 @@ async def test_the_task_plugin_example_loads_by_import_path_and_a_rollout_of_it_
         SANDBOX_HEARTBEAT: SandboxHeartbeatReply(expires_at=1e9),
         SANDBOX_RELEASE: SandboxReleaseReply(released=True)})
     states = InMemoryRolloutStates()
-    runner = RolloutRunner(RolloutConfig(strict_tokenization=True), ModelConfig(path=str(demo_model_dir)),
+    runner = RolloutWorkerLogic(RolloutConfig(strict_tokenization=True), ModelConfig(path=str(demo_model_dir)),
                            chat=chat, tasks=registry, engine=engine, publisher=bus, states=states,
                            max_seq_len=2048)  # its system prompt and two tools outgrow the demo's 256 positions
     request = RolloutRequested(rollout_id="d-1", task="dilution",

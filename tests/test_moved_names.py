@@ -56,6 +56,9 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
     ("rollmesh.actors.metrics_hub", "MetricsHubService", "rollmesh.metrics_hub_shell:MetricsHubShell"),
     ("rollmesh.telemetry.metrics_hub", "MetricsHub", "rollmesh.telemetry.metrics_hub:MetricsHubLogic"),
     ("rollmesh.telemetry", "MetricsHub", "rollmesh.telemetry.metrics_hub:MetricsHubLogic"),
+    ("rollmesh.actors.rollout_worker", "RolloutWorkerLogic", "rollmesh.rollout.agent_loop"),
+    ("rollmesh.actors.rollout_worker", "ElasticDecodeFollower", "rollmesh.rollout.elastic_decode"),
+    ("rollmesh.rollout.agent_loop", "RolloutRunner", "rollmesh.rollout.agent_loop:RolloutWorkerLogic"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The rollout agent loop (``RolloutRunner``) driven directly: a scripted engine, a recording bus
+"""The rollout agent loop (``RolloutWorkerLogic``) driven directly: a scripted engine, a recording bus
 with scripted sandbox replies, and a hand-built ``MessageContext``. The task, the demo model's own
 tokenizer, chat template and tool-call format (``ChatModel``), and the trajectory bookkeeping are
 the real ones; the engine "samples" the ids of ``chat.encode(chat.write_turn(...))``, a turn as the
@@ -47,7 +47,7 @@ from rollmesh.messages.subjects import (
     SANDBOX_SNAPSHOT,
     broker_subject,
 )
-from rollmesh.rollout.agent_loop import RolloutRunner
+from rollmesh.rollout.agent_loop import RolloutWorkerLogic
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates
 from rollmesh.rollout.molar_mass import MolarMassTask, true_molar_mass
 from rollmesh.rollout.tasks import TaskRegistry
@@ -114,14 +114,15 @@ def sandbox_bus(*exec_replies: SandboxExecReply | BaseException,
 def runner(engine: ScriptedEngine, bus: RecordingPublisher, *, max_seq_len: int | None = None,
            progress_events: bool = True, states: InMemoryRolloutStates | None = None,
            chat_model: ChatModel | None = None, tasks: list | None = None, routed_experts=None,
-           sandbox: SandboxBrokerClient | None = None, **config) -> RolloutRunner:
+           sandbox: SandboxBrokerClient | None = None, decode_loans=None, **config) -> RolloutWorkerLogic:
     """A runner that fails at the first infrastructure failure unless the test asks for retries."""
     config = {"infra_retries": 0, "infra_retry_delay_s": 0.0, "strict_tokenization": True, **config}
-    return RolloutRunner(
+    return RolloutWorkerLogic(
         RolloutConfig(tool_timeout_s=5.0, progress_events=progress_events, **config),
         ModelConfig(path=os.environ["ROLLMESH_MODEL__PATH"]), chat=chat_model or chat(),
         tasks=TaskRegistry(tasks or [MolarMassTask()]), engine=engine, publisher=bus, clock=lambda: 100.0,
         states=states, max_seq_len=max_seq_len, routed_experts=routed_experts, sandbox=sandbox,
+        decode_loans=decode_loans,
     )
 
 
@@ -1017,3 +1018,29 @@ async def test_a_task_without_tools_runs_without_a_sandbox_lease(stray_calls):
     assert result.malformed_tool_calls == stray_calls
     assert bus.requested(SANDBOX_LEASE) == [] and bus.requested(SANDBOX_EXEC) == []
     assert bus.requested(SANDBOX_RELEASE) == []
+
+
+async def test_with_decode_loans_the_worker_logic_follows_lent_decode_workers_from_start_and_events():
+    """The rollout worker's one logic class also follows elastic decode for its router: the
+    scheduler's status at start, then the loan events its shell delivers; no scheduler is fine."""
+    from rollmesh.inference.router import InferenceRouter
+    from rollmesh.messages import GpuGranted, GpuReleased
+    from rollmesh.messages.subjects import GPU_GRANTED, GPU_RELEASED, ROLLOUT_REQUESTED, SCHED_STATUS
+    from rollmesh.rollout.elastic_decode import ElasticDecodeFollower
+
+    bus = RecordingPublisher(replies={SCHED_STATUS: [RequestTimeoutError(subject="rl.test.sched.status",
+                                                                         timeout_s=5.0)]})
+    router = InferenceRouter([], [object()])
+    logic = runner(ScriptedEngine([]), bus,
+                   decode_loans=ElasticDecodeFollower(router, bus, find_worker=lambda name: f"handle-{name}"))
+    assert [s.subject for s in logic.subscriptions()] == [ROLLOUT_REQUESTED, GPU_GRANTED, GPU_RELEASED]
+    await logic.start()  # nothing answers the status request: nothing lent, no error
+    assert logic.stats()["lent_decode_workers"] == 0
+
+    _, granted, released = logic.subscriptions()
+    await granted.handler(GpuGranted(grant_id="ns-decode-elastic-0", holder="decode.elastic", role="decode",
+                                     count=1, resource="GPU"), context())
+    assert router.lent_decode_workers() == ["ns-decode-elastic-0"]
+    assert logic.stats()["lent_decode_workers"] == 1
+    await released.handler(GpuReleased(grant_id="ns-decode-elastic-0", holder="decode.elastic", count=1), context())
+    assert logic.stats()["lent_decode_workers"] == 0

@@ -30,7 +30,7 @@ from rollmesh.messages.subjects import (
     SANDBOX_RELEASE,
 )
 from rollmesh.ports import MessageContext
-from rollmesh.rollout.agent_loop import RolloutRunner
+from rollmesh.rollout.agent_loop import RolloutWorkerLogic
 from rollmesh.rollout.molar_mass import MolarMassTask, true_molar_mass
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates
 from rollmesh.rollout.tasks import TaskRegistry
@@ -77,7 +77,7 @@ async def run(chat: ChatModel, engine: ScriptedEngine, *, states=None, trajector
     recorder = bus()
     config = {"infra_retries": 0, "infra_retry_delay_s": 0.0, "strict_tokenization": True, "tool_timeout_s": 5.0,
               **config}
-    runner = RolloutRunner(RolloutConfig(**config), ModelConfig(path=os.environ["ROLLMESH_MODEL__PATH"]), chat=chat,
+    runner = RolloutWorkerLogic(RolloutConfig(**config), ModelConfig(path=os.environ["ROLLMESH_MODEL__PATH"]), chat=chat,
                            tasks=TaskRegistry([TASK]), engine=engine, publisher=recorder, clock=lambda: 100.0,
                            states=states, trajectories=trajectories, max_seq_len=4096)
     request = RolloutRequested(rollout_id="r-1", task="molar_mass", task_input={"formula": FORMULA}, group_id="g",

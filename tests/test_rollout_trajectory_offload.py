@@ -1,4 +1,4 @@
-"""The rollout loop with a trajectory store (``RolloutRunner(trajectories=...)``): a trace past
+"""The rollout loop with a trajectory store (``RolloutWorkerLogic(trajectories=...)``): a trace past
 ``rollout.inline_trajectory_bytes`` is stored before its RolloutCompleted is published, the
 saved state keeps it by reference, and a worker taking the rollout over resumes from it. The
 scripted engine and recording bus are those of test_rollout_agent_loop."""
@@ -13,7 +13,7 @@ import pytest
 from support.fakes import RecordingPublisher, ScriptedEngine
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED
-from rollmesh.rollout.agent_loop import RolloutRunner
+from rollmesh.rollout.agent_loop import RolloutWorkerLogic
 from rollmesh.rollout.molar_mass import MolarMassTask
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates
 from rollmesh.rollout.tasks import TaskRegistry
@@ -38,8 +38,8 @@ class PublishWatcher(RecordingPublisher):
 
 
 def runner(engine: ScriptedEngine, bus: RecordingPublisher, states: InMemoryRolloutStates,
-           store: InMemoryTrajectories, *, inline_bytes: int) -> RolloutRunner:
-    return RolloutRunner(
+           store: InMemoryTrajectories, *, inline_bytes: int) -> RolloutWorkerLogic:
+    return RolloutWorkerLogic(
         RolloutConfig(tool_timeout_s=5.0, infra_retries=0, inline_trajectory_bytes=inline_bytes,
                       strict_tokenization=True),
         ModelConfig(path=os.environ["ROLLMESH_MODEL__PATH"]), chat=chat(), tasks=TaskRegistry([MolarMassTask()]),

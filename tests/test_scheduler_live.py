@@ -170,11 +170,12 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
     them as well and drops them at their release."""
     from rollmesh.inference.decode_loans import DecodeLoanRoster
     from rollmesh.inference.router import InferenceRouter
-    from rollmesh.actors.rollout_worker import ElasticDecodeFollower
+    from rollmesh.actors.rollout_worker import ray_actor_by_name
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.config import InferenceConfig, ModelConfig
     from rollmesh.dashboard import DashboardSource
     from rollmesh.messages.base import SamplingParams
+    from rollmesh.rollout.elastic_decode import ElasticDecodeFollower
     from rollmesh.serve_apps.decode_loan_follower import DecodeLoanFollower
 
     namespace = "t" + uuid.uuid4().hex[:10]
@@ -198,7 +199,7 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
 
         # A rollout worker's router, started after the loans: it finds them through the status.
         router = InferenceRouter([], [object()])
-        follower = ElasticDecodeFollower(router, BusPublisher(nc, nc.jetstream(), namespace))
+        follower = ElasticDecodeFollower(router, BusPublisher(nc, nc.jetstream(), namespace), ray_actor_by_name)
         await follower.start()
         assert router.lent_decode_workers() == lent
         # The lent workers live in the Ray job's namespace (the mesh's, in a launched mesh), not

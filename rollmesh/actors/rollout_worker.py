@@ -1,10 +1,11 @@
-"""The rollout worker actor: runs agent loops for rollout requests taken from the JetStream queue.
+"""The rollout worker actor: the shell around ``rollmesh.rollout.agent_loop.RolloutWorkerLogic``,
+which runs agent loops for rollout requests taken from the JetStream queue.
 
-Knows the rollout package, the inference router, the shell and the rollout-state KV store. It
-receives the mesh's prefill/decode actor handles from the launcher; decode workers the GPU
-scheduler lends idle accelerators (elastic decode) it looks up by name as their grants arrive
-(``ElasticDecodeFollower``, with ``rollmesh.inference.decode_loans.DecodeLoanRoster``), the one place it asks Ray
-for a handle.
+Knows the rollout package, the inference router, the shell and the namespace's stores (rollout
+state KV, routed experts, trajectories: ``self.shell.stores``). It receives the mesh's prefill/decode actor handles from the
+launcher; decode workers the GPU scheduler lends idle accelerators (elastic decode) it looks up
+by name as their grants arrive (``ray_actor_by_name``, handed to the logic's
+``rollmesh.rollout.elastic_decode.ElasticDecodeFollower``), the one place it asks Ray for a handle.
 """
 
 from __future__ import annotations
@@ -14,45 +15,21 @@ from typing import Any
 from rollmesh.actors.role_base import MeshContext, RoleActor
 from rollmesh.bus.tls import client_tls_context
 from rollmesh.engine.paged_model import describe_served_model
-from rollmesh.inference.decode_loans import DecodeLoanRoster
 from rollmesh.inference.router import InferenceRouter
-from rollmesh.bus.errors import BusRequestError
 from rollmesh.chat import ChatModel
-from rollmesh.messages import GpuGranted, GpuReleased, SchedulerStatusRequest
-from rollmesh.messages.subjects import GPU_GRANTED, GPU_RELEASED, SCHED_STATUS
-from rollmesh.ports import ActorLogic, MessageContext, Publisher, Subscription
 from rollmesh.config import ModelConfig, RolloutConfig
-from rollmesh.rollout.agent_loop import RolloutRunner
+from rollmesh.moved_names import forward_moved_names
+from rollmesh.ports import ActorLogic, Publisher
+from rollmesh.rollout import agent_loop, elastic_decode
 from rollmesh.rollout.tasks import TaskRegistry
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
 
-
-class ElasticDecodeFollower:
-    """Keeps a rollout worker's router in step with the GPU scheduler's decode loans: the loan
-    events arrive through the shell; at start, the scheduler's status lists the loans made
-    before this worker existed."""
-
-    def __init__(self, router: InferenceRouter, publisher: Publisher) -> None:
-        self.router = router
-        self.publisher = publisher
-        self.roster = DecodeLoanRoster(router, ray_actor_by_name)
-
-    def subscriptions(self) -> list[Subscription]:
-        return [Subscription(GPU_GRANTED, self.handle_granted, "core"),
-                Subscription(GPU_RELEASED, self.handle_released, "core")]
-
-    async def start(self) -> None:
-        try:
-            status = await self.publisher.request(SCHED_STATUS, SchedulerStatusRequest(), 5.0)
-        except BusRequestError:
-            return  # no scheduler answering: nothing lent
-        await self.roster.reconcile(status.elastic_workers)
-
-    async def handle_granted(self, message: GpuGranted, context: MessageContext) -> None:
-        await self.roster.granted(message)
-
-    async def handle_released(self, message: GpuReleased, context: MessageContext) -> None:
-        self.roster.released(message)
+# Deprecated: the logic (merged with the rollout package's RolloutRunner) and the loan follower
+# moved into the rollout package (used here through their modules, so these names warn).
+__getattr__ = forward_moved_names(__name__, {
+    "RolloutWorkerLogic": "rollmesh.rollout.agent_loop",
+    "ElasticDecodeFollower": "rollmesh.rollout.elastic_decode",
+})
 
 
 def ray_actor_by_name(name: str) -> Any:
@@ -62,25 +39,9 @@ def ray_actor_by_name(name: str) -> Any:
     return ray.get_actor(name)
 
 
-class RolloutWorkerLogic:
-    """The rollout runner, and the follower of decode loans beside it."""
-
-    def __init__(self, runner: RolloutRunner, follower: ElasticDecodeFollower) -> None:
-        self.runner = runner
-        self.follower = follower
-
-    def subscriptions(self) -> list[Subscription]:
-        return self.runner.subscriptions() + self.follower.subscriptions()
-
-    async def start(self) -> None:
-        await self.follower.start()
-
-    def stats(self) -> dict[str, Any]:
-        return {**self.runner.stats(), "lent_decode_workers": len(self.follower.router.lent_decode_workers())}
-
-
 class RolloutWorkerActor(RoleActor):
     role = "rollout_worker"
+    logic_class = agent_loop.RolloutWorkerLogic
     # A rollout may run for an hour: at stop (`rollmesh down`) it is not waited for but handed
     # back to the work queue at once, to resume from its last saved turn.
     drain_timeout_s = 0.5
@@ -96,7 +57,7 @@ class RolloutWorkerActor(RoleActor):
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         stores = self.shell.stores
         routes_experts = describe_served_model(self.model_config).routes_experts
-        runner = RolloutRunner(
+        return agent_loop.RolloutWorkerLogic(
             self.config, self.model_config,
             # The model's tokenizer, chat template and tool-call format, loaded once per worker.
             chat=ChatModel.from_config(self.model_config),
@@ -112,5 +73,5 @@ class RolloutWorkerActor(RoleActor):
             # Long rollouts: traces past rollout.inline_trajectory_bytes, for the completed
             # message and the saved state.
             trajectories=stores.trajectories(ttl_s=self.config.trajectory_ttl_s),
+            decode_loans=elastic_decode.ElasticDecodeFollower(self.router, publisher, ray_actor_by_name),
         )
-        return RolloutWorkerLogic(runner, ElasticDecodeFollower(self.router, publisher))

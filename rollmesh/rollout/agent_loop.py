@@ -78,21 +78,27 @@ from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.rollout_sandbox import RolloutSandbox
 from rollmesh.rollout.rollout_state import InMemoryRolloutStates
 from rollmesh.rollout.rollout_turns import RolloutRun, RolloutTurns, trace_id_of
+from rollmesh.rollout.elastic_decode import ElasticDecodeFollower
 from rollmesh.rollout.environments import EnvironmentRollout
 from rollmesh.rollout.tasks import Task, TaskInputError, TaskRegistry, UnknownTaskError, is_environment
 from rollmesh.rollout.tool_runner import ToolRunner
 from rollmesh.rollout.trajectory import RolloutTrajectory
 from rollmesh.rollout.trajectory_offload import COMPLETED_OBJECT, OffloadingRolloutStates, place_traces
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
+from rollmesh.moved_names import forward_moved_names
 from rollmesh.telemetry import conventions, metrics, metrics_catalog
 
 _log = structlog.get_logger("rollmesh.rollout")
 _tracer = trace.get_tracer("rollmesh.rollout")
 MAX_RETRY_DELAY_S = 30.0
 
+# Deprecated: renamed for its role (and took in what the actors' RolloutWorkerLogic added).
+__getattr__ = forward_moved_names(__name__, {"RolloutRunner": "rollmesh.rollout.agent_loop:RolloutWorkerLogic"})
 
-class RolloutRunner:
-    """Plain logic of a rollout worker; the shell feeds it ``RolloutRequested`` messages."""
+
+class RolloutWorkerLogic:
+    """The rollout worker role's logic; the shell feeds it ``RolloutRequested`` messages, and the
+    loan events when ``decode_loans`` follows elastic decode for its router."""
 
     def __init__(
         self,
@@ -110,6 +116,7 @@ class RolloutRunner:
         routed_experts: RoutedExpertsStore | None = None,
         trajectories: TrajectoryStore | None = None,
         max_seq_len: int | None = None,
+        decode_loans: ElasticDecodeFollower | None = None,
     ) -> None:
         self.config = config
         # The model's context (config.json's max_position_embeddings) unless a test names a shorter one.
@@ -121,8 +128,8 @@ class RolloutRunner:
         # The import-path rewards a request may name (the dataset task's): the config's, no others.
         tasks.allow_reward_functions(config.reward_functions)
         self.publisher = publisher
-        self.sandbox = sandbox or SandboxBrokerClient(publisher)
-        self.leases = RolloutSandbox(self.sandbox, config)
+        self.broker_client = sandbox or SandboxBrokerClient(publisher)
+        self.rollout_sandbox = RolloutSandbox(self.broker_client, config)
         self.states: RolloutStateStore = states if states is not None else InMemoryRolloutStates()
         # Where a trace too large to travel inline (rollout.inline_trajectory_bytes) is stored,
         # for the completed message and the saved state alike; None: always inline.
@@ -133,27 +140,30 @@ class RolloutRunner:
         self.worker = worker
         self.clock = clock
         # MoE models (routed_experts set): every turn's routed-expert rows are kept for routing replay.
-        self.turns = RolloutTurns(config, chat=chat, engine=engine, tools=ToolRunner(self.sandbox, config),
-                                  leases=self.leases, publisher=publisher, clock=clock,
+        self.turns = RolloutTurns(config, chat=chat, engine=engine, tools=ToolRunner(self.broker_client, config),
+                                  leases=self.rollout_sandbox, publisher=publisher, clock=clock,
                                   max_seq_len=self.max_seq_len, routed_experts=routed_experts)
         self.counts = {"completed": 0, "failed": 0, "resumed": 0, "republished": 0, "infra_retries": 0,
                        "joined": 0}
         self._running: dict[str, asyncio.Future[None]] = {}
+        self.decode_loans = decode_loans
         metrics.observe(metrics_catalog.ROLLOUTS_IN_FLIGHT, self,
                         lambda runner: [(len(runner._running), {"worker": runner.worker})])
 
     def subscriptions(self) -> list[Subscription]:
-        return [
-            Subscription(
-                ROLLOUT_REQUESTED,
-                self.handle_requested,
-                "jetstream",
-                max_concurrent=self.config.max_concurrent,
-            )
-        ]
+        requested = Subscription(ROLLOUT_REQUESTED, self.handle_requested, "jetstream",
+                                 max_concurrent=self.config.max_concurrent)
+        loans = self.decode_loans.subscriptions() if self.decode_loans is not None else []
+        return [requested, *loans]
+
+    async def start(self) -> None:
+        if self.decode_loans is not None:
+            await self.decode_loans.start()
 
     def stats(self) -> dict[str, int]:
-        return dict(self.counts)
+        if self.decode_loans is None:
+            return dict(self.counts)
+        return {**self.counts, "lent_decode_workers": len(self.decode_loans.router.lent_decode_workers())}
 
     async def handle_requested(self, request: RolloutRequested, ctx: MessageContext) -> None:
         """Run (or resume) the rollout; returns only after its outcome is durably published (then
@@ -273,14 +283,14 @@ class RolloutRunner:
             run.state, trajectory = self._started(run.state, task, tools)
         if tools:
             saved = run.state
-            lease_id = await self.leases.lease(request.rollout_id, held=saved.lease_id,
+            lease_id = await self.rollout_sandbox.lease(request.rollout_id, held=saved.lease_id,
                                                snapshot_id=saved.snapshot_id, turn=saved.turn)
             run.state = msgspec.structs.replace(run.state, lease_id=lease_id)
             try:
-                conversation = await self.leases.while_leased(
+                conversation = await self.rollout_sandbox.while_leased(
                     lease_id, request.rollout_id, self.turns.run(run, task, tools, trajectory, lease_id, self._save))
             finally:
-                await self.leases.release(lease_id, request.rollout_id)
+                await self.rollout_sandbox.release(lease_id, request.rollout_id)
         else:
             # A task without tools runs nothing in a sandbox (a call the model writes anyway is
             # malformed and answered without running): no lease, no heartbeats, no snapshots.

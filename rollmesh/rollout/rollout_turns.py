@@ -3,7 +3,7 @@ the rollout ends.
 
 Knows the model's ``ChatModel``, the engine seam, the tool runner, the rollout's sandbox lease
 (workspace snapshots), the routed-experts store and the wire contract; not Ray, NATS, the work
-queue or retries (``RolloutRunner`` in agent_loop.py owns those and hands in ``save``). Every
+queue or retries (``RolloutWorkerLogic`` in agent_loop.py owns those and hands in ``save``). Every
 generated id is kept exactly as sampled; the turn is parsed from those ids; a turn without an
 end-of-turn id (cut by ``max_new_tokens``) ends the rollout as "truncated", as does a tool result
 that fills the model's context; a turn that calls no tool is the answer.
@@ -54,7 +54,7 @@ class RolloutRun:
 
 
 class RolloutTurns:
-    """Runs a rollout's turns; built once per worker by ``RolloutRunner``."""
+    """Runs a rollout's turns; built once per worker by ``RolloutWorkerLogic``."""
 
     def __init__(self, config: RolloutConfig, *, chat: ChatModel, engine: InferenceEngine, tools: ToolRunner,
                  leases: RolloutSandbox, publisher: Publisher, clock: Callable[[], float], max_seq_len: int,
