@@ -37,24 +37,27 @@ from rollmesh.moved_names import forward_moved_names
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.scheduling.accounting import UtilizationAccount
 from rollmesh.scheduling.errors import RoleLendingUnavailableError
-from rollmesh.scheduling.gpu_scheduler_logic import RL_ROLES, GpuSchedulerLogic
+from rollmesh.scheduling import gpu_scheduler_logic, ray_jobs
 from rollmesh.scheduling.grants import GpuScheduler
 from rollmesh.scheduling.lending import LendingScheduler
 from rollmesh.scheduling.lending_service import JobLedger, LendingService, whole_start_grants
-from rollmesh.scheduling.ray_jobs import RayJobLauncher, RoleGrantGroups
 from rollmesh.scheduling.role_busy import RoleBusyRates
 from rollmesh.scheduling.workload import RoleShare
 
-# Deprecated: the logic and the Ray adapters moved into the scheduling package.
+# Deprecated: the logic and the Ray adapters moved into the scheduling package (used here through
+# their modules, so these names warn).
 __getattr__ = forward_moved_names(__name__, {
     "SchedulerLogic": "rollmesh.scheduling.gpu_scheduler_logic:GpuSchedulerLogic",
+    "RL_ROLES": "rollmesh.scheduling.gpu_scheduler_logic",
     "RayJobHandle": "rollmesh.scheduling.ray_jobs",
+    "RayJobLauncher": "rollmesh.scheduling.ray_jobs",
+    "RoleGrantGroups": "rollmesh.scheduling.ray_jobs",
 })
 
 
 class GpuSchedulerActor(RoleActor):
     role = "gpu_scheduler"
-    logic_class = GpuSchedulerLogic
+    logic_class = gpu_scheduler_logic.GpuSchedulerLogic
 
     def __init__(self, name: str, mesh: MeshContext, config: SchedulerConfig,
                  model_config: ModelConfig | None = None, inference_config: InferenceConfig | None = None,
@@ -70,7 +73,7 @@ class GpuSchedulerActor(RoleActor):
         self.trainer_config = trainer_config
         self.role_workers = role_workers if role_workers is not None else role_workers_of(inference_config)
         self.scheduler = GpuScheduler(config, clock=time.time, new_id=lambda: uuid.uuid4().hex)
-        self.logic_: GpuSchedulerLogic | None = None
+        self.logic_: gpu_scheduler_logic.GpuSchedulerLogic | None = None
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
         run_dir = Path(self.mesh.run_dir)
@@ -87,11 +90,11 @@ class GpuSchedulerActor(RoleActor):
             role_memory = ActorRoleMemory(self.role_workers)
         elastic = self.config.elastic_decode if self.model_config is not None else 0
         roles = {role: RoleShare(guaranteed=start_grants.get(role, 0), elastic_limit=elastic if role == "decode" else 0)
-                 for role in {*RL_ROLES, *start_grants}}
-        launcher = RayJobLauncher(resource=self.config.resource, jobs_dir=run_dir / "scheduler" / "jobs",
+                 for role in {*gpu_scheduler_logic.RL_ROLES, *start_grants}}
+        launcher = ray_jobs.RayJobLauncher(resource=self.config.resource, jobs_dir=run_dir / "scheduler" / "jobs",
                                   runner_class=SimJobRunner,
                                   visible_devices=role_memory.visible_devices if role_memory else None)
-        self.role_groups = RoleGrantGroups(launcher, prefix=self.mesh.namespace, drain_s=self.config.elastic_drain_s,
+        self.role_groups = ray_jobs.RoleGrantGroups(launcher, prefix=self.mesh.namespace, drain_s=self.config.elastic_drain_s,
                                            start_decode_worker=self._start_decode_worker if elastic else None)
         now = time.time()
         lending = LendingService(
@@ -104,7 +107,7 @@ class GpuSchedulerActor(RoleActor):
             account=UtilizationAccount(self.config.total_gpus, start=now),
             # A process unheard of for three snapshot intervals no longer says how busy its role is.
             busy_rates=RoleBusyRates(stale_s=3 * self.mesh.telemetry.metrics_report_s), role_memory=role_memory)
-        self.logic_ = GpuSchedulerLogic(self.scheduler, publisher, lending, self.config)
+        self.logic_ = gpu_scheduler_logic.GpuSchedulerLogic(self.scheduler, publisher, lending, self.config)
         await self.logic_.start_lending()
         return self.logic_
 
