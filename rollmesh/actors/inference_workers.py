@@ -44,6 +44,7 @@ _tracer = trace.get_tracer("rollmesh.inference")
 
 class PrefillWorkerActor(RoleActor):
     role = "prefill"
+    logic_class = WeightFollower  # the engine is the role's logic; the shell serves its weights
     holds_accelerators = True
 
     def __init__(self, name: str, mesh: MeshContext, model_config: ModelConfig,
@@ -91,6 +92,7 @@ class PrefillWorkerActor(RoleActor):
 
 class DecodeWorkerActor(RoleActor):
     role = "decode"
+    logic_class = WeightFollower  # the engine is the role's logic; the shell serves its weights
     holds_accelerators = True
 
     def __init__(self, name: str, mesh: MeshContext, model_config: ModelConfig,

@@ -48,6 +48,7 @@ _tracer = trace.get_tracer("rollmesh.inference")
 
 class SGLangWorkerActor(RoleActor):
     role = "decode"
+    logic_class = WeightFollower  # the SGLang servers are the role's logic; the shell serves its weights
     holds_accelerators = True
 
     def __init__(self, name: str, mesh: MeshContext, model_config: ModelConfig,

@@ -34,6 +34,7 @@ _log = structlog.get_logger("rollmesh.actors.trainer")
 
 class TrainerActor(RoleActor):
     role = "trainer"
+    logic_class = TrainerLogic
     holds_accelerators = True
 
     def __init__(self, name: str, mesh: MeshContext, config: TrainerConfig, model_config: ModelConfig,
