@@ -186,7 +186,7 @@ class RolloutStateStore(Protocol):
     """Where rollouts keep their resumable state, one key per rollout id.
 
     Implemented over the JetStream KV bucket by ``rollmesh.bus.rollout_states.KvRolloutStates``;
-    ``rollmesh.rollout.rollout_state.InMemoryRolloutStates`` serves in-process runs and tests.
+    ``rollmesh.rollout.saved_state.InMemoryRolloutStates`` serves in-process runs and tests.
     """
 
     async def load(self, rollout_id: str) -> RolloutState | None:

@@ -200,7 +200,7 @@ async def test_the_task_plugin_example_loads_by_import_path_and_a_rollout_of_it_
     from rollmesh.messages.subjects import (SANDBOX_EXEC, SANDBOX_HEARTBEAT, SANDBOX_LEASE, SANDBOX_RELEASE)
     from rollmesh.ports import MessageContext
     from rollmesh.rollout.agent_loop import RolloutWorkerLogic
-    from rollmesh.rollout.rollout_state import InMemoryRolloutStates
+    from rollmesh.rollout.saved_state import InMemoryRolloutStates
     from rollmesh.rollout.tasks import DemonstrableTask, TaskRegistry
     from rollmesh.messages import RolloutRequested, SamplingParams
 

@@ -25,7 +25,7 @@ from rollmesh.messages import (
     WireMessage,
 )
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED
-from rollmesh.rollout.rollout_state import InMemoryRolloutStates, conversation_of
+from rollmesh.rollout.saved_state import InMemoryRolloutStates, conversation_of
 from rollmesh.rollout.trajectory_offload import (
     InMemoryTrajectories,
     OffloadingRolloutStates,

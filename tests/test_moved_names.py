@@ -59,6 +59,12 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
     ("rollmesh.actors.rollout_worker", "RolloutWorkerLogic", "rollmesh.rollout.agent_loop"),
     ("rollmesh.actors.rollout_worker", "ElasticDecodeFollower", "rollmesh.rollout.elastic_decode"),
     ("rollmesh.rollout.agent_loop", "RolloutRunner", "rollmesh.rollout.agent_loop:RolloutWorkerLogic"),
+    ("rollmesh.actors.gpu_scheduler", "RayJobLauncher", "rollmesh.scheduling.ray_jobs"),
+    ("rollmesh.actors.gpu_scheduler", "RoleGrantGroups", "rollmesh.scheduling.ray_jobs"),
+    ("rollmesh.actors.gpu_scheduler", "RL_ROLES", "rollmesh.scheduling.gpu_scheduler_logic"),
+    ("rollmesh.rollout.rollout_state", "conversation_of", "rollmesh.rollout.saved_state"),
+    ("rollmesh.rollout.rollout_state", "with_progress", "rollmesh.rollout.saved_state"),
+    ("rollmesh.rollout.rollout_state", "InMemoryRolloutStates", "rollmesh.rollout.saved_state"),
 ]
 
 

@@ -48,7 +48,7 @@ from rollmesh.messages.subjects import (
     broker_subject,
 )
 from rollmesh.rollout.agent_loop import RolloutWorkerLogic
-from rollmesh.rollout.rollout_state import InMemoryRolloutStates
+from rollmesh.rollout.saved_state import InMemoryRolloutStates
 from rollmesh.rollout.molar_mass import MolarMassTask, true_molar_mass
 from rollmesh.rollout.tasks import TaskRegistry
 from rollmesh.sandbox.broker_client import SandboxBrokerClient

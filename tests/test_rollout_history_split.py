@@ -32,7 +32,7 @@ from rollmesh.messages.subjects import (
 from rollmesh.ports import MessageContext
 from rollmesh.rollout.agent_loop import RolloutWorkerLogic
 from rollmesh.rollout.molar_mass import MolarMassTask, true_molar_mass
-from rollmesh.rollout.rollout_state import InMemoryRolloutStates
+from rollmesh.rollout.saved_state import InMemoryRolloutStates
 from rollmesh.rollout.tasks import TaskRegistry
 from rollmesh.rollout.trajectory import RolloutTrajectory
 from rollmesh.rollout.trajectory_offload import InMemoryTrajectories, load_traces

@@ -15,7 +15,7 @@ from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED
 from rollmesh.rollout.agent_loop import RolloutWorkerLogic
 from rollmesh.rollout.molar_mass import MolarMassTask
-from rollmesh.rollout.rollout_state import InMemoryRolloutStates
+from rollmesh.rollout.saved_state import InMemoryRolloutStates
 from rollmesh.rollout.tasks import TaskRegistry
 from rollmesh.rollout.trajectory_offload import InMemoryTrajectories, trace_bytes
 from test_rollout_agent_loop import answer, chat, context, request, sandbox_bus, tool_call

@@ -4,7 +4,7 @@ Public names, by module (imported from their modules, so a task plugin that impo
 loads neither the engine nor torch): ``tasks`` (``Task``, ``DemonstrableTask``, ``RewardInput``,
 ``RewardScore``, ``SandboxCommand``, ``PythonTool``, ``ToolOutput``, ``TaskRegistry``,
 ``load_task``, ``TaskInputError``, ``UnknownTaskError``), ``agent_loop`` (``RolloutWorkerLogic``),
-``trajectory`` (``RolloutTrajectory``), ``rollout_state`` (``InMemoryRolloutStates``),
+``trajectory`` (``RolloutTrajectory``), ``saved_state`` (``InMemoryRolloutStates``),
 ``molar_mass`` (``MolarMassTask``, the demo's task), ``dataset_task`` (``DatasetTask``, the
 built-in task of RL stages on a dataset; its rewards are ``rollmesh.rewards``). docs/task-plugins.md describes the task API.
 """

@@ -76,7 +76,7 @@ from rollmesh.rewards.errors import RewardInputError, RewardUnavailableError
 from rollmesh.rewards.reward_input import RewardInput, RewardScore, score_of
 from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.rollout_sandbox import RolloutSandbox
-from rollmesh.rollout.rollout_state import InMemoryRolloutStates
+from rollmesh.rollout.saved_state import InMemoryRolloutStates
 from rollmesh.rollout.rollout_turns import RolloutRun, RolloutTurns, trace_id_of
 from rollmesh.rollout.elastic_decode import ElasticDecodeFollower
 from rollmesh.rollout.environments import EnvironmentRollout

@@ -28,7 +28,7 @@ from rollmesh.ports import MessageContext, Publisher, RoutedExpertsStore, StateS
 from rollmesh.rollout.environments import EnvironmentRollout, EnvStep
 from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.rollout_sandbox import RolloutSandbox
-from rollmesh.rollout.rollout_state import conversation_of, with_progress
+from rollmesh.rollout.saved_state import conversation_of, with_progress
 from rollmesh.rollout.tasks import RewardInput, Task
 from rollmesh.rollout.tool_runner import ToolRunner
 from rollmesh.rollout.trajectory import RolloutTrajectory
