@@ -1,5 +1,5 @@
-"""Names moved for the layering (issue 24) still import from their old paths for one release: the same object,
-with a DeprecationWarning that names the new path."""
+"""Names moved or renamed in issue 24 still import from their old paths and names for one release: the
+same object, with a DeprecationWarning that names the new path."""
 
 from __future__ import annotations
 
@@ -43,6 +43,13 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
     ("rollmesh.sandbox.tool_paths", "AGENT_FILES", "rollmesh.sandbox.tool_paths:GUEST_FILES"),
     ("rollmesh.sandbox.bwrap_backend", "AGENT_MOUNT", "rollmesh.sandbox.bwrap_backend:GUEST_MOUNT"),
     ("rollmesh.sandbox.runsc_backend", "AGENT_MOUNT", "rollmesh.sandbox.runsc_backend:GUEST_MOUNT"),
+    ("rollmesh.training.optimizer_errors", "OptimizerError", "rollmesh.training.errors"),
+    ("rollmesh.training.optimizer_errors", "OptimizerSetupError", "rollmesh.training.errors"),
+    ("rollmesh.training.optimizer_errors", "MissingGradientError", "rollmesh.training.errors"),
+]
+
+RENAMED = [  # (old module, old name, new dotted path)
+    ("rollmesh.training.megatron_ranks", "MegatronRanksFailed", "rollmesh.training.errors.MegatronRanksError"),
 ]
 
 
@@ -58,5 +65,20 @@ def test_an_old_import_path_warns_and_gives_the_moved_object(old: str, name: str
 
 @pytest.mark.parametrize("old", sorted({old for old, _, _ in MOVED}))
 def test_an_old_module_still_refuses_a_name_it_never_had(old: str) -> None:
+    with pytest.raises(AttributeError, match="no_such_name"):
+        getattr(importlib.import_module(old), "no_such_name")
+
+
+@pytest.mark.parametrize(("old", "name", "new"), RENAMED)
+def test_an_old_name_warns_and_gives_the_renamed_object(old: str, name: str, new: str) -> None:
+    with pytest.warns(DeprecationWarning, match=f"is now {new}") as warned:
+        renamed = getattr(importlib.import_module(old), name)
+    new_module, _, new_name = new.rpartition(".")
+    assert renamed is getattr(importlib.import_module(new_module), new_name)
+    assert warned[0].filename == __file__
+
+
+@pytest.mark.parametrize("old", sorted({old for old, _, _ in RENAMED}))
+def test_a_module_with_renamed_names_still_refuses_a_name_it_never_had(old: str) -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
         getattr(importlib.import_module(old), "no_such_name")
