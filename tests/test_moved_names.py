@@ -50,6 +50,7 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
 
 RENAMED = [  # (old module, old name, new dotted path)
     ("rollmesh.training.megatron_ranks", "MegatronRanksFailed", "rollmesh.training.errors.MegatronRanksError"),
+    ("rollmesh.sandbox.errors", "CapacityError", "rollmesh.sandbox.errors.SandboxCapacityError"),
 ]
 
 
