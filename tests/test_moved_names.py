@@ -51,6 +51,9 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
 RENAMED = [  # (old module, old name, new dotted path)
     ("rollmesh.training.megatron_ranks", "MegatronRanksFailed", "rollmesh.training.errors.MegatronRanksError"),
     ("rollmesh.sandbox.errors", "CapacityError", "rollmesh.sandbox.errors.SandboxCapacityError"),
+    ("rollmesh.actors.rollout_worker", "ElasticDecodeFollower",
+     "rollmesh.actors.rollout_worker.RolloutDecodeLoanFollower"),
+    ("rollmesh.messages.sim_jobs", "ELASTIC_DECODE_HOLDER", "rollmesh.messages.sim_jobs.DECODE_LOAN_HOLDER"),
 ]
 
 

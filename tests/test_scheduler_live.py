@@ -163,14 +163,14 @@ async def test_jobs_are_preempted_when_the_trainer_asks_and_resume_from_their_ch
 
 async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ray_session, nats_server, tmp_path,
                                                                              demo_model_dir):
-    """Elastic decode: with nothing else to run, the scheduler lends 2 idle accelerators to
+    """Decode loans: with nothing else to run, the scheduler lends 2 idle accelerators to
     decode as 2 real decode workers (the demo model) that a rollout worker's router picks up and
     generates on; a job that needs them gets them once their release was announced and they
     were stopped. The Serve app's router, following the loans on its own connection, routes to
     them as well and drops them at their release."""
     from rollmesh.inference.decode_loans import DecodeLoanRoster
     from rollmesh.inference.router import InferenceRouter
-    from rollmesh.actors.rollout_worker import ElasticDecodeFollower
+    from rollmesh.actors.rollout_worker import RolloutDecodeLoanFollower
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.config import InferenceConfig, ModelConfig
     from rollmesh.dashboard import DashboardSource
@@ -181,7 +181,7 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
     mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(tmp_path / "run"))
     # Decode is active (its start grant; no actor of this test holds it), and 2 accelerators idle.
     config = SchedulerConfig(total_gpus=3, resource="rollmesh_sched_gpu", grants={"decode": 1}, tick_s=0.1,
-                             elastic_decode=2, elastic_drain_s=0.2)
+                             decode_loans=2, decode_loan_drain_s=0.2)
     model = ModelConfig(path=str(demo_model_dir))
     actor = ray.remote(GpuSchedulerActor).options(name=f"sched-{namespace}", namespace=namespace, num_cpus=0).remote(
         f"sched-{namespace}", mesh, config, model, InferenceConfig(max_batch=4))
@@ -198,7 +198,7 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
 
         # A rollout worker's router, started after the loans: it finds them through the status.
         router = InferenceRouter([], [object()])
-        follower = ElasticDecodeFollower(router, BusPublisher(nc, nc.jetstream(), namespace))
+        follower = RolloutDecodeLoanFollower(router, BusPublisher(nc, nc.jetstream(), namespace))
         await follower.start()
         assert router.lent_decode_workers() == lent
         # The lent workers live in the Ray job's namespace (the mesh's, in a launched mesh), not

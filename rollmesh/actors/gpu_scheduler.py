@@ -33,7 +33,7 @@ from rollmesh.actors.role_memory import ActorRoleMemory, role_lending_refusals, 
 from rollmesh.actors.sim_job_runner import SimJobRunner
 from rollmesh.config import InferenceConfig, ModelConfig, SchedulerConfig, TrainerConfig
 from rollmesh.messages import GpuGranted, SchedulerStatus, SimJobSubmitted
-from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
+from rollmesh.messages.sim_jobs import DECODE_LOAN_HOLDER
 from rollmesh.messages.subjects import GPU_GRANTED
 from rollmesh.ports import ActorLogic, Publisher, Subscription
 from rollmesh.scheduling.accounting import UtilizationAccount
@@ -151,7 +151,7 @@ class RoleGrantGroups:
             group = placement_group([self.launcher.bundle(1)], strategy="STRICT_PACK", name=grant_id)
             await group.ready()
             self.groups[grant_id] = group
-            if holder == ELASTIC_DECODE_HOLDER and self.start_decode_worker is not None:
+            if holder == DECODE_LOAN_HOLDER and self.start_decode_worker is not None:
                 self.workers[grant_id] = await self.start_decode_worker(grant_id, group)
             self.holdings.setdefault(holder, []).append(grant_id)
             grant_ids.append(grant_id)
@@ -245,7 +245,7 @@ class GpuSchedulerActor(RoleActor):
         launcher's) matter only with ``scheduler.lend_role_accelerators``."""
         super().__init__(name, mesh)
         self.config = config
-        # What a lent decode worker serves (elastic decode); None: no elastic decode.
+        # What a lent decode worker serves (decode loans); None: no decode loans.
         self.model_config = model_config
         self.inference_config = inference_config
         self.trainer_config = trainer_config
@@ -266,12 +266,13 @@ class GpuSchedulerActor(RoleActor):
                 raise RoleLendingUnavailableError(refusals)
             # The role workers live in the Ray job's namespace (the launcher's), found when lent.
             role_memory = ActorRoleMemory(self.role_workers)
-        elastic = self.config.elastic_decode if self.model_config is not None else 0
+        elastic = self.config.decode_loans if self.model_config is not None else 0
         roles = {role: RoleShare(guaranteed=start_grants.get(role, 0), elastic_limit=elastic if role == "decode" else 0)
                  for role in {*RL_ROLES, *start_grants}}
         launcher = RayJobLauncher(resource=self.config.resource, jobs_dir=run_dir / "scheduler" / "jobs",
                                   visible_devices=role_memory.visible_devices if role_memory else None)
-        self.role_groups = RoleGrantGroups(launcher, prefix=self.mesh.namespace, drain_s=self.config.elastic_drain_s,
+        self.role_groups = RoleGrantGroups(launcher, prefix=self.mesh.namespace,
+                                           drain_s=self.config.decode_loan_drain_s,
                                            start_decode_worker=self._start_decode_worker if elastic else None)
         now = time.time()
         lending = LendingService(

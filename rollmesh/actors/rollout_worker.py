@@ -2,8 +2,8 @@
 
 Knows the rollout package, the inference router, the shell and the rollout-state KV store. It
 receives the mesh's prefill/decode actor handles from the launcher; decode workers the GPU
-scheduler lends idle accelerators (elastic decode) it looks up by name as their grants arrive
-(``ElasticDecodeFollower``, with ``rollmesh.inference.decode_loans.DecodeLoanRoster``), the one place it asks Ray
+scheduler lends idle accelerators (decode loans) it looks up by name as their grants arrive
+(``RolloutDecodeLoanFollower``, with ``rollmesh.inference.decode_loans.DecodeLoanRoster``), the one place it asks Ray
 for a handle.
 """
 
@@ -20,6 +20,7 @@ from rollmesh.bus.errors import BusRequestError
 from rollmesh.chat import ChatModel
 from rollmesh.messages import GpuGranted, GpuReleased, SchedulerStatusRequest
 from rollmesh.messages.subjects import GPU_GRANTED, GPU_RELEASED, SCHED_STATUS
+from rollmesh.moved_names import forward_renamed_names
 from rollmesh.ports import ActorLogic, MessageContext, Publisher, Subscription
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.rollout.agent_loop import RolloutRunner
@@ -27,7 +28,7 @@ from rollmesh.rollout.tasks import TaskRegistry
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
 
 
-class ElasticDecodeFollower:
+class RolloutDecodeLoanFollower:
     """Keeps a rollout worker's router in step with the GPU scheduler's decode loans: the loan
     events arrive through the shell; at start, the scheduler's status lists the loans made
     before this worker existed."""
@@ -65,7 +66,7 @@ def ray_actor_by_name(name: str) -> Any:
 class RolloutWorkerLogic:
     """The rollout runner, and the follower of decode loans beside it."""
 
-    def __init__(self, runner: RolloutRunner, follower: ElasticDecodeFollower) -> None:
+    def __init__(self, runner: RolloutRunner, follower: RolloutDecodeLoanFollower) -> None:
         self.runner = runner
         self.follower = follower
 
@@ -113,4 +114,9 @@ class RolloutWorkerActor(RoleActor):
             # message and the saved state.
             trajectories=stores.trajectories(ttl_s=self.config.trajectory_ttl_s),
         )
-        return RolloutWorkerLogic(runner, ElasticDecodeFollower(self.router, publisher))
+        return RolloutWorkerLogic(runner, RolloutDecodeLoanFollower(self.router, publisher))
+
+
+# ElasticDecodeFollower was renamed (the feature is "decode loans"); the old name warns for one release.
+__getattr__ = forward_renamed_names(__name__, {
+    "ElasticDecodeFollower": "rollmesh.actors.rollout_worker.RolloutDecodeLoanFollower"})

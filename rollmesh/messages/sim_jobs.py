@@ -15,9 +15,10 @@ from msgspec import Meta
 
 from rollmesh.messages.base import WireMessage
 
-# The holder of accelerators lent to decode past its demand: each grant's id names the decode
-# worker placed in them, which rollout workers route to until the grant is released.
-ELASTIC_DECODE_HOLDER = "decode.elastic"
+# The holder of accelerators lent to decode past its demand (decode loans): each grant's id names
+# the decode worker placed in them, which rollout workers route to until the grant is released.
+# The value keeps the feature's old name: it is on the wire, and actors of the last release match it.
+DECODE_LOAN_HOLDER = "decode.elastic"
 
 JobId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
 NonNegFloat = Annotated[float, Meta(ge=0)]
@@ -102,8 +103,20 @@ class SchedulerStatus(WireMessage, frozen=True, tag="sched.status"):
     lost_accelerator_s: float
     rl_queueing_s: float
     reported_at: float
-    # The decode workers lent idle accelerators now (elastic decode), by name.
+    # The decode workers lent idle accelerators now (decode loans), by name.
     elastic_workers: list[str] = []
     # Each RL role's busy fraction now, from its workers' reported compute time (a role that has
     # not reported recently is absent: what it holds counts as busy).
     roles_busy: dict[str, float] = {}
+
+
+def __getattr__(name: str) -> object:
+    # ELASTIC_DECODE_HOLDER was renamed (the feature is "decode loans"); the old name warns for one
+    # release. Hand-written rather than rollmesh.moved_names: messages imports nothing of ours.
+    if name == "ELASTIC_DECODE_HOLDER":
+        import warnings
+
+        warnings.warn(f"{__name__}.ELASTIC_DECODE_HOLDER is now {__name__}.DECODE_LOAN_HOLDER; the old name "
+                      "will be removed in the next release", DeprecationWarning, stacklevel=2)
+        return DECODE_LOAN_HOLDER
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,9 @@
 """DecodeLoanFollower: the Serve app's router uses the decode workers the GPU scheduler lends idle
-accelerators to (elastic decode), as the rollout workers' routers do.
+accelerators to (decode loans), as the rollout workers' routers do.
 
 Knows the bus (a ``BusWatcher``: it watches ``GpuGranted`` / ``GpuReleased`` and the scheduler's
 status, as the replica's watch-only "dashboard" user may) and ``DecodeLoanRoster``;
-not HTTP. A release is announced before the scheduler stops the worker (``elastic_drain_s``
+not HTTP. A release is announced before the scheduler stops the worker (``decode_loan_drain_s``
 later), so the router stops sending to it first. The scheduler's status reconciles the roster:
 asked for once at start (loans made before the replica started), then as the scheduler
 publishes it every ``scheduler.report_every_s`` (loans granted or taken back while the

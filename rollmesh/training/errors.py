@@ -3,7 +3,7 @@ and the checkpoint package's errors (a Megatron checkpoint write is also a check
 
     TrainingError
     ├── OptimizerError(parameter)                    the optimizers (adamw, chunked offload, megatron offload)
-    │   ├── OptimizerSetupError(reason)              a parameter the optimizer cannot take (device, layout, dtype)
+    │   ├── OptimizerSetupError(reason)              a parameter the optimizer cannot take
     │   └── MissingGradientError(step)               a parameter has no gradient when the step runs
     ├── PackingError(index, reason), ValueError      an example that cannot be packed
     │   └── SequenceTooLongError(length, max_seq_len)
@@ -188,7 +188,8 @@ class MegatronRanksError(TrainingError, RuntimeError):
     """A rank failed ``method`` (raised, died or timed out); ``detail`` is its traceback or why."""
 
     def __init__(self, *, rank: int, method: str, detail: str) -> None:
-        super().__init__(f"megatron rank {rank} failed {method}: {detail.strip().splitlines()[-1] if detail.strip() else ''}")
+        last_line = detail.strip().splitlines()[-1] if detail.strip() else ""
+        super().__init__(f"megatron rank {rank} failed {method}: {last_line}")
         self.rank = rank
         self.method = method
         self.detail = detail
