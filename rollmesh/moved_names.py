@@ -31,20 +31,3 @@ def forward_moved_names(old_module: str, moved: Mapping[str, str]) -> Callable[[
         return getattr(importlib.import_module(new_module), new_name)
 
     return __getattr__
-
-
-def forward_renamed_names(old_module: str, renamed: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for names that were renamed: ``renamed`` maps each old name to the
-    dotted path of its new name (``"rollmesh.training.errors.MegatronRanksError"``); the old name
-    warns (DeprecationWarning) and returns the new object. Any other name is an AttributeError."""
-
-    def __getattr__(name: str, stacklevel: int = 2) -> Any:
-        new_path = renamed.get(name)
-        if new_path is None:
-            raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
-        warnings.warn(f"{old_module}.{name} is now {new_path}; the old name will be removed in the "
-                      "next release", DeprecationWarning, stacklevel=stacklevel)
-        new_module, _, new_name = new_path.rpartition(".")
-        return getattr(importlib.import_module(new_module), new_name)
-
-    return __getattr__

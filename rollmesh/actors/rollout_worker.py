@@ -20,7 +20,7 @@ from rollmesh.bus.errors import BusRequestError
 from rollmesh.chat import ChatModel
 from rollmesh.messages import GpuGranted, GpuReleased, SchedulerStatusRequest
 from rollmesh.messages.subjects import GPU_GRANTED, GPU_RELEASED, SCHED_STATUS
-from rollmesh.moved_names import forward_renamed_names
+from rollmesh.moved_names import forward_moved_names
 from rollmesh.ports import ActorLogic, MessageContext, Publisher, Subscription
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.rollout.agent_loop import RolloutRunner
@@ -118,5 +118,5 @@ class RolloutWorkerActor(RoleActor):
 
 
 # ElasticDecodeFollower was renamed (the feature is "decode loans"); the old name warns for one release.
-__getattr__ = forward_renamed_names(__name__, {
-    "ElasticDecodeFollower": "rollmesh.actors.rollout_worker.RolloutDecodeLoanFollower"})
+__getattr__ = forward_moved_names(__name__, {
+    "ElasticDecodeFollower": "rollmesh.actors.rollout_worker:RolloutDecodeLoanFollower"})

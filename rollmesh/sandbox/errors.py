@@ -35,7 +35,7 @@ the boundary with ``raise X(...) from exc``::
 
 from __future__ import annotations
 
-from rollmesh.moved_names import forward_renamed_names
+from rollmesh.moved_names import forward_moved_names
 
 
 class SandboxError(Exception):
@@ -162,4 +162,4 @@ class ImageBuildError(SandboxError):
 
 
 # The engine has its own CapacityError (decode slots); the sandbox's old name warns for one release.
-__getattr__ = forward_renamed_names(__name__, {"CapacityError": "rollmesh.sandbox.errors.SandboxCapacityError"})
+__getattr__ = forward_moved_names(__name__, {"CapacityError": "rollmesh.sandbox.errors:SandboxCapacityError"})

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from rollmesh.moved_names import forward_renamed_names
+from rollmesh.moved_names import forward_moved_names
 from rollmesh.training.errors import MegatronRanksError
 from rollmesh.training.megatron_devices import (
     RankPlacement,
@@ -303,4 +303,4 @@ if __name__ == "__main__":
 
 
 # MegatronRanksFailed was renamed (errors end in Error): the old name warns for one release.
-__getattr__ = forward_renamed_names(__name__, {"MegatronRanksFailed": "rollmesh.training.errors.MegatronRanksError"})
+__getattr__ = forward_moved_names(__name__, {"MegatronRanksFailed": "rollmesh.training.errors:MegatronRanksError"})
