@@ -329,6 +329,17 @@ def test_a_trainer_stepped_without_lag_keeps_both_names_at_zero():
     assert (stepped.max_generation_lag, stepped.max_version_lag, stepped.generation_lag_histogram) == (0, 0, {})
 
 
+def test_a_scheduler_status_names_its_decode_loans_under_both_names_for_one_release():
+    from rollmesh.messages.sim_jobs import SchedulerStatus
+
+    base = dict(capacity=4, roles={}, jobs={}, allocated_utilization=0.0, busy_utilization=0.0, preemptions=0,
+                kills=0, lost_accelerator_s=0.0, rl_queueing_s=0.0, reported_at=0.0)
+    older = msgspec.json.encode({"type": "sched.status", **base, "elastic_workers": ["w-1"]})
+    assert msgspec.json.decode(older, type=SchedulerStatus).decode_loan_workers == ["w-1"]  # an older scheduler
+    newer = msgspec.json.decode(msgspec.json.encode(SchedulerStatus(**base, decode_loan_workers=["w-2"])))
+    assert newer["elastic_workers"] == ["w-2"]  # what a last-release rollout worker reads
+
+
 def test_sandbox_bytes_travel_as_msgpack_bin_not_text():
     request = SandboxExecRequest(lease_id="l", argv=["cat"], stdin=b"\x00\xff binary")
     raw = msgspec.msgpack.decode(SANDBOX_EXEC.encode(request))

@@ -47,7 +47,7 @@ class RolloutDecodeLoanFollower:
             status = await self.publisher.request(SCHED_STATUS, SchedulerStatusRequest(), 5.0)
         except BusRequestError:
             return  # no scheduler answering: nothing lent
-        await self.roster.reconcile(status.elastic_workers)
+        await self.roster.reconcile(status.decode_loan_workers)
 
     async def handle_granted(self, message: GpuGranted, context: MessageContext) -> None:
         await self.roster.granted(message)

@@ -48,7 +48,7 @@ class DecodeLoanRoster:
             self.router.add_decode_worker(name, worker)
 
     async def reconcile(self, lent_now: Iterable[str]) -> None:
-        """Make the router's lent workers exactly ``lent_now`` (the scheduler's ``elastic_workers``)."""
+        """Make the router's lent workers exactly ``lent_now`` (the scheduler's ``decode_loan_workers``)."""
         lent_now = set(lent_now)
         for name in set(self.router.lent_decode_workers()) - lent_now:
             self.router.remove_decode_worker(name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import msgspec
 from msgspec import Meta
 
 from rollmesh.messages.base import WireMessage
@@ -103,11 +104,22 @@ class SchedulerStatus(WireMessage, frozen=True, tag="sched.status"):
     lost_accelerator_s: float
     rl_queueing_s: float
     reported_at: float
-    # The decode workers lent idle accelerators now (decode loans), by name.
+    # Deprecated (read decode_loan_workers): the same list under the feature's old name. Still
+    # sent, so readers of the last release read it.
     elastic_workers: list[str] = []
     # Each RL role's busy fraction now, from its workers' reported compute time (a role that has
     # not reported recently is absent: what it holds counts as busy).
     roles_busy: dict[str, float] = {}
+    # The decode workers lent idle accelerators now (decode loans), by name.
+    decode_loan_workers: list[str] = []
+
+    def __post_init__(self) -> None:
+        # One release of both names: an older sender's list fills the new field, and a sender that
+        # sets only the new one fills the old one too. Remove with elastic_workers.
+        if self.elastic_workers and not self.decode_loan_workers:
+            msgspec.structs.force_setattr(self, "decode_loan_workers", self.elastic_workers)
+        elif self.decode_loan_workers and not self.elastic_workers:
+            msgspec.structs.force_setattr(self, "elastic_workers", self.decode_loan_workers)
 
 
 def __getattr__(name: str) -> object:

@@ -450,7 +450,7 @@ class LendingService:
             jobs=jobs, allocated_utilization=totals.allocated_utilization,
             busy_utilization=totals.busy_utilization, preemptions=stats.preemptions, kills=stats.kills,
             lost_accelerator_s=totals.lost_s, rl_queueing_s=sum(stats.rl_queueing_s.values()),
-            reported_at=now, elastic_workers=self.role_groups.held(DECODE_LOAN_HOLDER),
+            reported_at=now, decode_loan_workers=self.role_groups.held(DECODE_LOAN_HOLDER),
             roles_busy={role: fraction for role in {holder.split(".")[0] for holder in self.role_held if "/" not in holder}
                         if (fraction := self.busy_rates.fraction(role, now)) is not None})
 

@@ -56,7 +56,7 @@ class DecodeLoanFollower:
         await self._reconcile_at_start()
 
     async def _on_status(self, status: SchedulerStatus) -> None:
-        await self.roster.reconcile(status.elastic_workers)
+        await self.roster.reconcile(status.decode_loan_workers)
 
     async def _reconcile_at_start(self) -> None:
         try:
@@ -66,4 +66,4 @@ class DecodeLoanFollower:
         except Exception as exc:  # no scheduler (rollmesh serve), a timeout, a bad reply
             _log.debug("decode_loan_status_failed", error=repr(exc))
             return  # its next published status reconciles, if there is a scheduler
-        await self.roster.reconcile(status.elastic_workers)
+        await self.roster.reconcile(status.decode_loan_workers)
