@@ -220,7 +220,7 @@ class Tally:
 
     def summary(self) -> dict[str, Any]:
         steps, wall_s = self.counted, self.deadline - self.started
-        trained = sum(sum(step.version_lag_histogram.values()) for step in steps)
+        trained = sum(sum(step.generation_lag_histogram.values()) for step in steps)
         train_s = sum(step.duration_s for step in steps)
         return {
             "per_hour": round(trained * 3600 / wall_s, 1), "trained": trained, "steps": len(steps),

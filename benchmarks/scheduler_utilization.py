@@ -6,7 +6,7 @@ scheduler_mix_rl.toml: an RL run's phases; see docs/scheduler.md for how they we
 live scheduler runs:
 
 * ours: ``LendingScheduler``: RL roles first; EASY backfill of idle accelerators around RL's
-  announced demand; preemption by cost with grace periods; elastic decode loans; preemption
+  announced demand; preemption by cost with grace periods; decode loans; preemption
   deadlines past a reservation by as much as jobs were seen to release early, within an RL wait
   budget of 2% (``busy_without_rl_slack``: the same with none). A role whose demand falls lends
   its accelerators by releasing its memory and takes them back by resuming it: the simulator

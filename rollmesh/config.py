@@ -146,6 +146,12 @@ DEPRECATED_KEYS = {
     "rollout.work_heartbeat_s": "a delivery's keepalive now beats every third of its ack wait "
                                 "(nats.rollout_ack_wait_s); remove the key",
 }
+# Keys renamed in place, by dotted path: still read for one release under the old name, with a
+# DeprecationWarning, as the new one.
+RENAMED_KEYS = {
+    "scheduler.elastic_decode": "scheduler.decode_loans",
+    "scheduler.elastic_drain_s": "scheduler.decode_loan_drain_s",
+}
 
 
 class InferenceConfig(ConfigSection):
@@ -273,11 +279,12 @@ class SchedulerConfig(ConfigSection):
     # and how often it publishes its accounting on rl.<ns>.sched.utilization.
     tick_s: PositiveFloat = 1.0
     report_every_s: PositiveFloat = 10.0
-    # Elastic decode: up to this many idle accelerators are lent to decode as extra decode
-    # workers (the rollout workers route new sessions to them), taken back first when RL or a job
-    # needs them; a worker gets elastic_drain_s between being announced gone and being stopped.
-    elastic_decode: NonNegInt = 0
-    elastic_drain_s: NonNegFloat = 2.0
+    # Decode loans: up to this many idle accelerators are lent to decode as extra decode workers
+    # (the rollout workers route new sessions to them), taken back first when RL or a job needs
+    # them; a worker gets decode_loan_drain_s between being announced gone and being stopped.
+    # (Were elastic_decode and elastic_drain_s: RENAMED_KEYS.)
+    decode_loans: NonNegInt = 0
+    decode_loan_drain_s: NonNegFloat = 2.0
     # Lend the mesh's own inference roles' accelerators (their start grants) while a role is
     # idle: its workers release their weights and KV to host memory, a simulation job runs
     # there, and when the role's demand returns (RoleDemandChanged) the job is preempted and the
@@ -285,6 +292,20 @@ class SchedulerConfig(ConfigSection):
     # accelerators (docs/scheduler.md says why). Off: roles keep their start grants for life
     # and only free accelerators are lent.
     lend_role_accelerators: bool = False
+
+    @property
+    def elastic_decode(self) -> int:
+        """Deprecated: ``decode_loans``."""
+        warnings.warn("SchedulerConfig.elastic_decode is now decode_loans; the old name will be removed in the "
+                      "next release", DeprecationWarning, stacklevel=2)
+        return self.decode_loans
+
+    @property
+    def elastic_drain_s(self) -> float:
+        """Deprecated: ``decode_loan_drain_s``."""
+        warnings.warn("SchedulerConfig.elastic_drain_s is now decode_loan_drain_s; the old name will be removed "
+                      "in the next release", DeprecationWarning, stacklevel=2)
+        return self.decode_loan_drain_s
 
 
 class ServeConfig(ConfigSection):
@@ -345,9 +366,9 @@ class RollmeshConfig(ConfigSection):
                 stage_trainer_config(self.trainer, stage)
             except (msgspec.ValidationError, TypeError, ValueError) as exc:
                 raise ValueError(f"stage {name!r}: trainer settings: {exc}") from exc
-        if self.inference.backend == "sglang" and self.scheduler.elastic_decode:
+        if self.inference.backend == "sglang" and self.scheduler.decode_loans:
             # Lent decode workers run the torch engine; they would serve other weights and tokens.
-            raise ValueError("scheduler.elastic_decode needs inference.backend = 'local'")
+            raise ValueError("scheduler.decode_loans needs inference.backend = 'local'")
 
 
 class ConfigError(ValueError):
@@ -386,6 +407,7 @@ def load_config(
     resolve_config_paths(raw, Path.cwd())
     _refuse_retired_keys(raw, source=str(source), env=env)
     _drop_deprecated_keys(raw, source=str(source))
+    _rename_keys(raw, source=str(source), env=env)
     try:
         return msgspec.convert(raw, RollmeshConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -419,6 +441,7 @@ def load_run_config(run_dir: str | Path, *, overrides: dict[str, Any] | None = N
     resolve_config_paths(raw, Path.cwd())  # the saved ones are absolute already
     _refuse_retired_keys(raw, source=str(source))
     _drop_deprecated_keys(raw, source=str(source))
+    _rename_keys(raw, source=str(source))  # a run saved by the last release
     try:
         return msgspec.convert(raw, RollmeshConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -450,6 +473,24 @@ def _drop_deprecated_keys(raw: dict[str, Any], *, source: str) -> None:
             del table[key]
             warnings.warn(f"{source}: {dotted} is deprecated and ignored: {instead}",
                           DeprecationWarning, stacklevel=3)
+
+
+def _rename_keys(raw: dict[str, Any], *, source: str, env: dict[str, tuple[str, Any]] | None = None) -> None:
+    """Move each renamed key's value to its new name, warning; both names set is an error, since
+    which one was meant cannot be told."""
+    for old, new in RENAMED_KEYS.items():
+        section, _, old_key = old.partition(".")
+        new_section, _, new_key = new.partition(".")
+        table = raw.get(section)
+        if not (isinstance(table, dict) and old_key in table):
+            continue
+        variable = (env or {}).get(old, (None,))[0]
+        if new_key in raw.get(new_section, {}):
+            raise ConfigError(f"{old} and {new} are both set: {old} is the old name of {new}; keep only {new}",
+                              source=variable or source, path=old)
+        warnings.warn(f"{variable or source}: {old} is now {new}; the old name will be removed in the next release",
+                      DeprecationWarning, stacklevel=3)
+        raw.setdefault(new_section, {})[new_key] = table.pop(old_key)
 
 
 def _error_path(message: str) -> str:

@@ -187,6 +187,38 @@ def test_a_saved_run_config_with_the_deprecated_work_heartbeat_key_still_loads(t
         load_run_config(tmp_path)
 
 
+@pytest.mark.parametrize(("old", "new", "value"), [
+    ("elastic_decode", "decode_loans", 2),
+    ("elastic_drain_s", "decode_loan_drain_s", 0.5),
+])
+def test_a_renamed_scheduler_key_in_the_file_warns_and_sets_its_new_name(tmp_path, old, new, value):
+    path = write_toml(tmp_path, f"[scheduler]\n{old} = {value}\n")
+    with pytest.warns(DeprecationWarning, match=f"scheduler.{old} is now scheduler.{new}"):
+        config = load_config(path, environ={})
+    assert getattr(config.scheduler, new) == value
+    with pytest.warns(DeprecationWarning, match=f"is now {new}"):
+        assert getattr(config.scheduler, old) == value  # the old attribute reads it too, warning
+
+
+def test_a_renamed_key_from_the_environment_warns_naming_the_variable():
+    with pytest.warns(DeprecationWarning, match="ROLLMESH_SCHEDULER__ELASTIC_DECODE: scheduler.elastic_decode"):
+        config = load_config(environ={"ROLLMESH_SCHEDULER__ELASTIC_DECODE": "3"})
+    assert config.scheduler.decode_loans == 3
+
+
+def test_a_renamed_key_in_a_saved_run_config_is_read_as_its_new_name(tmp_path):
+    (tmp_path / RUN_CONFIG_FILE).write_text('{"scheduler": {"elastic_decode": 1}}')
+    with pytest.warns(DeprecationWarning, match="scheduler.elastic_decode is now scheduler.decode_loans"):
+        assert load_run_config(tmp_path).scheduler.decode_loans == 1
+
+
+def test_a_key_set_under_both_its_old_and_new_name_is_a_config_error(tmp_path):
+    path = write_toml(tmp_path, "[scheduler]\nelastic_decode = 1\ndecode_loans = 2\n")
+    with pytest.raises(ConfigError, match="both set") as raised:
+        load_config(path, environ={})
+    assert raised.value.path == "scheduler.elastic_decode"
+
+
 def test_an_empty_model_path_resolves_to_the_demo_model_built_in_the_run_directory(tmp_path):
     config = load_config(environ={})  # no ROLLMESH_MODEL__PATH: the embedded default
     assert config.model.path == ""

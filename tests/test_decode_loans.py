@@ -10,7 +10,7 @@ import pytest
 from rollmesh.inference.decode_loans import DecodeLoanRoster
 from rollmesh.inference.router import InferenceRouter
 from rollmesh.messages import GpuGranted, GpuReleased
-from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
+from rollmesh.messages.sim_jobs import DECODE_LOAN_HOLDER
 
 pytestmark = pytest.mark.unit
 
@@ -27,11 +27,11 @@ class Workers:
         return self.alive[name]
 
 
-def granted(name: str, holder: str = ELASTIC_DECODE_HOLDER) -> GpuGranted:
+def granted(name: str, holder: str = DECODE_LOAN_HOLDER) -> GpuGranted:
     return GpuGranted(grant_id=name, holder=holder, role="decode", count=1.0, resource="GPU")
 
 
-def released(name: str, holder: str = ELASTIC_DECODE_HOLDER) -> GpuReleased:
+def released(name: str, holder: str = DECODE_LOAN_HOLDER) -> GpuReleased:
     return GpuReleased(grant_id=name, holder=holder, count=1.0)
 
 

@@ -99,15 +99,15 @@ def test_a_bad_sglang_section_is_a_config_error_naming_the_key(section, message)
                                **{f"inference.sglang.{key}": value for key, value in section.items()}})
 
 
-def test_the_sglang_backend_loads_from_toml_and_refuses_elastic_decode(tmp_path):
+def test_the_sglang_backend_loads_from_toml_and_refuses_decode_loans(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[inference]\nbackend = "sglang"\n[inference.sglang]\nurls = ["http://h:1"]\n'
                     'tp_size = 4\nspeculative_algorithm = "EAGLE"\n')
     config = load_config(path)
     assert (config.inference.backend, config.inference.sglang.tp_size) == ("sglang", 4)
     assert load_config().inference.backend == "local"  # the default stays the torch engine
-    with pytest.raises(ConfigError, match="elastic_decode needs inference.backend = 'local'"):
-        load_config(path, overrides={"scheduler.elastic_decode": 1})
+    with pytest.raises(ConfigError, match="decode_loans needs inference.backend = 'local'"):
+        load_config(path, overrides={"scheduler.decode_loans": 1})
 
 
 # -- weights as a directory SGLang loads ----------------------------------------------------

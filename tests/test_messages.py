@@ -68,6 +68,7 @@ from rollmesh.messages.subjects import (
     ROLLOUT_PROGRESSED,
     ROLLOUT_REQUESTED,
     SANDBOX_EXEC,
+    TRAINER_STEPPED,
     WEIGHTS_ACTIVATED,
     WEIGHTS_PUBLISHED,
 )
@@ -287,6 +288,56 @@ def test_a_newer_reader_decodes_an_older_message_with_the_new_field_defaulted(su
     assert decoded == default
     (new_field,) = set(type(newer).__struct_fields__) - set(subject.type.__struct_fields__)
     assert getattr(decoded, new_field) == getattr(default, new_field)
+
+
+# TrainerStepped's generation-lag fields were named version lag (max_version_lag, version_lag_p50,
+# _p90, _histogram) for what is the generation lag; for one release both names travel.
+
+class LastReleaseTrainerStepped(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="trainer.stepped"):
+    """What a reader of the last release decodes (the fields it reads of the lag)."""
+
+    step: int
+    weight_version: int
+    max_version_lag: int = 0
+    version_lag_p50: int = 0
+    version_lag_p90: int = 0
+    version_lag_histogram: dict[int, int] = {}
+
+
+def test_a_trainer_stepped_from_the_last_release_is_read_under_the_generation_lag_names():
+    older = (b'{"type":"trainer.stepped","step":3,"weight_version":3,"loss":0.5,"reward_mean":1.0,'
+             b'"num_samples":4,"num_groups":2,"max_version_lag":2,"version_lag_p50":1,'
+             b'"version_lag_p90":2,"version_lag_histogram":{"1":3,"2":1}}')
+    decoded = TRAINER_STEPPED.decode(older)
+    assert (decoded.max_generation_lag, decoded.generation_lag_p50, decoded.generation_lag_p90,
+            decoded.generation_lag_histogram) == (2, 1, 2, {1: 3, 2: 1})
+
+
+def test_a_trainer_stepped_sent_with_the_new_names_still_carries_what_last_release_readers_read():
+    stepped = TrainerStepped(step=3, weight_version=3, loss=0.5, reward_mean=1.0, num_samples=4, num_groups=2,
+                             max_generation_lag=2, generation_lag_p50=1, generation_lag_p90=2,
+                             generation_lag_histogram={1: 3, 2: 1})
+    older = msgspec.json.decode(TRAINER_STEPPED.encode(stepped), type=LastReleaseTrainerStepped)
+    assert (older.max_version_lag, older.version_lag_p50, older.version_lag_p90,
+            older.version_lag_histogram) == (2, 1, 2, {1: 3, 2: 1})
+    assert TRAINER_STEPPED.decode(TRAINER_STEPPED.encode(stepped)) == stepped
+
+
+def test_a_trainer_stepped_without_lag_keeps_both_names_at_zero():
+    stepped = TRAINER_STEPPED.decode(TRAINER_STEPPED.encode(
+        TrainerStepped(step=1, weight_version=1, loss=0.0, reward_mean=0.0, num_samples=0, num_groups=0)))
+    assert (stepped.max_generation_lag, stepped.max_version_lag, stepped.generation_lag_histogram) == (0, 0, {})
+
+
+def test_a_scheduler_status_names_its_decode_loans_under_both_names_for_one_release():
+    from rollmesh.messages.sim_jobs import SchedulerStatus
+
+    base = dict(capacity=4, roles={}, jobs={}, allocated_utilization=0.0, busy_utilization=0.0, preemptions=0,
+                kills=0, lost_accelerator_s=0.0, rl_queueing_s=0.0, reported_at=0.0)
+    older = msgspec.json.encode({"type": "sched.status", **base, "elastic_workers": ["w-1"]})
+    assert msgspec.json.decode(older, type=SchedulerStatus).decode_loan_workers == ["w-1"]  # an older scheduler
+    newer = msgspec.json.decode(msgspec.json.encode(SchedulerStatus(**base, decode_loan_workers=["w-2"])))
+    assert newer["elastic_workers"] == ["w-2"]  # what a last-release rollout worker reads
 
 
 def test_sandbox_bytes_travel_as_msgpack_bin_not_text():

@@ -1026,13 +1026,13 @@ async def test_with_decode_loans_the_worker_logic_follows_lent_decode_workers_fr
     from rollmesh.inference.router import InferenceRouter
     from rollmesh.messages import GpuGranted, GpuReleased
     from rollmesh.messages.subjects import GPU_GRANTED, GPU_RELEASED, ROLLOUT_REQUESTED, SCHED_STATUS
-    from rollmesh.rollout.elastic_decode import ElasticDecodeFollower
+    from rollmesh.rollout.decode_loan_follower import RolloutDecodeLoanFollower
 
     bus = RecordingPublisher(replies={SCHED_STATUS: [RequestTimeoutError(subject="rl.test.sched.status",
                                                                          timeout_s=5.0)]})
     router = InferenceRouter([], [object()])
     logic = runner(ScriptedEngine([]), bus,
-                   decode_loans=ElasticDecodeFollower(router, bus, find_worker=lambda name: f"handle-{name}"))
+                   decode_loans=RolloutDecodeLoanFollower(router, bus, find_worker=lambda name: f"handle-{name}"))
     assert [s.subject for s in logic.subscriptions()] == [ROLLOUT_REQUESTED, GPU_GRANTED, GPU_RELEASED]
     await logic.start()  # nothing answers the status request: nothing lent, no error
     assert logic.stats()["lent_decode_workers"] == 0

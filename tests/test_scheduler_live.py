@@ -163,7 +163,7 @@ async def test_jobs_are_preempted_when_the_trainer_asks_and_resume_from_their_ch
 
 async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ray_session, nats_server, tmp_path,
                                                                              demo_model_dir):
-    """Elastic decode: with nothing else to run, the scheduler lends 2 idle accelerators to
+    """Decode loans: with nothing else to run, the scheduler lends 2 idle accelerators to
     decode as 2 real decode workers (the demo model) that a rollout worker's router picks up and
     generates on; a job that needs them gets them once their release was announced and they
     were stopped. The Serve app's router, following the loans on its own connection, routes to
@@ -175,14 +175,14 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
     from rollmesh.config import InferenceConfig, ModelConfig
     from rollmesh.dashboard import DashboardSource
     from rollmesh.messages.base import SamplingParams
-    from rollmesh.rollout.elastic_decode import ElasticDecodeFollower
+    from rollmesh.rollout.decode_loan_follower import RolloutDecodeLoanFollower
     from rollmesh.serve_apps.decode_loan_follower import DecodeLoanFollower
 
     namespace = "t" + uuid.uuid4().hex[:10]
     mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(tmp_path / "run"))
     # Decode is active (its start grant; no actor of this test holds it), and 2 accelerators idle.
     config = SchedulerConfig(total_gpus=3, resource="rollmesh_sched_gpu", grants={"decode": 1}, tick_s=0.1,
-                             elastic_decode=2, elastic_drain_s=0.2)
+                             decode_loans=2, decode_loan_drain_s=0.2)
     model = ModelConfig(path=str(demo_model_dir))
     actor = ray.remote(GpuSchedulerActor).options(name=f"sched-{namespace}", namespace=namespace, num_cpus=0).remote(
         f"sched-{namespace}", mesh, config, model, InferenceConfig(max_batch=4))
@@ -199,7 +199,7 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
 
         # A rollout worker's router, started after the loans: it finds them through the status.
         router = InferenceRouter([], [object()])
-        follower = ElasticDecodeFollower(router, BusPublisher(nc, nc.jetstream(), namespace), ray_actor_by_name)
+        follower = RolloutDecodeLoanFollower(router, BusPublisher(nc, nc.jetstream(), namespace), ray_actor_by_name)
         await follower.start()
         assert router.lent_decode_workers() == lent
         # The lent workers live in the Ray job's namespace (the mesh's, in a launched mesh), not

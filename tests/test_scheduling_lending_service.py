@@ -225,7 +225,7 @@ async def test_idle_accelerators_are_lent_to_decode_and_announced_gone_before_a_
     await logic.start()
     assert [(m.holder, m.count) for m in bus.messages(GPU_GRANTED)] == [("decode.elastic", 1)] * 2
     assert logic.status().roles == {"decode": 1, "decode.elastic": 2}
-    assert logic.status().elastic_workers == [m.grant_id for m in bus.messages(GPU_GRANTED)]
+    assert logic.status().decode_loan_workers == [m.grant_id for m in bus.messages(GPU_GRANTED)]
     groups = logic.role_groups
     await logic.handle_submitted(job("md-1"), CONTEXT)
     released = [m.grant_id for m in bus.messages(GPU_RELEASED)]

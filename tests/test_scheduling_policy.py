@@ -223,7 +223,7 @@ def test_a_second_run_takes_its_fair_share_back_from_the_first():
                                                               GrantRole("b", "decode", 5, 5)]
 
 
-def test_elastic_decode_grows_into_idle_accelerators_and_shrinks_first():
+def test_decode_loans_grow_into_idle_accelerators_and_shrink_first():
     scheduler = LendingScheduler(8)
     scheduler.register_run("rl", {"decode": RoleShare(guaranteed=4, elastic_limit=3)}, 0.0)
     assert scheduler.set_demand("rl", {"decode": 2}, 0.0) == [GrantRole("rl", "decode", 2, 2),

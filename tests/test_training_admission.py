@@ -224,3 +224,11 @@ def test_every_sample_of_a_split_rollout_takes_the_advantage_of_its_one_group_me
     assert [sample.versions for sample in trained] == [[-1, 3], [-1, 4], [-1, 5]]
     assert trained[0].advantage == trained[1].advantage > 0 > trained[2].advantage
     assert group.rewards() == [1.0, 0.0]
+
+
+def test_a_group_member_s_old_version_lag_name_warns_and_reads_its_generation_lag():
+    from rollmesh.training.admission import GroupMember
+
+    member = GroupMember("a", 1.0, None, 3, raw_version_lag=5)
+    with pytest.warns(DeprecationWarning, match="GroupMember.generation_lag"):
+        assert member.version_lag == 3 == member.generation_lag

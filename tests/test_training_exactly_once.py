@@ -73,7 +73,7 @@ async def test_a_restarted_trainer_resumes_from_the_last_durable_step_and_never_
     assert second.step == 2 and second.version == 2
     (stepped,) = bus2.messages(TRAINER_STEPPED)
     assert stepped.num_samples == 2
-    assert stepped.version_lag_histogram == {0: 1, 1: 1} and stepped.max_version_lag == 1, (
+    assert stepped.generation_lag_histogram == {0: 1, 1: 1} and stepped.max_generation_lag == 1, (
         "the lag distribution of the step's trajectories is reported")
 
     keys = [key for line in (tmp_path / "trainer" / "ledger.jsonl").read_text().splitlines()

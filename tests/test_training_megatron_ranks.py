@@ -18,8 +18,9 @@ transformers = pytest.importorskip("transformers", reason="transformers builds t
 pytest.importorskip("megatron.core", reason="megatron-core builds the trained model")
 
 from rollmesh.config import MegatronConfig, ModelConfig, TrainerConfig  # noqa: E402
+from rollmesh.training.errors import MegatronRanksError  # noqa: E402
 from rollmesh.training.grpo import PolicySample  # noqa: E402
-from rollmesh.training.megatron_ranks import MegatronRanks, MegatronRanksFailed  # noqa: E402
+from rollmesh.training.megatron_ranks import MegatronRanks  # noqa: E402
 from rollmesh.training.torch_backend import TorchTrainerBackend  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -89,7 +90,7 @@ def _resume_is_exact(ranks: MegatronRanks, hf_model: ModelConfig, trainer: Train
         resumed.policy_step(_samples(2), current_version=2)
         again = resumed.state_dict()
         other_layout = {**state, "layout": {**state["layout"], "tensor_parallel": 3}}
-        with pytest.raises(MegatronRanksFailed, match="layout"):
+        with pytest.raises(MegatronRanksError, match="layout"):
             resumed.load_training_state(other_layout)
     finally:
         resumed.close()
@@ -126,18 +127,18 @@ def test_a_failing_rank_is_a_typed_error_and_closes_the_group(hf_model):
     # A target beyond the vocabulary: every rank's logprob gather raises (no rank is left
     # waiting in a collective).
     bad = [PolicySample([5, 6, 10_000], [0, 1, 1], [0.0, -1.0, -1.0], 1.0)]
-    with pytest.raises(MegatronRanksFailed) as failure:
+    with pytest.raises(MegatronRanksError) as failure:
         group.policy_step(bad)
     assert failure.value.method == "policy_step" and failure.value.rank == 0
     assert "out of bounds" in failure.value.detail and "Traceback" in failure.value.detail  # the rank's own
     assert all(process.poll() is not None for process in group._processes)
-    with pytest.raises(MegatronRanksFailed, match="closed"):
+    with pytest.raises(MegatronRanksError, match="closed"):
         group.state_dict()
 
 
 def test_a_rank_that_cannot_start_fails_the_start_with_its_traceback(tmp_path):
     missing = ModelConfig(path=str(tmp_path / "no_such_model"))
-    with pytest.raises(MegatronRanksFailed) as failure:
+    with pytest.raises(MegatronRanksError) as failure:
         MegatronRanks(missing, TRAINER)
     assert failure.value.method == "start" and "no_such_model" in failure.value.detail
 

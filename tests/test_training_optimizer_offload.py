@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rollmesh.training.device_memory import DeviceMemoryAccount, measure_peak
 from rollmesh.training.optimizer_adamw import AdamWConfig, MixedPrecisionAdamW, adamw_update_
 from rollmesh.training.optimizer_chunks import Segment, plan_chunks
-from rollmesh.training.optimizer_errors import MissingGradientError, OptimizerSetupError
+from rollmesh.training.errors import MissingGradientError, OptimizerSetupError
 from rollmesh.training.optimizer_offload import ChunkedOffloadAdamW
 
 pytestmark = pytest.mark.unit

@@ -184,7 +184,7 @@ async def test_trajectories_beyond_max_staleness_are_counted_as_dropped_and_not_
     await deliver(logic, completed("s", "g2", 1.0, version=0), completed("f1", "g2", 1.0, version=1),
                   completed("f2", "g2", 0.0, version=1))
     step = bus.messages(TRAINER_STEPPED)[-1]
-    assert (step.dropped_stale, step.num_samples, step.max_version_lag) == (1, 2, 0)
+    assert (step.dropped_stale, step.num_samples, step.max_generation_lag) == (1, 2, 0)
     assert step.reward_mean == pytest.approx(0.5)
     assert logic.stats()["dropped_stale"] == 1
 
@@ -195,7 +195,7 @@ async def test_version_lag_within_max_staleness_is_trained_and_reported(trainer)
     await deliver(logic, completed("a", "g1", 1.0), completed("b", "g1", 0.0))
     await deliver(logic, completed("c", "g2", 1.0, version=0), completed("d", "g2", 0.0, version=1))
     step = bus.messages(TRAINER_STEPPED)[-1]
-    assert (step.num_samples, step.max_version_lag, step.dropped_stale) == (2, 1, 0)
+    assert (step.num_samples, step.max_generation_lag, step.dropped_stale) == (2, 1, 0)
 
 
 async def test_a_failed_member_is_masked_out_of_the_group_statistics(trainer):
@@ -346,9 +346,9 @@ async def test_a_step_whose_weights_cannot_be_written_naks_its_trajectories_and_
     assert await deliver(logic, completed("a", "g", 1.0), completed("b", "g", 0.0)) == [None, None]
     (step,) = bus.messages(TRAINER_STEPPED)
     assert [m.version for m in bus.messages(WEIGHTS_PUBLISHED)] == [step.weight_version]
-    assert (step.weight_version, step.max_version_lag) == (1, 0), (
+    assert (step.weight_version, step.max_generation_lag) == (1, 0), (
         f"the failed step advanced the version counter to {logic.version - 1} without publishing it, "
-        f"so the redelivered trajectories (made by v0) count a version lag of {step.max_version_lag}")
+        f"so the redelivered trajectories (made by v0) count a version lag of {step.max_generation_lag}")
 
 
 async def test_save_checkpoint_publishes_a_megatron_checkpoint_of_the_trained_weights(tmp_path, trainer, demo_model_dir):

@@ -67,7 +67,7 @@ class GpuSchedulerActor(RoleActor):
         launcher's) matter only with ``scheduler.lend_role_accelerators``."""
         super().__init__(name, mesh)
         self.config = config
-        # What a lent decode worker serves (elastic decode); None: no elastic decode.
+        # What a lent decode worker serves (decode loans); None: no decode loans.
         self.model_config = model_config
         self.inference_config = inference_config
         self.trainer_config = trainer_config
@@ -88,13 +88,13 @@ class GpuSchedulerActor(RoleActor):
                 raise RoleLendingUnavailableError(refusals)
             # The role workers live in the Ray job's namespace (the launcher's), found when lent.
             role_memory = ActorRoleMemory(self.role_workers)
-        elastic = self.config.elastic_decode if self.model_config is not None else 0
+        elastic = self.config.decode_loans if self.model_config is not None else 0
         roles = {role: RoleShare(guaranteed=start_grants.get(role, 0), elastic_limit=elastic if role == "decode" else 0)
                  for role in {*gpu_scheduler_logic.RL_ROLES, *start_grants}}
         launcher = ray_jobs.RayJobLauncher(resource=self.config.resource, jobs_dir=run_dir / "scheduler" / "jobs",
                                   runner_class=SimJobRunner,
                                   visible_devices=role_memory.visible_devices if role_memory else None)
-        self.role_groups = ray_jobs.RoleGrantGroups(launcher, prefix=self.mesh.namespace, drain_s=self.config.elastic_drain_s,
+        self.role_groups = ray_jobs.RoleGrantGroups(launcher, prefix=self.mesh.namespace, drain_s=self.config.decode_loan_drain_s,
                                            start_decode_worker=self._start_decode_worker if elastic else None)
         now = time.time()
         lending = LendingService(

@@ -3,9 +3,9 @@ which runs agent loops for rollout requests taken from the JetStream queue.
 
 Knows the rollout package, the inference router, the shell and the namespace's stores (rollout
 state KV, routed experts, trajectories: ``self.shell.stores``). It receives the mesh's prefill/decode actor handles from the
-launcher; decode workers the GPU scheduler lends idle accelerators (elastic decode) it looks up
+launcher; decode workers the GPU scheduler lends idle accelerators (decode loans) it looks up
 by name as their grants arrive (``ray_actor_by_name``, handed to the logic's
-``rollmesh.rollout.elastic_decode.ElasticDecodeFollower``), the one place it asks Ray for a handle.
+``rollmesh.rollout.decode_loan_follower.RolloutDecodeLoanFollower``), the one place it asks Ray for a handle.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rollmesh.chat import ChatModel
 from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.moved_names import forward_moved_names
 from rollmesh.ports import ActorLogic, Publisher
-from rollmesh.rollout import agent_loop, elastic_decode
+from rollmesh.rollout import agent_loop, decode_loan_follower
 from rollmesh.rollout.tasks import TaskRegistry
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
 
@@ -28,7 +28,7 @@ from rollmesh.sandbox.broker_client import SandboxBrokerClient
 # moved into the rollout package (used here through their modules, so these names warn).
 __getattr__ = forward_moved_names(__name__, {
     "RolloutWorkerLogic": "rollmesh.rollout.agent_loop",
-    "ElasticDecodeFollower": "rollmesh.rollout.elastic_decode",
+    "ElasticDecodeFollower": "rollmesh.rollout.decode_loan_follower:RolloutDecodeLoanFollower",
 })
 
 
@@ -73,5 +73,5 @@ class RolloutWorkerActor(RoleActor):
             # Long rollouts: traces past rollout.inline_trajectory_bytes, for the completed
             # message and the saved state.
             trajectories=stores.trajectories(ttl_s=self.config.trajectory_ttl_s),
-            decode_loans=elastic_decode.ElasticDecodeFollower(self.router, publisher, ray_actor_by_name),
+            decode_loans=decode_loan_follower.RolloutDecodeLoanFollower(self.router, publisher, ray_actor_by_name),
         )

@@ -146,7 +146,7 @@ def check_template(chat: ModelDirectory) -> TemplateCheckReport:
     return TemplateCheckReport(profile, results)
 
 
-class _UnreadTurnError(Exception):
+class _UnreadTurnError(ChatError):
     """The family's parser did not read back the turn its writer wrote: a rollmesh bug."""
 
 

@@ -12,6 +12,7 @@ from rollmesh.checkpoint.errors import (
     CheckpointError,
     CheckpointReadError,
     CheckpointWriteError,
+    TaskTooLargeError,
     UnsupportedCheckpointFormatError,
 )
 from rollmesh.checkpoint.hf_writer import (
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointReader",
     "CheckpointWriteError",
     "ResharderLogic",
+    "TaskTooLargeError",
     "UnsupportedCheckpointFormatError",
     "list_hf_files",
     "load_torch_checkpoint",

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rollmesh.checkpoint.chunk_geometry import Box
+from rollmesh.checkpoint.errors import TaskTooLargeError
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,6 @@ class ConvertTask:
     @property
     def files(self) -> frozenset[str]:
         return frozenset(f for unit in self.units for f in unit.files)
-
-
-class TaskTooLargeError(ValueError):
-    def __init__(self, tensor: str, nbytes: int, budget: int) -> None:
-        super().__init__(f"{tensor}: converting it holds {nbytes} bytes, over the memory budget of {budget} bytes")
-        self.tensor, self.nbytes, self.budget = tensor, nbytes, budget
 
 
 def work_units(tensor: PlannedTensor, *, max_unit_memory: int, split_above: int | None = None) -> list[WorkUnit]:

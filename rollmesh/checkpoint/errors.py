@@ -4,17 +4,20 @@
     ├── CheckpointReadError                a source is missing, corrupt or unreadable
     │   ├── UnsupportedCheckpointFormatError   no reader for this format (yet)
     │   └── CheckpointArgumentError            a saved training argument the model needs is unreadable
-    └── CheckpointWriteError               a checkpoint or export was not written or published
+    ├── CheckpointWriteError               a checkpoint or export was not written or published
+    └── TaskTooLargeError(tensor, nbytes, budget), ValueError
+                                           converting one tensor needs more memory than the budget
+                                           (convert_planner; no file concerned, so ``path`` is "")
 """
 
 from __future__ import annotations
 
 
 class CheckpointError(Exception):
-    """Root of the tree; ``path`` is the checkpoint directory or file concerned."""
+    """Root of the tree; ``path`` is the checkpoint directory or file concerned ("" for none)."""
 
     def __init__(self, message: str, *, path: str) -> None:
-        super().__init__(f"{message} ({path})")
+        super().__init__(f"{message} ({path})" if path else message)
         self.path = path
 
     def __reduce__(self) -> tuple[object, ...]:
@@ -59,3 +62,13 @@ class CheckpointWriteError(CheckpointError):
     def __init__(self, reason: str, *, path: str) -> None:
         super().__init__(f"cannot write checkpoint: {reason}", path=path)
         self.reason = reason
+
+
+class TaskTooLargeError(CheckpointError, ValueError):
+    """Converting ``tensor`` holds ``nbytes`` at once, over the memory ``budget``: permanent (the
+    resharder does not retry it), raised by the planner before anything is read."""
+
+    def __init__(self, tensor: str, nbytes: int, budget: int) -> None:
+        super().__init__(f"{tensor}: converting it holds {nbytes} bytes, over the memory budget of {budget} bytes",
+                         path="")
+        self.tensor, self.nbytes, self.budget = tensor, nbytes, budget

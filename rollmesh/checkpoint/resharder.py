@@ -20,8 +20,7 @@ from pathlib import Path
 import msgspec
 
 from rollmesh.checkpoint.atomic_dir import write_file_atomically
-from rollmesh.checkpoint.convert_planner import TaskTooLargeError
-from rollmesh.checkpoint.errors import CheckpointReadError
+from rollmesh.checkpoint.errors import CheckpointReadError, TaskTooLargeError
 from rollmesh.checkpoint.hf_writer import copy_tokenizer_files, list_hf_files, write_hf_checkpoint
 from rollmesh.checkpoint.megatron_export import ExportOptions, export_to_hf
 from rollmesh.checkpoint.readers import read_checkpoint

@@ -53,4 +53,4 @@ def failed_line(event: RolloutFailed) -> str:
 def stepped_line(event: TrainerStepped) -> str:
     return (f"trainer    step={event.step} reward={event.reward_mean:.3f} "
             f"weights=v{event.weight_version} loss={event.loss:.4f} samples={event.num_samples} "
-            f"max_lag={event.max_version_lag}")
+            f"max_lag={event.max_generation_lag}")

@@ -92,7 +92,7 @@ class DashboardState:
             case TrainerStepped():
                 self._steps.append(TrainerPoint(
                     at=now, step=event.step, reward_mean=event.reward_mean, loss=event.loss,
-                    weight_version=event.weight_version, max_version_lag=event.max_version_lag))
+                    weight_version=event.weight_version, max_version_lag=event.max_generation_lag))
             case WeightsActivated():
                 self.record_worker_version(event.worker, event.role, event.version)
             case WeightsPublished():

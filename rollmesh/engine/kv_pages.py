@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rollmesh.engine.errors import EngineError
 from rollmesh.engine.memory_release import HOST, to_device
 
 
@@ -32,7 +33,7 @@ class KvLayout:
     dtype: torch.dtype = torch.float32
 
 
-class OutOfBlocksError(RuntimeError):
+class OutOfBlocksError(EngineError, RuntimeError):
     """Raised by ``KvBlockPool.allocate`` when the free list is too short (callers evict and
     retry, or keep the request waiting)."""
 

@@ -1,4 +1,4 @@
-"""The decode workers the GPU scheduler lends idle accelerators to (elastic decode), as one router
+"""The decode workers the GPU scheduler lends idle accelerators to (decode loans), as one router
 sees them: a loan's worker joins the router, a loan taken back leaves it.
 
 Knows the router and the loan events of the wire contract; not NATS, and Ray only through the
@@ -17,7 +17,7 @@ from typing import Any
 
 from rollmesh.inference.router import InferenceRouter
 from rollmesh.messages import GpuGranted, GpuReleased
-from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
+from rollmesh.messages.sim_jobs import DECODE_LOAN_HOLDER
 
 
 class DecodeLoanRoster:
@@ -28,12 +28,12 @@ class DecodeLoanRoster:
         self._releases: dict[str, int] = {}  # name -> releases seen, to spot one during a lookup
 
     async def granted(self, message: GpuGranted) -> None:
-        if message.holder == ELASTIC_DECODE_HOLDER:
+        if message.holder == DECODE_LOAN_HOLDER:
             await self.add(message.grant_id)
 
     def released(self, message: GpuReleased) -> None:
         # Announced before the worker is stopped, so nothing new is sent to it from here on.
-        if message.holder == ELASTIC_DECODE_HOLDER:
+        if message.holder == DECODE_LOAN_HOLDER:
             self._releases[message.grant_id] = self._releases.get(message.grant_id, 0) + 1
             self.router.remove_decode_worker(message.grant_id)
 
@@ -48,7 +48,7 @@ class DecodeLoanRoster:
             self.router.add_decode_worker(name, worker)
 
     async def reconcile(self, lent_now: Iterable[str]) -> None:
-        """Make the router's lent workers exactly ``lent_now`` (the scheduler's ``elastic_workers``)."""
+        """Make the router's lent workers exactly ``lent_now`` (the scheduler's ``decode_loan_workers``)."""
         lent_now = set(lent_now)
         for name in set(self.router.lent_decode_workers()) - lent_now:
             self.router.remove_decode_worker(name)

@@ -24,7 +24,7 @@ is prefilled in full), and when every one refused, waits ``memory_retry_s`` and 
 again, for up to ``memory_retry_timeout_s`` (the lending ends when the scheduler takes the
 accelerator back, within a job's preemption grace). Streams are not retried (a piece may be out).
 
-Elastic decode: workers the GPU scheduler lends to decode join with ``add_decode_worker`` and
+Decode loans: workers the GPU scheduler lends to decode join with ``add_decode_worker`` and
 leave with ``remove_decode_worker``, after which nothing new is sent to them; a session that was
 there continues on another worker, which prefills it in full (its KV left with the worker).
 """

@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from rollmesh.messages.base import SamplingParams, WireMessage
+from rollmesh.messages.errors import MessageError
 from rollmesh.messages.token_trace import TokenTrace, TokenTraceError
 
 NonEmptyId = Annotated[str, Meta(min_length=1, max_length=200)]
@@ -48,7 +49,7 @@ class RolloutProgressed(WireMessage, frozen=True, tag="rollout.progressed"):
     trace_id: str = ""
 
 
-class TraceNotInlineError(LookupError):
+class TraceNotInlineError(MessageError, LookupError):
     """The message's TokenTrace is in the object store (``ref``): fetch it, don't read it inline."""
 
     def __init__(self, rollout_id: str, ref: str) -> None:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import msgspec
 from msgspec import Meta
 
 from rollmesh.messages.base import WireMessage
 
-# The holder of accelerators lent to decode past its demand: each grant's id names the decode
-# worker placed in them, which rollout workers route to until the grant is released.
-ELASTIC_DECODE_HOLDER = "decode.elastic"
+# The holder of accelerators lent to decode past its demand (decode loans): each grant's id names
+# the decode worker placed in them, which rollout workers route to until the grant is released.
+# The value keeps the feature's old name: it is on the wire, and actors of the last release match it.
+DECODE_LOAN_HOLDER = "decode.elastic"
 
 JobId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
 NonNegFloat = Annotated[float, Meta(ge=0)]
@@ -102,8 +104,31 @@ class SchedulerStatus(WireMessage, frozen=True, tag="sched.status"):
     lost_accelerator_s: float
     rl_queueing_s: float
     reported_at: float
-    # The decode workers lent idle accelerators now (elastic decode), by name.
+    # Deprecated (read decode_loan_workers): the same list under the feature's old name. Still
+    # sent, so readers of the last release read it.
     elastic_workers: list[str] = []
     # Each RL role's busy fraction now, from its workers' reported compute time (a role that has
     # not reported recently is absent: what it holds counts as busy).
     roles_busy: dict[str, float] = {}
+    # The decode workers lent idle accelerators now (decode loans), by name.
+    decode_loan_workers: list[str] = []
+
+    def __post_init__(self) -> None:
+        # One release of both names: an older sender's list fills the new field, and a sender that
+        # sets only the new one fills the old one too. Remove with elastic_workers.
+        if self.elastic_workers and not self.decode_loan_workers:
+            msgspec.structs.force_setattr(self, "decode_loan_workers", self.elastic_workers)
+        elif self.decode_loan_workers and not self.elastic_workers:
+            msgspec.structs.force_setattr(self, "elastic_workers", self.decode_loan_workers)
+
+
+def __getattr__(name: str) -> object:
+    # ELASTIC_DECODE_HOLDER was renamed (the feature is "decode loans"); the old name warns for one
+    # release. Hand-written rather than rollmesh.moved_names: messages imports nothing of ours.
+    if name == "ELASTIC_DECODE_HOLDER":
+        import warnings
+
+        warnings.warn(f"{__name__}.ELASTIC_DECODE_HOLDER is now {__name__}.DECODE_LOAN_HOLDER; the old name "
+                      "will be removed in the next release", DeprecationWarning, stacklevel=2)
+        return DECODE_LOAN_HOLDER
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

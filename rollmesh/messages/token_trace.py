@@ -19,6 +19,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from rollmesh.messages.errors import MessageError
+
 # The version of a token the policy did not generate.
 NO_VERSION = -1
 
@@ -26,7 +28,7 @@ TokenId = Annotated[int, Meta(ge=0)]
 Version = Annotated[int, Meta(ge=NO_VERSION)]
 
 
-class TokenTraceError(ValueError):
+class TokenTraceError(MessageError, ValueError):
     """A TokenTrace breaks an invariant; ``position`` is the first offending token (-1: lengths)."""
 
     def __init__(self, reason: str, *, position: int = -1) -> None:

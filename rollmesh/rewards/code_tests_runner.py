@@ -22,12 +22,12 @@ import signal
 import sys
 
 
-class TestTimedOut(BaseException):  # not an Exception: a solution's ``except Exception`` cannot swallow it
+class TestTimedOutError(BaseException):  # not an Exception: a solution's ``except Exception`` cannot swallow it
     pass
 
 
 def _alarm(signum, frame):
-    raise TestTimedOut()
+    raise TestTimedOutError()
 
 
 def _run(code, namespace, timeout_s):

@@ -29,7 +29,7 @@ import time
 
 import structlog
 
-from rollmesh.rewards.errors import RewardInputError, RewardUnavailableError
+from rollmesh.rewards.errors import RewardError, RewardInputError, RewardUnavailableError
 from rollmesh.rewards.math_worker import CHECK_ANSWER
 from rollmesh.rewards.reward_input import RewardInput
 
@@ -39,7 +39,7 @@ DEFAULT_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 120.0
 
 
-class _WorkerDiedError(Exception):
+class _WorkerDiedError(RewardError):  # private: caught here, never escapes
     pass
 
 

@@ -78,7 +78,7 @@ from rollmesh.rollout.errors import RolloutError
 from rollmesh.rollout.rollout_sandbox import RolloutSandbox
 from rollmesh.rollout.saved_state import InMemoryRolloutStates
 from rollmesh.rollout.rollout_turns import RolloutRun, RolloutTurns, trace_id_of
-from rollmesh.rollout.elastic_decode import ElasticDecodeFollower
+from rollmesh.rollout.decode_loan_follower import RolloutDecodeLoanFollower
 from rollmesh.rollout.environments import EnvironmentRollout
 from rollmesh.rollout.tasks import Task, TaskInputError, TaskRegistry, UnknownTaskError, is_environment
 from rollmesh.rollout.tool_runner import ToolRunner
@@ -116,7 +116,7 @@ class RolloutWorkerLogic:
         routed_experts: RoutedExpertsStore | None = None,
         trajectories: TrajectoryStore | None = None,
         max_seq_len: int | None = None,
-        decode_loans: ElasticDecodeFollower | None = None,
+        decode_loans: RolloutDecodeLoanFollower | None = None,
     ) -> None:
         self.config = config
         # The model's context (config.json's max_position_embeddings) unless a test names a shorter one.

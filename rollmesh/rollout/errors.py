@@ -1,8 +1,12 @@
-"""Errors of the rollout package::
+"""Errors of the rollout package, one tree under ``RolloutError``::
 
-    RolloutError(kind, turns)     a rollout that cannot finish; ``kind`` is a RolloutFailed kind
-    TaskInputError (tasks.py)     task_input does not fit the task
-    UnknownTaskError (tasks.py)   no task registered under that name
+    RolloutError(kind, turns)                       a rollout that cannot finish; ``kind`` is its
+    │                                               RolloutFailed kind
+    ├── TaskInputError(task, reason), ValueError    task_input does not fit the task (invalid_request)
+    └── UnknownTaskError(task), LookupError         no task registered under that name (unknown_task)
+
+The builtin second bases stay because task code and callers catch them. ``rollout.tasks`` still
+exports the task errors.
 """
 
 from __future__ import annotations
@@ -15,3 +19,18 @@ class RolloutError(Exception):
         super().__init__(reason)
         self.kind = kind
         self.turns = turns
+
+
+class TaskInputError(RolloutError, ValueError):
+    """A rollout request's ``task_input`` does not fit its task."""
+
+    def __init__(self, reason: str, *, task: str) -> None:
+        super().__init__("invalid_request", f"task {task!r}: {reason}")
+        self.task = task
+        self.reason = reason
+
+
+class UnknownTaskError(RolloutError, LookupError):
+    def __init__(self, task: str, *, known: list[str]) -> None:
+        super().__init__("unknown_task", f"unknown task {task!r}; registered: {', '.join(sorted(known)) or 'none'}")
+        self.task = task

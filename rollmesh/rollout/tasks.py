@@ -18,6 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 from rollmesh.chat import ToolCall
 # What a reward sees lives with the rewards; re-exported here, where task plugins import from.
 from rollmesh.rewards.reward_input import FinishReason, RewardInput, RewardScore, ToolOutput
+# The task errors live with the package's other errors; re-exported here for task plugins.
+from rollmesh.rollout.errors import TaskInputError, UnknownTaskError
 
 __all__ = ["DemonstrableTask", "FinishReason", "ImportsRewardFunctions", "PythonTool", "RewardInput",
            "RewardScore", "SandboxCommand", "Task", "TaskInputError", "TaskRegistry", "ToolAction",
@@ -98,21 +100,6 @@ class ImportsRewardFunctions(Protocol):
     mesh's config allows (a request is data; what it makes a worker import is the config's say)."""
 
     def allow_reward_functions(self, import_paths: list[str]) -> None: ...
-
-
-class TaskInputError(ValueError):
-    """A rollout request's ``task_input`` does not fit its task."""
-
-    def __init__(self, reason: str, *, task: str) -> None:
-        super().__init__(f"task {task!r}: {reason}")
-        self.task = task
-        self.reason = reason
-
-
-class UnknownTaskError(LookupError):
-    def __init__(self, task: str, *, known: list[str]) -> None:
-        super().__init__(f"unknown task {task!r}; registered: {', '.join(sorted(known)) or 'none'}")
-        self.task = task
 
 
 class TaskRegistry:

@@ -50,7 +50,7 @@ from rollmesh.messages.sandbox import (
 )
 from rollmesh.ports import Publisher
 from rollmesh.sandbox.bulk_server import BulkServer
-from rollmesh.sandbox.errors import CapacityError, RequestRefusedError
+from rollmesh.sandbox.errors import RequestRefusedError, SandboxCapacityError
 from rollmesh.sandbox.exec_registry import ExecRegistry
 from rollmesh.telemetry import metrics, metrics_catalog
 from rollmesh.sandbox.lease_terms import LeaseTerms, limits_spec, profile_limits, resolve_terms
@@ -149,7 +149,7 @@ class SandboxBroker:
         self._pool.record_lease(terms.profile)
         try:
             (lease,) = await self._grant([req.holder], terms)
-        except CapacityError as exc:
+        except SandboxCapacityError as exc:
             return self._refused_lease("capacity", str(exc))
         except Exception as exc:  # noqa: BLE001 - a runtime failure is a reply, by contract
             kind, text = failure_of(exc)
@@ -188,7 +188,7 @@ class SandboxBroker:
                 tar, sha256 = snapshot.data, snapshot.sha256
                 created = await self._grant(missing, terms,
                                             seed=lambda sandbox: self._ops.restore(sandbox, tar, sha256))
-            except CapacityError as exc:
+            except SandboxCapacityError as exc:
                 return SandboxForkReply(error_kind="capacity", error=str(exc),
                                         retry_after_s=self.config.capacity_retry_after_s)
             except Exception as exc:  # noqa: BLE001
@@ -388,8 +388,8 @@ class SandboxBroker:
         leased = len(self._leases) + self._reserved
         if leased + len(holders) > self.config.max_sandboxes:
             self.counts["leases_refused"] += len(holders)
-            raise CapacityError(f"{leased} of {self.config.max_sandboxes} sandboxes are leased; "
-                                f"{len(holders)} more do not fit")
+            raise SandboxCapacityError(f"{leased} of {self.config.max_sandboxes} sandboxes are leased; "
+                                       f"{len(holders)} more do not fit")
         # Reserved before the first await, so concurrent requests see the room as taken; a warm
         # sandbox taken moves from the pool's count to this one.
         self._reserved += len(holders)

@@ -16,7 +16,8 @@ the boundary with ``raise X(...) from exc``::
     +-- TransferError              a file could not be stored or read (path, reason)
     +-- RequestRefusedError        a broker request asks for what the config does not allow
     |                              (field): the caller's mistake, answered "invalid_request"
-    +-- CapacityError              no room for another sandbox now: answered "capacity"
+    +-- SandboxCapacityError       no room for another sandbox now: answered "capacity"
+    |                              (was CapacityError, a name the engine's decode slots also use)
     +-- ChecksumMismatchError      bytes whose sha256 is not the one announced (path)
     +-- BulkTokenError             a bulk stream's token is unknown, spent, expired or another
     |                              lease's (reason, lease_id): answered "bad_token"
@@ -33,6 +34,8 @@ the boundary with ``raise X(...) from exc``::
 """
 
 from __future__ import annotations
+
+from rollmesh.moved_names import forward_moved_names
 
 
 class SandboxError(Exception):
@@ -99,8 +102,8 @@ class RequestRefusedError(SandboxError):
         self.field = field
 
 
-class CapacityError(SandboxError):
-    pass
+class SandboxCapacityError(SandboxError):
+    """The broker leases ``max_sandboxes`` already: no room for another sandbox now."""
 
 
 class ChecksumMismatchError(SandboxError):
@@ -156,3 +159,7 @@ class ImageBuildError(SandboxError):
                          else f"sandbox profile {profile!r}: {message}")
         self.profile = profile
         self.reason = reason
+
+
+# The engine has its own CapacityError (decode slots); the sandbox's old name warns for one release.
+__getattr__ = forward_moved_names(__name__, {"CapacityError": "rollmesh.sandbox.errors:SandboxCapacityError"})

@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 
 from rollmesh.sandbox.egress import EgressForwarder, remove_socket_dir
+from rollmesh.sandbox.errors import SandboxError
 from rollmesh.sandbox.guest_client import GuestSandbox
 from rollmesh.sandbox.limits import SandboxCgroup, UidLease
 from rollmesh.sandbox.process_backend import remove_tree
@@ -47,7 +48,7 @@ _FD_OPTIONS = ("--ro-bind-data", "--bind-data", "--file", "--args", "--seccomp",
                "--block-fd", "--sync-fd", "--info-fd", "--json-status-fd", "--userns-block-fd")
 
 
-class SupervisorError(OSError):
+class SupervisorError(SandboxError, OSError):
     """The supervisor refused a request or could not be reached or started."""
 
 

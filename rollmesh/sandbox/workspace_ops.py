@@ -43,9 +43,9 @@ from rollmesh.ports import Publisher
 from rollmesh.telemetry import conventions
 from rollmesh.sandbox.errors import (
     BulkStreamError,
-    CapacityError,
     ChecksumMismatchError,
     RequestRefusedError,
+    SandboxCapacityError,
     SandboxDiedError,
     TransferError,
     UnsafeArchiveError,
@@ -70,7 +70,7 @@ def failure_of(exc: BaseException) -> tuple[SandboxErrorKind, str]:
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, SandboxDiedError):
         return "sandbox_died", text
-    if isinstance(exc, CapacityError):
+    if isinstance(exc, SandboxCapacityError):
         return "capacity", str(exc)
     if isinstance(exc, RequestRefusedError):
         return "invalid_request", str(exc)

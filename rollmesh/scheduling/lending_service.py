@@ -50,7 +50,7 @@ import msgspec
 from rollmesh.messages import GpuGranted, GpuReleased, PreemptionAcknowledged, PreemptionRequested
 from rollmesh.messages.metrics import MetricsReported
 from rollmesh.messages.sim_jobs import (
-    ELASTIC_DECODE_HOLDER,
+    DECODE_LOAN_HOLDER,
     RoleDemandChanged,
     RunRegistered,
     SchedulerStatus,
@@ -304,9 +304,9 @@ class LendingService:
                 case ReclaimRole(run_id=run_id, role=role, accelerators=count, held=held):
                     await self._reclaim(run_id, self._holder(run_id, role), count, held, now)
                 case GrowDecode(run_id=run_id, accelerators=count, lent=lent):
-                    await self._grant(run_id, ELASTIC_DECODE_HOLDER, count, lent, now)
+                    await self._grant(run_id, DECODE_LOAN_HOLDER, count, lent, now)
                 case ShrinkDecode(run_id=run_id, accelerators=count, lent=lent):
-                    await self._reclaim(run_id, ELASTIC_DECODE_HOLDER, count, lent, now)
+                    await self._reclaim(run_id, DECODE_LOAN_HOLDER, count, lent, now)
         self._account(now)
 
     def _holder(self, run_id: str, role: str) -> str:
@@ -450,7 +450,7 @@ class LendingService:
             jobs=jobs, allocated_utilization=totals.allocated_utilization,
             busy_utilization=totals.busy_utilization, preemptions=stats.preemptions, kills=stats.kills,
             lost_accelerator_s=totals.lost_s, rl_queueing_s=sum(stats.rl_queueing_s.values()),
-            reported_at=now, elastic_workers=self.role_groups.held(ELASTIC_DECODE_HOLDER),
+            reported_at=now, decode_loan_workers=self.role_groups.held(DECODE_LOAN_HOLDER),
             roles_busy={role: fraction for role in {holder.split(".")[0] for holder in self.role_held if "/" not in holder}
                         if (fraction := self.busy_rates.fraction(role, now)) is not None})
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rollmesh.messages import SimJobSubmitted
-from rollmesh.messages.sim_jobs import ELASTIC_DECODE_HOLDER
+from rollmesh.messages.sim_jobs import DECODE_LOAN_HOLDER
 
 
 class RayJobHandle:
@@ -127,7 +127,7 @@ class RoleGrantGroups:
             group = placement_group([self.launcher.bundle(1)], strategy="STRICT_PACK", name=grant_id)
             await group.ready()
             self.groups[grant_id] = group
-            if holder == ELASTIC_DECODE_HOLDER and self.start_decode_worker is not None:
+            if holder == DECODE_LOAN_HOLDER and self.start_decode_worker is not None:
                 self.workers[grant_id] = await self.start_decode_worker(grant_id, group)
             self.holdings.setdefault(holder, []).append(grant_id)
             grant_ids.append(grant_id)

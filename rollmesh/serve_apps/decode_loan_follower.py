@@ -1,9 +1,9 @@
 """DecodeLoanFollower: the Serve app's router uses the decode workers the GPU scheduler lends idle
-accelerators to (elastic decode), as the rollout workers' routers do.
+accelerators to (decode loans), as the rollout workers' routers do.
 
 Knows the bus (a ``BusWatcher``: it watches ``GpuGranted`` / ``GpuReleased`` and the scheduler's
 status, as the replica's watch-only "dashboard" user may) and ``DecodeLoanRoster``;
-not HTTP. A release is announced before the scheduler stops the worker (``elastic_drain_s``
+not HTTP. A release is announced before the scheduler stops the worker (``decode_loan_drain_s``
 later), so the router stops sending to it first. The scheduler's status reconciles the roster:
 asked for once at start (loans made before the replica started), then as the scheduler
 publishes it every ``scheduler.report_every_s`` (loans granted or taken back while the
@@ -56,7 +56,7 @@ class DecodeLoanFollower:
         await self._reconcile_at_start()
 
     async def _on_status(self, status: SchedulerStatus) -> None:
-        await self.roster.reconcile(status.elastic_workers)
+        await self.roster.reconcile(status.decode_loan_workers)
 
     async def _reconcile_at_start(self) -> None:
         try:
@@ -66,4 +66,4 @@ class DecodeLoanFollower:
         except Exception as exc:  # no scheduler (rollmesh serve), a timeout, a bad reply
             _log.debug("decode_loan_status_failed", error=repr(exc))
             return  # its next published status reconciles, if there is a scheduler
-        await self.roster.reconcile(status.elastic_workers)
+        await self.roster.reconcile(status.decode_loan_workers)

@@ -1,22 +1,25 @@
-"""Errors of the HTTP API, each with its status code and OpenAI error fields. Knows the engine's
-error tree (to map it), not Ray or FastAPI.
+"""Errors of the serving package, one tree under ``ServeError``: the HTTP API's, each with its
+status code and OpenAI error fields, and the startup and session errors behind them. Knows the
+engine's error tree (to map it), not Ray or FastAPI.
 
-    ApiError(status, message, code, param)
-    ├── InvalidApiRequestError      400  bad body or sampling params, prompt too long, bad ids,
-    │                                    KV pool too small, a dense model asked for experts,
-    │                                    a weights file that cannot be loaded, invalid tools,
-    │                                    messages the model's chat template refuses
-    ├── AuthenticationError         401  no or a wrong ``Authorization: Bearer`` key
-    ├── ModelNotFoundError(model)   404
-    ├── SessionNotFoundError        404  no chat session by that id (never made, expired, deleted)
-    ├── SessionConflictError        409  a chat session already has a turn in flight
-    └── EngineUnavailableError      503  no decode slot, loop stopped, a worker died; with
-                                         ``retry_after_s`` (a ``Retry-After`` header) when
-                                         retrying will help: ``version_unavailable``
-
-    InvalidApiKeyFileError(ValueError)   at startup: the configured key file is unreadable or empty
-    └── ApiKeyRequiredError              at startup: bound beyond loopback or security enabled,
-                                         and no key configured
+    ServeError
+    ├── ApiError(status, message, code, param)
+    │   ├── InvalidApiRequestError      400  bad body or sampling params, prompt too long, bad ids,
+    │   │                                    KV pool too small, a dense model asked for experts,
+    │   │                                    a weights file that cannot be loaded, invalid tools,
+    │   │                                    messages the model's chat template refuses
+    │   ├── AuthenticationError         401  no or a wrong ``Authorization: Bearer`` key
+    │   ├── ModelNotFoundError(model)   404
+    │   ├── SessionNotFoundError        404  no chat session by that id (never made, expired, deleted)
+    │   ├── SessionConflictError        409  a chat session already has a turn in flight
+    │   └── EngineUnavailableError      503  no decode slot, loop stopped, a worker died; with
+    │                                        ``retry_after_s`` (a ``Retry-After`` header) when
+    │                                        retrying will help: ``version_unavailable``
+    ├── InvalidApiKeyFileError, ValueError  at startup: the configured key file is unreadable or empty
+    │   └── ApiKeyRequiredError          at startup: bound beyond loopback or security enabled,
+    │                                    and no key configured
+    └── SessionHistoryError(reason, index), ValueError   (session_history) a session's messages
+                                                         do not extend its history; answered 400
 """
 
 from __future__ import annotations
@@ -40,7 +43,11 @@ from rollmesh.serve_apps.http_shapes import ErrorDetail, ErrorResponse
 RETRY_AFTER_S = 1
 
 
-class ApiError(Exception):
+class ServeError(Exception):
+    """Root of the serving package's errors."""
+
+
+class ApiError(ServeError):
     """An error the HTTP API reports as ``{"error": {...}}`` with ``status``."""
 
     status = 500
@@ -76,7 +83,7 @@ class AuthenticationError(ApiError):
         super().__init__(message, code="invalid_api_key")
 
 
-class InvalidApiKeyFileError(ValueError):
+class InvalidApiKeyFileError(ServeError, ValueError):
     """The configured API key file cannot be read or is empty (raised at startup, not per request)."""
 
 

@@ -24,10 +24,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollmesh.serve_apps.errors import ServeError
 from rollmesh.serve_apps.http_shapes import ChatMessage
 
 
-class SessionHistoryError(ValueError):
+class SessionHistoryError(ServeError, ValueError):
     """The request's messages do not extend the session's; ``index``: the first message at fault."""
 
     def __init__(self, reason: str, *, index: int) -> None:

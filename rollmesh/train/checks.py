@@ -14,8 +14,9 @@ from rollmesh.rewards.combined import check_reward_specs
 from rollmesh.rewards.errors import RewardError
 from rollmesh.rollout.tasks import load_task
 from rollmesh.run_config import EvalConfig, StageConfig, stage_names
+from rollmesh.train.errors import TrainError
 
-class RunFileError(ValueError):
+class RunFileError(TrainError, ValueError):
     def __init__(self, reason: str, *, stage: str = "") -> None:
         super().__init__(f"stage {stage!r}: {reason}" if stage else reason)
         self.stage = stage

@@ -64,7 +64,7 @@ class StepRecord:
     # previous step: summed over steps.jsonl, they count a resumed job's whole run.
     rollouts: int = 0
     failures: dict[str, int] = field(default_factory=dict)
-    max_version_lag: int = 0  # the step's (TrainerStepped.max_version_lag)
+    max_version_lag: int = 0  # the step's generation lag (TrainerStepped.max_generation_lag)
     logprob_mismatch: float | None = None  # the step's (TrainerStepped.logprob_mismatch)
 
     def line(self) -> str:
@@ -187,7 +187,7 @@ class RlStageFeeder:
             trainer_step=stepped.step, reward=stepped.reward_mean, loss=stepped.loss,
             tokens_per_s=tally.tokens / interval_s if interval_s > 0 else 0.0,
             trainer_idle_pct=idle, weight_version=stepped.weight_version, rewards=tally.means(),
-            rollouts=tally.rollouts, failures=dict(tally.failures), max_version_lag=stepped.max_version_lag,
+            rollouts=tally.rollouts, failures=dict(tally.failures), max_version_lag=stepped.max_generation_lag,
             logprob_mismatch=stepped.logprob_mismatch)
 
     async def _fill(self, trainer_step: int) -> None:

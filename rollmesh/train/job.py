@@ -34,6 +34,7 @@ from rollmesh.messages import CheckpointConverted
 from rollmesh.messages.subjects import CHECKPOINT_CONVERTED
 from rollmesh.run_config import stage_names, stage_trainer_config
 from rollmesh.tracking import Trackers, open_trackers
+from rollmesh.train.errors import TrainError
 from rollmesh.train.eval_schedule import EvalSchedule
 from rollmesh.train.evaluation import Evaluation
 from rollmesh.train.feeder import JobEvents, RlStageFeeder, StepRecord
@@ -53,7 +54,7 @@ FINAL_MODEL_DIR = "final_model"
 CONVERT_TIMEOUT_S = 600.0
 
 
-class TrainerSettingsError(RuntimeError):
+class TrainerSettingsError(TrainError, RuntimeError):
     """The mesh's trainer runs with other settings than the stage's (an attached mesh started with
     another config): groups would not add up to its steps."""
 

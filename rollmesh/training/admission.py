@@ -23,6 +23,7 @@ version that generated it. A *segment* is a maximal run of generated tokens (one
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -109,7 +110,7 @@ class GroupMember:
     rollout_id: str
     reward: float
     sample: PolicySample | None  # None: failed or too stale, counted but not trained on
-    version_lag: int = 0  # the admission measure: generation_lag (tool waits excluded)
+    generation_lag: int = 0  # the admission measure (tool waits excluded)
     raw_version_lag: int = 0  # version_lag (tool waits included), reported, not admitted on
     # rollout.history_rewrite = "split": the rollout's samples after ``sample``, trained with the
     # same advantage (the rollout is one member of its group, whatever its number of samples).
@@ -117,6 +118,13 @@ class GroupMember:
 
     def samples(self) -> list[PolicySample]:
         return [self.sample, *self.split_samples] if self.sample is not None else []
+
+    @property
+    def version_lag(self) -> int:
+        """Deprecated: the generation lag under the name of the other measure (``generation_lag``)."""
+        warnings.warn("GroupMember.version_lag is now GroupMember.generation_lag; the old name will be "
+                      "removed in the next release", DeprecationWarning, stacklevel=2)
+        return self.generation_lag
 
 
 @dataclass

@@ -49,17 +49,10 @@ from typing import Literal
 import torch
 
 from rollmesh.config import TrainerConfig
+from rollmesh.training.errors import LossInputsError
 from rollmesh.training.grpo import PolicyBatch
 
 LossName = Literal["grpo", "ppo_clip"]
-
-
-class LossInputsError(ValueError):
-    """A loss term was asked for without the tensor it needs (``missing`` names it)."""
-
-    def __init__(self, message: str, *, missing: str) -> None:
-        super().__init__(message)
-        self.missing = missing
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from rollmesh.checkpoint.atomic_dir import staged_directory, write_file_atomical
 from rollmesh.checkpoint.errors import CheckpointWriteError
 from rollmesh.checkpoint.megatron_args import COMMON_FILE, LATEST_FILE, ModelDescription
 from rollmesh.engine.models.hf_config import HFModelConfig, parse_hf_config
+from rollmesh.training.errors import ConflictingArgsError, StateDictMismatchError, UnmappableModelError
 
 FORMAT = "megatron_torch_dist"
 # Megatron-LM's checkpoint_version for the current layouts (QKV interleaved per query group).
@@ -69,36 +70,6 @@ VOCAB_DIVISIBLE_BY = 128
 _STORED_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                  "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-class UnmappableModelError(CheckpointWriteError):
-    """An HF model the Megatron maps cannot express exactly: ``field`` is the HF config field
-    (e.g. ``attention_bias``, ``mlp_only_layers``) whose value no Megatron checkpoint of the
-    family reproduces through ``export_to_hf``."""
-
-    def __init__(self, reason: str, *, model_type: str, field: str, path: str) -> None:
-        super().__init__(f"{model_type}: {field}: {reason}", path=path)
-        self.model_type = model_type
-        self.field = field
-
-
-class StateDictMismatchError(CheckpointWriteError):
-    """The state dict is not the model's: HF tensors it lacks (``missing``) or that no Megatron
-    tensor would keep (``unexpected``; dropping them would save a different model)."""
-
-    def __init__(self, *, missing: list[str], unexpected: list[str], path: str) -> None:
-        super().__init__(f"state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}",
-                         path=path)
-        self.missing = missing
-        self.unexpected = unexpected
-
-
-class ConflictingArgsError(CheckpointWriteError):
-    """``extra_args`` set architecture arguments (``names``) to other values than the model's."""
-
-    def __init__(self, *, names: list[str], path: str) -> None:
-        super().__init__(f"extra_args contradict the model's arguments: {', '.join(names)}", path=path)
-        self.names = names
 
 
 def describe_hf_model(model: HFModelConfig | Mapping[str, Any] | ModelDescription, *,

@@ -20,24 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-
-class RankPlacementError(ValueError):
-    """The launcher's variables do not place this rank: ``variable`` names the one in the way."""
-
-    def __init__(self, reason: str, *, variable: str) -> None:
-        super().__init__(f"{variable}: {reason}")
-        self.variable = variable
-
-
-class TooManyRanksError(RuntimeError):
-    """More megatron ranks on one node (``ranks_on_node``) than GPUs there (``gpus``): one GPU
-    per rank, so the layout needs more nodes or fewer ranks (``trainer.megatron``)."""
-
-    def __init__(self, *, ranks_on_node: int, gpus: int) -> None:
-        super().__init__(f"{ranks_on_node} megatron ranks on this node but {gpus} GPUs visible: one GPU per "
-                         "rank (lower trainer.megatron's TP x PP x DP, or spread the ranks over more nodes)")
-        self.ranks_on_node = ranks_on_node
-        self.gpus = gpus
+from rollmesh.training.errors import RankPlacementError, TooManyRanksError
 
 
 @dataclasses.dataclass(frozen=True)

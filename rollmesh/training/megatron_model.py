@@ -74,19 +74,11 @@ from rollmesh.checkpoint.chunk_geometry import Box
 from rollmesh.checkpoint.tp_reshard import rank_boxes
 from rollmesh.engine.models import CheckpointKeysError, read_hf_config
 from rollmesh.engine.models.hf_config import HFModelConfig
+from rollmesh.training.errors import UnsupportedMegatronModelError
 from rollmesh.training.megatron_checkpoint import describe_hf_model
 from rollmesh.training.megatron_cpu_shims import megatron_cuda_on_cpu
 from rollmesh.training.megatron_pipeline import Microbatch
 from rollmesh.training.router_replay import replay_tensor
-
-
-class UnsupportedMegatronModelError(ValueError):
-    """An HF model this backend does not build: ``field`` is the HF config field in the way."""
-
-    def __init__(self, reason: str, *, field: str, path: str) -> None:
-        super().__init__(f"{path}: {field}: {reason}")
-        self.field = field
-        self.path = path
 
 
 def megatron_spec(config: HFModelConfig, *, tp: int, ep: int = 1, pp: int = 1, path: str = "") -> ArchSpec:

@@ -29,9 +29,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from rollmesh.training.errors import OptimizerSetupError
 from rollmesh.training.megatron_cpu_shims import megatron_cuda_on_cpu
 from rollmesh.training.optimizer_adamw import AdamWConfig
-from rollmesh.training.optimizer_errors import OptimizerSetupError
 from rollmesh.training.optimizer_offload import ChunkedOffloadAdamW
 
 

@@ -25,21 +25,12 @@ from typing import Any
 
 import torch
 
+from rollmesh.training.errors import MegatronOptimizerError
 from rollmesh.training.megatron_cpu_shims import megatron_cuda_on_cpu
 
 # torch.optim.AdamW's defaults: the torch backend steps with them.
 ADAMW_BETAS = (0.9, 0.999)
 ADAMW_EPS = 1e-8
-
-
-class MegatronOptimizerError(RuntimeError):
-    """megatron's optimizer refused a step or a state: ``reason`` says why (e.g. non-finite
-    gradients, a state of another layout)."""
-
-    def __init__(self, reason: str, *, grad_norm: float | None = None) -> None:
-        super().__init__(reason if grad_norm is None else f"{reason} (grad norm {grad_norm})")
-        self.reason = reason
-        self.grad_norm = grad_norm
 
 
 def wrap_data_parallel(model: torch.nn.Module, *, distributed_optimizer: bool = True,

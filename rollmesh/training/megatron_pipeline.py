@@ -39,19 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rollmesh.training.errors import PipelineLayoutError
 from rollmesh.training.megatron_cpu_shims import megatron_cuda_on_cpu
 
 LossFn = Callable[[torch.Tensor, "Microbatch"], tuple[torch.Tensor, torch.Tensor | int, dict[str, float]]]
 # run_stage(stage, microbatch, positions, attention mask or None) -> the stage's output.
 RunStage = Callable[[torch.nn.Module, "Microbatch", torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-class PipelineLayoutError(ValueError):
-    """Microbatches the pipeline cannot run: ``field`` names what is in the way."""
-
-    def __init__(self, reason: str, *, field: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ shards and RNG state).
 
 Failures. A rank that raises answers with its traceback; one that dies, or a call that outlasts
 ``call_timeout_s`` (a rank dead inside a collective leaves the others waiting in it), fails the
-call. Either way ``MegatronRanksFailed`` names the rank and the method, and the group is closed:
+call. Either way ``MegatronRanksError`` names the rank and the method, and the group is closed:
 a collective cannot be resumed half-done, so the trainer fails and its restart resumes from the
 last durable step (the ledger), as after any other crash.
 
@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from rollmesh.moved_names import forward_moved_names
+from rollmesh.training.errors import MegatronRanksError
 from rollmesh.training.megatron_devices import (
     RankPlacement,
     check_node_capacity,
@@ -59,16 +61,6 @@ from rollmesh.training.megatron_devices import (
 
 # Answered by every rank for itself (the others: rank 0 answers for all).
 PER_RANK_METHODS = frozenset({"training_state", "load_training_state", "device_memory"})
-
-
-class MegatronRanksFailed(RuntimeError):
-    """A rank failed ``method`` (raised, died or timed out); ``detail`` is its traceback or why."""
-
-    def __init__(self, *, rank: int, method: str, detail: str) -> None:
-        super().__init__(f"megatron rank {rank} failed {method}: {detail.strip().splitlines()[-1] if detail.strip() else ''}")
-        self.rank = rank
-        self.method = method
-        self.detail = detail
 
 
 def _send(connection: Connection, value: Any) -> None:
@@ -138,9 +130,9 @@ class MegatronRanks:
             while True:
                 dead = [rank for rank, process in enumerate(self._processes) if process.poll() is not None]
                 if dead:
-                    raise MegatronRanksFailed(rank=dead[0], method="start", detail=self._output_of(dead[0]))
+                    raise MegatronRanksError(rank=dead[0], method="start", detail=self._output_of(dead[0]))
                 if time.monotonic() > deadline:
-                    raise MegatronRanksFailed(rank=-1, method="start", detail=f"no connection within {timeout_s:.0f} s")
+                    raise MegatronRanksError(rank=-1, method="start", detail=f"no connection within {timeout_s:.0f} s")
                 try:
                     sock, _ = self._server.accept()
                     break
@@ -181,12 +173,12 @@ class MegatronRanks:
 
     def _fail(self, rank: int, method: str, detail: str):
         self.close()
-        raise MegatronRanksFailed(rank=rank, method=method, detail=detail)
+        raise MegatronRanksError(rank=rank, method=method, detail=detail)
 
     def _call(self, method: str, *args: Any, per_rank_args: list[tuple] | None = None, **kwargs: Any) -> list[Any]:
         with self._lock:
             if self._closed:
-                raise MegatronRanksFailed(rank=-1, method=method, detail="the ranks were closed after a failure")
+                raise MegatronRanksError(rank=-1, method=method, detail="the ranks were closed after a failure")
             for rank, connection in enumerate(self._connections):
                 assert connection is not None
                 call_args = per_rank_args[rank] if per_rank_args is not None else args
@@ -219,7 +211,7 @@ class MegatronRanks:
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         if state.get("layout") != self._layout_key():
-            raise MegatronRanksFailed(rank=-1, method="load_training_state",
+            raise MegatronRanksError(rank=-1, method="load_training_state",
                                       detail=f"saved by layout {state.get('layout')}, loading on {self._layout_key()}")
         self._call("load_training_state", per_rank_args=[(rank_state,) for rank_state in state["ranks"]])
 
@@ -308,3 +300,7 @@ def serve_rank(address: str) -> None:
 
 if __name__ == "__main__":
     serve_rank(sys.argv[1])
+
+
+# MegatronRanksFailed was renamed (errors end in Error): the old name warns for one release.
+__getattr__ = forward_moved_names(__name__, {"MegatronRanksFailed": "rollmesh.training.errors:MegatronRanksError"})

@@ -25,7 +25,7 @@ import msgspec
 import torch
 
 from rollmesh.training.device_memory import DeviceMemoryAccount
-from rollmesh.training.optimizer_errors import MissingGradientError, OptimizerSetupError
+from rollmesh.training.errors import MissingGradientError, OptimizerSetupError
 
 
 class AdamWConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

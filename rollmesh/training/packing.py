@@ -23,26 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rollmesh.training.errors import PackingError, SequenceTooLongError
+
 # (ids, loss_mask): one example, as the backends' ``sft_step`` took it before packing.
 Example = tuple[Sequence[int], Sequence[int]]
-
-
-class PackingError(ValueError):
-    """An example that cannot be packed: ``index`` in the caller's list, ``reason`` why."""
-
-    def __init__(self, reason: str, *, index: int) -> None:
-        super().__init__(f"example {index}: {reason}")
-        self.index = index
-        self.reason = reason
-
-
-class SequenceTooLongError(PackingError):
-    """An example longer than a whole row: the caller decides whether to drop, cut or fail."""
-
-    def __init__(self, *, index: int, length: int, max_seq_len: int) -> None:
-        super().__init__(f"{length} tokens > max_seq_len {max_seq_len}", index=index)
-        self.length = length
-        self.max_seq_len = max_seq_len
 
 
 @dataclass(frozen=True)

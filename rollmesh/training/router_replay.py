@@ -34,52 +34,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from rollmesh.engine.models.llama import CausalLM, rope_cos_sin
+from rollmesh.training.errors import ExpertIdError, RoutedRowsShapeError, RowsAlignmentError
 from rollmesh.training.grpo import PolicySample
 
 T = TypeVar("T")
-
-
-class RouterReplayError(ValueError):
-    """Recorded routes that cannot be replayed.
-
-        RouterReplayError(sample)
-        ├── RoutedRowsShapeError(shape, dtype, expected)   not integer [rows, sparse layers, top_k]
-        ├── ExpertIdError(expert_id, num_experts)          an id out of range, or repeated in a row
-        └── RowsAlignmentError(rows, tokens)               not one row per training input position
-
-    ``sample`` is the sample's index in the batch, or None when unknown.
-    """
-
-    def __init__(self, message: str, *, sample: int | None) -> None:
-        where = f"sample {sample}: " if sample is not None else ""
-        super().__init__(where + message)
-        self.sample = sample
-
-
-class RoutedRowsShapeError(RouterReplayError):
-    def __init__(self, *, shape: tuple[int, ...], dtype: str, expected: tuple[int, int],
-                 sample: int | None) -> None:
-        super().__init__(f"routed rows {shape} of {dtype}, expected integer ids "
-                         f"[rows, {expected[0]}, {expected[1]}]", sample=sample)
-        self.shape = shape
-        self.dtype = dtype
-        self.expected = expected
-
-
-class ExpertIdError(RouterReplayError):
-    def __init__(self, reason: str, *, expert_id: int, num_experts: int, sample: int | None) -> None:
-        super().__init__(f"expert id {expert_id}: {reason} ({num_experts} experts)", sample=sample)
-        self.reason = reason
-        self.expert_id = expert_id
-        self.num_experts = num_experts
-
-
-class RowsAlignmentError(RouterReplayError):
-    def __init__(self, *, rows: int, tokens: int, sample: int | None) -> None:
-        super().__init__(f"{rows} routed rows for {tokens} tokens; the engine records one per "
-                         f"position but the last ({max(tokens - 1, 0)})", sample=sample)
-        self.rows = rows
-        self.tokens = tokens
 
 
 def expert_id_dtype(num_experts: int) -> np.dtype:

@@ -34,6 +34,7 @@ from torch import nn
 
 from rollmesh.engine.memory_release import MemoryMoveStats, StorageSwap
 from rollmesh.engine.models import CausalLM, CheckpointKeysError, load_hf_model
+from rollmesh.training.errors import TrainerOffloadedError
 from rollmesh.training.grpo import PolicyBatch, PolicySample
 from rollmesh.training.losses import LossSettings, policy_epochs, tempered, token_logprobs
 from rollmesh.training.lr_schedule import set_lr, warmup_lr
@@ -46,15 +47,6 @@ from rollmesh.training.router_replay import batch_rows, forward_with_replay, rep
 
 # What ``trainer.precision`` picks (``TorchTrainerBackend._new_optimizer``).
 Optimizer = torch.optim.AdamW | MixedPrecisionAdamW | ChunkedOffloadAdamW
-
-
-class TrainerOffloadedError(RuntimeError):
-    """A step, a save or a weight read while the trainer's memory is in host memory
-    (``TorchTrainerBackend.offload``): ``reload`` first. ``operation`` names what was called."""
-
-    def __init__(self, operation: str) -> None:
-        super().__init__(f"{operation}: the trainer's memory is offloaded (its accelerator lent); reload first")
-        self.operation = operation
 
 
 class TrainerBackend(Protocol):

@@ -344,7 +344,7 @@ class TrainerLogic(SupervisedTraining, WeightPublishing):
                       for member in group.members if member.sample)
         rewards = [reward for group in groups for reward in group.rewards()]
         admitted = [member for group in groups for member in group.members if member.sample]
-        lags = summarize_lags(member.version_lag for member in admitted)
+        lags = summarize_lags(member.generation_lag for member in admitted)
         keys = [member.rollout_id for group in groups for member in group.members]
         group_ids = [group.group_id for group in groups]
         dropped = sum(1 for group in groups if group.dropped)
@@ -362,9 +362,9 @@ class TrainerLogic(SupervisedTraining, WeightPublishing):
         message = TrainerStepped(
             step=self.step, weight_version=self.version, loss=float(stats.get("loss", 0.0)),
             reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
-            num_samples=len(samples), num_groups=len(groups), max_version_lag=lags.max,
+            num_samples=len(samples), num_groups=len(groups), max_generation_lag=lags.max,
             dropped_stale=self.dropped_stale, duration_s=self.clock() - started,
-            version_lag_p50=lags.p50, version_lag_p90=lags.p90, version_lag_histogram=lags.histogram,
+            generation_lag_p50=lags.p50, generation_lag_p90=lags.p90, generation_lag_histogram=lags.histogram,
             max_raw_version_lag=max((member.raw_version_lag for member in admitted), default=0),
             num_rollouts=trained, groups=group_ids, dropped_groups=dropped,
             logprob_mismatch=stats.get("logprob_mismatch"),

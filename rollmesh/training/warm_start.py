@@ -30,20 +30,10 @@ from rollmesh.chat import (
     prompt_opens_reasoning,
 )
 from rollmesh.rollout.tasks import DemonstrableTask
+from rollmesh.training.errors import ConversationError
 
 # (ids, loss_mask): what the backends' ``sft_step`` trains on.
 SftSequence = tuple[list[int], list[int]]
-
-
-class ConversationError(ValueError):
-    """A conversation that cannot be one supervised sequence: no assistant turn, not ending with
-    one, or an assistant turn whose written text does not parse back into its own tool calls."""
-
-    def __init__(self, reason: str, *, message_index: int | None = None) -> None:
-        where = f" (message {message_index})" if message_index is not None else ""
-        super().__init__(f"{reason}{where}")
-        self.reason = reason
-        self.message_index = message_index
 
 
 def conversation_sequence(chat: ChatModel, messages: Sequence[Mapping[str, Any]], *,

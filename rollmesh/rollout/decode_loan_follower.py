@@ -1,4 +1,4 @@
-"""A rollout worker's side of elastic decode: its router follows the decode workers the GPU
+"""A rollout worker's side of decode loans: its router follows the decode workers the GPU
 scheduler lends idle accelerators to.
 
 Knows the router's ``DecodeLoanRoster``, the loan events and the ``Publisher`` port; not NATS (the
@@ -21,7 +21,7 @@ from rollmesh.ports import MessageContext, Publisher, RequestFailedError, Subscr
 STATUS_TIMEOUT_S = 5.0
 
 
-class ElasticDecodeFollower:
+class RolloutDecodeLoanFollower:
     """Keeps ``router`` in step with the scheduler's decode loans; ``find_worker(name)`` is a
     lent worker's actor handle (ValueError when it is gone)."""
 
@@ -39,7 +39,7 @@ class ElasticDecodeFollower:
             status = await self.publisher.request(SCHED_STATUS, SchedulerStatusRequest(), STATUS_TIMEOUT_S)
         except RequestFailedError:
             return  # no scheduler answering: nothing lent
-        await self.roster.reconcile(status.elastic_workers)  # type: ignore[attr-defined]
+        await self.roster.reconcile(status.decode_loan_workers)  # type: ignore[attr-defined]
 
     async def handle_granted(self, message: GpuGranted, context: MessageContext) -> None:
         await self.roster.granted(message)
