@@ -28,6 +28,10 @@ from rollmesh.bus.errors import BusSecurityError
 from rollmesh.bus.permissions import BROKER_ROLE_PREFIX, broker_role
 from rollmesh.config import SandboxConfig
 from rollmesh.mesh_address import MeshAddress
+from rollmesh.moved_names import forward_moved_names
+
+# Issue 24: MeshContext became MeshAddress, and so this function's name.
+__getattr__ = forward_moved_names(__name__, {"broker_context": "rollmesh.sandbox_brokers:broker_address"})
 
 
 class NoSandboxNodeError(RuntimeError):
@@ -88,7 +92,7 @@ def plan_brokers(brokers: Literal["per_node"] | int, nodes: Sequence[Mapping[str
     return [BrokerSlot(broker_name(index), str(index), node_id) for index, node_id in enumerate(offering)]
 
 
-def broker_context(mesh: MeshAddress, broker_id: str) -> MeshAddress:
+def broker_address(mesh: MeshAddress, broker_id: str) -> MeshAddress:
     """The mesh as broker ``broker_id`` sees it: with its own credentials when the mesh has
     per-broker ones (every broker must then have its own), else the shared ``sandbox_broker``."""
     shared = mesh.only("sandbox_broker")
@@ -123,9 +127,9 @@ async def spawn_sandbox_brokers(spawn: Any, mesh: MeshAddress, config: SandboxCo
 
         nodes = ray.nodes()
     slots = plan_brokers(config.brokers, nodes, resources, config.max_brokers)
-    contexts = [broker_context(mesh, slot.broker_id) for slot in slots]  # all found before any starts
+    addresses = [broker_address(mesh, slot.broker_id) for slot in slots]  # all found before any starts
     await asyncio.gather(*(
-        spawn(slot.name, SandboxBrokerActor, context, config, slot.broker_id, slot.node_id,
+        spawn(slot.name, SandboxBrokerActor, address, config, slot.broker_id, slot.node_id,
               options=slot_options(slot, options))
-        for slot, context in zip(slots, contexts)))
+        for slot, address in zip(slots, addresses)))
     return slots

@@ -86,6 +86,7 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
     ("rollmesh.mesh_info", "nats_url_for_clients", "rollmesh.mesh_address"),
     ("rollmesh.mesh_info", "new_run_dir", "rollmesh.mesh_address"),
     ("rollmesh.mesh_info", "latest_run_dir", "rollmesh.mesh_address"),
+    ("rollmesh.sandbox_brokers", "broker_context", "rollmesh.sandbox_brokers:broker_address"),
 ]
 
 

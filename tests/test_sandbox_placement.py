@@ -29,7 +29,7 @@ from rollmesh.sandbox.placement import BrokerDirectory, broker_ids, broker_of
 from rollmesh.sandbox_brokers import (
     NoSandboxNodeError,
     TooManySandboxNodesError,
-    broker_context,
+    broker_address,
     broker_name,
     credential_broker_ids,
     plan_brokers,
@@ -122,14 +122,14 @@ def test_each_of_several_brokers_is_handed_only_its_own_credentials_whose_rights
     roles = ("mesh", "sandbox_broker", "sandbox_broker_0", "sandbox_broker_1")
     mesh = MeshAddress(namespace="ns", nats_url="nats://x", run_dir="/run", credentials={
         role: BusCredentials(role, "ns", NatsCredentialsConfig(nkey_seed_file=f"/{role}.nk")) for role in roles})
-    own = broker_context(mesh, "1").credentials_for("sandbox_broker")
+    own = broker_address(mesh, "1").credentials_for("sandbox_broker")
     assert own is not None and own.role == "sandbox_broker_1" and own.inbox_prefix == "_INBOX.ns.sandbox_broker_1"
-    assert list(broker_context(mesh, "1").credentials) == ["sandbox_broker"]
-    assert broker_context(mesh, "").credentials_for("sandbox_broker").role == "sandbox_broker"  # one broker
+    assert list(broker_address(mesh, "1").credentials) == ["sandbox_broker"]
+    assert broker_address(mesh, "").credentials_for("sandbox_broker").role == "sandbox_broker"  # one broker
     with pytest.raises(BusSecurityError, match="sandbox_broker_2"):  # others have theirs, this one none
-        broker_context(mesh, "2")
+        broker_address(mesh, "2")
     shared_only = MeshAddress(namespace="ns", nats_url="nats://x", run_dir="/run", credentials={"sandbox_broker": own})
-    assert broker_context(shared_only, "2").credentials == {"sandbox_broker": own}  # a cluster's shared user
+    assert broker_address(shared_only, "2").credentials == {"sandbox_broker": own}  # a cluster's shared user
     # Broker 1 answers the shared lease subject and its own subjects, writes its own lease keys.
     rights = role_permissions("sandbox_broker_1", "ns")
     assert "rl.ns.sandbox.b.1.exec" in rights.subscribe and "rl.ns.sandbox.lease" in rights.subscribe
