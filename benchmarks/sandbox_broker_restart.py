@@ -49,6 +49,7 @@ def broker_process(url: str, run_dir: str, ready: multiprocessing.Event, stop: m
 async def _serve_broker(url: str, run_dir: Path, ready, stop, supervised: bool) -> None:
     from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
     from rollmesh.actors.shell import ActorShell
+    from rollmesh.mesh_address import MeshAddress
     from rollmesh.config import SandboxConfig, TelemetryConfig
     from rollmesh.sandbox import SandboxBroker, select_backend
     from rollmesh.sandbox.lease_store import LeaseJournal, readopt
@@ -56,8 +57,9 @@ async def _serve_broker(url: str, run_dir: Path, ready, stop, supervised: bool) 
 
     # What the broker actor does at start (actors/sandbox_broker.py), without Ray.
     config = SandboxConfig(backend="bwrap", pool_interval_s=0.2, reap_interval_s=1.0)
-    shell = ActorShell("bench-broker", NAMESPACE, url, run_dir=run_dir,
-                       telemetry_config=TelemetryConfig(exporter="none", log_level="warning"))
+    shell = ActorShell("bench-broker", MeshAddress(
+        nats_url=url, namespace=NAMESPACE, run_dir=str(run_dir),
+        telemetry=TelemetryConfig(exporter="none", log_level="warning")))
     publisher = await shell.connect()
     backend = await asyncio.to_thread(select_backend, "bwrap")
     journal = None

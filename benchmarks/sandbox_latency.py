@@ -97,6 +97,7 @@ async def _serve_broker(url: str, run_dir: Path, ready, stop, broker_id: str = "
     journaled in JetStream KV."""
     from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
     from rollmesh.actors.shell import ActorShell
+    from rollmesh.mesh_address import MeshAddress
     from rollmesh.config import SandboxConfig, SandboxProfileConfig, TelemetryConfig
     from rollmesh.sandbox import SandboxBroker, select_backend
     from rollmesh.sandbox.placement import broker_ids
@@ -107,8 +108,9 @@ async def _serve_broker(url: str, run_dir: Path, ready, stop, broker_id: str = "
         backend="bwrap", pool_interval_s=0.05,
         profiles={"default": SandboxProfileConfig(warm_min=4, warm_max=CONCURRENT_SANDBOXES + 4)},
     )
-    shell = ActorShell(f"bench-broker{broker_id}", namespace, url, run_dir=run_dir,
-                       telemetry_config=TelemetryConfig(exporter="none", log_level="warning"))
+    shell = ActorShell(f"bench-broker{broker_id}", MeshAddress(
+        nats_url=url, namespace=namespace, run_dir=str(run_dir),
+        telemetry=TelemetryConfig(exporter="none", log_level="warning")))
     publisher = await shell.connect()
     backend = await asyncio.to_thread(select_backend, "bwrap")
     ids = {"new_id": broker_ids(lambda: os.urandom(16).hex(), broker_id)} if broker_id else {}

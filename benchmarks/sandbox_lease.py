@@ -25,6 +25,7 @@ from pathlib import Path
 from common import atimed_ms, percentile
 from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
 from rollmesh.actors.shell import ActorShell
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.bus.publisher import BusPublisher
@@ -35,8 +36,9 @@ from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient, select_backend
 async def serve(url: str, namespace: str, run_dir: Path, warm: int) -> tuple[ActorShell, SandboxBroker]:
     config = SandboxConfig(profiles={"default": SandboxProfileConfig(warm_min=warm, warm_max=warm)},
                            pool_interval_s=0.05)
-    shell = ActorShell(f"broker-{namespace}", namespace, url, run_dir=run_dir,
-                       telemetry_config=TelemetryConfig(exporter="none", log_level="warning"))
+    shell = ActorShell(f"broker-{namespace}", MeshAddress(
+        nats_url=url, namespace=namespace, run_dir=str(run_dir),
+        telemetry=TelemetryConfig(exporter="none", log_level="warning")))
     publisher = await shell.connect()
     backend = await asyncio.to_thread(select_backend, "auto")
     broker = SandboxBroker(config, backend, snapshot_dir=run_dir / namespace, publisher=publisher)

@@ -14,10 +14,9 @@ from pathlib import Path
 import structlog
 
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
-from rollmesh.actors.role_base import MeshContext
 from rollmesh.actors.sglang_worker import SGLangWorkerActor
 from rollmesh.config import RollmeshConfig
-from rollmesh.mesh_info import new_run_dir
+from rollmesh.mesh_address import new_run_dir
 from rollmesh.mesh_runtime import MeshRuntime
 from rollmesh.model_source import resolve_model
 
@@ -55,14 +54,10 @@ class InferenceService:
     async def _start(self) -> str:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         runtime = self.runtime
-        nats_url = runtime.start_bus()
-        await runtime.prepare_streams(nats_url)  # security.enabled: as "mesh", before the workers
+        bus = runtime.start_bus()
+        await runtime.prepare_streams(bus)  # security.enabled: as "mesh", before the workers
         runtime.start_ray()
-        mesh = MeshContext(namespace=self.config.namespace, nats_url=nats_url,
-                           run_dir=str(self.run_dir.resolve()),
-                           telemetry=self.config.telemetry, nats=self.config.nats,
-                           credentials=runtime.bus_credentials,
-                           nats_tls=self.config.security.nats_tls).only("inference")
+        mesh = bus.only("inference")
         model, inference = self.config.model, self.config.inference
         prefill_names = [PREFILL_NAME] if inference.prefill_worker_count else []
         for name in prefill_names:

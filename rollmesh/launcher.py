@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,11 @@ import structlog
 from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
 from rollmesh.actors.resharder import ResharderActor
-from rollmesh.actors.role_base import MeshContext
 from rollmesh.actors.rollout_worker import RolloutWorkerActor
 from rollmesh.actors.sglang_worker import SGLangWorkerActor
 from rollmesh.actors.trainer import TrainerActor
 from rollmesh.config import RollmeshConfig, TrainerConfig, save_run_config
-from rollmesh.mesh_info import MeshInfo, nats_url_for_clients, new_run_dir, write_mesh_info
+from rollmesh.mesh_address import MeshAddress, new_run_dir, write_mesh_address
 from rollmesh.mesh_runtime import ACTOR_STOP_TIMEOUT_S, MeshRuntime
 from rollmesh.model_source import resolve_model
 from rollmesh.sandbox_brokers import spawn_sandbox_brokers
@@ -54,13 +54,14 @@ class Mesh:
         self.prefill_workers: list[Any] = []
         self.decode_workers: list[Any] = []
         self.trainer: Any = None
-        self.info: MeshInfo | None = None
+        # Where the mesh is and how to get in (every role's credentials), once it is up.
+        self.address: MeshAddress | None = None
 
     @property
     def actors(self) -> dict[str, Any]:
         return self.runtime.actors
 
-    async def start(self) -> MeshInfo:
+    async def start(self) -> MeshAddress:
         try:
             return await self._start()
         except BaseException:
@@ -68,23 +69,21 @@ class Mesh:
             await self.stop()
             raise
 
-    async def _start(self) -> MeshInfo:
+    async def _start(self) -> MeshAddress:
         config, runtime, spawn = self.config, self.runtime, self.runtime.spawn
         save_run_config(self.run_dir, config)  # what `rollmesh up --resume` starts again
         # Checked before anything starts: an API reachable beyond loopback needs a key.
         api_key = self._api_key() if config.serve.enabled else ""
-        nats_url = runtime.start_bus()
-        await runtime.prepare_streams(nats_url)  # security.enabled: as "mesh", before any role
+        # Handed to every actor with only its roles' credentials; what is known only once the mesh
+        # is up (its Serve URL, Ray address, ...) is added before mesh.json is written.
+        mesh = runtime.start_bus()
+        await runtime.prepare_streams(mesh)  # security.enabled: as "mesh", before any role
         # Before the actors, so the hub hears every snapshot they send (docs/metrics.md).
-        metrics_url = await runtime.start_metrics(nats_url)
+        metrics_url = await runtime.start_metrics(mesh)
         # Declared accelerators as a custom resource, so grants schedule with zero real GPUs
         # (joining a cluster, its nodes must declare them instead).
         runtime.start_ray(resources=GpuScheduler(config.scheduler, clock=time.time,
                                                  new_id=lambda: "").ray_resources())
-        self._context = mesh = MeshContext(namespace=config.namespace, nats_url=nats_url,
-                           run_dir=str(self.run_dir.resolve()),
-                           telemetry=config.telemetry, nats=config.nats,
-                           credentials=runtime.bus_credentials, nats_tls=config.security.nats_tls)
         # The model and inference settings are what a decode worker lent idle accelerators serves
         # (so the scheduler also holds the inference role's credentials, to hand them on).
         scheduler = await spawn("gpu-scheduler", GpuSchedulerActor, mesh.only("scheduler", "inference"),
@@ -120,26 +119,24 @@ class Mesh:
                 prefill_names=[f"prefill-{i}" for i in range(inference.prefill_worker_count)],
                 decode_names=[f"decode-{i}" for i in range(inference.decode_worker_count)],
                 host=config.serve.host, port=config.serve.port, api_key=api_key,
-                dashboard_nats_url=nats_url)
-        self.info = MeshInfo(
-            nats_url=nats_url_for_clients(nats_url, tls=config.security.nats_tls.enabled),
-            namespace=config.namespace, run_dir=str(self.run_dir.resolve()),
-            serve_url=runtime.serve_url, ray_namespace=self.ray_namespace,
-            ray_address=config.ray.address or runtime.ray_address,
-            pid=os.getpid(), started_at=time.time(),
-            dashboard_url=runtime.dashboard_url, metrics_url=metrics_url,
-            ray_auth_token_file=str(runtime.ray_auth_token_file or ""),
+                follow=mesh)
+        self.address = replace(
+            mesh, serve_url=runtime.serve_url, ray_address=config.ray.address or runtime.ray_address,
+            pid=os.getpid(), started_at=time.time(), dashboard_url=runtime.dashboard_url,
+            metrics_url=metrics_url, ray_auth_token_file=str(runtime.ray_auth_token_file or ""),
         )
-        write_mesh_info(self.info)
+        write_mesh_address(self.address)  # its credentials are not written
         runtime.supervisor.start()
-        _log.info("mesh_ready", run_dir=str(self.run_dir), nats_url=nats_url, serve_url=runtime.serve_url)
-        return self.info
+        _log.info("mesh_ready", run_dir=str(self.run_dir), nats_url=mesh.nats_url, serve_url=runtime.serve_url)
+        return self.address
 
     async def restart_trainer(self, trainer_config: TrainerConfig) -> Any:
         """The trainer actor again, with ``trainer_config`` (a training job's next stage): the
         old one stopped and killed for good, a new one spawned under the same name. It resumes
         from the ledger's last durable step (the previous stage's weights) with fresh optimizers:
         a new stage's settings (its lr among them) start a new optimizer."""
+        if self.address is None:
+            raise RuntimeError("restart_trainer needs a started mesh")
         # The supervisor pauses meanwhile: it would take the new actor, not yet started, for a
         # crashed one and start it a second time.
         await self.runtime.supervisor.stop()
@@ -153,7 +150,7 @@ class Mesh:
         self.config = msgspec.structs.replace(self.config, trainer=trainer_config)
         scheduler = self.runtime.actors["gpu-scheduler"]
         self.trainer = await self.runtime.spawn(
-            "trainer", TrainerActor, self._context.only("trainer"), trainer_config, self.config.model,
+            "trainer", TrainerActor, self.address.only("trainer"), trainer_config, self.config.model,
             self._sglang_workers(), options=self._placed("trainer", await scheduler.actor_options.remote("trainer")))
         await self.trainer.reset_optimizers.remote()
         self.runtime.supervisor.start()

@@ -20,6 +20,7 @@ from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.bus.security import BusCredentials, configured_credentials, generate_role_nkeys
 from rollmesh.config import RollmeshConfig
 from rollmesh.local_ray import LocalRayEnvironment, write_ray_auth_token
+from rollmesh.mesh_address import MeshAddress, nats_url_for_clients
 
 _log = structlog.get_logger("rollmesh.mesh_runtime")
 
@@ -49,10 +50,20 @@ class MeshRuntime:
         self.metrics_hub: Any = None  # MetricsHubShell, once start_metrics ran
         self.supervisor = ActorSupervisor(lambda: self.actors, interval_s=config.ray.supervise_interval_s)
 
-    def start_bus(self) -> str:
-        """The configured NATS URL, or an embedded nats-server with JetStream in the run dir.
-        With security.enabled, each role's credentials come from config (a cluster) or are made
-        here, and the embedded server gets one user per role with its permissions."""
+    def start_bus(self) -> MeshAddress:
+        """The mesh's address: at the configured NATS URL, or at an embedded nats-server with
+        JetStream in the run dir, started here. With security.enabled, each role's credentials
+        come from config (a cluster) or are made here, and the embedded server gets one user per
+        role with its permissions."""
+        url = self._start_nats()
+        config = self.config
+        # The URL as clients dial it (tls:// when the bus speaks TLS), the same for every holder.
+        return MeshAddress(nats_url=nats_url_for_clients(url, tls=config.security.nats_tls.enabled),
+                           namespace=config.namespace, run_dir=str(Path(self.run_dir).resolve()),
+                           ray_namespace=self.ray_namespace, credentials=self.bus_credentials,
+                           nats_tls=config.security.nats_tls, nats=config.nats, telemetry=config.telemetry)
+
+    def _start_nats(self) -> str:
         from rollmesh.bus.permissions import render_authorization
         from rollmesh.bus.tls import server_tls_block
 
@@ -73,34 +84,26 @@ class MeshRuntime:
                                               tls_config=server_tls_block(security.nats_tls))
         return self.nats_server.start()
 
-    async def prepare_streams(self, nats_url: str) -> None:
+    async def prepare_streams(self, mesh: MeshAddress) -> None:
         """With security.enabled, create the streams as the "mesh" user before any actor starts
         (roles may not create them); an open NATS leaves it to every actor, as before."""
-        if not self.bus_credentials:
+        if not mesh.secured:
             return
-        from rollmesh.bus.connection import connect_bus
         from rollmesh.bus.streams import StreamLimits, ensure_streams
-        from rollmesh.bus.tls import client_tls_context
 
-        nc = await connect_bus(nats_url, name="rollmesh-mesh", connect_timeout_s=self.config.nats.connect_timeout_s,
-                               credentials=self.bus_credentials["mesh"],
-                               tls=client_tls_context(self.config.security.nats_tls))
+        nc = await mesh.connect("rollmesh-mesh", role="mesh")
         try:
             await ensure_streams(nc.jetstream(), self.config.namespace,
                                  StreamLimits(replicas=self.config.nats.replicas))
         finally:
             await nc.close()
 
-    async def start_metrics(self, nats_url: str) -> str:
+    async def start_metrics(self, mesh: MeshAddress) -> str:
         """Serve the mesh's Prometheus metrics and write its TensorBoard scalars (the hub takes
         every actor's snapshots from NATS, as the "mesh" user); returns the metrics URL."""
         from rollmesh.metrics_hub_shell import MetricsHubShell
-        from rollmesh.bus.tls import client_tls_context
 
-        self.metrics_hub = MetricsHubShell(
-            self.config.namespace, nats_url, self.run_dir, telemetry=self.config.telemetry,
-            nats_config=self.config.nats, credentials=self.bus_credentials.get("mesh"),
-            tls=client_tls_context(self.config.security.nats_tls))
+        self.metrics_hub = MetricsHubShell(mesh.only("mesh"))
         return await self.metrics_hub.start()
 
     def start_ray(self, *, resources: dict[str, float] | None = None) -> None:
@@ -140,21 +143,15 @@ class MeshRuntime:
         return actor
 
     def deploy_serve(self, *, prefill_names: list[str], decode_names: list[str], host: str, port: int,
-                     api_key: str = "", dashboard_nats_url: str = "") -> str:
-        """Deploy the Serve app (HTTPS with serve.tls_cert_file/tls_key_file). With
-        ``dashboard_nats_url`` (the mesh's bus) it follows the mesh: its router uses the decode
-        workers the GPU scheduler lends, and with dashboard.enabled it serves the live dashboard
-        too, at ``dashboard_url``."""
-        from rollmesh.dashboard import DASHBOARD_PATH, DashboardSource
+                     api_key: str = "", follow: MeshAddress | None = None) -> str:
+        """Deploy the Serve app (HTTPS with serve.tls_cert_file/tls_key_file). With ``follow``
+        (the mesh's address) it follows the mesh, as the "dashboard" role: its router uses the
+        decode workers the GPU scheduler lends, and with dashboard.enabled it serves the live
+        dashboard too, at ``dashboard_url``."""
+        from rollmesh.dashboard import DASHBOARD_PATH
         from rollmesh.serve_apps import build_inference_app, deploy_inference_app
 
-        dashboard = None
-        if dashboard_nats_url:
-            dashboard = DashboardSource(
-                nats_url=dashboard_nats_url, namespace=self.config.namespace,
-                run_dir=str(Path(self.run_dir).resolve()), ray_namespace=self.ray_namespace,
-                config=self.config.dashboard, connect_timeout_s=self.config.nats.connect_timeout_s,
-                credentials=self.bus_credentials.get("dashboard"), nats_tls=self.config.security.nats_tls)
+        followed = follow.only("dashboard") if follow is not None else None
 
         # The workers' model (model.path made absolute by resolve_model): the app's text routes
         # speak its tokenizer and chat template.
@@ -162,12 +159,13 @@ class MeshRuntime:
             prefill_actor_names=prefill_names, decode_actor_names=decode_names,
             ray_namespace=self.ray_namespace, model=self.config.model, api_key=api_key,
             telemetry=self.config.telemetry,
-            run_dir=str(Path(self.run_dir).resolve()), dashboard=dashboard, sessions=self.config.serve,
+            run_dir=str(Path(self.run_dir).resolve()), follow=followed, dashboard=self.config.dashboard,
+            sessions=self.config.serve,
         )
         self.serve_url = deploy_inference_app(app, host=host, port=port,
                                               tls_cert_file=self.config.serve.tls_cert_file,
                                               tls_key_file=self.config.serve.tls_key_file)
-        self.dashboard_url = self.serve_url + DASHBOARD_PATH if dashboard and self.config.dashboard.enabled else ""
+        self.dashboard_url = self.serve_url + DASHBOARD_PATH if followed is not None and self.config.dashboard.enabled else ""
         return self.serve_url
 
     async def stop(self) -> None:

@@ -12,7 +12,6 @@ rollout work queue's depth from JetStream and lets the hub write TensorBoard sca
 from __future__ import annotations
 
 import asyncio
-import ssl
 from pathlib import Path
 
 import nats.errors
@@ -20,11 +19,9 @@ import structlog
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from rollmesh.bus.connection import connect_bus
-from rollmesh.bus.security import BusCredentials
 from rollmesh.bus.streams import rollout_requests_stream
 from rollmesh.bus.watcher import BusWatcher
-from rollmesh.config import NatsConfig, TelemetryConfig
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.messages.subjects import METRICS_REPORTED
 from rollmesh.telemetry.metrics_hub import MetricsHubLogic
 
@@ -36,16 +33,12 @@ ROLLOUT_WORKERS_DURABLE = "rollout_requested"
 
 
 class MetricsHubShell:
-    def __init__(self, namespace: str, nats_url: str, run_dir: Path, *,
-                 telemetry: TelemetryConfig, nats_config: NatsConfig,
-                 credentials: BusCredentials | None = None, tls: ssl.SSLContext | None = None) -> None:
-        self.namespace = namespace
-        self.credentials = credentials
-        self.tls = tls
-        self.nats_url = nats_url
-        self.nats_config = nats_config
-        self.hub = MetricsHubLogic(telemetry, run_dir)
-        self.interval_s = telemetry.metrics_report_s
+    def __init__(self, mesh: MeshAddress) -> None:
+        # Connects as the "mesh" user when the bus is secured; writes into the mesh's run dir.
+        self.mesh = mesh
+        self.namespace = mesh.namespace
+        self.hub = MetricsHubLogic(mesh.telemetry, Path(mesh.run_dir))
+        self.interval_s = mesh.telemetry.metrics_report_s
         self._nc: Client | None = None
         self._watcher: BusWatcher | None = None
         self._timer: asyncio.Task[None] | None = None
@@ -54,9 +47,7 @@ class MetricsHubShell:
         """Connect, subscribe, serve ``/metrics``; returns its URL."""
         url = self.hub.start()
         try:
-            nc = await connect_bus(self.nats_url, name=HUB_NAME,
-                                   connect_timeout_s=self.nats_config.connect_timeout_s,
-                                   credentials=self.credentials, tls=self.tls)
+            nc = await self.mesh.connect(HUB_NAME, role="mesh")
             self._nc = nc
             self._watcher = BusWatcher(nc, self.namespace, name=HUB_NAME)
             await self._watcher.watch(METRICS_REPORTED, self.hub.receive)

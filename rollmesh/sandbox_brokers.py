@@ -23,11 +23,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from rollmesh.actors.role_base import MeshContext
 from rollmesh.actors.sandbox_broker import SandboxBrokerActor
 from rollmesh.bus.errors import BusSecurityError
 from rollmesh.bus.permissions import BROKER_ROLE_PREFIX, broker_role
 from rollmesh.config import SandboxConfig
+from rollmesh.mesh_address import MeshAddress
+from rollmesh.moved_names import forward_moved_names
+
+# Issue 24: MeshContext became MeshAddress, and so this function's name.
+__getattr__ = forward_moved_names(__name__, {"broker_context": "rollmesh.sandbox_brokers:broker_address"})
 
 
 class NoSandboxNodeError(RuntimeError):
@@ -88,7 +92,7 @@ def plan_brokers(brokers: Literal["per_node"] | int, nodes: Sequence[Mapping[str
     return [BrokerSlot(broker_name(index), str(index), node_id) for index, node_id in enumerate(offering)]
 
 
-def broker_context(mesh: MeshContext, broker_id: str) -> MeshContext:
+def broker_address(mesh: MeshAddress, broker_id: str) -> MeshAddress:
     """The mesh as broker ``broker_id`` sees it: with its own credentials when the mesh has
     per-broker ones (every broker must then have its own), else the shared ``sandbox_broker``."""
     shared = mesh.only("sandbox_broker")
@@ -113,7 +117,7 @@ def slot_options(slot: BrokerSlot, options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "scheduling_strategy": NodeAffinitySchedulingStrategy(slot.node_id, soft=False)}
 
 
-async def spawn_sandbox_brokers(spawn: Any, mesh: MeshContext, config: SandboxConfig,
+async def spawn_sandbox_brokers(spawn: Any, mesh: MeshAddress, config: SandboxConfig,
                                 resources: Mapping[str, float], options: dict[str, Any]) -> list[BrokerSlot]:
     """Start the planned brokers at once (each runs its backend's self-test as it starts) with
     ``spawn`` (``MeshRuntime.spawn``); returns where they went."""
@@ -123,9 +127,9 @@ async def spawn_sandbox_brokers(spawn: Any, mesh: MeshContext, config: SandboxCo
 
         nodes = ray.nodes()
     slots = plan_brokers(config.brokers, nodes, resources, config.max_brokers)
-    contexts = [broker_context(mesh, slot.broker_id) for slot in slots]  # all found before any starts
+    addresses = [broker_address(mesh, slot.broker_id) for slot in slots]  # all found before any starts
     await asyncio.gather(*(
-        spawn(slot.name, SandboxBrokerActor, context, config, slot.broker_id, slot.node_id,
+        spawn(slot.name, SandboxBrokerActor, address, config, slot.broker_id, slot.node_id,
               options=slot_options(slot, options))
-        for slot, context in zip(slots, contexts)))
+        for slot, address in zip(slots, addresses)))
     return slots

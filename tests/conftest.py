@@ -150,7 +150,7 @@ async def mesh(nats_server: EmbeddedNatsServer, ray_session: None) -> AsyncItera
     """
     from rollmesh.config import load_config
     from rollmesh.launcher import Mesh
-    from rollmesh.mesh_info import new_run_dir
+    from rollmesh.mesh_address import new_run_dir
 
     run_dir = new_run_dir(REPO_ROOT / ".rollmesh" / "test-runs")
     gate_dir = run_dir / "gate"

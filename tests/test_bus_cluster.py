@@ -22,6 +22,7 @@ import pytest
 from support.nats_cluster import DEPLOY_DIR, LocalNatsCluster
 from test_cli import restore_logging_config  # noqa: F401  (autouse: the shell sets up logging)
 from rollmesh.actors.shell import ActorShell
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.embedded_server import find_nats_server_binary
 from rollmesh.bus.errors import PublishError
@@ -159,9 +160,9 @@ class CountingJetStream:
 
 async def test_killing_a_node_mid_run_loses_no_request_and_writes_no_effect_twice(
         cluster, namespace, tmp_path):
-    shell = ActorShell("cluster-worker", namespace, cluster.url, run_dir=tmp_path / "run",
-                       telemetry_config=TelemetryConfig(exporter="jsonl"),
-                       nats_config=NatsConfig(url=cluster.url, replicas=3))
+    shell = ActorShell("cluster-worker", MeshAddress(
+        nats_url=cluster.url, namespace=namespace, run_dir=str(tmp_path / "run"),
+        telemetry=TelemetryConfig(exporter="jsonl"), nats=NatsConfig(url=cluster.url, replicas=3)))
     pub_nc = await connect_bus(cluster.url, name="cluster-publisher", connect_timeout_s=5)
     try:
         await shell.connect()  # ensures the streams with NatsConfig.replicas

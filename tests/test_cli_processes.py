@@ -17,14 +17,14 @@ from test_cli import restore_logging_config  # noqa: F401  (autouse: main() sets
 from rollmesh.cli import main
 from rollmesh.cli.errors import CliError
 from rollmesh.cli.mesh import LOG_FILE, wait_mesh_ready
-from rollmesh.mesh_info import MESH_FILE, MeshInfo, write_mesh_info
+from rollmesh.mesh_address import MESH_FILE, MeshAddress, write_mesh_address
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 STAND_IN = r"""
 import os, signal, sys, time
 from pathlib import Path
-from rollmesh.mesh_info import MeshInfo, write_mesh_info
+from rollmesh.mesh_address import MeshAddress, write_mesh_address
 
 run_dir, mode = Path(sys.argv[1]), sys.argv[2]
 
@@ -37,7 +37,7 @@ if mode == "leaves-a-child":  # like a Ray worker that outlives its driver
     import subprocess
     straggler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     (run_dir / "straggler.pid").write_text(str(straggler.pid))
-write_mesh_info(MeshInfo(nats_url="nats://127.0.0.1:1", namespace="standin", run_dir=str(run_dir),
+write_mesh_address(MeshAddress(nats_url="nats://127.0.0.1:1", namespace="standin", run_dir=str(run_dir),
                          pid=os.getpid()))
 while True:
     time.sleep(0.05)
@@ -85,7 +85,7 @@ def test_wait_mesh_ready_fails_with_the_log_tail_when_the_child_dies(run_dir):
 
 
 def test_wait_mesh_ready_ignores_a_mesh_json_of_another_process_and_times_out(run_dir, stand_ins):
-    write_mesh_info(MeshInfo(nats_url="nats://x:1", namespace="old", run_dir=str(run_dir), pid=1))
+    write_mesh_address(MeshAddress(nats_url="nats://x:1", namespace="old", run_dir=str(run_dir), pid=1))
     stand_ins.append(child := subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
     with pytest.raises(CliError, match="not ready within"):
         wait_mesh_ready(child, run_dir, timeout_s=0.5)
@@ -111,7 +111,7 @@ def test_down_kills_a_mesh_that_ignores_sigterm(run_dir, stand_ins, capsys):
 def test_down_clears_a_stale_mesh_json(run_dir, capsys):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    write_mesh_info(MeshInfo(nats_url="nats://x:1", namespace="old", run_dir=str(run_dir), pid=gone.pid))
+    write_mesh_address(MeshAddress(nats_url="nats://x:1", namespace="old", run_dir=str(run_dir), pid=gone.pid))
     assert main(["down", "--run-dir", str(run_dir)]) == 0
     assert not (run_dir / MESH_FILE).exists()
     assert "stale" in capsys.readouterr().out

@@ -15,6 +15,7 @@ from support.fakes import FakeSandboxBackend
 
 from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
 from rollmesh.actors.shell import ActorShell
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.cli.sandbox import exit_status, result_line
 from rollmesh.config import SandboxConfig, SandboxProfileConfig, TelemetryConfig
 from rollmesh.messages import SandboxExecReply
@@ -50,8 +51,8 @@ def test_the_result_line_is_one_json_object_with_exactly_the_typed_fields():
 @pytest.fixture
 async def broker_on_bus(nats_server, namespace, tmp_path, trace_file):
     backend = FakeSandboxBackend()
-    shell = ActorShell("sandbox-broker-cli", namespace, nats_server.url, run_dir=tmp_path,
-                       telemetry_config=TelemetryConfig(exporter="jsonl"))
+    shell = ActorShell("sandbox-broker-cli", MeshAddress(nats_url=nats_server.url, namespace=namespace,
+                                                         run_dir=str(tmp_path), telemetry=TelemetryConfig(exporter="jsonl")))
     publisher = await shell.connect()
     config = SandboxConfig(profiles={"default": SandboxProfileConfig(warm_min=0)})  # few sandboxes to look at
     broker = SandboxBroker(config, backend, snapshot_dir=tmp_path / "snapshots", publisher=publisher)

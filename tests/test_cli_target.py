@@ -22,7 +22,7 @@ from rollmesh.cli.target import (
     tls_failure_message,
 )
 from rollmesh.config import NatsTlsConfig, load_config, save_run_config
-from rollmesh.mesh_info import MeshInfo, nats_url_for_clients, write_mesh_info
+from rollmesh.mesh_address import MeshAddress, nats_url_for_clients, write_mesh_address
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -45,7 +45,7 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "namespace": "secured", "security.enabled": True, "nats.replicas": 3,
         "security.nats_tls": {field: getattr(RUN_TLS, field) for field in RUN_TLS.__struct_fields__}})
     save_run_config(run, config)
-    write_mesh_info(MeshInfo(nats_url="tls://127.0.0.1:4321", namespace="secured", run_dir=str(run), pid=1))
+    write_mesh_address(MeshAddress(nats_url="tls://127.0.0.1:4321", namespace="secured", run_dir=str(run), pid=1))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -60,20 +60,26 @@ def target_for(argv: list[str], *, role: str = "client"):
     return find_mesh(args, load_cli_config(args), role=role)
 
 
+def seed_file(target, role: str) -> str:
+    """The nkey seed file ``target`` connects as ``role`` with (its only credentials)."""
+    assert list(target.credentials) == [role]
+    return target.credentials_for(role).source.nkey_seed_file
+
+
 def test_a_mesh_found_from_its_run_dir_brings_its_tls_and_generated_keys(run_dir: Path) -> None:
     target = target_for([*SUBMIT, "--run-dir", str(run_dir)])
     assert target.nats_url == "tls://127.0.0.1:4321" and target.namespace == "secured"
     assert target.nats_tls == RUN_TLS
-    assert target.credentials.nkey_seed_file == str(run_dir / "security" / "client.nk")
-    assert target.replicas == 3  # the run's streams' replicas, not the defaults' 1
+    assert seed_file(target, "client") == str(run_dir / "security" / "client.nk")
+    assert target.nats.replicas == 3  # the run's streams' replicas, not the defaults' 1
     sched = target_for(["sched", "status", "--run-dir", str(run_dir)], role="mesh")
-    assert sched.credentials.nkey_seed_file == str(run_dir / "security" / "mesh.nk")
+    assert seed_file(sched, "mesh") == str(run_dir / "security" / "mesh.nk")
     assert sched.nats_tls == RUN_TLS
 
 
 def test_the_latest_run_brings_its_tls_too(run_dir: Path) -> None:
     target = target_for(["--run-root", str(run_dir.parent), "watch"])
-    assert target.run_dir == run_dir and target.nats_tls == RUN_TLS
+    assert target.run_dir == str(run_dir) and target.nats_tls == RUN_TLS
 
 
 def test_a_config_that_sets_tls_wins_for_tls_with_its_paths_beside_it(run_dir: Path, tmp_path: Path) -> None:
@@ -83,7 +89,7 @@ def test_a_config_that_sets_tls_wins_for_tls_with_its_paths_beside_it(run_dir: P
     target = target_for(["--config", str(mine), *SUBMIT, "--run-dir", str(run_dir)])
     assert target.nats_tls == NatsTlsConfig(enabled=True, ca_file=str(mine.parent / "pki/other-ca.pem"))
     # It set no credentials: the run's generated key is still used.
-    assert target.credentials.nkey_seed_file == str(run_dir / "security" / "client.nk")
+    assert seed_file(target, "client") == str(run_dir / "security" / "client.nk")
 
 
 def test_a_config_that_leaves_tls_alone_does_not_turn_it_off(run_dir: Path, tmp_path: Path) -> None:
@@ -97,7 +103,7 @@ def test_a_config_with_the_roles_credentials_wins_for_them(run_dir: Path, tmp_pa
     mine = tmp_path / "client.toml"
     mine.write_text('[security]\nenabled = true\n[security.credentials.client]\ncreds_file = "me.creds"\n')
     target = target_for(["--config", str(mine), *SUBMIT, "--run-dir", str(run_dir)])
-    assert target.credentials.creds_file == str(tmp_path / "me.creds")
+    assert target.credentials_for("client").source.creds_file == str(tmp_path / "me.creds")
     assert target.nats_tls == RUN_TLS
 
 
@@ -105,12 +111,12 @@ def test_a_run_without_config_json_falls_back_to_the_cli_config(run_dir: Path) -
     (run_dir / "config.json").unlink()
     target = target_for([*SUBMIT, "--run-dir", str(run_dir)])
     assert target.nats_tls == NatsTlsConfig()
-    assert target.credentials.nkey_seed_file == str(run_dir / "security" / "client.nk")
+    assert seed_file(target, "client") == str(run_dir / "security" / "client.nk")
 
 
 def test_nats_url_names_no_run_so_only_the_config_counts(run_dir: Path) -> None:
     target = target_for([*SUBMIT, "--nats-url", "tls://127.0.0.1:4321", "--namespace", "secured"])
-    assert target.nats_tls == NatsTlsConfig() and target.credentials is None
+    assert target.nats_tls == NatsTlsConfig() and not target.secured
 
 
 def test_clients_are_told_tls_when_the_mesh_speaks_it() -> None:

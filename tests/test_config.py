@@ -1,5 +1,5 @@
-"""The typed config (``load_config``: TOML, env overrides, validation) and ``mesh.json``, the file
-that says where a running mesh is."""
+"""The typed config (``load_config``: TOML, env overrides, validation). ``mesh.json``, the file
+that says where a running mesh is: tests/test_mesh_address.py."""
 
 from __future__ import annotations
 
@@ -17,15 +17,6 @@ from rollmesh.config import (
     TrainerConfig,
     load_config,
     load_run_config,
-)
-from rollmesh.mesh_info import (
-    MESH_FILE,
-    MeshInfo,
-    MeshNotFoundError,
-    latest_run_dir,
-    new_run_dir,
-    read_mesh_info,
-    write_mesh_info,
 )
 from rollmesh.model_source import DEMO_MODEL_DIR, ModelPathError, resolve_model
 
@@ -237,40 +228,6 @@ def test_a_relative_model_path_is_made_absolute_and_a_directory_without_a_model_
     with pytest.raises(ModelPathError, match="no config.json") as raised:
         resolve_model(load_config(environ={"ROLLMESH_MODEL__PATH": str(tmp_path)}), tmp_path)
     assert raised.value.path == str(tmp_path)
-
-
-# --- mesh.json ---------------------------------------------------------------------------------
-
-def test_mesh_info_written_to_a_run_dir_reads_back_equal(tmp_path):
-    run_dir = new_run_dir(tmp_path)
-    info = MeshInfo(nats_url="nats://127.0.0.1:4222", namespace="ns", run_dir=str(run_dir), pid=42)
-    assert write_mesh_info(info) == run_dir / MESH_FILE
-    assert read_mesh_info(run_dir, run_root=tmp_path) == info
-    assert [p.name for p in run_dir.iterdir()] == [MESH_FILE]  # no temporary file left behind
-
-
-def test_read_mesh_info_without_a_run_dir_finds_the_latest_run(tmp_path):
-    for name in ("20250101-000000-aaaaaa", "20250102-000000-bbbbbb"):
-        (tmp_path / name).mkdir()
-        write_mesh_info(MeshInfo(nats_url="nats://x:1", namespace=name, run_dir=str(tmp_path / name)))
-    (tmp_path / "zz-not-a-dir").write_text("")
-    assert latest_run_dir(tmp_path) == tmp_path / "20250102-000000-bbbbbb"
-    assert read_mesh_info(None, run_root=tmp_path).namespace == "20250102-000000-bbbbbb"
-
-
-def test_new_run_dirs_are_fresh_and_sort_by_start_time(tmp_path):
-    first, second = new_run_dir(tmp_path), new_run_dir(tmp_path)
-    assert first != second and first.is_dir() and second.is_dir()
-    assert first.name[:15] <= second.name[:15]
-
-
-def test_no_runs_or_no_mesh_file_is_mesh_not_found(tmp_path):
-    with pytest.raises(MeshNotFoundError, match="rollmesh up"):
-        read_mesh_info(None, run_root=tmp_path / "nothing")
-    run_dir = new_run_dir(tmp_path)
-    with pytest.raises(MeshNotFoundError) as raised:
-        read_mesh_info(run_dir, run_root=tmp_path)
-    assert raised.value.run_dir == str(run_dir)
 
 
 def test_the_megatron_layout_is_a_nested_table_and_its_world_is_tp_x_pp_x_dp(tmp_path):

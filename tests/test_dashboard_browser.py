@@ -73,7 +73,7 @@ def dashboard_url(mesh) -> Iterator[str]:
     runtime.deploy_serve(
         prefill_names=[f"prefill-{i}" for i in range(inference.prefill_worker_count)],
         decode_names=[f"decode-{i}" for i in range(inference.num_decode_workers)],
-        host="127.0.0.1", port=free_port(), api_key=API_KEY, dashboard_nats_url=mesh.info.nats_url)
+        host="127.0.0.1", port=free_port(), api_key=API_KEY, follow=mesh.info)
     try:
         assert runtime.dashboard_url.endswith("/dashboard"), runtime.dashboard_url
         yield runtime.dashboard_url

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from rollmesh.bus.connection import flush_to_server
-from rollmesh.config import DashboardConfig
-from rollmesh.dashboard import DashboardFeed, DashboardSource, DashboardState
+from rollmesh.config import DashboardConfig, NatsConfig
+from rollmesh.dashboard import DashboardFeed, DashboardState
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.messages import RolloutProgressed, RolloutRequested, SchedulerStatus
 from rollmesh.messages.subjects import (
     ROLLOUT_COMPLETED,
@@ -37,10 +38,10 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 15.0) -> 
 
 async def test_the_feed_folds_published_events_and_survives_malformed_ones(
         nats_server, nats_client, namespace: str, tmp_path: Path) -> None:
-    source = DashboardSource(nats_url=nats_server.url, namespace=namespace, run_dir=str(tmp_path),
-                             config=DashboardConfig(poll_s=0.5))
-    state = DashboardState(source.config, namespace=namespace)
-    feed = DashboardFeed(source, state)
+    mesh = MeshAddress(nats_url=nats_server.url, namespace=namespace, run_dir=str(tmp_path))
+    config = DashboardConfig(poll_s=0.5)
+    state = DashboardState(config, namespace=namespace)
+    feed = DashboardFeed(mesh, state, config=config)
     feed.start()
     try:
         await wait_until(lambda: state.feed == "connected")
@@ -75,10 +76,10 @@ async def test_the_feed_folds_published_events_and_survives_malformed_ones(
 
 
 async def test_a_feed_whose_bus_is_not_up_says_so_and_keeps_trying(namespace: str, tmp_path: Path) -> None:
-    source = DashboardSource(nats_url="nats://127.0.0.1:1", namespace=namespace, run_dir=str(tmp_path),
-                             connect_timeout_s=0.5)
-    state = DashboardState(source.config, namespace=namespace)
-    feed = DashboardFeed(source, state)
+    mesh = MeshAddress(nats_url="nats://127.0.0.1:1", namespace=namespace, run_dir=str(tmp_path),
+                       nats=NatsConfig(connect_timeout_s=0.5))
+    state = DashboardState(DashboardConfig(), namespace=namespace)
+    feed = DashboardFeed(mesh, state)
     feed.start()
     try:
         await wait_until(lambda: state.feed.startswith("error:"))

@@ -17,7 +17,7 @@ from rollmesh.cli import main
 from rollmesh.config import ConfigError, DashboardConfig, load_config
 from rollmesh.dashboard import DashboardRoutes, DashboardState, InvalidTraceIdError, read_trace, trace_link
 from rollmesh.dashboard.views import SandboxPoolView
-from rollmesh.mesh_info import MeshInfo, write_mesh_info
+from rollmesh.mesh_address import MeshAddress, write_mesh_address
 from rollmesh.messages import (
     RolloutCompleted,
     RolloutFailed,
@@ -280,7 +280,7 @@ def cli_logging():
 def write_run(root: Path, name: str, dashboard_url: str) -> Path:
     run_dir = root / name
     run_dir.mkdir(parents=True)
-    write_mesh_info(MeshInfo(nats_url="nats://127.0.0.1:4222", namespace="ns", run_dir=str(run_dir),
+    write_mesh_address(MeshAddress(nats_url="nats://127.0.0.1:4222", namespace="ns", run_dir=str(run_dir),
                              serve_url="http://127.0.0.1:8000", dashboard_url=dashboard_url))
     return run_dir
 

@@ -14,7 +14,7 @@ import ray
 from support.ray_actors import stop_and_kill
 from rollmesh.inference.router import InferenceRouter
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
-from rollmesh.actors.role_base import MeshContext
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.chat.model_dir import ModelDirectory
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.protocols import GenerateOptions, GenerationResult
@@ -130,7 +130,7 @@ def workers(ray_session, nats_server, tmp_path_factory, demo_model_dir):
     """A prefill and two decode workers of the demo model directory, on the session's Ray."""
     model = ModelConfig(path=str(demo_model_dir))
     namespace = "r" + uuid.uuid4().hex[:10]
-    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url,
+    mesh = MeshAddress(namespace=namespace, nats_url=nats_server.url,
                        run_dir=str(tmp_path_factory.mktemp("router-run")))
     inference = InferenceConfig(max_batch=4, kv_block_size=8)
 

@@ -28,7 +28,7 @@ import torch
 
 from rollmesh.chat import ChatModel
 from rollmesh.launcher import Mesh
-from rollmesh.mesh_info import new_run_dir
+from rollmesh.mesh_address import new_run_dir
 from rollmesh.messages import RolloutCompleted, RolloutRequested, SamplingParams, TrainerStepped
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_REQUESTED, TRAINER_STEPPED
 from rollmesh.rollout.molar_mass import MolarMassTask

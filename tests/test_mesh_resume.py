@@ -22,7 +22,7 @@ from rollmesh.config import load_run_config
 from rollmesh.engine.weight_buckets import load_published
 from rollmesh.engine.weights import save_weights
 from rollmesh.launcher import Mesh
-from rollmesh.mesh_info import new_run_dir
+from rollmesh.mesh_address import new_run_dir
 from rollmesh.messages.subjects import ROLLOUT_REQUESTED
 from rollmesh.training.ledger import LedgerEntry, TrainingLedger
 from conftest import REPO_ROOT

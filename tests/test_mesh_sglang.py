@@ -24,7 +24,7 @@ import ray
 
 from rollmesh.chat import ChatModel
 from rollmesh.launcher import Mesh
-from rollmesh.mesh_info import new_run_dir
+from rollmesh.mesh_address import new_run_dir
 from rollmesh.messages import RolloutCompleted, RolloutRequested, SamplingParams
 from rollmesh.messages.token_trace import NO_VERSION
 from rollmesh.rollout.molar_mass import MolarMassTask

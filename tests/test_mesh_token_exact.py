@@ -26,7 +26,7 @@ import torch
 from rollmesh.chat import ChatModel
 from rollmesh.engine.models import load_hf_model
 from rollmesh.launcher import Mesh
-from rollmesh.mesh_info import new_run_dir
+from rollmesh.mesh_address import new_run_dir
 from rollmesh.messages import RolloutCompleted, RolloutFailed, RolloutRequested, SamplingParams
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_REQUESTED
 from rollmesh.messages.token_trace import NO_VERSION

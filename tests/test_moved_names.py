@@ -72,6 +72,21 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
     ("rollmesh.sandbox.errors", "CapacityError", "rollmesh.sandbox.errors:SandboxCapacityError"),
     ("rollmesh.actors.rollout_worker", "ElasticDecodeFollower",
      "rollmesh.rollout.decode_loan_follower:RolloutDecodeLoanFollower"),
+    # "Where is the mesh" had four types (issue 24): one MeshAddress, with one connect().
+    ("rollmesh.actors.role_base", "MeshContext", "rollmesh.mesh_address:MeshAddress"),
+    ("rollmesh.cli.target", "MeshTarget", "rollmesh.mesh_address:MeshAddress"),
+    ("rollmesh.cli.target", "read_cli_mesh_info", "rollmesh.cli.target:read_cli_mesh_address"),
+    ("rollmesh.dashboard.feed", "DashboardSource", "rollmesh.mesh_address:MeshAddress"),
+    ("rollmesh.dashboard", "DashboardSource", "rollmesh.mesh_address:MeshAddress"),
+    ("rollmesh.mesh_info", "MeshInfo", "rollmesh.mesh_address:MeshAddress"),
+    ("rollmesh.mesh_info", "read_mesh_info", "rollmesh.mesh_address:read_mesh_address"),
+    ("rollmesh.mesh_info", "write_mesh_info", "rollmesh.mesh_address:write_mesh_address"),
+    ("rollmesh.mesh_info", "MESH_FILE", "rollmesh.mesh_address"),
+    ("rollmesh.mesh_info", "MeshNotFoundError", "rollmesh.mesh_address"),
+    ("rollmesh.mesh_info", "nats_url_for_clients", "rollmesh.mesh_address"),
+    ("rollmesh.mesh_info", "new_run_dir", "rollmesh.mesh_address"),
+    ("rollmesh.mesh_info", "latest_run_dir", "rollmesh.mesh_address"),
+    ("rollmesh.sandbox_brokers", "broker_context", "rollmesh.sandbox_brokers:broker_address"),
 ]
 
 
@@ -102,3 +117,4 @@ def test_the_wire_contract_s_renamed_holder_constant_warns_and_keeps_its_wire_va
     assert warned[0].filename == __file__
     with pytest.raises(AttributeError, match="no_such_name"):
         getattr(sim_jobs, "no_such_name")
+

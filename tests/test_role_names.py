@@ -16,7 +16,8 @@ import pkgutil
 import pytest
 
 import rollmesh.actors
-from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.role_base import RoleActor
+from rollmesh.mesh_address import MeshAddress
 
 pytestmark = pytest.mark.unit
 
@@ -65,7 +66,7 @@ async def test_a_shell_refuses_to_serve_logic_other_than_its_declared_class(tmp_
         async def build_logic(self, publisher):
             return object()
 
-    actor = WidgetActor("widget", MeshContext(namespace="ns", nats_url="nats://127.0.0.1:1", run_dir=str(tmp_path)))
+    actor = WidgetActor("widget", MeshAddress(namespace="ns", nats_url="nats://127.0.0.1:1", run_dir=str(tmp_path)))
 
     async def connected():
         return None

@@ -14,6 +14,7 @@ from support.fakes import FakeSandboxBackend
 
 from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
 from rollmesh.actors.shell import ActorShell
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.bus.connection import connect_bus, flush_to_server
 from rollmesh.bus.publisher import BusPublisher
 from rollmesh.config import SandboxConfig, SandboxProfileConfig, TelemetryConfig
@@ -32,8 +33,8 @@ async def served(nats_server, namespace, tmp_path, trace_file):
     backend = FakeSandboxBackend()
     config = SandboxConfig(profiles={"default": SandboxProfileConfig(warm_min=1)},
                            reap_interval_s=0.05, pool_interval_s=0.05)
-    shell = ActorShell("sandbox-broker-test", namespace, nats_server.url, run_dir=tmp_path,
-                       telemetry_config=TelemetryConfig(exporter="jsonl"))
+    shell = ActorShell("sandbox-broker-test", MeshAddress(nats_url=nats_server.url, namespace=namespace,
+                                                          run_dir=str(tmp_path), telemetry=TelemetryConfig(exporter="jsonl")))
     publisher = await shell.connect()
     broker = SandboxBroker(config, backend, snapshot_dir=tmp_path / "snapshots", publisher=publisher)
     await shell.serve(SandboxBrokerLogic(broker))
@@ -124,8 +125,8 @@ async def bwrap_served(nats_server, namespace, tmp_path, trace_file):
         pytest.skip(f"bubblewrap unusable here: {exc}")
     config = SandboxConfig(profiles={"default": SandboxProfileConfig(warm_min=1, warm_max=2)},
                            reap_interval_s=0.05, pool_interval_s=0.05)
-    shell = ActorShell("sandbox-broker-bwrap", namespace, nats_server.url, run_dir=tmp_path,
-                       telemetry_config=TelemetryConfig(exporter="jsonl"))
+    shell = ActorShell("sandbox-broker-bwrap", MeshAddress(nats_url=nats_server.url, namespace=namespace,
+                                                           run_dir=str(tmp_path), telemetry=TelemetryConfig(exporter="jsonl")))
     publisher = await shell.connect()
     broker = SandboxBroker(config, backend, snapshot_dir=tmp_path / "snapshots", publisher=publisher)
     await shell.serve(SandboxBrokerLogic(broker))

@@ -13,6 +13,7 @@ from support.fakes import FakeSandboxBackend, ManualClock
 
 from rollmesh.sandbox.broker_logic import SandboxBrokerLogic
 from rollmesh.actors.shell import ActorShell
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.permissions import role_permissions
 from rollmesh.bus.publisher import BusPublisher
@@ -28,7 +29,7 @@ from rollmesh.sandbox.placement import BrokerDirectory, broker_ids, broker_of
 from rollmesh.sandbox_brokers import (
     NoSandboxNodeError,
     TooManySandboxNodesError,
-    broker_context,
+    broker_address,
     broker_name,
     credential_broker_ids,
     plan_brokers,
@@ -109,7 +110,7 @@ def test_ids_a_broker_makes_name_it_and_its_own_subjects_follow():
 
 @pytest.mark.unit
 def test_each_of_several_brokers_is_handed_only_its_own_credentials_whose_rights_are_its_own():
-    from rollmesh.actors.role_base import MeshContext
+    from rollmesh.mesh_address import MeshAddress
     from rollmesh.bus.errors import BusSecurityError
     from rollmesh.bus.security import BusCredentials
     from rollmesh.config import NatsCredentialsConfig
@@ -119,16 +120,16 @@ def test_each_of_several_brokers_is_handed_only_its_own_credentials_whose_rights
     assert credential_broker_ids(SandboxConfig(brokers=3)) == ["0", "1", "2"]
     assert credential_broker_ids(SandboxConfig(brokers="per_node", max_brokers=2)) == ["0", "1"]
     roles = ("mesh", "sandbox_broker", "sandbox_broker_0", "sandbox_broker_1")
-    mesh = MeshContext("ns", "nats://x", "/run", credentials={
+    mesh = MeshAddress(namespace="ns", nats_url="nats://x", run_dir="/run", credentials={
         role: BusCredentials(role, "ns", NatsCredentialsConfig(nkey_seed_file=f"/{role}.nk")) for role in roles})
-    own = broker_context(mesh, "1").credentials_for("sandbox_broker")
+    own = broker_address(mesh, "1").credentials_for("sandbox_broker")
     assert own is not None and own.role == "sandbox_broker_1" and own.inbox_prefix == "_INBOX.ns.sandbox_broker_1"
-    assert list(broker_context(mesh, "1").credentials) == ["sandbox_broker"]
-    assert broker_context(mesh, "").credentials_for("sandbox_broker").role == "sandbox_broker"  # one broker
+    assert list(broker_address(mesh, "1").credentials) == ["sandbox_broker"]
+    assert broker_address(mesh, "").credentials_for("sandbox_broker").role == "sandbox_broker"  # one broker
     with pytest.raises(BusSecurityError, match="sandbox_broker_2"):  # others have theirs, this one none
-        broker_context(mesh, "2")
-    shared_only = MeshContext("ns", "nats://x", "/run", credentials={"sandbox_broker": own})
-    assert broker_context(shared_only, "2").credentials == {"sandbox_broker": own}  # a cluster's shared user
+        broker_address(mesh, "2")
+    shared_only = MeshAddress(namespace="ns", nats_url="nats://x", run_dir="/run", credentials={"sandbox_broker": own})
+    assert broker_address(shared_only, "2").credentials == {"sandbox_broker": own}  # a cluster's shared user
     # Broker 1 answers the shared lease subject and its own subjects, writes its own lease keys.
     rights = role_permissions("sandbox_broker_1", "ns")
     assert "rl.ns.sandbox.b.1.exec" in rights.subscribe and "rl.ns.sandbox.lease" in rights.subscribe
@@ -272,8 +273,8 @@ async def two_brokers(nats_server, namespace, tmp_path, trace_file):
                            reap_interval_s=0.05, pool_interval_s=0.05)
     shells, services = [], []
     for broker_id in ("0", "1"):
-        shell = ActorShell(f"sandbox-broker-{broker_id}", namespace, nats_server.url, run_dir=tmp_path,
-                           telemetry_config=TelemetryConfig(exporter="jsonl"))
+        shell = ActorShell(f"sandbox-broker-{broker_id}", MeshAddress(
+            nats_url=nats_server.url, namespace=namespace, run_dir=str(tmp_path), telemetry=TelemetryConfig(exporter="jsonl")))
         publisher = await shell.connect()
         shared = shell.stores.sandbox_snapshots(ttl_s=config.snapshot_ttl_s)
         broker = SandboxBroker(config, FakeSandboxBackend(), snapshot_dir=tmp_path / broker_id,

@@ -21,7 +21,7 @@ import ray
 
 from support.ray_actors import stop_and_kill
 from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
-from rollmesh.actors.role_base import MeshContext
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.config import SchedulerConfig
 from rollmesh.messages import RoleDemandChanged, SimJobSubmitted
 from rollmesh.messages.subjects import (
@@ -97,7 +97,7 @@ async def test_jobs_are_preempted_when_the_trainer_asks_and_resume_from_their_ch
         ray_session, nats_server, tmp_path):
     namespace = "t" + uuid.uuid4().hex[:10]
     run_dir = tmp_path / "run"
-    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(run_dir))
+    mesh = MeshAddress(namespace=namespace, nats_url=nats_server.url, run_dir=str(run_dir))
     config = SchedulerConfig(total_gpus=3, resource="rollmesh_sched_gpu", tick_s=0.1, report_every_s=0.5)
     actor = ray.remote(GpuSchedulerActor).options(name=f"sched-{namespace}", namespace=namespace,
                                                    num_cpus=0).remote(f"sched-{namespace}", mesh, config)
@@ -173,13 +173,12 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
     from rollmesh.actors.rollout_worker import ray_actor_by_name
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.config import InferenceConfig, ModelConfig
-    from rollmesh.dashboard import DashboardSource
     from rollmesh.messages.base import SamplingParams
     from rollmesh.rollout.decode_loan_follower import RolloutDecodeLoanFollower
     from rollmesh.serve_apps.decode_loan_follower import DecodeLoanFollower
 
     namespace = "t" + uuid.uuid4().hex[:10]
-    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(tmp_path / "run"))
+    mesh = MeshAddress(namespace=namespace, nats_url=nats_server.url, run_dir=str(tmp_path / "run"))
     # Decode is active (its start grant; no actor of this test holds it), and 2 accelerators idle.
     config = SchedulerConfig(total_gpus=3, resource="rollmesh_sched_gpu", grants={"decode": 1}, tick_s=0.1,
                              decode_loans=2, decode_loan_drain_s=0.2)
@@ -211,7 +210,7 @@ async def test_idle_accelerators_become_decode_workers_until_a_job_needs_them(ra
         # goes to the lent ones.
         serve_router = InferenceRouter([], [None])
         serve_follower = DecodeLoanFollower(
-            DashboardSource(nats_url=nats_server.url, namespace=namespace, run_dir=mesh.run_dir),
+            mesh,
             DecodeLoanRoster(serve_router, lambda name: ray.get_actor(name, namespace=workers_namespace)))
         serve_follower.start()
         await wait_until(lambda: serve_router.lent_decode_workers() == lent)

@@ -22,7 +22,7 @@ from support.ray_actors import stop_and_kill
 from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
 from rollmesh.inference.router import InferenceRouter
 from rollmesh.actors.inference_workers import DecodeWorkerActor
-from rollmesh.actors.role_base import MeshContext
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.config import InferenceConfig, ModelConfig, SchedulerConfig
 from rollmesh.engine.errors import MemoryReleasedError
 from rollmesh.messages import RoleDemandChanged, SimJobSubmitted
@@ -51,7 +51,7 @@ async def test_an_idle_decode_workers_accelerator_runs_a_job_and_comes_back_for_
         ray_session, nats_server, tmp_path, demo_model_dir):
     namespace = "t" + uuid.uuid4().hex[:10]
     run_dir = tmp_path / "run"
-    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(run_dir))
+    mesh = MeshAddress(namespace=namespace, nats_url=nats_server.url, run_dir=str(run_dir))
     inference = InferenceConfig(max_batch=2)
     worker_name = f"decode-{namespace}"
     # The decode role's one accelerator, held by its worker for life (Ray resources); the

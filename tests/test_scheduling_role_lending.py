@@ -159,11 +159,11 @@ async def test_without_role_memory_a_role_keeps_its_start_grant_whatever_it_dema
 
 async def test_the_live_scheduler_refuses_role_lending_where_a_role_cannot_lend_naming_why(tmp_path):
     from rollmesh.actors.gpu_scheduler import GpuSchedulerActor
-    from rollmesh.actors.role_base import MeshContext
+    from rollmesh.mesh_address import MeshAddress
     from rollmesh.config import SchedulerConfig, TrainerConfig
     from rollmesh.scheduling import RoleLendingUnavailableError
 
-    mesh = MeshContext(namespace="ns", nats_url="nats://127.0.0.1:1", run_dir=str(tmp_path))
+    mesh = MeshAddress(namespace="ns", nats_url="nats://127.0.0.1:1", run_dir=str(tmp_path))
     lending = SchedulerConfig(total_gpus=4, lend_role_accelerators=True,
                               grants={"trainer": 1, "decode": 1, "resharder": 1})
     actor = GpuSchedulerActor("gpu-scheduler", mesh, lending, None, InferenceConfig(backend="sglang"),
@@ -189,13 +189,13 @@ def test_role_lending_needs_one_worker_per_accelerator_of_a_lent_role():
 
 
 async def test_the_trainer_actor_lends_the_torch_backends_memory_and_refuses_for_megatron(tmp_path, demo_model_dir):
-    from rollmesh.actors.role_base import MeshContext
+    from rollmesh.mesh_address import MeshAddress
     from rollmesh.actors.trainer import TrainerActor
     from rollmesh.config import TrainerConfig
     from rollmesh.scheduling import RoleLendingUnavailableError
     from rollmesh.training.torch_backend import TorchTrainerBackend
 
-    mesh = MeshContext(namespace="ns", nats_url="nats://127.0.0.1:1", run_dir=str(tmp_path))
+    mesh = MeshAddress(namespace="ns", nats_url="nats://127.0.0.1:1", run_dir=str(tmp_path))
     model = ModelConfig(path=str(demo_model_dir))
     actor = TrainerActor("trainer", mesh, TrainerConfig(), model)
     actor.backend = TorchTrainerBackend(model, TrainerConfig())

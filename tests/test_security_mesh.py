@@ -56,7 +56,7 @@ class SecuredMesh:
 async def secured_mesh(ray_session: None) -> AsyncIterator[SecuredMesh]:
     from rollmesh.config import load_config
     from rollmesh.launcher import Mesh
-    from rollmesh.mesh_info import new_run_dir
+    from rollmesh.mesh_address import new_run_dir
 
     run_dir = new_run_dir(REPO_ROOT / ".rollmesh" / "test-runs")
     pki = run_dir / "pki"

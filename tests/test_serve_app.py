@@ -29,7 +29,7 @@ import ray
 
 from support.ray_actors import stop_and_kill
 from support.serve_models import start_inference_workers
-from rollmesh.actors.role_base import MeshContext
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.chat import ChatModel
 from rollmesh.config import InferenceConfig, ModelConfig
@@ -79,7 +79,7 @@ def deployed(
 ) -> Iterator[Deployed]:
     model = ModelConfig(path=str(demo_model_dir))
     namespace = "t" + uuid.uuid4().hex[:10]
-    mesh = MeshContext(
+    mesh = MeshAddress(
         namespace=namespace, nats_url=nats_server.url,
         run_dir=str(tmp_path_factory.mktemp("serve-run")),
     )

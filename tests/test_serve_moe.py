@@ -28,7 +28,7 @@ import torch
 
 from support.ray_actors import stop_and_kill
 from support.serve_models import start_inference_workers
-from rollmesh.actors.role_base import MeshContext
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.chat import ChatModel
 from rollmesh.config import InferenceConfig, ModelConfig
@@ -93,7 +93,7 @@ def deployed(
     checkpoint = build_moe_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-moe"), demo_model_dir)
     model = ModelConfig(path=str(checkpoint))
     namespace = "t" + uuid.uuid4().hex[:10]
-    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url,
+    mesh = MeshAddress(namespace=namespace, nats_url=nats_server.url,
                        run_dir=str(tmp_path_factory.mktemp("serve-moe-run")))
     inference = InferenceConfig(max_batch=4)
     prefill, decode = start_inference_workers(namespace, mesh, model, inference)

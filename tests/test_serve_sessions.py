@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from support.ray_actors import stop_and_kill
-from rollmesh.actors.role_base import MeshContext
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.chat import ChatModel, TokenSample, ToolCall, check_trajectory
 from rollmesh.chat.token_check import special_token_ids
@@ -84,7 +84,7 @@ def deployed(ray_session: None, nats_server: EmbeddedNatsServer, demo_model_dir:
 
     model = ModelConfig(path=str(model_dir))
     namespace = "s" + uuid.uuid4().hex[:10]
-    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url,
+    mesh = MeshAddress(namespace=namespace, nats_url=nats_server.url,
                        run_dir=str(tmp_path_factory.mktemp("sessions-run")))
     inference = InferenceConfig(max_batch=4)
     prefill, decode = start_inference_workers(namespace, mesh, model, inference)

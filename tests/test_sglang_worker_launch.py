@@ -20,7 +20,7 @@ import pytest
 import ray
 
 from conftest import REPO_ROOT, TESTS_DIR
-from rollmesh.actors.role_base import MeshContext
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.actors.sglang_worker import SGLangWorkerActor
 from rollmesh.config import InferenceConfig, ModelConfig, SGLangConfig
 from rollmesh.messages.base import SamplingParams
@@ -65,7 +65,7 @@ async def test_a_worker_launches_sglang_generates_through_it_and_stops_it(
         "PYTHONPATH": os.pathsep.join([str(tmp_path / "pkgs"), str(TESTS_DIR), str(REPO_ROOT)]),
         "FAKE_SGLANG_RECORD": str(record)})
     namespace = "sgw" + uuid.uuid4().hex[:8]
-    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(tmp_path / "run"))
+    mesh = MeshAddress(namespace=namespace, nats_url=nats_server.url, run_dir=str(tmp_path / "run"))
     name = f"decode-{namespace}"
     worker = ray.remote(SGLangWorkerActor).options(name=name, namespace=namespace, num_cpus=0).remote(
         name, mesh, ModelConfig(path=str(demo_model_dir)), InferenceConfig(backend="sglang", sglang=sglang), 0)

@@ -14,6 +14,7 @@ import pytest
 from opentelemetry import trace
 
 from rollmesh.actors.shell import ActorShell
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.ports import MessageContext, Publisher, Subscription
 from rollmesh.bus.streams import rollout_requests_stream
 from rollmesh.config import NatsConfig, TelemetryConfig
@@ -88,9 +89,9 @@ class ToyLogic:
 
 
 async def _serve(nats_server, namespace, run_dir, name="toy-0", **shell_kwargs):
-    shell = ActorShell(name, namespace, nats_server.url, run_dir=run_dir,
-                       telemetry_config=TelemetryConfig(exporter="jsonl"),
-                       nats_config=NatsConfig(max_deliver=3), **shell_kwargs)
+    mesh = MeshAddress(nats_url=nats_server.url, namespace=namespace, run_dir=str(run_dir),
+                       telemetry=TelemetryConfig(exporter="jsonl"), nats=NatsConfig(max_deliver=3))
+    shell = ActorShell(name, mesh, **shell_kwargs)
     logic = ToyLogic(await shell.connect())
     await shell.serve(logic)
     return shell, logic

@@ -32,7 +32,7 @@ from opentelemetry.trace import SpanKind
 
 from support.ray_actors import stop_and_kill
 from rollmesh.actors.inference_workers import DecodeWorkerActor
-from rollmesh.actors.role_base import MeshContext
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.config import InferenceConfig, ModelConfig, TelemetryConfig
@@ -113,7 +113,7 @@ def served_run_dir(ray_session: None, nats_server: EmbeddedNatsServer,
     model = ModelConfig(path=str(demo_model_dir))
     namespace = "t" + uuid.uuid4().hex[:10]
     run_dir = tmp_path_factory.mktemp("serve-trace-run")
-    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(run_dir))
+    mesh = MeshAddress(namespace=namespace, nats_url=nats_server.url, run_dir=str(run_dir))
     name = f"decode-{namespace}"
     decode = ray.remote(DecodeWorkerActor).options(name=name, namespace=namespace, num_cpus=0).remote(
         name, mesh, model, InferenceConfig(max_batch=2))

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core builds the trained model")
 
 from support.ray_actors import stop_and_kill  # noqa: E402
-from rollmesh.actors.role_base import MeshContext  # noqa: E402
+from rollmesh.mesh_address import MeshAddress  # noqa: E402
 from rollmesh.actors.trainer import TrainerActor  # noqa: E402
 from rollmesh.config import MegatronConfig, ModelConfig, TrainerConfig  # noqa: E402
 from rollmesh.engine.models import read_safetensors  # noqa: E402
@@ -39,7 +39,7 @@ def test_the_trainer_actor_trains_on_megatron_ranks_and_stops_them(ray_session, 
     config = TrainerConfig(lr=1e-3, backend="megatron",
                            megatron=MegatronConfig(tensor_parallel=2, start_timeout_s=120, call_timeout_s=120))
     namespace = "t" + uuid.uuid4().hex[:10]
-    mesh = MeshContext(namespace=namespace, nats_url=nats_server.url, run_dir=str(tmp_path / "run"))
+    mesh = MeshAddress(namespace=namespace, nats_url=nats_server.url, run_dir=str(tmp_path / "run"))
     before = set(rank_processes())
     actor = ray.remote(TrainerActor).options(name=f"trainer-{namespace}", namespace=namespace, num_cpus=0).remote(
         f"trainer-{namespace}", mesh, config, model_config)

@@ -28,10 +28,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.role_base import RoleActor
 from rollmesh.actors.role_memory import ActorRoleMemory, role_lending_refusals, role_workers_of
 from rollmesh.actors.sim_job_runner import SimJobRunner
 from rollmesh.config import InferenceConfig, ModelConfig, SchedulerConfig, TrainerConfig
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.messages import GpuGranted
 from rollmesh.moved_names import forward_moved_names
 from rollmesh.ports import ActorLogic, Publisher
@@ -59,7 +60,7 @@ class GpuSchedulerActor(RoleActor):
     role = "gpu_scheduler"
     logic_class = gpu_scheduler_logic.GpuSchedulerLogic
 
-    def __init__(self, name: str, mesh: MeshContext, config: SchedulerConfig,
+    def __init__(self, name: str, mesh: MeshAddress, config: SchedulerConfig,
                  model_config: ModelConfig | None = None, inference_config: InferenceConfig | None = None,
                  trainer_config: TrainerConfig | None = None, role_workers: dict[str, list[str]] | None = None,
                  ) -> None:

@@ -20,9 +20,10 @@ from typing import Any
 
 from opentelemetry import trace
 
-from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.role_base import RoleActor
 from rollmesh.actors.role_memory import MemoryGate, lent_memory
 from rollmesh.actors.weight_object_store import ObjectStoreWeightFetcher
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.batch_loop import DecodeLoop
@@ -47,7 +48,7 @@ class PrefillWorkerActor(RoleActor):
     logic_class = WeightFollower  # the engine is the role's logic; the shell serves its weights
     holds_accelerators = True
 
-    def __init__(self, name: str, mesh: MeshContext, model_config: ModelConfig,
+    def __init__(self, name: str, mesh: MeshAddress, model_config: ModelConfig,
                  inference_config: InferenceConfig) -> None:
         super().__init__(name, mesh, torch_threads=inference_config.torch_threads)
         self.engine = PrefillEngine(build_inference_model(model_config),
@@ -95,7 +96,7 @@ class DecodeWorkerActor(RoleActor):
     logic_class = WeightFollower  # the engine is the role's logic; the shell serves its weights
     holds_accelerators = True
 
-    def __init__(self, name: str, mesh: MeshContext, model_config: ModelConfig,
+    def __init__(self, name: str, mesh: MeshAddress, model_config: ModelConfig,
                  inference_config: InferenceConfig, seed: int = 0) -> None:
         super().__init__(name, mesh, torch_threads=inference_config.torch_threads)
         # The model directory's own tokenizer: its end-of-turn ids stop a turn, its stop strings

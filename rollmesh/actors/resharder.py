@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.role_base import RoleActor
 from rollmesh.checkpoint.resharder import ResharderLogic
 from rollmesh.config import ResharderConfig
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.moved_names import forward_moved_names
 from rollmesh.ports import ActorLogic, Publisher
 
@@ -24,7 +25,7 @@ class ResharderActor(RoleActor):
     logic_class = ResharderLogic
     holds_accelerators = True
 
-    def __init__(self, name: str, mesh: MeshContext, config: ResharderConfig) -> None:
+    def __init__(self, name: str, mesh: MeshAddress, config: ResharderConfig) -> None:
         super().__init__(name, mesh)
         self.config = config
 

@@ -1,53 +1,23 @@
-"""What every role actor shares: where the mesh is, and the start/stop/stats lifecycle.
+"""What every role actor shares: the start/stop/stats lifecycle around its shell.
 
-Knows the actor shell and the config; does not import ray (the launcher applies ``ray.remote`` at
+Each is handed the ``MeshAddress`` (``rollmesh.mesh_address``) with its roles' credentials only.
+Knows the actor shell; does not import ray (the launcher applies ``ray.remote`` at
 spawn time, so role classes stay plain classes that tests can also run in-process).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from rollmesh.actors.shell import ActorShell
-from rollmesh.bus.errors import BusSecurityError
-from rollmesh.bus.permissions import ACTOR_ROLES
-from rollmesh.bus.security import BusCredentials
+from rollmesh.mesh_address import MeshAddress
+from rollmesh.moved_names import forward_moved_names
 from rollmesh.ports import ActorLogic, Publisher
-from rollmesh.config import NatsConfig, NatsTlsConfig, TelemetryConfig
 from rollmesh.telemetry.busy_clock import BusyClock
 
-
-@dataclass(frozen=True)
-class MeshContext:
-    """The slice of the mesh every actor needs: the bus, the namespace, the run directory."""
-
-    namespace: str
-    nats_url: str
-    run_dir: str
-    telemetry: TelemetryConfig = TelemetryConfig()
-    nats: NatsConfig = NatsConfig()
-    # security.enabled: NATS role -> credentials (paths and variable names, no secrets); each
-    # actor is handed only the roles it connects as (``only``). Empty: an open NATS.
-    credentials: Mapping[str, BusCredentials] = field(default_factory=dict)
-    nats_tls: NatsTlsConfig = NatsTlsConfig()
-
-    def only(self, *roles: str) -> MeshContext:
-        """This context with the credentials of ``roles`` only."""
-        return replace(self, credentials={r: c for r, c in self.credentials.items() if r in roles})
-
-    def credentials_for(self, actor_role: str) -> BusCredentials | None:
-        """The credentials an actor of ``actor_role`` connects with (None: an open NATS)."""
-        if not self.credentials:
-            return None
-        role = ACTOR_ROLES.get(actor_role, actor_role)
-        found = self.credentials.get(role)
-        if found is None:
-            raise BusSecurityError("no NATS credentials handed to this actor", role=role)
-        return found
+# Issue 24: one type for where the mesh is.
+__getattr__ = forward_moved_names(__name__, {"MeshContext": "rollmesh.mesh_address:MeshAddress"})
 
 
 class RoleActor:
@@ -64,7 +34,7 @@ class RoleActor:
     # JetStream messages handed back).
     drain_timeout_s = 10.0
 
-    def __init__(self, name: str, mesh: MeshContext, *, torch_threads: int | None = None) -> None:
+    def __init__(self, name: str, mesh: MeshAddress, *, torch_threads: int | None = None) -> None:
         self.name = name
         self.mesh = mesh
         if torch_threads is not None:
@@ -73,11 +43,7 @@ class RoleActor:
             import torch
 
             torch.set_num_threads(torch_threads)
-        self.shell = ActorShell(
-            name, mesh.namespace, mesh.nats_url, run_dir=Path(mesh.run_dir),
-            telemetry_config=mesh.telemetry, nats_config=mesh.nats, drain_timeout_s=self.drain_timeout_s,
-            component=self.role, credentials=mesh.credentials_for(self.role), tls_config=mesh.nats_tls,
-        )
+        self.shell = ActorShell(name, mesh, drain_timeout_s=self.drain_timeout_s, component=self.role)
         self.logic: ActorLogic | None = None
         self.busy = BusyClock()
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.role_base import RoleActor
 from rollmesh.bus.tls import client_tls_context
 from rollmesh.engine.paged_model import describe_served_model
 from rollmesh.inference.router import InferenceRouter
 from rollmesh.chat import ChatModel
 from rollmesh.config import ModelConfig, RolloutConfig
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.moved_names import forward_moved_names
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.rollout import agent_loop, decode_loan_follower
@@ -46,7 +47,7 @@ class RolloutWorkerActor(RoleActor):
     # back to the work queue at once, to resume from its last saved turn.
     drain_timeout_s = 0.5
 
-    def __init__(self, name: str, mesh: MeshContext, config: RolloutConfig, model_config: ModelConfig,
+    def __init__(self, name: str, mesh: MeshAddress, config: RolloutConfig, model_config: ModelConfig,
                  prefill_workers: list[Any], decode_workers: list[Any]) -> None:
         super().__init__(name, mesh)
         self.config = config

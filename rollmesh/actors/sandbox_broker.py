@@ -26,9 +26,10 @@ from typing import Any
 
 import structlog
 
-from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.role_base import RoleActor
 from rollmesh.bus.tls import server_tls_context
 from rollmesh.config import SandboxConfig
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.moved_names import forward_moved_names
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.sandbox import SandboxBroker
@@ -51,7 +52,7 @@ class SandboxBrokerActor(RoleActor):
     role = "sandbox_broker"
     logic_class = SandboxBrokerLogic
 
-    def __init__(self, name: str, mesh: MeshContext, config: SandboxConfig, broker_id: str = "",
+    def __init__(self, name: str, mesh: MeshAddress, config: SandboxConfig, broker_id: str = "",
                  node: str = "") -> None:
         super().__init__(name, mesh)
         self.config = config

@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 from opentelemetry import trace
 
-from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.role_base import RoleActor
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.errors import InvalidRequestError
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
@@ -37,6 +37,7 @@ from rollmesh.engine.sglang_weights import SGLangDiskWeights, write_hf_weights
 from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.engine.weight_follower import WeightFollower
 from rollmesh.engine.weight_buckets import load_published
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.messages.base import SamplingParams
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.telemetry import metrics, metrics_catalog
@@ -51,7 +52,7 @@ class SGLangWorkerActor(RoleActor):
     logic_class = WeightFollower  # the SGLang servers are the role's logic; the shell serves its weights
     holds_accelerators = True
 
-    def __init__(self, name: str, mesh: MeshContext, model_config: ModelConfig,
+    def __init__(self, name: str, mesh: MeshAddress, model_config: ModelConfig,
                  inference_config: InferenceConfig, index: int = 0) -> None:
         super().__init__(name, mesh)
         from rollmesh.engine.models import read_hf_config

@@ -3,7 +3,8 @@
 Knows the bus (NATS), telemetry setup and the ports a logic class implements; knows no role and
 does not import ray (a role module wraps a shell in a Ray actor at spawn time). Use::
 
-    shell = ActorShell("rollout-worker-0", ns, url, telemetry_config=tc, run_dir=run_dir)
+    mesh = MeshAddress(nats_url=url, namespace=ns, run_dir=run_dir, telemetry=tc)
+    shell = ActorShell("rollout-worker-0", mesh)
     publisher = await shell.connect()        # logging, tracing, NATS, JetStream streams
     await shell.serve(RolloutLogic(cfg, publisher=publisher))   # logic.start(), then subscribe
     ...
@@ -23,17 +24,15 @@ import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from rollmesh.bus.connection import connect_bus, flush_to_server
+from rollmesh.bus.connection import flush_to_server
 from rollmesh.bus.consumers import Consumer, open_consumer
 from rollmesh.bus.dispatcher import MessageDispatcher
 from rollmesh.bus.mesh_stores import MeshStores
 from rollmesh.ports import ActorLogic
 from rollmesh.bus.publisher import BusPublisher
-from rollmesh.bus.security import BusCredentials
 from rollmesh.bus.streams import StreamLimits, ensure_streams
 from rollmesh.bus.task_set import TaskSet
-from rollmesh.bus.tls import client_tls_context
-from rollmesh.config import NatsConfig, NatsTlsConfig, TelemetryConfig
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.messages.metrics import MetricsReported
 from rollmesh.messages.subjects import METRICS_REPORTED
 from rollmesh.telemetry.conventions import component_of
@@ -46,26 +45,21 @@ _log = structlog.get_logger("rollmesh.actors.shell")
 
 
 class ActorShell:
-    def __init__(self, actor_name: str, namespace: str, nats_url: str,
-                 logic: ActorLogic | None = None, *, run_dir: Path,
-                 telemetry_config: TelemetryConfig = TelemetryConfig(),
-                 nats_config: NatsConfig = NatsConfig(), drain_timeout_s: float = 10.0,
-                 component: str | None = None, credentials: BusCredentials | None = None,
-                 tls_config: NatsTlsConfig = NatsTlsConfig()) -> None:
+    def __init__(self, actor_name: str, mesh: MeshAddress, logic: ActorLogic | None = None, *,
+                 drain_timeout_s: float = 10.0, component: str | None = None) -> None:
         self.actor_name = actor_name
-        # The service this actor reports as ("decode" -> service.name "rollmesh.decode");
-        # without one the actor's name stands in.
+        # The service this actor reports as ("decode" -> service.name "rollmesh.decode"), and the
+        # role it connects as; without one the actor's name stands in.
         self.component = component or actor_name
-        self.namespace = namespace
-        self.nats_url = nats_url
-        self.run_dir = Path(run_dir)
-        self.telemetry_config = telemetry_config
-        self.nats_config = nats_config
+        # Its telemetry and NATS settings come with it; with credentials the actor connects as
+        # its role, which may not create streams: the launcher's "mesh" user made them before
+        # any actor started.
+        self.mesh = mesh
+        self.namespace = mesh.namespace
+        self.run_dir = Path(mesh.run_dir)
+        self.telemetry_config = mesh.telemetry
+        self.nats_config = mesh.nats
         self.drain_timeout_s = drain_timeout_s
-        # With credentials the actor connects as its role, which may not create streams: the
-        # launcher's "mesh" user made them before any actor started.
-        self.credentials = credentials
-        self.tls_config = tls_config
         self._logic = logic
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
@@ -84,12 +78,10 @@ class ActorShell:
             return self._publisher
         setup_logging(self.actor_name, self.telemetry_config.log_level)
         setup_tracing(self.component, self.telemetry_config, self.run_dir, instance=self.actor_name)
-        nc = await connect_bus(self.nats_url, name=self.actor_name,
-                               connect_timeout_s=self.nats_config.connect_timeout_s,
-                               credentials=self.credentials, tls=client_tls_context(self.tls_config))
+        nc = await self.mesh.connect(self.actor_name, role=self.component)
         js = nc.jetstream()
         try:
-            if self.credentials is None:
+            if not self.mesh.secured:
                 await ensure_streams(js, self.namespace,
                                      StreamLimits(replicas=self.nats_config.replicas))
         except Exception:

@@ -15,10 +15,11 @@ from typing import Any
 import msgspec
 import structlog
 
-from rollmesh.actors.role_base import MeshContext, RoleActor
+from rollmesh.actors.role_base import RoleActor
 from rollmesh.actors.role_memory import lent_memory
 from rollmesh.actors.sglang_weight_receivers import find_weight_receivers
 from rollmesh.actors.weight_object_store import ObjectStoreWeightHolder
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, TrainerConfig
 from rollmesh.engine.sglang_weight_sync import SGLangWeightPush
@@ -37,7 +38,7 @@ class TrainerActor(RoleActor):
     logic_class = TrainerLogic
     holds_accelerators = True
 
-    def __init__(self, name: str, mesh: MeshContext, config: TrainerConfig, model_config: ModelConfig,
+    def __init__(self, name: str, mesh: MeshAddress, config: TrainerConfig, model_config: ModelConfig,
                  sglang_workers: Sequence[str] = ()) -> None:
         super().__init__(name, mesh, torch_threads=config.torch_threads)
         self.config = config

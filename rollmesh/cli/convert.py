@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rollmesh.cli.errors import EXIT_OK, EXIT_USAGE, CliError
-from rollmesh.cli.target import load_cli_config, positive_float, read_cli_mesh_info
+from rollmesh.cli.target import load_cli_config, positive_float, read_cli_mesh_address
 
 # Named here rather than imported, so `rollmesh --help` never imports torch (the checkpoint
 # package checks the name again: rollmesh.checkpoint.arch_maps.FAMILIES).
@@ -129,7 +129,7 @@ def _ray_for_convert(args: argparse.Namespace) -> Iterator[None]:
     config = load_cli_config(args)
     with ExitStack() as stack:
         if args.run_dir is not None:
-            info = read_cli_mesh_info(args, config)
+            info = read_cli_mesh_address(args, config)
             if not info.ray_address:
                 raise CliError(f"the mesh in {info.run_dir} names no Ray address in its mesh.json")
             address, options = info.ray_address, {}

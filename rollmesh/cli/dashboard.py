@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from rollmesh.cli.errors import EXIT_OK, CliError
-from rollmesh.cli.target import add_target_options, load_cli_config, read_cli_mesh_info
+from rollmesh.cli.target import add_target_options, load_cli_config, read_cli_mesh_address
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -26,7 +26,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 def run_dashboard(args: argparse.Namespace) -> int:
     config = load_cli_config(args)
-    info = read_cli_mesh_info(args, config)
+    info = read_cli_mesh_address(args, config)
     if not info.dashboard_url:
         raise CliError(f"the mesh in {info.run_dir} serves no dashboard (it was started with "
                        "--no-serve, serve.enabled = false or dashboard.enabled = false)")

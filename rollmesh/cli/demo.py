@@ -16,7 +16,7 @@ from typing import Any
 
 from rollmesh.cli.errors import EXIT_OK
 from rollmesh.cli.target import load_cli_config, namespace_arg, positive_int
-from rollmesh.mesh_info import new_run_dir
+from rollmesh.mesh_address import new_run_dir
 
 # CLI option -> the mesh config's field it overrides (the run file's sizes: DEMO_SIZES).
 DEMO_OVERRIDES = {

@@ -35,10 +35,10 @@ from rollmesh.cli.target import (
     model_dir_arg,
     namespace_arg,
     positive_float,
-    read_cli_mesh_info,
+    read_cli_mesh_address,
 )
 from rollmesh.config import RUN_CONFIG_FILE, ConfigError, load_run_config
-from rollmesh.mesh_info import MESH_FILE, MeshInfo, MeshNotFoundError, new_run_dir, read_mesh_info
+from rollmesh.mesh_address import MESH_FILE, MeshAddress, MeshNotFoundError, new_run_dir, read_mesh_address
 
 LOG_FILE = "mesh.log"
 LOG_TAIL_LINES = 30
@@ -166,7 +166,7 @@ def port_arg(text: str) -> int:
 
 
 def wait_mesh_ready(child: subprocess.Popen[bytes], run_dir: Path, timeout_s: float,
-                    on_poll: Callable[[float], None] = lambda elapsed: None) -> MeshInfo:
+                    on_poll: Callable[[float], None] = lambda elapsed: None) -> MeshAddress:
     """Poll for ``run_dir/mesh.json`` written by ``child``; fail early if the child dies."""
     started = time.monotonic()
     delay = 0.05
@@ -187,15 +187,15 @@ def wait_mesh_ready(child: subprocess.Popen[bytes], run_dir: Path, timeout_s: fl
         delay = min(delay * 1.5, 0.5)
 
 
-def _read_ready_info(run_dir: Path, pid: int) -> MeshInfo | None:
+def _read_ready_info(run_dir: Path, pid: int) -> MeshAddress | None:
     try:
-        info = read_mesh_info(run_dir, run_root=run_dir.parent)
+        info = read_mesh_address(run_dir, run_root=run_dir.parent)
     except (MeshNotFoundError, OSError, msgspec.DecodeError):
         return None
     return info if info.pid == pid else None
 
 
-def _wait_with_status(child: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> MeshInfo:
+def _wait_with_status(child: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> MeshAddress:
     if not sys.stdout.isatty():
         print(f"starting the mesh in {run_dir} (log: {run_dir / LOG_FILE}) ...", flush=True)
         return wait_mesh_ready(child, run_dir, timeout_s)
@@ -209,7 +209,7 @@ def _wait_with_status(child: subprocess.Popen[bytes], run_dir: Path, timeout_s: 
 
 def _refuse_live_mesh(run_dir: Path) -> None:
     try:
-        info = read_mesh_info(run_dir, run_root=run_dir.parent)
+        info = read_mesh_address(run_dir, run_root=run_dir.parent)
     except (MeshNotFoundError, msgspec.DecodeError):
         return
     if mesh_process_alive(info.pid):
@@ -237,7 +237,7 @@ async def _run_foreground(config: Any, run_dir: Path) -> int:
 
 def run_down(args: argparse.Namespace) -> int:
     config = load_cli_config(args)
-    info = read_cli_mesh_info(args, config)
+    info = read_cli_mesh_address(args, config)
     mesh_file = Path(info.run_dir) / MESH_FILE
     if not mesh_process_alive(info.pid) or not _looks_like_rollmesh(info.pid):
         mesh_file.unlink(missing_ok=True)

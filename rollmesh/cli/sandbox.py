@@ -37,7 +37,7 @@ from opentelemetry import trace
 
 from rollmesh.cli.cli_tracing import cli_tracer
 from rollmesh.cli.errors import EXIT_OK, CliError
-from rollmesh.cli.target import add_target_options, find_mesh, load_cli_config, positive_float
+from rollmesh.cli.target import add_target_options, bus_errors_as_cli_errors, find_mesh, load_cli_config, positive_float
 from rollmesh.config import RollmeshConfig
 from rollmesh.messages import SandboxExecReply, SandboxOutputProduced
 from rollmesh.telemetry import conventions
@@ -313,7 +313,8 @@ async def _mesh_client(mesh: Any, printer: _Printer | None) -> AsyncIterator[Any
     from rollmesh.messages.subjects import SANDBOX_OUTPUT
     from rollmesh.sandbox.broker_client import DEFAULT_CHUNK_BYTES, SandboxBrokerClient
 
-    nc = await mesh.connect("rollmesh-sandbox")
+    with bus_errors_as_cli_errors(mesh):
+        nc = await mesh.connect("rollmesh-sandbox", role="mesh")
     watcher = BusWatcher(nc, mesh.namespace, name="rollmesh-sandbox")
     try:
         if printer is not None:

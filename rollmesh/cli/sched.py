@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from rollmesh.cli.errors import EXIT_OK, EXIT_USAGE, CliError
-from rollmesh.cli.target import add_target_options, find_mesh, load_cli_config, positive_float, positive_int
+from rollmesh.cli.target import (
+    add_target_options,
+    bus_errors_as_cli_errors,
+    find_mesh,
+    load_cli_config,
+    positive_float,
+    positive_int,
+)
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -177,11 +184,12 @@ async def _publish_job(target: Any, job: Any) -> str:
     from rollmesh.bus.streams import StreamLimits, ensure_streams
     from rollmesh.messages.subjects import SIM_SUBMITTED
 
-    nc = await target.connect("rollmesh-sched")
+    with bus_errors_as_cli_errors(target):
+        nc = await target.connect("rollmesh-sched", role="mesh")
     try:
         js = nc.jetstream()
         # Idempotent: the job is kept even when no scheduler has created the streams yet.
-        await ensure_streams(js, target.namespace, StreamLimits(replicas=target.replicas))
+        await ensure_streams(js, target.namespace, StreamLimits(replicas=target.nats.replicas))
         await BusPublisher(nc, js, target.namespace).publish(SIM_SUBMITTED, job)
         return SIM_SUBMITTED.format(target.namespace)
     finally:
@@ -223,7 +231,8 @@ async def _ask_status(target: Any, timeout_s: float) -> Any:
     from rollmesh.messages import SchedulerStatusRequest
     from rollmesh.messages.subjects import SCHED_STATUS
 
-    nc = await target.connect("rollmesh-sched")
+    with bus_errors_as_cli_errors(target):
+        nc = await target.connect("rollmesh-sched", role="mesh")
     try:
         return await BusPublisher(nc, nc.jetstream(), target.namespace).request(
             SCHED_STATUS, SchedulerStatusRequest(), timeout_s)

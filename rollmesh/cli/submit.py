@@ -28,8 +28,16 @@ from opentelemetry import trace
 from rollmesh.cli.cli_tracing import cli_tracer
 from rollmesh.cli.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError
 from rollmesh.cli.events import completed_versions
-from rollmesh.cli.target import MeshTarget, add_target_options, find_mesh, load_cli_config, positive_float, positive_int
+from rollmesh.cli.target import (
+    add_target_options,
+    bus_errors_as_cli_errors,
+    find_mesh,
+    load_cli_config,
+    positive_float,
+    positive_int,
+)
 from rollmesh.config import RollmeshConfig
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.messages import RolloutCompleted, RolloutFailed, RolloutRequested, SamplingParams
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_REQUESTED
 from rollmesh.telemetry.conventions import SPAN_SUBMIT, message_attributes
@@ -186,20 +194,21 @@ def _read_file(path: Path) -> ParsedRequests:
     return parse_request_lines(text.splitlines())
 
 
-async def _submit(target: MeshTarget, requests: list[RolloutRequested], tracer: trace.Tracer, *,
+async def _submit(target: MeshAddress, requests: list[RolloutRequested], tracer: trace.Tracer, *,
                   wait: bool, timeout_s: float, bad_lines: int) -> ResultCollector:
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.bus.streams import StreamLimits, ensure_streams
     from rollmesh.bus.watcher import BusWatcher
 
-    nc = await target.connect("rollmesh-submit")
+    with bus_errors_as_cli_errors(target):
+        nc = await target.connect("rollmesh-submit", role="client")
     watcher = BusWatcher(nc, target.namespace, name="rollmesh-submit")
     try:
         js = nc.jetstream()
         # Idempotent: requests are stored even when no mesh has created the streams yet. A
         # secured client may not create streams; its mesh made them before it was ready.
         if not target.secured:
-            await ensure_streams(js, target.namespace, StreamLimits(replicas=target.replicas))
+            await ensure_streams(js, target.namespace, StreamLimits(replicas=target.nats.replicas))
         collector = ResultCollector({r.rollout_id for r in requests})
         if wait:  # subscribe before publishing, so no result can slip past
             for subject in (ROLLOUT_COMPLETED, ROLLOUT_FAILED):

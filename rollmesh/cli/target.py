@@ -4,7 +4,9 @@ Knows the config loader, ``mesh.json`` and argparse; never imports Ray or nats-p
 so finding a mesh stays cheap. A command finds its mesh, in this order: ``--nats-url`` (+
 ``--namespace``), ``--run-dir``, the config's ``nats.url`` (a cluster deployment), the latest run
 under the run root. With security it connects as a NATS role ("client" for submit and watch,
-"mesh" for sched and sandbox).
+"mesh" for sched and sandbox): ``find_mesh`` hands back a ``MeshAddress`` holding that role's
+credentials, and the command connects with ``MeshAddress.connect`` inside
+``bus_errors_as_cli_errors``.
 
 A mesh found through its run directory (``--run-dir`` or the latest run) brings its own access,
 so ``rollmesh submit --run-dir R`` works from any directory without ``--config``:
@@ -29,12 +31,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from rollmesh.bus.errors import BusSecurityError, BusTlsError
-from rollmesh.bus.security import role_seed_path
+from rollmesh.bus.security import BusCredentials, role_seed_path
 from rollmesh.cli.errors import EXIT_USAGE, CliError
 from rollmesh.config import (
     RUN_CONFIG_FILE,
@@ -46,51 +52,28 @@ from rollmesh.config import (
     load_config,
     load_run_config,
 )
-from rollmesh.mesh_info import MeshInfo, MeshNotFoundError, read_mesh_info
+from rollmesh.mesh_address import MeshAddress, MeshNotFoundError, read_mesh_address
 from rollmesh.messages import check_namespace
+from rollmesh.moved_names import forward_moved_names
+
+# Issue 24: one type for where the mesh is.
+__getattr__ = forward_moved_names(__name__, {
+    "MeshTarget": "rollmesh.mesh_address:MeshAddress",
+    "read_cli_mesh_info": "rollmesh.cli.target:read_cli_mesh_address",
+})
 
 
-@dataclass(frozen=True)
-class MeshTarget:
-    nats_url: str
-    namespace: str
-    # The run directory when the mesh was found through mesh.json, else None.
-    run_dir: Path | None = None
-    info: MeshInfo | None = None
-    connect_timeout_s: float = 5.0
-    # JetStream replicas the streams are ensured with: the run's nats.replicas, else the config's.
-    replicas: int = 1
-    # The NATS role to connect as and where its credentials are (None: an open NATS), and TLS.
-    role: str = "client"
-    credentials: NatsCredentialsConfig | None = None
-    nats_tls: NatsTlsConfig = NatsTlsConfig()
-
-    @property
-    def secured(self) -> bool:
-        return self.credentials is not None
-
-    def bus_options(self) -> dict[str, Any]:
-        """``connect_bus`` keyword arguments: the role's credentials and the TLS context."""
-        from rollmesh.bus.security import BusCredentials
-        from rollmesh.bus.tls import client_tls_context
-
-        credentials = (BusCredentials(self.role, self.namespace, self.credentials)
-                       if self.credentials is not None else None)
-        return {"credentials": credentials, "tls": client_tls_context(self.nats_tls)}
-
-    async def connect(self, name: str) -> Any:
-        """``connect_bus`` to the mesh as ``self.role``; a refused TLS handshake or unusable TLS
-        material is one ``CliError`` naming the setting to fix."""
-        from rollmesh.bus.connection import connect_bus
-
-        quiet_asyncio_ssl_warning()
-        try:
-            return await connect_bus(self.nats_url, name=name, connect_timeout_s=self.connect_timeout_s,
-                                     **self.bus_options())
-        except BusTlsError as exc:
-            raise CliError(tls_failure_message(exc, self.nats_tls, self.nats_url)) from exc
-        except BusSecurityError as exc:
-            raise CliError(f"cannot use the NATS credentials or TLS files: {exc}") from exc
+@contextmanager
+def bus_errors_as_cli_errors(mesh: MeshAddress) -> Iterator[None]:
+    """Around ``mesh.connect(...)``: a refused TLS handshake or unusable TLS material or
+    credentials is one ``CliError`` naming the setting to fix."""
+    quiet_asyncio_ssl_warning()
+    try:
+        yield
+    except BusTlsError as exc:
+        raise CliError(tls_failure_message(exc, mesh.nats_tls, mesh.nats_url)) from exc
+    except BusSecurityError as exc:
+        raise CliError(f"cannot use the NATS credentials or TLS files: {exc}") from exc
 
 
 def namespace_arg(text: str) -> str:
@@ -152,17 +135,18 @@ def load_cli_config(args: argparse.Namespace, overrides: dict[str, Any] | None =
         raise CliError(f"bad config: {exc}", exit_code=EXIT_USAGE) from exc
 
 
-def find_mesh(args: argparse.Namespace, config: RollmeshConfig, *, role: str = "client") -> MeshTarget:
-    """The mesh this command talks to and how (the module docstring says in which order)."""
+def find_mesh(args: argparse.Namespace, config: RollmeshConfig, *, role: str = "client") -> MeshAddress:
+    """The mesh this command talks to, and how as ``role`` (the module docstring says in which
+    order)."""
     namespace = getattr(args, "namespace", None)
     nats_url = getattr(args, "nats_url", None) or (config.nats.url if args.run_dir is None else None)
-    timeout_s = config.nats.connect_timeout_s
     if nats_url:
-        return MeshTarget(nats_url, namespace or config.namespace, connect_timeout_s=timeout_s,
-                          replicas=config.nats.replicas, role=role,
-                          credentials=_configured_credentials(config.security, role),
-                          nats_tls=config.security.nats_tls)
-    info = read_cli_mesh_info(args, config)
+        namespace = namespace or config.namespace
+        return MeshAddress(nats_url=nats_url, namespace=namespace, run_dir="", nats=config.nats,
+                           credentials=_role_credentials(role, namespace,
+                                                         _configured_credentials(config.security, role)),
+                           nats_tls=config.security.nats_tls)
+    info = read_cli_mesh_address(args, config)
     run = run_config_of(info)
     credentials = _configured_credentials(config.security, role)
     if credentials is None and run is not None:
@@ -174,13 +158,14 @@ def find_mesh(args: argparse.Namespace, config: RollmeshConfig, *, role: str = "
     nats_tls = config.security.nats_tls
     if run is not None and nats_tls == NatsTlsConfig():  # --config left TLS alone: the mesh's own
         nats_tls = run.security.nats_tls
-    return MeshTarget(info.nats_url, namespace or info.namespace, Path(info.run_dir), info,
-                      connect_timeout_s=timeout_s,
-                      replicas=run.nats.replicas if run is not None else config.nats.replicas,
-                      role=role, credentials=credentials, nats_tls=nats_tls)
+    namespace = namespace or info.namespace
+    # The connect timeout is this command's; the replicas the run's (its streams were made so).
+    nats = config.nats if run is None else msgspec.structs.replace(config.nats, replicas=run.nats.replicas)
+    return replace(info, namespace=namespace, nats=nats, nats_tls=nats_tls,
+                   credentials=_role_credentials(role, namespace, credentials))
 
 
-def run_config_of(info: MeshInfo) -> RollmeshConfig | None:
+def run_config_of(info: MeshAddress) -> RollmeshConfig | None:
     """The config the mesh was started with (its run's ``config.json``); None for a run directory
     without one (a mesh of an older rollmesh)."""
     if not (Path(info.run_dir) / RUN_CONFIG_FILE).is_file():
@@ -191,16 +176,23 @@ def run_config_of(info: MeshInfo) -> RollmeshConfig | None:
         raise CliError(f"the mesh's own config is unreadable: {exc}") from exc
 
 
-def read_cli_mesh_info(args: argparse.Namespace, config: RollmeshConfig) -> MeshInfo:
-    """The mesh of ``--run-dir``, else the latest under the run root; a CliError when none is up."""
+def read_cli_mesh_address(args: argparse.Namespace, config: RollmeshConfig) -> MeshAddress:
+    """The mesh of ``--run-dir``, else the latest under the run root (where it is, as its
+    mesh.json says); a CliError when none is up."""
     try:
-        return read_mesh_info(args.run_dir, run_root=config.run_root)
+        return read_mesh_address(args.run_dir, run_root=config.run_root)
     except MeshNotFoundError as exc:
         raise CliError(str(exc)) from exc
 
 
 def _configured_credentials(security: SecurityConfig, role: str) -> NatsCredentialsConfig | None:
     return security.credentials.get(role) if security.enabled else None
+
+
+def _role_credentials(role: str, namespace: str,
+                      source: NatsCredentialsConfig | None) -> dict[str, BusCredentials]:
+    """``MeshAddress.credentials`` of a command that connects as ``role``: none on an open NATS."""
+    return {role: BusCredentials(role, namespace, source)} if source is not None else {}
 
 
 def tls_failure_message(exc: BusTlsError, tls: NatsTlsConfig, url: str) -> str:

@@ -14,6 +14,7 @@ import asyncio
 import signal
 import sys
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from rollmesh.cli.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliError
 from rollmesh.cli.mesh import mesh_process_alive
 from rollmesh.cli.target import model_dir_arg, namespace_arg
 from rollmesh.config import ConfigError, RollmeshConfig, load_config, load_run_config
-from rollmesh.mesh_info import MeshNotFoundError, new_run_dir, read_mesh_info
+from rollmesh.mesh_address import MeshAddress, MeshNotFoundError, new_run_dir, read_mesh_address
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -50,7 +51,7 @@ def run_train_command(args: argparse.Namespace) -> int:
     check_run_file(config)
     attach = _attach_target(args, config)
     if run_dir is None:
-        run_dir = attach["run_dir"] if attach and attach.get("run_dir") else new_run_dir(config.run_root)
+        run_dir = Path(attach.run_dir) if attach and attach.run_dir else new_run_dir(config.run_root)
     run_dir = Path(run_dir).resolve()
     if args.resume is None:
         _refuse_earlier_job(run_dir)
@@ -117,28 +118,29 @@ def check_run_file(config: RollmeshConfig) -> None:
         raise CliError(f"bad run file: {exc}", exit_code=EXIT_USAGE) from exc
 
 
-def _attach_target(args: argparse.Namespace, config: RollmeshConfig) -> dict[str, Any] | None:
-    """How to reach a running mesh, or None to start one."""
+def _attach_target(args: argparse.Namespace, config: RollmeshConfig) -> MeshAddress | None:
+    """The running mesh to attach to (its NATS and Ray), or None to start one. The job connects
+    to its NATS with the config's TLS and no credentials (an open NATS)."""
     if bool(args.nats_url) != bool(args.ray_address):
         raise CliError("attaching by address needs both --nats-url and --ray-address", exit_code=EXIT_USAGE)
+    access = {"nats_tls": config.security.nats_tls, "nats": config.nats}
     if args.nats_url:
-        return {"nats_url": args.nats_url, "namespace": config.namespace, "ray_address": args.ray_address,
-                "ray_namespace": f"rollmesh-{config.namespace}", "token_file": "", "run_dir": args.run_dir}
+        return MeshAddress(nats_url=args.nats_url, namespace=config.namespace,
+                           run_dir=str(args.run_dir) if args.run_dir else "", ray_address=args.ray_address,
+                           ray_namespace=f"rollmesh-{config.namespace}", **access)
     run_dir = args.resume if args.resume is not None else args.run_dir
     if run_dir is None:
         return None
     try:
-        info = read_mesh_info(run_dir, run_root=config.run_root)
+        found = read_mesh_address(run_dir, run_root=config.run_root)
     except MeshNotFoundError:
         return None  # no mesh running there: the job starts its own in that directory
-    if not mesh_process_alive(info.pid):
+    if not mesh_process_alive(found.pid):
         return None  # the mesh.json of a mesh that was killed: the job starts its mesh again
-    return {"nats_url": info.nats_url, "namespace": info.namespace, "ray_address": info.ray_address,
-            "ray_namespace": info.ray_namespace, "token_file": info.ray_auth_token_file,
-            "run_dir": Path(info.run_dir)}
+    return replace(found, **access)
 
 
-async def run_job(config: RollmeshConfig, run_dir: Path, attach: dict[str, Any] | None) -> dict[str, Any]:
+async def run_job(config: RollmeshConfig, run_dir: Path, attach: MeshAddress | None) -> dict[str, Any]:
     """The job of ``config`` in ``run_dir``: on the mesh ``attach`` names, else one started here."""
     from rollmesh.tracking import TrackerError
     from rollmesh.train.job import TrainJob
@@ -164,7 +166,7 @@ def _cancel_on_signals() -> None:
         loop.add_signal_handler(signum, job.cancel)
 
 
-async def _run_job(job: Any, config: RollmeshConfig, run_dir: Path, attach: dict[str, Any] | None,
+async def _run_job(job: Any, config: RollmeshConfig, run_dir: Path, attach: MeshAddress | None,
                    report: Any) -> dict[str, Any]:
     from rollmesh.train.job import MeshHandle, mesh_config_for
 
@@ -173,34 +175,33 @@ async def _run_job(job: Any, config: RollmeshConfig, run_dir: Path, attach: dict
         with _attached_ray(attach):
             import ray
 
-            trainer = ray.get_actor("trainer", namespace=attach["ray_namespace"])
+            trainer = ray.get_actor("trainer", namespace=attach.ray_namespace)
             _cancel_on_signals()
-            return await job.run(MeshHandle(attach["nats_url"], attach["namespace"], trainer))
+            return await job.run(MeshHandle(attach, trainer))
     from rollmesh.launcher import Mesh
 
     mesh = Mesh(mesh_config_for(config), run_dir=run_dir)
-    info = await mesh.start()  # a start cut short (a signal) stops what came up (Mesh.start)
+    address = await mesh.start()  # a start cut short (a signal) stops what came up (Mesh.start)
     _cancel_on_signals()
-    report(f"mesh up: NATS {info.nats_url}")
+    report(f"mesh up: NATS {address.nats_url}")
     try:
-        return await job.run(MeshHandle(info.nats_url, info.namespace, mesh.trainer,
-                                        credentials=mesh.runtime.bus_credentials.get("mesh"),
+        return await job.run(MeshHandle(address.only("mesh"), mesh.trainer,
                                         restart_trainer=mesh.restart_trainer))
     finally:
         await mesh.stop()
 
 
-def _attached_ray(attach: dict[str, Any]) -> ExitStack:
+def _attached_ray(attach: MeshAddress) -> ExitStack:
     import ray
 
     from rollmesh.local_ray import LocalRayEnvironment
 
     stack = ExitStack()
-    if attach["token_file"]:  # a Ray the mesh started: loopback, its token
-        host = attach["ray_address"].rsplit(":", 1)[0].strip("[]")
-        environment = LocalRayEnvironment(token_file=attach["token_file"], node_ip_address=host)
+    if attach.ray_auth_token_file:  # a Ray the mesh started: loopback, its token
+        host = attach.ray_address.rsplit(":", 1)[0].strip("[]")
+        environment = LocalRayEnvironment(token_file=attach.ray_auth_token_file, node_ip_address=host)
         environment.apply()
         stack.callback(environment.restore)
-    ray.init(address=attach["ray_address"], include_dashboard=False, log_to_driver=False)
+    ray.init(address=attach.ray_address, include_dashboard=False, log_to_driver=False)
     stack.callback(ray.shutdown)
     return stack

@@ -15,7 +15,15 @@ from typing import Any
 
 from rollmesh.cli.errors import EXIT_FAILURE, EXIT_OK
 from rollmesh.cli.events import completed_line, failed_line, progressed_line, stepped_line
-from rollmesh.cli.target import MeshTarget, add_target_options, find_mesh, load_cli_config, positive_float, positive_int
+from rollmesh.cli.target import (
+    add_target_options,
+    bus_errors_as_cli_errors,
+    find_mesh,
+    load_cli_config,
+    positive_float,
+    positive_int,
+)
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.messages import RolloutCompleted, RolloutFailed, RolloutProgressed, Subject, TrainerStepped
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED, ROLLOUT_FAILED, ROLLOUT_PROGRESSED, TRAINER_STEPPED
 
@@ -95,12 +103,13 @@ def run_watch(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _watch(target: MeshTarget, tally: WatchTally, *, count: int | None, timeout_s: float | None,
+async def _watch(target: MeshAddress, tally: WatchTally, *, count: int | None, timeout_s: float | None,
                  terminal: bool) -> bool:
     """Follow events until ``count`` finished (True) or ``timeout_s`` passed (False when counting)."""
     from rollmesh.bus.watcher import BusWatcher
 
-    nc = await target.connect("rollmesh-watch")
+    with bus_errors_as_cli_errors(target):
+        nc = await target.connect("rollmesh-watch", role="client")
     watcher = BusWatcher(nc, target.namespace, name="rollmesh-watch")
     finished = asyncio.Event()
     view = _TerminalView(count) if terminal else None

@@ -7,11 +7,15 @@ waterfall of a rollout's trace from the run's ``traces.jsonl``). Nothing here ne
 """
 
 from rollmesh.dashboard.errors import DashboardError, DashboardOffError, InvalidTraceIdError
-from rollmesh.dashboard.feed import DashboardFeed, DashboardSource, WorkerHandle
+from rollmesh.dashboard.feed import DashboardFeed, WorkerHandle
 from rollmesh.dashboard.routes import DASHBOARD_PATH, DashboardRoutes, is_dashboard_request
 from rollmesh.dashboard.state import DashboardState, trace_link
 from rollmesh.dashboard.traces import TraceView, read_trace
 from rollmesh.dashboard.views import DashboardSnapshot
+from rollmesh.moved_names import forward_moved_names
+
+# Issue 24: one type for where the mesh is (the dashboard's settings are handed beside it).
+__getattr__ = forward_moved_names(__name__, {"DashboardSource": "rollmesh.mesh_address:MeshAddress"})
 
 __all__ = [
     "DASHBOARD_PATH",
@@ -20,7 +24,6 @@ __all__ = [
     "DashboardOffError",
     "DashboardRoutes",
     "DashboardSnapshot",
-    "DashboardSource",
     "DashboardState",
     "InvalidTraceIdError",
     "TraceView",

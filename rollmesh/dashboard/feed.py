@@ -12,17 +12,19 @@ replicas each follows the bus itself, so any replica answers the page.
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import structlog
 
 from rollmesh.bus.task_set import TaskSet
-from rollmesh.config import DashboardConfig, NatsTlsConfig
+from rollmesh.config import DashboardConfig
 from rollmesh.dashboard.state import DashboardState
 from rollmesh.dashboard.views import SandboxPoolView
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.messages import SchedulerStatusRequest, Subject
 from rollmesh.messages.subjects import (
     ROLLOUT_COMPLETED,
@@ -35,10 +37,7 @@ from rollmesh.messages.subjects import (
     WEIGHTS_ACTIVATED,
     WEIGHTS_PUBLISHED,
 )
-from rollmesh.telemetry.redaction import redact_url
-
-if TYPE_CHECKING:
-    from rollmesh.bus.security import BusCredentials
+from rollmesh.moved_names import forward_moved_names
 
 _log = structlog.get_logger("rollmesh.dashboard")
 
@@ -49,44 +48,21 @@ FOLLOWED: tuple[Subject, ...] = (
 SANDBOX_BROKER = "sandbox-broker"
 # One poll's answers must come within this; a busy mesh answers on the next poll instead.
 POLL_TIMEOUT_S = 5.0
+# The mesh may still be starting when the Serve replica does: its first connect is tried again.
 RECONNECT_DELAY_S = 2.0
 
-
-@dataclass(frozen=True)
-class DashboardSource:
-    """Where the Serve app's replica finds its mesh, handed to it by the mesh that deploys it:
-    its dashboard follows the mesh from here (with ``config.enabled``), and so does its router's
-    follower of decode loans (``serve_apps.decode_loan_follower``)."""
-
-    nats_url: str
-    namespace: str
-    run_dir: str
-    ray_namespace: str = ""
-    config: DashboardConfig = DashboardConfig()
-    connect_timeout_s: float = 5.0
-    # security.enabled: the "dashboard" role's credentials (paths and variable names, no secret)
-    # and the bus's TLS; it may only watch its subjects (decode loans among them) and ask the
-    # scheduler's status.
-    credentials: BusCredentials | None = None
-    nats_tls: NatsTlsConfig = NatsTlsConfig()
+# Issue 24: one type for where the mesh is; the dashboard's own settings are handed beside it.
+__getattr__ = forward_moved_names(__name__, {"DashboardSource": "rollmesh.mesh_address:MeshAddress"})
 
 
-async def connect_to_mesh(source: DashboardSource, *, name: str,
+async def connect_to_mesh(source: MeshAddress, *, name: str,
                           on_unreachable: Callable[[Exception], None] = lambda exc: None) -> Any:
-    """A NATS connection to ``source``'s bus, retried every ``RECONNECT_DELAY_S`` until one is
-    made: the mesh may still be starting when the Serve replica does."""
-    from rollmesh.bus.connection import connect_bus
-    from rollmesh.bus.errors import BusConnectError, BusSecurityError
-    from rollmesh.bus.tls import client_tls_context
-
-    while True:
-        try:
-            return await connect_bus(source.nats_url, name=name, connect_timeout_s=source.connect_timeout_s,
-                                     credentials=source.credentials, tls=client_tls_context(source.nats_tls))
-        except (BusConnectError, BusSecurityError) as exc:
-            on_unreachable(exc)
-            _log.warning("mesh_bus_unreachable", client=name, url=redact_url(source.nats_url))
-            await asyncio.sleep(RECONNECT_DELAY_S)
+    """Deprecated (removed in the next release): ``source.connect(name, role="dashboard",
+    retry_every_s=RECONNECT_DELAY_S, on_unreachable=...)``."""
+    warnings.warn("rollmesh.dashboard.feed.connect_to_mesh is deprecated: use MeshAddress.connect "
+                  "(rollmesh.mesh_address) with retry_every_s", DeprecationWarning, stacklevel=2)
+    return await source.connect(name, role="dashboard", retry_every_s=RECONNECT_DELAY_S,
+                                on_unreachable=on_unreachable)
 
 
 @dataclass(frozen=True)
@@ -99,10 +75,13 @@ class WorkerHandle:
 
 
 class DashboardFeed:
-    def __init__(self, source: DashboardSource, state: DashboardState, *,
+    def __init__(self, mesh: MeshAddress, state: DashboardState, *, config: DashboardConfig = DashboardConfig(),
                  workers: Sequence[WorkerHandle] = (),
                  find_actor: Callable[[str, str], Any] | None = None) -> None:
-        self.source = source
+        # The mesh the Serve app's replica follows, as the watch-only "dashboard" role (it may
+        # watch its subjects, decode loans among them, and ask the scheduler's status).
+        self.mesh = mesh
+        self.config = config
         self.state = state
         self.workers = list(workers)
         # (name, ray namespace) -> actor handle; raises when there is none (ray.get_actor).
@@ -128,8 +107,9 @@ class DashboardFeed:
         def unreachable(exc: Exception) -> None:
             self.state.feed = f"error: {exc}"  # the page shows why it has no data
 
-        self._nc = await connect_to_mesh(self.source, name="rollmesh-dashboard", on_unreachable=unreachable)
-        self._watcher = BusWatcher(self._nc, self.source.namespace, name="rollmesh-dashboard",
+        self._nc = await self.mesh.connect("rollmesh-dashboard", role="dashboard", retry_every_s=RECONNECT_DELAY_S,
+                                           on_unreachable=unreachable)
+        self._watcher = BusWatcher(self._nc, self.mesh.namespace, name="rollmesh-dashboard",
                                    on_dead_lettered=self.state.record_malformed)
         for subject in FOLLOWED:
             await self._watcher.watch(subject, self.state.record)
@@ -137,12 +117,12 @@ class DashboardFeed:
         while True:
             await asyncio.gather(self._poll_scheduler(), self._poll_sandbox_pool(),
                                  self._poll_weights())
-            await asyncio.sleep(self.source.config.poll_s)
+            await asyncio.sleep(self.config.poll_s)
 
     async def _poll_scheduler(self) -> None:
         try:
             reply = await self._nc.request(
-                SCHED_STATUS.format(self.source.namespace),
+                SCHED_STATUS.format(self.mesh.namespace),
                 SCHED_STATUS.encode(SchedulerStatusRequest()), timeout=POLL_TIMEOUT_S)
             self.state.record(SCHED_STATUS.decode_reply(reply.data))
         except Exception as exc:  # no scheduler (rollmesh serve), a timeout, a bad reply
@@ -152,7 +132,7 @@ class DashboardFeed:
         if self.find_actor is None:
             return
         try:
-            broker = self.find_actor(SANDBOX_BROKER, self.source.ray_namespace)
+            broker = self.find_actor(SANDBOX_BROKER, self.mesh.ray_namespace)
             stats = await asyncio.wait_for(broker.stats.remote(), timeout=POLL_TIMEOUT_S)
             self.state.record_sandbox_pool(msgspec.convert(stats.get("logic", {}), SandboxPoolView,
                                                            strict=False))

@@ -18,9 +18,11 @@ import msgspec
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from rollmesh.dashboard.errors import DashboardError, DashboardOffError
-from rollmesh.dashboard.feed import DashboardFeed, DashboardSource, WorkerHandle
+from rollmesh.config import DashboardConfig
+from rollmesh.dashboard.feed import DashboardFeed, WorkerHandle
 from rollmesh.dashboard.state import DashboardState
 from rollmesh.dashboard.traces import check_trace_id, read_trace
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.telemetry.tracing import TRACES_FILE
 
 DASHBOARD_PATH = "/dashboard"
@@ -39,25 +41,27 @@ def static_page(name: str) -> str:
 
 
 class DashboardRoutes:
-    """One replica's dashboard: off (every route answers 404) without a source."""
+    """One replica's dashboard: off (every route answers 404) without a mesh to follow."""
 
-    def __init__(self, source: DashboardSource | None, feed: DashboardFeed | None,
+    def __init__(self, mesh: MeshAddress | None, feed: DashboardFeed | None,
                  state: DashboardState | None) -> None:
-        self.source = source
+        self.mesh = mesh
         self.feed = feed
         self.state = state
         self._encoder = msgspec.json.Encoder()
 
     @classmethod
-    def start(cls, source: DashboardSource | None, workers: Sequence[WorkerHandle] = (),
+    def start(cls, mesh: MeshAddress | None, config: DashboardConfig = DashboardConfig(),
+              workers: Sequence[WorkerHandle] = (),
               find_actor: Callable[[str, str], Any] | None = None) -> DashboardRoutes:
-        """Start following the mesh (from a running event loop) when there is one to follow."""
-        if source is None or not source.config.enabled:
-            return cls(source, None, None)
-        state = DashboardState(source.config, namespace=source.namespace)
-        feed = DashboardFeed(source, state, workers=workers, find_actor=find_actor)
+        """Start following ``mesh`` (from a running event loop) when there is one to follow and
+        ``config.enabled``."""
+        if mesh is None or not config.enabled:
+            return cls(mesh, None, None)
+        state = DashboardState(config, namespace=mesh.namespace)
+        feed = DashboardFeed(mesh, state, config=config, workers=workers, find_actor=find_actor)
         feed.start()
-        return cls(source, feed, state)
+        return cls(mesh, feed, state)
 
     def page(self) -> Response:
         return self._answer(lambda: HTMLResponse(static_page("dashboard.html"), headers=NO_STORE))
@@ -81,8 +85,8 @@ class DashboardRoutes:
         try:
             self._check_on()
             check_trace_id(trace_id)
-            assert self.source is not None
-            path = Path(self.source.run_dir) / TRACES_FILE
+            assert self.mesh is not None
+            path = Path(self.mesh.run_dir) / TRACES_FILE
             # A file read, off the event loop the replica serves every request from.
             view = await asyncio.to_thread(read_trace, path, trace_id)
         except DashboardError as exc:
@@ -97,7 +101,7 @@ class DashboardRoutes:
             return error_response(exc)
 
     def _check_on(self) -> None:
-        if self.source is None:
+        if self.mesh is None:
             raise DashboardOffError("this Serve app was deployed without a mesh to follow "
                                     "(rollmesh up deploys it with one)")
         if self.state is None:

@@ -19,7 +19,8 @@ import structlog
 
 from rollmesh.inference.decode_loans import DecodeLoanRoster
 from rollmesh.bus.task_set import TaskSet
-from rollmesh.dashboard.feed import POLL_TIMEOUT_S, DashboardSource, connect_to_mesh
+from rollmesh.dashboard.feed import POLL_TIMEOUT_S, RECONNECT_DELAY_S
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.messages import SchedulerStatus, SchedulerStatusRequest
 from rollmesh.messages.subjects import GPU_GRANTED, GPU_RELEASED, SCHED_STATUS, SCHED_UTILIZATION
 
@@ -27,8 +28,8 @@ _log = structlog.get_logger("rollmesh.serve")
 
 
 class DecodeLoanFollower:
-    def __init__(self, source: DashboardSource, roster: DecodeLoanRoster) -> None:
-        self.source = source
+    def __init__(self, mesh: MeshAddress, roster: DecodeLoanRoster) -> None:
+        self.mesh = mesh  # connected to as the watch-only "dashboard" role
         self.roster = roster
         self._tasks = TaskSet("decode-loans")
         self._nc: Any = None
@@ -48,8 +49,8 @@ class DecodeLoanFollower:
     async def _run(self) -> None:
         from rollmesh.bus.watcher import BusWatcher
 
-        self._nc = await connect_to_mesh(self.source, name="rollmesh-serve-loans")
-        self._watcher = BusWatcher(self._nc, self.source.namespace, name="rollmesh-serve-loans")
+        self._nc = await self.mesh.connect("rollmesh-serve-loans", role="dashboard", retry_every_s=RECONNECT_DELAY_S)
+        self._watcher = BusWatcher(self._nc, self.mesh.namespace, name="rollmesh-serve-loans")
         await self._watcher.watch(GPU_GRANTED, self.roster.granted)
         await self._watcher.watch(GPU_RELEASED, self.roster.released)
         await self._watcher.watch(SCHED_UTILIZATION, self._on_status)
@@ -60,7 +61,7 @@ class DecodeLoanFollower:
 
     async def _reconcile_at_start(self) -> None:
         try:
-            reply = await self._nc.request(SCHED_STATUS.format(self.source.namespace),
+            reply = await self._nc.request(SCHED_STATUS.format(self.mesh.namespace),
                                            SCHED_STATUS.encode(SchedulerStatusRequest()), timeout=POLL_TIMEOUT_S)
             status = SCHED_STATUS.decode_reply(reply.data)
         except Exception as exc:  # no scheduler (rollmesh serve), a timeout, a bad reply

@@ -49,10 +49,11 @@ from ray.serve.exceptions import RayServeException
 from rollmesh.inference.decode_loans import DecodeLoanRoster
 from rollmesh.inference.router import InferenceRouter
 from rollmesh.chat import ChatModel
-from rollmesh.config import ModelConfig, ServeConfig, TelemetryConfig
-from rollmesh.dashboard.feed import DashboardSource, WorkerHandle
+from rollmesh.config import DashboardConfig, ModelConfig, ServeConfig, TelemetryConfig
+from rollmesh.dashboard.feed import WorkerHandle
 from rollmesh.dashboard.routes import DashboardRoutes, is_dashboard_request
 from rollmesh.engine.paged_model import describe_served_model
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.serve_apps.admin_routes import (
     answer_flush_cache,
     answer_update_weights,
@@ -164,7 +165,8 @@ class InferenceServer:
         api_key: str = "",
         telemetry: TelemetryConfig | None = None,
         run_dir: str = "",
-        dashboard: DashboardSource | None = None,
+        follow: MeshAddress | None = None,
+        dashboard: DashboardConfig | None = None,
         sessions: ServeConfig | None = None,
     ) -> None:
         keep_replica_grpc_on_loopback()  # Serve binds that server once this constructor returns
@@ -195,12 +197,12 @@ class InferenceServer:
         # The constructor runs on the replica's event loop, where the dashboard's feed and the
         # follower of decode loans then live.
         self.dashboard = DashboardRoutes.start(
-            dashboard, [WorkerHandle(w.name, w.role, w.actor) for w in self.workers],
+            follow, dashboard or DashboardConfig(), [WorkerHandle(w.name, w.role, w.actor) for w in self.workers],
             find_actor=find_named_actor)
         self.decode_loans = None
-        if dashboard is not None:
+        if follow is not None:
             roster = DecodeLoanRoster(self.router, lambda name: find_named_actor(name, ray_namespace))
-            self.decode_loans = DecodeLoanFollower(dashboard, roster)
+            self.decode_loans = DecodeLoanFollower(follow, roster)
             self.decode_loans.start()
 
     # A body that fails validation is answered 400 before the key is checked (FastAPI validates
@@ -334,7 +336,8 @@ def build_inference_app(
     api_key: str = "",
     telemetry: TelemetryConfig | None = None,
     run_dir: str = "",
-    dashboard: DashboardSource | None = None,
+    follow: MeshAddress | None = None,
+    dashboard: DashboardConfig | None = None,
     sessions: ServeConfig | None = None,
 ) -> Application:
     """The bound application; deploy it with ``deploy_inference_app``. ``model``: the model the
@@ -346,9 +349,10 @@ def build_inference_app(
     ``api_key`` is required as ``Authorization: Bearer`` on every endpoint but ``/health``.
     ``telemetry`` and ``run_dir`` set up the replica's tracing (``traces.jsonl`` in ``run_dir``
     by default); without ``run_dir`` only the OTEL_* variables turn an exporter on.
-    ``dashboard``: the mesh the replica follows: ``/dashboard`` shows it (with
-    ``dashboard.enabled``; otherwise, or with None, those routes answer 404), and the router also
-    sends requests to the decode workers its GPU scheduler lends idle accelerators to.
+    ``follow``: the mesh the replica follows, as the watch-only "dashboard" role: ``/dashboard``
+    shows it (with ``dashboard.enabled``, the ``DashboardConfig``; otherwise, or with None, those
+    routes answer 404), and the router also sends requests to the decode workers its GPU
+    scheduler lends idle accelerators to.
     ``sessions``: its ``session_ttl_s`` and ``max_sessions`` bound the chat sessions (None: the
     defaults); ``shutdown_inference_app`` stops their store."""
     # Read here as well as in each replica: a directory that is no model fails the deploy at once
@@ -366,6 +370,7 @@ def build_inference_app(
         api_key=api_key,
         telemetry=telemetry,
         run_dir=str(run_dir),
+        follow=follow,
         dashboard=dashboard,
         sessions=sessions,
     )

@@ -23,13 +23,11 @@ from typing import Any
 import msgspec
 import structlog
 
-from rollmesh.bus.connection import connect_bus
 from rollmesh.bus.publisher import BusPublisher
-from rollmesh.bus.security import BusCredentials
-from rollmesh.bus.tls import client_tls_context
 from rollmesh.bus.watcher import BusWatcher
 from rollmesh.config import RollmeshConfig, TrainerConfig
 from rollmesh.demo.curve import RewardCurve, window_mean
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.messages import CheckpointConverted
 from rollmesh.messages.subjects import CHECKPOINT_CONVERTED
 from rollmesh.run_config import stage_names, stage_trainer_config
@@ -76,13 +74,12 @@ def check_trainer_settings(stage: str, running: dict[str, Any], wanted: TrainerC
 
 @dataclass
 class MeshHandle:
-    """What a job needs of a mesh: its bus, its namespace and its trainer actor; and, for a mesh
-    the job started, how to restart the trainer with a stage's settings (None when attached)."""
+    """What a job needs of a mesh: its address (the job connects as the "mesh" role) and its
+    trainer actor; and, for a mesh the job started, how to restart the trainer with a stage's
+    settings (None when attached)."""
 
-    nats_url: str
-    namespace: str
+    address: MeshAddress
     trainer: Any
-    credentials: BusCredentials | None = None
     restart_trainer: Callable[[TrainerConfig], Awaitable[Any]] | None = None
 
     async def trainer_for(self, stage: str, wanted: TrainerConfig) -> Any:
@@ -124,21 +121,20 @@ class TrainJob:
     async def run(self, mesh: MeshHandle) -> dict[str, Any]:
         self._started = time.monotonic()
         save_job_config(self.run_dir, self.config)
-        nc = await connect_bus(mesh.nats_url, name="rollmesh-train", connect_timeout_s=10,
-                               credentials=mesh.credentials,
-                               tls=client_tls_context(self.config.security.nats_tls))
+        nc = await mesh.address.connect("rollmesh-train", role="mesh")
+        namespace = mesh.address.namespace
         events, converted = JobEvents(), asyncio.Queue[CheckpointConverted]()
-        watcher = BusWatcher(nc, mesh.namespace, name="rollmesh-train")
+        watcher = BusWatcher(nc, namespace, name="rollmesh-train")
         await events.watch(watcher)
         await watcher.watch(CHECKPOINT_CONVERTED, converted.put_nowait)
         trackers = self.open_trackers()
         try:
-            publisher = BusPublisher(nc, nc.jetstream(), mesh.namespace)
+            publisher = BusPublisher(nc, nc.jetstream(), namespace)
             self.evals = EvalSchedule(
                 self.config.eval, run_dir=self.run_dir, trackers=trackers, report=self.report,
                 make=lambda config, name: Evaluation(
                     config, name=name, run_name=self.run_name, run_dir=self.run_dir, publisher=publisher, nc=nc,
-                    namespace=mesh.namespace, on_bad_row=lambda error: self.report(f"skipped bad row: {error}")))
+                    namespace=namespace, on_bad_row=lambda error: self.report(f"skipped bad row: {error}")))
             cursor = read_cursor(self.run_dir) or FeederCursor()
             if mesh.restart_trainer is None:
                 # Attached: the trainer cannot be restarted, so every stage still to run must fit

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ray
 
-from rollmesh.actors.role_base import MeshContext
+from rollmesh.mesh_address import MeshAddress
 from rollmesh.config import load_config
 from rollmesh.mesh_runtime import MeshRuntime
 from rollmesh.sandbox_brokers import spawn_sandbox_brokers
@@ -37,7 +37,7 @@ async def main(ray_address: str, nats_url: str, namespace: str, run_dir: str) ->
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     runtime = MeshRuntime(config, run_dir=Path(run_dir), ray_namespace=f"rollmesh-{namespace}")
     runtime.start_ray()
-    mesh = MeshContext(namespace=namespace, nats_url=nats_url, run_dir=run_dir,
+    mesh = MeshAddress(namespace=namespace, nats_url=nats_url, run_dir=run_dir,
                        telemetry=config.telemetry, nats=config.nats)
     try:
         slots = await spawn_sandbox_brokers(runtime.spawn, mesh, config.sandbox, SANDBOX_RESOURCES,
