@@ -72,6 +72,10 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
     ("rollmesh.sandbox.errors", "CapacityError", "rollmesh.sandbox.errors:SandboxCapacityError"),
     ("rollmesh.actors.rollout_worker", "ElasticDecodeFollower",
      "rollmesh.rollout.decode_loan_follower:RolloutDecodeLoanFollower"),
+    # Out of the torch module, so that the rollout workers and the Serve app read a config.json
+    # without importing torch.
+    ("rollmesh.engine.paged_model", "describe_served_model", "rollmesh.engine.served_model"),
+    ("rollmesh.engine.paged_model", "ServedModelFacts", "rollmesh.engine.served_model"),
 ]
 
 
