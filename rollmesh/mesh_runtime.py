@@ -135,11 +135,18 @@ class MeshRuntime:
     async def spawn(self, name: str, cls: type, *args: Any, options: dict[str, Any] | None = None) -> Any:
         """``cls(name, *args)`` as a named actor, started; recorded first so a failed start is
         still stopped."""
+        actor = self.create(name, cls, *args, options=options)
+        await actor.start.remote()
+        return actor
+
+    def create(self, name: str, cls: type, *args: Any, options: dict[str, Any] | None = None) -> Any:
+        """``cls(name, *args)`` as a named actor, not yet started (its ``start`` is the caller's to
+        await): Ray starts its process and runs the constructor in the background. Recorded at
+        once, so a failed start of this or any other actor still stops it."""
         actor = ray.remote(cls).options(
             name=name, namespace=self.ray_namespace, **ACTOR_OPTIONS, **(options or {})
         ).remote(name, *args)
         self.actors[name] = actor
-        await actor.start.remote()
         return actor
 
     def deploy_serve(self, *, prefill_names: list[str], decode_names: list[str], host: str, port: int,

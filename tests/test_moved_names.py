@@ -87,6 +87,10 @@ MOVED = [  # (old module, name, new module, or "new module:new name" where it wa
     ("rollmesh.mesh_info", "new_run_dir", "rollmesh.mesh_address"),
     ("rollmesh.mesh_info", "latest_run_dir", "rollmesh.mesh_address"),
     ("rollmesh.sandbox_brokers", "broker_context", "rollmesh.sandbox_brokers:broker_address"),
+    # Out of the torch module, so that the rollout workers and the Serve app read a config.json
+    # without importing torch.
+    ("rollmesh.engine.paged_model", "describe_served_model", "rollmesh.engine.served_model"),
+    ("rollmesh.engine.paged_model", "ServedModelFacts", "rollmesh.engine.served_model"),
 ]
 
 

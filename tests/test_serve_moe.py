@@ -33,7 +33,7 @@ from rollmesh.bus.embedded_server import EmbeddedNatsServer
 from rollmesh.chat import ChatModel
 from rollmesh.config import InferenceConfig, ModelConfig
 from rollmesh.engine.models import load_hf_model
-from rollmesh.engine.paged_model import describe_served_model
+from rollmesh.engine.served_model import describe_served_model
 from rollmesh.engine.weights import save_weights
 from rollmesh.serve_apps import build_inference_app, deploy_inference_app, shutdown_inference_app
 

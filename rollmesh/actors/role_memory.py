@@ -16,11 +16,13 @@ import asyncio
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollmesh.config import InferenceConfig
 from rollmesh.engine.errors import MemoryReleasedError
-from rollmesh.engine.memory_release import MemoryMoveStats
+
+if TYPE_CHECKING:  # an annotation only: memory_release imports torch, which the GPU scheduler never needs
+    from rollmesh.engine.memory_release import MemoryMoveStats
 
 
 def lent_memory(stats: MemoryMoveStats) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from rollmesh.actors.role_base import RoleActor
 from rollmesh.bus.tls import client_tls_context
-from rollmesh.engine.paged_model import describe_served_model
+from rollmesh.engine.served_model import describe_served_model
 from rollmesh.inference.router import InferenceRouter
 from rollmesh.chat import ChatModel
 from rollmesh.config import ModelConfig, RolloutConfig

@@ -7,8 +7,6 @@ and hot-swapped by the same engine code: the HF Llama/Qwen2/Qwen3-MoE/Mixtral ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -16,6 +14,7 @@ from torch import nn
 
 from rollmesh.engine.kv_pages import KvLayout, PagedAttention
 from rollmesh.engine.protocols import Detokenizer
+from rollmesh.moved_names import forward_moved_names
 
 
 class PagedCausalModel(Protocol):
@@ -55,19 +54,6 @@ def load_tokenizer(config) -> Detokenizer:
     return ModelDirectory.load(config.path)
 
 
-@dataclass(frozen=True, slots=True)
-class ServedModelFacts:
-    """What the HTTP API needs to know of the configured model, read without building it."""
-
-    name: str  # the model directory's name
-    max_seq_len: int
-    vocab_size: int
-    routes_experts: bool  # a mixture of experts, with routed experts to report
-
-
-def describe_served_model(config) -> ServedModelFacts:
-    from rollmesh.engine.models import read_hf_config
-
-    hf = read_hf_config(config.path)  # config.json only, read once
-    return ServedModelFacts(name=Path(config.path).resolve().name, max_seq_len=hf.max_position_embeddings,
-                            vocab_size=hf.vocab_size, routes_experts=hf.moe is not None)
+# Deprecated: moved to rollmesh.engine.served_model (it needs no torch; this module does).
+__getattr__ = forward_moved_names(__name__, {"ServedModelFacts": "rollmesh.engine.served_model",
+                                             "describe_served_model": "rollmesh.engine.served_model"})

@@ -58,7 +58,7 @@ from rollmesh.ports import (
 from rollmesh.chat import ChatError, ChatModel
 from rollmesh.chat.token_check import special_token_ids
 from rollmesh.config import ModelConfig, RolloutConfig
-from rollmesh.engine.paged_model import describe_served_model
+from rollmesh.engine.served_model import describe_served_model
 from rollmesh.engine.protocols import InferenceEngine
 from rollmesh.messages import (
     INFRA_FAILURE_KINDS,

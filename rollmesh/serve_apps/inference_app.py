@@ -52,7 +52,7 @@ from rollmesh.chat import ChatModel
 from rollmesh.config import DashboardConfig, ModelConfig, ServeConfig, TelemetryConfig
 from rollmesh.dashboard.feed import WorkerHandle
 from rollmesh.dashboard.routes import DashboardRoutes, is_dashboard_request
-from rollmesh.engine.paged_model import describe_served_model
+from rollmesh.engine.served_model import describe_served_model
 from rollmesh.mesh_address import MeshAddress
 from rollmesh.serve_apps.admin_routes import (
     answer_flush_cache,
