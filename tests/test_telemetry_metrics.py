@@ -98,10 +98,9 @@ async def until(check, what: str, timeout_s: float = WAIT_S):
         raise AssertionError(f"timed out waiting for {what}") from None
 
 
-async def run_a_little_work(mesh) -> dict[str, str]:
-    """A trainer step's group, a typed failure and one sandbox exec; returns when all ended, with
-    each rollout's end (a sampled rollout of the random test model may itself fail, e.g. as
-    ``tokenization_error``)."""
+async def run_a_little_work(mesh) -> None:
+    """A trainer step's group, a typed failure and one sandbox exec; returns when all ended (a
+    sampled rollout of the random test model may itself fail, e.g. as ``tokenization_error``)."""
     nc = await nats.connect(mesh.info.nats_url)
     try:
         prefix = "metrics-" + uuid.uuid4().hex[:6]
@@ -142,7 +141,6 @@ async def run_a_little_work(mesh) -> dict[str, str]:
         await asyncio.wait_for(all_ended.wait(), WAIT_S)
         assert ended[failing] == "rollout.failed", ended
         await asyncio.wait_for(stepped.wait(), WAIT_S)
-        return ended
     finally:
         await nc.close()
 
@@ -154,7 +152,7 @@ async def test_mesh_metrics_exist_move_and_reach_tensorboard(mesh) -> None:
     before = await until(lambda: (f := scrape(url)) and catalog.METRICS_SOURCES.name in f and f,
                          "the first snapshots")
 
-    ended = await run_a_little_work(mesh)
+    await run_a_little_work(mesh)
 
     def all_moved():
         after = scrape(url)
@@ -190,14 +188,17 @@ async def test_mesh_metrics_exist_move_and_reach_tensorboard(mesh) -> None:
             assert not any("metrics-" in value for value in sample.labels.values()), sample
 
     tensorboard = Path(mesh.info.run_dir) / "tensorboard"
-    # The hub's counters as TensorBoard scalars: every rollout of the work that completed, and the
-    # typed failure under its kind (TensorBoard writes the label "kind=unknown_task" as below).
-    completed_tag = f"{catalog.ROLLOUTS_COMPLETED.name}/total"
-    failed_tag = f"{catalog.ROLLOUTS_FAILED.name}/kind_unknown_task/total"
-    completed = sum(end == "rollout.completed" for end in ended.values())
-    scalars = await until(
-        lambda: ((s := tensorboard_scalars(tensorboard)).get(completed_tag, 0) >= completed
-                 and s.get(failed_tag, 0) >= 1 and s),
-        "TensorBoard scalars of the ended rollouts")
-    assert f"{catalog.TRAINER_STEP_DURATION.name}/count" in scalars
+    # The hub's counters and histograms reach TensorBoard: some write holds at least the scrape's
+    # totals of completed rollouts and of trainer steps (both moved in the work; the mesh is
+    # shared, so other tests' rollouts count too).
+    reached = {
+        f"{catalog.ROLLOUTS_COMPLETED.name}/total": moved_amount(after, catalog.ROLLOUTS_COMPLETED),
+        f"{catalog.TRAINER_STEP_DURATION.name}/count": moved_amount(after, catalog.TRAINER_STEP_DURATION),
+    }
+
+    def tensorboard_reached():
+        scalars = tensorboard_scalars(tensorboard)
+        return all(scalars.get(tag, 0) >= total for tag, total in reached.items()) and scalars
+
+    scalars = await until(tensorboard_reached, f"TensorBoard scalars reaching {reached}")
     assert any(tag.startswith(catalog.GENERATED_TOKENS.name) for tag in scalars)
