@@ -117,7 +117,7 @@ class Mesh:
                            options=self._placed("resharder"))
         rollout_workers = [create(f"rollout-worker-{index}", RolloutWorkerActor, mesh.only("rollout_worker"),
                                   config.rollout, config.model, self.prefill_workers, self.decode_workers,
-                                  options=self._placed("rollout"))
+                                  config.sandbox, options=self._placed("rollout"))
                            for index in range(config.rollout.num_workers)]
         for actor in [*self.prefill_workers, *self.decode_workers, self.trainer, resharder, *rollout_workers]:
             await actor.start.remote()

@@ -88,6 +88,20 @@ async def test_files_above_the_threshold_go_over_the_stream_verified_and_small_o
     assert broker.counts["bulk_uploads"] == 2
 
 
+async def test_a_client_from_the_deployments_config_takes_its_bulk_threshold(broker):
+    # The rollout workers and `rollmesh sandbox` build their clients so: a file of 100 KiB goes
+    # over NATS under a 1 MiB threshold and over the stream under the 64 KiB default.
+    data = os.urandom(100 * 1024)
+    raised = SandboxBrokerClient.from_config(InProcessRequester(broker), SandboxConfig(bulk_threshold_bytes=MIB))
+    lease = (await raised.lease("bulk-config")).lease_id
+    await raised.upload(lease, "over-nats.bin", data)
+    assert broker.counts["bulk_uploads"] == 0 and broker.counts["uploads"] == 1
+    default = SandboxBrokerClient.from_config(InProcessRequester(broker), SandboxConfig())
+    await default.upload(lease, "over-the-stream.bin", data)
+    assert broker.counts["bulk_uploads"] == 1 and broker.counts["uploads"] == 2
+    assert await default.download(lease, "over-nats.bin") == data
+
+
 class CountingRequester(InProcessRequester):
     """Counts the bulk tickets asked for."""
 

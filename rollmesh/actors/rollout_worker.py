@@ -24,6 +24,7 @@ from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.rollout import agent_loop, decode_loan_follower
 from rollmesh.rollout.tasks import TaskRegistry
 from rollmesh.sandbox.broker_client import SandboxBrokerClient
+from rollmesh.sandbox_config import SandboxConfig
 
 # Deprecated: the logic (merged with the rollout package's RolloutRunner) and the loan follower
 # moved into the rollout package (used here through their modules, so these names warn).
@@ -48,9 +49,11 @@ class RolloutWorkerActor(RoleActor):
     drain_timeout_s = 0.5
 
     def __init__(self, name: str, mesh: MeshAddress, config: RolloutConfig, model_config: ModelConfig,
-                 prefill_workers: list[Any], decode_workers: list[Any]) -> None:
+                 prefill_workers: list[Any], decode_workers: list[Any],
+                 sandbox: SandboxConfig = SandboxConfig()) -> None:
         super().__init__(name, mesh)
         self.config = config
+        self.sandbox_config = sandbox
         self.model_config = model_config
         self.router = InferenceRouter(prefill_workers, decode_workers,
                                       model_name=describe_served_model(model_config).name)
@@ -66,7 +69,8 @@ class RolloutWorkerActor(RoleActor):
             engine=self.router, publisher=publisher, worker=self.name,
             # One lease per rollout (token: the rollout id), heartbeated while it runs.
             # Files above the bulk threshold go over the broker's bulk stream, TLS as NATS is.
-            sandbox=SandboxBrokerClient(publisher, bulk_tls=client_tls_context(self.mesh.nats_tls)),
+            sandbox=SandboxBrokerClient.from_config(publisher, self.sandbox_config,
+                                                    bulk_tls=client_tls_context(self.mesh.nats_tls)),
             # Saved after every turn, so whoever takes over a dead worker's rollout resumes it.
             states=stores.rollout_states(),
             # MoE models: each turn's routed-expert rows, kept for routing replay in training.

@@ -264,7 +264,7 @@ async def _run(args: argparse.Namespace, config: RollmeshConfig, cmd: list[str],
             raise
         mesh = None
     try:
-        async with (_mesh_client(mesh, printer) if mesh else _in_process_client(config, printer)) as client:
+        async with (_mesh_client(mesh, config, printer) if mesh else _in_process_client(config, printer)) as client:
             lease_id = args.lease
             if not lease_id:
                 lease_id = (await client.lease(f"cli-{printer.exec_id[:12]}", profile=args.profile,
@@ -299,14 +299,14 @@ async def _with_mesh_client(args: argparse.Namespace, action: Callable[[Any], An
     config = load_cli_config(args)
     mesh = find_mesh(args, config, role="mesh")
     try:
-        async with _mesh_client(mesh, None) as client:
+        async with _mesh_client(mesh, config, None) as client:
             return await action(client)
     except SandboxRequestError as exc:
         raise CliError(str(exc)) from exc
 
 
 @asynccontextmanager
-async def _mesh_client(mesh: Any, printer: _Printer | None) -> AsyncIterator[Any]:
+async def _mesh_client(mesh: Any, config: RollmeshConfig, printer: _Printer | None) -> AsyncIterator[Any]:
     from rollmesh.bus.publisher import BusPublisher
     from rollmesh.bus.tls import client_tls_context
     from rollmesh.bus.watcher import BusWatcher
@@ -320,8 +320,8 @@ async def _mesh_client(mesh: Any, printer: _Printer | None) -> AsyncIterator[Any
         if printer is not None:
             await watcher.watch(SANDBOX_OUTPUT, printer.write)
         chunk = max(1024, min(DEFAULT_CHUNK_BYTES, nc.max_payload - CHUNK_HEADROOM_BYTES))
-        yield SandboxBrokerClient(BusPublisher(nc, nc.jetstream(), mesh.namespace), chunk_bytes=chunk,
-                                  bulk_tls=client_tls_context(mesh.nats_tls))
+        yield SandboxBrokerClient.from_config(BusPublisher(nc, nc.jetstream(), mesh.namespace), config.sandbox,
+                                              chunk_bytes=chunk, bulk_tls=client_tls_context(mesh.nats_tls))
         await watcher.close()  # drained: the last output chunks are written before the reply
     finally:
         await watcher.close(drain_timeout_s=0)

@@ -25,7 +25,7 @@ import ssl
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollmesh.messages import WireMessage
 from rollmesh.messages.sandbox import (
@@ -60,6 +60,9 @@ from rollmesh.messages.subjects import (
 from rollmesh.ports import Publisher, RequestFailedError
 from rollmesh.sandbox.bulk_client import BulkClient, sha256_hex
 from rollmesh.sandbox.errors import SandboxRequestError
+
+if TYPE_CHECKING:
+    from rollmesh.sandbox_config import SandboxConfig
 from rollmesh.sandbox.placement import broker_of
 
 # Below the embedded NATS server's 8 MiB max payload with room for the message around the data.
@@ -103,6 +106,14 @@ class SandboxBrokerClient:
         self._bulk = BulkClient(self._call, tls=bulk_tls, timeout_s=timeout_s)
         self._new_id = new_id
         self._sleep = sleep
+
+    @classmethod
+    def from_config(cls, requester: Publisher, config: SandboxConfig, *, bulk_tls: ssl.SSLContext | None = None,
+                    chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> SandboxBrokerClient:
+        """A client that sends files above the deployment's ``sandbox.bulk_threshold_bytes`` over
+        the bulk stream, as its brokers expect (the rollout workers and ``rollmesh sandbox``)."""
+        return cls(requester, chunk_bytes=chunk_bytes, bulk_threshold_bytes=config.bulk_threshold_bytes,
+                   bulk_tls=bulk_tls)
 
     async def lease(self, holder: str, *, profile: str = "default", ttl_s: float | None = None,
                     network: bool = False, limits: SandboxLimitsSpec = SandboxLimitsSpec(),
