@@ -12,9 +12,11 @@ a mesh cheaply.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import time
+import typing
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -36,23 +38,6 @@ if TYPE_CHECKING:
 _log = structlog.get_logger("rollmesh.mesh_address")
 
 MESH_FILE = "mesh.json"
-
-
-class _MeshFile(msgspec.Struct, frozen=True, kw_only=True):
-    """The on-disk ``mesh.json``: users' scripts read it, so its keys, their order and their
-    values stay as they are; new keys get defaults and go last (an older file still reads)."""
-
-    nats_url: str
-    namespace: str
-    run_dir: str
-    serve_url: str = ""
-    ray_namespace: str = ""
-    ray_address: str = ""
-    pid: int = 0
-    started_at: float = 0.0
-    metrics_url: str = ""
-    dashboard_url: str = ""
-    ray_auth_token_file: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +146,22 @@ def latest_run_dir(run_root: str | Path) -> Path | None:
     return runs[-1] if runs else None
 
 
+# How to get in: held by the processes that connect, never written to mesh.json.
+_ACCESS_FIELDS = frozenset({"credentials", "nats_tls", "nats", "telemetry"})
+
+
+def _mesh_file_struct() -> type[msgspec.Struct]:
+    """The on-disk ``mesh.json``, made from MeshAddress's other fields (so a new one is written
+    without a second list): users' scripts read it, so its keys keep MeshAddress's order and new
+    ones go last with defaults (an older file still reads); decoding it checks each type."""
+    hints = typing.get_type_hints(MeshAddress)
+    return msgspec.defstruct("MeshFile", [
+        (f.name, hints[f.name]) if f.default is dataclasses.MISSING else (f.name, hints[f.name], f.default)
+        for f in dataclasses.fields(MeshAddress) if f.name not in _ACCESS_FIELDS
+    ], frozen=True, kw_only=True)
+
+
+_MeshFile = _mesh_file_struct()
 _FILE_FIELDS = _MeshFile.__struct_fields__
 
 
