@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from support.ray_actors import stop_and_kill
+from support.waiting import wait_until
 from rollmesh.inference.router import InferenceRouter
 from rollmesh.actors.inference_workers import DecodeWorkerActor, PrefillWorkerActor
 from rollmesh.mesh_address import MeshAddress
@@ -121,6 +122,44 @@ def test_the_router_forgets_the_oldest_sessions_past_its_bound() -> None:
     assert router.decode_worker_for("z")[1] is True
     with pytest.raises(ValueError):
         InferenceRouter([FakeWorker("p")], [])
+
+
+class SilentWorker:
+    """A duck-typed actor handle whose calls never answer: each ``.remote`` returns a future
+    (standing in for the ObjectRef) that nothing resolves, recorded with the method's name."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, asyncio.Future]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        worker = self
+
+        class _Remote:
+            @staticmethod
+            def remote(*args: Any) -> asyncio.Future:
+                reply = asyncio.get_running_loop().create_future()
+                worker.calls.append((name, reply))
+                return reply
+
+        return _Remote()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("disaggregated", [False, True])
+async def test_a_cancelled_generate_cancels_its_prefill_and_decode_tasks_on_the_workers(disaggregated) -> None:
+    prefill, decode = SilentWorker(), SilentWorker()
+    cancelled: list[Any] = []
+    router = InferenceRouter([prefill] if disaggregated else [], [decode], cancel_task=cancelled.append)
+    call = asyncio.create_task(router.generate([1, 2, 3], GREEDY, request_id="r/1"))
+    await wait_until(lambda: decode.calls, "the call to reach the decode worker")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    # Awaiting a Ray call does not stop it when cancelled: the router cancels the actor tasks, so
+    # the decode worker aborts the request and frees its slot (and a retry's same id is welcome).
+    assert cancelled == [reply for _, reply in decode.calls + prefill.calls]
+    assert [name for name, _ in decode.calls] == ["generate" if disaggregated else "generate_prompt"]
+    assert router._decode_in_flight == [0]
 
 
 # -- on Ray -----------------------------------------------------------------------------------

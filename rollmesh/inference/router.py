@@ -24,6 +24,11 @@ is prefilled in full), and when every one refused, waits ``memory_retry_s`` and 
 again, for up to ``memory_retry_timeout_s`` (the lending ends when the scheduler takes the
 accelerator back, within a job's preemption grace). Streams are not retried (a piece may be out).
 
+Cancelling ``generate`` (a caller's deadline, ``rollout.generate_timeout_s``, or a worker going
+away) cancels the Ray tasks it started, prefill and decode alike: an awaited ObjectRef whose awaiter
+is cancelled does not stop the actor task, which would otherwise keep its batch slot and KV on the
+decode worker until the sequence ends, and refuse a retry of the same request id meanwhile.
+
 Decode loans: workers the GPU scheduler lends to decode join with ``add_decode_worker`` and
 leave with ``remove_decode_worker``, after which nothing new is sent to them; a session that was
 there continues on another worker, which prefills it in full (its KV left with the worker).
@@ -35,11 +40,11 @@ import asyncio
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
-
+import structlog
 from opentelemetry import trace
 
 from rollmesh.engine.errors import MemoryReleasedError
@@ -50,6 +55,7 @@ from rollmesh.telemetry import conventions
 from rollmesh.telemetry.trace_headers import inject_trace_headers
 
 _tracer = trace.get_tracer("rollmesh.inference")
+_log = structlog.get_logger("rollmesh.inference")
 
 
 def generation_attributes(result: GenerationResult) -> dict[str, object]:
@@ -71,8 +77,10 @@ class InferenceRouter:
 
     def __init__(self, prefill_workers: list[Any], decode_workers: list[Any], *,
                  max_sessions: int = DEFAULT_MAX_SESSIONS, model_name: str = "",
-                 memory_retry_s: float = 1.0, memory_retry_timeout_s: float = 600.0) -> None:
-        """``model_name``: the served model, for the ``gen_ai.request.model`` span attribute."""
+                 memory_retry_s: float = 1.0, memory_retry_timeout_s: float = 600.0,
+                 cancel_task: Callable[[Any], object] = ray.cancel) -> None:
+        """``model_name``: the served model, for the ``gen_ai.request.model`` span attribute.
+        ``cancel_task``: cancels the actor task behind an ObjectRef (``ray.cancel``)."""
         if not decode_workers:
             raise ValueError("the router needs at least one decode worker")
         self.prefill_workers = list(prefill_workers)
@@ -85,6 +93,7 @@ class InferenceRouter:
         self.model_name = model_name
         self.memory_retry_s = memory_retry_s
         self.memory_retry_timeout_s = memory_retry_timeout_s
+        self._cancel_task = cancel_task
 
     @property
     def aggregated(self) -> bool:
@@ -144,8 +153,8 @@ class InferenceRouter:
             self._decode_in_flight[index] += 1
             try:
                 if local_prefill:
-                    finished = await decode.generate_prompt.remote(
-                        input_ids, sampling, request_id, headers, options)
+                    finished = await self._await_cancelling(decode.generate_prompt.remote(
+                        input_ids, sampling, request_id, headers, options), request_id)
                 else:
                     finished = await self._prefill_then_decode(
                         decode, input_ids, sampling, request_id, headers, options)
@@ -204,7 +213,7 @@ class InferenceRouter:
         finally:
             self._decode_in_flight[index] -= 1
             if not finished:
-                ray.cancel(pieces)  # the client went away: the worker aborts the request
+                self._cancel_task(pieces)  # the client went away: the worker aborts the request
             span.end()
 
     async def _prefill_then_decode(self, decode, input_ids, sampling, request_id, headers, options):
@@ -212,7 +221,21 @@ class InferenceRouter:
         # the router never sees when it ends (the pages go straight to decode, not through here).
         chosen = next(self._next_prefill)
         kv_ref = self.prefill_workers[chosen].prefill.remote(input_ids, request_id, headers)
-        return await decode.generate.remote(kv_ref, sampling, request_id, headers, options)
+        return await self._await_cancelling(
+            decode.generate.remote(kv_ref, sampling, request_id, headers, options), request_id, kv_ref)
+
+    async def _await_cancelling(self, ref: Any, request_id: str, *upstream: Any) -> GenerationResult:
+        """``await ref``; cancelled, cancel its actor task (and ``upstream`` ones it was fed), so
+        the worker aborts the request and frees its slot (see the module docstring)."""
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            for task_ref in (ref, *upstream):
+                try:
+                    self._cancel_task(task_ref)
+                except Exception as exc:  # noqa: BLE001 - the caller's cancellation goes on regardless
+                    _log.warning("generate_cancel_failed", request_id=request_id, error=repr(exc))
+            raise
 
 
     def add_decode_worker(self, name: str, worker: Any) -> None:
