@@ -185,6 +185,11 @@ class RolloutConfig(ConfigSection):
     # infra_retry_delay_s); then the rollout fails, typed.
     infra_retries: NonNegInt = 2
     infra_retry_delay_s: NonNegFloat = 1.0
+    # A turn's generation not back after this long is cancelled (the decode worker aborts the
+    # request and frees its slot) and is an infrastructure failure (inference_error) like those
+    # above, retried from the last saved turn: a lost call never hangs its rollout and its group.
+    # Generous: a long turn queued behind a full batch on a busy worker may take many minutes.
+    generate_timeout_s: PositiveFloat = 1800.0
     # Snapshot the workspace after every tool call, so a rollout whose sandbox was lost resumes
     # with its files. Off by default: the demo's tools keep no state in the workspace.
     snapshot_workspace: bool = False

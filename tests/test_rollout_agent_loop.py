@@ -596,6 +596,37 @@ async def test_infrastructure_failures_past_the_budget_end_typed_and_task_failur
     assert failed.kind == "invalid_request" and failed.infra_failures == 0
 
 
+async def test_a_generation_that_never_returns_is_cancelled_at_the_deadline_and_the_turn_retried_once():
+    states = InMemoryRolloutStates()
+    engine = ScriptedEngine([tool_call(), ScriptedEngine.NEVER_ANSWERS, answer()])
+    bus = sandbox_bus()
+    logic = runner(engine, bus, states=states, infra_retries=1, generate_timeout_s=0.05)
+    await logic.handle_requested(request(), context())
+
+    (completed,) = bus.messages(ROLLOUT_COMPLETED)
+    assert bus.messages(ROLLOUT_FAILED) == []
+    assert completed.infra_failures == 1 and completed.reward == 1.0 and completed.turns == 2
+    assert engine.cancelled == ["r-1/2"], "the lost call was cancelled, not left running"
+    assert [c["request_id"] for c in engine.calls] == ["r-1/1", "r-1/2", "r-1/2"]
+    assert len(bus.requested(SANDBOX_EXEC)) == 1, "turn 1's tool ran once"
+    assert logic.stats()["infra_retries"] == 1
+    # One sample, token for token the one an unhurried rollout makes: nothing counted twice.
+    unhurried = await run(ScriptedEngine([tool_call(), answer()]), sandbox_bus())
+    assert completed.trajectory == unhurried.trajectory
+
+
+async def test_a_generation_past_its_deadline_with_no_retry_left_fails_typed_naming_the_timeout():
+    engine = ScriptedEngine([ScriptedEngine.NEVER_ANSWERS])
+    bus = sandbox_bus()
+    await runner(engine, bus, infra_retries=0, generate_timeout_s=0.05).handle_requested(request(), context())
+
+    (failed,) = bus.messages(ROLLOUT_FAILED)
+    assert bus.messages(ROLLOUT_COMPLETED) == []
+    assert (failed.kind, failed.infra_failures, failed.turns) == ("inference_error", 1, 1)
+    assert "no generation within 0.05 s" in failed.reason and "r-1/1" in failed.reason
+    assert engine.cancelled == ["r-1/1"]
+
+
 async def test_a_long_tool_call_keeps_the_request_in_progress():
     beaten = asyncio.Event()
 

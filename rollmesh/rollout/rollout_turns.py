@@ -26,7 +26,7 @@ from rollmesh.messages import RolloutProgressed, RolloutRequested, RolloutState,
 from rollmesh.messages.subjects import ROLLOUT_PROGRESSED
 from rollmesh.ports import MessageContext, Publisher, RoutedExpertsStore, StateStoreError
 from rollmesh.rollout.environments import EnvironmentRollout, EnvStep
-from rollmesh.rollout.errors import RolloutError
+from rollmesh.rollout.errors import GenerationTimeoutError, RolloutError
 from rollmesh.rollout.rollout_sandbox import RolloutSandbox
 from rollmesh.rollout.saved_state import conversation_of, with_progress
 from rollmesh.rollout.tasks import RewardInput, Task
@@ -185,9 +185,20 @@ class RolloutTurns:
         options = GenerateOptions(session_id=request.rollout_id,
                                   return_routed_experts=self.routed_experts is not None,
                                   routed_experts_start_len=experts_from)
+        request_id = f"{request.rollout_id}/{turn}"
+        # A call that never returns (its reply lost between actors, a worker wedged) must not hang
+        # the rollout and its group: past the deadline it is cancelled, which cancels its tasks on
+        # the workers too (the router's doing), and the turn is retried as an infrastructure failure.
+        deadline = asyncio.timeout(self.config.generate_timeout_s)
         try:
-            return await self.engine.generate(
-                list(trajectory.ids), sampling, request_id=f"{request.rollout_id}/{turn}", options=options)
+            async with deadline:
+                return await self.engine.generate(list(trajectory.ids), sampling, request_id=request_id,
+                                                  options=options)
+        except TimeoutError as exc:
+            if deadline.expired():  # ours; an engine's own timeout is an engine error like the rest
+                raise GenerationTimeoutError(request_id=request_id, timeout_s=self.config.generate_timeout_s,
+                                             turns=turn) from exc
+            raise RolloutError("inference_error", f"turn {turn}: {exc!r}", turns=turn) from exc
         except Exception as exc:  # the engine's and Ray's errors alike: a typed failure, not a crash
             raise RolloutError("inference_error", f"turn {turn}: {exc}", turns=turn) from exc
 

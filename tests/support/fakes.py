@@ -234,15 +234,20 @@ class ScriptedEngine:
     """Fakes a ``rollmesh.engine.protocols.InferenceEngine``: samples nothing.
 
     Each ``generate`` records its call in ``calls`` (input ids, sampling, request id) and returns
-    the next scripted outcome from ``outcomes`` (a ``GenerationResult``, or an exception to raise).
+    the next scripted outcome from ``outcomes`` (a ``GenerationResult``, an exception to raise, or
+    ``NEVER_ANSWERS``: a call that waits until it is cancelled, as one whose reply was lost between
+    actors does; its request id then goes into ``cancelled``).
     Like a real engine it never returns more than ``sampling.max_new_tokens`` tokens: a longer
     scripted result is cut there with finish reason ``"length"``. Running out of outcomes raises
     ``AssertionError`` (the test scripted too few turns).
     """
 
-    def __init__(self, outcomes: list[GenerationResult | BaseException]) -> None:
+    NEVER_ANSWERS = object()
+
+    def __init__(self, outcomes: list[GenerationResult | BaseException | object]) -> None:
         self.outcomes = list(outcomes)
         self.calls: list[dict[str, Any]] = []
+        self.cancelled: list[str] = []
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *,
                        request_id: str, options: GenerateOptions = DEFAULT_OPTIONS) -> GenerationResult:
@@ -253,6 +258,12 @@ class ScriptedEngine:
         outcome = self.outcomes.pop(0)
         if isinstance(outcome, BaseException):
             raise outcome
+        if outcome is self.NEVER_ANSWERS:
+            try:
+                await asyncio.Event().wait()  # nothing sets it
+            except asyncio.CancelledError:
+                self.cancelled.append(request_id)
+                raise
         limit = sampling.max_new_tokens
         if len(outcome.token_ids) > limit:
             outcome = GenerationResult(outcome.token_ids[:limit], outcome.logprobs[:limit],
