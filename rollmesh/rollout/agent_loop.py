@@ -23,8 +23,8 @@ and whoever takes it resumes from the last saved turn. The outcome is saved befo
 published, so a request redelivered after its rollout ended (a worker that died between publishing
 and acking) re-publishes that outcome and runs nothing again.
 
-Infrastructure failures (sandbox died or lost, broker unreachable, inference error, a reward that
-cannot be computed) are retried from the last saved turn up to ``infra_retries`` times; then the
+Infrastructure failures (sandbox died or lost, broker unreachable, inference error or a generation
+not back within ``generate_timeout_s``, a reward that cannot be computed) are retried from the last saved turn up to ``infra_retries`` times; then the
 rollout ends as a typed ``RolloutFailed``, never a silent zero reward.
 
 Sandbox: one lease per rollout, its idempotency token the rollout id (a resumed rollout gets the

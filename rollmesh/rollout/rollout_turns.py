@@ -6,7 +6,9 @@ Knows the model's ``ChatModel``, the engine seam, the tool runner, the rollout's
 queue or retries (``RolloutWorkerLogic`` in agent_loop.py owns those and hands in ``save``). Every
 generated id is kept exactly as sampled; the turn is parsed from those ids; a turn without an
 end-of-turn id (cut by ``max_new_tokens``) ends the rollout as "truncated", as does a tool result
-that fills the model's context; a turn that calls no tool is the answer.
+that fills the model's context; a turn that calls no tool is the answer. A generation not back
+within ``rollout.generate_timeout_s`` is cancelled and raises ``GenerationTimeoutError`` (an
+``inference_error``, retried by the caller like any other).
 """
 
 from __future__ import annotations
