@@ -17,7 +17,7 @@ from rollmesh.engine.errors import StaleWeightsError, WeightsMismatchError
 from rollmesh.engine.kv_pages import KvBlockPool, PagedAttention
 from rollmesh.engine.models import CausalLM, load_hf_model
 from rollmesh.engine.prefill import PrefillEngine, PrefillResult, run_prefill
-from rollmesh.engine.protocols import GenerationResult
+from rollmesh.engine.protocols import GenerateOptions, GenerationResult
 from rollmesh.messages.base import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -273,6 +273,31 @@ def test_a_request_whose_first_token_ends_it_is_reported_by_the_next_step(demo) 
     [finished] = engine.step()
     assert (finished.token_ids, finished.finish_reason, finished.versions) == ([end_id], "eos", [7])
     assert not engine.has_work()
+
+
+def test_a_turn_whose_first_token_cannot_be_sampled_gives_back_its_blocks_and_its_sessions(demo) -> None:
+    model = demo.model()
+    context_blocks = -(-model.max_seq_len // 8)
+    engine = demo.engine(model, max_batch=2, block_size=8, num_blocks=context_blocks)  # one context
+    session = GenerateOptions(session_id="agent")
+    engine.add_prompt("agent/1", prompt(20), GREEDY, session)
+    first = run_to_completion(engine)["agent/1"]
+    sample = engine.sampler.sample
+
+    def nan_logits(*args, **kwargs):  # what torch.multinomial says of NaN probabilities
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+    engine.sampler.sample = nan_logits
+    with pytest.raises(RuntimeError, match="nan"):  # turn 2 takes the session's parked KV, then fails
+        engine.add_prompt("agent/2", [*prompt(20), *first.token_ids, 5, 6], GREEDY, session)
+    engine.sampler.sample = sample
+    # Nothing of it stays: every block is free again, so a request needing the whole pool is
+    # admitted (a leaked block would keep it waiting for room that never comes).
+    assert engine.pool.num_free() == context_blocks and engine.num_active() == 0 and not engine.has_work()
+    whole_context = SamplingParams(temperature=0.0, max_new_tokens=model.max_seq_len - 20)
+    assert engine.can_admit(20, whole_context)
+    engine.add_prompt("whole", prompt(20, offset=3), whole_context)
+    assert run_to_completion(engine)["whole"].request_id == "whole"
 
 
 def test_abort_frees_the_slot_and_the_others_continue_unchanged(demo) -> None:

@@ -273,10 +273,19 @@ class DecodeEngine:
 
     def _admit(self, sequence: ActiveSequence, last_logits: torch.Tensor, version: int) -> None:
         constrain = sequence.options.grammar is not None
-        if constrain:  # compiled (and cached) by validate_request
-            self.sampler.start_grammar(sequence)
-        (token,), (logprob,), constrained = self.sampler.sample([sequence], last_logits[None],
-                                                                masked=constrain)
+        try:
+            if constrain:  # compiled (and cached) by validate_request
+                self.sampler.start_grammar(sequence)
+            (token,), (logprob,), constrained = self.sampler.sample([sequence], last_logits[None],
+                                                                    masked=constrain)
+        except Exception:
+            # Not admitted (NaN logits make sampling raise): its blocks, the session's taken KV
+            # among them, go back to the pool. Lost, they would shrink the pool for good until a
+            # request waits for room that never comes, on an idle engine nothing wakes.
+            self.sampler.end_grammar(sequence)
+            self.pool.free(sequence.blocks)
+            sequence.blocks = []
+            raise
         sequence.token_ids.append(token)
         sequence.logprobs.append(logprob)
         sequence.versions.append(version)
