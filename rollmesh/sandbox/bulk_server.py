@@ -7,7 +7,10 @@ Knows asyncio servers, the bulk frames and ``BulkTokens``; what a transfer does 
 is the ``BulkStore``'s (``workspace_ops``). Nothing is stored unless the token is good, every
 announced byte arrived, and the sandbox found the client's sha256: a refusal is a Done frame
 with ``error_kind``, and the rest of what the client sends is read away (for up to
-``DRAIN_REFUSED_S``) so it gets that frame even while it is still sending.
+``DRAIN_REFUSED_S``) so it gets that frame even while it is still sending. An upload over the
+Unix socket to a sandbox the node's supervisor holds is handed there once its token is checked
+(``bulk_handoff``): the supervisor moves its bytes into the guest and this server only answers
+the client, so a MiB is not received and sent again here.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import structlog
 
 from rollmesh.messages.sandbox import SandboxBulkTicket
 from rollmesh.messages.sandbox_bulk import SandboxBulkDone, SandboxBulkHello
+from rollmesh.sandbox.bulk_handoff import HandOffTarget
 from rollmesh.sandbox.bulk_stream import (
     STREAM_LIMIT,
     BulkConnection,
@@ -46,6 +50,9 @@ log = structlog.get_logger(__name__)
 HELLO_TIMEOUT_S = 30.0  # a connection that says nothing is closed after this
 # A transfer may take this long plus a second per MiB before it is cut off.
 IO_TIMEOUT_S = 60.0
+# A handed-off upload's supervisor gives up after IO_TIMEOUT_S (and a second per MiB); the
+# broker waits this much longer for its word, so the outcome is the supervisor's.
+HAND_OFF_GRACE_S = 5.0
 DRAIN_REFUSED_S = 5.0  # after a refusal, how long the rest of a client's bytes are read away
 DRAIN_BYTES = 256 * 1024
 
@@ -61,6 +68,11 @@ class BulkStore(Protocol):
     def upload_ticket(self, lease: Lease) -> SandboxBulkTicket | None: ...
 
     def read_bulk(self, grant: BulkGrant) -> tuple[SandboxBulkDone, bytes]: ...
+
+    def hand_off_target(self, grant: BulkGrant) -> HandOffTarget | None: ...
+
+    async def store_handed_off(self, grant: BulkGrant, hello: SandboxBulkHello, target: HandOffTarget,
+                               client: socket.socket) -> SandboxBulkDone: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +201,17 @@ class BulkServer:
                                       received_bytes=hello.size)
             if not hello.path:
                 raise BulkStreamError("a bulk upload must name its file", reason="framing")
+            client = conn.unix_socket()
+            target = self._store.hand_off_target(grant) if client is not None else None
+            if target is not None and client is not None:  # the bytes skip this process
+                async with asyncio.timeout(IO_TIMEOUT_S + HAND_OFF_GRACE_S + hello.size / 2**20):
+                    done = await self._store.store_handed_off(grant, hello, target, client)
+                if done.error_kind:  # the client may still be sending: read away the rest
+                    await self._refuse(conn, done)
+                    return
+                done = msgspec.structs.replace(done, next_ticket=self._store.upload_ticket(grant.lease))
+                await conn.send(frame(done))
+                return
             buffer = self._buffers.take(hello.size)
             pieces = PayloadPieces(conn, hello.size, sha256=hello.sha256, digest_follows=not hello.sha256,
                                    buffer=buffer)

@@ -105,6 +105,13 @@ class BulkConnection:
             got += n
         return buffer
 
+    def unix_socket(self) -> socket.socket | None:
+        """The connected socket of a plain Unix-socket stream (one that can be handed to another
+        process on this node); None for TCP and TLS."""
+        if self._sock is not None and self._sock.family == socket.AF_UNIX:
+            return self._sock
+        return None
+
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()

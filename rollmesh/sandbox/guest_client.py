@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollmesh.sandbox import guest_wire as wire
 from rollmesh.sandbox.errors import (
@@ -30,6 +30,9 @@ from rollmesh.sandbox.guest_pipes import DIED, GuestPipes
 from rollmesh.sandbox.guest_start import exit_reason, silence_reason
 from rollmesh.sandbox.guest_streams import StreamedUploads
 from rollmesh.sandbox.sandbox_protocol import ExecOutcome, FileTransfer, OutputCallback, SandboxInfo
+
+if TYPE_CHECKING:
+    from rollmesh.sandbox.bulk_handoff import HandOffTarget
 
 HIGH_WATER = 2 * wire.CHUNK  # a chunked upload waits while this much is still unwritten
 ANSWER_GRACE_S = 30.0  # past an exec's timeout: how long the guest may take to report it
@@ -304,6 +307,12 @@ class GuestSandbox(GuestPipes, StreamedUploads):
         finally:
             self._calls.pop(rid, None)
         return time.perf_counter() - started
+
+    def hand_off_target(self) -> HandOffTarget | None:
+        """Where a bulk upload's client socket can be handed so its bytes skip the broker (the
+        supervisor holding this sandbox); None when this broker's own child is the guest."""
+        hand_off = getattr(self._process, "hand_off_target", None)
+        return None if hand_off is None else hand_off(self.info.backend)
 
     def alive(self) -> bool:
         return not self._dead_reason and self._process.poll() is None

@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 
+from rollmesh.sandbox.bulk_handoff import HandOffTarget
 from rollmesh.sandbox.egress import EgressForwarder, remove_socket_dir
 from rollmesh.sandbox.errors import SandboxError
 from rollmesh.sandbox.guest_client import GuestSandbox
@@ -116,6 +117,11 @@ class SupervisorClient:
             return False, None
         sock.close()
         return bool(reply.get("known")), reply.get("exit_code")
+
+    @property
+    def address(self) -> str:
+        """The supervisor's socket, as this process can connect to it."""
+        return self._path.address
 
     def ensure_running(self) -> None:
         self._connect().close()
@@ -290,6 +296,10 @@ class SupervisedProcess:
             self._pidfd = os.pidfd_open(pid)
         except OSError:  # already gone
             self._pidfd = -1
+
+    def hand_off_target(self, backend: str) -> HandOffTarget:
+        """Where this sandbox's bulk uploads go to skip the broker: its supervisor's socket."""
+        return HandOffTarget(self._client.address, self.sandbox_id, backend)
 
     def poll(self) -> int | None:
         if self.returncode is None and self._exited():

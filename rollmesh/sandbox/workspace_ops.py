@@ -12,11 +12,13 @@ received against it. Snapshots, which stay in the broker, are also checked here.
 The bulk path: an upload asking for it (``bulk``), or a download above
 ``sandbox.bulk_threshold_bytes`` whose client can take it, is answered with a one-time ticket
 while a bulk server listens (``bulk_endpoint``; ``bulk_server.py`` serves the stream and calls
-``store_bulk`` / ``read_bulk`` here). Without one, uploads get no ticket and go over NATS.
+``store_bulk`` / ``read_bulk`` here; ``store_handed_off`` when the sandbox's supervisor takes
+the client's socket itself). Without one, uploads get no ticket and go over NATS.
 """
 
 from __future__ import annotations
 
+import socket
 from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
@@ -51,6 +53,8 @@ from rollmesh.sandbox.errors import (
     UnsafeArchiveError,
     WorkspacePathError,
 )
+from rollmesh.sandbox import guest_wire as wire
+from rollmesh.sandbox.bulk_handoff import HandOffTarget
 from rollmesh.sandbox.bulk_stream import PayloadPieces
 from rollmesh.sandbox.bulk_tokens import BulkGrant, BulkTokens
 from rollmesh.sandbox.leases import Lease
@@ -63,6 +67,9 @@ _tracer = trace.get_tracer("rollmesh.sandbox")
 
 # An output chunk on the bus is at most this long (a chatty tool must not make huge messages).
 OUTPUT_CHUNK_BYTES = 256 * 1024
+# A handed-off upload may take this long plus a second per MiB before its supervisor cuts it
+# off (the bulk server's IO_TIMEOUT_S; the server waits a little longer for the outcome).
+HAND_OFF_TIMEOUT_S = 60.0
 
 
 def failure_of(exc: BaseException) -> tuple[SandboxErrorKind, str]:
@@ -310,6 +317,39 @@ class WorkspaceOps:
         self._counts["uploads"] += 1
         self._counts["bulk_uploads"] += 1
         return SandboxBulkDone(size=stored.size, sha256=stored.sha256)
+
+    def hand_off_target(self, grant: BulkGrant) -> HandOffTarget | None:
+        """Where the lease's sandbox takes a bulk upload's socket itself (its supervisor)."""
+        hand_off = getattr(grant.lease.sandbox, "hand_off_target", None)
+        return None if hand_off is None else hand_off()
+
+    async def store_handed_off(self, grant: BulkGrant, hello: SandboxBulkHello, target: HandOffTarget,
+                               client: socket.socket) -> SandboxBulkDone:
+        """``store_bulk`` with the client's socket handed to the sandbox's supervisor, which
+        moves the bytes into the sandbox (the guest checks the client's sha256 there); a stream
+        that breaks off raises ``BulkStreamError`` and nothing lands."""
+        lease = grant.lease
+        refusal = _ended(lease)
+        if refusal is not None:
+            return refusal
+        try:
+            rel = wire.workspace_relative(hello.path, allow_root=hello.kind == "tar")
+        except ValueError as exc:
+            return self._transfer_failed(lease, SandboxBulkDone, "upload", hello.path,
+                                         WorkspacePathError(f"path {hello.path!r} refused: {exc}", path=hello.path))
+        try:
+            size, sha256 = await target.upload(client, path=rel, size=hello.size, sha256=hello.sha256,
+                                               kind=hello.kind, mode=hello.mode,
+                                               timeout_s=HAND_OFF_TIMEOUT_S + hello.size / 2**20)
+        except BulkStreamError:
+            self._counts["upload_failures"] += 1
+            raise
+        except Exception as exc:  # noqa: BLE001
+            return self._transfer_failed(lease, SandboxBulkDone, "upload", hello.path, exc)
+        self._counts["uploads"] += 1
+        self._counts["bulk_uploads"] += 1
+        self._counts["bulk_handed_off"] += 1
+        return SandboxBulkDone(size=size, sha256=sha256)
 
     def read_bulk(self, grant: BulkGrant) -> tuple[SandboxBulkDone, bytes]:
         """A bulk download's bytes (read from the sandbox when its ticket was issued)."""
