@@ -93,6 +93,14 @@ async def test_handed_off_uploads_are_refused_typed_and_a_cut_stream_leaves_the_
         return await upload_over_stream(await ticket_for(broker, mine, len(data)), "unix", lease_id=mine,
                                         path=path, data=data, sha256=digest, tls=None)
 
+    # The token is the broker's to check before anything is handed off.
+    ticket = await ticket_for(broker, mine, len(data))
+    forged = msgspec.structs.replace(ticket, token="not-a-token-the-broker-issued")
+    theirs = (await client.lease("handoff-other")).lease_id
+    for shown, lease_id in ((forged, mine), (ticket, theirs), (ticket, mine)):  # the last: spent by the second
+        refused = await upload_over_stream(shown, "unix", lease_id=lease_id, path="borrowed", data=data,
+                                           sha256=sha, tls=None)
+        assert refused.error_kind == "bad_token"
     assert (await send("wrong-hello", other)).error_kind == "checksum_mismatch"
     assert (await send("wrong-trailer", later(other))).error_kind == "checksum_mismatch"
     assert (await send("../escape", sha)).error_kind != ""
@@ -114,6 +122,7 @@ async def test_handed_off_uploads_are_refused_typed_and_a_cut_stream_leaves_the_
     good = await send("good", later(sha))
     assert (good.error_kind, good.sha256) == ("", sha)
     assert await workspace(client, mine) == ["good"]
+    assert await workspace(client, theirs) == []
     assert broker.counts["bulk_handed_off"] == 1
 
 

@@ -195,6 +195,10 @@ class HandedOffUpload:
     def close_when_flushed(self) -> None:
         self._fail("the sandbox died", "died")
 
+    def close(self) -> None:
+        """The sandbox is being forgotten (destroyed)."""
+        self._fail("the sandbox was destroyed", "died")
+
     def _watch(self) -> None:
         if not self.alive or self.splicing is not None or self.phase == "reply":
             return
