@@ -11,13 +11,13 @@ broker lives).
 
 Standard library only (run as a script: ``python supervisor.py --run-dir D``). Listens on
 ``D/sandbox-supervisor.<host>.sock`` (mode 0600); each connection starts with one request frame
-(``guest_wire``'s): spawn, attach, bulk_put, list, destroy or status. After a spawn or an attach it
-carries the sandbox's frames (``supervisor_relay``: frame-aligned, ids rewritten, an exec with a
-``key`` kept ``--keep-s`` after it ended so the same key attaches to it instead of running it
-twice). A bulk_put brings a client's bulk-stream socket whose upload goes into the guest from
-here (``supervisor_bulk``), the broker having checked its token. It exits once it holds no
-sandbox and no client was connected for ``--idle-exit-s``, and destroys what it holds when the
-run directory is removed (the run is over).
+(``guest_wire``'s): spawn, attach, bulk_channel, list, destroy or status. After a spawn or an
+attach it carries the sandbox's frames (``supervisor_relay``: frame-aligned, ids rewritten, an
+exec with a ``key`` kept ``--keep-s`` after it ended so the same key attaches to it instead of
+running it twice). A bulk_channel carries a broker's bulk uploads, each with its client's socket, whose
+bytes go into the guest from here (``supervisor_bulk``), the broker having checked its token.
+It exits once it holds no sandbox and no client was connected for ``--idle-exit-s``, and
+destroys what it holds when the run directory is removed (the run is over).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ import time
 
 if __package__:
     from rollmesh.sandbox.egress import EgressForwarder
-    from rollmesh.sandbox.supervisor_bulk import HandedOffUpload
+    from rollmesh.sandbox.supervisor_bulk import HandOffChannel
     from rollmesh.sandbox.supervisor_relay import Conn, Held
     from rollmesh.sandbox.supervisor_wire import RunDirPath, recv_frame, send_frame, tune
 else:  # run as a script: its own directory is on sys.path
     from egress import EgressForwarder  # type: ignore[no-redef]
-    from supervisor_bulk import HandedOffUpload  # type: ignore[no-redef]
+    from supervisor_bulk import HandOffChannel  # type: ignore[no-redef]
     from supervisor_relay import Conn, Held  # type: ignore[no-redef]
     from supervisor_wire import RunDirPath, recv_frame, send_frame, tune  # type: ignore[no-redef]
 
@@ -54,6 +54,7 @@ class Supervisor:
         self.clients = 0
         self.last_client = time.monotonic()
         self.tasks: set[asyncio.Task] = set()
+        self.channels: set[HandOffChannel] = set()  # brokers' hand-off connections (bulk uploads)
 
     async def serve(self) -> None:
         path = RunDirPath(self.run_dir)
@@ -124,8 +125,8 @@ class Supervisor:
                     await self._spawn(sock, header, fds)
                 elif op == "attach":
                     await self._attach(sock, header)
-                elif op == "bulk_put":
-                    self._bulk_put(sock, header, fds)
+                elif op == "bulk_channel":
+                    self._bulk_channel(sock, fds)
                 elif op == "list":
                     send_frame(sock, {"t": "list", "sandboxes": [
                         {"sandbox_id": h.sandbox_id, "record": h.record, "pid": h.process.pid,
@@ -208,22 +209,22 @@ class Supervisor:
             return
         self._relay(held, sock, hello={"t": "ready", "pid": held.process.pid, "attached": True})
 
-    def _bulk_put(self, sock: socket.socket, header: dict, fds: list[int]) -> None:
-        """An upload whose client's socket the broker handed over (its token checked there): its
-        bytes go from that socket into the guest; the outcome is the one frame sent back."""
-        held = self.held.get(str(header.get("sandbox_id")))
-        if len(fds) != 1 or held is None or held.stdin_closed or held.guest_eof or held.exit_code is not None:
-            _close(fds)
-            gone = held is None or len(fds) == 1
-            send_frame(sock, {"t": "broken", "reason": "died" if gone else "framing", "received": 0,
-                              "message": "the sandbox died" if gone else "a bulk_put without one socket"})
-            sock.close()
-            return
-        client = socket.socket(fileno=fds[0])
-        client.setblocking(False)
+    def _bulk_channel(self, sock: socket.socket, fds: list[int]) -> None:
+        """A broker's standing connection for handing over bulk uploads: each comes with its
+        client's socket (the token checked there), and its bytes go from that socket into the
+        guest (``supervisor_bulk``); each gets one outcome frame back."""
+        _close(fds)
+        send_frame(sock, {"t": "channel"})  # only then does the broker send what has sockets attached
         sock.settimeout(None)
         sock.setblocking(False)
-        HandedOffUpload(held, client, sock, header, timeout_s=float(header.get("timeout_s") or 60.0)).start()
+        channel = HandOffChannel(sock, self._live, on_close=lambda: self.channels.discard(channel))
+        self.channels.add(channel)
+
+    def _live(self, sandbox_id: str) -> Held | None:
+        held = self.held.get(sandbox_id)
+        if held is None or held.stdin_closed or held.guest_eof or held.exit_code is not None:
+            return None
+        return held
 
     def _relay(self, held: Held, sock: socket.socket, *, hello: dict | None) -> None:
         sock.settimeout(None)

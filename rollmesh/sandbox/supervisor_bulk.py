@@ -16,10 +16,15 @@ broker's hand-off connection; the broker answers the client (its Done frame is m
 
 from __future__ import annotations
 
+import array
 import asyncio
+import json
+import os
 import re
 import socket
 import struct
+from collections import deque
+from collections.abc import Callable
 
 if __package__:
     from rollmesh.sandbox import guest_wire as wire
@@ -36,6 +41,117 @@ HIGH_WATER = 8 * 1024 * 1024  # the relay's: queued for the guest before reading
 _LENGTH = struct.Struct(">I")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _RID = 1  # the one request on this "connection"
+MAX_FDS = 16
+MAX_CHANNEL_FRAME = 64 * 1024
+
+
+class HandOffChannel:
+    """A broker's standing connection for hand-offs (its first frame was ``bulk_channel``): each
+    ``bulk_put`` frame comes with one socket (SCM_RIGHTS) and an ``upload`` number, and gets one
+    outcome frame with that number; ``bulk_cancel`` ends one. When the broker goes, so do its
+    uploads (nobody is left to answer their clients), and nothing of them lands."""
+
+    def __init__(self, sock: socket.socket, held: Callable[[str], object], *, on_close: Callable[[], None]) -> None:
+        self.sock = sock
+        self._held = held  # sandbox id -> its Held (None: not held, or its guest is gone)
+        self._on_close = on_close
+        self._buffer = bytearray()
+        self._fds: deque[int] = deque()
+        self.uploads: dict[int, HandedOffUpload] = {}
+        self._out = bytearray()  # outcomes the socket did not take yet
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data, ancillary, _flags, _addr = self.sock.recvmsg(MAX_CHANNEL_FRAME, socket.CMSG_SPACE(MAX_FDS * 4))
+        except BlockingIOError:
+            return
+        except OSError:
+            data, ancillary = b"", []
+        for level, kind, raw in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(raw[:len(raw) - len(raw) % got.itemsize])
+                self._fds.extend(got)
+        if not data:
+            self.close()
+            return
+        self._buffer += data
+        while len(self._buffer) >= wire.PREFIX.size:
+            header_len, payload_len = wire.PREFIX.unpack_from(self._buffer)
+            if header_len > MAX_CHANNEL_FRAME or payload_len:
+                self.close()  # not a channel frame: the stream cannot be trusted
+                return
+            end = wire.PREFIX.size + header_len
+            if len(self._buffer) < end:
+                return
+            try:
+                header = json.loads(self._buffer[wire.PREFIX.size:end])
+            except ValueError:
+                self.close()
+                return
+            del self._buffer[:end]
+            if isinstance(header, dict):
+                self._request(header)
+
+    def _request(self, header: dict) -> None:
+        number = header.get("upload")
+        if header.get("op") == "bulk_cancel":
+            upload = self.uploads.get(number)  # type: ignore[arg-type]
+            if upload is not None:
+                upload.fail("the broker gave up on the upload", "timeout")
+            return
+        if header.get("op") != "bulk_put" or not self._fds:
+            return
+        client = socket.socket(fileno=self._fds.popleft())
+        held = self._held(str(header.get("sandbox_id")))
+        if held is None or not isinstance(number, int) or number in self.uploads:
+            client.close()
+            self._send({"upload": number, "t": "broken", "reason": "died", "received": 0,
+                        "message": "the sandbox died"})
+            return
+        client.setblocking(False)
+
+        def report(outcome: dict) -> None:
+            self.uploads.pop(number, None)
+            self._send({**outcome, "upload": number})
+
+        upload = self.uploads[number] = HandedOffUpload(held, client, report, header,
+                                                        timeout_s=float(header.get("timeout_s") or 60.0))
+        upload.start()
+
+    def _send(self, outcome: dict) -> None:
+        if self.sock.fileno() < 0:
+            return
+        self._out += wire.encode_head(outcome)
+        self._flush()
+
+    def _flush(self) -> None:
+        try:
+            sent = self.sock.send(self._out)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.close()
+            return
+        del self._out[:sent]
+        if self._out:
+            self._loop.add_writer(self.sock.fileno(), self._flush)
+        else:
+            self._loop.remove_writer(self.sock.fileno())
+
+    def close(self) -> None:
+        if self.sock.fileno() < 0:
+            return
+        self._loop.remove_reader(self.sock.fileno())
+        self._loop.remove_writer(self.sock.fileno())
+        self.sock.close()
+        while self._fds:
+            os.close(self._fds.popleft())
+        for upload in list(self.uploads.values()):
+            upload.fail("the broker hung up", "broker_gone")
+        self._on_close()
 
 
 class StreamBroken(Exception):
@@ -50,12 +166,12 @@ class HandedOffUpload:
     """One upload from a client's socket into ``held``'s guest, shaped like a relay ``Conn`` so
     the relay routes, splices and aborts it as it does a broker's."""
 
-    def __init__(self, held, client: socket.socket, broker: socket.socket, header: dict, *,
+    def __init__(self, held, client: socket.socket, report: Callable[[dict], None], header: dict, *,
                  timeout_s: float) -> None:
         self.held = held
         self.sock = client
         self.fd = client.fileno()
-        self.broker = broker
+        self._send_outcome = report
         self.size = int(header["size"])
         self.sha256 = str(header.get("sha256") or "")
         kind = "put_tar" if header.get("kind") == "tar" else "put_file"
@@ -79,7 +195,6 @@ class HandedOffUpload:
 
     def start(self) -> None:
         self.held.conns.add(self)
-        self._loop.add_reader(self.broker.fileno(), self._broker_readable)
         if self.size == 0:
             self._after_bytes()
         if self.phase != "reply":
@@ -209,15 +324,9 @@ class HandedOffUpload:
 
     # -- the end -----------------------------------------------------------------------------
 
-    def _broker_readable(self) -> None:
-        try:
-            data = self.broker.recv(1)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:  # the broker is gone (or gave up): nobody can tell the client, so stop
-            self._fail("the broker hung up", "broker_gone")
+    def fail(self, message: str, reason: str) -> None:
+        """End it now (the broker gave up on it, or is gone): the guest drops what it has."""
+        self._fail(message, reason)
 
     def _fail(self, message: str, reason: str) -> None:
         self._report({"t": "broken", "reason": reason, "message": message, "received": self.sent})
@@ -228,15 +337,10 @@ class HandedOffUpload:
         self.alive = False
         self._timer.cancel()
         self._loop.remove_reader(self.fd)
-        self._loop.remove_reader(self.broker.fileno())
         # Detached first: an upload the guest has not finished is aborted there (nothing lands).
         self.held.conns.discard(self)
         self.held.detach(self)
-        try:
-            self.broker.send(wire.encode_head(outcome))  # a small frame into an empty socket
-        except OSError:
-            pass
-        self.broker.close()
+        self._send_outcome(outcome)
         if self.splicing is None:
             self.sock.close()
         # else: the relay's writer still splices a whole piece from it; ``spliced`` (or

@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from rollmesh.sandbox.bulk_handoff import HandOffTarget
+from rollmesh.sandbox.bulk_handoff import HandOffChannel, HandOffTarget
 from rollmesh.sandbox.egress import EgressForwarder, remove_socket_dir
 from rollmesh.sandbox.errors import SandboxError
 from rollmesh.sandbox.guest_client import GuestSandbox
@@ -64,6 +64,7 @@ class SupervisorClient:
         self.idle_exit_s = idle_exit_s
         self.keep_s = keep_s
         self._path = RunDirPath(self.run_dir)
+        self._hand_off: HandOffChannel | None = None
 
     # -- blocking requests (run them in a thread from async code) ---------------------------
 
@@ -118,10 +119,12 @@ class SupervisorClient:
         sock.close()
         return bool(reply.get("known")), reply.get("exit_code")
 
-    @property
-    def address(self) -> str:
-        """The supervisor's socket, as this process can connect to it."""
-        return self._path.address
+    def hand_off_channel(self) -> HandOffChannel:
+        """This broker's standing connection for handing bulk uploads to the supervisor (opened
+        at its first use)."""
+        if self._hand_off is None:
+            self._hand_off = HandOffChannel(self._path.address)
+        return self._hand_off
 
     def ensure_running(self) -> None:
         self._connect().close()
@@ -299,7 +302,7 @@ class SupervisedProcess:
 
     def hand_off_target(self, backend: str) -> HandOffTarget:
         """Where this sandbox's bulk uploads go to skip the broker: its supervisor's socket."""
-        return HandOffTarget(self._client.address, self.sandbox_id, backend)
+        return HandOffTarget(self._client.hand_off_channel(), self.sandbox_id, backend)
 
     def poll(self) -> int | None:
         if self.returncode is None and self._exited():
