@@ -134,3 +134,31 @@ def test_the_supervisors_digest_reader_takes_only_a_digest_frame():
         with pytest.raises(StreamBroken) as refused:
             digest_of(body)
         assert refused.value.reason == "framing"
+
+
+async def test_a_broker_gone_mid_upload_ends_it_and_nothing_lands(broker):
+    client = SandboxBrokerClient(InProcessRequester(broker))
+    lease = (await client.lease("handoff-gone")).lease_id
+    data = os.urandom(3 * MIB)
+    ticket = await ticket_for(broker, lease, len(data))
+    reader, writer = await asyncio.open_unix_connection(ticket.unix_path)
+    writer.write(frame(SandboxBulkHello(token=ticket.token, lease_id=lease, size=len(data), path="partial",
+                                        sha256=hashlib.sha256(data).hexdigest())))
+    writer.write(data[: MIB + MIB // 2])  # the first piece goes to the guest; the client then stalls
+    await writer.drain()
+    while len(await workspace(client, lease)) == 0:
+        pass  # polled: the guest has opened the upload's temporary file once the first piece is in
+    # The broker's channel to the supervisor ends, as when the broker dies.
+    broker.backend.supervisor.hand_off_channel().close()
+    length = int.from_bytes(await reader.readexactly(4), "big")
+    done = msgspec.msgpack.decode(await reader.readexactly(length), type=SandboxBulkDone)
+    writer.close()
+    assert done.error_kind == "transfer_error", done
+    while await workspace(client, lease):
+        pass  # polled: the guest drops the upload a moment after the supervisor ends it
+    # The guest's pipe is still in step: the next upload (a new channel) lands.
+    sha = hashlib.sha256(data).hexdigest()
+    good = await upload_over_stream(await ticket_for(broker, lease, len(data)), "unix", lease_id=lease,
+                                    path="good", data=data, sha256=later(sha), tls=None)
+    assert (good.error_kind, good.sha256) == ("", sha)
+    assert await workspace(client, lease) == ["good"]

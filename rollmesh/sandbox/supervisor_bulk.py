@@ -1,6 +1,7 @@
-"""The supervisor's end of a handed-off bulk upload: a client's bulk-stream socket, passed here by
-its broker (SCM_RIGHTS, op ``bulk_put``) once the broker checked the client's one-time token, so
-the upload's bytes go from the client's socket into the guest's pipe without the broker.
+"""The supervisor's end of handed-off bulk uploads: a client's bulk-stream socket, passed here by
+its broker (SCM_RIGHTS, a ``bulk_put`` frame on the broker's standing ``bulk_channel``
+connection) once the broker checked the client's one-time token, so the upload's bytes go from
+the client's socket into the guest's pipe without the broker.
 
 Standard library only (run by ``supervisor.py`` as a script). Knows the bulk stream's layout
 after the hello (``size`` raw bytes, then a length-prefixed digest frame unless the hello named
@@ -11,7 +12,7 @@ Frame-aligned like the relay: a piece goes to the guest only whole (spliced when
 queued in the client's socket, else read into a buffer first), so a client that hangs up
 mid-piece leaves no half frame in the pipe; the relay then tells the guest to abort the upload
 and nothing lands. The outcome (the guest's reply, or why the stream broke) goes back on the
-broker's hand-off connection; the broker answers the client (its Done frame is msgpack).
+broker's channel; the broker answers the client (its Done frame is msgpack).
 """
 
 from __future__ import annotations
@@ -102,7 +103,11 @@ class HandOffChannel:
             if upload is not None:
                 upload.fail("the broker gave up on the upload", "timeout")
             return
-        if header.get("op") != "bulk_put" or not self._fds:
+        if header.get("op") != "bulk_put":
+            return
+        if not self._fds:  # a bulk_put without its socket: nothing to take the bytes from
+            self._send({"upload": number, "t": "broken", "reason": "framing", "received": 0,
+                        "message": "a hand-off came without its socket"})
             return
         client = socket.socket(fileno=self._fds.popleft())
         held = self._held(str(header.get("sandbox_id")))
