@@ -26,7 +26,7 @@ from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient
 from rollmesh.sandbox.bulk_stream import frame, upload_over_stream
 from rollmesh.sandbox.in_process import InProcessRequester
 from rollmesh.sandbox.process_backend import ProcessBackend
-from rollmesh.sandbox.supervisor_bulk import StreamBroken, digest_of
+from rollmesh.sandbox.supervisor_bulk import HandOffStreamError, digest_of
 from rollmesh.sandbox.supervisor_client import SupervisorClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -131,7 +131,7 @@ def test_the_supervisors_digest_reader_takes_only_a_digest_frame():
     assert digest_of(msgspec.msgpack.encode(SandboxBulkDigest(sha256=sha))) == sha
     for body in (msgspec.msgpack.encode(SandboxBulkDone(sha256=sha)), b"\x81\xa6sha256\x01", b"\x92",
                  msgspec.msgpack.encode({"type": "sandbox.bulk_digest", "sha256": "not hex"})):
-        with pytest.raises(StreamBroken) as refused:
+        with pytest.raises(HandOffStreamError) as refused:
             digest_of(body)
         assert refused.value.reason == "framing"
 

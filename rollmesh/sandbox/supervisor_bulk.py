@@ -3,7 +3,8 @@ its broker (SCM_RIGHTS, a ``bulk_put`` frame on the broker's standing ``bulk_cha
 connection) once the broker checked the client's one-time token, so the upload's bytes go from
 the client's socket into the guest's pipe without the broker.
 
-Standard library only (run by ``supervisor.py`` as a script). Knows the bulk stream's layout
+Standard library only, no imports of rollmesh beyond ``guest_wire`` and ``supervisor_splice``
+(run by ``supervisor.py`` as a script). Knows the bulk stream's layout
 after the hello (``size`` raw bytes, then a length-prefixed digest frame unless the hello named
 the sha256), the guest's upload frames and what the relay's ``Held`` asks of a connection
 (``send``, ``pause``, ``spliced``, ``abandon``, ``close_when_flushed``, ``ids``); nothing of
@@ -159,7 +160,7 @@ class HandOffChannel:
         self._on_close()
 
 
-class StreamBroken(Exception):
+class HandOffStreamError(Exception):
     """The client's stream cannot give a whole upload: ``reason`` as ``BulkStreamError``'s."""
 
     def __init__(self, message: str, reason: str) -> None:
@@ -215,7 +216,7 @@ class HandedOffUpload:
                 self._read_digest()
         except BlockingIOError:
             return
-        except StreamBroken as exc:
+        except HandOffStreamError as exc:
             self._fail(str(exc), exc.reason)
         except OSError as exc:
             self._fail(f"the bulk stream broke: {exc}", "truncated")
@@ -231,7 +232,7 @@ class HandedOffUpload:
             self._piece, self._piece_got = bytearray(need), 0
         count = self.sock.recv_into(memoryview(self._piece)[self._piece_got:])
         if count == 0:
-            raise StreamBroken(f"the bulk stream ended after {self.sent + self._piece_got} of {self.size} bytes",
+            raise HandOffStreamError(f"the bulk stream ended after {self.sent + self._piece_got} of {self.size} bytes",
                                "truncated")
         self._piece_got += count
         if self._piece_got == len(self._piece):
@@ -264,11 +265,11 @@ class HandedOffUpload:
         else:
             length = _LENGTH.unpack_from(self._digest)[0]
             if not 0 < length <= MAX_DIGEST_FRAME:
-                raise StreamBroken(f"a bulk digest frame of {length} bytes", "framing")
+                raise HandOffStreamError(f"a bulk digest frame of {length} bytes", "framing")
             want = _LENGTH.size + length
         data = self.sock.recv(want - have)
         if not data:
-            raise StreamBroken(f"the bulk stream ended after the {self.size} bytes, before their digest",
+            raise HandOffStreamError(f"the bulk stream ended after the {self.size} bytes, before their digest",
                                "truncated")
         self._digest += data
         if len(self._digest) <= _LENGTH.size or len(self._digest) < want:
@@ -361,7 +362,7 @@ def digest_of(body: bytes) -> str:
     def take(n: int) -> bytes:
         nonlocal pos
         if pos + n > len(body):
-            raise StreamBroken("a short bulk digest frame", "framing")
+            raise HandOffStreamError("a short bulk digest frame", "framing")
         pos += n
         return body[pos - n:pos]
 
@@ -374,11 +375,11 @@ def digest_of(body: bytes) -> str:
         elif lead == 0xDA:
             size = int.from_bytes(take(2), "big")
         else:
-            raise StreamBroken("a bulk digest frame that is not a map of strings", "framing")
+            raise HandOffStreamError("a bulk digest frame that is not a map of strings", "framing")
         try:
             return take(size).decode()
         except UnicodeDecodeError as exc:
-            raise StreamBroken("a bulk digest frame with a bad string", "framing") from exc
+            raise HandOffStreamError("a bulk digest frame with a bad string", "framing") from exc
 
     lead = take(1)[0]
     if 0x80 <= lead <= 0x8F:
@@ -386,11 +387,11 @@ def digest_of(body: bytes) -> str:
     elif lead == 0xDE:
         count = int.from_bytes(take(2), "big")
     else:
-        raise StreamBroken("a bulk digest frame that is not a map", "framing")
+        raise HandOffStreamError("a bulk digest frame that is not a map", "framing")
     for _ in range(count):
         key = string()
         fields[key] = string()
     sha256 = fields.get("sha256", "")
     if pos != len(body) or fields.get("type") != "sandbox.bulk_digest" or not _SHA256.fullmatch(sha256):
-        raise StreamBroken("a bulk digest frame without a sha256", "framing")
+        raise HandOffStreamError("a bulk digest frame without a sha256", "framing")
     return sha256
