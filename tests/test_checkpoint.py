@@ -325,6 +325,22 @@ def test_resharder_logic_refuses_to_serve_without_a_publisher(tmp_path: Path) ->
         ResharderLogic(ResharderConfig(), export_root=tmp_path / "hf").subscriptions()
 
 
+def test_the_resharder_role_starts_without_importing_torch(tmp_path: Path) -> None:
+    """Every mesh starts a resharder; torch (seconds of CPU in its new process) waits for the
+    first checkpoint to convert."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from rollmesh.actors.resharder import ResharderActor; "
+            "from rollmesh.checkpoint import CheckpointReadError, ResharderLogic; "
+            "from rollmesh.config import ResharderConfig; "
+            # Serving needs a publisher, never called here.
+            f"logic = ResharderLogic(ResharderConfig(), export_root=Path({str(tmp_path)!r}), publisher=object()); "
+            "assert logic.subscriptions(), 'serves nothing'; "
+            "assert 'torch' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_checkpoint_package_exports_what_it_states() -> None:
     import rollmesh.checkpoint as package
 

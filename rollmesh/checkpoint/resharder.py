@@ -16,20 +16,23 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from rollmesh.checkpoint.atomic_dir import write_file_atomically
 from rollmesh.checkpoint.errors import CheckpointReadError, TaskTooLargeError
-from rollmesh.checkpoint.hf_writer import copy_tokenizer_files, list_hf_files, write_hf_checkpoint
-from rollmesh.checkpoint.megatron_export import ExportOptions, export_to_hf
-from rollmesh.checkpoint.readers import read_checkpoint
 from rollmesh.config import ResharderConfig
 from rollmesh.messages.checkpoint import CheckpointConversionFailed, CheckpointConverted, CheckpointSaved
 from rollmesh.messages.subjects import CHECKPOINT_CONVERTED, CHECKPOINT_FAILED, CHECKPOINT_SAVED
 from rollmesh.moved_names import forward_moved_names
 from rollmesh.ports import MessageContext, Publisher, Subscription
 from rollmesh.telemetry.busy_clock import BusyClock
+
+# The writer, the readers and the Megatron exporter import torch; they are imported where a
+# checkpoint is converted, so the resharder role starts (every mesh start) without torch.
+if TYPE_CHECKING:
+    from rollmesh.checkpoint.megatron_export import ExportOptions
 
 # Deprecated: the class was renamed for its role (and took in the actor's ResharderService).
 __getattr__ = forward_moved_names(__name__, {"CheckpointResharder": "rollmesh.checkpoint.resharder:ResharderLogic"})
@@ -71,9 +74,6 @@ class ResharderLogic:
                  busy: BusyClock | None = None) -> None:
         self._config = config
         self._export_root = Path(export_root)
-        self._export_options = ExportOptions(max_shard_bytes=config.max_shard_bytes, workers=config.convert_workers,
-                                             memory_budget_bytes=config.convert_memory_budget_bytes,
-                                             backend=config.convert_backend)
         self.publisher = publisher
         self.busy = busy or BusyClock()  # conversions: the resharder's compute
 
@@ -104,6 +104,8 @@ class ResharderLogic:
 
     def convert(self, msg: CheckpointSaved) -> CheckpointConverted:
         """Blocking conversion; ``handle_checkpoint_saved`` runs it off the event loop."""
+        from rollmesh.checkpoint.hf_writer import copy_tokenizer_files
+
         out_dir = self.export_dir(msg.step)
         tokenizer_source = str(msg.model_config.get("path") or "")
         provenance = ExportProvenance(step=msg.step, weight_version=msg.weight_version, source_path=msg.path,
@@ -128,17 +130,30 @@ class ResharderLogic:
 
     def _export(self, msg: CheckpointSaved, out_dir: Path) -> list[str]:
         """The weights and config.json of ``msg``'s checkpoint as an HF directory at ``out_dir``."""
+        from rollmesh.checkpoint.hf_writer import write_hf_checkpoint
+        from rollmesh.checkpoint.megatron_export import export_to_hf
+        from rollmesh.checkpoint.readers import read_checkpoint
+
         if msg.format in MEGATRON_FORMATS:
             # The architecture and hyperparameters come from the arguments saved with the checkpoint.
-            return export_to_hf(Path(msg.path), out_dir, self._export_options)
+            return export_to_hf(Path(msg.path), out_dir, self._export_options())
         state_dict, meta = read_checkpoint(Path(msg.path), msg.format)
         # The checkpoint's own config is the truth; the event's copy fills what it lacks.
         config = {**msg.model_config, **meta.model_config}
         return write_hf_checkpoint(state_dict, out_dir, max_shard_bytes=self._config.max_shard_bytes, config=config)
 
+    def _export_options(self) -> ExportOptions:
+        from rollmesh.checkpoint.megatron_export import ExportOptions
+
+        config = self._config
+        return ExportOptions(max_shard_bytes=config.max_shard_bytes, workers=config.convert_workers,
+                             memory_budget_bytes=config.convert_memory_budget_bytes, backend=config.convert_backend)
+
     @staticmethod
     def _reusable_files(out_dir: Path, provenance: ExportProvenance) -> list[str] | None:
         """The files of an export made from this same source, or None if it must be (re)made."""
+        from rollmesh.checkpoint.hf_writer import list_hf_files
+
         try:
             found = msgspec.json.decode(
                 (out_dir / PROVENANCE_FILE).read_bytes(), type=ExportProvenance
