@@ -1,8 +1,10 @@
-"""One real rollout through a mesh configured only by OTEL_* variables, received over OTLP/HTTP.
+"""One real rollout through a mesh configured only by OTEL_* variables, received over OTLP/HTTP;
+then the same mesh resumed without the variables still exports its rollouts' spans there.
 
 An OTLP/HTTP receiver runs in the test process and decodes what the exporters send with
 opentelemetry-proto; the mesh runs as ``rollmesh up`` / ``submit`` / ``sandbox run`` / ``down``
-subprocesses (one mesh for all of them: starting one is the slow part).
+subprocesses. Starting a mesh is the slow part, so the first run (``otlp_run``) serves both tests:
+its spans are kept for the first, and its run directory is what the second resumes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -31,7 +34,8 @@ from rollmesh.messages import RolloutCompleted
 from rollmesh.messages.subjects import ROLLOUT_COMPLETED
 from rollmesh.telemetry import conventions
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+# Whichever test runs first also starts, uses and stops the first mesh (``otlp_run``).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 ROLLMESH = [sys.executable, "-m", "rollmesh.cli"]
 
@@ -79,7 +83,7 @@ def _value(value):
     return getattr(value, kind) if kind in ("string_value", "int_value", "bool_value", "double_value") else None
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def receiver() -> Iterator[_Receiver]:
     server = _Receiver()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -106,14 +110,41 @@ async def _last_completion(run_dir: Path) -> RolloutCompleted:
     return ROLLOUT_COMPLETED.decode(stored.data)
 
 
-def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receiver: _Receiver,
-                                                         demo_model_dir: Path) -> None:
+SPANS_TIMEOUT_S = 60.0
+FIRST_RUN_SPANS = ("rollout", "turn", "publish rl.{ns}.rollout.completed", conventions.SPAN_SANDBOX_RUN)
+
+
+def wait_spans(receiver: _Receiver, names: tuple[str, ...]) -> list[dict]:
+    """The receiver's spans once one of each of ``names`` arrived, or all it has at the deadline."""
+    deadline = time.monotonic() + SPANS_TIMEOUT_S
+    while True:
+        with receiver.lock:
+            spans = list(receiver.spans)
+        if {s["name"] for s in spans} >= set(names) or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.2)  # polling the receiver's list; the spans' arrival is the signal
+
+
+@dataclass
+class OtlpRun:
+    """A mesh run made with OTLP chosen only by OTEL_EXPORTER_OTLP_ENDPOINT, now stopped."""
+
+    run_dir: Path
+    endpoint: str
+    completion: RolloutCompleted  # of its one rollout
+    spans: list[dict]  # what it exported: its rollout's, the sandbox run's
+
+
+@pytest.fixture(scope="module")
+def otlp_run(tmp_path_factory: pytest.TempPathFactory, receiver: _Receiver) -> OtlpRun:
+    """``up`` with the endpoint variable, one rollout and one ``sandbox run``, ``down``."""
+    tmp_path = tmp_path_factory.mktemp("otlp")
+    endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.server_address[1]}",
-               OTEL_TRACES_SAMPLER="parentbased_always_on")
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_TRACES_SAMPLER="parentbased_always_on")
     run_root = tmp_path / "runs"
-    up = _run(["--run-root", str(run_root), "up", "--no-serve", "--timeout", "180"], env,
-              timeout=240, cwd=tmp_path)
+    up = _run(["--run-root", str(run_root), "up", "--no-serve", "--timeout", "240"], env,
+              timeout=300, cwd=tmp_path)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         submit = _run(["--run-root", str(run_root), "submit", "--task", "molar_mass", "--count", "1",
@@ -127,20 +158,19 @@ def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receive
     finally:
         down = _run(["--run-root", str(run_root), "down", "--timeout", "60"], env, timeout=120, cwd=tmp_path)
     assert down.returncode == 0, down.stdout + down.stderr
+    return OtlpRun(run_dir, endpoint, completion, wait_spans(receiver, FIRST_RUN_SPANS))
+
+
+def test_rollout_arrives_over_otlp_linked_and_attributed(otlp_run: OtlpRun, demo_model_dir: Path) -> None:
+    run_dir, completion, spans = otlp_run.run_dir, otlp_run.completion, otlp_run.spans
     assert not (run_dir / "traces.jsonl").exists()  # the endpoint alone switched to OTLP
 
-    deadline = time.monotonic() + 20
-    while True:
-        with receiver.lock:
-            spans = list(receiver.spans)
-        rollouts = [s for s in spans if s["name"] == "rollout"]
-        turns = [s for s in spans if s["name"] == "turn"]
-        completed_publishes = [s for s in spans if s["name"] == "publish rl.{ns}.rollout.completed"]
-        sandbox_runs = [s for s in spans if s["name"] == conventions.SPAN_SANDBOX_RUN]
-        if rollouts and turns and completed_publishes and sandbox_runs:
-            break
-        assert time.monotonic() < deadline, f"no rollout/turn/completed/sandbox run spans among {len(spans)}"
-        time.sleep(0.2)
+    rollouts = [s for s in spans if s["name"] == "rollout"]
+    turns = [s for s in spans if s["name"] == "turn"]
+    completed_publishes = [s for s in spans if s["name"] == "publish rl.{ns}.rollout.completed"]
+    sandbox_runs = [s for s in spans if s["name"] == conventions.SPAN_SANDBOX_RUN]
+    assert rollouts and turns and completed_publishes and sandbox_runs, \
+        f"no rollout/turn/completed/sandbox run spans among {len(spans)}"
 
     services = {s["service"] for s in spans}
     assert len(services & {"rollmesh.prefill", "rollmesh.decode", "rollmesh.rollout",
@@ -196,3 +226,29 @@ def test_rollout_arrives_over_otlp_linked_and_attributed(tmp_path: Path, receive
     assert cli_exec["trace_id"] == run_span["trace_id"]
     assert cli_exec["parent_span_id"] == run_span["span_id"]
     assert "rl.rollout_id" not in cli_exec["attributes"]  # no rollout asked for it
+
+
+def test_a_resume_without_the_otlp_variable_still_exports_over_otlp(otlp_run: OtlpRun, receiver: _Receiver,
+                                                                     tmp_path: Path) -> None:
+    run_dir = otlp_run.run_dir
+    telemetry = json.loads((run_dir / "config.json").read_text())["telemetry"]
+    assert telemetry["exporter"] == "otlp"
+    assert telemetry["otlp_endpoint"] == f"{otlp_run.endpoint}/v1/traces"
+    with receiver.lock:
+        receiver.spans.clear()  # what the first run sent; only the resumed run's spans count
+
+    without_otel = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    resumed = _run(["up", "--resume", str(run_dir), "--no-serve", "--timeout", "240"], without_otel,
+                   timeout=300, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    try:
+        submit = _run(["submit", "--run-dir", str(run_dir), "--task", "molar_mass", "--count", "1", "--wait",
+                       "--timeout", "120"], without_otel, timeout=180, cwd=tmp_path)
+        assert submit.returncode == 0, submit.stdout + submit.stderr
+    finally:
+        down = _run(["down", "--run-dir", str(run_dir), "--timeout", "60"], without_otel, timeout=120, cwd=tmp_path)
+    assert down.returncode == 0, down.stdout + down.stderr
+    rollouts = [span for span in wait_spans(receiver, ("rollout",)) if span["name"] == "rollout"]
+    assert rollouts, "no rollout span arrived over OTLP"
+    assert rollouts[0]["service"] == "rollmesh.rollout"
+    assert not (run_dir / "traces.jsonl").exists()  # the saved exporter, not the config file's jsonl

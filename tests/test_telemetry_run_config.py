@@ -2,7 +2,7 @@
 
 So ``rollmesh up --resume`` without the variables exports where the run did, and a variable set
 at resume still wins. Plain logic: the mesh is constructed (which folds the variables in) but not
-started; tests/test_telemetry_resume_mesh.py does it with a real mesh and an OTLP receiver.
+started; tests/test_telemetry_otlp_mesh.py does it with a real mesh and an OTLP receiver.
 """
 
 from __future__ import annotations
