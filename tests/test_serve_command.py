@@ -1,7 +1,8 @@
 """``rollmesh serve`` as a user runs it: a real process with its own nats-server and Ray, serving the
-model directory of ``--model``, requests over HTTP, then SIGTERM and a clean exit 0. A second run
-with ``ROLLMESH_API_KEY`` set checks that requests without the key are refused and the key never
-reaches the output.
+model directory of ``--model`` with ``ROLLMESH_API_KEY`` set, requests over HTTP (refused without
+the key, answered with it), then SIGTERM and a clean exit 0, the key never in the output.
+
+One process for all of it (starting one, its Ray and its workers, is the slow part).
 """
 
 from __future__ import annotations
@@ -84,39 +85,38 @@ def stop_and_wait(process: subprocess.Popen[str], lines: list[str]) -> int:
         pytest.fail("no exit within the timeout after SIGTERM:\n" + "".join(lines[-40:]))
 
 
-def test_serve_model_dir_answers_chat_and_completions_and_exits_0_on_sigterm(
+def test_serve_model_dir_answers_chat_and_completions_refuses_requests_without_its_key_and_exits_0_on_sigterm(
     tmp_path: Path, demo_model_dir: Path,
 ) -> None:
     model_dir = shutil.copytree(demo_model_dir, tmp_path / "my-model")
+    key = "sk-test-" + os.urandom(8).hex()
+    authorized = {"Authorization": f"Bearer {key}"}
     # --model wins over the configured model.path (here a directory that does not exist).
-    env = {"ROLLMESH_MODEL__PATH": str(tmp_path / "not-a-model")}
+    env = {"ROLLMESH_MODEL__PATH": str(tmp_path / "not-a-model"), "ROLLMESH_API_KEY": key}
     with serve_process(tmp_path, env, ("--model", str(model_dir))) as (process, url, lines):
-        assert [card["id"] for card in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]] == [
-            "my-model"]
-        response = httpx.post(f"{url}/v1/completions", timeout=60,
+        assert [card["id"] for card in httpx.get(f"{url}/v1/models", timeout=30, headers=authorized).json()[
+            "data"]] == ["my-model"]
+        response = httpx.post(f"{url}/v1/completions", timeout=60, headers=authorized,
                               json={"prompt": "hello", "max_tokens": 4, "temperature": 0})
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
         messages = [{"role": "user", "content": "molar mass of H2O?"}]
-        chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, headers=authorized, json={
             "messages": messages, "max_tokens": 4, "temperature": 0})
         assert chat.status_code == 200, chat.text
         model = ChatModel.load(model_dir)  # the prompt is the served model's template, its tokens
         prompt_ids = model.encode(model.render(messages, add_generation_prompt=True))
         assert chat.json()["usage"]["prompt_tokens"] == len(prompt_ids)
-        assert stop_and_wait(process, lines) == 0
-
-
-def test_serve_with_an_api_key_refuses_requests_without_it(tmp_path: Path) -> None:
-    key = "sk-test-" + os.urandom(8).hex()
-    with serve_process(tmp_path, {"ROLLMESH_API_KEY": key}) as (process, url, lines):
-        body = {"prompt": "hi", "max_tokens": 2}
-        refused = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert refused.status_code == 401
-        assert refused.json()["error"]["code"] == "invalid_api_key"
-        accepted = httpx.post(f"{url}/v1/completions", json=body, timeout=60,
-                              headers={"Authorization": f"Bearer {key}"})
-        assert accepted.status_code == 200, accepted.text
-        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        check_the_api_key_is_wanted(url, key)
         assert stop_and_wait(process, lines) == 0
     assert key not in "".join(lines)
+
+
+def check_the_api_key_is_wanted(url: str, key: str) -> None:
+    body = {"prompt": "hi", "max_tokens": 2}
+    refused = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == "invalid_api_key"
+    accepted = httpx.post(f"{url}/v1/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {key}"})
+    assert accepted.status_code == 200, accepted.text
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
