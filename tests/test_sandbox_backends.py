@@ -156,3 +156,23 @@ def test_a_sweep_spares_cgroups_whose_owner_still_runs() -> None:
     dead.wait()
     assert not _owner_alive(f"x-p{dead.pid}-0123abcd")
     assert not _owner_alive("left-by-an-old-broker")
+
+
+@pytest.mark.unit
+def test_a_cgroups_oom_count_is_read_afresh_each_time_and_its_file_closed_on_removal(tmp_path: Path) -> None:
+    """The memory events file stays open between execs (read with pread, not reopened): each
+    read still sees the count as it is now, and removing the cgroup closes the file."""
+    from rollmesh.sandbox.limits import SandboxCgroup
+
+    memory_dir = tmp_path / "sandbox"
+    memory_dir.mkdir()
+    events = memory_dir / "memory.oom_control"
+    events.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+    cgroup = SandboxCgroup("v1", [memory_dir], memory_dir)
+    assert cgroup.oom_kills() == 0
+    with open(events, "r+") as rewrite:  # in place, as the kernel's counter changes
+        rewrite.write("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    assert cgroup.oom_kills() == 3
+    held = len(os.listdir("/proc/self/fd"))
+    cgroup.remove()  # (a plain directory with a file in it stays; a cgroup's would go)
+    assert len(os.listdir("/proc/self/fd")) == held - 1
