@@ -193,14 +193,27 @@ class Guest:
             ex = by_pid.get(pid)
             if ex is None:
                 continue  # an orphan: reaped so it does not linger as a zombie
-            ex.status = status
-            ex.cpu_s = usage.ru_utime + usage.ru_stime
-            kill_group(ex.pid)  # what the command left behind in its group
-            if ex.fds:
-                ex.finish_by = time.monotonic() + STRAGGLER_GRACE_S
-                self.add_timer(ex.finish_by, ex.rid)
-            else:
-                self.finish(ex)
+            self.exited(ex, status, usage)
+
+    def reap(self, ex):
+        """Reap the command if it has exited, without waiting. Its pipes' end comes from its
+        exit, just before its SIGCHLD: reaped here, its reply leaves without a second wakeup."""
+        try:
+            pid, status, usage = os.wait4(ex.pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == ex.pid:
+            self.exited(ex, status, usage)
+
+    def exited(self, ex, status, usage):
+        ex.status = status
+        ex.cpu_s = usage.ru_utime + usage.ru_stime
+        kill_group(ex.pid)  # what the command left behind in its group
+        if ex.fds:
+            ex.finish_by = time.monotonic() + STRAGGLER_GRACE_S
+            self.add_timer(ex.finish_by, ex.rid)
+        else:
+            self.finish(ex)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -394,8 +407,11 @@ class Guest:
             return
         if not data:
             self.close_pipe(ex, fd)
-            if not ex.fds and ex.status is not None:
-                self.finish(ex)
+            if not ex.fds:
+                if ex.status is not None:
+                    self.finish(ex)
+                else:
+                    self.reap(ex)  # finishes it if it has exited; else its SIGCHLD will
             return
         if ex.killed_for == "output_truncated":
             return  # past the cap: drain and drop until the killed group closes the pipe
