@@ -140,19 +140,25 @@ class WorkspaceOps:
         lease.extend(now())
         # The broker's own span: its parent is the exec request's process span, and the tool
         # process gets its traceparent (TRACEPARENT in its environment) to continue the trace.
-        with _tracer.start_as_current_span(conventions.SPAN_SANDBOX_EXEC, attributes={
-                conventions.RL_SANDBOX_LEASE_ID: lease.lease_id, conventions.RL_SANDBOX_EXEC_ID: exec_id}) as span:
+        # Attributes are built only for a span that records (a sampled-out one drops them).
+        with _tracer.start_as_current_span(conventions.SPAN_SANDBOX_EXEC) as span:
+            recording = span.is_recording()
+            if recording:
+                span.set_attributes({conventions.RL_SANDBOX_LEASE_ID: lease.lease_id,
+                                     conventions.RL_SANDBOX_EXEC_ID: exec_id})
             try:
                 reply = await self._run_exec(lease, req, exec_id)
             finally:
                 self.running_execs -= 1
                 lease.running_execs -= 1
                 lease.extend(now())
-            span.set_attribute(conventions.RL_SANDBOX_RESULT, reply.result or reply.error_kind)
-            if reply.exit_code is not None:
-                span.set_attribute(conventions.RL_SANDBOX_EXIT_CODE, reply.exit_code)
-            if reply.result != "exit":
-                span.set_status(trace.StatusCode.ERROR, reply.result or reply.error_kind)
+            if recording:
+                ended = {conventions.RL_SANDBOX_RESULT: reply.result or reply.error_kind}
+                if reply.exit_code is not None:
+                    ended[conventions.RL_SANDBOX_EXIT_CODE] = reply.exit_code
+                span.set_attributes(ended)
+                if reply.result != "exit":
+                    span.set_status(trace.StatusCode.ERROR, reply.result or reply.error_kind)
         if reply.error_kind:
             return reply
         if reply.result == "sandbox_died":
