@@ -55,6 +55,7 @@ class GuestPipes:
         self._calls: dict[int, Call] = {0: Call()}  # id 0: the guest's "ready" hello
         self._next_id = 1
         self._drain_waiters: list[tuple[int, asyncio.Future]] = []
+        self._writing = False  # the loop watches stdin for room: changed only when that changes
         self._stderr_tail = bytearray()
         self._dead_cause = ""  # why the guest is gone, without its stderr
         self._dead_reason = ""  # the same with the tail of its stderr
@@ -116,9 +117,12 @@ class GuestPipes:
             self._mark_dead(f"cannot write to the guest: {exc}")
             return
         if done:
-            self._loop.remove_writer(self._in_fd)
-        else:
+            if self._writing:
+                self._loop.remove_writer(self._in_fd)
+                self._writing = False
+        elif not self._writing:
             self._loop.add_writer(self._in_fd, self._on_writable)
+            self._writing = True
         if self._drain_waiters:
             waiting = []
             for level, waiter in self._drain_waiters:
@@ -173,6 +177,7 @@ class GuestPipes:
         for fd in (self._out_fd, self._err_fd):
             self._loop.remove_reader(fd)
         self._loop.remove_writer(self._in_fd)
+        self._writing = False
 
     def _open(self) -> tuple[int, Call]:
         if self._dead_reason:

@@ -56,10 +56,15 @@ class Conn:
         self.closing = False  # close once what is queued is written (the guest is gone)
         self.splicing: SplicePayload | None = None  # its next bytes are that payload's: not read
         self._close_after_splice = False
+        # Whether the loop watches the socket: changed only when that changes, since asking the
+        # loop to (un)watch costs more than the frame's own write (every frame goes by here).
+        self.reading = False
+        self.writing = False
         self._loop = asyncio.get_running_loop()
 
     def start(self) -> None:
         self._loop.add_reader(self.fd, self._readable)
+        self.reading = True
 
     def send(self, header: dict, payload: bytes | bytearray | memoryview = b"") -> None:
         if self.alive:
@@ -73,12 +78,15 @@ class Conn:
             self.close()
             return
         if done:
-            self._loop.remove_writer(self.fd)
+            if self.writing:
+                self._loop.remove_writer(self.fd)
+                self.writing = False
             if self.closing:
                 self.close()
                 return
-        else:
+        elif not self.writing:
             self._loop.add_writer(self.fd, self._flush)
+            self.writing = True
         self.held.conn_pressure(self, self.writer.pending > HIGH_WATER)
 
     def _readable(self) -> None:
@@ -123,6 +131,7 @@ class Conn:
             raise wire.WireError("frame header is not an object")
         self.splicing = SplicePayload(self, payload_len)
         self._loop.remove_reader(self.fd)  # until its payload has left the socket
+        self.reading = False
         return header, self.splicing
 
     def abandon(self) -> None:
@@ -142,12 +151,13 @@ class Conn:
             self.pause(self.held.writer.pending > HIGH_WATER)
 
     def pause(self, paused: bool) -> None:
-        if not self.alive or self.splicing is not None:
-            return
+        if not self.alive or self.splicing is not None or paused != self.reading:
+            return  # (already as asked)
         if paused:
             self._loop.remove_reader(self.fd)
         else:
             self._loop.add_reader(self.fd, self._readable)
+        self.reading = not paused
 
     def close_when_flushed(self) -> None:
         self.closing = True
@@ -160,6 +170,7 @@ class Conn:
         self.alive = False
         self._loop.remove_reader(self.fd)
         self._loop.remove_writer(self.fd)
+        self.reading = self.writing = False
         if self.splicing is None:
             self.sock.close()
         else:  # a payload still to splice from it: the socket stays open till that frame is whole
@@ -197,6 +208,7 @@ class Held:
                 pass
         self.reader = wire.FrameReader(MAX_PAYLOAD)
         self.writer = SpliceWriter(self.in_fd)
+        self.writing = False  # the loop watches the guest's stdin for room (as Conn.writing)
         self.conns: set[Conn] = set()
         self.routes: dict[int, list[tuple[Conn, int]]] = {}  # the guest's id -> who waits for it
         self.keyed: dict[str, Kept] = {}
@@ -258,9 +270,12 @@ class Held:
             self.close_stdin()
             return
         if done:
-            self._loop.remove_writer(self.in_fd)
-        else:
+            if self.writing:
+                self._loop.remove_writer(self.in_fd)
+                self.writing = False
+        elif not self.writing:
             self._loop.add_writer(self.in_fd, self._flush_guest)
+            self.writing = True
         paused = self.writer.pending > HIGH_WATER
         for conn in self.conns:
             conn.pause(paused)
@@ -272,6 +287,7 @@ class Held:
             for item in self.writer.drop():  # a broker mid-splice: its stream cannot go on
                 item.conn.abandon()
             self._loop.remove_writer(self.in_fd)
+            self.writing = False
             assert self.process.stdin is not None
             self.process.stdin.close()
 
