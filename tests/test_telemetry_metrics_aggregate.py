@@ -157,3 +157,22 @@ def test_every_catalogued_metric_has_a_prometheus_name_and_bounded_labels():
         assert spec.name.startswith("rollmesh_") and not spec.name.endswith("_total")
         assert not {"rollout_id", "lease_id", "group_id", "request_id", "trace_id"} & set(spec.labels)
         assert (spec.kind == "histogram") == bool(spec.buckets)
+
+
+def test_a_deferred_histogram_value_is_in_the_next_snapshot():
+    """``record_deferred`` (the sandbox broker's exec durations) leaves the caller's hot path but
+    not the snapshot: the next collection holds the value."""
+    from rollmesh.telemetry import metrics
+
+    metrics.setup_metrics("metrics-test")  # process-wide and in memory (a no-op when already set up)
+
+    def recorded() -> int:
+        snapshot = metrics.collect_report()
+        assert snapshot is not None
+        return sum(point.count for series in snapshot.metrics if series.name == catalog.SANDBOX_EXEC_DURATION.name
+                   for point in series.points if point.labels.get("result") == "deferred-test")
+
+    before = recorded()
+    metrics.record_deferred(catalog.SANDBOX_EXEC_DURATION, 0.002, {"result": "deferred-test"})
+    metrics.record_deferred(catalog.SANDBOX_EXEC_DURATION, 0.003, {"result": "deferred-test"})
+    assert recorded() == before + 2

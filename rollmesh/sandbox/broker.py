@@ -241,8 +241,9 @@ class SandboxBroker:
             reply = SandboxExecReply(error_kind=kind, error=text, exec_id=req.exec_id)
         else:
             reply = await self._ops.exec(lease, req, now=self._clock)
-        metrics.record(metrics_catalog.SANDBOX_EXEC_DURATION, time.monotonic() - started,
-                       {"result": reply.error_kind or reply.result})
+        # Recorded at the next metrics collection: the caller is waiting for this reply.
+        metrics.record_deferred(metrics_catalog.SANDBOX_EXEC_DURATION, time.monotonic() - started,
+                                {"result": reply.error_kind or reply.result})
         return reply
 
     async def upload(self, req: SandboxUploadRequest) -> SandboxUploadReply:
