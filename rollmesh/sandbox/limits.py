@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+OOM_KILL_LINE = re.compile(rb"^oom_kill (\d+)$", re.MULTILINE)  # in memory.events / memory.oom_control
 GROUP_DIR = "rollmesh-sandboxes"
 # The sandbox's first process runs this, as root, before it becomes the sandbox: it moves itself
 # into each cgroup.procs named before "--", lowers its OOM score (so the guest outlives the
@@ -60,7 +61,7 @@ class SandboxCgroup:
         except OSError:
             self._close_events()
             raise
-        match = re.search(rb"^oom_kill (\d+)$", text, re.MULTILINE)
+        match = OOM_KILL_LINE.search(text)
         return int(match.group(1)) if match else 0
 
     def _close_events(self) -> None:
