@@ -15,9 +15,12 @@ from pathlib import Path
 import pytest
 from support.fakes import FakeSandboxBackend, ManualClock
 
-from rollmesh.config import SandboxConfig, SandboxProfileConfig
+from rollmesh.config import RolloutConfig, SandboxConfig, SandboxProfileConfig
+from rollmesh.messages import Subject, WireMessage
 from rollmesh.messages.sandbox import SandboxLeaseRequest
-from rollmesh.sandbox import SandboxBroker
+from rollmesh.rollout.rollout_sandbox import RolloutSandbox
+from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient
+from rollmesh.sandbox.in_process import InProcessRequester
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -34,6 +37,18 @@ def slow_broker(tmp_path: Path, **config: object) -> tuple[SandboxBroker, FakeSa
     broker = SandboxBroker(SandboxConfig(profiles=profiles, max_concurrent_creates=1, **config), backend,
                            snapshot_dir=tmp_path / "snap", clock=clock, new_id=lambda: next(ids))
     return broker, backend, clock
+
+
+class RecordingRequester(InProcessRequester):
+    """Straight into the broker, keeping every request sent."""
+
+    def __init__(self, broker: SandboxBroker) -> None:
+        super().__init__(broker)
+        self.sent: list[WireMessage] = []
+
+    async def request(self, subject: Subject, message: WireMessage, timeout_s: float) -> WireMessage:
+        self.sent.append(message)
+        return await super().request(subject, message, timeout_s)
 
 
 async def test_creations_slower_than_the_client_waits_make_no_sandbox_for_a_request_given_up(tmp_path):
@@ -94,3 +109,14 @@ async def test_a_retry_finds_the_lease_granted_in_time_whatever_its_own_deadline
     clock.advance(WAIT_S)
     again = await broker.lease(SandboxLeaseRequest(holder="r", deadline=clock() - 1))
     assert first.lease_id == again.lease_id != "" and len(backend.created) == 1
+
+
+async def test_a_rollouts_lease_request_waits_rollout_sandbox_lease_wait_s_and_says_so(tmp_path):
+    broker, _, clock = slow_broker(tmp_path)
+    requester = RecordingRequester(broker)
+    client = SandboxBrokerClient(requester, clock=clock)
+    config = RolloutConfig(sandbox_lease_wait_s=45.0)
+    await RolloutSandbox(client, config).lease("rollout-1", held="", snapshot_id="", turn=0)
+    (sent,) = requester.sent
+    assert isinstance(sent, SandboxLeaseRequest) and sent.deadline == clock.now - CREATE_S + 45.0
+    assert RolloutConfig().sandbox_lease_wait_s > SandboxBrokerClient(requester).timeout_s
