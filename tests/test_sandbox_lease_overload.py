@@ -18,6 +18,7 @@ from support.fakes import FakeSandboxBackend, ManualClock
 from rollmesh.config import RolloutConfig, SandboxConfig, SandboxProfileConfig
 from rollmesh.messages import Subject, WireMessage
 from rollmesh.messages.sandbox import SandboxLeaseRequest
+from rollmesh.rollout.agent_loop import MAX_RETRY_DELAY_S, infra_retry_delay_s
 from rollmesh.rollout.rollout_sandbox import RolloutSandbox
 from rollmesh.sandbox import SandboxBroker, SandboxBrokerClient
 from rollmesh.sandbox.in_process import InProcessRequester
@@ -120,3 +121,11 @@ async def test_a_rollouts_lease_request_waits_rollout_sandbox_lease_wait_s_and_s
     (sent,) = requester.sent
     assert isinstance(sent, SandboxLeaseRequest) and sent.deadline == clock.now - CREATE_S + 45.0
     assert RolloutConfig().sandbox_lease_wait_s > SandboxBrokerClient(requester).timeout_s
+
+
+def test_infra_retry_pauses_double_and_are_spread_by_up_to_half():
+    assert [infra_retry_delay_s(failures, 1.0, 0.999999) for failures in (1, 2, 3)] == pytest.approx([1, 2, 4])
+    assert infra_retry_delay_s(2, 1.0, 0.0) == 1.0  # half of 2 s at the lowest draw
+    assert infra_retry_delay_s(20, 1.0, 0.0) == MAX_RETRY_DELAY_S / 2
+    spread = {infra_retry_delay_s(1, 4.0, draw) for draw in (0.0, 0.25, 0.5, 0.75)}
+    assert spread == {2.0, 2.5, 3.0, 3.5}  # rollouts failed together come back apart
