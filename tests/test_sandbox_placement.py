@@ -208,20 +208,42 @@ async def test_a_leases_requests_go_to_the_broker_its_id_names():
 
 class ForwardingPublisher:
     """Fakes the bus (an edge) for a broker's forwards: records each request's subject and
-    answers it with ``answer`` (a reply, or an exception to raise)."""
+    answers it with ``answer`` (a reply, or an exception to raise); ``timeouts``: how long each
+    would have waited."""
 
     def __init__(self, answer) -> None:
         self.answer = answer
         self.subjects: list[str] = []
+        self.timeouts: list[float] = []
 
     async def request(self, subject, message, timeout_s):
         self.subjects.append(subject.format("ns"))
+        self.timeouts.append(timeout_s)
         if isinstance(self.answer, BaseException):
             raise self.answer
         return self.answer
 
     async def publish(self, subject, message):
         pass
+
+
+@pytest.mark.unit
+async def test_a_forwarded_lease_waits_on_the_other_broker_as_long_as_its_requester_does(tmp_path):
+    # Given up sooner, the lease would be made here as well while the other broker still makes
+    # it: two sandboxes for one rollout. A request without a deadline waits a sandbox start.
+    clock = ManualClock()
+    config = SandboxConfig(profiles={"default": SandboxProfileConfig(warm_min=0, warm_max=0)})
+    broker = SandboxBroker(config, FakeSandboxBackend(), snapshot_dir=tmp_path, clock=clock,
+                           new_id=broker_ids(lambda: uuid.uuid4().hex, "0"))
+    publisher = ForwardingPublisher(SandboxLeaseReply(lease_id="1.abc", broker="1"))
+    service = SandboxBrokerLogic(broker, broker_id="0", publisher=publisher)
+    for index in range(4):
+        await service._lease_here(SandboxLeaseRequest(holder=f"held-{index}"))
+    service.directory.heard(SandboxLoadReported(broker="1", max_sandboxes=1024))  # idle
+    await service._placed_lease(SandboxLeaseRequest(holder="patient", deadline=clock() + 300.0), None)
+    await service._placed_lease(SandboxLeaseRequest(holder="old-client"), None)
+    assert publisher.subjects == ["rl.ns.sandbox.b.1.lease"] * 2
+    assert publisher.timeouts == [300.0, config.start_timeout_s]
 
 
 @pytest.mark.unit
