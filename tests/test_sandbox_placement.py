@@ -164,15 +164,18 @@ def test_per_node_brokers_go_to_every_live_node_offering_the_sandbox_resources()
 
 class RecordingRequester:
     """Fakes the bus's request (an edge): records each subject; requests to a broker in ``down``
-    find no responder, the others get an empty success reply (a lease: "0.new")."""
+    find no responder, the others get an empty success reply (a lease: "0.new"). ``timeouts``:
+    how long each would have waited."""
 
     def __init__(self, down: set[str] = frozenset()) -> None:
         self.subjects: list[str] = []
+        self.timeouts: list[float] = []
         self.down = down
 
     async def request(self, subject, message, timeout_s):
         concrete = subject.format("ns")
         self.subjects.append(concrete)
+        self.timeouts.append(timeout_s)
         if any(f".b.{broker}." in concrete for broker in self.down):
             raise RequestFailedError(f"no responders on {concrete}")
         return subject.reply_type(lease_id="0.new") if subject.reply_type is SandboxLeaseReply else subject.reply_type()
@@ -204,6 +207,17 @@ async def test_a_leases_requests_go_to_the_broker_its_id_names():
         await hasty.exec("1.old", ["true"], timeout_s=0.05)
     assert lost.value.kind == "unreachable"
     assert failure_kind(lost.value) in INFRA_FAILURE_KINDS  # the rollout retries, typed
+
+
+@pytest.mark.unit
+async def test_a_resumed_holders_old_broker_is_asked_no_longer_than_the_client_timeout():
+    # It may be lost with its node and still subscribed until NATS misses its pings: a rollout
+    # waiting rollout.sandbox_lease_wait_s there would wait minutes before trying the others.
+    requester = RecordingRequester(down={"1"})
+    client = SandboxBrokerClient(requester, timeout_s=30.0)
+    assert (await client.lease("holder", held_lease="1.old", wait_s=300.0)).lease_id == "0.new"
+    assert list(zip(requester.subjects, requester.timeouts)) == [("rl.ns.sandbox.b.1.lease", 30.0),
+                                                                 ("rl.ns.sandbox.lease", 300.0)]
 
 
 class ForwardingPublisher:

@@ -129,21 +129,24 @@ class SandboxBrokerClient:
         held before (a resumed rollout's): asked of its broker first, so a lease still alive
         there is found again; placed anew when that broker cannot be reached or has no room.
         ``wait_s``: how long each request waits for its reply (None: ``timeout_s``); it is
-        sent as the request's deadline, past which the broker makes no sandbox for it."""
+        sent as the request's deadline, past which the broker makes no sandbox for it. The
+        held lease's broker is asked for no longer than ``timeout_s``: it may be lost with its
+        node, which NATS learns only when the connection's pings go unanswered."""
         wait_s = wait_s or self.timeout_s
 
-        def ask(subject: Subject) -> Any:  # stamped when sent: a retried request waits anew
+        def ask(subject: Subject, wait_s: float) -> Any:  # stamped when sent: a retry waits anew
             request = SandboxLeaseRequest(holder=holder, profile=profile, ttl_s=ttl_s, network=network,
                                           limits=limits, rollout_id=rollout_id, deadline=self._clock() + wait_s)
             return self._call(subject, request, "lease", wait_s=wait_s)
 
         if broker_of(held_lease):
             try:
-                return await ask(broker_subject(SANDBOX_LEASE, broker_of(held_lease)))
+                held_broker = broker_subject(SANDBOX_LEASE, broker_of(held_lease))
+                return await ask(held_broker, min(wait_s, self.timeout_s))
             except SandboxRequestError as exc:
                 if exc.kind not in ("unreachable", "capacity", "infra_error"):
                     raise
-        return await self._retrying(capacity_retries, lambda: ask(SANDBOX_LEASE))
+        return await self._retrying(capacity_retries, lambda: ask(SANDBOX_LEASE, wait_s))
 
     async def exec(self, lease_id: str, argv: list[str] | None = None, *, shell: str = "",
                    stdin: bytes = b"", timeout_s: float | None = None, env: dict[str, str] | None = None,
