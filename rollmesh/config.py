@@ -178,6 +178,11 @@ class RolloutConfig(ConfigSection):
     sandbox_profile: str = "default"
     sandbox_lease_ttl_s: PositiveFloat = 120.0
     sandbox_heartbeat_s: PositiveFloat = 30.0
+    # How long a lease request waits for its sandbox before the attempt counts as an
+    # infrastructure failure. Generous: with the warm pool empty on a loaded host, leases queue
+    # behind slow creations for minutes; a request given up sooner only queues again, and the
+    # broker makes no sandbox for a request whose wait (sent as its deadline) is over.
+    sandbox_lease_wait_s: PositiveFloat = 300.0
     # A lease or exec refused for capacity is retried this many times before the rollout fails.
     sandbox_capacity_retries: NonNegInt = 5
     # An infrastructure failure (sandbox died or lost, broker or inference unreachable) is retried

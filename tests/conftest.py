@@ -172,6 +172,9 @@ async def mesh(nats_server: EmbeddedNatsServer, ray_session: None) -> AsyncItera
         "nats.rollout_ack_wait_s": 6.0,
         "rollout.infra_retry_delay_s": 0.5,
         "rollout.infra_retries": 4,
+        # A lease request in flight when its broker is killed waits this long before the rollout
+        # retries (the default 300 s is for overloaded hosts, which these meshes are not).
+        "rollout.sandbox_lease_wait_s": 30.0,
         # A difference from a whole render in text the model did not generate fails the rollout.
         "rollout.strict_tokenization": True,
         "ray.supervise_interval_s": 0.5,

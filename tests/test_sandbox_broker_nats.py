@@ -1,6 +1,6 @@
 """The sandbox broker served over the session's real nats-server (the runtime is the fake one):
-lease, streamed exec, a transfer larger than one message, heartbeat and release, bad bytes, and
-reaping by the broker's own timer."""
+lease, streamed exec, a transfer larger than one message, heartbeat and release, bad bytes,
+reaping by the broker's own timer, and a lease whose client stopped waiting."""
 
 from __future__ import annotations
 
@@ -110,6 +110,22 @@ async def test_a_holder_that_stops_heartbeating_loses_its_sandbox_to_the_reaper(
     with pytest.raises(SandboxRequestError) as reaped:
         await client.heartbeat(lease.lease_id)
     assert reaped.value.kind == "unknown_lease"
+
+
+async def test_a_lease_whose_client_gave_up_waiting_is_not_left_held_for_nobody(served):
+    # Creation slower than the client waits (a loaded host): the client's request times out,
+    # the broker's creation goes on and ends past the request's deadline; nobody holds the lease.
+    broker, backend, client, _ = served
+    await _until(lambda: broker.stats().warm_sandboxes.get("default") == 1)
+    backend.create_gate = asyncio.Event()
+    assert (await client.lease("takes-the-warm-one")).warm
+    with pytest.raises(SandboxRequestError) as gave_up:
+        await client.lease("waits-too-little", wait_s=1.0)
+    assert gave_up.value.kind == "unreachable"
+    backend.create_gate.set()
+    await _until(lambda: broker.counts["leases_abandoned"] + broker.counts["lease_requests_dropped"] == 1)
+    assert not broker.holds("waits-too-little") and broker.stats().active_leases == 1
+    assert (await client.lease("waits-too-little")).lease_id  # its retry, waiting long enough, gets one
 
 
 @pytest.fixture

@@ -164,15 +164,18 @@ def test_per_node_brokers_go_to_every_live_node_offering_the_sandbox_resources()
 
 class RecordingRequester:
     """Fakes the bus's request (an edge): records each subject; requests to a broker in ``down``
-    find no responder, the others get an empty success reply (a lease: "0.new")."""
+    find no responder, the others get an empty success reply (a lease: "0.new"). ``timeouts``:
+    how long each would have waited."""
 
     def __init__(self, down: set[str] = frozenset()) -> None:
         self.subjects: list[str] = []
+        self.timeouts: list[float] = []
         self.down = down
 
     async def request(self, subject, message, timeout_s):
         concrete = subject.format("ns")
         self.subjects.append(concrete)
+        self.timeouts.append(timeout_s)
         if any(f".b.{broker}." in concrete for broker in self.down):
             raise RequestFailedError(f"no responders on {concrete}")
         return subject.reply_type(lease_id="0.new") if subject.reply_type is SandboxLeaseReply else subject.reply_type()
@@ -206,22 +209,55 @@ async def test_a_leases_requests_go_to_the_broker_its_id_names():
     assert failure_kind(lost.value) in INFRA_FAILURE_KINDS  # the rollout retries, typed
 
 
+@pytest.mark.unit
+async def test_a_resumed_holders_old_broker_is_asked_no_longer_than_the_client_timeout():
+    # It may be lost with its node and still subscribed until NATS misses its pings: a rollout
+    # waiting rollout.sandbox_lease_wait_s there would wait minutes before trying the others.
+    requester = RecordingRequester(down={"1"})
+    client = SandboxBrokerClient(requester, timeout_s=30.0)
+    assert (await client.lease("holder", held_lease="1.old", wait_s=300.0)).lease_id == "0.new"
+    assert list(zip(requester.subjects, requester.timeouts)) == [("rl.ns.sandbox.b.1.lease", 30.0),
+                                                                 ("rl.ns.sandbox.lease", 300.0)]
+
+
 class ForwardingPublisher:
     """Fakes the bus (an edge) for a broker's forwards: records each request's subject and
-    answers it with ``answer`` (a reply, or an exception to raise)."""
+    answers it with ``answer`` (a reply, or an exception to raise); ``timeouts``: how long each
+    would have waited."""
 
     def __init__(self, answer) -> None:
         self.answer = answer
         self.subjects: list[str] = []
+        self.timeouts: list[float] = []
 
     async def request(self, subject, message, timeout_s):
         self.subjects.append(subject.format("ns"))
+        self.timeouts.append(timeout_s)
         if isinstance(self.answer, BaseException):
             raise self.answer
         return self.answer
 
     async def publish(self, subject, message):
         pass
+
+
+@pytest.mark.unit
+async def test_a_forwarded_lease_waits_on_the_other_broker_as_long_as_its_requester_does(tmp_path):
+    # Given up sooner, the lease would be made here as well while the other broker still makes
+    # it: two sandboxes for one rollout. A request without a deadline waits a sandbox start.
+    clock = ManualClock()
+    config = SandboxConfig(profiles={"default": SandboxProfileConfig(warm_min=0, warm_max=0)})
+    broker = SandboxBroker(config, FakeSandboxBackend(), snapshot_dir=tmp_path, clock=clock,
+                           new_id=broker_ids(lambda: uuid.uuid4().hex, "0"))
+    publisher = ForwardingPublisher(SandboxLeaseReply(lease_id="1.abc", broker="1"))
+    service = SandboxBrokerLogic(broker, broker_id="0", publisher=publisher)
+    for index in range(4):
+        await service._lease_here(SandboxLeaseRequest(holder=f"held-{index}"))
+    service.directory.heard(SandboxLoadReported(broker="1", max_sandboxes=1024))  # idle
+    await service._placed_lease(SandboxLeaseRequest(holder="patient", deadline=clock() + 300.0), None)
+    await service._placed_lease(SandboxLeaseRequest(holder="old-client"), None)
+    assert publisher.subjects == ["rl.ns.sandbox.b.1.lease"] * 2
+    assert publisher.timeouts == [300.0, config.start_timeout_s]
 
 
 @pytest.mark.unit

@@ -71,6 +71,10 @@ class SandboxLeaseRequest(WireMessage, frozen=True, tag="sandbox.lease_request")
     profile: str = "default"
     limits: SandboxLimitsSpec = SandboxLimitsSpec()
     rollout_id: RolloutRef = ""
+    # When the requester stops waiting for the reply (wall clock, seconds since the epoch; 0: it
+    # waits however long). A broker serving it later makes no sandbox for it, and gives back at
+    # once a lease it granted too late, unless a retry with the same holder waits on it still.
+    deadline: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class SandboxLeaseReply(WireMessage, frozen=True, tag="sandbox.lease_reply"):

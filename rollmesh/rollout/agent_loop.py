@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 from collections.abc import Callable
 
@@ -92,6 +93,14 @@ _log = structlog.get_logger("rollmesh.rollout")
 _tracer = trace.get_tracer("rollmesh.rollout")
 MAX_RETRY_DELAY_S = 30.0
 
+
+def infra_retry_delay_s(failures: int, base_s: float, draw: float) -> float:
+    """The pause before a rollout's retry after its ``failures``-th infrastructure failure:
+    doubling from ``base_s`` up to ``MAX_RETRY_DELAY_S``, less a random part of up to half
+    (``draw`` in [0, 1)), so rollouts that one overload failed together do not all come back in
+    the same instant and queue up at once again."""
+    return min(MAX_RETRY_DELAY_S, base_s * 2 ** (failures - 1)) * (0.5 + 0.5 * draw)
+
 # Deprecated: renamed for its role (and took in what the actors' RolloutWorkerLogic added).
 __getattr__ = forward_moved_names(__name__, {"RolloutRunner": "rollmesh.rollout.agent_loop:RolloutWorkerLogic"})
 
@@ -117,8 +126,11 @@ class RolloutWorkerLogic:
         trajectories: TrajectoryStore | None = None,
         max_seq_len: int | None = None,
         decode_loans: RolloutDecodeLoanFollower | None = None,
+        draw: Callable[[], float] = random.random,
     ) -> None:
+        """``draw``: uniform in [0, 1), for the jitter of infrastructure retries' pauses."""
         self.config = config
+        self._draw = draw
         # The model's context (config.json's max_position_embeddings) unless a test names a shorter one.
         self.max_seq_len = max_seq_len or describe_served_model(model_config).max_seq_len
         # The model's tokenizer, chat template and tool-call format: built once per worker.
@@ -261,9 +273,10 @@ class RolloutWorkerLogic:
                 _log.warning("rollout_infra_retry", rollout_id=request.rollout_id, kind=exc.kind,
                              reason=str(exc), failures=run.state.infra_failures,
                              resume_turn=run.state.turn)
-                # Backing off (doubling) gives a restarted actor or NATS time to come back.
-                await asyncio.sleep(min(MAX_RETRY_DELAY_S, self.config.infra_retry_delay_s
-                                        * 2 ** (run.state.infra_failures - 1)))
+                # Backing off (doubling, jittered) gives a restarted actor or NATS time to come
+                # back, and an overloaded sandbox broker requests spread out rather than in bursts.
+                await asyncio.sleep(infra_retry_delay_s(run.state.infra_failures, self.config.infra_retry_delay_s,
+                                                        self._draw()))
 
     async def _attempt(self, run: RolloutRun) -> RolloutCompleted:
         request = run.request

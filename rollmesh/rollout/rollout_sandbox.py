@@ -39,7 +39,7 @@ class RolloutSandbox:
             reply = await self.sandbox.lease(
                 rollout_id, profile=self.config.sandbox_profile,
                 ttl_s=self.config.sandbox_lease_ttl_s, capacity_retries=self.config.sandbox_capacity_retries,
-                rollout_id=rollout_id, held_lease=held)
+                rollout_id=rollout_id, held_lease=held, wait_s=self.config.sandbox_lease_wait_s)
         except SandboxRequestError as exc:
             raise RolloutError("sandbox_error", f"no sandbox lease: {exc}", turns=turn) from exc
         if held and reply.lease_id != held and snapshot_id:

@@ -11,6 +11,11 @@ Admission: leased sandboxes, warm ones and those being created never pass ``max_
 warm sandboxes give way to leases (a lease of one profile may evict another profile's warm
 sandbox). A refused lease says "capacity" with a retry hint. A released or expired lease's
 sandbox is destroyed, never reused.
+
+Overload: a lease request names when its requester stops waiting (``deadline``). Retries with the
+same holder wait on the one pending grant (whose deadline becomes the latest of theirs); once that
+passes, no sandbox is made for it and one already made is destroyed, so requests that queued past
+their client's patience cost no creations (docs/sandbox.md, "Under overload").
 """
 
 from __future__ import annotations
@@ -50,12 +55,12 @@ from rollmesh.messages.sandbox import (
 )
 from rollmesh.ports import Publisher
 from rollmesh.sandbox.bulk_server import BulkServer
-from rollmesh.sandbox.errors import RequestRefusedError, SandboxCapacityError
+from rollmesh.sandbox.errors import LeaseAbandonedError, RequestRefusedError, SandboxCapacityError
 from rollmesh.sandbox.exec_registry import ExecRegistry
 from rollmesh.telemetry import metrics, metrics_catalog
 from rollmesh.sandbox.lease_terms import LeaseTerms, limits_spec, profile_limits, resolve_terms
 from rollmesh.sandbox.lease_store import LeaseJournal
-from rollmesh.sandbox.leases import Lease, LeaseTable
+from rollmesh.sandbox.leases import Lease, LeaseTable, PendingLease
 from rollmesh.sandbox.sandbox_protocol import Sandbox, SandboxBackend, SandboxLimits
 from rollmesh.sandbox.snapshots import SharedSnapshots, SnapshotStore
 from rollmesh.sandbox.warm_pool import WarmPool
@@ -107,7 +112,7 @@ class SandboxBroker:
                                  counts=self.counts)
         self._creates = asyncio.Semaphore(config.max_concurrent_creates)
         self._reserved = 0  # sandboxes being obtained for leases
-        self._pending: dict[str, asyncio.Future[SandboxLeaseReply]] = {}
+        self._pending: dict[str, PendingLease] = {}
         self._pools_wanted = asyncio.Event()
         self._closed = False
         self._journal = journal  # the durable lease table (lease_store), if any
@@ -127,28 +132,43 @@ class SandboxBroker:
             await self._end(held, "expired" if not held.died else "died")
         pending = self._pending.get(req.holder)
         if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[SandboxLeaseReply] = asyncio.get_running_loop().create_future()
-        self._pending[req.holder] = future
+            pending.attach(req.deadline)
+            return await asyncio.shield(pending.reply)
+        if req.deadline and self._clock() >= req.deadline:
+            # Queued longer than its requester waits (the broker is behind): nobody reads the
+            # reply, and a sandbox made for it would sit unused until its TTL.
+            self.counts["lease_requests_dropped"] += 1
+            return self._refused_lease("capacity", f"the request for {req.holder!r} waited past its "
+                                                   "deadline before the broker could serve it")
+        pending = PendingLease(asyncio.get_running_loop().create_future())
+        pending.attach(req.deadline)
+        self._pending[req.holder] = pending
         try:
-            reply = await self._new_lease(req)
-            future.set_result(reply)
+            reply = await self._new_lease(req, pending)
+            pending.reply.set_result(reply)
             return reply
         except BaseException:
-            future.cancel()
+            pending.reply.cancel()
             raise
         finally:
             del self._pending[req.holder]
 
-    async def _new_lease(self, req: SandboxLeaseRequest) -> SandboxLeaseReply:
+    async def _new_lease(self, req: SandboxLeaseRequest, pending: PendingLease) -> SandboxLeaseReply:
         try:
             terms = resolve_terms(self.config, profile=req.profile, overrides=req.limits,
                                   network=req.network, ttl_s=req.ttl_s)
         except RequestRefusedError as exc:
             return self._refused_lease("invalid_request", str(exc))
         self._pool.record_lease(terms.profile)
+
+        def still_wanted() -> None:
+            if self._clock() >= pending.wanted_until:
+                self.counts["leases_abandoned"] += 1
+                raise LeaseAbandonedError(f"every request for {req.holder!r} gave up waiting before its "
+                                          "sandbox was ready", holder=req.holder, deadline=pending.wanted_until)
+
         try:
-            (lease,) = await self._grant([req.holder], terms)
+            (lease,) = await self._grant([req.holder], terms, still_wanted=still_wanted)
         except SandboxCapacityError as exc:
             return self._refused_lease("capacity", str(exc))
         except Exception as exc:  # noqa: BLE001 - a runtime failure is a reply, by contract
@@ -369,6 +389,10 @@ class SandboxBroker:
         live = held is not None and not held.died and not held.expired(self._clock())
         return live or holder in self._pending
 
+    def now(self) -> float:
+        """The broker's wall clock, which lease requests' deadlines are read against."""
+        return self._clock()
+
     def live_sandboxes(self) -> int:
         return len(self._leases) + self._reserved + self._pool.total()
 
@@ -384,8 +408,12 @@ class SandboxBroker:
     # -- internals -------------------------------------------------------------------------
 
     async def _grant(self, holders: list[str], terms: LeaseTerms,
-                     seed: Callable[[Sandbox], Any] | None = None) -> list[Lease]:
-        """One new lease per holder (all or none): warm sandboxes first, then new ones."""
+                     seed: Callable[[Sandbox], Any] | None = None,
+                     still_wanted: Callable[[], None] = lambda: None) -> list[Lease]:
+        """One new lease per holder (all or none): warm sandboxes first, then new ones.
+        ``still_wanted`` raises (``LeaseAbandonedError``) once nobody waits for them: asked
+        before a warm sandbox is taken, and before and after a creation (one ready too late is
+        destroyed at once rather than leased to nobody until its TTL)."""
         leased = len(self._leases) + self._reserved
         if leased + len(holders) > self.config.max_sandboxes:
             self.counts["leases_refused"] += len(holders)
@@ -395,7 +423,8 @@ class SandboxBroker:
         # sandbox taken moves from the pool's count to this one.
         self._reserved += len(holders)
         try:
-            obtained = await asyncio.gather(*(self._obtain(terms) for _ in holders), return_exceptions=True)
+            obtained = await asyncio.gather(*(self._obtain(terms, still_wanted) for _ in holders),
+                                            return_exceptions=True)
             sandboxes = [item for item in obtained if not isinstance(item, BaseException)]
             failure = next((item for item in obtained if isinstance(item, BaseException)), None)
             if failure is None and seed is not None:
@@ -421,7 +450,8 @@ class SandboxBroker:
         finally:
             self._reserved -= len(holders)
 
-    async def _obtain(self, terms: LeaseTerms) -> tuple[Sandbox, bool]:
+    async def _obtain(self, terms: LeaseTerms, still_wanted: Callable[[], None]) -> tuple[Sandbox, bool]:
+        still_wanted()
         if terms.warmable:
             sandbox, dead = self._pool.take(terms.profile)
             for corpse in dead:
@@ -434,14 +464,23 @@ class SandboxBroker:
             if evicted is None:
                 break
             await self._destroy(evicted, "room for a lease")
-        return await self._create(terms.profile, terms.limits, network=terms.network), False
+        return await self._create(terms.profile, terms.limits, network=terms.network,
+                                  still_wanted=still_wanted), False
 
-    async def _create(self, profile: str, limits: SandboxLimits, *, network: bool) -> Sandbox:
+    async def _create(self, profile: str, limits: SandboxLimits, *, network: bool,
+                      still_wanted: Callable[[], None] = lambda: None) -> Sandbox:
         async with self._creates:
+            still_wanted()  # the wait for a creation slot is where a lease request queues longest
             started = self._clock()
             sandbox = await self.backend.create(self._new_id(), limits, network=network, profile=profile)
             self._pool.record_creation(profile, self._clock() - started)
         self.counts["sandboxes_created"] += 1
+        try:
+            still_wanted()
+        except LeaseAbandonedError:
+            self.counts["sandboxes_ready_too_late"] += 1
+            await self._destroy(sandbox, "every request for it gave up waiting")
+            raise
         return sandbox
 
     async def _live(self, lease_id: str) -> tuple[Lease | None, SandboxErrorKind, str]:

@@ -15,6 +15,9 @@ request's span, the broker's span and both sides' log lines name the rollout. Wi
 brokers, a lease's requests (and a snapshot's forks) go to the broker holding it, which its id
 names (``rollmesh.sandbox.placement``); a new lease goes to the shared subject, placed by the
 brokers.
+A lease request carries its deadline (when this client stops waiting, by its wall clock: hosts of
+one cluster keep their clocks in step), so a broker that is behind makes no sandbox for a request
+nobody waits for any more.
 """
 
 from __future__ import annotations
@@ -90,12 +93,14 @@ class SandboxBrokerClient:
                  sleep: Callable[[float], Any] = asyncio.sleep,
                  bulk_threshold_bytes: int | None = DEFAULT_BULK_THRESHOLD_BYTES,
                  bulk_tls: ssl.SSLContext | None = None, exec_attempt_s: float = EXEC_ATTEMPT_S,
-                 exec_probe_s: float = EXEC_PROBE_S, exec_reattach_s: float = EXEC_REATTACH_S) -> None:
+                 exec_probe_s: float = EXEC_PROBE_S, exec_reattach_s: float = EXEC_REATTACH_S,
+                 clock: Callable[[], float] = time.time) -> None:
         """``bulk_threshold_bytes`` None: never use the bulk stream. ``bulk_tls``: the context
         a TLS bulk stream is verified with (the NATS client's). ``exec_attempt_s``: how long an
         exec request waits for its reply before it is sent again (same ``exec_id``);
         ``exec_probe_s``: how often its broker is probed meanwhile; ``exec_reattach_s``: how
-        long one found gone is waited for."""
+        long one found gone is waited for. ``clock``: the wall clock lease deadlines are
+        stamped with."""
         self.exec_attempt_s = exec_attempt_s
         self.exec_probe_s = exec_probe_s
         self.exec_reattach_s = exec_reattach_s
@@ -106,6 +111,7 @@ class SandboxBrokerClient:
         self._bulk = BulkClient(self._call, tls=bulk_tls, timeout_s=timeout_s)
         self._new_id = new_id
         self._sleep = sleep
+        self._clock = clock
 
     @classmethod
     def from_config(cls, requester: Publisher, config: SandboxConfig, *, bulk_tls: ssl.SSLContext | None = None,
@@ -117,19 +123,30 @@ class SandboxBrokerClient:
 
     async def lease(self, holder: str, *, profile: str = "default", ttl_s: float | None = None,
                     network: bool = False, limits: SandboxLimitsSpec = SandboxLimitsSpec(),
-                    capacity_retries: int = 0, rollout_id: str = "", held_lease: str = "") -> SandboxLeaseReply:
+                    capacity_retries: int = 0, rollout_id: str = "", held_lease: str = "",
+                    wait_s: float | None = None) -> SandboxLeaseReply:
         """A lease for ``holder``, placed by the brokers. ``held_lease``: the lease ``holder``
         held before (a resumed rollout's): asked of its broker first, so a lease still alive
-        there is found again; placed anew when that broker cannot be reached or has no room."""
-        request = SandboxLeaseRequest(holder=holder, profile=profile, ttl_s=ttl_s, network=network,
-                                      limits=limits, rollout_id=rollout_id)
+        there is found again; placed anew when that broker cannot be reached or has no room.
+        ``wait_s``: how long each request waits for its reply (None: ``timeout_s``); it is
+        sent as the request's deadline, past which the broker makes no sandbox for it. The
+        held lease's broker is asked for no longer than ``timeout_s``: it may be lost with its
+        node, which NATS learns only when the connection's pings go unanswered."""
+        wait_s = wait_s or self.timeout_s
+
+        def ask(subject: Subject, wait_s: float) -> Any:  # stamped when sent: a retry waits anew
+            request = SandboxLeaseRequest(holder=holder, profile=profile, ttl_s=ttl_s, network=network,
+                                          limits=limits, rollout_id=rollout_id, deadline=self._clock() + wait_s)
+            return self._call(subject, request, "lease", wait_s=wait_s)
+
         if broker_of(held_lease):
             try:
-                return await self._call(broker_subject(SANDBOX_LEASE, broker_of(held_lease)), request, "lease")
+                held_broker = broker_subject(SANDBOX_LEASE, broker_of(held_lease))
+                return await ask(held_broker, min(wait_s, self.timeout_s))
             except SandboxRequestError as exc:
                 if exc.kind not in ("unreachable", "capacity", "infra_error"):
                     raise
-        return await self._retrying(capacity_retries, lambda: self._call(SANDBOX_LEASE, request, "lease"))
+        return await self._retrying(capacity_retries, lambda: ask(SANDBOX_LEASE, wait_s))
 
     async def exec(self, lease_id: str, argv: list[str] | None = None, *, shell: str = "",
                    stdin: bytes = b"", timeout_s: float | None = None, env: dict[str, str] | None = None,

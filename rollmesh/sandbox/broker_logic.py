@@ -112,9 +112,13 @@ class SandboxBrokerLogic:
             target = self.directory.choose(request.profile, self.load())
         if target != self.broker_id:
             self.directory.placed(target, request.profile)
+            timeout_s = self.broker.config.start_timeout_s
+            if request.deadline:  # as long as its requester waits: given up on sooner, the lease
+                # would be made here too while the other broker still makes it (two sandboxes)
+                timeout_s = max(0.001, request.deadline - self.broker.now())
             try:
                 reply = await self._publisher.request(broker_subject(SANDBOX_LEASE, target), request,
-                                                      timeout_s=self.broker.config.start_timeout_s)
+                                                      timeout_s=timeout_s)
             except RequestFailedError as exc:
                 _log.warning("sandbox_lease_forward_failed", broker=target, error=str(exc))
                 self.directory.lost(target)

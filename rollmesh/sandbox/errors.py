@@ -17,7 +17,9 @@ the boundary with ``raise X(...) from exc``::
     +-- RequestRefusedError        a broker request asks for what the config does not allow
     |                              (field): the caller's mistake, answered "invalid_request"
     +-- SandboxCapacityError       no room for another sandbox now: answered "capacity"
-    |                              (was CapacityError, a name the engine's decode slots also use)
+    |   |                          (was CapacityError, a name the engine's decode slots also use)
+    |   +-- LeaseAbandonedError    every request for this lease gave up waiting before it could be
+    |                              granted (holder, deadline): no sandbox made or kept for it
     +-- ChecksumMismatchError      bytes whose sha256 is not the one announced (path)
     +-- BulkTokenError             a bulk stream's token is unknown, spent, expired or another
     |                              lease's (reason, lease_id): answered "bad_token"
@@ -104,6 +106,16 @@ class RequestRefusedError(SandboxError):
 
 class SandboxCapacityError(SandboxError):
     """The broker leases ``max_sandboxes`` already: no room for another sandbox now."""
+
+
+class LeaseAbandonedError(SandboxCapacityError):
+    """The broker was too slow for this lease: its requests' ``deadline`` (the latest of them)
+    passed before a sandbox was ready, so none is made, or the one made is destroyed."""
+
+    def __init__(self, message: str, *, holder: str, deadline: float) -> None:
+        super().__init__(message)
+        self.holder = holder
+        self.deadline = deadline
 
 
 class ChecksumMismatchError(SandboxError):

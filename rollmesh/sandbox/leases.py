@@ -7,7 +7,9 @@ caller can say "lease_expired" rather than "unknown_lease") until it is removed.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollmesh.sandbox.lease_terms import LeaseTerms
 from rollmesh.sandbox.sandbox_protocol import Sandbox
@@ -64,3 +66,16 @@ class LeaseTable:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+@dataclass(slots=True)
+class PendingLease:
+    """A lease being granted: the reply every request for it waits on, and until when anyone
+    still waits (the latest deadline of those requests; none set: forever). A retry that
+    attaches extends it, so a lease is given up only when its last requester has."""
+
+    reply: asyncio.Future[Any]
+    wanted_until: float = float("-inf")
+
+    def attach(self, deadline: float) -> None:
+        self.wanted_until = max(self.wanted_until, deadline or float("inf"))
