@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
@@ -26,11 +26,7 @@ from rollmesh.actors.weight_object_store import ObjectStoreWeightFetcher
 from rollmesh.mesh_address import MeshAddress
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import InferenceConfig, ModelConfig
-from rollmesh.engine.batch_loop import DecodeLoop
 from rollmesh.engine.errors import EngineBusyError
-from rollmesh.engine.local_engine import build_decode_engine
-from rollmesh.engine.paged_model import build_inference_model, load_tokenizer
-from rollmesh.engine.prefill import PrefillEngine, PrefillResult
 from rollmesh.engine.protocols import DEFAULT_OPTIONS, GenerateOptions, GenerationResult
 from rollmesh.engine.token_stream import TokenDelta
 from rollmesh.engine.weight_follower import StagesWeights, WeightFollower
@@ -39,6 +35,11 @@ from rollmesh.inference.weight_adapters import DecodeWeights, PrefillWeights
 from rollmesh.messages.base import SamplingParams
 from rollmesh.telemetry import metrics, metrics_catalog
 from rollmesh.telemetry.trace_headers import extract_trace_context
+
+# The engine (torch, transformers) is imported in the constructors: the launcher imports this
+# module for the actor classes it spawns, and must not pay seconds of torch import for them.
+if TYPE_CHECKING:
+    from rollmesh.engine.prefill import PrefillResult
 
 _tracer = trace.get_tracer("rollmesh.inference")
 
@@ -51,6 +52,9 @@ class PrefillWorkerActor(RoleActor):
     def __init__(self, name: str, mesh: MeshAddress, model_config: ModelConfig,
                  inference_config: InferenceConfig) -> None:
         super().__init__(name, mesh, torch_threads=inference_config.torch_threads)
+        from rollmesh.engine.paged_model import build_inference_model
+        from rollmesh.engine.prefill import PrefillEngine
+
         self.engine = PrefillEngine(build_inference_model(model_config),
                                     block_size=inference_config.kv_block_size)
 
@@ -99,6 +103,10 @@ class DecodeWorkerActor(RoleActor):
     def __init__(self, name: str, mesh: MeshAddress, model_config: ModelConfig,
                  inference_config: InferenceConfig, seed: int = 0) -> None:
         super().__init__(name, mesh, torch_threads=inference_config.torch_threads)
+        from rollmesh.engine.batch_loop import DecodeLoop
+        from rollmesh.engine.local_engine import build_decode_engine
+        from rollmesh.engine.paged_model import build_inference_model, load_tokenizer
+
         # The model directory's own tokenizer: its end-of-turn ids stop a turn, its stop strings
         # are matched in its text, and padded embedding rows past it are never sampled.
         engine = build_decode_engine(build_inference_model(model_config), inference_config,

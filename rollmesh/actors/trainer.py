@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -22,13 +22,17 @@ from rollmesh.actors.weight_object_store import ObjectStoreWeightHolder
 from rollmesh.mesh_address import MeshAddress
 from rollmesh.ports import ActorLogic, Publisher
 from rollmesh.config import ModelConfig, TrainerConfig
-from rollmesh.engine.sglang_weight_sync import SGLangWeightPush
 from rollmesh.engine.weight_memory import resolve_weight_sync
 from rollmesh.run_config import StageConfig
 from rollmesh.rollout.tasks import DemonstrableTask, load_task
 from rollmesh.scheduling.errors import RoleLendingUnavailableError
-from rollmesh.training.torch_backend import TorchTrainerBackend, TrainerBackend, build_trainer_backend
 from rollmesh.training.trainer_logic import TrainerLogic
+
+# The backend and the SGLang push (torch) are imported where they are built: the launcher imports
+# this module for the actor class, and must not pay seconds of torch import for it.
+if TYPE_CHECKING:
+    from rollmesh.engine.sglang_weight_sync import SGLangWeightPush
+    from rollmesh.training.torch_backend import TorchTrainerBackend, TrainerBackend
 
 _log = structlog.get_logger("rollmesh.actors.trainer")
 
@@ -52,6 +56,8 @@ class TrainerActor(RoleActor):
         self.weight_holder: ObjectStoreWeightHolder | None = None
 
     async def build_logic(self, publisher: Publisher) -> ActorLogic:
+        from rollmesh.training.torch_backend import build_trainer_backend
+
         # The megatron backend starts its rank processes here: seconds, off the event loop.
         log_dir = Path(self.mesh.run_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -80,6 +86,8 @@ class TrainerActor(RoleActor):
             _log.warning("weight_sync_receivers_unavailable", weight_sync=sync, error=repr(exc), publishing="files")
             return None
         _log.info("weight_sync_push", method=sync, servers=receivers.urls)
+        from rollmesh.engine.sglang_weight_sync import SGLangWeightPush
+
         return SGLangWeightPush(receivers.urls, method=sync, gpus_per_server=receivers.gpus_per_server,
                                 master_address=receivers.master_address, bucket_bytes=self.config.weight_bucket_bytes,
                                 pause_mode=receivers.pause_mode)
@@ -115,6 +123,8 @@ class TrainerActor(RoleActor):
         return lent_memory(await asyncio.to_thread(self._lending_backend().reload))
 
     def _lending_backend(self) -> TorchTrainerBackend:
+        from rollmesh.training.torch_backend import TorchTrainerBackend
+
         if not isinstance(self.backend, TorchTrainerBackend):
             raise RoleLendingUnavailableError([f"the trainer's {self.config.backend} backend cannot offload its "
                                                "memory (only trainer.backend = \"torch\" can)"])

@@ -14,11 +14,14 @@ import os
 import shutil
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from rollmesh.engine.errors import WeightsError
+
+# Tensors only pass through here (the SGLang servers hold the model); torch and safetensors' torch
+# writer are imported where a version is written, so the worker's module imports without them.
+if TYPE_CHECKING:
+    import torch
 
 # Files of the model directory that the new directory must not inherit: the old tensors.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -30,6 +33,8 @@ def write_hf_weights(state_dict: Mapping[str, torch.Tensor], *, model_dir: str |
                      out_root: str | Path, version: int, keep: int = 2) -> Path:
     """Write ``state_dict`` as ``<out_root>/v<version>`` and return it; older versions beyond the
     newest ``keep`` are removed (a server may still be reading the previous one)."""
+    from safetensors.torch import save_file
+
     model_dir, out_root = Path(model_dir), Path(out_root)
     if not (model_dir / "config.json").is_file():
         raise WeightsError(f"{model_dir} has no config.json to serve the new weights with",

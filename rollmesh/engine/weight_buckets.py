@@ -34,6 +34,7 @@ threads at once: ``hashlib`` releases the GIL while it hashes a large buffer.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -44,18 +45,20 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
 
 from rollmesh.checkpoint.atomic_dir import staged_directory
 from rollmesh.checkpoint.errors import CheckpointWriteError
-from rollmesh.checkpoint.hf_writer import plan_shards
 from rollmesh.engine.errors import WeightsChecksumError, WeightsFileError
-from rollmesh.engine.weights import load_weights
+
+# torch (seconds to import) is imported where tensors are made or read, not here: the launcher and
+# every role's module reach this file (the manifest types, ``map_threads``) before any tensor exists.
+if TYPE_CHECKING:
+    import torch
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "rollmesh-weights/1"
@@ -111,6 +114,8 @@ def serialize_buckets(state_dict: Mapping[str, torch.Tensor], *, version: int, b
     but what is not a contiguous CPU tensor already. ``alongside(each bucket's parts)`` runs on
     its own thread while they are hashed (the shared-memory copy needs no hash), and has
     finished when this returns."""
+    from rollmesh.checkpoint.hf_writer import plan_shards
+
     started = time.perf_counter()
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state_dict.items()}
     gathered = time.perf_counter()
@@ -207,24 +212,32 @@ def decode_manifest(data: bytes | memoryview, expected_sha256: str | None, *, wh
     return manifest
 
 
-# safetensors' dtype names (its format spec) as torch dtypes.
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
+@functools.cache
+def _safetensors_dtypes() -> dict[str, torch.dtype]:
+    """safetensors' dtype names (its format spec) as torch dtypes."""
+    import torch
+
+    return {
+        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+        "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    }
 
 
-_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+@functools.cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {dtype: name for name, dtype in _safetensors_dtypes().items()}
 
 
 def bucket_parts(tensors: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
     """``tensors`` (contiguous, on the CPU) in the safetensors format as parts: the length and
     header, then a uint8 view of each non-empty tensor's bytes (no copy). Joined, they are the file."""
+    import torch
+
     header, size, views = {}, 0, []
     for name, tensor in tensors.items():
         num_bytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+        header[name] = {"dtype": _dtype_names()[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [size, size + num_bytes]}
         size += num_bytes
         if num_bytes:
@@ -251,6 +264,8 @@ def decode_bucket(data, bucket: WeightBucket, *, where: str) -> dict[str, torch.
     """The tensors of one bucket held in ``data`` (any contiguous buffer), checked against the
     manifest's sha256 and tensor names first. The tensors are views of ``data`` (which they keep
     alive): copy them before writing to them."""
+    import torch
+
     view = memoryview(data).cast("B")
     actual = hashlib.sha256(view).hexdigest()
     if actual != bucket.sha256:
@@ -267,7 +282,7 @@ def decode_bucket(data, bucket: WeightBucket, *, where: str) -> dict[str, torch.
                 begin, end = entry["data_offsets"]
                 if not 0 <= begin <= end <= len(view) - start:
                     raise ValueError(f"{name} lies outside the bucket")
-                dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+                dtype = _safetensors_dtypes()[entry["dtype"]]
                 flat = (torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=start + begin)
                         if end > begin else torch.empty(0, dtype=torch.uint8))
                 tensors[name] = flat.view(dtype).reshape(entry["shape"])
@@ -282,6 +297,8 @@ def decode_bucket_parts(parts: Sequence, bucket: WeightBucket, *, where: str) ->
     """``decode_bucket`` for a bucket held as its parts (``bucket_parts``: the header, then each
     non-empty tensor's bytes in order), checked against the manifest's sha256 over all of them
     first. One part is a whole bucket. Views of the parts, as ``decode_bucket`` gives."""
+    import torch
+
     if len(parts) == 1:
         return decode_bucket(parts[0], bucket, where=where)
     actual = hash_parts(parts)
@@ -310,7 +327,7 @@ def decode_bucket_parts(parts: Sequence, bucket: WeightBucket, *, where: str) ->
                         raise ValueError(f"{name} is not one part of its own")
                     flat = torch.frombuffer(views[next_part], dtype=torch.uint8)
                     next_part += 1
-                tensors[name] = flat.view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+                tensors[name] = flat.view(_safetensors_dtypes()[entry["dtype"]]).reshape(entry["shape"])
         if next_part != len(views):
             raise ValueError(f"{len(views) - next_part} parts beyond the header's tensors")
     except (struct.error, ValueError, KeyError, TypeError, RuntimeError) as exc:
@@ -322,6 +339,8 @@ def decode_bucket_parts(parts: Sequence, bucket: WeightBucket, *, where: str) ->
 
 def read_buckets(manifest_path: Path, expected_sha256: str | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Each bucket's tensors in turn, each checked against the manifest before it is decoded."""
+    from safetensors.torch import load as load_safetensors
+
     manifest_path = Path(manifest_path)
     manifest = read_manifest(manifest_path, expected_sha256)
     for bucket in manifest.buckets:
@@ -344,6 +363,8 @@ def read_buckets(manifest_path: Path, expected_sha256: str | None = None) -> Ite
 
 def load_published(path: str | Path, expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
     """A published version: a bucket manifest, or a single ``save_weights`` file."""
+    from rollmesh.engine.weights import load_weights
+
     path = Path(path)
     if path.name != MANIFEST_FILE:
         return load_weights(path, expected_sha256)

@@ -22,10 +22,9 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
-import torch
 
 from rollmesh.ports import MessageContext, Publisher, Subscription
 from rollmesh.engine.errors import WeightsFileError, WeightsUnavailableError
@@ -34,6 +33,9 @@ from rollmesh.engine.weight_memory import FetchesWeightBuckets, load_from_memory
 from rollmesh.messages import WeightsActivated, WeightsPublished
 from rollmesh.messages.subjects import WEIGHTS_ACTIVATED, WEIGHTS_PUBLISHED
 from rollmesh.telemetry import metrics, metrics_catalog
+
+if TYPE_CHECKING:  # the follower hands tensors on; the loaders import torch when they make them
+    import torch
 
 _log = structlog.get_logger("rollmesh.engine.weight_follower")
 

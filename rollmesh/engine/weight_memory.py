@@ -38,10 +38,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
-import torch
 
 from rollmesh.engine.errors import WeightsUnavailableError
 from rollmesh.engine.weight_buckets import (
@@ -52,6 +51,9 @@ from rollmesh.engine.weight_buckets import (
     serialize_buckets,
 )
 from rollmesh.messages import WeightsPublished
+
+if TYPE_CHECKING:  # tensors only pass through here; weight_buckets imports torch where it makes them
+    import torch
 
 WeightSync = Literal["auto", "files", "memory", "nccl", "ipc"]
 

@@ -7,8 +7,11 @@ Knows the engine's PrefillEngine and DecodeLoop; not Ray, not NATS (the worker a
 
 from __future__ import annotations
 
-from rollmesh.engine.batch_loop import DecodeLoop
-from rollmesh.engine.prefill import PrefillEngine
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # named in annotations only: the worker modules import this before torch is needed
+    from rollmesh.engine.batch_loop import DecodeLoop
+    from rollmesh.engine.prefill import PrefillEngine
 
 
 class PrefillWeights:

@@ -10,12 +10,16 @@ count, sum and mean.
 from __future__ import annotations
 
 from pathlib import Path
-
-from tensorboardX import SummaryWriter
+from typing import TYPE_CHECKING
 
 from rollmesh.telemetry.metrics_aggregate import AggregatedMetric
 
 TENSORBOARD_DIR = "tensorboard"
+
+# tensorboardX imports torch whenever it is installed (seconds); the hub runs in the launcher
+# process, so the writer is made at the first write, on the hub's tick thread, not at start.
+if TYPE_CHECKING:
+    from tensorboardX import SummaryWriter
 
 
 def scalars_of(metrics: list[AggregatedMetric]) -> dict[str, float]:
@@ -42,7 +46,7 @@ class TensorBoardScalars:
     def __init__(self, run_dir: Path) -> None:
         self.directory = Path(run_dir) / TENSORBOARD_DIR
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._writer = SummaryWriter(logdir=str(self.directory), flush_secs=3600)
+        self._writer: SummaryWriter | None = None
         self._step = 0
         self._previous: tuple[float, dict[str, float]] | None = None
 
@@ -56,10 +60,15 @@ class TensorBoardScalars:
                     scalars[tag.removesuffix("/total") + "/per_s"] = (value - before[tag]) / (now - before_at)
         self._previous = (now, {tag: v for tag, v in scalars.items() if tag.endswith("/total")})
         self._step += 1
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(logdir=str(self.directory), flush_secs=3600)
         for tag, value in sorted(scalars.items()):
             self._writer.add_scalar(tag, value, global_step=self._step, walltime=now)
         self._writer.flush()
         return len(scalars)
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()

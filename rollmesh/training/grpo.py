@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
+# torch is imported where tensors are made: the trainer's module (which the launcher imports for
+# the actor class) reaches this file through admission, long before a sample exists.
 if TYPE_CHECKING:
     import numpy as np
+    import torch
 
 from rollmesh.messages import NO_VERSION, TokenTrace
 
@@ -54,6 +55,8 @@ def group_advantages(rewards: list[float]) -> list[float] | None:
     """(r - mean) / std within one group; None when every reward is equal (nothing to learn)."""
     if len(rewards) < 2:
         return None
+    import torch
+
     values = torch.tensor(rewards, dtype=torch.float64)
     std = values.std(unbiased=False)
     if float(std) < ADVANTAGE_EPS:
@@ -77,6 +80,8 @@ class PolicyBatch:
 
     @classmethod
     def collate(cls, samples: list[PolicySample], *, pad_id: int) -> "PolicyBatch":
+        import torch
+
         length = max(len(sample.tokens) for sample in samples)
         tokens = torch.full((len(samples), length), pad_id, dtype=torch.long)
         mask = torch.zeros(len(samples), length)

@@ -20,13 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from rollmesh.training.errors import PackingError, SequenceTooLongError
 
 # (ids, loss_mask): one example, as the backends' ``sft_step`` took it before packing.
 Example = tuple[Sequence[int], Sequence[int]]
+
+# torch is imported where tensors are made: the trainer's module (which the launcher imports for
+# the actor class) reaches this file through the supervised loop, long before a batch exists.
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
     same segment). Padding must carry a segment id of its own (``collate_rows`` gives -1): its
     positions then attend each other, so no query row is all False (a fully masked softmax row
     is NaN in torch's attention, and NaN times a zero mask is still NaN)."""
+    import torch
+
     length = segments.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
     return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
@@ -154,6 +160,8 @@ def collate_rows(rows: Sequence[PackedRow], *, pad_id: int) -> PackedBatch:
     """``rows`` as one right-padded ``PackedBatch`` (the shift and boundary rule: module docstring)."""
     if not rows:
         raise ValueError("no rows to collate")
+    import torch
+
     length = max(len(row.ids) for row in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), length)

@@ -28,7 +28,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from opentelemetry import trace
@@ -80,9 +80,11 @@ from rollmesh.training.trainer_supervised import SupervisedTraining
 from rollmesh.training.trainer_weights import PushesWeights, WeightPublishing
 from rollmesh.training.ledger import LedgerEntry, TrainingLedger
 from rollmesh.telemetry import conventions, metrics, metrics_catalog
-from rollmesh.training.torch_backend import TrainerBackend
 from rollmesh.training.training_state import restore_training_state, save_training_state
 from rollmesh.telemetry.busy_clock import BusyClock
+
+if TYPE_CHECKING:  # the backend (torch) is built by the actor; this module imports without it
+    from rollmesh.training.torch_backend import TrainerBackend
 
 _log = structlog.get_logger("rollmesh.trainer")
 _tracer = trace.get_tracer("rollmesh.trainer")

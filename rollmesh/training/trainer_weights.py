@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import structlog
-import torch
 from opentelemetry import trace
 
 from rollmesh.engine.weight_buckets import (
@@ -35,6 +34,8 @@ from rollmesh.messages.subjects import WEIGHTS_PUBLISHED
 from rollmesh.telemetry import conventions
 
 if TYPE_CHECKING:  # the push itself (httpx, torch.distributed) is the actor's to build
+    import torch  # tensors pass through: the trainer's module imports without torch
+
     from rollmesh.engine.sglang_weight_sync import WeightSyncStats
 
 _log = structlog.get_logger("rollmesh.trainer")

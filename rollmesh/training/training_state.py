@@ -13,8 +13,6 @@ import random
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from rollmesh.checkpoint.atomic_dir import write_file_atomically
 
 
@@ -32,6 +30,8 @@ def save_training_state(checkpoint_dir: Path, backend: StatefulBackend, *, step:
     """The optimizer, RNG and position of this step (Python's RNG included)."""
     state = {"step": step, "weight_version": version, "backend": backend.training_state(),
              "python_rng": random.getstate()}
+    import torch  # here, not at the top: the trainer's module is imported where no state is saved
+
     buffer = io.BytesIO()
     torch.save(state, buffer)
     write_file_atomically(training_state_path(checkpoint_dir, step), buffer.getvalue())
@@ -43,6 +43,8 @@ def restore_training_state(checkpoint_dir: Path, backend: StatefulBackend, *, st
     path = training_state_path(checkpoint_dir, step)
     if not path.is_file():
         return False
+    import torch
+
     state = torch.load(path, weights_only=False)  # noqa: S614 - our own file in the run directory
     if (state["step"], state["weight_version"]) != (step, version):
         return False
