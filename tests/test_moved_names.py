@@ -122,3 +122,18 @@ def test_the_wire_contract_s_renamed_holder_constant_warns_and_keeps_its_wire_va
     with pytest.raises(AttributeError, match="no_such_name"):
         getattr(sim_jobs, "no_such_name")
 
+
+
+def test_lazy_exports_finds_a_name_in_its_module_caches_it_and_forwards_moved_names() -> None:
+    from rollmesh.moved_names import lazy_exports
+
+    package: dict = {}
+    getter = lazy_exports("demo_pkg", {"JSONDecoder": "json.decoder"}, cache=package,
+                          moved={"OldDecoder": "json.decoder:JSONDecoder"})
+    assert package == {}  # nothing looked up yet
+    decoder = getter("JSONDecoder")
+    assert decoder.__module__ == "json.decoder" and package == {"JSONDecoder": decoder}
+    with pytest.warns(DeprecationWarning, match=r"demo_pkg\.OldDecoder moved to json\.decoder\.JSONDecoder"):
+        assert getter("OldDecoder") is decoder
+    with pytest.raises(AttributeError, match="demo_pkg"):
+        getter("Missing")

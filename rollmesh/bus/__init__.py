@@ -7,10 +7,8 @@ package's lighter modules never drags nats-py in.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
 
-from rollmesh.moved_names import forward_moved_names
+from rollmesh.moved_names import lazy_exports
 
 _EXPORTS = {
     "ActorLogic": "rollmesh.ports",
@@ -54,17 +52,10 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 # Moved out of the bus (issue 24): plain code that sends trace context over HTTP needs them too.
-_moved = forward_moved_names(__name__, {
+__getattr__ = lazy_exports(__name__, _EXPORTS, moved={
     "inject_trace_headers": "rollmesh.telemetry.trace_headers",
     "extract_trace_context": "rollmesh.telemetry.trace_headers",
 })
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        return _moved(name, stacklevel=3)  # warns for a moved name, else AttributeError
-    return getattr(importlib.import_module(module), name)
 
 
 def __dir__() -> list[str]:

@@ -9,10 +9,9 @@ in behind ``read_checkpoint`` and ``ResharderLogic`` (the resharder role's logic
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from rollmesh.moved_names import forward_moved_names
+from rollmesh.moved_names import lazy_exports
 
 # Imported from their modules on first use: the resharder role's process (and anything else that
 # only names a checkpoint error or reads meta.json) starts without importing torch, which costs
@@ -62,16 +61,8 @@ _PUBLIC_MODULES = {
 __all__ = sorted(_PUBLIC_MODULES)
 
 # Deprecated: renamed for its role.
-_moved = forward_moved_names(__name__, {"CheckpointResharder": "rollmesh.checkpoint.resharder:ResharderLogic"})
-
-
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC_MODULES.get(name)
-    if module is None:
-        return _moved(name, stacklevel=3)
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # looked up once
-    return value
+__getattr__ = lazy_exports(__name__, _PUBLIC_MODULES, cache=globals(),
+                           moved={"CheckpointResharder": "rollmesh.checkpoint.resharder:ResharderLogic"})
 
 
 def __dir__() -> list[str]:

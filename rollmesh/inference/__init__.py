@@ -10,8 +10,7 @@ Names load lazily, as in ``rollmesh.bus``: importing the package alone imports n
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rollmesh.moved_names import lazy_exports
 
 _EXPORTS = {
     "InferenceRouter": "rollmesh.inference.router",
@@ -24,11 +23,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rollmesh.inference' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:

@@ -11,10 +11,8 @@ Knows opentelemetry and structlog; nothing of NATS or Ray. Names load lazily so 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
 
-from rollmesh.moved_names import forward_moved_names
+from rollmesh.moved_names import lazy_exports
 
 _EXPORTS = {
     "setup_tracing": "rollmesh.telemetry.tracing",
@@ -35,15 +33,8 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-# Deprecated names, kept for one release.
-_moved = forward_moved_names(__name__, {"MetricsHub": "rollmesh.telemetry.metrics_hub:MetricsHubLogic"})
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        return _moved(name, stacklevel=3)  # warns for a moved name, else AttributeError
-    return getattr(importlib.import_module(module), name)
+# MetricsHub: deprecated, kept for one release.
+__getattr__ = lazy_exports(__name__, _EXPORTS, moved={"MetricsHub": "rollmesh.telemetry.metrics_hub:MetricsHubLogic"})
 
 
 def __dir__() -> list[str]:

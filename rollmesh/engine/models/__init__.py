@@ -6,8 +6,9 @@ and loaded from HF safetensors (sharded or single-file). No Ray, NATS or transfo
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from rollmesh.moved_names import lazy_exports
 
 # Imported from their modules on first use (as rollmesh.engine's names are, and for the same
 # reason): reading a config.json (``read_hf_config``) must not import torch.
@@ -65,13 +66,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    module = _PUBLIC_MODULES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # looked up once
-    return value
+__getattr__ = lazy_exports(__name__, _PUBLIC_MODULES, cache=globals())
 
 
 def __dir__() -> list[str]:
