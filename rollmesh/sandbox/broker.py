@@ -1,16 +1,16 @@
-"""The sandbox broker's plain logic: leases, warm pools, admission, heartbeats and reaping.
+"""The sandbox broker's plain logic: leases, admission, heartbeats and reaping.
 
 Knows the sandbox messages, its config slice, the runtime seam (``SandboxBackend``/``Sandbox``)
 and a ``Publisher`` for exec output; nothing of NATS or Ray (its actor shell decodes requests,
 calls these methods and sends the replies). Every failure is a reply with ``error_kind`` and
 ``error`` set, never an exception to the caller. What runs inside a leased sandbox (exec,
-transfers, snapshots) is in ``workspace_ops.py``; this module owns which sandbox exists and who
-holds it.
+transfers, snapshots) is in ``workspace_ops.py``; where sandboxes come from (warm pools, creation
+slots, the room under ``max_sandboxes``) is in ``sandbox_supply.py``; this module owns who holds
+which sandbox.
 
-Admission: leased sandboxes, warm ones and those being created never pass ``max_sandboxes``;
-warm sandboxes give way to leases (a lease of one profile may evict another profile's warm
-sandbox). A refused lease says "capacity" with a retry hint. A released or expired lease's
-sandbox is destroyed, never reused.
+Admission: leased sandboxes, warm ones and those being created never pass ``max_sandboxes``. A
+refused lease says "capacity" with a retry hint. A released or expired lease's sandbox is
+destroyed, never reused.
 
 Overload: a lease request names when its requester stops waiting (``deadline``). Retries with the
 same holder wait on the one pending grant (whose deadline becomes the latest of theirs); once that
@@ -58,12 +58,12 @@ from rollmesh.sandbox.bulk_server import BulkServer
 from rollmesh.sandbox.errors import LeaseAbandonedError, RequestRefusedError, SandboxCapacityError
 from rollmesh.sandbox.exec_registry import ExecRegistry
 from rollmesh.telemetry import metrics, metrics_catalog
-from rollmesh.sandbox.lease_terms import LeaseTerms, limits_spec, profile_limits, resolve_terms
+from rollmesh.sandbox.lease_terms import LeaseTerms, limits_spec, resolve_terms
 from rollmesh.sandbox.lease_store import LeaseJournal
 from rollmesh.sandbox.leases import Lease, LeaseTable, PendingLease
-from rollmesh.sandbox.sandbox_protocol import Sandbox, SandboxBackend, SandboxLimits
+from rollmesh.sandbox.sandbox_protocol import Sandbox, SandboxBackend
+from rollmesh.sandbox.sandbox_supply import SandboxSupply
 from rollmesh.sandbox.snapshots import SharedSnapshots, SnapshotStore
-from rollmesh.sandbox.warm_pool import WarmPool
 from rollmesh.sandbox.workspace_ops import WorkspaceOps, failure_of
 
 log = structlog.get_logger(__name__)
@@ -103,18 +103,15 @@ class SandboxBroker:
         self._clock = clock
         self._new_id = new_id
         self._leases = LeaseTable()
-        self._pool = WarmPool(window_s=config.demand_window_s, clock=clock)
         self._snapshots = SnapshotStore(snapshot_dir, max_count=config.max_snapshots,
                                         max_bytes=config.max_snapshot_bytes,
                                         ttl_s=config.snapshot_ttl_s, clock=clock, shared=shared_snapshots)
         self.counts: Counter[str] = Counter()
+        self._supply = SandboxSupply(config, backend, leased=lambda: len(self._leases), counts=self.counts,
+                                     clock=clock, new_id=new_id)
         self._ops = WorkspaceOps(config, self._snapshots, publisher=publisher, new_id=new_id,
                                  counts=self.counts)
-        self._creates = asyncio.Semaphore(config.max_concurrent_creates)
-        self._reserved = 0  # sandboxes being obtained for leases
         self._pending: dict[str, PendingLease] = {}
-        self._pools_wanted = asyncio.Event()
-        self._closed = False
         self._journal = journal  # the durable lease table (lease_store), if any
         self._execs = ExecRegistry()  # running and recently ended execs, by exec_id
         _observe_broker(self)
@@ -159,7 +156,7 @@ class SandboxBroker:
                                   network=req.network, ttl_s=req.ttl_s)
         except RequestRefusedError as exc:
             return self._refused_lease("invalid_request", str(exc))
-        self._pool.record_lease(terms.profile)
+        self._supply.pool.record_lease(terms.profile)
 
         def still_wanted() -> None:
             if self._clock() >= pending.wanted_until:
@@ -203,7 +200,7 @@ class SandboxBroker:
         missing = [holder for holder in holders if holder not in leases]
         if missing:
             for _ in missing:
-                self._pool.record_lease(terms.profile)
+                self._supply.pool.record_lease(terms.profile)
             try:
                 tar, sha256 = snapshot.data, snapshot.sha256
                 created = await self._grant(missing, terms,
@@ -293,7 +290,7 @@ class SandboxBroker:
         """Reap expired leases and resize warm pools until cancelled (the shell owns the task)."""
         async with asyncio.TaskGroup() as group:
             group.create_task(self._every(self.config.reap_interval_s, self.reap_expired))
-            group.create_task(self._pools_forever())
+            group.create_task(self._supply.pools_forever())
 
     async def _every(self, interval_s: float, action: Callable[[], Any]) -> None:
         while True:
@@ -302,18 +299,6 @@ class SandboxBroker:
                 await action()
             except Exception as exc:  # noqa: BLE001 - a failed round must not stop the timer
                 log.error("sandbox broker timer failed", action=action.__name__, error=repr(exc))
-
-    async def _pools_forever(self) -> None:
-        while True:
-            try:
-                await self.resize_pools()
-            except Exception as exc:  # noqa: BLE001
-                log.error("sandbox warm pool resize failed", error=repr(exc))
-            self._pools_wanted.clear()
-            try:  # woken early when a lease took a warm sandbox
-                await asyncio.wait_for(self._pools_wanted.wait(), self.config.pool_interval_s)
-            except TimeoutError:
-                pass
 
     async def reap_expired(self) -> int:
         """End every lease whose holder stopped heartbeating; returns how many."""
@@ -329,34 +314,7 @@ class SandboxBroker:
 
     async def resize_pools(self) -> None:
         """Bring each profile's warm pool to its demand-sized target."""
-        for sandbox in self._pool.dead():
-            await self._destroy(sandbox, "died while warm")
-        for name in self.config.profile_names():
-            profile = self.config.profile(name)
-            assert profile is not None
-            target = self._pool.target(name, minimum=profile.warm_min, maximum=profile.warm_max)
-            for sandbox in self._pool.surplus(name, target):
-                await self._destroy(sandbox, "warm pool shrank")
-            while (not self._closed and self._pool.ready(name) + self._pool.creating(name) < target
-                   and self.live_sandboxes() < self.config.max_sandboxes):
-                if not await self._create_warm(name, profile_limits(profile)):
-                    break  # the runtime failed: try again next round, not in a tight loop
-
-    async def _create_warm(self, profile: str, limits: SandboxLimits) -> bool:
-        self._pool.begin_creation(profile)
-        try:
-            sandbox = await self._create(profile, limits, network=False)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("sandbox warm creation failed", profile=profile, error=repr(exc))
-            self.counts["create_failures"] += 1
-            return False
-        finally:
-            self._pool.end_creation(profile)
-        if self._closed or self.live_sandboxes() >= self.config.max_sandboxes:
-            await self._destroy(sandbox, "no room left for it")  # leases took the room meanwhile
-            return False
-        self._pool.add(profile, sandbox)
-        return True
+        await self._supply.resize_pools()
 
     async def serve_bulk(self, *, tls: ssl.SSLContext | None = None, tcp: bool = True) -> BulkServer:
         """Start the bulk data path's server (files above sandbox.bulk_threshold_bytes move over
@@ -373,11 +331,9 @@ class SandboxBroker:
 
     async def close(self) -> None:
         """Destroy every sandbox, leased and warm (the broker is stopping)."""
-        self._closed = True
+        await self._supply.close()  # first: no warm sandbox is made while the leases end
         for lease in self._leases.all():
             await self._end(lease, "broker stopped")
-        for sandbox in self._pool.drain():
-            await self._destroy(sandbox, "broker stopped")
         self._snapshots.clear()
 
     # -- state -----------------------------------------------------------------------------
@@ -394,12 +350,12 @@ class SandboxBroker:
         return self._clock()
 
     def live_sandboxes(self) -> int:
-        return len(self._leases) + self._reserved + self._pool.total()
+        return self._supply.live()
 
     def stats(self) -> SandboxBrokerStats:
         return SandboxBrokerStats(
             backend=self.backend.name, isolated=self.backend.isolated, active_leases=len(self._leases),
-            warm_sandboxes={name: self._pool.ready(name) for name in self._pool.profiles()},
+            warm_sandboxes={name: self._supply.pool.ready(name) for name in self._supply.pool.profiles()},
             max_sandboxes=self.config.max_sandboxes, running_execs=self._ops.running_execs,
             snapshots=len(self._snapshots), snapshot_bytes=self._snapshots.bytes_held(),
             counts=dict(self.counts),
@@ -414,16 +370,16 @@ class SandboxBroker:
         ``still_wanted`` raises (``LeaseAbandonedError``) once nobody waits for them: asked
         before a warm sandbox is taken, and before and after a creation (one ready too late is
         destroyed at once rather than leased to nobody until its TTL)."""
-        leased = len(self._leases) + self._reserved
+        leased = len(self._leases) + self._supply.reserved
         if leased + len(holders) > self.config.max_sandboxes:
             self.counts["leases_refused"] += len(holders)
             raise SandboxCapacityError(f"{leased} of {self.config.max_sandboxes} sandboxes are leased; "
                                        f"{len(holders)} more do not fit")
         # Reserved before the first await, so concurrent requests see the room as taken; a warm
         # sandbox taken moves from the pool's count to this one.
-        self._reserved += len(holders)
+        self._supply.reserved += len(holders)
         try:
-            obtained = await asyncio.gather(*(self._obtain(terms, still_wanted) for _ in holders),
+            obtained = await asyncio.gather(*(self._supply.obtain(terms, still_wanted) for _ in holders),
                                             return_exceptions=True)
             sandboxes = [item for item in obtained if not isinstance(item, BaseException)]
             failure = next((item for item in obtained if isinstance(item, BaseException)), None)
@@ -433,7 +389,7 @@ class SandboxBroker:
                 failure = next((item for item in seeded if isinstance(item, BaseException)), None)
             if failure is not None:
                 for sandbox, _ in sandboxes:
-                    await self._destroy(sandbox, "its lease could not be completed")
+                    await self._supply.destroy(sandbox, "its lease could not be completed")
                 raise failure
             now = self._clock()
             leases = []
@@ -448,40 +404,7 @@ class SandboxBroker:
                 await self._journal.granted(leases)
             return leases
         finally:
-            self._reserved -= len(holders)
-
-    async def _obtain(self, terms: LeaseTerms, still_wanted: Callable[[], None]) -> tuple[Sandbox, bool]:
-        still_wanted()
-        if terms.warmable:
-            sandbox, dead = self._pool.take(terms.profile)
-            for corpse in dead:
-                await self._destroy(corpse, "died while warm")
-            if sandbox is not None:
-                self._pools_wanted.set()
-                return sandbox, True
-        while self.live_sandboxes() > self.config.max_sandboxes:
-            evicted = self._pool.evict_one()
-            if evicted is None:
-                break
-            await self._destroy(evicted, "room for a lease")
-        return await self._create(terms.profile, terms.limits, network=terms.network,
-                                  still_wanted=still_wanted), False
-
-    async def _create(self, profile: str, limits: SandboxLimits, *, network: bool,
-                      still_wanted: Callable[[], None] = lambda: None) -> Sandbox:
-        async with self._creates:
-            still_wanted()  # the wait for a creation slot is where a lease request queues longest
-            started = self._clock()
-            sandbox = await self.backend.create(self._new_id(), limits, network=network, profile=profile)
-            self._pool.record_creation(profile, self._clock() - started)
-        self.counts["sandboxes_created"] += 1
-        try:
-            still_wanted()
-        except LeaseAbandonedError:
-            self.counts["sandboxes_ready_too_late"] += 1
-            await self._destroy(sandbox, "every request for it gave up waiting")
-            raise
-        return sandbox
+            self._supply.reserved -= len(holders)
 
     async def _live(self, lease_id: str) -> tuple[Lease | None, SandboxErrorKind, str]:
         lease = self._leases.get(lease_id)
@@ -504,14 +427,7 @@ class SandboxBroker:
         log.info("sandbox lease ended", lease_id=lease.lease_id, holder=lease.holder, why=why)
         if self._journal is not None:
             await self._journal.ended(lease)
-        await self._destroy(lease.sandbox, why)
-
-    async def _destroy(self, sandbox: Sandbox, why: str) -> None:
-        try:
-            await sandbox.destroy()
-        except Exception as exc:  # noqa: BLE001 - a failed destroy must not fail the request
-            log.warning("sandbox destroy failed", sandbox_id=sandbox.info.sandbox_id, why=why, error=repr(exc))
-        self.counts["sandboxes_destroyed"] += 1
+        await self._supply.destroy(lease.sandbox, why)
 
     def _granted(self, lease: Lease) -> SandboxLeaseReply:
         return SandboxLeaseReply(
@@ -529,7 +445,7 @@ class SandboxBroker:
 def _observe_broker(broker: SandboxBroker) -> None:
     """The broker's pool, leases and grants, read at every metrics collection."""
     metrics.observe(metrics_catalog.SANDBOX_POOL_SIZE, broker, lambda b: [  # every configured profile
-        (b._pool.ready(profile) if profile in b._pool.profiles() else 0, {"profile": profile})
+        (b._supply.pool.ready(profile) if profile in b._supply.pool.profiles() else 0, {"profile": profile})
         for profile in b.config.profiles])
     metrics.observe(metrics_catalog.SANDBOX_LEASES_ACTIVE, broker, lambda b: [(len(b._leases), {})])
     metrics.observe(metrics_catalog.SANDBOX_LEASES_GRANTED, broker,
